@@ -1,0 +1,1 @@
+"""Drafter part: FlashMap DiT, the DFlash-style baseline, proposers and the gRPC drafter service."""

@@ -1,0 +1,93 @@
+"""Reading Hugging Face Qwen3 checkpoint directories (config.json + safetensors + tokenizer).
+
+Shared by the target engine and the drafter, which copies the target's embedding and LM
+head. Handles single-file and sharded (model.safetensors.index.json) checkpoints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory is missing, incomplete or corrupt (message says which file)."""
+
+
+def read_config(model_dir: str | Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such file (not a Hugging Face checkpoint directory?)")
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable config ({e})") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{path}: config is not a JSON object")
+    return cfg
+
+
+def _weight_files(model_dir: Path) -> dict[str, Path]:
+    """Map tensor name -> safetensors file."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: corrupt index ({e})") from None
+        return {name: model_dir / fname for name, fname in weight_map.items()}
+    single = model_dir / "model.safetensors"
+    if not single.is_file():
+        raise CheckpointError(f"{single}: no such file")
+    try:
+        with safe_open(str(single), framework="pt") as f:
+            return {name: single for name in f.keys()}
+    except Exception as e:  # safetensors raises several types for a corrupt header
+        raise CheckpointError(f"{single}: corrupt safetensors file ({e})") from None
+
+
+def load_tensors(model_dir: str | Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """Load the named tensors (all when names is None) from a checkpoint directory."""
+    model_dir = Path(model_dir)
+    files = _weight_files(model_dir)
+    wanted = list(files) if names is None else names
+    missing = [n for n in wanted if n not in files]
+    if missing:
+        raise CheckpointError(f"{model_dir}: missing tensors {missing[:5]}")
+    by_file: dict[Path, list[str]] = {}
+    for n in wanted:
+        by_file.setdefault(files[n], []).append(n)
+    out: dict[str, torch.Tensor] = {}
+    for path, ns in by_file.items():
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for n in ns:
+                    out[n] = f.get_tensor(n)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"{path}: corrupt safetensors file ({e})") from None
+    return out
+
+
+def load_embeddings(model_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's input embedding [V, H] and LM head [V, H] (the same tensor when tied)."""
+    cfg = read_config(model_dir)
+    files = _weight_files(Path(model_dir))
+    names = ["model.embed_tokens.weight"]
+    tied = cfg.get("tie_word_embeddings", False) or "lm_head.weight" not in files
+    if not tied:
+        names.append("lm_head.weight")
+    t = load_tensors(model_dir, names)
+    emb = t["model.embed_tokens.weight"]
+    return emb, emb if tied else t["lm_head.weight"]
+
+
+def tensor_hash(t: torch.Tensor) -> str:
+    """Content hash of a tensor (fp32 bytes), to check a drafter was made for this target."""
+    data = t.detach().to(torch.float32).contiguous().cpu().numpy().tobytes()
+    return hashlib.sha256(data).hexdigest()[:16]
