@@ -1,0 +1,210 @@
+"""The `flashmap` command line.
+
+  flashmap generate --in-process --target DIR --drafter DIR|init --prompt TEXT ...
+  flashmap generate "prompt" [--url HOST:PORT]        (against a running stack)
+  flashmap up                                          (target + drafter + orchestrator)
+
+Bad input is a one-line `error: ...` on stderr and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from flashmap.types import InvalidRequest, SamplingParams
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEMO_TARGET = REPO_ROOT / "checkpoints" / "demo-target"
+DEMO_DRAFTER = REPO_ROOT / "checkpoints" / "demo-flashmap"
+
+
+class UsageError(Exception):
+    """A user mistake the CLI reports in one line."""
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise UsageError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+
+
+def _sampling(args) -> SamplingParams:
+    return SamplingParams(args.temperature, args.top_k, args.top_p, args.seed).validate()
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--draft-steps", type=int, default=None, help="flow-map jumps (1, 2) or N Euler steps of the teacher")
+    p.add_argument("--stop-id", type=int, action="append", default=[], help="extra stop token id (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the target's end-of-sequence ids")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def load_proposer(drafter: str, target_dir: str, device: str = "cpu", n_slots: int = 8, max_context: int = 4096, steps: int = 1):
+    """A proposer from a drafter checkpoint dir, or 'init' for a fresh (untrained) FlashMap drafter.
+
+    'init' on a small target builds a small DiT (width = target hidden, 2 blocks);
+    the paper's 2048-wide, 6-block default is for full-size targets.
+    """
+    from drafter_service.checkpoint import init_drafter, load_drafter
+    from drafter_service.flashmap_proposer import FlashMapProposer
+    from target_service.checkpoint import read_config
+
+    if drafter == "init":
+        hidden = read_config(target_dir)["hidden_size"]
+        small = {} if hidden >= 2048 else {"dim": max(64, hidden), "n_blocks": 2, "n_heads": 4}
+        model = init_drafter(target_dir, **small)
+    else:
+        model = load_drafter(drafter, target_dir, device=device)
+    return FlashMapProposer(model, n_slots=n_slots, max_context=max_context, device=device, steps=steps)
+
+
+def _cmd_generate(args) -> int:
+    if not args.in_process:
+        return _generate_remote(args)
+    if not args.target:
+        raise UsageError("--in-process needs --target DIR")
+    if args.prompt is None and args.prompt_ids is None:
+        raise UsageError("give --prompt TEXT or --prompt-ids 1,2,3")
+    from flashmap.inprocess import decode
+    from orchestrator.sequence import GenerationRequest
+    from target_service.engine import TargetEngine
+
+    params = _sampling(args)
+    engine = TargetEngine(args.target, n_slots=1)
+    tokenizer = None
+    if args.prompt_ids is not None:
+        prompt_ids = _parse_ids(args.prompt_ids)
+    else:
+        from flashmap.tokenizer import TextTokenizer
+
+        tokenizer = TextTokenizer(args.target)
+        prompt_ids = tokenizer.encode(args.prompt)
+    stop = () if args.ignore_eos else tuple(engine.eos_token_ids)
+    req = GenerationRequest(prompt_ids, args.max_new_tokens, params, stop + tuple(args.stop_id), args.draft_steps)
+    req.validate(engine.vocab_size, engine.max_seq_len)
+    proposer = None if args.ar else load_proposer(args.drafter, args.target, n_slots=1, max_context=engine.max_seq_len, steps=args.draft_steps or 1)
+    (res,) = decode(engine, [req], proposer, steps=args.draft_steps or 1)
+    s = res.stats
+    out = {
+        "token_ids": res.token_ids,
+        "finish_reason": res.finish_reason,
+        "mode": "autoregressive" if args.ar else "speculative",
+        "rounds": s.rounds,
+        "drafts": s.drafts,
+        "accepted": s.accepted,
+        "mean_acceptance_length": round(s.mean_acceptance_length, 4),
+        "accepted_per_slot": s.accepted_per_slot.tolist(),
+        "seconds": round(res.timings.total_s, 4),
+        "tokens_per_s": round(len(res.token_ids) / max(res.timings.total_s, 1e-9), 2),
+    }
+    if tokenizer is None and (Path(args.target) / "tokenizer.json").is_file():
+        from flashmap.tokenizer import TextTokenizer
+
+        tokenizer = TextTokenizer(args.target)
+    if tokenizer is not None:
+        out["text"] = tokenizer.decode(res.token_ids)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(out.get("text", ",".join(map(str, res.token_ids))))
+        print(
+            f"[{out['mode']}] {len(res.token_ids)} tokens, finish={res.finish_reason}, rounds={s.rounds}, "
+            f"mean acceptance length={s.mean_acceptance_length:.2f}, accepted per slot={s.accepted_per_slot.tolist()}, "
+            f"{out['tokens_per_s']} tok/s",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _generate_remote(args) -> int:
+    from flashmap.client import Client
+
+    if args.prompt is None and args.prompt_ids is None:
+        raise UsageError("give a prompt")
+    with Client(args.url) as client:
+        kwargs = dict(
+            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+            seed=args.seed, draft_steps=args.draft_steps, stop_token_ids=args.stop_id, ignore_eos=args.ignore_eos,
+        )
+        if args.prompt_ids is not None:
+            kwargs["prompt_ids"] = _parse_ids(args.prompt_ids)
+        else:
+            kwargs["prompt"] = args.prompt
+        final = None
+        for chunk in client.generate_stream(**kwargs):
+            if chunk.finished:
+                final = chunk
+            elif not args.json:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+        if args.json:
+            print(json.dumps(final.as_dict()))
+        else:
+            print()
+            print(f"[stack] {final.summary()}", file=sys.stderr)
+    return 0
+
+
+def _cmd_up(args) -> int:
+    from flashmap.stack import run_stack
+
+    return run_stack(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="flashmap", description="FlashMap Serve: exact speculative decoding with a flow-map drafter")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="generate from a prompt (against the stack, or --in-process)")
+    g.add_argument("prompt_text", nargs="?", default=None, help="prompt text (same as --prompt)")
+    g.add_argument("--prompt", default=None)
+    g.add_argument("--prompt-ids", default=None, help="comma-separated token ids")
+    g.add_argument("--in-process", action="store_true", help="run target and drafter in this process")
+    g.add_argument("--target", default=None, help="target checkpoint dir (HF Qwen3)")
+    g.add_argument("--drafter", default="init", help="drafter checkpoint dir, or 'init' for an untrained drafter")
+    g.add_argument("--ar", action="store_true", help="decode with the target alone (autoregressive baseline)")
+    g.add_argument("--url", default=os.environ.get("FLASHMAP_URL", "127.0.0.1:50051"), help="orchestrator address")
+    _add_sampling_args(g)
+    g.set_defaults(func=_cmd_generate)
+
+    u = sub.add_parser("up", help="start target (Triton), drafter and orchestrator locally")
+    from flashmap.stack import add_stack_args
+
+    add_stack_args(u)
+    u.set_defaults(func=_cmd_up)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "prompt_text", None) is not None and args.prompt is None:
+        args.prompt = args.prompt_text
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # noqa: BLE001 - the CLI's contract: one line, no traceback
+        from target_service.checkpoint import CheckpointError
+
+        known = (UsageError, InvalidRequest, CheckpointError, FileNotFoundError, ValueError)
+        if isinstance(e, known) or type(e).__name__ in ("GenerateError", "NoFreeSlot"):
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if os.environ.get("FLASHMAP_DEBUG"):
+            raise
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

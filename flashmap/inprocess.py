@@ -1,0 +1,98 @@
+"""The in-process decoder: target engine + proposer + rejection sampling in one loop.
+
+`decode` runs any number of requests with continuous batching over the engine's KV
+slots: each iteration is one batched draft and one batched verify for every active
+sequence. With `proposer=None` it is the autoregressive baseline (one token per
+verify), which the lossless tests and the benchmarks compare against. The servers
+run the same per-sequence logic (orchestrator.sequence) across processes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from drafter_service.proposer import Proposer, ProposeRequest
+from flashmap.types import Draft
+from orchestrator.sequence import GenerationRequest, Sequence, SequenceStats
+
+
+@dataclass
+class Timings:
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+    iterations: int = 0
+
+    @property
+    def other_s(self) -> float:
+        return self.total_s - self.draft_s - self.verify_s
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str
+    stats: SequenceStats
+    timings: Timings = field(default_factory=Timings)
+
+
+def _draft_requests(seqs: list[Sequence]) -> list[ProposeRequest]:
+    return [
+        ProposeRequest(
+            seq_id=str(s.seq_id),
+            anchor=s.anchor,
+            temperature=s.params.temperature,
+            seed=s.draft_seed(),
+            steps=s.request.draft_steps,
+        )
+        for s in seqs
+    ]
+
+
+def decode(engine, requests: list[GenerationRequest], proposer: Proposer | None = None, steps: int = 1) -> list[GenerationResult]:
+    """Decode all requests to completion; results come back in request order."""
+    for r in requests:
+        r.validate(engine.vocab_size, engine.max_seq_len)
+    block = proposer.block_size if proposer is not None else 16
+    waiting = deque(enumerate(requests))
+    active: dict[int, tuple[Sequence, int]] = {}  # index -> (sequence, slot)
+    results: list[GenerationResult | None] = [None] * len(requests)
+    timings = Timings()
+    t_start = time.perf_counter()
+    while waiting or active:
+        while waiting and engine.free_slots > 0:
+            i, req = waiting.popleft()
+            active[i] = (Sequence(i, req, block), engine.allocate())
+        seqs = [s for s, _ in active.values()]
+        drafts: dict[int, Draft] = {}
+        to_draft = [s for s in seqs if s.draft_budget() > 0] if proposer is not None else []
+        if to_draft:
+            t0 = time.perf_counter()
+            for s in to_draft:
+                ctx = s.take_pending_context()
+                if ctx is not None:
+                    proposer.extend(str(s.seq_id), *ctx)
+            for s, d in zip(to_draft, proposer.propose(_draft_requests(to_draft), steps)):
+                drafts[s.seq_id] = d.truncate(s.draft_budget())
+            timings.draft_s += time.perf_counter() - t0
+        rows = [s.verify_row(drafts.get(s.seq_id), slot) for s, slot in active.values()]
+        t0 = time.perf_counter()
+        outs = engine.verify(rows)
+        timings.verify_s += time.perf_counter() - t0
+        timings.iterations += 1
+        for (i, (s, slot)), row, out in zip(list(active.items()), rows, outs):
+            s.commit(row, drafts.get(s.seq_id), out)
+            if s.finished:
+                engine.release(slot)
+                if proposer is not None:
+                    proposer.release(str(s.seq_id))
+                del active[i]
+                results[i] = GenerationResult(s.request.request_id, list(s.request.prompt_ids), s.generated, s.finish_reason, s.stats)
+    timings.total_s = time.perf_counter() - t_start
+    for r in results:
+        r.timings = timings  # shared: the batch ran as one
+    return results

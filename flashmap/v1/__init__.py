@@ -1,0 +1,1 @@
+"""Generated gRPC code (proto/flashmap/v1/*.proto); regenerate with `python proto/generate.py`."""
