@@ -85,6 +85,7 @@ class Sequence:
         # Committed positions the drafter has not been sent yet: (token ids, features).
         self.pending_context: list[tuple[np.ndarray, np.ndarray]] = []
         self._stop = set(request.stop_token_ids)
+        self.last_round = (0, 0)
 
     # -- state -----------------------------------------------------------------
     @property
@@ -144,6 +145,7 @@ class Sequence:
         # Positions now in the target's cache and final: the row's tokens up to the last accepted.
         n_ctx = len(row.tokens) - k + n_acc
         self.pending_context.append((row.tokens[:n_ctx], result.features[:n_ctx]))
+        self.last_round = (k, n_acc)  # (draft tokens, accepted) for metrics
         if self.prefilled:
             self.stats.rounds += 1
             if k:

@@ -1,0 +1,311 @@
+"""The drafter service: grpc.aio + uvloop server around a Proposer.
+
+Draft is a bidirectional stream; every DraftRequest (a batch of sequences from one
+orchestrator round) is queued, and a single worker drains the queue so that
+concurrent requests from several streams become ONE batched forward. The worker runs
+the torch work in one thread, so step-count switches (SetSteps) land between batches:
+an in-flight batch finishes with the count it started with. Sequences are dropped on
+Release and after an idle timeout.
+
+  python -m drafter_service.server --target-dir DIR --drafter DIR|init --port 50052 --metrics-port 9401
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from drafter_service.metrics import DrafterMetrics
+from drafter_service.proposer import Proposer, ProposeRequest
+from flashmap.logs import fields, setup_logging
+from flashmap.v1 import drafter_pb2, drafter_pb2_grpc
+
+log = logging.getLogger("flashmap.drafter")
+
+MAX_STEPS = 64  # N Euler steps of the teacher beyond this are a mistake, not a request
+
+
+def tensor_to_numpy(t: drafter_pb2.Tensor) -> np.ndarray:
+    if t.dtype not in ("float32", "float16"):
+        raise ValueError(f"unsupported feature dtype {t.dtype!r}")
+    arr = np.frombuffer(t.data, dtype=np.dtype(t.dtype).newbyteorder("<"))
+    return arr.reshape(tuple(t.shape)).astype(np.float32)
+
+
+@dataclass
+class _Job:
+    request: drafter_pb2.DraftRequest
+    future: asyncio.Future
+    t_queued: float
+
+
+class DrafterService(drafter_pb2_grpc.DrafterServicer):
+    def __init__(self, proposer: Proposer, name: str = "flashmap", metrics: DrafterMetrics | None = None,
+                 idle_timeout_s: float = 300.0, available_steps: tuple[int, ...] | None = None):
+        self.proposer = proposer
+        self.name = name
+        self.metrics = metrics or DrafterMetrics()
+        self.idle_timeout_s = idle_timeout_s
+        self.available_steps = available_steps  # None: any 1..MAX_STEPS (eager); CUDA: the captured ones
+        self._queue: asyncio.Queue[_Job] = asyncio.Queue()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter-forward")
+        self._last_use: dict[str, float] = {}
+        self._tasks: list[asyncio.Task] = []
+        self.metrics.step_count.labels(drafter=name).set(proposer.steps)
+
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._worker()), asyncio.create_task(self._reaper())]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _check_steps(self, steps: int) -> str:
+        if steps == 0:
+            return ""
+        if self.available_steps is not None and steps not in self.available_steps:
+            return f"steps {steps} not available (captured: {list(self.available_steps)})"
+        if not (1 <= steps <= MAX_STEPS):
+            return f"steps must be in 1..{MAX_STEPS}, got {steps}"
+        return ""
+
+    # -- batching worker -------------------------------------------------------------
+    async def _worker(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            jobs = [await self._queue.get()]
+            while not self._queue.empty():  # everything that arrived meanwhile joins this batch
+                jobs.append(self._queue.get_nowait())
+            t0 = time.perf_counter()
+            try:
+                responses = await loop.run_in_executor(self._pool, self._run_batch, [j.request for j in jobs])
+            except Exception as e:  # noqa: BLE001 - answer every job, keep serving
+                log.exception("draft batch failed")
+                responses = [self._error_response(j.request, f"drafter failed: {e}") for j in jobs]
+            dt = time.perf_counter() - t0
+            n = sum(len(j.request.sequences) for j in jobs)
+            for job, resp in zip(jobs, responses):
+                resp.timing.queue_s = t0 - job.t_queued
+                resp.timing.forward_s = dt
+                resp.timing.batch_size = n
+                if not job.future.done():
+                    job.future.set_result(resp)
+
+    @staticmethod
+    def _error_response(req: drafter_pb2.DraftRequest, msg: str) -> drafter_pb2.DraftResponse:
+        return drafter_pb2.DraftResponse(
+            call_id=req.call_id, blocks=[drafter_pb2.Block(seq_id=s.seq_id, error=msg) for s in req.sequences]
+        )
+
+    def _run_batch(self, requests: list[drafter_pb2.DraftRequest]) -> list[drafter_pb2.DraftResponse]:
+        """Worker thread: extend contexts, then one batched propose per distinct step count."""
+        p = self.proposer
+        now = time.monotonic()
+        blocks: dict[tuple[int, int], drafter_pb2.Block] = {}
+        todo: dict[int, list[tuple[tuple[int, int], ProposeRequest, int]]] = {}
+        for ri, req in enumerate(requests):
+            for si, s in enumerate(req.sequences):
+                key = (ri, si)
+                err = self._check_steps(s.steps) or self._extend(s)
+                if err:
+                    blocks[key] = drafter_pb2.Block(seq_id=s.seq_id, error=err)
+                    continue
+                self._last_use[s.seq_id] = now
+                steps = s.steps or p.steps
+                pr = ProposeRequest(s.seq_id, int(s.anchor), float(s.temperature), int(s.top_m or 4), int(s.seed), steps)
+                todo.setdefault(steps, []).append((key, pr, int(s.max_tokens)))
+        for steps, items in todo.items():
+            t0 = time.perf_counter()
+            try:
+                drafts = p.propose([pr for _, pr, _ in items], steps)
+            except Exception as e:  # noqa: BLE001 - e.g. slots exhausted: these sequences fall back
+                for key, pr, _ in items:
+                    blocks[key] = drafter_pb2.Block(seq_id=pr.seq_id, error=str(e))
+                continue
+            self.metrics.forward_latency.labels(drafter=self.name, steps=str(steps)).observe(time.perf_counter() - t0)
+            self.metrics.batch_size.labels(drafter=self.name).observe(len(items))
+            self.metrics.blocks.labels(drafter=self.name, steps=str(steps)).inc(len(items))
+            for (key, pr, max_tokens), d in zip(items, drafts):
+                if max_tokens:
+                    d = d.truncate(max_tokens)
+                blocks[key] = drafter_pb2.Block(
+                    seq_id=pr.seq_id, tokens=d.tokens.tolist(), support_ids=d.support_ids.reshape(-1).tolist(),
+                    support_probs=d.support_probs.reshape(-1).tolist(), support_size=d.support_ids.shape[1], steps=steps,
+                )
+        self._update_gauges()
+        return [
+            drafter_pb2.DraftResponse(call_id=req.call_id, blocks=[blocks[(ri, si)] for si in range(len(req.sequences))])
+            for ri, req in enumerate(requests)
+        ]
+
+    def _extend(self, s: drafter_pb2.SequenceDraft) -> str:
+        """Append the new context; '' on success, else the error for this sequence's block."""
+        p = self.proposer
+        have = p.context_length(s.seq_id)
+        if s.context_start > have:
+            return f"context gap: drafter holds {have} positions of {s.seq_id}, request starts at {s.context_start}"
+        try:
+            if s.context_start < have:  # a resend after a timed-out call: roll back, then append
+                p.truncate(s.seq_id, s.context_start)
+            if len(s.new_token_ids):
+                feats = tensor_to_numpy(s.new_features)
+                p.extend(s.seq_id, np.asarray(s.new_token_ids, np.int64), feats)
+            elif s.context_start == 0 and have == 0:
+                return f"no context for {s.seq_id}"
+        except Exception as e:  # noqa: BLE001 - shape mismatch, slots exhausted, too long
+            return str(e)
+        return ""
+
+    def _update_gauges(self) -> None:
+        ids = list(self._last_use)
+        self.metrics.active_sequences.labels(drafter=self.name).set(len(ids))
+        self.metrics.context_tokens.labels(drafter=self.name).set(sum(self.proposer.context_length(i) for i in ids))
+
+    async def _reaper(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(min(5.0, self.idle_timeout_s / 2))
+            cutoff = time.monotonic() - self.idle_timeout_s
+            stale = [sid for sid, t in self._last_use.items() if t < cutoff]
+            if stale:
+                await loop.run_in_executor(self._pool, self._release, stale, "idle")
+
+    def _release(self, seq_ids, reason: str) -> int:
+        n = 0
+        for sid in seq_ids:
+            if self._last_use.pop(sid, None) is not None:
+                n += 1
+            self.proposer.release(sid)
+        if n:
+            self.metrics.released.labels(drafter=self.name, reason=reason).inc(n)
+        self._update_gauges()
+        return n
+
+    # -- RPCs ----------------------------------------------------------------------------
+    async def Draft(self, request_iterator, context):
+        loop = asyncio.get_running_loop()
+        async for req in request_iterator:
+            fut = loop.create_future()
+            await self._queue.put(_Job(req, fut, time.perf_counter()))
+            yield await fut
+
+    async def GetSteps(self, request, context):
+        return self._steps_response()
+
+    async def SetSteps(self, request, context):
+        err = self._check_steps(request.steps) or ("steps must be >= 1" if request.steps == 0 else "")
+        if err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
+        # Through the worker thread, so the switch lands between batches.
+        await asyncio.get_running_loop().run_in_executor(self._pool, self.proposer.set_steps, request.steps)
+        self.metrics.step_count.labels(drafter=self.name).set(request.steps)
+        log.info("step count switched", extra=fields(steps=request.steps))
+        return self._steps_response()
+
+    def _steps_response(self) -> drafter_pb2.StepsResponse:
+        avail = self.available_steps or (1, 2)
+        return drafter_pb2.StepsResponse(steps=self.proposer.steps, available=list(avail))
+
+    async def Release(self, request, context):
+        n = await asyncio.get_running_loop().run_in_executor(self._pool, self._release, list(request.seq_ids), "release")
+        return drafter_pb2.ReleaseResponse(released=n)
+
+    async def Stats(self, request, context):
+        p = self.proposer
+        ids = list(self._last_use)
+        ctx = sum(p.context_length(i) for i in ids)
+        return drafter_pb2.StatsResponse(
+            active_sequences=len(ids), context_tokens=ctx, state_bytes=ctx * getattr(p, "bytes_per_context_token", 0),
+            steps=p.steps, drafter=self.name, block_size=p.block_size, feature_dim=getattr(p.cfg, "feature_dim", 0),
+        )
+
+
+def build_proposer(target_dir: str, drafter: str, device: str, n_slots: int, max_context: int, steps: int):
+    from flashmap.cli import load_proposer
+
+    return load_proposer(drafter, target_dir, device=device, n_slots=n_slots, max_context=max_context, steps=steps)
+
+
+async def serve(service: DrafterService, host: str, port: int, metrics_port: int, ready: asyncio.Event | None = None,
+                stop: asyncio.Event | None = None) -> None:
+    await service.start()
+    if metrics_port:
+        start_http_server(metrics_port, addr=host, registry=service.metrics.registry)
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)])
+    drafter_pb2_grpc.add_DrafterServicer_to_server(service, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set(names[0], health_pb2.HealthCheckResponse.SERVING)
+    log.info("drafter serving", extra=fields(grpc=f"{host}:{port}", metrics=metrics_port, drafter=service.name,
+                                            steps=service.proposer.steps))
+    if ready is not None:
+        ready.set()
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    await stop.wait()
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace=2.0)
+    await service.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    env = os.environ.get
+    ap = argparse.ArgumentParser(description="FlashMap drafter service")
+    ap.add_argument("--target-dir", default=env("FLASHMAP_TARGET_DIR"), required=env("FLASHMAP_TARGET_DIR") is None)
+    ap.add_argument("--drafter", default=env("FLASHMAP_DRAFTER_DIR", "init"), help="checkpoint dir or 'init'")
+    ap.add_argument("--host", default=env("FLASHMAP_HOST", "127.0.0.1"))
+    ap.add_argument("--port", type=int, default=int(env("FLASHMAP_DRAFTER_PORT", "50052")))
+    ap.add_argument("--metrics-port", type=int, default=int(env("FLASHMAP_DRAFTER_METRICS_PORT", "9401")))
+    ap.add_argument("--steps", type=int, default=int(env("FLASHMAP_DRAFT_STEPS", "1")))
+    ap.add_argument("--n-slots", type=int, default=64)
+    ap.add_argument("--max-context", type=int, default=4096)
+    ap.add_argument("--idle-timeout-s", type=float, default=300.0)
+    ap.add_argument("--device", default=env("FLASHMAP_DEVICE", "cuda" if _cuda() else "cpu"))
+    ap.add_argument("--log-level", default="INFO")
+    a = ap.parse_args(argv)
+    setup_logging(a.log_level)
+    proposer = build_proposer(a.target_dir, a.drafter, a.device, a.n_slots, a.max_context, a.steps)
+    name = "init" if a.drafter == "init" else os.path.basename(os.path.normpath(a.drafter))
+    service = DrafterService(proposer, name=name, idle_timeout_s=a.idle_timeout_s)
+    try:
+        import uvloop
+
+        uvloop.run(serve(service, a.host, a.port, a.metrics_port))
+    except ImportError:
+        asyncio.run(serve(service, a.host, a.port, a.metrics_port))
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,263 @@
+"""Client SDK for FlashMap Serve: sync and async, streaming, plain exceptions.
+
+    from flashmap.client import Client
+    with Client("127.0.0.1:50051") as c:
+        for chunk in c.generate_stream(prompt="def add(a, b):", max_new_tokens=32):
+            print(chunk.text, end="")
+        out = c.generate(prompt_ids=[1, 2, 3], max_new_tokens=16, temperature=0.8, seed=1)
+        print(out.token_ids, out.stats.mean_acceptance_length)
+
+gRPC errors become FlashMapError subclasses (InvalidArgument, ResourceExhausted,
+Unavailable, ...), each with the server's message. DrafterAdmin switches the drafter's
+step count at run time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Iterator
+
+import grpc
+
+from flashmap.v1 import drafter_pb2, drafter_pb2_grpc, serving_pb2, serving_pb2_grpc
+
+
+class FlashMapError(Exception):
+    code: grpc.StatusCode | None = None
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        self.code = code or self.code
+
+
+class InvalidArgument(FlashMapError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class ResourceExhausted(FlashMapError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(FlashMapError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class Cancelled(FlashMapError):
+    code = grpc.StatusCode.CANCELLED
+
+
+_BY_CODE = {c.code: c for c in (InvalidArgument, ResourceExhausted, Unavailable, Cancelled)}
+
+
+def _translate(e: grpc.RpcError) -> FlashMapError:
+    code = e.code()
+    return _BY_CODE.get(code, FlashMapError)(e.details() or str(code), code)
+
+
+@dataclass
+class Stats:
+    rounds: int = 0
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    mean_acceptance_length: float = 0.0
+    accepted_per_slot: list[int] = field(default_factory=list)
+    fallback_rounds: int = 0
+    draft_steps: int = 0
+
+
+@dataclass
+class Chunk:
+    """A streamed piece: token ids + text delta, or (finished=True) the final summary."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finished: bool = False
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    stats: Stats | None = None
+    time_to_first_token_s: float = 0.0
+    total_s: float = 0.0
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["stats"] = dict(self.stats.__dict__) if self.stats else None
+        return d
+
+    def summary(self) -> str:
+        s = self.stats or Stats()
+        return (f"{self.completion_tokens} tokens, finish={self.finish_reason}, mean acceptance length="
+                f"{s.mean_acceptance_length:.2f}, rounds={s.rounds}, fallback rounds={s.fallback_rounds}, "
+                f"ttft={self.time_to_first_token_s * 1e3:.1f} ms, total={self.total_s:.3f} s")
+
+
+@dataclass
+class Completion:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stats: Stats
+    prompt_tokens: int
+    time_to_first_token_s: float
+    total_s: float
+
+
+def _request(prompt=None, prompt_ids=None, max_new_tokens=64, temperature=0.0, top_k=0, top_p=None, seed=None,
+             stop=(), stop_token_ids=(), ignore_eos=False, draft_steps=None, request_id="") -> serving_pb2.GenerateRequest:
+    req = serving_pb2.GenerateRequest(
+        request_id=request_id, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+        stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
+    )
+    if prompt_ids is not None:
+        req.token_ids.ids.extend(int(t) for t in prompt_ids)
+    elif prompt is not None:
+        req.text = prompt
+    if top_p is not None:
+        req.top_p = top_p
+    if seed is not None:
+        req.seed = seed
+    if draft_steps is not None:
+        req.draft_steps = draft_steps
+    return req
+
+
+def _chunk(resp: serving_pb2.GenerateResponse) -> Chunk:
+    if resp.WhichOneof("kind") == "chunk":
+        return Chunk(resp.request_id, list(resp.chunk.token_ids), resp.chunk.text)
+    f = resp.final
+    st = f.stats
+    stats = Stats(st.rounds, st.drafts, st.draft_tokens, st.accepted_tokens, st.mean_acceptance_length,
+                  list(st.accepted_per_slot), st.fallback_rounds, st.draft_steps)
+    return Chunk(resp.request_id, finished=True, finish_reason=f.finish_reason, prompt_tokens=f.usage.prompt_tokens,
+                 completion_tokens=f.usage.completion_tokens, stats=stats,
+                 time_to_first_token_s=f.time_to_first_token_s, total_s=f.total_s)
+
+
+def _collect(chunks) -> Completion:
+    ids, text = [], []
+    for c in chunks:
+        if c.finished:
+            return Completion(c.request_id, ids, "".join(text), c.finish_reason, c.stats, c.prompt_tokens,
+                              c.time_to_first_token_s, c.total_s)
+        ids.extend(c.token_ids)
+        text.append(c.text)
+    raise FlashMapError("stream ended without a final message")
+
+
+_OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]
+
+
+class Client:
+    def __init__(self, url: str = "127.0.0.1:50051", timeout: float | None = None):
+        self.channel = grpc.insecure_channel(url, options=_OPTIONS)
+        self.stub = serving_pb2_grpc.FlashMapStub(self.channel)
+        self.timeout = timeout
+
+    def generate_stream(self, **kw) -> Iterator[Chunk]:
+        call = self.stub.Generate(_request(**kw), timeout=self.timeout)
+        try:
+            for resp in call:
+                yield _chunk(resp)
+        except grpc.RpcError as e:
+            raise _translate(e) from None
+        finally:
+            call.cancel()  # no-op when finished; frees the server's slot when the caller stops early
+
+    def generate(self, **kw) -> Completion:
+        return _collect(self.generate_stream(**kw))
+
+    def abort(self, request_id: str) -> bool:
+        return self._unary(self.stub.Abort, serving_pb2.AbortRequest(request_id=request_id)).found
+
+    def model_info(self) -> serving_pb2.ModelInfoResponse:
+        return self._unary(self.stub.ModelInfo, serving_pb2.ModelInfoRequest())
+
+    def health(self) -> serving_pb2.HealthResponse:
+        return self._unary(self.stub.Health, serving_pb2.HealthRequest())
+
+    def _unary(self, rpc, req):
+        try:
+            return rpc(req, timeout=self.timeout or 30.0)
+        except grpc.RpcError as e:
+            raise _translate(e) from None
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class AsyncClient:
+    def __init__(self, url: str = "127.0.0.1:50051", timeout: float | None = None):
+        self.channel = grpc.aio.insecure_channel(url, options=_OPTIONS)
+        self.stub = serving_pb2_grpc.FlashMapStub(self.channel)
+        self.timeout = timeout
+
+    async def generate_stream(self, **kw) -> AsyncIterator[Chunk]:
+        call = self.stub.Generate(_request(**kw), timeout=self.timeout)
+        try:
+            async for resp in call:
+                yield _chunk(resp)
+        except grpc.aio.AioRpcError as e:
+            raise _translate(e) from None
+        finally:
+            call.cancel()
+
+    async def generate(self, **kw) -> Completion:
+        ids, text = [], []
+        async for c in self.generate_stream(**kw):
+            if c.finished:
+                return Completion(c.request_id, ids, "".join(text), c.finish_reason, c.stats, c.prompt_tokens,
+                                  c.time_to_first_token_s, c.total_s)
+            ids.extend(c.token_ids)
+            text.append(c.text)
+        raise FlashMapError("stream ended without a final message")
+
+    async def abort(self, request_id: str) -> bool:
+        try:
+            return (await self.stub.Abort(serving_pb2.AbortRequest(request_id=request_id), timeout=30.0)).found
+        except grpc.aio.AioRpcError as e:
+            raise _translate(e) from None
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+
+class DrafterAdmin:
+    """Run-time control of the drafter service: the step count (1 or 2 jumps, or N) and its state."""
+
+    def __init__(self, url: str = "127.0.0.1:50052"):
+        self.channel = grpc.insecure_channel(url)
+        self.stub = drafter_pb2_grpc.DrafterStub(self.channel)
+
+    def get_steps(self) -> int:
+        return self._call(self.stub.GetSteps, drafter_pb2.GetStepsRequest()).steps
+
+    def set_steps(self, steps: int) -> int:
+        return self._call(self.stub.SetSteps, drafter_pb2.SetStepsRequest(steps=steps)).steps
+
+    def stats(self) -> drafter_pb2.StatsResponse:
+        return self._call(self.stub.Stats, drafter_pb2.StatsRequest())
+
+    @staticmethod
+    def _call(rpc, req):
+        try:
+            return rpc(req, timeout=30.0)
+        except grpc.RpcError as e:
+            raise _translate(e) from None
+
+    def close(self) -> None:
+        self.channel.close()

@@ -1,0 +1,246 @@
+"""`flashmap up`: the local stack as plain processes (Triton target, drafter, orchestrator).
+
+The same entry points the containers run (deploy/docker-compose.yml), started on
+loopback, each with its log file; `Stack` is also what the integration tests use.
+Ctrl-C stops all three.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEMO_TARGET = REPO_ROOT / "checkpoints" / "demo-target"
+DEMO_DRAFTER = REPO_ROOT / "checkpoints" / "demo-flashmap"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_grpc_health(url: str, timeout_s: float, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(url) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                tail = log.read_text()[-3000:] if log and log.exists() else ""
+                raise RuntimeError(f"process for {url} exited with {proc.returncode}:\n{tail}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    tail = log.read_text()[-3000:] if log and log.exists() else ""
+    raise TimeoutError(f"{url} not healthy after {timeout_s:.0f} s:\n{tail}")
+
+
+@dataclass
+class StackConfig:
+    target_dir: str
+    drafter: str = "init"  # checkpoint dir or "init"
+    steps: int = 1
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int = 9400
+    drafter_port: int = 50052
+    drafter_metrics_port: int = 9401
+    triton_http_port: int = 8000
+    triton_grpc_port: int = 8001
+    triton_metrics_port: int = 8002
+    n_slots: int = 8
+    max_seq_len: int = 1024
+    max_queue: int = 256
+    draft_timeout_s: float = 2.0
+    drafter_idle_timeout_s: float = 300.0
+    log_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="flashmap-logs-"))
+    with_drafter: bool = True
+
+    @classmethod
+    def on_free_ports(cls, **kw) -> "StackConfig":
+        ports = {k: free_port() for k in ("port", "metrics_port", "drafter_port", "drafter_metrics_port",
+                                         "triton_http_port", "triton_grpc_port", "triton_metrics_port")}
+        return cls(**{**ports, **kw})
+
+    @property
+    def url(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def drafter_url(self) -> str:
+        return f"{self.host}:{self.drafter_port}"
+
+
+class Stack:
+    def __init__(self, cfg: StackConfig):
+        self.cfg = cfg
+        self.triton = None
+        self.drafter_proc: subprocess.Popen | None = None
+        self.orch_proc: subprocess.Popen | None = None
+        Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
+
+    def _log(self, name: str) -> Path:
+        return Path(self.cfg.log_dir) / f"{name}.log"
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        f = open(self._log(name), "ab")
+        return subprocess.Popen([sys.executable, "-m", *args], stdout=f, stderr=subprocess.STDOUT, env=env,
+                                cwd=str(REPO_ROOT), start_new_session=True)
+
+    def start_target(self) -> None:
+        from target_service.launcher import start_triton
+
+        c = self.cfg
+        self.triton = start_triton(
+            c.target_dir, host=c.host, http_port=c.triton_http_port, grpc_port=c.triton_grpc_port,
+            metrics_port=c.triton_metrics_port, n_slots=c.n_slots, max_seq_len=c.max_seq_len,
+            log_path=str(self._log("triton")),
+        )
+
+    def start_drafter(self, wait: bool = True) -> None:
+        c = self.cfg
+        self.drafter_proc = self._spawn("drafter", [
+            "drafter_service.server", "--target-dir", c.target_dir, "--drafter", c.drafter, "--host", c.host,
+            "--port", str(c.drafter_port), "--metrics-port", str(c.drafter_metrics_port), "--steps", str(c.steps),
+            "--n-slots", str(max(64, 2 * c.n_slots)), "--max-context", str(c.max_seq_len),
+            "--idle-timeout-s", str(c.drafter_idle_timeout_s),
+        ])
+        if wait:
+            self.wait_drafter()
+
+    def wait_drafter(self) -> None:
+        wait_grpc_health(self.cfg.drafter_url, 180, self.drafter_proc, self._log("drafter"))
+
+    def stop_drafter(self) -> None:
+        _stop(self.drafter_proc)
+        self.drafter_proc = None
+
+    def start_orchestrator(self) -> None:
+        c = self.cfg
+        self.orch_proc = self._spawn("orchestrator", [
+            "orchestrator.server", "--host", c.host, "--port", str(c.port), "--metrics-port", str(c.metrics_port),
+            "--target-url", f"{c.host}:{c.triton_grpc_port}", "--drafter-url", c.drafter_url if c.with_drafter else "",
+            "--tokenizer-dir", c.target_dir, "--max-queue", str(c.max_queue), "--draft-timeout-s", str(c.draft_timeout_s),
+        ])
+        wait_grpc_health(c.url, 300, self.orch_proc, self._log("orchestrator"))
+
+    def start(self) -> "Stack":
+        try:
+            if self.cfg.with_drafter:
+                self.start_drafter(wait=False)  # loads while Triton starts
+            self.start_target()
+            if self.cfg.with_drafter:
+                self.wait_drafter()
+            self.start_orchestrator()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        _stop(self.orch_proc)
+        self.stop_drafter()
+        if self.triton is not None:
+            self.triton.stop()
+            self.triton = None
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def _stop(proc: subprocess.Popen | None, timeout: float = 10.0) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def default_checkpoints(target: str | None, drafter: str | None) -> tuple[str, str, list[str]]:
+    """The demo checkpoints when they exist, else a tiny random target (said so)."""
+    notes = []
+    if target is None:
+        if (DEMO_TARGET / "config.json").is_file():
+            target = str(DEMO_TARGET)
+        else:
+            from target_service.random_checkpoint import make_random_qwen3
+
+            target = str(make_random_qwen3(Path(tempfile.gettempdir()) / "flashmap-random-qwen3"))
+            notes.append(f"no demo checkpoint: serving a tiny RANDOM Qwen3 at {target} (its text is noise)")
+    if drafter is None:
+        drafter = str(DEMO_DRAFTER) if (DEMO_DRAFTER / "config.json").is_file() and target == str(DEMO_TARGET) else "init"
+        if drafter == "init":
+            notes.append("no trained drafter for this target: using an untrained FlashMap drafter (exact, low acceptance)")
+    return target, drafter, notes
+
+
+def add_stack_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=os.environ.get("FLASHMAP_TARGET_DIR"), help="target checkpoint dir (default: demo)")
+    p.add_argument("--drafter", default=os.environ.get("FLASHMAP_DRAFTER_DIR"), help="drafter checkpoint dir or 'init'")
+    p.add_argument("--steps", type=int, default=int(os.environ.get("FLASHMAP_DRAFT_STEPS", "1")))
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--metrics-port", type=int, default=9400)
+    p.add_argument("--drafter-port", type=int, default=50052)
+    p.add_argument("--drafter-metrics-port", type=int, default=9401)
+    p.add_argument("--triton-ports", default="8000,8001,8002", help="HTTP,gRPC,metrics")
+    p.add_argument("--n-slots", type=int, default=8, help="target KV slots (concurrent sequences)")
+    p.add_argument("--max-seq-len", type=int, default=1024)
+    p.add_argument("--log-dir", default=None)
+
+
+def run_stack(args) -> int:
+    target, drafter, notes = default_checkpoints(args.target, args.drafter)
+    for n in notes:
+        print(f"note: {n}", flush=True)
+    http, grpc_port, metrics = (int(x) for x in args.triton_ports.split(","))
+    cfg = StackConfig(
+        target_dir=target, drafter=drafter, steps=args.steps, port=args.port, metrics_port=args.metrics_port,
+        drafter_port=args.drafter_port, drafter_metrics_port=args.drafter_metrics_port, triton_http_port=http,
+        triton_grpc_port=grpc_port, triton_metrics_port=metrics, n_slots=args.n_slots, max_seq_len=args.max_seq_len,
+        **({"log_dir": args.log_dir} if args.log_dir else {}),
+    )
+    print(f"starting Triton target, drafter and orchestrator (logs in {cfg.log_dir}) ...", flush=True)
+    stack = Stack(cfg).start()
+    print(
+        f"FlashMap Serve is up\n"
+        f"  Generate (gRPC)      {cfg.url}        try: flashmap generate \"def add(a, b):\" --url {cfg.url}\n"
+        f"  orchestrator metrics http://{cfg.host}:{cfg.metrics_port}/metrics\n"
+        f"  drafter (gRPC)       {cfg.drafter_url}  metrics http://{cfg.host}:{cfg.drafter_metrics_port}/metrics\n"
+        f"  Triton               grpc {cfg.host}:{cfg.triton_grpc_port}  metrics http://{cfg.host}:{cfg.triton_metrics_port}/metrics\n"
+        f"  target {target}\n  drafter {drafter} (steps {cfg.steps})\n"
+        f"Ctrl-C stops all three.",
+        flush=True,
+    )
+    try:
+        while True:
+            for name, proc in (("drafter", stack.drafter_proc), ("orchestrator", stack.orch_proc)):
+                if proc is not None and proc.poll() is not None:
+                    print(f"{name} exited with {proc.returncode}; see {stack._log(name)}", file=sys.stderr)
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        print("stopping ...", flush=True)
+    finally:
+        stack.stop()
+    return 0

@@ -1,0 +1,138 @@
+"""The orchestrator's side of the drafter's bidirectional Draft stream.
+
+One stream stays open; each call writes a DraftRequest (a batch of sequences) and
+awaits the DraftResponse with the same call_id. A background reader resolves
+responses, so a late answer to a call that already timed out is dropped, not
+mistaken for the next one. Failures never raise into the scheduler: `draft` returns
+None and the caller decodes that round autoregressively (still exact).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+
+import grpc
+import numpy as np
+
+from flashmap.types import Draft
+from flashmap.v1 import drafter_pb2, drafter_pb2_grpc
+
+log = logging.getLogger("flashmap.orchestrator.drafter")
+
+
+def features_to_tensor(features: np.ndarray) -> drafter_pb2.Tensor:
+    f = np.ascontiguousarray(features, dtype=np.float32)
+    return drafter_pb2.Tensor(shape=list(f.shape), dtype="float32", data=f.tobytes())
+
+
+def block_to_draft(block: drafter_pb2.Block) -> Draft:
+    k, s = len(block.tokens), max(block.support_size, 1)
+    return Draft(
+        np.asarray(block.tokens, np.int64),
+        np.asarray(block.support_ids, np.int64).reshape(k, s),
+        np.asarray(block.support_probs, np.float32).reshape(k, s),
+    )
+
+
+class DrafterClient:
+    def __init__(self, url: str, reconnect_interval_s: float = 1.0):
+        self.url = url
+        self.reconnect_interval_s = reconnect_interval_s
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: drafter_pb2_grpc.DrafterStub | None = None
+        self._call = None
+        self._reader: asyncio.Task | None = None
+        self._pending: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count(1)
+        self._last_attempt = 0.0
+        self.connected = False
+        self.block_size = 16
+        self.steps = 1
+        self.name = "flashmap"
+
+    async def _connect(self) -> bool:
+        now = time.monotonic()
+        if now - self._last_attempt < self.reconnect_interval_s:
+            return False
+        self._last_attempt = now
+        await self._teardown()
+        try:
+            self._channel = grpc.aio.insecure_channel(
+                self.url, options=[("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
+            )
+            self._stub = drafter_pb2_grpc.DrafterStub(self._channel)
+            stats = await self._stub.Stats(drafter_pb2.StatsRequest(), timeout=2.0)
+            self.block_size, self.steps, self.name = stats.block_size, stats.steps, stats.drafter or "flashmap"
+            self._call = self._stub.Draft()
+            self._reader = asyncio.create_task(self._read_loop(self._call))
+            self.connected = True
+            log.info("drafter connected at %s (%s, block %d, steps %d)", self.url, self.name, self.block_size, self.steps)
+            return True
+        except (grpc.aio.AioRpcError, OSError) as e:
+            log.warning("drafter at %s unavailable: %s", self.url, getattr(e, "details", lambda: e)())
+            await self._teardown()
+            return False
+
+    async def _read_loop(self, call) -> None:
+        try:
+            async for resp in call:
+                fut = self._pending.pop(resp.call_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(resp)
+        except (grpc.aio.AioRpcError, asyncio.CancelledError):
+            pass
+        finally:
+            if self._call is call:
+                self.connected = False
+            for fut in self._pending.values():
+                if not fut.done():
+                    fut.set_exception(ConnectionError("drafter stream closed"))
+            self._pending.clear()
+
+    async def _teardown(self) -> None:
+        self.connected = False
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+        if self._reader is not None:
+            self._reader.cancel()
+            self._reader = None
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+    async def ensure_connected(self) -> bool:
+        return self.connected or await self._connect()
+
+    async def draft(self, sequences: list[drafter_pb2.SequenceDraft], timeout_s: float) -> tuple[drafter_pb2.DraftResponse | None, str]:
+        """Returns (response, "") or (None, reason) with reason "unavailable" or "timeout"."""
+        if not await self.ensure_connected():
+            return None, "unavailable"
+        call_id = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[call_id] = fut
+        try:
+            await self._call.write(drafter_pb2.DraftRequest(call_id=call_id, sequences=sequences))
+            return await asyncio.wait_for(fut, timeout_s), ""
+        except asyncio.TimeoutError:
+            self._pending.pop(call_id, None)
+            return None, "timeout"
+        except (grpc.aio.AioRpcError, ConnectionError, asyncio.InvalidStateError, grpc.aio.UsageError) as e:
+            self._pending.pop(call_id, None)
+            log.warning("drafter call failed: %s", e)
+            self.connected = False
+            return None, "unavailable"
+
+    async def release(self, seq_ids: list[str]) -> None:
+        if not seq_ids or not self.connected:
+            return
+        try:
+            await self._stub.Release(drafter_pb2.ReleaseRequest(seq_ids=seq_ids), timeout=2.0)
+        except grpc.aio.AioRpcError:
+            pass  # the drafter also drops idle sequences by itself
+
+    async def close(self) -> None:
+        await self._teardown()
