@@ -1,0 +1,113 @@
+"""Typed configuration of a drafter (FlashMap DiT or the DFlash-style baseline).
+
+One dataclass holds everything a drafter checkpoint needs to be rebuilt and checked:
+architecture, the target it was made for (shape + content hashes of the frozen
+embedding / LM head), the feature layers it reads, the block size and the flow
+settings (time map, drafting defaults, training loss knobs). It is what
+config.json of a drafter checkpoint directory contains (see drafter_service/checkpoint.py).
+Defaults follow the paper (DESIGN.md): 6 blocks, width 2048, 16 heads, K = 16.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+
+KINDS = ("flashmap", "dflash")
+
+
+@dataclass
+class DrafterConfig:
+    # --- architecture
+    kind: str = "flashmap"  # "flashmap" (flow map on one-hot blocks) | "dflash" (one pass over a masked block)
+    dim: int = 2048
+    n_blocks: int = 6
+    n_heads: int = 16
+    mlp_ratio: float = 4.0  # DiT default
+    block_size: int = 16  # K draft slots per block
+    time_freq_dim: int = 256  # sinusoidal embedding width, per time (s and t)
+    rope_theta: float = 10000.0  # cross-attention RoPE over absolute positions
+    norm_eps: float = 1e-6
+    qk_norm: bool = True  # RMSNorm on queries/keys per head (stabilises attention logits)
+
+    # --- the target this drafter was made for (filled from the target checkpoint)
+    target_name: str = ""
+    vocab_size: int = 0
+    target_hidden_size: int = 0
+    target_num_layers: int = 0
+    feature_layers: list[int] = field(default_factory=list)  # decoder-layer outputs, 0-based
+    embed_hash: str = ""  # tensor_hash of the target's input embedding [V, H]
+    lm_head_hash: str = ""  # tensor_hash of the target's LM head [V, H]
+
+    # --- flow settings
+    draft_steps: int = 1  # default step count when serving (1 = one jump 0 -> 1)
+    shared_noise: bool = True  # one noise draw [V] shared by all K slots
+    slot_loss_decay: float = 7.0  # slot k (1-based) weighted exp(-(k-1)/decay)
+    teacher_steps: int = 100  # Euler steps of the teacher ODE (distillation / evaluation)
+    time_table_size: int = 4097  # points of the tau <-> t lookup table (uniform in t)
+    gauss_hermite_nodes: int = 256  # quadrature nodes for P[argmax x_t = y]
+    zero_jump_fraction: float = 0.5  # distillation: share of zero-length jumps (s = t)
+    full_jump_fraction: float = 1.0 / 16  # distillation: share of full 0 -> 1 jumps
+
+    # ---------------------------------------------------------------- derived
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def mlp_hidden(self) -> int:
+        return int(self.dim * self.mlp_ratio)
+
+    @property
+    def feature_dim(self) -> int:
+        """Width F of the concatenated target features one position contributes."""
+        return len(self.feature_layers) * self.target_hidden_size
+
+    # ---------------------------------------------------------------- checks
+    def validate(self) -> "DrafterConfig":
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        for name in ("dim", "n_blocks", "n_heads", "block_size", "time_freq_dim", "draft_steps",
+                     "teacher_steps", "gauss_hermite_nodes"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.dim % self.n_heads or self.head_dim % 2:
+            raise ValueError(f"dim {self.dim} must split into {self.n_heads} heads of even width")
+        if self.time_freq_dim % 2:
+            raise ValueError(f"time_freq_dim must be even, got {self.time_freq_dim}")
+        if self.time_table_size < 3:
+            raise ValueError(f"time_table_size must be >= 3, got {self.time_table_size}")
+        if self.mlp_ratio <= 0 or self.slot_loss_decay <= 0:
+            raise ValueError("mlp_ratio and slot_loss_decay must be > 0")
+        if self.vocab_size < 2 or self.target_hidden_size < 1 or self.target_num_layers < 1:
+            raise ValueError("target fields (vocab_size >= 2, target_hidden_size, target_num_layers) are not set")
+        if not self.feature_layers:
+            raise ValueError("feature_layers is empty")
+        bad = [l for l in self.feature_layers if not 0 <= l < self.target_num_layers]
+        if bad:
+            raise ValueError(f"feature_layers {bad} outside 0..{self.target_num_layers - 1}")
+        return self
+
+    # ---------------------------------------------------------------- JSON
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DrafterConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown drafter config fields {unknown}")
+        cfg = cls(**d)
+        cfg.feature_layers = [int(x) for x in cfg.feature_layers]
+        return cfg
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "DrafterConfig":
+        d = json.loads(text)
+        if not isinstance(d, dict):
+            raise ValueError("drafter config is not a JSON object")
+        return cls.from_dict(d)

@@ -1,0 +1,290 @@
+"""The FlashMap drafter network: a small DiT over one block of K draft slots.
+
+Input: the flow state x_s [B, K, V] (noise at s = 0, one-hot at s = 1), the anchor token
+(last committed token) and the target's context features (strictly before the anchor).
+Output: per-slot logits [B, K, V] of the clean block, conditioned on the jump (s, t).
+
+    x_s @ E (frozen target embedding) -> rms -> linear H->D   } K slot tokens
+    E[anchor] -> rms -> linear H->D                          } 1 prefix token
+    + learned positions [K+1, D]
+    n_blocks x [ self-attention over [anchor, slots] (bidirectional)
+                 cross-attention to the projected context (RoPE, absolute positions)
+                 MLP ], each wrapped in adaLN-Zero conditioned on embed(s, t)
+    final norm -> linear D->H -> frozen target LM head -> logits [B, K, V]
+
+Flow map: pi = softmax(logits), X_{s,t}(x) = x + (t-s)/(1-s) * (pi - x): X_{s,1} = pi, and
+the diagonal s = t is the teacher denoiser with velocity (pi - x)/(1-t).
+
+kind "dflash" (DFlash-style baseline) is the same backbone with the state replaced by a
+learned mask embedding and the time conditioning fixed at (0, 1): one pass gives
+independent per-slot marginals.
+
+Context K/V are computed per block by `encode_context` and held in a `CrossContext`; the
+training path builds it from padded features, the serving path (flashmap_proposer) from
+its static per-slot cache. Both go through the same `forward`.
+The frozen embedding / LM head are non-persistent buffers: not parameters and not in
+the state dict (they come from the target checkpoint, see drafter_service/checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from drafter_service.config import DrafterConfig
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def timestep_embedding(t: Tensor, dim: int, max_period: float = 10000.0) -> Tensor:
+    """Sinusoidal embedding of flow times in [0, 1] (scaled by 1000 as in DiT): [B] -> [B, dim]."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
+    args = 1000.0 * t.float()[:, None] * freqs[None]  # [B, half]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+def apply_rope(x: Tensor, pos: Tensor, theta: float) -> Tensor:
+    """Rotary embedding at absolute positions: x [B, h, L, d], pos [B, L] -> [B, h, L, d].
+
+    Angles are computed in float32 from integer positions (no cached table that a cast to
+    bf16 could degrade)."""
+    d = x.shape[-1]
+    inv_freq = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)  # [d/2]
+    ang = pos.float()[:, None, :, None] * inv_freq  # [B, 1, L, d/2]
+    cos, sin = ang.cos(), ang.sin()
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+    """adaLN: x [B, L, D], shift/scale [B, D]."""
+    return x * (1 + scale[:, None]) + shift[:, None]
+
+
+def _per_row(v: Tensor | float, n: int, device: torch.device) -> Tensor:
+    """A time given as float or [B] tensor -> [B] float32."""
+    return torch.as_tensor(v, dtype=torch.float32, device=device).reshape(-1).expand(n)
+
+
+def jump(x: Tensor, probs: Tensor, s: Tensor | float, t: Tensor | float) -> Tensor:
+    """Flow-map update X_{s,t}(x) = x + (t-s)/(1-s) * (pi - x): x, probs [B, K, V], s, t [B]."""
+    n = x.shape[0]
+    s, t = _per_row(s, n, x.device), _per_row(t, n, x.device)
+    w = ((t - s) / (1 - s).clamp_min(1e-6))[:, None, None]  # [B, 1, 1]
+    return x + w * (probs.to(x.dtype) - x)
+
+
+# ----------------------------------------------------------------------------- context
+
+@dataclass
+class CrossContext:
+    """Projected context for one batch of blocks.
+
+    kv: per DiT block (k, v), each [B, h, T, d]; keys already RoPE-rotated at their
+    absolute positions 0..T-1. lengths [B] int64: valid context positions per row, which
+    is also the anchor's position (the context is strictly before the anchor).
+    """
+
+    kv: list[tuple[Tensor, Tensor]]
+    lengths: Tensor
+
+    def select(self, index: Tensor, lengths: Tensor | None = None) -> "CrossContext":
+        """Rows `index` of this context, optionally cut to shorter `lengths` (training: many
+        anchors of one sequence share one encoded context)."""
+        lengths = self.lengths[index] if lengths is None else lengths
+        return CrossContext([(k[index], v[index]) for k, v in self.kv], lengths)
+
+
+# ----------------------------------------------------------------------------- modules
+
+class Attention(nn.Module):
+    """Multi-head attention; used as self-attention (no RoPE, learned positions) and as
+    cross-attention to the context (RoPE at absolute positions)."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        D, self.n_heads, self.theta = cfg.dim, cfg.n_heads, cfg.rope_theta
+        self.wq = nn.Linear(D, D, bias=False)
+        self.wk = nn.Linear(D, D, bias=False)
+        self.wv = nn.Linear(D, D, bias=False)
+        self.wo = nn.Linear(D, D, bias=False)
+        norm = (lambda: nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)) if cfg.qk_norm else nn.Identity
+        self.q_norm, self.k_norm = norm(), norm()
+
+    def _heads(self, x: Tensor) -> Tensor:  # [B, L, D] -> [B, h, L, d]
+        B, L, _ = x.shape
+        return x.view(B, L, self.n_heads, -1).transpose(1, 2)
+
+    def project_kv(self, src: Tensor, pos: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """src [B, T, D] -> k, v [B, h, T, d]; keys rotated at pos [B, T] when given."""
+        k = self.k_norm(self._heads(self.wk(src)))
+        if pos is not None:
+            k = apply_rope(k, pos, self.theta)
+        return k, self._heads(self.wv(src))
+
+    def forward(self, x: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
+                q_pos: Tensor | None = None) -> Tensor:
+        """x [B, L, D] attends to k, v [B, h, T, d]; mask [B, 1, 1, T] bool (True = attend)."""
+        q = self.q_norm(self._heads(self.wq(x)))  # [B, h, L, d]
+        if q_pos is not None:
+            q = apply_rope(q, q_pos, self.theta)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, h, L, d]
+        return self.wo(o.transpose(1, 2).flatten(2))  # [B, L, D]
+
+
+class DiTBlock(nn.Module):
+    """Self-attention, cross-attention, MLP; each with adaLN-Zero (shift, scale, gate)."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        D = cfg.dim
+        self.norm1, self.norm2, self.norm3 = (nn.RMSNorm(D, eps=cfg.norm_eps, elementwise_affine=False)
+                                              for _ in range(3))
+        self.self_attn = Attention(cfg)
+        self.cross_attn = Attention(cfg)
+        self.mlp = nn.Sequential(nn.Linear(D, cfg.mlp_hidden, bias=False), nn.GELU(approximate="tanh"),
+                                 nn.Linear(cfg.mlp_hidden, D, bias=False))
+        self.adaln = nn.Linear(D, 9 * D)  # zero-initialised: gates start at 0, block = identity
+
+    def forward(self, h: Tensor, c: Tensor, k: Tensor, v: Tensor, mask: Tensor, q_pos: Tensor,
+                has_ctx: Tensor) -> Tensor:
+        """h [B, K+1, D], c [B, D] conditioning, k/v [B, h, T, d] this block's context,
+        has_ctx [B, 1, 1]: 0 for rows without context (their cross-attention is skipped)."""
+        sh1, sc1, g1, sh2, sc2, g2, sh3, sc3, g3 = self.adaln(F.silu(c)).chunk(9, dim=-1)  # 9 x [B, D]
+        y = modulate(self.norm1(h), sh1, sc1)
+        h = h + g1[:, None] * self.self_attn(y, *self.self_attn.project_kv(y))
+        if k.shape[2] > 0:
+            y = modulate(self.norm2(h), sh2, sc2)
+            h = h + g2[:, None] * has_ctx * self.cross_attn(y, k, v, mask, q_pos)
+        y = modulate(self.norm3(h), sh3, sc3)
+        return h + g3[:, None] * self.mlp(y)
+
+
+class FlashMapDiT(nn.Module):
+    def __init__(self, cfg: DrafterConfig, embed: Tensor | None = None, lm_head: Tensor | None = None):
+        super().__init__()
+        self.cfg = cfg.validate()
+        V, H, D, K = cfg.vocab_size, cfg.target_hidden_size, cfg.dim, cfg.block_size
+        # Frozen target tensors [V, H]; empty placeholders until the target is attached.
+        self.register_buffer("embed", torch.empty(V, H) if embed is None else embed, persistent=False)
+        self.register_buffer("lm_head", torch.empty(V, H) if lm_head is None else lm_head, persistent=False)
+        self._check_target_shapes()
+
+        # Magnitudes of x_s @ E vary with s (noise ~ sqrt(V) x a row of E), so inputs are rms-normalised.
+        self.in_norm = nn.RMSNorm(H, eps=cfg.norm_eps, elementwise_affine=False)
+        if cfg.kind == "flashmap":
+            self.state_in = nn.Linear(H, D, bias=False)
+        else:
+            self.mask_embed = nn.Parameter(torch.zeros(D))
+        self.anchor_in = nn.Linear(H, D, bias=False)
+        self.pos_embed = nn.Parameter(torch.zeros(K + 1, D))  # [anchor, slot 1..K]
+        self.time_embed = nn.Sequential(nn.Linear(2 * cfg.time_freq_dim, D), nn.SiLU(), nn.Linear(D, D))
+        self.ctx_proj = nn.Linear(cfg.feature_dim, D, bias=False)
+        self.ctx_norm = nn.RMSNorm(D, eps=cfg.norm_eps)
+        self.blocks = nn.ModuleList(DiTBlock(cfg) for _ in range(cfg.n_blocks))
+        self.final_norm = nn.RMSNorm(D, eps=cfg.norm_eps)
+        self.out_proj = nn.Linear(D, H, bias=False)
+        self.reset_parameters()
+
+    # ------------------------------------------------------------------ setup
+    def reset_parameters(self) -> None:
+        """DiT init: xavier linears, small normal embeddings, adaLN-Zero modulation at 0."""
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.xavier_uniform_(m.weight)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+        nn.init.normal_(self.pos_embed, std=0.02)
+        if self.cfg.kind == "dflash":
+            nn.init.normal_(self.mask_embed, std=0.02)
+        for m in self.time_embed:
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=0.02)
+        for blk in self.blocks:
+            nn.init.zeros_(blk.adaln.weight)
+            nn.init.zeros_(blk.adaln.bias)
+
+    def _check_target_shapes(self) -> None:
+        want = (self.cfg.vocab_size, self.cfg.target_hidden_size)
+        for name in ("embed", "lm_head"):
+            if tuple(getattr(self, name).shape) != want:
+                raise ValueError(f"{name} has shape {tuple(getattr(self, name).shape)}, config wants {want}")
+
+    def set_target(self, embed: Tensor, lm_head: Tensor) -> None:
+        """Attach the frozen target embedding / LM head [V, H] (cast to the model's dtype)."""
+        ref = next(self.parameters())
+        self.embed = embed.detach().to(ref.device, ref.dtype)
+        self.lm_head = lm_head.detach().to(ref.device, ref.dtype)
+        self._check_target_shapes()
+
+    # ------------------------------------------------------------------ context
+    def encode_context(self, features: Tensor, positions: Tensor | None = None) -> list[tuple[Tensor, Tensor]]:
+        """Per-block cross-attention K/V of context positions.
+
+        features [B, T, F] (concatenated feature-layer hidden states), positions [B, T]
+        absolute positions (default 0..T-1) -> per block (k, v) [B, h, T, d]."""
+        B, T, _ = features.shape
+        if positions is None:
+            positions = torch.arange(T, device=features.device).expand(B, T)
+        c = self.ctx_norm(self.ctx_proj(features.to(self.ctx_proj.weight.dtype)))  # [B, T, D]
+        return [blk.cross_attn.project_kv(c, positions) for blk in self.blocks]
+
+    def context(self, features: Tensor, lengths: Tensor) -> CrossContext:
+        """Training path: padded features [B, T, F] with valid lengths [B] (= anchor positions)."""
+        return CrossContext(self.encode_context(features), lengths.to(features.device, torch.long))
+
+    # ------------------------------------------------------------------ forward
+    def time_cond(self, s: Tensor | float, t: Tensor | float, n: int) -> Tensor:
+        """Conditioning vector [B, D] from the jump (s, t); fixed (0, 1) for dflash."""
+        dev = self.pos_embed.device
+        if self.cfg.kind == "dflash":
+            s, t = 0.0, 1.0
+        fd = self.cfg.time_freq_dim
+        e = torch.cat([timestep_embedding(_per_row(s, n, dev), fd), timestep_embedding(_per_row(t, n, dev), fd)], -1)
+        return self.time_embed(e.to(self.pos_embed.dtype))  # [B, D]
+
+    def forward(self, x: Tensor | None, s: Tensor | float, t: Tensor | float, anchor: Tensor,
+                ctx: CrossContext) -> Tensor:
+        """Per-slot logits [B, K, V] (float32) of the clean block.
+
+        x [B, K, V] flow state at time s (unused for dflash, may be None); s, t floats or
+        [B]; anchor [B] int64 token ids; ctx: the rows' projected context."""
+        B, K, D = anchor.shape[0], self.cfg.block_size, self.cfg.dim
+        c = self.time_cond(s, t, B)  # [B, D]
+        if self.cfg.kind == "flashmap":
+            h_state = self.state_in(self.in_norm(x.to(self.embed.dtype) @ self.embed))  # [B, K, D]
+        else:
+            h_state = self.mask_embed.expand(B, K, D)  # [B, K, D]
+        h_anchor = self.anchor_in(self.in_norm(self.embed[anchor]))[:, None]  # [B, 1, D]
+        h = torch.cat([h_anchor, h_state], dim=1) + self.pos_embed  # [B, K+1, D]
+
+        lengths = ctx.lengths  # [B]
+        T = ctx.kv[0][0].shape[2]
+        q_pos = lengths[:, None] + torch.arange(K + 1, device=h.device)  # [B, K+1]: anchor at len, slot k at len+k
+        has = lengths > 0  # [B]
+        valid = torch.arange(T, device=h.device)[None] < lengths[:, None]  # [B, T]
+        if T > 0:
+            valid[:, 0] |= ~has  # rows without context attend to a dummy key (output zeroed below): no NaN
+        mask = valid[:, None, None, :]  # [B, 1, 1, T]
+        has_ctx = has.to(h.dtype)[:, None, None]  # [B, 1, 1]
+        for blk, (k, v) in zip(self.blocks, ctx.kv):
+            h = blk(h, c, k, v, mask, q_pos, has_ctx)
+
+        h = self.out_proj(self.final_norm(h[:, 1:]))  # [B, K, H]
+        return (h @ self.lm_head.T).float()  # [B, K, V]
+
+    def denoise_logits(self, x_t: Tensor, t: Tensor | float, anchor: Tensor, ctx: CrossContext) -> Tensor:
+        """Teacher denoiser (the diagonal s = t): logits [B, K, V] of the clean block given x_t."""
+        return self(x_t, t, t, anchor, ctx)
+
+    def flow_map(self, x_s: Tensor, s: Tensor | float, t: Tensor | float, anchor: Tensor,
+                 ctx: CrossContext) -> tuple[Tensor, Tensor]:
+        """One jump s -> t: (X_{s,t}(x_s) [B, K, V], logits [B, K, V])."""
+        logits = self(x_s, s, t, anchor, ctx)
+        return jump(x_s, logits.softmax(-1), s, t), logits

@@ -1,0 +1,246 @@
+"""Serving-side FlashMap / DFlash-style proposer: per-sequence cache + batched drafting.
+
+Each sequence gets a slot in static cache buffers holding its projected cross-attention
+K/V per DiT block ([n_blocks, n_slots, h, max_context, d]); `extend` projects and writes
+only the new positions. `propose` drafts one block per request with ONE batched forward
+per flow step:
+
+    steps = 1:  one flow-map jump 0 -> 1
+    steps = 2:  0 -> t(tau = 1/2) -> 1 (two jumps)
+    steps >= 3: N Euler steps of the teacher ODE (diagonal s = t) on a grid uniform in tau
+    dflash:     one pass over the masked block, whatever the step count
+
+Randomness is per request: a CPU torch.Generator seeded with the request's seed draws
+the noise x_0 (one [V] draw shared by all K slots, or [K, V] with shared_noise=False)
+and then the proposal samples, so drafts are reproducible and independent of batching
+and of the device. At temperature T > 0 slot k proposes x_k ~ q_k = softmax(logits/T)
+restricted to its top-m tokens and renormalised; the support sent to the target is those
+m ids with their q (DESIGN.md, exact speculative sampling).
+Not thread-safe: the gRPC server serialises calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from drafter_service.flashmap_dit import CrossContext, FlashMapDiT, jump
+from drafter_service.flow_time import time_grid
+from drafter_service.proposer import Proposer, ProposeRequest
+from flashmap.types import Draft
+
+
+class ProposerError(RuntimeError):
+    """The proposer cannot serve this sequence (callers may fall back to plain decoding)."""
+
+
+class SlotsExhausted(ProposerError):
+    pass
+
+
+class ContextTooLong(ProposerError):
+    pass
+
+
+def request_generator(seed: int, block: int = 0) -> torch.Generator:
+    """CPU generator of one request's randomness; block b > 0 (propose_blocks) gets an
+    independent stream, block 0 is the plain `propose` stream."""
+    if block == 0:
+        s = int(seed) & 0xFFFF_FFFF_FFFF_FFFF
+    else:
+        s = int(np.random.SeedSequence([int(seed) & 0xFFFF_FFFF_FFFF_FFFF, block]).generate_state(1, np.uint64)[0])
+    return torch.Generator().manual_seed(s)
+
+
+def draw_noise(gen: torch.Generator, block_size: int, vocab_size: int, shared: bool = True) -> Tensor:
+    """x_0 for one block: [K, V] float32; with shared=True one [V] draw repeated over the K slots."""
+    if shared:
+        return torch.randn(vocab_size, generator=gen).expand(block_size, vocab_size)
+    return torch.randn(block_size, vocab_size, generator=gen)
+
+
+@dataclass
+class _Row:
+    """One block to draft: which cache slot (-1: no context), anchor, randomness, proposal rule."""
+
+    slot: int
+    length: int
+    anchor: int
+    gen: torch.Generator
+    temperature: float
+    top_m: int
+
+
+class FlashMapProposer(Proposer):
+    def __init__(self, model: FlashMapDiT, n_slots: int = 64, max_context: int = 4096, device: str = "cpu",
+                 steps: int = 1, shared_noise: bool = True):
+        cfg = model.cfg
+        self.model = model.to(device).eval()
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.block_size = cfg.block_size
+        self.vocab_size = cfg.vocab_size
+        self.n_slots, self.max_context = n_slots, max_context
+        self.shared_noise = shared_noise
+        self.steps = 1
+        self.set_steps(steps)
+        dtype = next(model.parameters()).dtype
+        shape = (cfg.n_blocks, n_slots, cfg.n_heads, max_context, cfg.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.lengths = np.zeros(n_slots, np.int64)  # host copy: no device sync to read lengths
+        self.slot_of: dict[str, int] = {}
+        self._free = list(range(n_slots - 1, -1, -1))  # pop() hands out slot 0 first
+
+    # ------------------------------------------------------------------ sequences
+    def set_steps(self, n: int) -> None:
+        """Run-time switch of the default step count (takes effect at the next propose)."""
+        if int(n) != n or n < 1:
+            raise ValueError(f"steps must be an integer >= 1, got {n}")
+        self.steps = int(n)
+
+    def _slot(self, seq_id: str) -> int:
+        slot = self.slot_of.get(seq_id)
+        if slot is None:
+            if not self._free:
+                raise SlotsExhausted(f"all {self.n_slots} drafter slots are in use; release finished "
+                                     f"sequences or start the drafter with more slots")
+            slot = self._free.pop()
+            self.slot_of[seq_id] = slot
+            self.lengths[slot] = 0
+        return slot
+
+    @torch.inference_mode()
+    def extend(self, seq_id: str, token_ids: np.ndarray, features: np.ndarray) -> None:
+        features = np.asarray(features, np.float32)
+        m = len(token_ids)
+        if features.shape != (m, self.cfg.feature_dim):
+            raise ValueError(f"features must be [{m}, {self.cfg.feature_dim}] for {m} tokens, got {features.shape}")
+        slot = self._slot(seq_id)
+        start = int(self.lengths[slot])
+        if start + m > self.max_context:
+            raise ContextTooLong(f"sequence {seq_id!r}: context {start + m} exceeds the drafter's "
+                                 f"max_context {self.max_context}")
+        if m == 0:
+            return
+        feats = torch.from_numpy(features).to(self.device)[None]  # [1, m, F]
+        pos = torch.arange(start, start + m, device=self.device)[None]  # [1, m]
+        for i, (k, v) in enumerate(self.model.encode_context(feats, pos)):  # [1, h, m, d]
+            self.k_cache[i, slot, :, start:start + m] = k[0]
+            self.v_cache[i, slot, :, start:start + m] = v[0]
+        self.lengths[slot] = start + m
+
+    def truncate(self, seq_id: str, n: int) -> None:
+        """Keep only the first n context positions (a resend after a lost reply). The cache
+        rows past n are left in place: masked now, overwritten by the next extend."""
+        have = self.context_length(seq_id)
+        if not 0 <= n <= have:
+            raise ValueError(f"cannot truncate {seq_id!r} to {n}: it holds {have} positions")
+        if seq_id in self.slot_of:
+            self.lengths[self.slot_of[seq_id]] = n
+
+    @property
+    def bytes_per_context_token(self) -> int:
+        """Cache bytes one context position takes (K and V, all blocks)."""
+        return 2 * self.cfg.n_blocks * self.cfg.dim * self.k_cache.element_size()
+
+    def release(self, seq_id: str) -> None:
+        slot = self.slot_of.pop(seq_id, None)
+        if slot is not None:
+            self.lengths[slot] = 0
+            self._free.append(slot)
+
+    def context_length(self, seq_id: str) -> int:
+        slot = self.slot_of.get(seq_id)
+        return 0 if slot is None else int(self.lengths[slot])
+
+    # ------------------------------------------------------------------ drafting
+    def propose(self, requests: list[ProposeRequest], steps: int | None = None) -> list[Draft]:
+        """One block per request, in request order. steps: this call's default (falls back to
+        self.steps); a request's own `steps` overrides it."""
+        return [blocks[0] for blocks in self.propose_blocks(requests, steps, n_blocks=1)]
+
+    def propose_blocks(self, requests: list[ProposeRequest], steps: int | None = None,
+                       n_blocks: int = 1) -> list[list[Draft]]:
+        """n_blocks blocks per request from independent noise draws (block 0 = `propose`'s)."""
+        default = self.steps if steps is None else steps
+        rows: list[_Row] = []
+        row_steps: list[int] = []
+        for r in requests:
+            n = default if r.steps is None else r.steps
+            if int(n) != n or n < 1:
+                raise ValueError(f"request {r.seq_id!r}: steps must be an integer >= 1, got {n}")
+            if r.temperature < 0 or (r.temperature > 0 and r.top_m < 1):
+                raise ValueError(f"request {r.seq_id!r}: need temperature >= 0 and top_m >= 1")
+            slot = self.slot_of.get(r.seq_id, -1)
+            length = 0 if slot < 0 else int(self.lengths[slot])
+            for b in range(n_blocks):
+                rows.append(_Row(slot, length, int(r.anchor), request_generator(r.seed, b), r.temperature, r.top_m))
+                row_steps.append(1 if self.cfg.kind == "dflash" else int(n))
+        drafts: list[Draft | None] = [None] * len(rows)
+        for n in sorted(set(row_steps)):  # one batched pass per distinct step count
+            idx = [i for i, k in enumerate(row_steps) if k == n]
+            group = [rows[i] for i in idx]
+            for i, d in zip(idx, self._propose_rows(group, n)):
+                drafts[i] = d
+        return [drafts[i * n_blocks:(i + 1) * n_blocks] for i in range(len(requests))]
+
+    def cross_context(self, seq_ids: list[str]) -> CrossContext:
+        """The cached context of these sequences as the model's CrossContext (unknown: empty)."""
+        slots = [self.slot_of.get(s, -1) for s in seq_ids]
+        return self._context(slots, [0 if i < 0 else int(self.lengths[i]) for i in slots])
+
+    def _context(self, slots: list[int], lengths: list[int]) -> CrossContext:
+        """Cache rows as a CrossContext, cut to the longest row (slot -1: no context)."""
+        T = max(lengths + [1])
+        slots = torch.tensor([max(i, 0) for i in slots], device=self.device)
+        lengths = torch.tensor(lengths, device=self.device)
+        kv = [(self.k_cache[i, :, :, :T].index_select(0, slots), self.v_cache[i, :, :, :T].index_select(0, slots))
+              for i in range(self.cfg.n_blocks)]  # [B, h, T, d] each
+        return CrossContext(kv, lengths)
+
+    @torch.inference_mode()
+    def _propose_rows(self, rows: list[_Row], steps: int) -> list[Draft]:
+        K, V = self.block_size, self.vocab_size
+        ctx = self._context([r.slot for r in rows], [r.length for r in rows])
+        anchor = torch.tensor([r.anchor for r in rows], device=self.device)  # [B]
+        if self.cfg.kind == "dflash":
+            logits = self.model(None, 0.0, 1.0, anchor, ctx)  # [B, K, V]
+        else:
+            x = torch.stack([draw_noise(r.gen, K, V, self.shared_noise) for r in rows]).to(self.device)  # [B, K, V]
+            logits = self._integrate(x, anchor, ctx, steps)
+        return self._sample(logits, rows)
+
+    def _integrate(self, x: Tensor, anchor: Tensor, ctx: CrossContext, steps: int) -> Tensor:
+        """Run the flow from x_0 to t = 1; returns the last evaluation's logits [B, K, V]."""
+        grid = time_grid(steps, self.vocab_size, self.cfg.time_table_size, self.cfg.gauss_hermite_nodes)
+        euler = steps >= 3  # 1-2 steps: flow-map jumps (s, t); more: teacher ODE (t, t)
+        logits = None
+        for a, b in zip(grid[:-1], grid[1:]):
+            logits = self.model(x, float(a), float(a if euler else b), anchor, ctx)
+            if b < 1.0:  # the last update would give x_1 = pi: the logits already say it
+                x = jump(x, logits.softmax(-1), float(a), float(b))
+        return logits
+
+    def _sample(self, logits: Tensor, rows: list[_Row]) -> list[Draft]:
+        """Greedy rows: per-slot argmax. Sampling rows: top-m of softmax(logits / T), renormalised."""
+        greedy = logits.argmax(-1).cpu().numpy()  # [B, K]
+        m_max = max([r.top_m for r in rows if r.temperature > 0] + [1])
+        top_logits, top_ids = logits.topk(min(m_max, self.vocab_size), dim=-1)  # [B, K, m_max]
+        top_logits, top_ids = top_logits.cpu(), top_ids.cpu()
+        out = []
+        for i, r in enumerate(rows):
+            if r.temperature == 0:
+                out.append(Draft.greedy(greedy[i]))
+                continue
+            m = min(r.top_m, self.vocab_size)
+            q = (top_logits[i, :, :m].double() / r.temperature).softmax(-1)  # [K, m]; topk order = q order
+            pick = torch.multinomial(q, 1, generator=r.gen)[:, 0]  # [K]
+            ids = top_ids[i, :, :m]
+            tokens = ids.gather(1, pick[:, None])[:, 0]
+            out.append(Draft(tokens.numpy().astype(np.int64), ids.numpy().astype(np.int64),
+                             q.float().numpy()))
+        return out

@@ -1,0 +1,89 @@
+"""A test / benchmark drafter that proposes the target's own greedy continuation.
+
+Given reference sequences (prompt + the target's greedy output), it proposes the next K
+tokens of the reference that the sequence's committed tokens + anchor are a prefix of,
+so at temperature 0 every draft is accepted, except where it injects errors: at each
+1-based slot in error_slots, and at each slot with probability error_rate (seeded by
+the oracle seed, the request seed and the position, so it does not depend on batching),
+the token is replaced by (tok + 1) % V and rejection happens exactly there. With no
+matching reference (or past its end) it proposes token 0. Drafts are greedy (q = 1).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from drafter_service.proposer import Proposer, ProposeRequest
+from flashmap.types import Draft
+
+
+class OracleProposer(Proposer):
+    def __init__(self, references: Sequence[Sequence[int]], block_size: int = 16, vocab_size: int | None = None,
+                 error_slots: Sequence[int] = (), error_rate: float = 0.0, seed: int = 0):
+        if vocab_size is None or vocab_size < 1:
+            raise ValueError(f"vocab_size is required (>= 1), got {vocab_size}")
+        bad = [k for k in error_slots if not 1 <= k <= block_size]
+        if bad:
+            raise ValueError(f"error_slots are 1-based slots in 1..{block_size}, got {bad}")
+        if not 0.0 <= error_rate <= 1.0:
+            raise ValueError(f"error_rate must be in [0, 1], got {error_rate}")
+        self.references = [np.asarray(r, np.int64) for r in references]
+        self.block_size, self.vocab_size = block_size, vocab_size
+        self.error_slots = sorted(set(error_slots))
+        self.error_rate, self.seed = error_rate, seed
+        self.steps = 1  # accepted and ignored: the oracle has no flow
+        self.committed: dict[str, list[int]] = {}
+        self._match: dict[str, int] = {}  # seq_id -> index of the last matching reference
+
+    def extend(self, seq_id: str, token_ids: np.ndarray, features: np.ndarray) -> None:
+        self.committed.setdefault(seq_id, []).extend(int(t) for t in np.asarray(token_ids).reshape(-1))
+
+    def set_steps(self, n: int) -> None:
+        self.steps = int(n)
+
+    def truncate(self, seq_id: str, n: int) -> None:
+        """Keep only the first n committed tokens."""
+        if seq_id in self.committed:
+            del self.committed[seq_id][n:]
+
+    def release(self, seq_id: str) -> None:
+        self.committed.pop(seq_id, None)
+        self._match.pop(seq_id, None)
+
+    def context_length(self, seq_id: str) -> int:
+        return len(self.committed.get(seq_id, ()))
+
+    def _find(self, seq_id: str, prefix: np.ndarray) -> np.ndarray | None:
+        """The reference that starts with prefix (the last match is tried first)."""
+        order = list(range(len(self.references)))
+        last = self._match.get(seq_id)
+        if last is not None:
+            order.insert(0, last)
+        for i in order:
+            ref = self.references[i]
+            if len(ref) >= len(prefix) and np.array_equal(ref[:len(prefix)], prefix):
+                self._match[seq_id] = i
+                return ref
+        return None
+
+    def propose(self, requests: list[ProposeRequest], steps: int | None = None) -> list[Draft]:
+        K = self.block_size
+        out = []
+        for r in requests:
+            prefix = np.asarray(self.committed.get(r.seq_id, []) + [int(r.anchor)], np.int64)
+            n = len(prefix)
+            tokens = np.zeros(K, np.int64)
+            ref = self._find(r.seq_id, prefix)
+            if ref is not None:
+                nxt = ref[n:n + K]
+                tokens[:len(nxt)] = nxt
+            wrong = np.zeros(K, bool)
+            wrong[[k - 1 for k in self.error_slots]] = True
+            if self.error_rate > 0:
+                rng = np.random.default_rng([self.seed & 0xFFFFFFFF, r.seed & 0xFFFFFFFF, n])
+                wrong |= rng.random(K) < self.error_rate
+            tokens[wrong] = (tokens[wrong] + 1) % self.vocab_size
+            out.append(Draft.greedy(tokens))
+        return out
