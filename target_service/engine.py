@@ -1,0 +1,258 @@
+"""The target engine: a Qwen3 with a slot KV cache that verifies batches of rows.
+
+A sequence owns a slot from `allocate()` until `release(slot)`. Each `verify` call
+is one forward pass over rows that may belong to different sequences at different
+positions and lengths (a prefill next to a K+1-token verify round). A row writes its
+tokens at start_pos .. start_pos+L-1 of its slot; starting before the slot's current
+length rolls the sequence back for free (positions past start_pos are masked until
+overwritten). The result per row is the verification statistics of its last K+1
+positions (target_service.verification) and the feature-layer hidden states of all
+its positions, which the drafter conditions on.
+
+Not thread-safe: callers (the Triton model) serialise calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from flashmap.types import InvalidRequest, SamplingParams, VerifyResult, VerifyRow, feature_layers_for
+from target_service.qwen3 import Qwen3, Qwen3Config
+from target_service.verification import verification_stats
+
+DEFAULT_MAX_SEQ_LEN = 4096
+
+
+class NoFreeSlot(RuntimeError):
+    """Every KV-cache slot is taken; release one or retry later."""
+
+
+class TargetEngine:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        n_slots: int = 8,
+        max_seq_len: int | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        feature_layers: list[int] | None = None,
+    ):
+        model = Qwen3.from_pretrained(model_dir, device=device, dtype=dtype)
+        eos = list(model.config.eos_token_id) + _generation_eos(Path(model_dir))
+        self._setup(model, n_slots, max_seq_len, feature_layers, eos)
+
+    @classmethod
+    def from_model(
+        cls,
+        model: Qwen3,
+        *,
+        n_slots: int = 8,
+        max_seq_len: int | None = None,
+        feature_layers: list[int] | None = None,
+        eos_token_ids: list[int] | None = None,
+    ) -> "TargetEngine":
+        """An engine around an already loaded model (its caches are replaced)."""
+        engine = cls.__new__(cls)
+        eos = list(model.config.eos_token_id) if eos_token_ids is None else list(eos_token_ids)
+        engine._setup(model, n_slots, max_seq_len, feature_layers, eos)
+        return engine
+
+    def _setup(self, model: Qwen3, n_slots, max_seq_len, feature_layers, eos: list[int]) -> None:
+        c = model.config
+        if max_seq_len is None:
+            max_seq_len = min(c.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
+        if n_slots < 1 or max_seq_len < 1:
+            raise ValueError(f"n_slots and max_seq_len must be >= 1, got {n_slots}, {max_seq_len}")
+        layers = feature_layers_for(c.num_hidden_layers) if feature_layers is None else [int(l) for l in feature_layers]
+        if any(not 0 <= l < c.num_hidden_layers for l in layers) or len(set(layers)) != len(layers):
+            raise ValueError(f"feature_layers must be distinct layers in [0, {c.num_hidden_layers}), got {layers}")
+        model.setup_caches(n_slots, max_seq_len)
+        self.model = model
+        self._feature_layers = tuple(layers)
+        self._eos = list(dict.fromkeys(eos))  # dedupe, keep order
+        self._allocated = [False] * n_slots
+        self._length = [0] * n_slots
+        w = model.lm_head.weight
+        self._device, self._dtype = w.device, w.dtype
+
+    # -- description -----------------------------------------------------------------
+    @property
+    def config(self) -> Qwen3Config:
+        return self.model.config
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def feature_layers(self) -> list[int]:
+        return list(self._feature_layers)
+
+    @property
+    def feature_dim(self) -> int:
+        return len(self._feature_layers) * self.hidden_size
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.model.max_seq_len
+
+    @property
+    def n_slots(self) -> int:
+        return len(self._allocated)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return list(self._eos)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        c = self.config
+        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self._dtype.itemsize
+
+    @property
+    def free_slots(self) -> int:
+        return self._allocated.count(False)
+
+    # -- slots -----------------------------------------------------------------------
+    def allocate(self) -> int:
+        """Take a free slot (its length starts at 0)."""
+        try:
+            slot = self._allocated.index(False)
+        except ValueError:
+            raise NoFreeSlot(f"all {self.n_slots} KV-cache slots are in use") from None
+        self._allocated[slot] = True
+        self._length[slot] = 0
+        return slot
+
+    def release(self, slot: int) -> None:
+        """Free a slot. Releasing a free slot is an error: it would hide a double release
+        that, after reuse, frees another sequence's slot."""
+        self._check_slot(slot)
+        self._allocated[slot] = False
+        self._length[slot] = 0
+
+    def length(self, slot: int) -> int:
+        """Tokens currently held by an allocated slot."""
+        self._check_slot(slot)
+        return self._length[slot]
+
+    def _check_slot(self, slot: int, where: str = "") -> None:
+        if not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.n_slots:
+            raise InvalidRequest(f"{where}slot {slot!r} out of range [0, {self.n_slots})")
+        if not self._allocated[slot]:
+            raise InvalidRequest(f"{where}slot {slot} is not allocated")
+
+    # -- verify ----------------------------------------------------------------------
+    def verify(self, rows: list[VerifyRow]) -> list[VerifyResult]:
+        """One forward pass for all rows; see the module docstring. Validates every row
+        before touching any cache."""
+        if not rows:
+            return []
+        rows = self._validate(rows)
+        lengths = [len(r.tokens) for r in rows]
+        batch = [torch.as_tensor(a, device=self._device) for a in _pack(rows, max(lengths))]
+        kv_len = max(r.start_pos + n for r, n in zip(rows, lengths))
+        try:
+            with torch.inference_mode():
+                logits, features = self.model(*batch, self._feature_layers, kv_len)
+                stats = verification_stats(logits, rows)
+        except BaseException:
+            # The cache may be half written from start_pos on: keep only what is intact.
+            for r in rows:
+                self._length[r.slot] = min(self._length[r.slot], r.start_pos)
+            raise
+        for r, n in zip(rows, lengths):
+            self._length[r.slot] = r.start_pos + n
+        feats = np.split(features.cpu().numpy(), np.cumsum(lengths)[:-1])
+        return [VerifyResult(*s, features=f) for s, f in zip(stats, feats)]
+
+    def _validate(self, rows: list[VerifyRow]) -> list[VerifyRow]:
+        """Raise InvalidRequest (one line, naming the row) for any bad row; return the rows
+        with tokens [L] and support_ids [K, S] as int64 arrays."""
+        seen: set[int] = set()
+        out = []
+        V = self.vocab_size
+        for i, r in enumerate(rows):
+            where = f"row {i}: "
+            self._check_slot(r.slot, where)
+            if r.slot in seen:
+                raise InvalidRequest(f"{where}slot {r.slot} appears twice in one verify batch")
+            seen.add(r.slot)
+            t = np.asarray(r.tokens)
+            if t.ndim != 1 or t.size == 0:
+                raise InvalidRequest(f"{where}tokens must be a non-empty 1-D array, got shape {t.shape}")
+            if not np.issubdtype(t.dtype, np.integer):
+                raise InvalidRequest(f"{where}tokens must be integers, got dtype {t.dtype}")
+            bad = t[(t < 0) | (t >= V)]
+            if bad.size:
+                raise InvalidRequest(f"{where}token id {int(bad[0])} outside the vocabulary [0, {V})")
+            n, start, have = len(t), r.start_pos, self._length[r.slot]
+            if not 0 <= start <= have:
+                raise InvalidRequest(f"{where}start_pos {start} outside [0, {have}] (the slot holds {have} tokens)")
+            if start + n > self.max_seq_len:
+                raise InvalidRequest(f"{where}start_pos + len(tokens) = {start + n} > max_seq_len {self.max_seq_len}")
+            if not isinstance(r.params, SamplingParams):
+                raise InvalidRequest(f"{where}params must be SamplingParams, got {type(r.params).__name__}")
+            try:
+                r.params.validate()
+            except InvalidRequest as e:
+                raise InvalidRequest(f"{where}{e}") from None
+            sup = self._validate_support(r.support_ids, n, where)
+            out.append(dataclasses.replace(r, tokens=t.astype(np.int64, copy=False), support_ids=sup))
+        return out
+
+    def _validate_support(self, sup: np.ndarray, n_tokens: int, where: str) -> np.ndarray:
+        sup = np.asarray(sup)
+        if sup.ndim != 2 or not (np.issubdtype(sup.dtype, np.integer) or sup.size == 0):
+            raise InvalidRequest(f"{where}support_ids must be a 2-D integer array [K, S], got shape {sup.shape}")
+        K = sup.shape[0]
+        if K + 1 > n_tokens:
+            raise InvalidRequest(f"{where}{K} draft tokens need at least {K + 1} input tokens, got {n_tokens}")
+        bad = sup[(sup < -1) | (sup >= self.vocab_size)]
+        if bad.size:
+            raise InvalidRequest(f"{where}support id {int(bad[0])} outside [-1, {self.vocab_size})")
+        for k, ids in enumerate(sup):
+            ids = ids[ids >= 0]
+            if len(np.unique(ids)) != len(ids):
+                raise InvalidRequest(f"{where}support_ids[{k}] repeats a token id")
+        return sup.astype(np.int64, copy=False)
+
+
+def _pack(rows: list[VerifyRow], L: int) -> tuple[np.ndarray, ...]:
+    """Right-padded model inputs: tokens, positions [B, L], slots [B], valid and
+    want-logits masks [B, L] (the last K+1 positions of each row)."""
+    B = len(rows)
+    tokens, positions = np.zeros((B, L), np.int64), np.zeros((B, L), np.int64)
+    valid, want_logits = np.zeros((B, L), bool), np.zeros((B, L), bool)
+    for b, r in enumerate(rows):
+        n = len(r.tokens)
+        tokens[b, :n] = r.tokens
+        positions[b, :n] = r.start_pos + np.arange(n)
+        valid[b, :n] = True
+        want_logits[b, n - r.num_draft - 1 : n] = True
+    slots = np.array([r.slot for r in rows], np.int64)
+    return tokens, positions, slots, valid, want_logits
+
+
+def _generation_eos(model_dir: Path) -> list[int]:
+    """Extra stop ids from generation_config.json (Qwen3 lists <|endoftext|> there too)."""
+    try:
+        eos = json.loads((model_dir / "generation_config.json").read_text()).get("eos_token_id")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return []
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]

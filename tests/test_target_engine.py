@@ -1,0 +1,408 @@
+"""Target engine acceptance: the Qwen3 forward against transformers, the slot KV cache
+(batching, rollback, incremental decoding), verification statistics, input validation.
+
+All fp32 on tiny random checkpoints (target_service.random_checkpoint). Greedy
+comparisons first check the reference top-2 logit gap, so that an argmax equality
+cannot hinge on float rounding (DESIGN.md, "Floating point").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from flashmap.types import InvalidRequest, SamplingParams, VerifyRow, feature_layers_for
+from target_service.checkpoint import CheckpointError
+from target_service.engine import NoFreeSlot, TargetEngine
+from target_service.qwen3 import Qwen3, Qwen3Config
+from target_service.random_checkpoint import make_random_qwen3
+from target_service.verification import process_logits, verification_stats
+
+transformers = pytest.importorskip("transformers")
+
+CONFIGS = {
+    # default: 4 layers, GQA 4:2, untied
+    "gqa": dict(),
+    # MHA, tied embeddings, 2 layers
+    "mha_tied": dict(num_hidden_layers=2, num_key_value_heads=4, tie_word_embeddings=True, seed=1),
+    # GQA 4:1, head_dim 32 != 64 / 4, another RoPE base, 3 layers
+    "wide_head": dict(num_hidden_layers=3, num_key_value_heads=1, head_dim=32, rope_theta=1e6, seed=2),
+}
+V = 512  # vocab of every config above
+GREEDY = SamplingParams()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return {
+        name: make_random_qwen3(root / name, with_tokenizer=(name == "gqa"), **kw) for name, kw in CONFIGS.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def hf_models(checkpoints):
+    return {
+        name: transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        for name, path in checkpoints.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def model(checkpoints):
+    return Qwen3.from_pretrained(checkpoints["gqa"])
+
+
+def fresh_engine(model, n_slots=1) -> TargetEngine:
+    """An engine with fresh caches around `model`, every layer as a feature layer. It
+    replaces the model's caches: earlier engines around the same model are stale."""
+    return TargetEngine.from_model(model, n_slots=n_slots, max_seq_len=128, feature_layers=list(range(4)))
+
+
+@pytest.fixture
+def engine(model):
+    return fresh_engine(model, n_slots=4)
+
+
+def hf_forward(hf, tokens: np.ndarray):
+    """Logits [L, V] and hidden states (tuple of [L, E]) of one full sequence."""
+    with torch.no_grad():
+        out = hf(torch.as_tensor(tokens)[None], use_cache=False, output_hidden_states=True)
+    return out.logits[0], [h[0] for h in out.hidden_states]
+
+
+def assert_clear_argmax(logits: torch.Tensor, min_gap: float = 1e-3) -> None:
+    top2 = logits.topk(2, dim=-1).values
+    gap = float((top2[..., 0] - top2[..., 1]).min())
+    assert gap > min_gap, f"reference top-2 gap {gap} too small for an argmax comparison"
+
+
+def rel_err(a, b) -> float:
+    """Max abs difference relative to the reference's largest entry (hidden states grow
+    along the residual stream, so elementwise rtol is meaningless for small entries)."""
+    a, b = torch.as_tensor(a), torch.as_tensor(b)
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def seq(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, V, n)
+
+
+def row(slot, start, tokens, k=0, params=GREEDY, seed=0) -> VerifyRow:
+    """A verify row whose K draft tokens are its last K tokens, greedy supports."""
+    tokens = np.asarray(tokens, np.int64)
+    support = tokens[len(tokens) - k :, None] if k else np.zeros((0, 1), np.int64)
+    return VerifyRow(slot, start, tokens, params, support, seed)
+
+
+def all_layer_features(engine, res) -> np.ndarray:
+    return res.features.reshape(len(res.features), len(engine.feature_layers), engine.hidden_size)
+
+
+# -- forward vs transformers ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_logits_and_features_match_transformers(name, checkpoints, hf_models):
+    hf = hf_models[name]
+    m = Qwen3.from_pretrained(checkpoints[name])
+    n_layers = m.config.num_hidden_layers
+    eng = TargetEngine.from_model(m, n_slots=3, max_seq_len=64, feature_layers=list(range(n_layers)))
+    # Two rows of different lengths in one padded pass; logits for every position.
+    seqs = [seq(37, 1), seq(20, 2)]
+    B, L = 2, 37
+    tokens = torch.zeros(B, L, dtype=torch.long)
+    valid = torch.zeros(B, L, dtype=torch.bool)
+    for b, s in enumerate(seqs):
+        tokens[b, : len(s)] = torch.as_tensor(s)
+        valid[b, : len(s)] = True
+    with torch.inference_mode():
+        logits, _ = m(tokens, torch.arange(L).expand(B, L), torch.tensor([2, 0]), valid, valid)
+    ref = [hf_forward(hf, s) for s in seqs]
+    assert rel_err(logits, torch.cat([r[0] for r in ref])) < 1e-4
+
+    # Engine path: features of every layer = HF hidden_states[l + 1]; argmax of the last position.
+    slot = eng.allocate()
+    res = eng.verify([row(slot, 0, seqs[0])])[0]
+    feats = all_layer_features(eng, res)
+    for l in range(n_layers):
+        assert rel_err(feats[:, l], ref[0][1][l + 1]) < 1e-4, f"layer {l}"
+    assert_clear_argmax(ref[0][0][-1:])
+    assert res.argmax.tolist() == [int(ref[0][0][-1].argmax())]
+
+
+def test_engine_defaults(checkpoints):
+    eng = TargetEngine(checkpoints["gqa"])
+    c = eng.config
+    assert eng.feature_layers == feature_layers_for(4)
+    assert eng.feature_dim == len(eng.feature_layers) * 64 == eng.hidden_size * len(eng.feature_layers)
+    assert (eng.vocab_size, eng.num_layers, eng.n_slots, eng.free_slots) == (V, 4, 8, 8)
+    assert eng.max_seq_len == min(c.max_position_embeddings, 4096) == 512
+    assert eng.kv_bytes_per_token == 2 * 4 * 2 * 16 * 4
+    tok = transformers.AutoTokenizer.from_pretrained(checkpoints["gqa"])
+    assert tok.eos_token_id in eng.eos_token_ids and len(tok) <= V
+
+
+def test_bf16_runs(checkpoints):
+    eng = TargetEngine(checkpoints["gqa"], n_slots=1, max_seq_len=32, dtype=torch.bfloat16)
+    res = eng.verify([row(eng.allocate(), 0, seq(9), k=3)])[0]
+    assert res.features.dtype == np.float32 and res.features.shape == (9, eng.feature_dim)
+    assert np.isfinite(res.features).all() and res.argmax.shape == (4,)
+
+
+# -- slot cache: batching, rollback, incremental decoding ----------------------------
+
+
+def test_batched_verify_equals_each_row_alone(engine, model, hf_models):
+    sampled = SamplingParams(temperature=0.8, top_k=40, top_p=0.95)
+    history = {0: seq(20, 3), 1: seq(7, 4), 2: np.zeros(0, np.int64)}
+    new = {0: seq(6, 5), 1: seq(9, 6), 2: seq(31, 7)}
+    specs = {0: (5, GREEDY), 1: (4, sampled), 2: (0, sampled)}  # slot: (K, params)
+
+    rows = {s: row(s, len(history[s]), new[s], specs[s][0], specs[s][1], seed=10 + s) for s in history}
+
+    # Batched: the two histories prefilled together (different lengths), then all three rows.
+    for s in history:
+        assert engine.allocate() == s
+    engine.verify([row(0, 0, history[0]), row(1, 0, history[1])])
+    batched = dict(zip(history, engine.verify(list(rows.values()))))
+
+    for s in history:
+        solo = fresh_engine(model)
+        slot = solo.allocate()
+        if len(history[s]):
+            solo.verify([row(slot, 0, history[s])])
+        alone = solo.verify([dataclasses.replace(rows[s], slot=slot)])[0]
+        b = batched[s]
+        np.testing.assert_array_equal(b.argmax, alone.argmax)
+        assert rel_err(b.features, alone.features) < 1e-5
+        np.testing.assert_allclose(b.support_probs, alone.support_probs, rtol=1e-5, atol=1e-7)
+        np.testing.assert_array_equal(b.residual, alone.residual)  # same round_seed, same samples
+        assert engine.length(s) == len(history[s]) + len(new[s])
+
+    # And against transformers on the full sequences.
+    for s in (0, 1, 2):
+        full = np.concatenate([history[s], new[s]])
+        logits, hidden = hf_forward(hf_models["gqa"], full)
+        K = specs[s][0]
+        assert_clear_argmax(logits[-K - 1 :])
+        assert batched[s].argmax.tolist() == logits[-K - 1 :].argmax(-1).tolist()
+        ref = hidden[2][len(history[s]) :]  # layer 1 = hidden_states[2]
+        assert rel_err(all_layer_features(engine, batched[s])[:, 1], ref) < 1e-4
+
+
+def test_rollback_then_reverify_equals_fresh_run(engine, model):
+    tokens = seq(40, 8)
+    slot = engine.allocate()
+    engine.verify([row(slot, 0, tokens[:30])])
+    engine.verify([row(slot, 30, seq(15, 9), k=14)])  # a rejected block: 30..44 now stale
+    assert engine.length(slot) == 45
+    # Roll back to 25, batched with a longer row so the stale 35..44 lie inside the attended span.
+    other = engine.allocate()
+    res = engine.verify([row(slot, 25, tokens[25:35], k=9), row(other, 0, seq(60, 11))])[0]
+    assert engine.length(slot) == 35
+
+    fresh = fresh_engine(model)
+    ref = fresh.verify([row(fresh.allocate(), 0, tokens[:35], k=9)])[0]
+    np.testing.assert_array_equal(res.argmax, ref.argmax)
+    assert rel_err(res.features, ref.features[25:]) < 1e-5
+
+
+def test_incremental_decoding_equals_one_forward(engine, model, hf_models):
+    tokens = seq(25, 10)
+    slot = engine.allocate()
+    steps = [engine.verify([row(slot, 0, tokens[:10])])[0]]
+    for i in range(10, 25):
+        steps.append(engine.verify([row(slot, i, tokens[i : i + 1])])[0])
+    argmax = [int(r.argmax[0]) for r in steps]  # next-token argmax after positions 9..24
+    feats = np.concatenate([r.features for r in steps])
+
+    fresh = fresh_engine(model)
+    full = fresh.verify([row(fresh.allocate(), 0, tokens, k=15)])[0]
+    logits, _ = hf_forward(hf_models["gqa"], tokens)
+    assert_clear_argmax(logits[9:])
+    assert argmax == full.argmax.tolist() == logits[9:].argmax(-1).tolist()
+    assert rel_err(feats, full.features) < 1e-5
+
+
+# -- verification statistics ---------------------------------------------------------
+
+
+def hf_probs(logits: torch.Tensor, t: float, k: int, p: float) -> torch.Tensor:
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    x = TemperatureLogitsWarper(t)(None, logits.clone())
+    if k:
+        x = TopKLogitsWarper(k)(None, x)
+    if p < 1:
+        x = TopPLogitsWarper(p)(None, x)
+    return x.softmax(-1)
+
+
+def test_process_logits_matches_transformers_warpers():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 300) * 3
+    logits[5, :3] = 10.0  # a tie at the top-k boundary: every tied token stays
+    params = [(1.0, 0, 1.0), (0.7, 50, 1.0), (1.3, 0, 0.9), (0.5, 20, 0.8), (1.0, 0, 1e-4), (1.0, 2, 1.0)]
+    t, k, p = (torch.tensor(x) for x in zip(*params))
+    got = process_logits(logits, t.float(), k, p.double())
+    for i, (ti, ki, pi) in enumerate(params):
+        torch.testing.assert_close(got[i], hf_probs(logits[i : i + 1], ti, ki, pi)[0], rtol=1e-5, atol=1e-7)
+    assert (got[4] > 0).sum() == 1  # top_p tiny keeps exactly the top token
+    assert (got[5] > 0).sum() == 3 and (got[1] > 0).sum() == 50
+
+
+def synthetic_rows(n_rows, supports, params, seed0=0):
+    """Rows for verification_stats with given per-position supports (tokens are unused)."""
+    sup = np.asarray(supports, np.int64)
+    return [VerifyRow(0, 0, np.zeros(len(sup) + 1, np.int64), params, sup, seed0 + i) for i in range(n_rows)]
+
+
+def test_support_probs_complement_and_seeded_samples():
+    torch.manual_seed(1)
+    params = SamplingParams(temperature=0.9, top_k=30, top_p=0.9)
+    supports = [[4, 9, -1], [-1, -1, -1], [7, -1, 2]]
+    base = torch.randn(4, 64) * 2
+    base[0, [4, 9]] += 3  # make the support carry real mass
+    rows = synthetic_rows(3, supports, params)
+    stats = verification_stats(base.repeat(3, 1), rows)
+    ref = hf_probs(base, 0.9, 30, 0.9)
+    sup = np.asarray(supports)
+    want = np.where(sup >= 0, ref[:3].numpy()[np.arange(3)[:, None], np.maximum(sup, 0)], 0.0)
+    for st in stats:
+        np.testing.assert_allclose(st.support_probs, want, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(st.complement, 1 - want.sum(1), atol=1e-5)
+        np.testing.assert_array_equal(st.argmax, base.argmax(-1).numpy())
+        for kk, y in enumerate(st.residual):
+            assert y >= 0 and ref[kk, y] > 0  # never a filtered-out token
+            if kk < 3:
+                assert y not in sup[kk]
+    again = verification_stats(base.repeat(3, 1), rows)
+    for a, b in zip(stats, again):
+        np.testing.assert_array_equal(a.residual, b.residual)
+    assert len({tuple(s.residual) for s in stats}) > 1  # different seeds, different samples
+
+    # Support holding all the mass: no residual to sample (c = 0, y = -1).
+    peaked = torch.full((2, 16), -200.0)
+    peaked[:, 3] = 0.0
+    st = verification_stats(peaked, synthetic_rows(1, [[3]], SamplingParams(temperature=1.0)))[0]
+    assert st.residual.tolist() == [-1, 3] and st.complement.tolist() == [0.0]
+
+
+def test_greedy_rows_have_argmax_only():
+    logits = torch.randn(5, 32)
+    rows = [row(0, 0, np.zeros(3), k=2), row(1, 0, np.zeros(1), params=SamplingParams(temperature=1.0))]
+    g, s = verification_stats(torch.cat([logits[:3], logits[3:4]]), rows)
+    assert g.argmax.tolist() == logits[:3].argmax(-1).tolist()
+    assert g.support_probs.shape == (0, 1) and g.complement.shape == (0,) and g.residual.tolist() == [-1] * 3
+    assert s.support_probs.shape == (0, 1) and s.residual.shape == (1,) and s.residual[0] >= 0
+
+
+def test_residual_and_bonus_follow_the_target_distribution():
+    stats_mod = pytest.importorskip("scipy.stats")
+    torch.manual_seed(2)
+    Vs, n = 12, 3000
+    base = torch.randn(2, Vs)
+    support = [[0, 5]]
+    params = SamplingParams(temperature=1.2, top_k=10)
+    stats = verification_stats(base.repeat(n, 1), synthetic_rows(n, support, params, seed0=1000))
+    p = hf_probs(base, 1.2, 10, 1.0).double().numpy()
+    residual_p = p[0].copy()
+    residual_p[support[0]] = 0
+    for pos, target in ((0, residual_p), (1, p[1])):
+        counts = np.bincount([s.residual[pos] for s in stats], minlength=Vs)
+        assert counts[target == 0].sum() == 0  # never the support, never a top-k-filtered token
+        keep = target > 0
+        expected = target[keep] / target[keep].sum() * n
+        assert stats_mod.chisquare(counts[keep], expected).pvalue > 1e-3
+
+
+# -- validation and slots ------------------------------------------------------------
+
+
+def test_invalid_requests(engine):
+    a, b = engine.allocate(), engine.allocate()
+    engine.verify([row(a, 0, seq(10))])
+    ok = dict(slot=a, start_pos=10, tokens=np.array([1, 2, 3]), params=GREEDY)
+    bad = [
+        dict(tokens=np.zeros(0, np.int64)),
+        dict(tokens=np.array([1, V])),
+        dict(tokens=np.array([-1, 2])),
+        dict(tokens=np.array([1.5, 2.0])),
+        dict(start_pos=-1),
+        dict(start_pos=11),
+        dict(start_pos=10, tokens=np.zeros(119, np.int64)),  # 129 > max_seq_len 128
+        dict(slot=3),  # not allocated
+        dict(slot=99),
+        dict(support_ids=np.array([[1], [2], [3]])),  # K+1 = 4 > L = 3
+        dict(support_ids=np.array([[1, 1]])),
+        dict(support_ids=np.array([[V]])),
+        dict(params=SamplingParams(temperature=-1.0)),
+        dict(params=SamplingParams(top_p=0.0)),
+    ]
+    lengths = (engine.length(a), engine.length(b))
+    for change in bad:
+        with pytest.raises(InvalidRequest) as e:
+            engine.verify([VerifyRow(**{**ok, **change})])
+        assert "\n" not in str(e.value) and str(e.value).startswith("row 0: ")
+    with pytest.raises(InvalidRequest, match="twice"):
+        engine.verify([row(b, 0, seq(3)), row(a, 10, seq(3)), row(b, 0, seq(3))])
+    assert (engine.length(a), engine.length(b)) == lengths  # nothing ran
+
+
+def test_slots_allocate_release(engine):
+    assert [engine.allocate() for _ in range(4)] == [0, 1, 2, 3] and engine.free_slots == 0
+    with pytest.raises(NoFreeSlot):
+        engine.allocate()
+    engine.verify([row(2, 0, seq(5))])
+    engine.release(2)
+    assert engine.free_slots == 1
+    with pytest.raises(InvalidRequest):
+        engine.release(2)
+    with pytest.raises(InvalidRequest):
+        engine.length(2)
+    assert engine.allocate() == 2 and engine.length(2) == 0
+
+
+# -- config parsing and the random checkpoint ----------------------------------------
+
+BASE_CFG = dict(
+    vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, rms_norm_eps=1e-6,
+)
+
+
+def test_config_parsing_variants():
+    old = Qwen3Config.from_dict({**BASE_CFG, "rope_theta": 1e6, "rope_scaling": None, "eos_token_id": 7})
+    assert (old.rope_theta, old.head_dim, old.eos_token_id) == (1e6, 16, (7,))
+    rope = {"rope_type": "default", "rope_theta": 5e5}
+    new = Qwen3Config.from_dict({**BASE_CFG, "head_dim": 32, "rope_parameters": rope})
+    assert (new.rope_theta, new.head_dim, new.eos_token_id) == (5e5, 32, ())
+    for bad in (
+        {"rope_scaling": {"type": "yarn", "factor": 4.0}},
+        {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}},
+        {"attention_bias": True},
+        {"use_sliding_window": True},
+        {"vocab_size": None},
+    ):
+        with pytest.raises(CheckpointError):
+            Qwen3Config.from_dict({**BASE_CFG, **bad})
+    with pytest.raises(CheckpointError, match="hidden_size"):
+        Qwen3Config.from_dict({k: v for k, v in BASE_CFG.items() if k != "hidden_size"})
+
+
+def test_random_checkpoint_is_seeded_and_leaves_global_rng(tmp_path, checkpoints):
+    from safetensors.torch import load_file
+
+    state = torch.random.get_rng_state()
+    path = make_random_qwen3(tmp_path / "again", with_tokenizer=False)
+    assert torch.equal(state, torch.random.get_rng_state())
+    a, b = load_file(path / "model.safetensors"), load_file(checkpoints["gqa"] / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    tok = transformers.AutoTokenizer.from_pretrained(checkpoints["gqa"])
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n")
+    assert tok.decode(tok("The sky is blue.")["input_ids"]) == "The sky is blue."
