@@ -1,0 +1,384 @@
+"""Triton Python-backend model: the FlashMap target (TargetEngine) behind Triton's sequence batcher.
+
+Each Triton sequence (correlation id) owns one KV slot of the engine:
+- a request with START allocates a slot for its correlation id (replacing any it had);
+- every request with tokens becomes one VerifyRow; all requests that Triton hands to one
+  execute() call are verified by ONE engine.verify (one forward pass);
+- a request with END releases the slot after its verify (END with no tokens = release/cancel);
+- slots of sequences idle longer than max_sequence_idle_microseconds are freed here, because
+  Triton's sequence batcher drops idle sequences without telling the model;
+- a request with INFO = true answers INFO_JSON (vocab size, feature layers, ...) instead.
+
+Tensor contract (config.pbtxt; every tensor has a leading batch dimension of 1):
+  in:  TOKENS INT64 [L], START_POS INT64 [1], SUPPORT_IDS INT64 [K, S] (-1 padded, K may be 0),
+       TEMPERATURE FP32 [1], TOP_K INT32 [1], TOP_P FP32 [1], ROUND_SEED INT64 [1], INFO BOOL [1]
+  out: ARGMAX INT64 [K+1], SUPPORT_PROBS FP32 [K, S], COMPLEMENT FP32 [K], RESIDUAL INT64 [K+1],
+       FEATURES FP32|FP16 [L, F], INFO_JSON BYTES [1]
+
+Errors: engine InvalidRequest -> that request alone gets TritonError(INVALID_ARG, message);
+no free slot -> UNAVAILABLE; anything else -> INTERNAL for the requests of that forward.
+
+Configuration: config.pbtxt parameters (model_dir, max_seq_len, device, dtype, feature_layers),
+each overridden by the environment ($FLASHMAP_TARGET_DIR, $FLASHMAP_TARGET_MAX_SEQ_LEN, ...).
+n_slots = oldest.max_candidate_sequences; idle timeout = max_sequence_idle_microseconds.
+The project must be importable (PYTHONPATH; target_service/launcher.py sets it).
+
+Metrics (Triton's /metrics): flashmap_target_active_sequences, flashmap_target_slots,
+flashmap_target_batch_size (rows in the last forward), flashmap_target_verify_batches_total,
+flashmap_target_verify_rows_total, flashmap_target_idle_released_total.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import time
+import traceback
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+try:  # a clear message beats a bare ModuleNotFoundError in the server log
+    import torch
+
+    from flashmap.types import InvalidRequest, SamplingParams, VerifyRow
+    from target_service import engine as engine_module
+except ImportError as e:  # pragma: no cover - only in a misconfigured server
+    raise ImportError(
+        f"flashmap_target: cannot import the FlashMap project ({e}). Put the project root and an "
+        "environment with torch/transformers on PYTHONPATH (target_service/launcher.py does this)."
+    ) from e
+
+
+# Settings the environment may override (containers, target_service/launcher.py).
+ENV_OVERRIDES = {
+    "model_dir": "FLASHMAP_TARGET_DIR",
+    "max_seq_len": "FLASHMAP_TARGET_MAX_SEQ_LEN",
+    "device": "FLASHMAP_TARGET_DEVICE",
+    "dtype": "FLASHMAP_TARGET_DTYPE",
+    "feature_layers": "FLASHMAP_TARGET_FEATURE_LAYERS",
+}
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.model_config = cfg = json.loads(args["model_config"])
+        self.triton_model = args["model_name"]
+        params = {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
+        for key, env in ENV_OVERRIDES.items():  # the environment wins over config.pbtxt
+            if os.environ.get(env):
+                params[key] = os.environ[env]
+        model_dir = params.get("model_dir", "")
+        if not model_dir:
+            raise ValueError("flashmap_target: no checkpoint; set $FLASHMAP_TARGET_DIR or the model_dir parameter")
+        device = params.get("device", "auto") or "auto"
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype_name = params.get("dtype", "auto") or "auto"
+        if dtype_name == "auto":
+            dtype_name = "bfloat16" if device.startswith("cuda") else "float32"
+        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        if dtype_name not in dtypes:
+            raise ValueError(f"flashmap_target: dtype must be auto or one of {sorted(dtypes)}, got {dtype_name!r}")
+        dtype = dtypes[dtype_name]
+        max_seq_len = int(params["max_seq_len"]) if params.get("max_seq_len") else None
+        layers = params.get("feature_layers", "")
+        feature_layers = [int(x) for x in layers.split(",")] if layers.strip() else None
+
+        seq = cfg["sequence_batching"]
+        n_slots = int(seq["oldest"]["max_candidate_sequences"])
+        # Triton drops a sequence after this idle time; we free its KV slot after the same time.
+        self.idle_timeout_s = int(seq.get("max_sequence_idle_microseconds", 1_000_000_000)) / 1e6
+
+        feat_cfg = pb_utils.get_output_config_by_name(cfg, "FEATURES")
+        self.features_np_dtype = pb_utils.triton_string_to_numpy(feat_cfg["data_type"])
+
+        self.engine = engine_module.TargetEngine(
+            model_dir,
+            n_slots=n_slots,
+            max_seq_len=max_seq_len,
+            device=device,
+            dtype=dtype,
+            feature_layers=feature_layers,
+        )
+        e = self.engine
+        self.info = {
+            "model_name": os.path.basename(os.path.normpath(str(model_dir))),
+            "model_dir": str(model_dir),
+            "triton_model": self.triton_model,
+            "vocab_size": int(e.vocab_size),
+            "hidden_size": int(e.hidden_size),
+            "num_layers": int(e.num_layers),
+            "feature_layers": [int(x) for x in e.feature_layers],
+            "feature_dim": int(e.feature_dim),
+            "features_dtype": np.dtype(self.features_np_dtype).name,
+            "max_seq_len": int(e.max_seq_len),
+            "n_slots": int(e.n_slots),
+            "eos_token_ids": [int(x) for x in e.eos_token_ids],
+            "kv_bytes_per_token": int(e.kv_bytes_per_token),
+            "idle_timeout_s": self.idle_timeout_s,
+            "device": str(device),
+            "dtype": dtype_name,
+        }
+        self.info_bytes = json.dumps(self.info).encode()
+
+        self.slots: dict[int, int] = {}  # correlation id -> engine slot
+        self.last_use: dict[int, float] = {}  # correlation id -> time.monotonic() of last request
+        # The reaper thread and execute() both touch the engine's slots: one lock for both.
+        self.lock = threading.Lock()
+        self._init_metrics()
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap_loop, name="flashmap-idle-reaper", daemon=True)
+        self._reaper.start()
+        pb_utils.Logger.log_info(f"flashmap_target ready: {self.info}")
+
+    # ------------------------------------------------------------------ metrics
+
+    def _init_metrics(self):
+        labels = {"model": self.info["model_name"]}
+        gauge, counter = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER
+
+        def metric(name, desc, kind):
+            # Keep the family alive as long as the model: its metrics die with it.
+            fam = pb_utils.MetricFamily(name=name, description=desc, kind=kind)
+            self._families.append(fam)
+            return fam.Metric(labels=labels)
+
+        self._families = []
+        self.m_active = metric("flashmap_target_active_sequences", "Sequences holding a KV slot", gauge)
+        self.m_slots = metric("flashmap_target_slots", "KV slots (max concurrent sequences)", gauge)
+        self.m_batch = metric("flashmap_target_batch_size", "Sequences in the last verify forward", gauge)
+        self.m_batches = metric("flashmap_target_verify_batches_total", "Verify forward passes", counter)
+        self.m_rows = metric("flashmap_target_verify_rows_total", "Sequences verified (sum of batch sizes)", counter)
+        self.m_idle = metric("flashmap_target_idle_released_total", "Slots freed by the idle timeout", counter)
+        self.m_slots.set(self.engine.n_slots)
+        self.m_active.set(0)
+
+    def _update_active(self):
+        self.m_active.set(len(self.slots))
+
+    # ------------------------------------------------------------------ slots
+
+    def _release(self, corrid: int) -> bool:
+        slot = self.slots.pop(corrid, None)
+        self.last_use.pop(corrid, None)
+        if slot is None:
+            return False
+        self.engine.release(slot)
+        return True
+
+    def _allocate(self, now: float) -> int | None:
+        """A free slot, or None. Triton admits at most n_slots sequences, so a new one finding
+        every slot taken means Triton already dropped an idle sequence that our reaper has not
+        freed yet (the two idle clocks start at slightly different times): free the least
+        recently used one if it has been idle for a while."""
+        try:
+            return self.engine.allocate()
+        except engine_module.NoFreeSlot:
+            pass
+        if not self.last_use:
+            return None
+        lru = min(self.last_use, key=self.last_use.get)
+        if now - self.last_use[lru] < self.idle_timeout_s / 2:
+            return None
+        self._release(lru)
+        self.m_idle.increment(1)
+        pb_utils.Logger.log_info(f"flashmap_target: freed idle sequence {lru} for a new one")
+        return self.engine.allocate()
+
+    def _reap_idle(self, now: float) -> None:
+        stale = [c for c, t in self.last_use.items() if now - t > self.idle_timeout_s]
+        for c in stale:
+            self._release(c)
+        if stale:
+            self.m_idle.increment(len(stale))
+            self._update_active()
+            pb_utils.Logger.log_info(f"flashmap_target: freed {len(stale)} idle sequence(s): {stale}")
+
+    def _reap_loop(self):
+        # Idle sequences must be freed even when no request arrives to trigger execute().
+        interval = min(1.0, max(self.idle_timeout_s / 4, 0.05))
+        while not self._stop.wait(interval):
+            try:
+                with self.lock:
+                    self._reap_idle(time.monotonic())
+            except Exception:  # never let the reaper die silently
+                pb_utils.Logger.log_error("flashmap_target reaper: " + traceback.format_exc())
+
+    # ------------------------------------------------------------------ requests
+
+    def execute(self, requests):
+        with self.lock:
+            return self._execute(requests)
+
+    def _execute(self, requests):
+        now = time.monotonic()
+        self._reap_idle(now)
+        responses = [None] * len(requests)
+        rows, pending = [], []  # pending: (request index, corrid, end)
+        for i, request in enumerate(requests):
+            try:
+                kind, corrid, start, end, row = self._parse(request)
+                if kind == "info":
+                    out = np.array([[self.info_bytes]], dtype=np.object_)
+                    responses[i] = pb_utils.InferenceResponse([pb_utils.Tensor("INFO_JSON", out)])
+                    continue
+                if row is None:
+                    if not end:
+                        raise InvalidRequest("TOKENS is empty (send END without tokens to release the sequence)")
+                    # Release / cancel; idempotent (an unknown or already freed sequence is fine).
+                    self._release(corrid)
+                    responses[i] = self._empty_response()
+                    continue
+                if start:
+                    self._release(corrid)  # a restarted sequence gets a fresh slot
+                    slot = self._allocate(now)
+                    if slot is None:
+                        responses[i] = _error(
+                            f"no free KV slot (all {self.engine.n_slots} in use)", pb_utils.TritonError.UNAVAILABLE
+                        )
+                        continue
+                    self.slots[corrid] = slot
+                elif corrid not in self.slots:
+                    raise InvalidRequest(
+                        f"sequence {corrid} has no KV slot (never started, ended, or idle for more than "
+                        f"{self.idle_timeout_s:g}s); send START"
+                    )
+                self.last_use[corrid] = now
+                row.slot = self.slots[corrid]
+                rows.append(row)
+                pending.append((i, corrid, end))
+            except InvalidRequest as e:
+                responses[i] = _error(str(e), pb_utils.TritonError.INVALID_ARG)
+            except Exception as e:
+                pb_utils.Logger.log_error("flashmap_target: " + traceback.format_exc())
+                responses[i] = _error(f"internal error: {type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL)
+
+        if rows:
+            results = self._verify(rows)
+            self.m_batches.increment(1)
+            self.m_rows.increment(len(rows))
+            self.m_batch.set(len(rows))
+            for (i, corrid, end), result in zip(pending, results):
+                responses[i] = result if isinstance(result, pb_utils.InferenceResponse) else self._response(result)
+                if end:
+                    self._release(corrid)
+        self._update_active()
+        # Triton needs one response per request; none is left empty above, but never crash on it.
+        return [r if r is not None else _error("no response", pb_utils.TritonError.INTERNAL) for r in responses]
+
+    def _verify(self, rows):
+        """One forward for all rows; if the engine rejects the batch, find the bad rows alone."""
+        try:
+            return self.engine.verify(rows)
+        except InvalidRequest as e:
+            if len(rows) == 1:
+                return [_error(str(e), pb_utils.TritonError.INVALID_ARG)]
+        except Exception as e:
+            pb_utils.Logger.log_error("flashmap_target verify: " + traceback.format_exc())
+            return [_error(f"internal error: {type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL)] * len(rows)
+        # Rare path (a bad request in a batch): verify one by one so the others still succeed.
+        out = []
+        for row in rows:
+            try:
+                out.append(self.engine.verify([row])[0])
+            except InvalidRequest as e:
+                out.append(_error(str(e), pb_utils.TritonError.INVALID_ARG))
+            except Exception as e:
+                pb_utils.Logger.log_error("flashmap_target verify: " + traceback.format_exc())
+                out.append(_error(f"internal error: {type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL))
+        return out
+
+    def _parse(self, request):
+        """-> (kind, corrid, start, end, VerifyRow | None); raises InvalidRequest."""
+        corrid = int(_scalar(request, "CORRID", 0))
+        if corrid == 0:
+            corrid = int(request.correlation_id())
+        start = bool(_scalar(request, "START", 0))
+        end = bool(_scalar(request, "END", 0))
+        if bool(_scalar(request, "INFO", False)):
+            return "info", corrid, start, end, None
+        tokens = _array(request, "TOKENS", np.int64, ndim=1)
+        if tokens is None or tokens.size == 0:
+            return "verify", corrid, start, end, None
+        support = _array(request, "SUPPORT_IDS", np.int64, ndim=2)
+        if support is None or support.shape[0] == 0:
+            support = np.zeros((0, 1), np.int64)
+        params = SamplingParams(
+            temperature=float(_scalar(request, "TEMPERATURE", 0.0)),
+            top_k=int(_scalar(request, "TOP_K", 0)),
+            top_p=float(_scalar(request, "TOP_P", 1.0)),
+        ).validate()
+        row = VerifyRow(
+            slot=-1,
+            start_pos=int(_scalar(request, "START_POS", 0)),
+            tokens=tokens,
+            params=params,
+            support_ids=support,
+            round_seed=int(_scalar(request, "ROUND_SEED", 0)),
+        )
+        return "verify", corrid, start, end, row
+
+    def _response(self, r):
+        probs = np.asarray(r.support_probs, np.float32)
+        if probs.ndim != 2:  # keep the declared rank [K, S] even for an empty array
+            probs = probs.reshape(len(r.complement), -1) if probs.size else np.zeros((0, 0), np.float32)
+        tensors = {
+            "ARGMAX": np.asarray(r.argmax, np.int64),
+            "SUPPORT_PROBS": probs,
+            "COMPLEMENT": np.asarray(r.complement, np.float32).reshape(-1),
+            "RESIDUAL": np.asarray(r.residual, np.int64).reshape(-1),
+            "FEATURES": np.asarray(r.features).astype(self.features_np_dtype, copy=False),
+        }
+        return pb_utils.InferenceResponse(
+            [pb_utils.Tensor(name, np.ascontiguousarray(a[None])) for name, a in tensors.items()]
+        )
+
+    def _empty_response(self):
+        # Release / no-op answers: zero-size outputs of the declared ranks.
+        tensors = {
+            "ARGMAX": np.zeros((1, 0), np.int64),
+            "SUPPORT_PROBS": np.zeros((1, 0, 0), np.float32),
+            "COMPLEMENT": np.zeros((1, 0), np.float32),
+            "RESIDUAL": np.zeros((1, 0), np.int64),
+            "FEATURES": np.zeros((1, 0, self.engine.feature_dim), self.features_np_dtype),
+        }
+        return pb_utils.InferenceResponse([pb_utils.Tensor(n, a) for n, a in tensors.items()])
+
+    def finalize(self):
+        self._stop.set()
+        self._reaper.join(timeout=5)
+        with self.lock:
+            for corrid in list(self.slots):
+                self._release(corrid)
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _error(message: str, code) -> "pb_utils.InferenceResponse":
+    # Each response answers one row: the engine's "row N: " prefix would only confuse.
+    message = re.sub(r"^row \d+: ", "", message)
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message, code))
+
+
+def _array(request, name, dtype, ndim):
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    if t is None:
+        return None
+    a = t.as_numpy()
+    if a.ndim != ndim + 1 or a.shape[0] != 1:
+        raise InvalidRequest(f"{name}: expected a batch of one with {ndim + 1} dims, got shape {list(a.shape)}")
+    return np.ascontiguousarray(a[0], dtype=dtype)
+
+
+def _scalar(request, name, default):
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    if t is None:
+        return default
+    a = t.as_numpy().reshape(-1)
+    if a.size != 1:
+        raise InvalidRequest(f"{name}: expected one value, got shape {list(t.as_numpy().shape)}")
+    return a[0].item()

@@ -1,0 +1,222 @@
+"""Orchestrator-side async client of the Triton-hosted target (model "flashmap_target").
+
+numpy + tritonclient.grpc.aio only: the orchestrator has no torch.
+
+    client = TargetClient("127.0.0.1:8001")
+    info = await client.info()                      # vocab size, feature layers, slots, eos ids ...
+    res = await client.verify(seq_id, row, start=True)   # first round of a sequence: START
+    res = await client.verify(seq_id, row, start=False)  # later rounds
+    await client.release(seq_id)                    # finish / cancel: frees the KV slot
+
+The correlation id of a sequence is seq_id (> 0); row.slot is ignored (the server maps
+correlation ids to KV slots). Verify calls of different sequences issued concurrently
+(asyncio.gather) reach the model together: Triton's sequence batcher hands them to one
+execute(), which runs one forward pass.
+
+Errors: InvalidRequest (bad input; Triton INVALID_ARGUMENT, with the model's message),
+TargetUnavailable (cannot connect, not ready, no free KV slot, deadline), TargetError
+(anything else the server reports).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+from tritonclient.grpc import InferInput, InferRequestedOutput
+from tritonclient.utils import InferenceServerException
+
+from flashmap.types import InvalidRequest, VerifyResult, VerifyRow
+
+DEFAULT_MODEL = "flashmap_target"
+_VERIFY_OUTPUTS = ("ARGMAX", "SUPPORT_PROBS", "COMPLEMENT", "RESIDUAL", "FEATURES")
+# Info requests use throw-away correlation ids far above any seq_id the orchestrator hands out.
+_INFO_CORRID_BASE = 1 << 62
+
+
+class TargetUnavailable(ConnectionError):
+    """The target cannot serve now: unreachable, not ready, out of KV slots, or too slow."""
+
+
+class TargetError(RuntimeError):
+    """The target failed a request for a reason other than bad input (see the message)."""
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What the served target reports about itself (model.py's INFO_JSON)."""
+
+    model_name: str  # the checkpoint directory's name (for metric labels)
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    feature_layers: list[int]
+    feature_dim: int
+    max_seq_len: int
+    n_slots: int
+    eos_token_ids: list[int]
+    kv_bytes_per_token: int = 0
+    idle_timeout_s: float = 0.0
+    features_dtype: str = "float32"
+    device: str = ""
+    dtype: str = ""
+    model_dir: str = ""
+    triton_model: str = DEFAULT_MODEL
+    extra: dict = field(default_factory=dict)  # keys this client does not know yet
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TargetInfo":
+        known = {f.name for f in fields(cls)} - {"extra"}
+        return cls(**{k: v for k, v in d.items() if k in known}, extra={k: v for k, v in d.items() if k not in known})
+
+
+class TargetClient:
+    """Async gRPC client of the flashmap_target model. Create and use it inside one event loop."""
+
+    def __init__(self, url: str = "127.0.0.1:8001", model: str = DEFAULT_MODEL, timeout_s: float | None = None):
+        self.url = url
+        self.model = model
+        self.timeout_s = timeout_s  # per call; None = no deadline
+        self._client = None
+        self._info: TargetInfo | None = None
+
+    def _grpc(self):
+        # Created on first use so that the gRPC channel belongs to the running event loop.
+        if self._client is None:
+            from tritonclient.grpc.aio import InferenceServerClient
+
+            self._client = InferenceServerClient(self.url)
+        return self._client
+
+    async def close(self) -> None:
+        if self._client is not None:
+            client, self._client = self._client, None
+            await client.close()
+
+    async def __aenter__(self) -> "TargetClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ health / info
+
+    async def ready(self) -> bool:
+        """True when the server and the model are ready; False when not (or unreachable)."""
+        try:
+            c = self._grpc()
+            return bool(await c.is_server_ready()) and bool(await c.is_model_ready(self.model))
+        except InferenceServerException:
+            return False
+
+    async def wait_ready(self, timeout_s: float = 60.0, interval_s: float = 0.25) -> None:
+        """Wait until ready(); raise TargetUnavailable after timeout_s."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not await self.ready():
+            if loop.time() > deadline:
+                raise TargetUnavailable(f"target {self.model!r} at {self.url} not ready after {timeout_s:g}s")
+            await asyncio.sleep(interval_s)
+
+    async def info(self, refresh: bool = False) -> TargetInfo:
+        """Model metadata (cached). Asked as a START+END request with INFO = true.
+
+        It passes through the sequence batcher like any sequence, so while every KV slot
+        is busy it waits in Triton's backlog until a sequence ends.
+        """
+        if self._info is None or refresh:
+            corrid = _INFO_CORRID_BASE + random.getrandbits(60)
+            inputs = [_input("TOKENS", np.zeros((1, 0), np.int64)), _input("INFO", np.ones((1, 1), np.bool_))]
+            result = await self._infer(inputs, ["INFO_JSON"], corrid, start=True, end=True)
+            raw = result.as_numpy("INFO_JSON").reshape(-1)[0]
+            self._info = TargetInfo.from_dict(json.loads(raw.decode() if isinstance(raw, bytes) else raw))
+        return self._info
+
+    # ------------------------------------------------------------------ verify / release
+
+    async def verify(self, seq_id: int, row: VerifyRow, start: bool, end: bool = False) -> VerifyResult:
+        """Verify one row of sequence seq_id (one target forward, shared with concurrent calls).
+
+        start: first request of the sequence (allocates its KV slot; restarts it if it had one).
+        end: release the slot after this verify (saves a release() call).
+        """
+        _check_seq_id(seq_id)
+        tokens = np.asarray(row.tokens)
+        support = np.asarray(row.support_ids)
+        if tokens.ndim != 1 or tokens.size == 0:
+            raise InvalidRequest(f"tokens must be a non-empty 1-D array, got shape {tokens.shape}")
+        if support.ndim != 2:
+            raise InvalidRequest(f"support_ids must be a 2-D array [K, S], got shape {support.shape}")
+        p = row.params
+        try:
+            inputs = [
+                _input("TOKENS", tokens.astype(np.int64)[None]),
+                _input("START_POS", np.array([[row.start_pos]], np.int64)),
+                _input("SUPPORT_IDS", support.astype(np.int64)[None]),
+                _input("TEMPERATURE", np.array([[p.temperature]], np.float32)),
+                _input("TOP_K", np.array([[p.top_k]], np.int32)),
+                _input("TOP_P", np.array([[p.top_p]], np.float32)),
+                _input("ROUND_SEED", np.array([[row.round_seed]], np.int64)),
+            ]
+        except (OverflowError, ValueError, TypeError) as e:
+            raise InvalidRequest(f"verify row does not fit the target's tensor types: {e}") from None
+        r = await self._infer(inputs, _VERIFY_OUTPUTS, seq_id, start=start, end=end)
+        return VerifyResult(
+            argmax=r.as_numpy("ARGMAX")[0].astype(np.int64, copy=False),
+            support_probs=r.as_numpy("SUPPORT_PROBS")[0].astype(np.float32, copy=False),
+            complement=r.as_numpy("COMPLEMENT")[0].astype(np.float32, copy=False),
+            residual=r.as_numpy("RESIDUAL")[0].astype(np.int64, copy=False),
+            features=r.as_numpy("FEATURES")[0].astype(np.float32, copy=False),  # FP16 on the wire is allowed
+        )
+
+    async def release(self, seq_id: int) -> None:
+        """End sequence seq_id and free its KV slot (finish or cancel). Idempotent."""
+        _check_seq_id(seq_id)
+        inputs = [_input("TOKENS", np.zeros((1, 0), np.int64))]
+        try:
+            await self._infer(inputs, _VERIFY_OUTPUTS, seq_id, start=False, end=True)
+        except InvalidRequest as e:
+            # Triton refuses END for a sequence it no longer knows (ended, or dropped after the idle
+            # timeout): then there is nothing left to free.
+            if "START" not in str(e):
+                raise
+
+    async def _infer(self, inputs, outputs, corrid: int, *, start: bool, end: bool):
+        try:
+            return await self._grpc().infer(
+                self.model,
+                inputs,
+                outputs=[InferRequestedOutput(n) for n in outputs],
+                sequence_id=int(corrid),
+                sequence_start=bool(start),
+                sequence_end=bool(end),
+                client_timeout=self.timeout_s,
+            )
+        except InferenceServerException as e:
+            raise _map_error(e, self.url) from None
+
+
+def _check_seq_id(seq_id: int) -> None:
+    if not isinstance(seq_id, (int, np.integer)) or not 0 < int(seq_id) < _INFO_CORRID_BASE:
+        raise InvalidRequest(f"seq_id must be an integer in [1, 2^62), got {seq_id!r}")
+
+
+def _input(name: str, array: np.ndarray) -> InferInput:
+    datatype = {np.dtype(np.int64): "INT64", np.dtype(np.int32): "INT32", np.dtype(np.float32): "FP32",
+                np.dtype(np.bool_): "BOOL"}[array.dtype]
+    t = InferInput(name, list(array.shape), datatype)
+    t.set_data_from_numpy(np.ascontiguousarray(array))
+    return t
+
+
+def _map_error(e: InferenceServerException, url: str) -> Exception:
+    status = str(e.status() or "")
+    message = e.message() or str(e)
+    if status.endswith("INVALID_ARGUMENT"):
+        return InvalidRequest(message)
+    if status.endswith(("UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED")) or "failed to connect" in message.lower():
+        return TargetUnavailable(f"target at {url}: {message}")
+    return TargetError(f"target at {url}: {status or 'error'}: {message}")

@@ -1,0 +1,323 @@
+"""The Triton-hosted target against a REAL tritonserver (the binary nvidia-pytriton ships).
+
+One server per module (tiny random Qwen3, 8 KV slots, 3 s idle timeout) on free loopback
+ports. Checks: results equal the in-process TargetEngine (prefill, greedy and sampled
+rounds, a rollback); concurrent sequences share execute() calls; END and release() free
+slots; the idle timeout frees slots; bad requests get clear errors and the server keeps
+serving. The launcher's config rewriting is checked without a server.
+
+Skipped when no tritonserver is available (e.g. the 'triton' extra is not installed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import time
+
+import numpy as np
+import pytest
+
+from flashmap.types import InvalidRequest, SamplingParams, VerifyRow
+from target_service import launcher
+
+N_SLOTS = 8
+IDLE_S = 3.0
+MAX_SEQ_LEN = 200  # not the checkpoint default (256): checks the setting reaches the model
+GREEDY = SamplingParams()
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from target_service.random_checkpoint import make_random_qwen3
+
+    return make_random_qwen3(tmp_path_factory.mktemp("target") / "qwen3", max_position_embeddings=256)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    try:
+        launcher.find_tritonserver()
+    except launcher.TritonStartError as e:
+        pytest.skip(str(e))
+    grpc_port, http_port, metrics_port = _free_ports(3)
+    log = tmp_path_factory.mktemp("triton") / "tritonserver.log"
+    handle = launcher.start_triton(
+        checkpoint, grpc_port=grpc_port, http_port=http_port, metrics_port=metrics_port,
+        n_slots=N_SLOTS, idle_timeout_s=IDLE_S, max_seq_len=MAX_SEQ_LEN, device="cpu", dtype="float32", log_path=log,
+        ready_timeout_s=180,
+    )
+    yield handle
+    code = handle.stop()
+    assert code == 0, f"tritonserver exit code {code}:\n{launcher.log_tail(log)}"
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    import torch
+
+    from target_service.engine import TargetEngine
+
+    return TargetEngine(checkpoint, n_slots=4, max_seq_len=MAX_SEQ_LEN, device="cpu", dtype=torch.float32)
+
+
+def run(coro_fn, server, **kw):
+    """Run an async test body with a fresh client (gRPC aio channels belong to one loop)."""
+    from target_service.triton_client import TargetClient
+
+    async def main():
+        async with TargetClient(server.grpc_url, **kw) as client:
+            return await coro_fn(client)
+
+    return asyncio.run(main())
+
+
+def metric(server, name: str) -> float:
+    """Sum of a metric's samples in Triton's /metrics (ours carry a model label)."""
+    total = 0.0
+    for line in server.metrics().splitlines():
+        m = re.match(rf"{name}(?:\{{[^}}]*\}})? (\S+)$", line)
+        if m:
+            total += float(m.group(1))
+    return total
+
+
+def active(server) -> float:
+    return metric(server, "flashmap_target_active_sequences")
+
+
+def wait_for(cond, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+# --------------------------------------------------------------------------- no server
+
+
+def test_write_model_repository_sets_serving_values(tmp_path):
+    repo = launcher.write_model_repository(
+        tmp_path / "repo", n_slots=3, idle_timeout_s=1.5, max_queue_delay_us=250,
+        features_dtype="float16",
+    )
+    cfg = (repo / "flashmap_target" / "config.pbtxt").read_text()
+    assert re.search(r"max_batch_size: 3\b", cfg) and re.search(r"max_candidate_sequences: 3\b", cfg)
+    assert "max_sequence_idle_microseconds: 1500000" in cfg
+    assert "max_queue_delay_microseconds: 250" in cfg
+    assert re.search(r'name: "FEATURES"\s+data_type: TYPE_FP16', cfg)
+    assert (repo / "flashmap_target" / "1" / "model.py").is_file()
+    env = launcher.model_env(tmp_path, max_seq_len=99, dtype="float32", feature_layers=[1, 2])
+    assert env == {"FLASHMAP_TARGET_DIR": str(tmp_path.resolve()), "FLASHMAP_TARGET_MAX_SEQ_LEN": "99",
+                   "FLASHMAP_TARGET_DTYPE": "float32", "FLASHMAP_TARGET_FEATURE_LAYERS": "1,2"}
+
+
+# --------------------------------------------------------------------------- server
+
+
+def test_info_matches_engine(server, engine, checkpoint):
+    info = run(lambda c: c.info(), server)
+    assert info.model_name == checkpoint.name and info.triton_model == "flashmap_target"
+    assert info.vocab_size == engine.vocab_size
+    assert info.feature_layers == engine.feature_layers
+    assert info.feature_dim == engine.feature_dim
+    assert info.max_seq_len == engine.max_seq_len
+    assert info.eos_token_ids == engine.eos_token_ids
+    assert info.n_slots == N_SLOTS and info.idle_timeout_s == IDLE_S and info.max_seq_len == MAX_SEQ_LEN
+    assert info.hidden_size == engine.hidden_size and info.num_layers == engine.num_layers
+
+
+def _script(engine, rng):
+    """Rows for two sequences (prefill + 3 rounds each) and the in-process results.
+
+    Computed before touching the server so the Triton calls run back to back (the idle
+    timeout is short). Round 2 rolls back (start_pos before the end of the cache), round 3
+    samples at T > 0 with a support of 2 and top-k / top-p.
+    """
+    sampled = SamplingParams(temperature=0.8, top_k=40, top_p=0.95)
+    slots = {1: engine.allocate(), 2: engine.allocate()}
+    prompts = {1: rng.integers(3, 500, 11), 2: rng.integers(3, 500, 6)}
+    rounds, expected = [], []
+    rows = {s: VerifyRow(slots[s], 0, prompts[s], GREEDY) for s in slots}  # prefill
+    length = {s: len(prompts[s]) for s in slots}
+    for r in range(4):
+        results = engine.verify(list(rows.values()))
+        rounds.append(rows)
+        expected.append(dict(zip(rows, results)))
+        nxt = {}
+        for s, res in zip(rows, results):
+            anchor = int(res.argmax[-1])
+            start = length[s] - (2 if r == 1 else 0)  # round 2: drop the last two tokens
+            if r < 2:
+                drafts = np.array([int(res.argmax[-1]), *rng.integers(3, 500, 2)])
+                support = drafts[:, None]
+                params, seed = GREEDY, 0
+            else:
+                drafts = rng.integers(3, 500, 3)
+                support = np.stack([drafts, rng.integers(3, 500, 3)], 1)
+                support[1, 1] = -1
+                params, seed = sampled, 1000 + s
+            tokens = np.concatenate([[anchor], drafts])
+            nxt[s] = VerifyRow(slots[s], start, tokens, params, support_ids=support, round_seed=seed)
+            length[s] = start + len(tokens)
+        rows = nxt
+    for s in slots.values():
+        engine.release(s)
+    return rounds, expected
+
+
+def test_results_equal_inprocess_engine(server, engine):
+    rounds, expected = _script(engine, np.random.default_rng(1))
+
+    async def body(c):
+        got = []
+        try:
+            for i, rows in enumerate(rounds):
+                res = await asyncio.gather(*[c.verify(s, row, start=(i == 0)) for s, row in rows.items()])
+                got.append(dict(zip(rows, res)))
+        finally:
+            await asyncio.gather(*[c.release(s) for s in rounds[0]])
+        return got
+
+    got = run(body, server)
+    for i, (exp_round, got_round) in enumerate(zip(expected, got)):
+        for s, exp in exp_round.items():
+            g, where = got_round[s], f"round {i} seq {s}"
+            np.testing.assert_array_equal(g.argmax, exp.argmax, err_msg=where)
+            np.testing.assert_array_equal(g.residual, exp.residual, err_msg=where)
+            assert g.support_probs.shape == exp.support_probs.shape, where
+            np.testing.assert_allclose(g.support_probs, exp.support_probs, rtol=1e-4, atol=1e-6, err_msg=where)
+            np.testing.assert_allclose(g.complement, exp.complement, rtol=1e-4, atol=1e-6, err_msg=where)
+            assert g.features.dtype == np.float32 and g.features.shape == exp.features.shape, where
+            np.testing.assert_allclose(g.features, exp.features, rtol=1e-4, atol=1e-4, err_msg=where)
+    # The sampled round really sampled something (not the T=0 placeholders).
+    last = got[-1][1]
+    assert last.support_probs.shape == (3, 2) and (last.residual >= 0).any()
+    assert active(server) == 0
+
+
+def test_concurrent_sequences_share_forward_passes(server):
+    rng = np.random.default_rng(2)
+    before = {n: metric(server, n) for n in (
+        "flashmap_target_verify_batches_total", "flashmap_target_verify_rows_total",
+        "nv_inference_exec_count", "nv_inference_count")}
+    seqs = list(range(101, 101 + N_SLOTS))
+    n_rounds = 3
+
+    async def body(c):
+        prompts = {s: rng.integers(3, 500, int(rng.integers(4, 20))) for s in seqs}
+        res = await asyncio.gather(*[c.verify(s, VerifyRow(-1, 0, prompts[s], GREEDY), start=True) for s in seqs])
+        lengths = {s: len(prompts[s]) for s in seqs}
+        anchors = {s: int(r.argmax[-1]) for s, r in zip(seqs, res)}
+        try:
+            assert active(server) == N_SLOTS
+            for _ in range(n_rounds):
+                rows = {}
+                for s in seqs:
+                    k = int(rng.integers(0, 5))  # ragged: different K (and L) per sequence
+                    drafts = rng.integers(3, 500, k)
+                    rows[s] = VerifyRow(-1, lengths[s], np.concatenate([[anchors[s]], drafts]), GREEDY,
+                                        support_ids=drafts[:, None])
+                out = await asyncio.gather(*[c.verify(s, rows[s], start=False) for s in seqs])
+                for s, r in zip(seqs, out):
+                    assert r.argmax.shape == (rows[s].num_draft + 1,)
+                    assert r.features.shape[0] == len(rows[s].tokens)
+                    lengths[s] += len(rows[s].tokens)
+                    anchors[s] = int(r.argmax[-1])
+        finally:
+            await asyncio.gather(*[c.release(s) for s in seqs])
+
+    run(body, server)
+    delta = {n: metric(server, n) - v for n, v in before.items()}
+    n_requests = len(seqs) * (n_rounds + 1)
+    assert delta["flashmap_target_verify_rows_total"] == n_requests
+    # Fewer forwards than requests: the sequence batcher put several sequences in one execute().
+    assert delta["flashmap_target_verify_batches_total"] < n_requests, delta
+    assert delta["nv_inference_exec_count"] < delta["nv_inference_count"], delta
+    assert active(server) == 0
+
+
+def test_end_and_release_free_the_slot(server):
+    async def body(c):
+        await c.verify(201, VerifyRow(-1, 0, np.arange(3, 9), GREEDY), start=True)
+        assert active(server) == 1
+        r = await c.verify(201, VerifyRow(-1, 6, np.array([5, 6]), GREEDY, support_ids=np.array([[6]])),
+                           start=False, end=True)
+        assert r.argmax.shape == (2,)
+        assert active(server) == 0
+        await c.verify(202, VerifyRow(-1, 0, np.arange(3, 9), GREEDY), start=True)
+        assert active(server) == 1
+        await c.release(202)  # cancel: END with no tokens
+        assert active(server) == 0
+        await c.release(202)  # idempotent
+        with pytest.raises(InvalidRequest, match="START"):
+            await c.verify(202, VerifyRow(-1, 6, np.array([5]), GREEDY), start=False)
+
+    run(body, server)
+
+
+def test_idle_timeout_frees_the_slot(server):
+    freed_before = metric(server, "flashmap_target_idle_released_total")
+
+    async def body(c):
+        await c.verify(301, VerifyRow(-1, 0, np.arange(3, 9), GREEDY), start=True)
+        assert active(server) == 1
+        # No request arrives: the model's reaper thread must free the slot by itself.
+        await asyncio.to_thread(wait_for, lambda: active(server) == 0, IDLE_S + 5, "the idle slot to be freed")
+        assert metric(server, "flashmap_target_idle_released_total") == freed_before + 1
+        with pytest.raises(InvalidRequest, match="START"):
+            await c.verify(301, VerifyRow(-1, 6, np.array([5]), GREEDY), start=False)
+
+    run(body, server)
+
+
+def test_bad_requests_get_clear_errors_and_server_keeps_serving(server):
+    async def body(c):
+        good = VerifyRow(-1, 0, np.arange(3, 9), GREEDY)
+        bad = VerifyRow(-1, 0, np.array([3, 4, 100_000]), GREEDY)
+        # Bad and good requests in flight together: only the bad one fails.
+        results = await asyncio.gather(
+            c.verify(401, good, start=True), c.verify(402, bad, start=True), c.verify(403, good, start=True),
+            return_exceptions=True,
+        )
+        assert isinstance(results[1], InvalidRequest), results[1]
+        assert "token id 100000 outside the vocabulary [0, 512)" in str(results[1])
+        assert not isinstance(results[0], Exception) and not isinstance(results[2], Exception)
+        np.testing.assert_array_equal(results[0].argmax, results[2].argmax)
+        with pytest.raises(InvalidRequest, match="start_pos 50"):
+            await c.verify(401, VerifyRow(-1, 50, np.array([3]), GREEDY), start=False)
+        with pytest.raises(InvalidRequest, match="temperature"):
+            await c.verify(401, VerifyRow(-1, 6, np.array([3]), SamplingParams(temperature=-1.0)), start=False)
+        # Sequence 401 still works after its errors.
+        r = await c.verify(401, VerifyRow(-1, 6, np.array([3]), GREEDY), start=False)
+        assert r.features.shape == (1, (await c.info()).feature_dim)
+        await asyncio.gather(*[c.release(s) for s in (401, 402, 403)])
+        assert await c.ready()
+
+    run(body, server)
+    assert server.alive()
+    assert active(server) == 0
+
+
+def test_unreachable_server_is_target_unavailable():
+    from target_service.triton_client import TargetClient, TargetUnavailable
+
+    async def body():
+        async with TargetClient(f"127.0.0.1:{_free_ports(1)[0]}") as c:
+            assert not await c.ready()
+            with pytest.raises(TargetUnavailable):
+                await c.verify(1, VerifyRow(-1, 0, np.array([1]), GREEDY), start=True)
+
+    asyncio.run(body())
