@@ -1,0 +1,172 @@
+"""Losslessness of speculative decoding, end to end in one process.
+
+Temperature 0: speculative output == our engine alone == a plain greedy loop over
+transformers' Qwen3ForCausalLM, for 3 random tiny configs x 20 prompts x 1 and 2
+draft steps, with the untrained FlashMap drafter and with an oracle drafter that
+proposes the target's own continuation with an error injected at a chosen slot (so a
+full accept and a rejection at every slot 1..16 are exercised).
+
+Near-ties: the reference loop records the top-2 logit gap at every generated
+position; the test asserts it stays far above fp32 rounding (1e-4), so an argmax
+flip between a (K+1)-row verify and a one-row step cannot explain a pass or a fail.
+
+Temperature > 0: on a tiny-vocabulary model (V=8) the exact law of the first 3
+generated tokens is enumerated from transformers' logits (all 8^2 prefixes, one
+batched forward) and 12,000 speculative samples are chi-square tested against it.
+"""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from drafter_service.oracle import OracleProposer
+from flashmap.cli import load_proposer
+from flashmap.inprocess import decode
+from flashmap.types import SamplingParams
+from orchestrator.sequence import GenerationRequest
+from target_service.engine import TargetEngine
+from target_service.random_checkpoint import make_random_qwen3
+
+CONFIGS = {
+    "4L-gqa2-untied": dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    "2L-mha-tied": dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
+    "6L-gqa4-untied": dict(num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2, head_dim=8,
+                           tie_word_embeddings=False),
+}
+N_PROMPTS, MAX_NEW = 20, 24
+
+
+def _prompts(vocab: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, size=rng.integers(3, 20)).tolist() for _ in range(N_PROMPTS)]
+
+
+def _hf_greedy(model_dir, prompts, max_new):
+    """Plain greedy loop over transformers' model (full forward each step): the reference."""
+    from transformers import Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outs, min_gap = [], np.inf
+    with torch.inference_mode():
+        for p in prompts:
+            ids = list(p)
+            for _ in range(max_new):
+                logits = model(torch.tensor([ids]), use_cache=False).logits[0, -1]
+                top2 = torch.topk(logits, 2).values
+                min_gap = min(min_gap, float(top2[0] - top2[1]))
+                ids.append(int(logits.argmax()))
+            outs.append(ids[len(p):])
+    return outs, min_gap
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def target(request, tmp_path_factory):
+    path = make_random_qwen3(tmp_path_factory.mktemp(request.param), with_tokenizer=False, seed=len(request.param),
+                             **CONFIGS[request.param])
+    engine = TargetEngine(path, n_slots=N_PROMPTS)
+    prompts = _prompts(engine.vocab_size, seed=len(request.param))
+    reference, min_gap = _hf_greedy(path, prompts, MAX_NEW)
+    assert min_gap > 1e-4, f"near-tie in the reference (top-2 gap {min_gap:.2e}): pick another seed"
+    return SimpleNamespace(name=request.param, path=path, engine=engine, prompts=prompts, reference=reference)
+
+
+def _requests(prompts):
+    return [GenerationRequest(p, MAX_NEW, SamplingParams()) for p in prompts]
+
+
+def test_engine_alone_matches_transformers(target):
+    engine, prompts, reference = target.engine, target.prompts, target.reference
+    out = decode(engine, _requests(prompts))
+    assert [r.token_ids for r in out] == reference
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_untrained_drafter_is_lossless(target, steps):
+    path, engine, prompts, reference = target.path, target.engine, target.prompts, target.reference
+    proposer = load_proposer("init", str(path), n_slots=N_PROMPTS, max_context=engine.max_seq_len, steps=steps)
+    out = decode(engine, _requests(prompts), proposer, steps=steps)
+    assert [r.token_ids for r in out] == reference
+    assert all(r.stats.drafts > 0 for r in out)
+
+
+def test_oracle_full_accept_and_rejection_at_every_slot(target):
+    path, engine, prompts, reference = target.path, target.engine, target.prompts, target.reference
+    # The 16 error slots are split over the three configs (every slot is covered once).
+    config_index = list(CONFIGS).index(target.name)
+    refs = [p + r for p, r in zip(prompts, reference)]
+    block = 16
+    # No errors: every round accepts the whole block (or what max_new_tokens leaves).
+    out = decode(engine, _requests(prompts), OracleProposer(refs, block, engine.vocab_size))
+    assert [r.token_ids for r in out] == reference
+    first_round = [r.stats.accepted_per_slot for r in out]
+    assert all(a[block - 1] >= 1 for a in first_round), "a full block of 16 was never accepted"
+    for slot in range(1 + config_index, block + 1, len(CONFIGS)):
+        out = decode(engine, _requests(prompts), OracleProposer(refs, block, engine.vocab_size, error_slots=[slot]))
+        assert [r.token_ids for r in out] == reference, f"error at slot {slot} changed the output"
+        for r in out:
+            # Every round rejects at the error slot; all slots before it are accepted, except
+            # in a last round whose token budget was shorter than the block.
+            assert r.stats.accepted_per_slot[slot - 1] == 0
+            if slot > 1:
+                assert 0 < r.stats.accepted_per_slot[0] - r.stats.accepted_per_slot[slot - 2] <= 1 or (
+                    r.stats.accepted_per_slot[0] == r.stats.accepted_per_slot[slot - 2] > 0)
+
+
+# --------------------------------------------------------------------------------------------
+# temperature > 0: the law of the first 3 tokens on a tiny-vocabulary model
+V_TINY, N_SAMPLES, BATCH = 8, 12_000, 400
+
+
+def _exact_first3(model_dir, prompt, params: SamplingParams):
+    """P(t1, t2, t3) by enumeration, after the same temperature / top-k / top-p processing."""
+    from transformers import Qwen3ForCausalLM
+
+    from target_service.verification import process_logits
+
+    model = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pairs = torch.cartesian_prod(torch.arange(V_TINY), torch.arange(V_TINY))  # [64, 2]
+    seqs = torch.cat([torch.tensor(prompt).expand(len(pairs), -1), pairs], dim=1)
+    with torch.inference_mode():
+        logits = model(seqs, use_cache=False).logits[:, -3:]  # [64, 3, V]: after prompt, t1, t2
+    n = logits.shape[0] * 3
+    probs = process_logits(
+        logits.reshape(n, -1), torch.full((n,), params.temperature), torch.full((n,), params.top_k),
+        torch.full((n,), params.top_p),
+    ).reshape(len(pairs), 3, -1).double()
+    p1 = probs[0, 0]  # the same in every row
+    p2 = probs[torch.arange(0, len(pairs), V_TINY), 1]  # [t1, V]
+    p3 = probs[:, 2].reshape(V_TINY, V_TINY, V_TINY)  # [t1, t2, V]
+    joint = p1[:, None, None] * p2[:, :, None] * p3
+    return joint.reshape(-1).numpy()
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_k=5, top_p=0.9)], ids=["T1", "T0.7-k5-p0.9"])
+def test_first_three_tokens_follow_the_target(tmp_path, params):
+    path = make_random_qwen3(tmp_path / "tiny-vocab", vocab_size=V_TINY, hidden_size=32, intermediate_size=64,
+                             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, with_tokenizer=False,
+                             seed=3, init_std=0.3)
+    prompt = [1, 5, 2]
+    exact = _exact_first3(path, prompt, params)
+    engine = TargetEngine(path, n_slots=BATCH)
+    proposer = load_proposer("init", str(path), n_slots=BATCH, max_context=64)
+    counts = np.zeros(V_TINY**3)
+    accepted = 0
+    for b in range(N_SAMPLES // BATCH):
+        reqs = [GenerationRequest(prompt, 3, SamplingParams(params.temperature, params.top_k, params.top_p, seed=b * BATCH + i))
+                for i in range(BATCH)]
+        for r in decode(engine, reqs, proposer):
+            t1, t2, t3 = r.token_ids
+            counts[(t1 * V_TINY + t2) * V_TINY + t3] += 1
+            accepted += r.stats.accepted
+    assert accepted > 0, "no draft token was ever accepted: the test would not exercise acceptance"
+    expected = exact * N_SAMPLES
+    big = expected >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    if exp[-1] < 1e-9:  # nothing to pool
+        obs, exp = obs[:-1], exp[:-1]
+    assert counts[exact == 0].sum() == 0, "sampled a sequence the target gives probability 0"
+    assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
