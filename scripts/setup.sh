@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Install FlashMap Serve into ./.venv (idempotent). Used by scripts/run.sh, scripts/test.sh and .ci/run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+# torch first, pinned: on the project's CPU machines this is a wheel on local disk; an
+# unpinned torch would pull a multi-GB CUDA build.
+.venv/bin/python -m pip install -q "torch==2.13.0" || .venv/bin/python -m pip install -q "torch>=2.5,<=2.14.1"
+.venv/bin/python -m pip install -q -e ".[dev,triton]"
