@@ -6,7 +6,7 @@ bash scripts/setup.sh
 # Prometheus (server + promtool) for the observability tests: Debian's package.
 if ! command -v promtool >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ]; then
-    (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q prometheus) >/dev/null
+    (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus) >/dev/null
   else
     echo "note: promtool/prometheus not installed and not root: those tests will skip" >&2
   fi

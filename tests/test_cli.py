@@ -1,0 +1,105 @@
+"""`flashmap generate --in-process`: output, stats, and one-line errors for bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from drafter_service.checkpoint import init_drafter, save_drafter
+from flashmap.cli import main
+from target_service.random_checkpoint import make_random_qwen3
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    target = make_random_qwen3(root / "target", max_position_embeddings=128)
+    other = make_random_qwen3(root / "other", seed=1, max_position_embeddings=128)  # same shapes, other weights
+    small = make_random_qwen3(root / "small-vocab", vocab_size=300, max_position_embeddings=128)
+    drafter = save_drafter(init_drafter(target, dim=64, n_blocks=1, n_heads=4), root / "drafter")
+    return {"target": str(target), "other": str(other), "small": str(small), "drafter": str(drafter), "root": root}
+
+
+def _run(capsys, *args):
+    code = main(["generate", "--in-process", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_json_ar_and_speculative_agree(ckpts, capsys):
+    base = ["--target", ckpts["target"], "--prompt-ids", "5,6,7,8", "--max-new-tokens", "12", "--ignore-eos", "--json"]
+    code, out, _ = _run(capsys, *base, "--ar")
+    assert code == 0
+    ar = json.loads(out)
+    for steps in ("1", "2"):
+        code, out, _ = _run(capsys, *base, "--drafter", ckpts["drafter"], "--draft-steps", steps)
+        assert code == 0
+        spec = json.loads(out)
+        assert spec["token_ids"] == ar["token_ids"] and len(ar["token_ids"]) == 12
+        assert spec["mode"] == "speculative" and spec["drafts"] > 0
+        assert len(spec["accepted_per_slot"]) == 16 and spec["mean_acceptance_length"] >= 1.0
+
+
+def test_text_prompt_prints_text(ckpts, capsys):
+    code, out, err = _run(capsys, "--target", ckpts["target"], "--prompt", "hello world", "--max-new-tokens", "5",
+                          "--temperature", "0.9", "--seed", "3")
+    assert code == 0 and out.strip() != ""
+    assert "mean acceptance length" in err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--prompt-ids", ""], "prompt is empty"),
+    (["--prompt", ""], "prompt is empty"),
+    (["--prompt-ids", ",".join(["1"] * 200)], "context"),
+    (["--prompt-ids", "1,2,999999"], "outside the vocabulary"),
+    (["--prompt-ids", "1,-3"], "outside the vocabulary"),
+    (["--prompt-ids", "1,2", "--max-new-tokens", "0"], "max_new_tokens must be > 0"),
+    (["--prompt-ids", "1,2", "--max-new-tokens", "-4"], "max_new_tokens must be > 0"),
+    (["--prompt-ids", "1,2", "--max-new-tokens", "500"], "exceeds the context"),
+    (["--prompt-ids", "1,2", "--temperature", "-1"], "temperature must be >= 0"),
+    (["--prompt-ids", "1,2", "--top-p", "0"], "top_p must be in (0, 1]"),
+    (["--prompt-ids", "1,2", "--top-p", "1.5"], "top_p must be in (0, 1]"),
+    (["--prompt-ids", "1,x"], "comma-separated integers"),
+])
+def test_bad_input_is_one_line(ckpts, capsys, args, message):
+    code, out, err = _run(capsys, "--target", ckpts["target"], *args)
+    assert code == 2
+    assert err.startswith("error: ") and message in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_drafter_for_another_target(ckpts, capsys):
+    # Same shapes, other embedding: the hash check must catch it.
+    code, _, err = _run(capsys, "--target", ckpts["other"], "--drafter", ckpts["drafter"], "--prompt-ids", "1,2")
+    assert code == 2 and "error: " in err and err.count("\n") == 1
+    # Other vocabulary: a shape mismatch.
+    code, _, err = _run(capsys, "--target", ckpts["small"], "--drafter", ckpts["drafter"], "--prompt-ids", "1,2")
+    assert code == 2 and "error: " in err and err.count("\n") == 1
+
+
+def test_missing_and_corrupt_checkpoints(ckpts, capsys, tmp_path):
+    code, _, err = _run(capsys, "--target", str(tmp_path / "nope"), "--prompt-ids", "1,2")
+    assert code == 2 and "config.json" in err and err.count("\n") == 1
+    code, _, err = _run(capsys, "--target", ckpts["target"], "--drafter", str(tmp_path / "nope"), "--prompt-ids", "1,2")
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1
+    import shutil
+
+    bad = tmp_path / "corrupt-target"
+    shutil.copytree(ckpts["target"], bad)
+    (bad / "model.safetensors").write_bytes(b"\x00garbage" * 10)
+    code, _, err = _run(capsys, "--target", str(bad), "--prompt-ids", "1,2")
+    assert code == 2 and "model.safetensors" in err and err.count("\n") == 1
+    badd = tmp_path / "corrupt-drafter"
+    shutil.copytree(ckpts["drafter"], badd)
+    (badd / "config.json").write_text("{not json")
+    code, _, err = _run(capsys, "--target", ckpts["target"], "--drafter", str(badd), "--prompt-ids", "1,2")
+    assert code == 2 and "config.json" in err and err.count("\n") == 1
+
+
+def test_process_exit_status_and_no_traceback(ckpts):
+    """The real console entry point: non-zero exit, one line, no traceback."""
+    p = subprocess.run([sys.executable, "-m", "flashmap.cli", "generate", "--in-process", "--target", ckpts["target"],
+                        "--prompt-ids", "1,2", "--temperature", "-2"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines() == ["error: temperature must be >= 0, got -2.0"]
