@@ -252,7 +252,9 @@ class Orchestrator:
             a.drafter_seen += len(m.new_token_ids)
             a.seq.pending_context.clear()
             drafts[a.seq.seq_id] = block_to_draft(block).truncate(a.seq.draft_budget())
-            self.metrics.draft_latency.labels(**self._labels(block.steps)).observe(dt)
+        # One observation per drafter call (a call drafts the whole batch).
+        steps = next((b.steps for b in resp.blocks if not b.error), self.drafter.steps)
+        self.metrics.draft_latency.labels(**self._labels(steps)).observe(dt)
         return drafts
 
     async def _round(self) -> None:
