@@ -41,6 +41,10 @@ class Proposer(abc.ABC):
     def release(self, seq_id: str) -> None:
         """Forget a sequence (finish, cancel, idle timeout). Unknown ids are ignored."""
 
+    def truncate(self, seq_id: str, length: int) -> None:
+        """Roll a sequence's context back to `length` positions (a resend after a lost reply)."""
+        raise NotImplementedError
+
     def context_length(self, seq_id: str) -> int:
         """Committed positions held for seq_id (0 if unknown)."""
         return 0

@@ -229,7 +229,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         ctx = sum(p.context_length(i) for i in ids)
         return drafter_pb2.StatsResponse(
             active_sequences=len(ids), context_tokens=ctx, state_bytes=ctx * getattr(p, "bytes_per_context_token", 0),
-            steps=p.steps, drafter=self.name, block_size=p.block_size, feature_dim=getattr(p.cfg, "feature_dim", 0),
+            steps=p.steps, drafter=self.name, block_size=p.block_size, feature_dim=getattr(getattr(p, "cfg", None), "feature_dim", 0),
         )
 
 

@@ -155,6 +155,18 @@ def _generate_remote(args) -> int:
     return 0
 
 
+def _cmd_steps(args) -> int:
+    from flashmap.client import DrafterAdmin
+
+    admin = DrafterAdmin(args.drafter_url)
+    try:
+        steps = admin.set_steps(args.steps) if args.steps is not None else admin.get_steps()
+    finally:
+        admin.close()
+    print(steps)
+    return 0
+
+
 def _cmd_up(args) -> int:
     from flashmap.stack import run_stack
 
@@ -177,6 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(g)
     g.set_defaults(func=_cmd_generate)
 
+    st = sub.add_parser("steps", help="show or switch the drafter's step count at run time")
+    st.add_argument("steps", nargs="?", type=int, default=None, help="new step count (1 or 2 jumps, or N); omit to show")
+    st.add_argument("--drafter-url", default=os.environ.get("FLASHMAP_DRAFTER_URL", "127.0.0.1:50052"))
+    st.set_defaults(func=_cmd_steps)
+
     u = sub.add_parser("up", help="start target (Triton), drafter and orchestrator locally")
     from flashmap.stack import add_stack_args
 
@@ -197,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
         from target_service.checkpoint import CheckpointError
 
         known = (UsageError, InvalidRequest, CheckpointError, FileNotFoundError, ValueError)
-        if isinstance(e, known) or type(e).__name__ in ("GenerateError", "NoFreeSlot"):
+        from flashmap.client import FlashMapError
+
+        if isinstance(e, known + (FlashMapError,)) or type(e).__name__ == "NoFreeSlot":
             print(f"error: {e}", file=sys.stderr)
             return 2
         if os.environ.get("FLASHMAP_DEBUG"):
