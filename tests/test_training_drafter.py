@@ -1,0 +1,272 @@
+"""Drafter training: self-distillation data, flow / distill / dflash losses, CLI, checkpoints.
+
+A tiny random target (V = 512, H = 64, 4 layers) and tiny drafters (dim 64, 1-2 blocks):
+the whole file runs in well under a minute on two CPU cores.
+"""
+
+import csv
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from drafter_service.checkpoint import init_drafter, load_drafter
+from drafter_service.flashmap_dit import jump
+from drafter_service.flashmap_proposer import FlashMapProposer
+from drafter_service.proposer import ProposeRequest
+from training import drafter_data as dd
+from training import train_drafter as td
+
+TINY = dict(dim=64, n_blocks=1, n_heads=4, block_size=16, time_freq_dim=32)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """(target dir, data dir, engine) with a few self-distilled sequences in 2 shards."""
+    from target_service.engine import TargetEngine
+    from target_service.random_checkpoint import make_random_qwen3
+
+    root = tmp_path_factory.mktemp("train_drafter")
+    target = make_random_qwen3(root / "target", with_tokenizer=False)
+    engine = TargetEngine(target, n_slots=4, max_seq_len=96)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 500, size=int(rng.integers(3, 9))).tolist() for _ in range(6)]
+    data = root / "data"
+    dd.build(engine, prompts, data, max_new_tokens=20, chunk_size=4, target_dir=target, progress=False)
+    return target, data, engine, prompts
+
+
+def randomize(model, seed=0):
+    """Non-zero adaLN so that time conditioning and every block matter."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for blk in model.blocks:
+            for p in (blk.adaln.weight, blk.adaln.bias):
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def a_batch(data, n_seqs=4, anchors=4, seed=0):
+    stream = td.SequenceStream(data, seed=seed)
+    return td.make_batch(stream.take(0, n_seqs), 16, anchors, 256, np.random.default_rng(seed))
+
+
+# ----------------------------------------------------------------------------- data
+
+def test_data_shards_features_and_resume(world):
+    target, data, engine, prompts = world
+    shards = dd.list_shards(data)
+    assert [dd.shard_count(p) for p in shards] == [4, 2]
+    seqs = [s for p in shards for s in dd.read_shard(p)]
+    assert len(seqs) == 6
+    for p, s in zip(prompts, seqs):
+        assert s.tokens[:s.prompt_len].tolist() == p
+        assert len(s.tokens) > s.prompt_len  # a response
+        assert s.features.shape == (len(s.tokens), engine.feature_dim)
+    # The response is the target's greedy continuation.
+    s = seqs[0]
+    feats = dd.target_features(engine, [s.tokens.tolist()])[0]
+    assert np.allclose(feats, s.features.float().numpy(), atol=2e-2)  # stored as float16
+    # Resuming skips existing shards (no shard is rewritten) ...
+    mtimes = [p.stat().st_mtime_ns for p in shards]
+    dd.build(engine, prompts, data, max_new_tokens=20, chunk_size=4, target_dir=target, progress=False)
+    assert [p.stat().st_mtime_ns for p in shards] == mtimes
+    # ... and refuses other settings.
+    with pytest.raises(ValueError, match="other settings"):
+        dd.build(engine, prompts, data, max_new_tokens=21, chunk_size=4, target_dir=target, progress=False)
+
+
+def test_batch_anchors_inside_responses(world):
+    _, data, _, _ = world
+    stream = td.SequenceStream(data, seed=0)
+    seqs = stream.take(0, 4)
+    b = td.make_batch(seqs, 16, 3, 256, np.random.default_rng(1))
+    assert b.anchor.shape == b.lengths.shape == b.seq_index.shape and b.target.shape == (len(b.anchor), 16)
+    for i in range(len(b.anchor)):
+        seq, a = seqs[int(b.seq_index[i])], int(b.lengths[i])
+        assert seq.prompt_len - 1 <= a <= len(seq.tokens) - 2
+        assert int(b.anchor[i]) == int(seq.tokens[a])
+        n = int(b.mask[i].sum())
+        assert b.target[i, :n].tolist() == seq.tokens[a + 1:a + 1 + n].tolist()
+        assert n == min(16, len(seq.tokens) - a - 1)
+        # context = features strictly before the anchor
+        assert torch.equal(b.features[int(b.seq_index[i]), :a], seq.features[:a].float())
+    # the stream is a deterministic function of (seed, position) and covers every sequence per epoch
+    again = td.SequenceStream(data, seed=0)
+    assert all(torch.equal(x.tokens, y.tokens) for x, y in zip(seqs, again.take(0, 4)))
+    assert len({tuple(s.tokens.tolist()) for s in stream.take(0, stream.total)}) == stream.total
+
+
+# ----------------------------------------------------------------------------- losses
+
+def _fit(model, loss_fn, batch, steps=6, lr=3e-3):
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss, _ = loss_fn(model, batch, torch.Generator().manual_seed(0))  # same noise / times every step
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("kind,loss_fn", [("flashmap", td.flow_loss), ("dflash", td.dflash_loss)])
+def test_training_step_lowers_loss(world, kind, loss_fn):
+    target, data, _, _ = world
+    model = init_drafter(target, seed=0, kind=kind, **TINY).train()
+    losses = _fit(model, loss_fn, a_batch(data))
+    assert math.isfinite(losses[0]) and losses[-1] < losses[0] - 0.05, losses
+
+
+def test_slot_weights_and_weighted_ce():
+    w = td.slot_weights(16, 7.0)
+    assert torch.allclose(w, torch.exp(-torch.arange(16) / 7.0))
+    logits = torch.randn(3, 16, 10)
+    target = torch.randint(0, 10, (3, 16))
+    mask = torch.ones(3, 16, dtype=torch.bool)
+    mask[1, 5:] = False
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none").view(3, 16)
+    wm = w * mask
+    assert torch.allclose(td.weighted_ce(logits, target, mask, w), (ce * wm).sum() / wm.sum())
+
+
+def test_noisy_state_shares_one_draw():
+    target = torch.randint(0, 50, (2, 16))
+    t = torch.tensor([0.0, 0.3])
+    x = td.noisy_state(target, t, 50, torch.Generator().manual_seed(0))
+    assert torch.equal(x[0], x[0, :1].expand(16, 50))  # t = 0: the same noise in every slot
+    eps = x[1] - 0.3 * torch.nn.functional.one_hot(target[1], 50)
+    assert torch.allclose(eps, eps[:1].expand(16, 50), atol=1e-6)
+
+
+def _jumps(n, seed=0, vocab=512):
+    g = torch.Generator().manual_seed(seed)
+    a, b = torch.rand(2, n, generator=g)
+    s, t = torch.minimum(a, b) * 0.95, torch.maximum(a, b) * 0.95 + 0.05 * (torch.rand(n, generator=g) > 0.5)
+    u = s + (t - s) * torch.rand(n, generator=g)
+    x = torch.randn(n, 16, vocab, generator=g)
+    return x, s, u, t
+
+
+def test_semigroup_mixture_is_the_composed_jump(world):
+    """jump(x, pi*, s, t) lands exactly where the two jumps s -> u -> t land."""
+    target, data, _, _ = world
+    model = randomize(init_drafter(target, seed=0, **TINY)).eval()
+    b = a_batch(data)
+    fn = td.bind(model, b)
+    n = len(b.anchor)
+    x, s, u, t = _jumps(n)
+    with torch.no_grad():
+        pi_star = td.semigroup_target(fn, x, s, u, t)
+        x_u = jump(x, fn(x, s, u).softmax(-1), s, u)
+        x_t = jump(x_u, fn(x_u, u, t).softmax(-1), u, t)
+    assert torch.allclose(jump(x, pi_star, s, t), x_t, atol=1e-5)
+    assert torch.allclose(pi_star.sum(-1), torch.ones(n, 16), atol=1e-5) and pi_star.min() >= 0
+
+
+def _semigroup_loss(fn, x, s, u, t):
+    """Distillation loss with only semigroup rows, student = EMA side = fn."""
+    n = len(s)
+    w, mask, zero = td.slot_weights(16, 7.0), torch.ones(n, 16, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)
+    with torch.no_grad():
+        loss, stats = td.distill_loss_terms(fn, None, lambda xx, a, b, rows: fn(xx, a, b), x, s, u, t, zero, mask, w)
+    return loss.item()
+
+
+def test_semigroup_loss_vanishes_where_it_must(world):
+    target, data, _, _ = world
+    model = randomize(init_drafter(target, seed=0, **TINY)).eval()
+    b = a_batch(data)
+    fn = td.bind(model, b)
+    x, s, u, t = _jumps(len(b.anchor))
+    # u = s or u = t: both sides are the same single jump.
+    at_s, at_t = _semigroup_loss(fn, x, s, s, t), _semigroup_loss(fn, x, s, t, t)
+    assert at_s < 1e-6 and at_t < 1e-6
+    # A generic midpoint on an untrained model: not consistent (orders of magnitude above rounding).
+    assert _semigroup_loss(fn, x, s, u, t) > 1000 * max(at_s, at_t, 1e-9)
+    # The exact interpolation map towards a fixed pi satisfies the semigroup for every s < u < t.
+    fixed = torch.randn(len(s), 16, 512)
+    assert _semigroup_loss(lambda xx, a, bb: fixed, x, s, u, t) < 1e-5
+
+
+def test_zero_length_jump_loss_vanishes_for_student_equal_teacher(world):
+    target, data, _, _ = world
+    model = randomize(init_drafter(target, seed=0, **TINY)).eval()
+    b = a_batch(data)
+    with torch.no_grad():
+        loss, stats = td.distill_loss(model, model, model, b, torch.Generator().manual_seed(0))
+    assert stats["zero"] < 1e-5
+    # A different teacher is not matched.
+    other = randomize(init_drafter(target, seed=1, **TINY), seed=1).eval()
+    with torch.no_grad():
+        _, stats = td.distill_loss(model, other, model, b, torch.Generator().manual_seed(0))
+    assert stats["zero"] > 1e-3
+
+
+def test_jump_sampling_fractions():
+    cfg = td.DrafterConfig(vocab_size=512, target_hidden_size=64, target_num_layers=4, feature_layers=[1])
+    s, u, t, zero = td.sample_jumps(20000, 512, cfg, torch.Generator().manual_seed(0), "cpu")
+    full = (s == 0) & (t == 1)
+    assert abs(zero.float().mean().item() - 0.5) < 0.02
+    assert abs(full.float().mean().item() - 1 / 16) < 0.01
+    assert torch.equal(s[zero], t[zero])
+    assert bool((s <= u).all() and (u <= t).all() and (s[~zero] < t[~zero]).all())
+
+
+def test_lr_schedule():
+    cfg = td.TrainConfig(steps=100, warmup_steps=10, lr=1.0, min_lr_ratio=0.1)
+    f = [td.lr_factor(i, cfg) for i in range(100)]
+    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(f[10:], f[11:])) and f[99] == pytest.approx(0.1, abs=1e-3)
+    paper = td.TrainConfig.for_stage("flow"), td.TrainConfig.for_stage("distill")
+    assert (paper[0].steps, paper[0].lr, paper[1].steps, paper[1].lr) == (39_000, 6e-4, 23_000, 5e-5)
+
+
+# ----------------------------------------------------------------------------- CLI + checkpoints
+
+def _csv_steps(path):
+    with open(path) as f:
+        return [int(r["step"]) for r in csv.DictReader(f)]
+
+
+def _drafts(model):
+    prop = FlashMapProposer(model, n_slots=2, max_context=64)
+    feats = np.random.default_rng(0).standard_normal((5, model.cfg.feature_dim)).astype(np.float32)
+    prop.extend("a", np.arange(5), feats)
+    return prop.propose([ProposeRequest("a", anchor=3, seed=1)], 1)[0]
+
+
+def test_cli_stages_resume_and_checkpoint(world, tmp_path):
+    target, data, _, _ = world
+    common = ["--target", str(target), "--data", str(data), "--small", "--no-progress", "--n-blocks", "1",
+              "--batch-size", "8", "--log-every", "1"]
+    flow = tmp_path / "flow"
+    assert td.main(["--stage", "flow", "--out", str(flow), "--steps", "2", "--save-every", "2", *common]) == 0
+    assert torch.load(flow / td.STATE_FILE, weights_only=False)["step"] == 2
+    assert td.main(["--stage", "flow", "--out", str(flow), "--steps", "3", "--resume", *common]) == 0
+    assert torch.load(flow / td.STATE_FILE, weights_only=False)["step"] == 3
+    assert _csv_steps(flow / td.CSV_FILE) == [1, 2, 3]
+    assert (flow / td.PNG_FILE).stat().st_size > 0
+
+    model = load_drafter(flow, target)
+    st = torch.load(flow / td.STATE_FILE, weights_only=False)
+    assert all(torch.equal(v, st["model"][k]) for k, v in model.state_dict().items())
+    d = _drafts(model)
+    assert d.tokens.shape == (16,) and ((0 <= d.tokens) & (d.tokens < 512)).all()
+
+    dist = tmp_path / "distill"
+    assert td.main(["--stage", "distill", "--teacher", str(flow), "--out", str(dist), "--steps", "2", *common]) == 0
+    with open(dist / td.CSV_FILE) as f:
+        row = list(csv.DictReader(f))[-1]
+    assert {"loss", "zero", "semigroup"} <= set(row)
+    assert _drafts(load_drafter(dist, target)).tokens.shape == (16,)
+
+    base = tmp_path / "dflash"
+    assert td.main(["--stage", "dflash", "--out", str(base), "--steps", "2", *common]) == 0
+    m = load_drafter(base, target)
+    assert m.cfg.kind == "dflash" and _drafts(m).tokens.shape == (16,)
+
+    # one-line errors
+    assert td.main(["--stage", "distill", "--out", str(tmp_path / "x"), "--steps", "1", *common]) == 2
