@@ -14,7 +14,7 @@ Output directory:
         tokens       [N] int64     prompt + response ids of all sequences, concatenated
         offsets      [n+1] int64   sequence i is tokens[offsets[i]:offsets[i+1]]
         prompt_lens  [n] int64     the response of sequence i starts at offsets[i] + prompt_lens[i]
-        features     [N, F]        target features (float16 by default)
+        features     [N, F]        target features (bfloat16 by default: the range of fp32, half the bytes)
 
 Resumable: a chunk whose shard already exists is skipped (shards are written to a
 temporary file and renamed, so an existing shard is complete); meta.json must match
@@ -131,7 +131,7 @@ def target_features(engine, sequences: list[list[int]]) -> list[np.ndarray]:
 # ----------------------------------------------------------------------------- shards
 
 def write_shard(path: str | Path, prompts: list[list[int]], responses: list[list[int]],
-                features: list[np.ndarray], feature_dtype: str = "float16") -> Path:
+                features: list[np.ndarray], feature_dtype: str = "bfloat16") -> Path:
     """One shard (atomic: temporary file + rename)."""
     path = Path(path)
     seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
@@ -158,7 +158,28 @@ class Sequence:
     prompt_len: int
 
 
+class Shard:
+    """Lazy view of one shard: sequences are read on access (memory-mapped), so a shard of
+    large-target features need not fit in memory."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._f = safe_open(str(path), "pt")
+        self.offsets = self._f.get_tensor("offsets").tolist()
+        self.prompt_lens = self._f.get_tensor("prompt_lens").tolist()
+        self._tokens = self._f.get_tensor("tokens")
+        self._features = self._f.get_slice("features")
+
+    def __len__(self) -> int:
+        return len(self.prompt_lens)
+
+    def __getitem__(self, i: int) -> Sequence:
+        a, b = self.offsets[i], self.offsets[i + 1]
+        return Sequence(self._tokens[a:b], self._features[a:b], int(self.prompt_lens[i]))
+
+
 def read_shard(path: str | Path) -> list[Sequence]:
+    """All sequences of a shard, in memory."""
     t = load_file(str(path))
     off = t["offsets"].tolist()
     return [Sequence(t["tokens"][a:b], t["features"][a:b], int(p))
@@ -191,7 +212,7 @@ def read_meta(data_dir: str | Path) -> dict:
 # ----------------------------------------------------------------------------- build
 
 def build(engine, prompts: list[list[int]], out_dir: str | Path, *, max_new_tokens: int = 256,
-          temperature: float = 0.0, seed: int = 0, chunk_size: int = 256, feature_dtype: str = "float16",
+          temperature: float = 0.0, seed: int = 0, chunk_size: int = 64, feature_dtype: str = "bfloat16",
           target_dir: str | Path | None = None, progress: bool = True) -> list[Path]:
     """Generate responses and features for all prompts into out_dir; returns the shard paths.
     Chunks whose shard exists are skipped."""
@@ -247,11 +268,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy responses")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--chunk-size", type=int, default=256, help="prompts per shard")
+    ap.add_argument("--chunk-size", type=int, default=64,
+                    help="prompts per shard (Qwen3-8B: 5 x 4096 features = 40 KB per token in bf16)")
     ap.add_argument("--limit", type=int, default=0, help="use only the first N prompts (0 = all)")
     ap.add_argument("--slots", type=int, default=8, help="sequences decoded / prefilled at once")
     ap.add_argument("--max-seq-len", type=int, default=None)
-    ap.add_argument("--feature-dtype", choices=sorted(DTYPES), default="float16")
+    ap.add_argument("--feature-dtype", choices=sorted(DTYPES), default="bfloat16",
+                    help="stored feature dtype (bf16 keeps the range of large activations)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="target compute dtype")
     args = ap.parse_args(argv)

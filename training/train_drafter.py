@@ -57,7 +57,7 @@ from drafter_service.checkpoint import init_drafter, load_drafter, save_drafter
 from drafter_service.config import DrafterConfig
 from drafter_service.flashmap_dit import CrossContext, FlashMapDiT, jump
 from drafter_service.flow_time import t_of_tau
-from training.drafter_data import list_shards, read_meta, read_shard, shard_count
+from training.drafter_data import Shard, list_shards, read_meta, shard_count
 
 STAGES = ("flow", "distill", "dflash")
 STATE_FILE = "train_state.pt"
@@ -195,14 +195,14 @@ class SequenceStream:
         if self.total == 0:
             raise ValueError(f"{data_dir}: the shards hold no sequences")
         self.seed = seed
-        self._cache: OrderedDict[int, list] = OrderedDict()
+        self._cache: OrderedDict[int, Shard] = OrderedDict()
         self._cache_size = cache_shards
 
-    def _shard(self, i: int) -> list:
+    def _shard(self, i: int) -> Shard:
         if i in self._cache:
             self._cache.move_to_end(i)
         else:
-            self._cache[i] = read_shard(self.shards[i])
+            self._cache[i] = Shard(self.shards[i])
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return self._cache[i]
@@ -377,9 +377,9 @@ def _check_data(meta: dict, model_cfg: DrafterConfig) -> None:
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     decay, no_decay = [], []
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
+            (decay if p.ndim >= 2 and name != "pos_embed" else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
