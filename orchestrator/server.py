@@ -67,6 +67,7 @@ class _Active:
     drafter_seen: int = 0  # context positions the drafter holds
     drafter_lost: bool = False  # drafter lost this sequence's context: autoregressive from now on
     fallback_rounds: int = 0
+    draft_steps: int = 0  # step count of this sequence's latest block, as the drafter reports it
     t_first: float | None = None
     t_last: float | None = None
     error: tuple[grpc.StatusCode, str] | None = None
@@ -106,6 +107,12 @@ class Orchestrator:
         block = self.drafter.block_size if self.drafter is not None else 16
         self.metrics = OrchestratorMetrics(block_size=block)
         self.metrics.drafter_steps.labels(drafter=self._drafter_name()).set(self.drafter.steps if self.drafter else 0)
+        # Export the counters that alerts divide by at 0 from the start: a series that first
+        # appears at its first increment has no rate() for that increment.
+        for reason in ("unavailable", "timeout", "context_lost"):
+            self.metrics.fallback_rounds.labels(model=self.info.model_name, reason=reason)
+        for status in ("length", "stop", "abort", "error"):
+            self.metrics.requests.labels(model=self.info.model_name, status=status)
         self.max_concurrent = self.cfg.max_concurrent or self.info.n_slots
         self._loop_task = asyncio.create_task(self._scheduler())
         log.info("orchestrator ready: target %s (%d slots, vocab %d), drafter %s", self.info.model_name,
@@ -251,7 +258,11 @@ class Orchestrator:
                 continue
             a.drafter_seen += len(m.new_token_ids)
             a.seq.pending_context.clear()
+            a.draft_steps = block.steps
+            if not m.steps:  # drafted with the drafter's default: follow run-time switches (SetSteps)
+                self.drafter.steps = block.steps
             drafts[a.seq.seq_id] = block_to_draft(block).truncate(a.seq.draft_budget())
+        self.metrics.drafter_steps.labels(drafter=self._drafter_name()).set(self.drafter.steps)
         # One observation per drafter call (a call drafts the whole batch).
         steps = next((b.steps for b in resp.blocks if not b.error), self.drafter.steps)
         self.metrics.draft_latency.labels(**self._labels(steps)).observe(dt)
@@ -294,7 +305,7 @@ class Orchestrator:
         self.metrics.round_latency.labels(**self._labels(self.drafter.steps if self.drafter else 0)).observe(time.perf_counter() - t_round)
 
     def _steps_of(self, a: _Active) -> int:
-        return a.seq.request.draft_steps or (self.drafter.steps if self.drafter else 0)
+        return a.draft_steps or a.seq.request.draft_steps or (self.drafter.steps if self.drafter else 0)
 
     def _emit(self, a: _Active, new: list[int], now: float) -> None:
         if not new:

@@ -1,0 +1,586 @@
+"""Integration tests of the services: a real tritonserver, drafter and orchestrator as
+processes on 127.0.0.1 (flashmap.stack.Stack), driven through the client SDK.
+
+Two stacks on a tiny random Qwen3 (fp32 on CPU):
+- TestMainStack: the real FlashMap drafter service (untrained "init" drafter), 8 KV slots.
+  Greedy exactness against the in-process autoregressive decoder, 16 concurrent streams
+  with batched verify forwards, step-count switches in flight and per-request overrides,
+  bad requests, cancellation freeing target and drafter slots, the metric catalogue, and
+  the drafter killed mid-stream (exact fallback, counted, and used again after a restart).
+- TestSmallStack: 2 KV slots, a queue limit of 4, and the drafter service wrapping the
+  oracle proposer (the target's own continuation with a seeded 20% error per slot), so
+  acceptance is well above zero and varies by slot: queueing and RESOURCE_EXHAUSTED, and
+  the speculative counters on /metrics against the per-request SpecStats.
+
+Near-ties: the reference outputs come from the in-process decoder (TargetEngine, one row
+per step); transformers' Qwen3 recomputes every reference position with a full forward
+and the test asserts its argmax equals the reference and its top-2 logit gap stays above
+1e-4, far above fp32 rounding, so a verify over K+1 rows in Triton cannot flip a token.
+
+Run as a script with --oracle-drafter, this file is the oracle drafter process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+VOCAB = 512
+BLOCK = 16
+
+
+# ----------------------------------------------------------------------------- the oracle drafter process
+
+
+def _oracle_drafter_main(argv: list[str]) -> None:
+    """The drafter service (drafter_service.server) around an OracleProposer."""
+    import argparse
+
+    from drafter_service.oracle import OracleProposer
+    from drafter_service.server import DrafterService, serve
+    from flashmap.logs import setup_logging
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--refs", required=True)
+    ap.add_argument("--vocab", type=int, required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--metrics-port", type=int, required=True)
+    ap.add_argument("--error-rate", type=float, default=0.2)
+    a = ap.parse_args(argv)
+    setup_logging("INFO")
+    refs = json.loads(Path(a.refs).read_text())
+    proposer = OracleProposer(refs, block_size=BLOCK, vocab_size=a.vocab, error_rate=a.error_rate, seed=1)
+    asyncio.run(serve(DrafterService(proposer, name="oracle"), "127.0.0.1", a.port, a.metrics_port))
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--oracle-drafter"]:
+    _oracle_drafter_main(sys.argv[2:])
+    sys.exit(0)
+
+
+from flashmap.client import (  # noqa: E402 - after the script entry point, which does not need them
+    AsyncClient,
+    Client,
+    DrafterAdmin,
+    InvalidArgument,
+    ResourceExhausted,
+)
+from flashmap.stack import Stack, StackConfig  # noqa: E402
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _prompts(n: int, seed: int, lo: int = 1, hi: int = 64) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, VOCAB, size=int(rng.integers(lo, hi + 1))).tolist() for _ in range(n)]
+
+
+def _metrics_text(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def _samples(port: int) -> list:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [s for fam in text_string_to_metric_families(_metrics_text(port)) for s in fam.samples]
+
+
+def _total(samples, name: str, **labels) -> float:
+    """Sum of every sample called `name` whose labels include `labels`."""
+    return sum(s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def _by_label(samples, name: str, label: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for s in samples:
+        if s.name == name:
+            out[s.labels[label]] = out.get(s.labels[label], 0.0) + s.value
+    return out
+
+
+def _poll(what: str, fn, timeout_s: float = 20.0, interval_s: float = 0.05):
+    """Call fn until it returns a truthy value; fail with `what` after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        last = fn()
+        if last:
+            return last
+        time.sleep(interval_s)
+    pytest.fail(f"timed out after {timeout_s:g} s waiting for {what} (last: {last!r})")
+
+
+def _stream(client: Client, progress: list | None = None, **kw):
+    """Run one streaming request; returns (token ids, final chunk). `progress` (a list)
+    receives the tokens as they arrive, for a watcher thread."""
+    ids, final = [] if progress is None else progress, None
+    for c in client.generate_stream(**kw):
+        if c.finished:
+            final = c
+        else:
+            ids.extend(c.token_ids)
+    assert final is not None
+    return list(ids), final
+
+
+class Reference:
+    """Greedy reference outputs from the in-process autoregressive decoder, checked for near-ties."""
+
+    def __init__(self, target_dir: Path):
+        import torch
+        from transformers import Qwen3ForCausalLM
+
+        from target_service.engine import TargetEngine
+
+        self.torch = torch
+        self.engine = TargetEngine(target_dir, n_slots=16, max_seq_len=1024)
+        self.hf = Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+        self.cache: dict[tuple, list[int]] = {}
+
+    def __call__(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+        from flashmap.inprocess import decode
+        from flashmap.types import SamplingParams
+        from orchestrator.sequence import GenerationRequest
+
+        todo = list(dict.fromkeys(tuple(p) for p in prompts if (tuple(p), max_new) not in self.cache))
+        if todo:
+            results = decode(self.engine, [GenerationRequest(list(p), max_new, SamplingParams()) for p in todo], proposer=None)
+            for p, r in zip(todo, results):
+                assert r.finish_reason == "length" and len(r.token_ids) == max_new
+                self._check_no_near_tie(list(p), r.token_ids)
+                self.cache[(p, max_new)] = list(r.token_ids)
+        return [self.cache[(tuple(p), max_new)] for p in prompts]
+
+    def _check_no_near_tie(self, prompt: list[int], out: list[int]) -> None:
+        torch = self.torch
+        with torch.inference_mode():
+            logits = self.hf(torch.tensor([prompt + out]), use_cache=False).logits[0]
+        gen = logits[len(prompt) - 1: len(prompt) + len(out) - 1]  # the logits that chose each output token
+        assert gen.argmax(-1).tolist() == out, "in-process decoder disagrees with transformers"
+        top2 = torch.topk(gen, 2, dim=-1).values
+        gap = float((top2[:, 0] - top2[:, 1]).min())
+        assert gap > 1e-4, f"near-tie in the reference (top-2 gap {gap:.2e}): pick other prompts"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread_per_process():
+    """Triton's model, the drafter and this process each run torch: with a thread per core in
+    each, they spin against each other on a small machine and a round takes 10x longer."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        mp.setenv("MKL_NUM_THREADS", "1")
+        yield
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory) -> Path:
+    from target_service.random_checkpoint import make_random_qwen3
+
+    return make_random_qwen3(tmp_path_factory.mktemp("stack") / "tiny-qwen3", vocab_size=VOCAB, seed=3)
+
+
+@pytest.fixture(scope="module")
+def ref(target_dir) -> Reference:
+    return Reference(target_dir)
+
+
+# ============================================================================= main stack
+
+
+@pytest.fixture(scope="class")
+def stack(target_dir):
+    cfg = StackConfig.on_free_ports(target_dir=str(target_dir), n_slots=8, max_seq_len=1024, steps=1)
+    with Stack(cfg) as st:
+        yield st
+
+
+@pytest.fixture(scope="class")
+def client(stack):
+    with Client(stack.cfg.url, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="class")
+def admin(stack):
+    a = DrafterAdmin(stack.cfg.drafter_url)
+    yield a
+    a.close()
+
+
+def _triton_active(stack) -> float:
+    return _total(_samples(stack.cfg.triton_metrics_port), "flashmap_target_active_sequences")
+
+
+def _all_idle(stack, client, admin):
+    """Orchestrator, target and drafter hold no sequence."""
+    h = client.health()
+    return (h.active_requests == 0 and h.queued_requests == 0 and _triton_active(stack) == 0
+            and admin.stats().active_sequences == 0)
+
+
+class TestMainStack:
+    @pytest.mark.timeout(120)
+    def test_greedy_matches_inprocess_autoregressive(self, stack, client, ref):
+        """24 random prompts of 1..64 tokens (plus one of 300), 8 streams at a time: each output
+        is token-identical to the in-process autoregressive decoder."""
+        prompts = _prompts(23, seed=11) + [_prompts(1, seed=12, lo=300, hi=300)[0]]
+        prompts[0] = prompts[0][:1]  # a one-token prompt
+        max_new = 32
+        expected = ref(prompts, max_new)
+        with ThreadPoolExecutor(8) as pool:
+            outs = list(pool.map(lambda p: _stream(client, prompt_ids=p, max_new_tokens=max_new, ignore_eos=True), prompts))
+        for p, exp, (ids, final) in zip(prompts, expected, outs):
+            assert ids == exp
+            assert final.finish_reason == "length"
+            assert final.completion_tokens == max_new and final.prompt_tokens == len(p)
+            assert final.stats.rounds >= 1
+        # The drafter took part (so this is speculative decoding, not only the fallback).
+        assert sum(f.stats.drafts for _, f in outs) > 0
+        assert sum(f.stats.draft_tokens for _, f in outs) > 0
+
+    @pytest.mark.timeout(120)
+    def test_16_concurrent_streams_are_exact_and_batched(self, stack, ref):
+        prompts = _prompts(16, seed=21, lo=2, hi=40)
+        max_new = 24
+        expected = ref(prompts, max_new)
+        orch0 = _samples(stack.cfg.metrics_port)
+        tri0 = _samples(stack.cfg.triton_metrics_port)
+
+        async def run():
+            async with AsyncClient(stack.cfg.url, timeout=120) as ac:
+                async def one(p):
+                    ids, final = [], None
+                    async for c in ac.generate_stream(prompt_ids=p, max_new_tokens=max_new, ignore_eos=True):
+                        if c.finished:
+                            final = c
+                        else:
+                            ids.extend(c.token_ids)
+                    return ids, final
+
+                return await asyncio.gather(*(one(p) for p in prompts))
+
+        outs = asyncio.run(run())
+        for exp, (ids, final) in zip(expected, outs):
+            assert ids == exp
+            assert final is not None and final.finish_reason == "length" and final.completion_tokens == max_new
+
+        orch1 = _samples(stack.cfg.metrics_port)
+        tri1 = _samples(stack.cfg.triton_metrics_port)
+        d = lambda s0, s1, name, **kw: _total(s1, name, **kw) - _total(s0, name, **kw)  # noqa: E731
+        multi = d(orch0, orch1, "flashmap_verify_batch_size_count") - d(orch0, orch1, "flashmap_verify_batch_size_bucket", le="1.0")
+        assert multi > 0, "no orchestrator round verified more than one sequence"
+        rows = d(tri0, tri1, "flashmap_target_verify_rows_total")
+        batches = d(tri0, tri1, "flashmap_target_verify_batches_total")
+        assert batches > 0 and rows / batches > 1.0, f"Triton ran {batches} forwards for {rows} rows: no batching"
+
+    @pytest.mark.timeout(120)
+    def test_step_count_switch_in_flight(self, stack, client, admin, ref):
+        """Steps 1 -> 2 -> 1 while 8 requests stream: none fails, all exact, steps-2 blocks were drafted."""
+        prompts = _prompts(8, seed=31, lo=3, hi=30)
+        max_new = 48
+        expected = ref(prompts, max_new)
+        d0 = _samples(stack.cfg.drafter_metrics_port)
+        progress = [[] for _ in prompts]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            futs = [pool.submit(_stream, client, progress[i], prompt_ids=p, max_new_tokens=max_new, ignore_eos=True)
+                    for i, p in enumerate(prompts)]
+            _poll("every request to stream a token", lambda: all(len(x) >= 1 for x in progress), 60)
+            assert admin.set_steps(2) == 2
+            at_switch = sum(map(len, progress))
+            in_flight_up = sum(len(x) < max_new for x in progress)
+            _poll("16 more tokens at 2 steps", lambda: sum(map(len, progress)) >= at_switch + 16 or all(f.done() for f in futs), 60)
+            assert admin.set_steps(1) == 1
+            in_flight_down = sum(len(x) < max_new for x in progress)
+            outs = [f.result() for f in futs]  # re-raises any failed request
+        assert in_flight_up > 0 and in_flight_down > 0, "the switches did not happen while requests were in flight"
+        for exp, (ids, final) in zip(expected, outs):
+            assert ids == exp and final.finish_reason == "length"
+        d1 = _samples(stack.cfg.drafter_metrics_port)
+        assert _total(d1, "flashmap_drafter_blocks_total", steps="2") > _total(d0, "flashmap_drafter_blocks_total", steps="2")
+        assert _total(d1, "flashmap_drafter_blocks_total", steps="1") > _total(d0, "flashmap_drafter_blocks_total", steps="1")
+        assert admin.get_steps() == 1
+
+    @pytest.mark.timeout(120)
+    def test_draft_steps_per_request_and_default(self, stack, client, admin, ref):
+        """A per-request draft_steps reaches the drafter (its blocks are drafted with that count, the
+        default is untouched); a new default is reported by SpecStats, ModelInfo and /metrics."""
+        p = _prompts(1, seed=41, lo=10, hi=10)[0]
+        max_new = 24
+        (expected,) = ref([p], max_new)
+        assert admin.get_steps() == 1
+        for steps in (2, 3):
+            d0 = _samples(stack.cfg.drafter_metrics_port)
+            ids, final = _stream(client, prompt_ids=p, max_new_tokens=max_new, ignore_eos=True, draft_steps=steps)
+            d1 = _samples(stack.cfg.drafter_metrics_port)
+            assert ids == expected
+            assert final.stats.draft_steps == steps and final.stats.drafts > 0
+            blocks = {k: _total(d1, "flashmap_drafter_blocks_total", steps=k) - _total(d0, "flashmap_drafter_blocks_total", steps=k)
+                      for k in ("1", "2", "3")}
+            assert blocks[str(steps)] >= final.stats.drafts > 0, blocks  # >=: a late block is not a draft
+            assert sum(blocks.values()) == blocks[str(steps)], blocks  # nothing drafted with the default
+        assert admin.get_steps() == 1
+
+        try:
+            assert admin.set_steps(2) == 2
+            ids, final = _stream(client, prompt_ids=p, max_new_tokens=max_new, ignore_eos=True)
+            assert ids == expected
+            assert final.stats.draft_steps == 2 and final.stats.drafts > 0
+            assert client.model_info().draft_steps == 2
+            orch = _samples(stack.cfg.metrics_port)
+            assert _total(orch, "flashmap_drafter_steps") == 2
+            assert _total(orch, "flashmap_num_drafts_total", steps="2") >= final.stats.drafts
+        finally:
+            admin.set_steps(1)
+
+    @pytest.mark.timeout(60)
+    def test_bad_requests_are_invalid_argument(self, stack, client, ref):
+        ok = dict(prompt_ids=[1, 2, 3], max_new_tokens=8, ignore_eos=True)
+        cases = [
+            ("empty prompt", dict(prompt_ids=[]), "empty"),
+            ("prompt longer than the context", dict(prompt_ids=[1] * 1025), "context"),
+            ("prompt + max_new_tokens past the context", dict(prompt_ids=[1] * 1000, max_new_tokens=100), "context"),
+            ("token id = vocab size", dict(prompt_ids=[1, VOCAB, 2]), "vocabulary"),
+            ("negative token id", dict(prompt_ids=[-1, 2]), "vocabulary"),
+            ("max_new_tokens 0", dict(max_new_tokens=0), "max_new_tokens"),
+            ("temperature < 0", dict(temperature=-0.5), "temperature"),
+            ("temperature NaN", dict(temperature=float("nan")), "temperature"),
+            ("top_p 0", dict(top_p=0.0), "top_p"),
+            ("top_p > 1", dict(top_p=1.5), "top_p"),
+            ("draft_steps 0", dict(draft_steps=0), "draft_steps"),
+            ("draft_steps 1000", dict(draft_steps=1000), "draft_steps"),
+        ]
+        for what, kw, word in cases:
+            with pytest.raises(InvalidArgument) as e:
+                client.generate(**{**ok, **kw})
+            assert word in str(e.value), f"{what}: message {str(e.value)!r} does not mention {word!r}"
+        # Still serving, exactly.
+        assert client.health().ready
+        p = _prompts(1, seed=51)[0]
+        (expected,) = ref([p], 16)
+        assert client.generate(prompt_ids=p, max_new_tokens=16, ignore_eos=True).token_ids == expected
+
+    @pytest.mark.timeout(90)
+    def test_cancel_frees_target_and_drafter_slots(self, stack, client, admin, ref):
+        p = _prompts(1, seed=61, lo=5, hi=5)[0]
+        max_new = 400
+        (expected,) = ref([p], max_new)
+        aborts0 = _total(_samples(stack.cfg.metrics_port), "flashmap_requests_total", status="abort")
+
+        # 1. The caller stops iterating: the generator is closed, the call cancelled.
+        got = []
+        for c in client.generate_stream(prompt_ids=p, max_new_tokens=max_new, ignore_eos=True):
+            got.extend(c.token_ids)
+            if len(got) >= 3:
+                # While it streams, target and drafter hold the sequence.
+                _poll("the target to hold the sequence", lambda: _triton_active(stack) >= 1, 10)
+                _poll("the drafter to hold the sequence", lambda: admin.stats().active_sequences >= 1, 10)
+                break
+        assert got == expected[:len(got)]
+        _poll("target, drafter and orchestrator to be idle after a cancelled stream",
+              lambda: _all_idle(stack, client, admin), 20)
+
+        # 2. Client.abort(request_id) from another thread.
+        progress: list[int] = []
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(_stream, client, progress, prompt_ids=p, max_new_tokens=max_new, ignore_eos=True,
+                              request_id="cancel-me")
+            _poll("the request to stream", lambda: len(progress) >= 3 or fut.done(), 30)
+            _poll("the drafter to hold the sequence", lambda: admin.stats().active_sequences >= 1 or fut.done(), 10)
+            assert client.abort("cancel-me") is True
+            ids, final = fut.result(timeout=30)
+        assert final.finish_reason == "abort"
+        assert 3 <= len(ids) < max_new and ids == expected[:len(ids)]
+        assert client.abort("cancel-me") is False  # gone
+        _poll("target, drafter and orchestrator to be idle after Abort", lambda: _all_idle(stack, client, admin), 20)
+        aborts1 = _total(_samples(stack.cfg.metrics_port), "flashmap_requests_total", status="abort")
+        assert aborts1 - aborts0 == 2
+
+    @pytest.mark.timeout(60)
+    def test_metric_catalogue(self, stack, client):
+        """Every metric of DESIGN.md has a sample line on the orchestrator's /metrics (before any
+        fallback happened: counters with known labels are exported at zero)."""
+        client.generate(prompt_ids=[5, 6, 7], max_new_tokens=8, ignore_eos=True)
+        text = _metrics_text(stack.cfg.metrics_port)
+        names = [
+            "flashmap_num_drafts_total", "flashmap_num_draft_tokens_total", "flashmap_num_accepted_tokens_total",
+            "flashmap_num_accepted_tokens_per_pos_total", "flashmap_acceptance_length_bucket",
+            "flashmap_draft_latency_seconds_bucket", "flashmap_verify_latency_seconds_bucket",
+            "flashmap_round_latency_seconds_bucket", "flashmap_time_to_first_token_seconds_bucket",
+            "flashmap_inter_token_latency_seconds_bucket", "flashmap_requests_total", "flashmap_active_requests",
+            "flashmap_drafter_steps", "flashmap_fallback_rounds_total",
+        ]
+        missing = [n for n in names if not re.search(rf"^{n}[{{ ]", text, re.M)]
+        assert not missing, f"no sample of {missing}"
+        # Latency buckets start at 100 microseconds; labels model / drafter / steps.
+        assert re.search(r'^flashmap_round_latency_seconds_bucket\{.*le="0\.0001".*\}', text, re.M)
+        assert re.search(r'^flashmap_num_drafts_total\{(?=.*model=")(?=.*drafter=")(?=.*steps=").*\}', text, re.M)
+        assert re.search(r'^flashmap_requests_total\{.*status="length".*\} [1-9]', text, re.M)
+
+    @pytest.mark.timeout(150)
+    def test_drafter_killed_mid_stream_then_restarted(self, stack, client, admin, ref):
+        prompts = _prompts(4, seed=71, lo=3, hi=20)
+        max_new = 64
+        expected = ref(prompts, max_new)
+        fb0 = _total(_samples(stack.cfg.metrics_port), "flashmap_fallback_rounds_total")
+        progress = [[] for _ in prompts]
+        try:
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                futs = [pool.submit(_stream, client, progress[i], prompt_ids=p, max_new_tokens=max_new, ignore_eos=True)
+                        for i, p in enumerate(prompts)]
+                _poll("every request to stream 4 tokens", lambda: all(len(x) >= 4 for x in progress), 60)
+                stack.drafter_proc.kill()
+                stack.drafter_proc.wait(10)
+                in_flight = sum(len(x) < max_new for x in progress)
+                outs = [f.result() for f in futs]
+            assert in_flight > 0, "the drafter died after the requests had finished"
+            for exp, (ids, final) in zip(expected, outs):
+                assert ids == exp and final.finish_reason == "length"
+            assert sum(f.stats.fallback_rounds for _, f in outs) > 0
+            fb1 = _total(_samples(stack.cfg.metrics_port), "flashmap_fallback_rounds_total")
+            assert fb1 > fb0, "fallback rounds were not counted"
+            assert client.health().drafter_ready is False
+        finally:
+            if stack.drafter_proc is None or stack.drafter_proc.poll() is not None:
+                stack.start_drafter()  # waits for its health check
+
+        # The orchestrator reconnects (at most once a second) and drafts again.
+        p = _prompts(1, seed=72, lo=6, hi=6)[0]
+        (exp,) = ref([p], 32)
+        ids, final = _stream(client, prompt_ids=p, max_new_tokens=32, ignore_eos=True)
+        assert ids == exp
+        assert final.stats.drafts > 0, "the restarted drafter was not used"
+        assert client.health().drafter_ready
+        _poll("the restarted drafter to drop the finished sequence", lambda: admin.stats().active_sequences == 0, 10)
+
+
+# ============================================================================= small stack
+
+
+def _free_port() -> int:
+    from flashmap.stack import free_port
+
+    return free_port()
+
+
+class OracleStack(Stack):
+    """A Stack whose drafter process is the drafter service around the oracle proposer."""
+
+    def __init__(self, cfg: StackConfig, refs_path: Path):
+        super().__init__(cfg)
+        self.refs_path = refs_path
+
+    def start_drafter(self, wait: bool = True) -> None:
+        c = self.cfg
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        with open(self._log("drafter"), "ab") as f:
+            self.drafter_proc = subprocess.Popen(
+                [sys.executable, __file__, "--oracle-drafter", "--refs", str(self.refs_path), "--vocab", str(VOCAB),
+                 "--port", str(c.drafter_port), "--metrics-port", str(c.drafter_metrics_port)],
+                stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(REPO_ROOT), start_new_session=True,
+            )
+        if wait:
+            self.wait_drafter()
+
+
+ORACLE_PROMPTS = _prompts(6, seed=81, lo=4, hi=24)
+ORACLE_MAX_NEW = 40
+
+
+@pytest.fixture(scope="class")
+def small_stack(target_dir, ref, tmp_path_factory):
+    refs = [p + out for p, out in zip(ORACLE_PROMPTS, ref(ORACLE_PROMPTS, ORACLE_MAX_NEW))]
+    refs_path = tmp_path_factory.mktemp("oracle") / "refs.json"
+    refs_path.write_text(json.dumps(refs))
+    cfg = StackConfig.on_free_ports(target_dir=str(target_dir), drafter="oracle", n_slots=2, max_queue=4, max_seq_len=1024)
+    with OracleStack(cfg, refs_path) as st:
+        yield st
+
+
+@pytest.fixture(scope="class")
+def small_client(small_stack):
+    with Client(small_stack.cfg.url, timeout=120) as c:
+        yield c
+
+
+class TestSmallStack:
+    @pytest.mark.timeout(120)
+    def test_queue_beyond_slots_then_resource_exhausted(self, small_stack, small_client, ref):
+        """2 KV slots, queue limit 4: 6 concurrent requests wait and all succeed exactly; a 7th while
+        the queue is full gets RESOURCE_EXHAUSTED; the server keeps serving."""
+        c = small_client
+        info = c.model_info()
+        assert info.max_concurrent == 2 and info.max_queue == 4
+        prompts = _prompts(6, seed=91, lo=3, hi=12)
+        max_new = 64
+        expected = ref(prompts, max_new)
+        with ThreadPoolExecutor(6) as pool:
+            futs = [pool.submit(_stream, c, None, prompt_ids=p, max_new_tokens=max_new, ignore_eos=True) for p in prompts]
+            _poll("2 active and 4 queued requests",
+                  lambda: (lambda h: h.active_requests == 2 and h.queued_requests == 4)(c.health()), 30, 0.01)
+            with pytest.raises(ResourceExhausted) as e:
+                c.generate(prompt_ids=[1, 2, 3], max_new_tokens=4)
+            assert "queue" in str(e.value)
+            outs = [f.result() for f in futs]
+        for exp, (ids, final) in zip(expected, outs):
+            assert ids == exp and final.finish_reason == "length"
+        (exp,) = ref([[1, 2, 3]], 8)
+        assert c.generate(prompt_ids=[1, 2, 3], max_new_tokens=8, ignore_eos=True).token_ids == exp
+
+    @pytest.mark.timeout(120)
+    def test_speculative_counters_match_request_stats(self, small_stack, small_client, ref):
+        """With the oracle drafter (acceptance well above 0): the /metrics deltas over these requests
+        equal the sums of their SpecStats, slot by slot, and mean gamma = 1 + accepted / drafts."""
+        c = small_client
+        expected = ref(ORACLE_PROMPTS, ORACLE_MAX_NEW)
+        _poll("an idle server", lambda: c.health().active_requests == 0 and c.health().queued_requests == 0, 30)
+        m0 = _samples(small_stack.cfg.metrics_port)
+        with ThreadPoolExecutor(len(ORACLE_PROMPTS)) as pool:
+            # Seeded: the draft seeds, hence the oracle's injected errors, are reproducible.
+            outs = list(pool.map(lambda i: _stream(c, prompt_ids=ORACLE_PROMPTS[i], max_new_tokens=ORACLE_MAX_NEW,
+                                                   ignore_eos=True, seed=i), range(len(ORACLE_PROMPTS))))
+        m1 = _samples(small_stack.cfg.metrics_port)
+        for exp, (ids, final) in zip(expected, outs):
+            assert ids == exp and final.finish_reason == "length"
+        stats = [f.stats for _, f in outs]
+        drafts = sum(s.drafts for s in stats)
+        draft_tokens = sum(s.draft_tokens for s in stats)
+        accepted = sum(s.accepted_tokens for s in stats)
+        per_slot = np.sum([s.accepted_per_slot for s in stats], axis=0)
+        # Meaningful: drafts happened, many were accepted, and not all of them.
+        assert drafts > 0 and 0 < accepted < draft_tokens
+        assert per_slot[0] > per_slot[-1] >= 0 and per_slot[1] > 0
+
+        d = lambda name, **kw: _total(m1, name, **kw) - _total(m0, name, **kw)  # noqa: E731
+        assert d("flashmap_num_drafts_total") == drafts
+        assert d("flashmap_num_draft_tokens_total") == draft_tokens
+        assert d("flashmap_num_accepted_tokens_total") == accepted
+        pos0 = _by_label(m0, "flashmap_num_accepted_tokens_per_pos_total", "position")
+        pos1 = _by_label(m1, "flashmap_num_accepted_tokens_per_pos_total", "position")
+        for k in range(BLOCK):
+            key = str(k + 1)
+            assert pos1.get(key, 0.0) - pos0.get(key, 0.0) == per_slot[k], f"position {key}"
+        assert d("flashmap_acceptance_length_count") == drafts
+        assert d("flashmap_acceptance_length_sum") == drafts + accepted
+        gamma_metrics = 1.0 + d("flashmap_num_accepted_tokens_total") / d("flashmap_num_drafts_total")
+        gamma_requests = 1.0 + accepted / drafts
+        assert gamma_metrics == pytest.approx(gamma_requests, abs=1e-12)
+        assert gamma_metrics > 1.5
+        # Each request's own mean acceptance length is consistent with its counts.
+        for s in stats:
+            assert s.mean_acceptance_length == pytest.approx(1.0 + s.accepted_tokens / s.drafts)
