@@ -19,6 +19,8 @@ LABELS = ("model", "drafter", "steps")
 class OrchestratorMetrics:
     def __init__(self, block_size: int = 16, registry: CollectorRegistry | None = None):
         self.registry = r = registry or CollectorRegistry()
+        self.block_size = block_size
+        self._per_pos_ready: set[tuple] = set()
         self.num_drafts = Counter("flashmap_num_drafts", "Speculative rounds that verified a draft", LABELS, registry=r)
         self.num_draft_tokens = Counter("flashmap_num_draft_tokens", "Draft tokens sent to verification", LABELS, registry=r)
         self.num_accepted_tokens = Counter("flashmap_num_accepted_tokens", "Draft tokens accepted", LABELS, registry=r)
@@ -50,6 +52,14 @@ class OrchestratorMetrics:
         """One verified draft of num_draft tokens of which the first num_accepted were accepted."""
         if num_draft == 0:
             return
+        key = tuple(sorted(labels.items()))
+        if key not in self._per_pos_ready:
+            # Every position exists from the first draft on, at 0 until accepted (vLLM does the
+            # same): a never-accepted slot reads 0, not "no data", and the first acceptance at
+            # a slot is an increase that rate() can see.
+            self._per_pos_ready.add(key)
+            for pos in range(1, self.block_size + 1):
+                self.num_accepted_tokens_per_pos.labels(**labels, position=str(pos))
         self.num_drafts.labels(**labels).inc()
         self.num_draft_tokens.labels(**labels).inc(num_draft)
         self.num_accepted_tokens.labels(**labels).inc(num_accepted)

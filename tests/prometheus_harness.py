@@ -436,14 +436,26 @@ def scrape(url: str, timeout: float = 5.0) -> dict[str, set[str]]:
         return parse_exposition(r.read().decode())
 
 
-def parse_exposition(text: str) -> dict[str, set[str]]:
-    """Prometheus text format -> {series name: label names seen on it}."""
-    from prometheus_client.parser import text_string_to_metric_families
+_SAMPLE_LINE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\s*(?:\{(.*)\})?\s+\S+")
+_LABEL_PAIR = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"(?:[^"\\]|\\.)*"')
 
+
+def parse_exposition(text: str) -> dict[str, set[str]]:
+    """Prometheus text format -> {series name: label names seen on it}.
+
+    Names exactly as written, which is what Prometheus stores. (prometheus_client's parser
+    appends _total to every counter sample, so Triton's unsuffixed nv_inference_count would
+    come back as nv_inference_count_total, a series no Prometheus ever has.)
+    """
     out: dict[str, set[str]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out.setdefault(sample.name, set()).update(sample.labels)
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE_LINE.match(line)
+        if not m:
+            raise ValueError(f"unparseable exposition line: {line!r}")
+        out.setdefault(m.group(1), set()).update(_LABEL_PAIR.findall(m.group(2) or ""))
     return out
 
 
