@@ -5,6 +5,7 @@ the whole file runs in well under a minute on two CPU cores.
 """
 
 import csv
+import json
 import math
 
 import numpy as np
@@ -47,7 +48,7 @@ def randomize(model, seed=0):
     return model
 
 
-def a_batch(data, n_seqs=4, anchors=4, seed=0):
+def a_batch(data, n_seqs=3, anchors=4, seed=0):
     stream = td.SequenceStream(data, seed=seed)
     return td.make_batch(stream.take(0, n_seqs), 16, anchors, 256, np.random.default_rng(seed))
 
@@ -77,6 +78,20 @@ def test_data_shards_features_and_resume(world):
     # ... and refuses other settings.
     with pytest.raises(ValueError, match="other settings"):
         dd.build(engine, prompts, data, max_new_tokens=21, chunk_size=4, target_dir=target, progress=False)
+
+
+def test_data_cli_and_prompt_files(world, tmp_path):
+    target, _, _, prompts = world
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in prompts[:3]))
+    assert dd.read_prompts(f) == prompts[:3]
+    out = tmp_path / "data"
+    assert dd.main(["--target", str(target), "--prompts", str(f), "--out", str(out), "--limit", "2",
+                    "--max-new-tokens", "3", "--chunk-size", "1", "--slots", "2", "--max-seq-len", "64"]) == 0
+    assert [dd.shard_count(p) for p in dd.list_shards(out)] == [1, 1]
+    assert dd.read_meta(out)["n_prompts"] == 2
+    f.write_text('{"text": "no prompt here"}\n')
+    assert dd.main(["--target", str(target), "--prompts", str(f), "--out", str(out)]) == 2
 
 
 def test_batch_anchors_inside_responses(world):
@@ -243,7 +258,7 @@ def _drafts(model):
 def test_cli_stages_resume_and_checkpoint(world, tmp_path):
     target, data, _, _ = world
     common = ["--target", str(target), "--data", str(data), "--small", "--no-progress", "--n-blocks", "1",
-              "--batch-size", "8", "--log-every", "1"]
+              "--batch-size", "6", "--anchors-per-seq", "3", "--log-every", "1"]
     flow = tmp_path / "flow"
     assert td.main(["--stage", "flow", "--out", str(flow), "--steps", "2", "--save-every", "2", *common]) == 0
     assert torch.load(flow / td.STATE_FILE, weights_only=False)["step"] == 2
@@ -259,14 +274,14 @@ def test_cli_stages_resume_and_checkpoint(world, tmp_path):
     assert d.tokens.shape == (16,) and ((0 <= d.tokens) & (d.tokens < 512)).all()
 
     dist = tmp_path / "distill"
-    assert td.main(["--stage", "distill", "--teacher", str(flow), "--out", str(dist), "--steps", "2", *common]) == 0
+    assert td.main(["--stage", "distill", "--teacher", str(flow), "--out", str(dist), "--steps", "1", *common]) == 0
     with open(dist / td.CSV_FILE) as f:
         row = list(csv.DictReader(f))[-1]
     assert {"loss", "zero", "semigroup"} <= set(row)
     assert _drafts(load_drafter(dist, target)).tokens.shape == (16,)
 
     base = tmp_path / "dflash"
-    assert td.main(["--stage", "dflash", "--out", str(base), "--steps", "2", *common]) == 0
+    assert td.main(["--stage", "dflash", "--out", str(base), "--steps", "1", *common]) == 0
     m = load_drafter(base, target)
     assert m.cfg.kind == "dflash" and _drafts(m).tokens.shape == (16,)
 

@@ -256,9 +256,9 @@ def noisy_state(target: Tensor, t: Tensor, vocab_size: int, gen: torch.Generator
     """x_t = (1-t)*eps + t*onehot(target): [N, K, V]; eps is one [V] draw per block when shared."""
     N, K = target.shape
     eps = torch.randn(N, 1 if shared else K, vocab_size, generator=gen, device=target.device)
-    onehot = F.one_hot(target, vocab_size).float()
     t = t.float().view(N, 1, 1)
-    return (1 - t) * eps + t * onehot
+    x = ((1 - t) * eps).expand(N, K, vocab_size).contiguous()
+    return x.scatter_add_(-1, target[..., None], t.expand(N, K, 1).contiguous())  # + t * onehot, no [N, K, V] one-hot
 
 
 def flow_loss(model: FlashMapDiT, batch: Batch, gen: torch.Generator) -> tuple[Tensor, dict]:
