@@ -102,7 +102,7 @@ def test_batch_anchors_inside_responses(world):
     assert b.anchor.shape == b.lengths.shape == b.seq_index.shape and b.target.shape == (len(b.anchor), 16)
     for i in range(len(b.anchor)):
         seq, a = seqs[int(b.seq_index[i])], int(b.lengths[i])
-        assert seq.prompt_len - 1 <= a <= len(seq.tokens) - 2
+        assert seq.prompt_len <= a <= len(seq.tokens) - 2
         assert int(b.anchor[i]) == int(seq.tokens[a])
         n = int(b.mask[i].sum())
         assert b.target[i, :n].tolist() == seq.tokens[a + 1:a + 1 + n].tolist()
@@ -113,6 +113,11 @@ def test_batch_anchors_inside_responses(world):
     again = td.SequenceStream(data, seed=0)
     assert all(torch.equal(x.tokens, y.tokens) for x, y in zip(seqs, again.take(0, 4)))
     assert len({tuple(s.tokens.tolist()) for s in stream.take(0, stream.total)}) == stream.total
+    # sequences without an anchor inside the response (once cut to max_len) are left out
+    _, _, _, prompts = world
+    short = td.SequenceStream(data, seed=0, max_len=9)
+    assert short.total == sum(len(p) <= 7 for p in prompts) < stream.total
+    assert all(len(q.tokens[:9]) - 2 >= q.prompt_len for q in short.take(0, short.total))
 
 
 # ----------------------------------------------------------------------------- losses

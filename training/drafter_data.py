@@ -192,6 +192,12 @@ def shard_count(path: str | Path) -> int:
         return int(f.metadata()["count"])
 
 
+def shard_index(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets [n+1], prompt_lens [n]) of a shard, without reading tokens or features."""
+    with safe_open(str(path), "pt") as f:
+        return f.get_tensor("offsets").numpy(), f.get_tensor("prompt_lens").numpy()
+
+
 def list_shards(data_dir: str | Path) -> list[Path]:
     shards = sorted(Path(data_dir).glob("shard-*.safetensors"))
     if not shards:

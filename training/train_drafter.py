@@ -57,7 +57,7 @@ from drafter_service.checkpoint import init_drafter, load_drafter, save_drafter
 from drafter_service.config import DrafterConfig
 from drafter_service.flashmap_dit import CrossContext, FlashMapDiT, jump
 from drafter_service.flow_time import t_of_tau
-from training.drafter_data import Shard, list_shards, read_meta, shard_count
+from training.drafter_data import Shard, list_shards, read_meta, shard_index
 
 STAGES = ("flow", "distill", "dflash")
 STATE_FILE = "train_state.pt"
@@ -156,7 +156,9 @@ def make_batch(seqs: list, block_size: int, anchors_per_seq: int, max_len: int, 
     feats, rows = [], []
     for seq in seqs:
         L = min(len(seq.tokens), max_len)
-        lo, hi = max(seq.prompt_len - 1, 0), L - 2  # anchor a needs a >= one target token at a+1
+        # As when serving: the first anchor is the first response token (the target supplies it
+        # at prefill), its context the whole prompt; an anchor needs one target token after it.
+        lo, hi = seq.prompt_len, L - 2
         if hi < lo:
             continue
         n = min(anchors_per_seq, hi - lo + 1)
@@ -186,14 +188,22 @@ def make_batch(seqs: list, block_size: int, anchors_per_seq: int, max_len: int, 
 class SequenceStream:
     """A deterministic endless stream of sequences over the shards: epoch e visits the
     shards in a seeded order and each shard's sequences in a seeded order. Position p of
-    the stream depends only on (seed, p), so a resumed run sees the same data."""
+    the stream depends only on (seed, p), so a resumed run sees the same data.
+    Only sequences with an anchor inside the response (after cutting to max_len) are used."""
 
-    def __init__(self, data_dir: str | Path, seed: int = 0, cache_shards: int = 2):
+    def __init__(self, data_dir: str | Path, seed: int = 0, max_len: int | None = None, cache_shards: int = 2):
         self.shards = list_shards(data_dir)
-        self.counts = [shard_count(p) for p in self.shards]
+        self.index = []  # per shard: the usable sequence numbers
+        for path in self.shards:
+            offsets, prompt_lens = shard_index(path)
+            lengths = np.diff(offsets)
+            if max_len is not None:
+                lengths = np.minimum(lengths, max_len)
+            self.index.append(np.nonzero(lengths - 2 >= prompt_lens)[0])
+        self.counts = [len(ix) for ix in self.index]
         self.total = sum(self.counts)
         if self.total == 0:
-            raise ValueError(f"{data_dir}: the shards hold no sequences")
+            raise ValueError(f"{data_dir}: no sequence has a response of >= 2 tokens within max_len {max_len}")
         self.seed = seed
         self._cache: OrderedDict[int, Shard] = OrderedDict()
         self._cache_size = cache_shards
@@ -212,7 +222,7 @@ class SequenceStream:
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self.shards))
         for i in order:
             if r < self.counts[i]:
-                idx = np.random.default_rng([self.seed, epoch, int(i)]).permutation(self.counts[i])[r]
+                idx = self.index[i][np.random.default_rng([self.seed, epoch, int(i)]).permutation(self.counts[i])[r]]
                 return self._shard(int(i))[int(idx)]
             r -= self.counts[i]
         raise AssertionError("unreachable")
@@ -472,7 +482,7 @@ def train(tcfg: TrainConfig, *, target: str | Path, data: str | Path, out: str |
         w.writeheader()
         w.writerows(old_rows)
 
-    stream = SequenceStream(data, seed=tcfg.seed)
+    stream = SequenceStream(data, seed=tcfg.seed, max_len=tcfg.max_len)
     seqs_per_step = max(1, -(-tcfg.batch_size // tcfg.anchors_per_seq))
     K = model.cfg.block_size
     amp = tcfg.amp and torch.device(device).type == "cuda"
