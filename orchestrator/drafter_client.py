@@ -5,6 +5,12 @@ awaits the DraftResponse with the same call_id. A background reader resolves
 responses, so a late answer to a call that already timed out is dropped, not
 mistaken for the next one. Failures never raise into the scheduler: `draft` returns
 None and the caller decodes that round autoregressively (still exact).
+
+A late drafter gets no new call until it has answered the one it is working on (it
+serves the stream in order), so work does not pile up behind it. For the same reason
+a release waits for that answer: sent earlier, it would reach the drafter before the
+late call that still carries the sequence, which would then hold it until the idle
+timeout.
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ class DrafterClient:
         self._call = None
         self._reader: asyncio.Task | None = None
         self._pending: dict[int, asyncio.Future] = {}
+        self._inflight: asyncio.Future | None = None  # the last call written (answered or not)
+        self._tasks: set[asyncio.Task] = set()  # deferred releases
         self._ids = itertools.count(1)
         self._last_attempt = 0.0
         self.connected = False
@@ -94,6 +102,7 @@ class DrafterClient:
 
     async def _teardown(self) -> None:
         self.connected = False
+        self._inflight = None
         if self._call is not None:
             self._call.cancel()
             self._call = None
@@ -111,23 +120,42 @@ class DrafterClient:
         """Returns (response, "") or (None, reason) with reason "unavailable" or "timeout"."""
         if not await self.ensure_connected():
             return None, "unavailable"
+        if self._inflight is not None and not self._inflight.done():
+            return None, "timeout"  # still busy with a call that timed out
         call_id = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody may await a late one
         self._pending[call_id] = fut
+        self._inflight = fut
         try:
             await self._call.write(drafter_pb2.DraftRequest(call_id=call_id, sequences=sequences))
-            return await asyncio.wait_for(fut, timeout_s), ""
+            return await asyncio.wait_for(asyncio.shield(fut), timeout_s), ""
         except asyncio.TimeoutError:
-            self._pending.pop(call_id, None)
-            return None, "timeout"
+            return None, "timeout"  # the reader resolves fut when the answer comes
         except (grpc.aio.AioRpcError, ConnectionError, asyncio.InvalidStateError, grpc.aio.UsageError) as e:
             self._pending.pop(call_id, None)
+            fut.cancel()
             log.warning("drafter call failed: %s", e)
             self.connected = False
             return None, "unavailable"
 
     async def release(self, seq_ids: list[str]) -> None:
         if not seq_ids or not self.connected:
+            return
+        late = self._inflight
+        if late is not None and not late.done():
+            task = asyncio.create_task(self._release_after(late, seq_ids))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return
+        await self._release_now(seq_ids)
+
+    async def _release_after(self, late: asyncio.Future, seq_ids: list[str]) -> None:
+        await asyncio.wait([late], timeout=60.0)
+        await self._release_now(seq_ids)
+
+    async def _release_now(self, seq_ids: list[str]) -> None:
+        if not self.connected:
             return
         try:
             await self._stub.Release(drafter_pb2.ReleaseRequest(seq_ids=seq_ids), timeout=2.0)

@@ -65,6 +65,7 @@ class _Active:
     t_arrival: float
     started: bool = False  # holds a target sequence (Triton START sent)
     drafter_seen: int = 0  # context positions the drafter holds
+    drafter_sent: bool = False  # the drafter was sent context (it may hold some even if every answer was late)
     drafter_lost: bool = False  # drafter lost this sequence's context: autoregressive from now on
     fallback_rounds: int = 0
     draft_steps: int = 0  # step count of this sequence's latest block, as the drafter reports it
@@ -215,7 +216,7 @@ class Orchestrator:
                 await self.target.release(sid)
             except Exception as e:  # noqa: BLE001 - Triton's idle timeout frees it anyway
                 log.warning("release of sequence %d on the target failed: %s", sid, e)
-        if self.drafter is not None and a.drafter_seen:
+        if self.drafter is not None and a.drafter_sent:
             await self.drafter.release([str(sid)])
         self._finish(a, a.seq.finish_reason or "abort")
 
@@ -235,6 +236,7 @@ class Orchestrator:
             if ctx is not None:  # keep it until the drafter acknowledges it
                 a.seq.pending_context.append(ctx)
             ids, feats = ctx if ctx is not None else (np.zeros(0, np.int64), np.zeros((0, 0), np.float32))
+            a.drafter_sent = True
             msgs.append(drafter_pb2.SequenceDraft(
                 seq_id=str(a.seq.seq_id), context_start=a.drafter_seen, new_token_ids=ids.tolist(),
                 new_features=features_to_tensor(feats), anchor=a.seq.anchor, steps=a.seq.request.draft_steps or 0,

@@ -468,6 +468,37 @@ class TestMainStack:
         _poll("the restarted drafter to drop the finished sequence", lambda: admin.stats().active_sequences == 0, 10)
 
 
+# ============================================================================= late drafter
+
+
+@pytest.mark.timeout(150)
+def test_late_drafter_falls_back_exactly_and_is_released(target_dir, ref):
+    """A drafter slower than the orchestrator's draft timeout: every round falls back (exact,
+    counted with reason "timeout"), and the drafter still gets every sequence released."""
+    prompts = _prompts(3, seed=101, lo=3, hi=12)
+    max_new = 16
+    expected = ref(prompts, max_new)
+    cfg = StackConfig.on_free_ports(target_dir=str(target_dir), n_slots=4, max_seq_len=1024, draft_timeout_s=1e-4)
+    with Stack(cfg) as st, Client(cfg.url, timeout=120) as c:
+        admin = DrafterAdmin(cfg.drafter_url)
+        try:
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                outs = list(pool.map(lambda p: _stream(c, prompt_ids=p, max_new_tokens=max_new, ignore_eos=True), prompts))
+            for exp, (ids, final) in zip(expected, outs):
+                assert ids == exp and final.finish_reason == "length"
+                assert final.stats.drafts == 0 and final.stats.fallback_rounds > 0
+            m = _samples(cfg.metrics_port)
+            assert _total(m, "flashmap_fallback_rounds_total", reason="timeout") > 0
+            # The drafter does the (late) work: it takes context for these sequences...
+            _poll("the drafter to answer a late call",
+                  lambda: _total(_samples(cfg.drafter_metrics_port), "flashmap_drafter_blocks_total") > 0, 20)
+            # ...and must not keep it until its idle timeout (300 s) once they are finished.
+            _poll("the drafter to drop the finished sequences", lambda: admin.stats().active_sequences == 0, 10)
+            _poll("the target to drop the finished sequences", lambda: _triton_active(st) == 0, 10)
+        finally:
+            admin.close()
+
+
 # ============================================================================= small stack
 
 
