@@ -17,7 +17,8 @@ per step); transformers' Qwen3 recomputes every reference position with a full f
 and the test asserts its argmax equals the reference and its top-2 logit gap stays above
 1e-4, far above fp32 rounding, so a verify over K+1 rows in Triton cannot flip a token.
 
-Run as a script with --oracle-drafter, this file is the oracle drafter process.
+Run as a script with --oracle-drafter, this file is the oracle drafter process. The services'
+logs are in pytest's tmp_path (logs-main, logs-small, the late-drafter test's own).
 """
 
 from __future__ import annotations
@@ -203,8 +204,9 @@ def ref(target_dir) -> Reference:
 
 
 @pytest.fixture(scope="class")
-def stack(target_dir):
-    cfg = StackConfig.on_free_ports(target_dir=str(target_dir), n_slots=8, max_seq_len=1024, steps=1)
+def stack(target_dir, tmp_path_factory):
+    cfg = StackConfig.on_free_ports(target_dir=str(target_dir), n_slots=8, max_seq_len=1024, steps=1,
+                                    log_dir=str(tmp_path_factory.mktemp("logs-main")))
     with Stack(cfg) as st:
         yield st
 
@@ -472,13 +474,14 @@ class TestMainStack:
 
 
 @pytest.mark.timeout(150)
-def test_late_drafter_falls_back_exactly_and_is_released(target_dir, ref):
+def test_late_drafter_falls_back_exactly_and_is_released(target_dir, ref, tmp_path):
     """A drafter slower than the orchestrator's draft timeout: every round falls back (exact,
     counted with reason "timeout"), and the drafter still gets every sequence released."""
     prompts = _prompts(3, seed=101, lo=3, hi=12)
     max_new = 16
     expected = ref(prompts, max_new)
-    cfg = StackConfig.on_free_ports(target_dir=str(target_dir), n_slots=4, max_seq_len=1024, draft_timeout_s=1e-4)
+    cfg = StackConfig.on_free_ports(target_dir=str(target_dir), n_slots=4, max_seq_len=1024, draft_timeout_s=1e-4,
+                                    log_dir=str(tmp_path))
     with Stack(cfg) as st, Client(cfg.url, timeout=120) as c:
         admin = DrafterAdmin(cfg.drafter_url)
         try:
@@ -538,7 +541,8 @@ def small_stack(target_dir, ref, tmp_path_factory):
     refs = [p + out for p, out in zip(ORACLE_PROMPTS, ref(ORACLE_PROMPTS, ORACLE_MAX_NEW))]
     refs_path = tmp_path_factory.mktemp("oracle") / "refs.json"
     refs_path.write_text(json.dumps(refs))
-    cfg = StackConfig.on_free_ports(target_dir=str(target_dir), drafter="oracle", n_slots=2, max_queue=4, max_seq_len=1024)
+    cfg = StackConfig.on_free_ports(target_dir=str(target_dir), drafter="oracle", n_slots=2, max_queue=4, max_seq_len=1024,
+                                    log_dir=str(tmp_path_factory.mktemp("logs-small")))
     with OracleStack(cfg, refs_path) as st:
         yield st
 
