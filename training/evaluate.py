@@ -298,6 +298,15 @@ def machine() -> str:
             f"{torch.get_num_threads()} torch threads")
 
 
+def _show(path) -> str:
+    """A path as the report shows it: relative to the repository when inside it."""
+    p = Path(path).resolve()
+    try:
+        return str(p.relative_to(REPO))
+    except ValueError:
+        return str(p)
+
+
 def _fmt(x, spec=".2f") -> str:
     return "n/a" if x is None or (isinstance(x, float) and not np.isfinite(x)) else format(x, spec)
 
@@ -573,7 +582,7 @@ def evaluate(args, command: str) -> Path:
 
     drafters = {}
     for m in methods:
-        if m.checkpoint in drafters:
+        if _show(m.checkpoint) in drafters:
             continue
         model = models.get(m.checkpoint)
         if model is None:
@@ -583,16 +592,16 @@ def evaluate(args, command: str) -> Path:
         c = model.cfg
         arch = (f"{c.n_layers} layer(s)" if m.kind == "eagle" else f"{c.n_blocks} blocks") + \
             f", width {c.dim}, {c.n_heads} heads"
-        drafters[m.checkpoint] = (f"kind {checkpoint_kind(m.checkpoint)}, {arch}, {params_of(model) / 1e6:.2f}M "
+        drafters[_show(m.checkpoint)] = (f"kind {checkpoint_kind(m.checkpoint)}, {arch}, {params_of(model) / 1e6:.2f}M "
                                   f"trainable parameters, feature layers {list(c.feature_layers)}")
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     info = {"date": datetime.date.today().isoformat(), "machine": machine(), "command": command,
-            "target": args.target,
+            "target": _show(args.target),
             "target_desc": f"{engine.num_layers} layers, hidden {engine.hidden_size}, vocab {engine.vocab_size}",
             "device": args.device, "max_new_tokens": args.max_new_tokens, "seed": args.seed, "block_size": K,
             "repeats": args.repeats,
-            "top_m": 4, "prompts": args.prompts, "counts": {d: len(ps) for d, ps in by_domain.items()},
+            "top_m": 4, "prompts": _show(args.prompts), "counts": {d: len(ps) for d, ps in by_domain.items()},
             "truncated": truncated, "drafters": drafters, "notes": notes}
     report = write_report(out_dir, data, methods, domains, temps, info)
     write_plots(out_dir, data, methods, domains, temps, K)
