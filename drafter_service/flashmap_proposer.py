@@ -94,6 +94,7 @@ class FlashMapProposer(Proposer):
         self.lengths = np.zeros(n_slots, np.int64)  # host copy: no device sync to read lengths
         self.slot_of: dict[str, int] = {}
         self._free = list(range(n_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self.graphs = None  # FlowGraphs after enable_graphs()
 
     # ------------------------------------------------------------------ sequences
     def set_steps(self, n: int) -> None:
@@ -195,34 +196,54 @@ class FlashMapProposer(Proposer):
 
     def _context(self, slots: list[int], lengths: list[int]) -> CrossContext:
         """Cache rows as a CrossContext, cut to the longest row (slot -1: no context)."""
-        T = max(lengths + [1])
-        slots = torch.tensor([max(i, 0) for i in slots], device=self.device)
-        lengths = torch.tensor(lengths, device=self.device)
-        kv = [(self.k_cache[i, :, :, :T].index_select(0, slots), self.v_cache[i, :, :, :T].index_select(0, slots))
-              for i in range(self.cfg.n_blocks)]  # [B, h, T, d] each
+        slots_t = torch.tensor([max(i, 0) for i in slots], device=self.device)
+        return self._context_tensors(slots_t, torch.tensor(lengths, device=self.device), max(lengths + [1]))
+
+    def _context_tensors(self, slots: Tensor, lengths: Tensor, window: int) -> CrossContext:
+        """The first `window` cache positions of rows `slots` [B] (device tensors: no host sync,
+        so CUDA graphs can capture it)."""
+        kv = [(self.k_cache[i, :, :, :window].index_select(0, slots), self.v_cache[i, :, :, :window].index_select(0, slots))
+              for i in range(self.cfg.n_blocks)]  # [B, h, window, d] each
         return CrossContext(kv, lengths)
+
+    def enable_graphs(self, steps: tuple[int, ...] = (1, 2), mode: str = "cuda", **buckets) -> dict:
+        """Capture the flow integration per (steps, batch bucket, context bucket); see cuda_graphs."""
+        from drafter_service.cuda_graphs import FlowGraphs
+
+        if self.cfg.kind != "flashmap":
+            return {"graphs": 0}
+        self.graphs = FlowGraphs(self, steps, mode=mode, **buckets)
+        return self.graphs.capture()
 
     @torch.inference_mode()
     def _propose_rows(self, rows: list[_Row], steps: int) -> list[Draft]:
         K, V = self.block_size, self.vocab_size
-        ctx = self._context([r.slot for r in rows], [r.length for r in rows])
         anchor = torch.tensor([r.anchor for r in rows], device=self.device)  # [B]
         if self.cfg.kind == "dflash":
+            ctx = self._context([r.slot for r in rows], [r.length for r in rows])
             logits = self.model(None, 0.0, 1.0, anchor, ctx)  # [B, K, V]
         else:
             x = torch.stack([draw_noise(r.gen, K, V, self.shared_noise) for r in rows]).to(self.device)  # [B, K, V]
-            logits = self._integrate(x, anchor, ctx, steps)
+            logits = None
+            if self.graphs is not None:
+                logits = self.graphs.run(x, anchor, [r.slot for r in rows], [r.length for r in rows], steps)
+            if logits is None:
+                logits = self._integrate(x, anchor, self._context([r.slot for r in rows], [r.length for r in rows]), steps)
         return self._sample(logits, rows)
 
-    def _integrate(self, x: Tensor, anchor: Tensor, ctx: CrossContext, steps: int) -> Tensor:
-        """Run the flow from x_0 to t = 1; returns the last evaluation's logits [B, K, V]."""
-        grid = time_grid(steps, self.vocab_size, self.cfg.time_table_size, self.cfg.gauss_hermite_nodes)
+    def _integrate(self, x: Tensor, anchor: Tensor, ctx: CrossContext, steps: int,
+                   times: list[Tensor] | None = None) -> Tensor:
+        """Run the flow from x_0 to t = 1; returns the last evaluation's logits [B, K, V].
+        times: the grid as [B] device tensors (CUDA graphs); default: host floats."""
+        grid = [float(g) for g in time_grid(steps, self.vocab_size, self.cfg.time_table_size, self.cfg.gauss_hermite_nodes)]
+        tt = grid if times is None else times
         euler = steps >= 3  # 1-2 steps: flow-map jumps (s, t); more: teacher ODE (t, t)
         logits = None
-        for a, b in zip(grid[:-1], grid[1:]):
-            logits = self.model(x, float(a), float(a if euler else b), anchor, ctx)
-            if b < 1.0:  # the last update would give x_1 = pi: the logits already say it
-                x = jump(x, logits.softmax(-1), float(a), float(b))
+        for i in range(len(grid) - 1):
+            a, b = tt[i], tt[i + 1]
+            logits = self.model(x, a, a if euler else b, anchor, ctx)
+            if grid[i + 1] < 1.0:  # the last update would give x_1 = pi: the logits already say it
+                x = jump(x, logits.softmax(-1), a, b)
         return logits
 
     def _sample(self, logits: Tensor, rows: list[_Row]) -> list[Draft]:

@@ -216,7 +216,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         return self._steps_response()
 
     def _steps_response(self) -> drafter_pb2.StepsResponse:
-        avail = self.available_steps or (1, 2)
+        graphs = getattr(self.proposer, "graphs", None)
+        avail = self.available_steps or (graphs.steps if graphs is not None else (1, 2))
         return drafter_pb2.StepsResponse(steps=self.proposer.steps, available=list(avail))
 
     async def Release(self, request, context):
@@ -284,10 +285,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-context", type=int, default=4096)
     ap.add_argument("--idle-timeout-s", type=float, default=300.0)
     ap.add_argument("--device", default=env("FLASHMAP_DEVICE", "cuda" if _cuda() else "cpu"))
+    ap.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                    help="on CUDA, draft eagerly instead of replaying graphs captured at start-up")
     ap.add_argument("--log-level", default="INFO")
     a = ap.parse_args(argv)
     setup_logging(a.log_level)
     proposer = build_proposer(a.target_dir, a.drafter, a.device, a.n_slots, a.max_context, a.steps)
+    if a.device.startswith("cuda") and a.cuda_graphs and hasattr(proposer, "enable_graphs"):
+        steps = tuple(sorted({1, 2, a.steps}))
+        report = proposer.enable_graphs(steps=steps)  # logs capture time and memory
+        log.info("CUDA graphs captured", extra=fields(**report))
     name = "init" if a.drafter == "init" else os.path.basename(os.path.normpath(a.drafter))
     service = DrafterService(proposer, name=name, idle_timeout_s=a.idle_timeout_s)
     try:

@@ -50,7 +50,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def load_proposer(drafter: str, target_dir: str, device: str = "cpu", n_slots: int = 8, max_context: int = 4096, steps: int = 1):
-    """A proposer from a drafter checkpoint dir, or 'init' for a fresh (untrained) FlashMap drafter.
+    """A proposer from a drafter checkpoint dir (FlashMap, DFlash-style or EAGLE-style), or 'init'
+    for a fresh (untrained) FlashMap drafter.
 
     'init' on a small target builds a small DiT (width = target hidden, 2 blocks);
     the paper's 2048-wide, 6-block default is for full-size targets.
@@ -64,6 +65,10 @@ def load_proposer(drafter: str, target_dir: str, device: str = "cpu", n_slots: i
         small = {} if hidden >= 2048 else {"dim": max(64, hidden), "n_blocks": 2, "n_heads": 4}
         model = init_drafter(target_dir, **small)
     else:
+        from drafter_service import eagle
+
+        if eagle.checkpoint_kind(drafter) == "eagle":
+            return eagle.load_proposer(drafter, target_dir, device=device, n_slots=n_slots, max_context=max_context)
         model = load_drafter(drafter, target_dir, device=device)
     return FlashMapProposer(model, n_slots=n_slots, max_context=max_context, device=device, steps=steps)
 
@@ -167,6 +172,12 @@ def _cmd_steps(args) -> int:
     return 0
 
 
+def _cmd_eval(args) -> int:
+    from training.evaluate import main as eval_main
+
+    return eval_main(args.rest, prog="flashmap eval")
+
+
 def _cmd_up(args) -> int:
     from flashmap.stack import run_stack
 
@@ -193,6 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("steps", nargs="?", type=int, default=None, help="new step count (1 or 2 jumps, or N); omit to show")
     st.add_argument("--drafter-url", default=os.environ.get("FLASHMAP_DRAFTER_URL", "127.0.0.1:50052"))
     st.set_defaults(func=_cmd_steps)
+
+    ev = sub.add_parser("eval", help="acceptance / speedup tables of the drafters (see: flashmap eval --help)", add_help=False)
+    ev.add_argument("rest", nargs=argparse.REMAINDER)
+    ev.set_defaults(func=_cmd_eval)
 
     u = sub.add_parser("up", help="start target (Triton), drafter and orchestrator locally")
     from flashmap.stack import add_stack_args

@@ -141,6 +141,9 @@ class Stack:
         wait_grpc_health(c.url, 300, self.orch_proc, self._log("orchestrator"))
 
     def start(self) -> "Stack":
+        # Three torch processes on a small CPU box each default to one thread per core and
+        # fight over the cores (verify rounds ran 10x slower). Children inherit this.
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // 2)))
         try:
             if self.cfg.with_drafter:
                 self.start_drafter(wait=False)  # loads while Triton starts

@@ -1,0 +1,130 @@
+"""CUDA graphs of the drafter's flow integration, one per (step count, batch bucket, context bucket).
+
+Drafting is a handful of small kernels per DiT block and flow step: at batch 1 on a GPU
+the launch overhead dominates, so the whole integration (1 or 2 jumps) is captured
+once at start-up and replayed. A graph needs static shapes, so a batch is padded to
+its bucket (padding rows: slot 0, no context, discarded) and the cross-attention reads
+a fixed context window (the bucket above the longest row), masked by the true
+lengths. Times are device tensors baked into each graph. Shapes with no graph (a
+bucket beyond the largest, a step count not captured) run eagerly: same function,
+same numbers.
+
+`mode="static"` runs the very same padded, fixed-window function without capture;
+that is how the CPU tests check it against the dynamic path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from drafter_service.flow_time import time_grid
+
+log = logging.getLogger("flashmap.drafter.graphs")
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+CONTEXT_BUCKETS = (256, 1024, 4096, 16384)
+
+
+def bucket_of(n: int, buckets: tuple[int, ...]) -> int | None:
+    return next((b for b in buckets if b >= n), None)
+
+
+@dataclass
+class _Static:
+    x: Tensor  # [b, K, V]
+    anchor: Tensor  # [b]
+    slots: Tensor  # [b]
+    lengths: Tensor  # [b]
+    out: Tensor | None = None  # [b, K, V] logits written by the graph
+    graph: "torch.cuda.CUDAGraph | None" = None
+    times: list[Tensor] | None = None  # the flow grid as [b] device tensors
+
+
+class FlowGraphs:
+    def __init__(self, proposer, steps: tuple[int, ...] = (1, 2), batch_buckets: tuple[int, ...] = BATCH_BUCKETS,
+                 context_buckets: tuple[int, ...] = CONTEXT_BUCKETS, mode: str = "cuda"):
+        if mode not in ("cuda", "static"):
+            raise ValueError(f"mode must be 'cuda' or 'static', got {mode!r}")
+        self.p = proposer
+        self.mode = mode
+        self.steps = tuple(sorted(set(steps)))
+        self.batch_buckets = tuple(b for b in batch_buckets if b <= proposer.n_slots) or (proposer.n_slots,)
+        ctx = tuple(c for c in context_buckets if c < proposer.max_context)
+        self.context_buckets = ctx + (proposer.max_context,)
+        self.graphs: dict[tuple[int, int, int], _Static] = {}
+        self._pool = None
+
+    def _times(self, steps: int, b: int) -> tuple[list[float], list[Tensor]]:
+        cfg = self.p.cfg
+        grid = [float(g) for g in time_grid(steps, cfg.vocab_size, cfg.time_table_size, cfg.gauss_hermite_nodes)]
+        return grid, [torch.full((b,), g, device=self.p.device) for g in grid]
+
+    def _fn(self, st: _Static, steps: int, window: int, times: list[Tensor]) -> Tensor:
+        ctx = self.p._context_tensors(st.slots, st.lengths, window)
+        return self.p._integrate(st.x, st.anchor, ctx, steps, times)
+
+    def _static(self, b: int) -> _Static:
+        K, V, dev = self.p.block_size, self.p.vocab_size, self.p.device
+        z = lambda: torch.zeros(b, dtype=torch.long, device=dev)  # noqa: E731
+        return _Static(torch.zeros(b, K, V, dtype=torch.float32, device=dev), z(), z(), z())
+
+    @torch.inference_mode()
+    def capture(self) -> dict:
+        """Capture every (steps, batch bucket, context bucket); returns and logs time and memory."""
+        t0 = time.perf_counter()
+        mem0 = torch.cuda.memory_allocated(self.p.device) if self.mode == "cuda" else 0
+        if self.mode == "cuda":
+            self._pool = torch.cuda.graph_pool_handle()
+        for steps in self.steps:
+            for b in self.batch_buckets:
+                for w in self.context_buckets:
+                    st = self._static(b)
+                    _, times = self._times(steps, b)
+                    if self.mode == "cuda":
+                        side = torch.cuda.Stream(self.p.device)
+                        side.wait_stream(torch.cuda.current_stream(self.p.device))
+                        with torch.cuda.stream(side):  # warm-up outside capture (allocator, kernels)
+                            for _ in range(2):
+                                self._fn(st, steps, w, times)
+                        torch.cuda.current_stream(self.p.device).wait_stream(side)
+                        st.graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(st.graph, pool=self._pool):
+                            st.out = self._fn(st, steps, w, times)
+                    st.times = times
+                    self.graphs[(steps, b, w)] = st
+        if self.mode == "cuda":
+            torch.cuda.synchronize(self.p.device)
+        report = {
+            "graphs": len(self.graphs), "seconds": round(time.perf_counter() - t0, 3),
+            "memory_bytes": (torch.cuda.memory_allocated(self.p.device) - mem0) if self.mode == "cuda" else 0,
+            "steps": list(self.steps), "batch_buckets": list(self.batch_buckets),
+            "context_buckets": list(self.context_buckets),
+        }
+        log.info("drafter graphs captured (%s): %s", self.mode, report)
+        return report
+
+    @torch.inference_mode()
+    def run(self, x: Tensor, anchor: Tensor, slots: list[int], lengths: list[int], steps: int) -> Tensor | None:
+        """Logits [B, K, V] through a graph, or None when no graph fits (the caller runs eagerly)."""
+        B = x.shape[0]
+        b, w = bucket_of(B, self.batch_buckets), bucket_of(max(lengths + [1]), self.context_buckets)
+        st = self.graphs.get((steps, b, w)) if b is not None and w is not None else None
+        if st is None:
+            return None
+        st.x.zero_()
+        st.anchor.zero_()
+        st.slots.zero_()
+        st.lengths.zero_()
+        st.x[:B].copy_(x)
+        st.anchor[:B].copy_(anchor)
+        st.slots[:B].copy_(torch.tensor([max(s, 0) for s in slots]))
+        st.lengths[:B].copy_(torch.tensor(lengths))
+        if self.mode == "cuda":
+            st.graph.replay()
+            return st.out[:B].clone()
+        return self._fn(st, steps, w, st.times)[:B]
