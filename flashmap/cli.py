@@ -172,12 +172,6 @@ def _cmd_steps(args) -> int:
     return 0
 
 
-def _cmd_eval(args) -> int:
-    from training.evaluate import main as eval_main
-
-    return eval_main(args.rest, prog="flashmap eval")
-
-
 def _cmd_up(args) -> int:
     from flashmap.stack import run_stack
 
@@ -205,9 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--drafter-url", default=os.environ.get("FLASHMAP_DRAFTER_URL", "127.0.0.1:50052"))
     st.set_defaults(func=_cmd_steps)
 
-    ev = sub.add_parser("eval", help="acceptance / speedup tables of the drafters (see: flashmap eval --help)", add_help=False)
-    ev.add_argument("rest", nargs=argparse.REMAINDER)
-    ev.set_defaults(func=_cmd_eval)
+    sub.add_parser("eval", help="acceptance / speedup tables of the drafters (flashmap eval --help)")
 
     u = sub.add_parser("up", help="start target (Triton), drafter and orchestrator locally")
     from flashmap.stack import add_stack_args
@@ -218,6 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["eval"]:  # its own parser, options and --help (training/evaluate.py)
+        from training.evaluate import main as eval_main
+
+        return eval_main(argv[1:], prog="flashmap eval")
     args = build_parser().parse_args(argv)
     if getattr(args, "prompt_text", None) is not None and args.prompt is None:
         args.prompt = args.prompt_text
