@@ -16,19 +16,16 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
 import numpy as np
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
 
 from drafter_service.metrics import DrafterMetrics
 from drafter_service.proposer import Proposer, ProposeRequest
+from flashmap.grpc_serving import run, serve_grpc
 from flashmap.logs import fields, setup_logging
 from flashmap.v1 import drafter_pb2, drafter_pb2_grpc
 
@@ -243,33 +240,14 @@ def build_proposer(target_dir: str, drafter: str, device: str, n_slots: int, max
 async def serve(service: DrafterService, host: str, port: int, metrics_port: int, ready: asyncio.Event | None = None,
                 stop: asyncio.Event | None = None) -> None:
     await service.start()
-    if metrics_port:
-        start_http_server(metrics_port, addr=host, registry=service.metrics.registry)
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)])
-    drafter_pb2_grpc.add_DrafterServicer_to_server(service, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
-    reflection.enable_server_reflection(names, server)
-    server.add_insecure_port(f"{host}:{port}")
-    await server.start()
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    await health_servicer.set(names[0], health_pb2.HealthCheckResponse.SERVING)
-    log.info("drafter serving", extra=fields(grpc=f"{host}:{port}", metrics=metrics_port, drafter=service.name,
-                                            steps=service.proposer.steps))
-    if ready is not None:
-        ready.set()
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):
-            pass
-    await stop.wait()
-    await health_servicer.enter_graceful_shutdown()
-    await server.stop(grace=2.0)
-    await service.stop()
+    try:
+        await serve_grpc(
+            "drafter", lambda server: drafter_pb2_grpc.add_DrafterServicer_to_server(service, server),
+            [drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name], host, port, metrics_port,
+            registry=service.metrics.registry, max_message_bytes=256 << 20, ready=ready, stop=stop,
+        )
+    finally:
+        await service.stop()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -297,12 +275,7 @@ def main(argv: list[str] | None = None) -> None:
         log.info("CUDA graphs captured", extra=fields(**report))
     name = "init" if a.drafter == "init" else os.path.basename(os.path.normpath(a.drafter))
     service = DrafterService(proposer, name=name, idle_timeout_s=a.idle_timeout_s)
-    try:
-        import uvloop
-
-        uvloop.run(serve(service, a.host, a.port, a.metrics_port))
-    except ImportError:
-        asyncio.run(serve(service, a.host, a.port, a.metrics_port))
+    run(serve(service, a.host, a.port, a.metrics_port))
 
 
 def _cuda() -> bool:

@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import itertools
 import logging
-import signal
 import time
 import uuid
 from collections import deque
@@ -26,10 +25,8 @@ from dataclasses import dataclass
 
 import grpc
 import numpy as np
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
 
+from flashmap.grpc_serving import run, serve_grpc
 from flashmap.logs import fields, setup_logging
 from flashmap.tokenizer import IncrementalDecoder
 from flashmap.types import Draft, InvalidRequest, SamplingParams
@@ -413,35 +410,17 @@ def _find_stop(text: str, stops: list[str]) -> int | None:
     return min(hits) if hits else None
 
 
-async def serve(cfg: OrchestratorConfig, ready: asyncio.Event | None = None) -> None:
+async def serve(cfg: OrchestratorConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
     orch = Orchestrator(cfg)
     await orch.start()
-    if cfg.metrics_port:
-        start_http_server(cfg.metrics_port, addr=cfg.host, registry=orch.metrics.registry)
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
-    serving_pb2_grpc.add_FlashMapServicer_to_server(FlashMapServicer(orch), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (serving_pb2.DESCRIPTOR.services_by_name["FlashMap"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
-    reflection.enable_server_reflection(names, server)
-    server.add_insecure_port(f"{cfg.host}:{cfg.port}")
-    await server.start()
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    await health_servicer.set(names[0], health_pb2.HealthCheckResponse.SERVING)
-    log.info("orchestrator serving", extra=fields(grpc=f"{cfg.host}:{cfg.port}", metrics=cfg.metrics_port))
-    if ready is not None:
-        ready.set()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):
-            pass
-    await stop.wait()
-    await health_servicer.enter_graceful_shutdown()
-    await server.stop(grace=2.0)
-    await orch.stop()
+    try:
+        await serve_grpc(
+            "orchestrator", lambda server: serving_pb2_grpc.add_FlashMapServicer_to_server(FlashMapServicer(orch), server),
+            [serving_pb2.DESCRIPTOR.services_by_name["FlashMap"].full_name], cfg.host, cfg.port, cfg.metrics_port,
+            registry=orch.metrics.registry, ready=ready, stop=stop,
+        )
+    finally:
+        await orch.stop()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -466,12 +445,7 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer_dir=a.tokenizer_dir, max_concurrent=a.max_concurrent, max_queue=a.max_queue,
         draft_timeout_s=a.draft_timeout_s,
     )
-    try:
-        import uvloop
-
-        uvloop.run(serve(cfg))
-    except ImportError:
-        asyncio.run(serve(cfg))
+    run(serve(cfg))
 
 
 if __name__ == "__main__":
