@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -47,12 +48,16 @@ def _target_fields(target_dir: str | Path) -> dict:
         raise CheckpointError(f"{Path(target_dir) / 'config.json'}: missing or bad field {e}") from None
 
 
-def init_drafter(target_dir: str | Path, *, seed: int | None = None, device: str = "cpu",
-                 dtype: torch.dtype = torch.float32, **config_overrides) -> FlashMapDiT:
-    """A freshly initialised drafter for the target in target_dir.
+def init_model(model_cls: type, config_cls: type, label: str, target_dir: str | Path, *, seed: int | None = None,
+               device: str = "cpu", dtype: torch.dtype = torch.float32, config_overrides: dict | None = None,
+               defaults: Callable[[dict], dict] | None = None):
+    """A freshly initialised model_cls(config_cls(...)) for the target in target_dir (any drafter
+    kind: FlashMapDiT / DrafterConfig here, EagleDrafter / EagleConfig in drafter_service.eagle).
 
-    config_overrides are DrafterConfig fields (dim=..., kind="dflash", ...); target
-    fields and hashes come from the target. seed makes the init reproducible."""
+    Fields: target name and feature layers from the target, then defaults(target fields),
+    then config_overrides; target shape and hashes always come from the target. seed makes the
+    init reproducible. label names the config in errors ("bad {label} config")."""
+    config_overrides = config_overrides or {}
     fixed = sorted(set(config_overrides) & {*_TARGET_KEYS, "embed_hash", "lm_head_hash"})
     if fixed:
         raise ValueError(f"{fixed} come from the target checkpoint and cannot be overridden")
@@ -61,21 +66,33 @@ def init_drafter(target_dir: str | Path, *, seed: int | None = None, device: str
     embed_hash, lm_head_hash = _hashes(embed, lm_head)
     fields = dict(target_name=Path(target_dir).resolve().name,
                   feature_layers=feature_layers_for(target["target_num_layers"]))
+    fields.update(defaults(target) if defaults else {})
     fields.update(config_overrides)
     fields.update(target, embed_hash=embed_hash, lm_head_hash=lm_head_hash)
     try:
-        cfg = DrafterConfig(**fields)
+        cfg = config_cls(**fields)
         if seed is not None:
             torch.manual_seed(seed)
-        model = FlashMapDiT(cfg)
+        model = model_cls(cfg)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"bad drafter config: {e}") from None
+        raise ValueError(f"bad {label} config: {e}") from None
     model.set_target(embed, lm_head)
     return model.to(device, dtype)
 
 
-def save_drafter(model: FlashMapDiT, directory: str | Path) -> Path:
-    """Write config.json + model.safetensors (trainable weights only) into directory."""
+def init_drafter(target_dir: str | Path, *, seed: int | None = None, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32, **config_overrides) -> FlashMapDiT:
+    """A freshly initialised drafter for the target in target_dir.
+
+    config_overrides are DrafterConfig fields (dim=..., kind="dflash", ...); target
+    fields and hashes come from the target. seed makes the init reproducible."""
+    return init_model(FlashMapDiT, DrafterConfig, "drafter", target_dir, seed=seed, device=device, dtype=dtype,
+                      config_overrides=config_overrides)
+
+
+def save_drafter(model: torch.nn.Module, directory: str | Path) -> Path:
+    """Write config.json (model.cfg + format tag) + model.safetensors (trainable weights only)
+    into directory. Any drafter kind (FlashMapDiT, eagle.EagleDrafter)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     weights = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
@@ -89,12 +106,8 @@ def save_drafter(model: FlashMapDiT, directory: str | Path) -> Path:
     return directory
 
 
-def read_drafter_config(directory: str | Path) -> DrafterConfig:
-    """The DrafterConfig stored in a drafter checkpoint directory."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise CheckpointError(f"{directory}: no such drafter checkpoint directory")
-    path = directory / CONFIG_FILE
+def _read_tagged(path: Path) -> dict:
+    """The JSON object in a drafter checkpoint's config.json, checked for the format tag."""
     if not path.is_file():
         raise CheckpointError(f"{path}: no such file (not a drafter checkpoint directory?)")
     try:
@@ -103,18 +116,43 @@ def read_drafter_config(directory: str | Path) -> DrafterConfig:
         raise CheckpointError(f"{path}: unreadable drafter config ({e})") from None
     if not isinstance(d, dict) or d.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a drafter config (missing \"format\": \"{FORMAT}\")")
+    return d
+
+
+def checkpoint_kind(directory: str | Path) -> str:
+    """The "kind" of a drafter checkpoint directory ("flashmap", "dflash", "eagle")."""
+    return str(_read_tagged(Path(directory) / CONFIG_FILE).get("kind", "flashmap"))
+
+
+def read_model_config(directory: str | Path, config_cls: type, label: str, kind: str | None = None,
+                      kind_name: str = ""):
+    """config_cls stored in a drafter checkpoint directory (format tag and version checked;
+    with `kind`, a checkpoint of another kind is refused as "not {kind_name}")."""
+    path = Path(directory) / CONFIG_FILE
+    d = _read_tagged(path)
+    if kind is not None and str(d.get("kind", "flashmap")) != kind:
+        raise CheckpointError(f"{path}: a {str(d.get('kind', 'flashmap'))!r} drafter, not {kind_name}")
     if d.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: unsupported format_version {d.get('format_version')!r} "
                               f"(this build reads {FORMAT_VERSION})")
     d = {k: v for k, v in d.items() if k not in ("format", "format_version")}
     try:
-        return DrafterConfig.from_dict(d).validate()
+        return config_cls.from_dict(d).validate()
     except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{path}: bad drafter config ({e})") from None
+        raise CheckpointError(f"{path}: bad {label} config ({e})") from None
 
 
-def check_target(cfg: DrafterConfig, target_dir: str | Path, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
-    """Raise CheckpointError unless the target in target_dir is the one cfg was made for."""
+def read_drafter_config(directory: str | Path) -> DrafterConfig:
+    """The DrafterConfig stored in a drafter checkpoint directory."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: no such drafter checkpoint directory")
+    return read_model_config(directory, DrafterConfig, "drafter")
+
+
+def check_target(cfg, target_dir: str | Path, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
+    """Raise CheckpointError unless the target in target_dir is the one cfg (any drafter
+    config with the target-reference fields) was made for."""
     target = _target_fields(target_dir)
     mine = {k: getattr(cfg, k) for k in target}
     if mine != target:
@@ -128,11 +166,11 @@ def check_target(cfg: DrafterConfig, target_dir: str | Path, embed: torch.Tensor
                                   f"{got} of {target_dir} differs from the drafter's {want}")
 
 
-def load_drafter(directory: str | Path, target_dir: str | Path, device: str = "cpu",
-                 dtype: torch.dtype = torch.float32) -> FlashMapDiT:
-    """Load a drafter, attaching (and checking) the frozen embedding / LM head of target_dir."""
+def load_model(model_cls: type, cfg, directory: str | Path, target_dir: str | Path, device: str = "cpu",
+               dtype: torch.dtype = torch.float32):
+    """model_cls(cfg) with the weights of directory, attaching (and checking) the frozen
+    embedding / LM head of target_dir. cfg: the checkpoint's config (read_model_config)."""
     directory = Path(directory)
-    cfg = read_drafter_config(directory)
     embed, lm_head = load_embeddings(target_dir)
     check_target(cfg, target_dir, embed, lm_head)
 
@@ -145,7 +183,7 @@ def load_drafter(directory: str | Path, target_dir: str | Path, device: str = "c
         raise CheckpointError(f"{path}: corrupt safetensors file ({e})") from None
 
     with torch.device("meta"):
-        model = FlashMapDiT(cfg)  # no allocation until the weights are assigned
+        model = model_cls(cfg)  # no allocation until the weights are assigned
     want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     missing, unexpected = sorted(set(want) - set(weights)), sorted(set(weights) - set(want))
     if missing or unexpected:
@@ -157,3 +195,9 @@ def load_drafter(directory: str | Path, target_dir: str | Path, device: str = "c
     model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, assign=True)
     model.set_target(embed, lm_head)
     return model.to(device, dtype).eval()
+
+
+def load_drafter(directory: str | Path, target_dir: str | Path, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> FlashMapDiT:
+    """Load a drafter, attaching (and checking) the frozen embedding / LM head of target_dir."""
+    return load_model(FlashMapDiT, read_drafter_config(directory), directory, target_dir, device, dtype)

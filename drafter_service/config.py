@@ -16,8 +16,57 @@ from dataclasses import asdict, dataclass, field, fields
 KINDS = ("flashmap", "dflash")
 
 
+class TargetRefConfig:
+    """What every drafter config dataclass shares (DrafterConfig, eagle.EagleConfig): the
+    width / heads / target-reference fields' derived values and checks, and the JSON dict
+    form. Subclasses are dataclasses with the fields dim, n_heads, vocab_size,
+    target_hidden_size, target_num_layers and feature_layers; `_WHAT` names them in errors."""
+
+    _WHAT = "drafter"
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def feature_dim(self) -> int:
+        """Width F of the concatenated target features one position contributes."""
+        return len(self.feature_layers) * self.target_hidden_size
+
+    def _check_widths(self, positive: tuple[str, ...]) -> None:
+        """The named fields are >= 1 and dim splits into heads of even width."""
+        for name in positive:
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.dim % self.n_heads or self.head_dim % 2:
+            raise ValueError(f"dim {self.dim} must split into {self.n_heads} heads of even width")
+
+    def _check_target(self) -> None:
+        """The target fields are set and the feature layers lie inside the target."""
+        if self.vocab_size < 2 or self.target_hidden_size < 1 or self.target_num_layers < 1:
+            raise ValueError("target fields (vocab_size >= 2, target_hidden_size, target_num_layers) are not set")
+        if not self.feature_layers:
+            raise ValueError("feature_layers is empty")
+        bad = [l for l in self.feature_layers if not 0 <= l < self.target_num_layers]
+        if bad:
+            raise ValueError(f"feature_layers {bad} outside 0..{self.target_num_layers - 1}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown {cls._WHAT} config fields {unknown}")
+        cfg = cls(**d)
+        cfg.feature_layers = [int(x) for x in cfg.feature_layers]
+        return cfg
+
+
 @dataclass
-class DrafterConfig:
+class DrafterConfig(TargetRefConfig):
     # --- architecture
     kind: str = "flashmap"  # "flashmap" (flow map on one-hot blocks) | "dflash" (one pass over a masked block)
     dim: int = 2048
@@ -51,57 +100,25 @@ class DrafterConfig:
 
     # ---------------------------------------------------------------- derived
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
     def mlp_hidden(self) -> int:
         return int(self.dim * self.mlp_ratio)
-
-    @property
-    def feature_dim(self) -> int:
-        """Width F of the concatenated target features one position contributes."""
-        return len(self.feature_layers) * self.target_hidden_size
 
     # ---------------------------------------------------------------- checks
     def validate(self) -> "DrafterConfig":
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
-        for name in ("dim", "n_blocks", "n_heads", "block_size", "time_freq_dim", "draft_steps",
-                     "teacher_steps", "gauss_hermite_nodes"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.dim % self.n_heads or self.head_dim % 2:
-            raise ValueError(f"dim {self.dim} must split into {self.n_heads} heads of even width")
+        self._check_widths(("dim", "n_blocks", "n_heads", "block_size", "time_freq_dim", "draft_steps",
+                            "teacher_steps", "gauss_hermite_nodes"))
         if self.time_freq_dim % 2:
             raise ValueError(f"time_freq_dim must be even, got {self.time_freq_dim}")
         if self.time_table_size < 3:
             raise ValueError(f"time_table_size must be >= 3, got {self.time_table_size}")
         if self.mlp_ratio <= 0 or self.slot_loss_decay <= 0:
             raise ValueError("mlp_ratio and slot_loss_decay must be > 0")
-        if self.vocab_size < 2 or self.target_hidden_size < 1 or self.target_num_layers < 1:
-            raise ValueError("target fields (vocab_size >= 2, target_hidden_size, target_num_layers) are not set")
-        if not self.feature_layers:
-            raise ValueError("feature_layers is empty")
-        bad = [l for l in self.feature_layers if not 0 <= l < self.target_num_layers]
-        if bad:
-            raise ValueError(f"feature_layers {bad} outside 0..{self.target_num_layers - 1}")
+        self._check_target()
         return self
 
-    # ---------------------------------------------------------------- JSON
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "DrafterConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown drafter config fields {unknown}")
-        cfg = cls(**d)
-        cfg.feature_layers = [int(x) for x in cfg.feature_layers]
-        return cfg
-
+    # ---------------------------------------------------------------- JSON (to_dict / from_dict: TargetRefConfig)
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 

@@ -44,25 +44,23 @@ checked against the hashes.
 
 from __future__ import annotations
 
-import json
-import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from drafter_service.checkpoint import CONFIG_FILE, FORMAT, FORMAT_VERSION, WEIGHTS_FILE, _hashes, _target_fields, \
-    check_target
-from drafter_service.flashmap_dit import apply_rope
-from drafter_service.flashmap_proposer import ContextTooLong, SlotsExhausted, request_generator
-from drafter_service.proposer import Proposer, ProposeRequest
-from flashmap.types import Draft, feature_layers_for
-from target_service.checkpoint import CheckpointError, load_embeddings
+from drafter_service.checkpoint import checkpoint_kind  # noqa: F401 - part of this module's API
+from drafter_service.checkpoint import init_model, load_model, read_model_config, save_drafter
+from drafter_service.config import TargetRefConfig
+from drafter_service.flashmap_dit import Attention, FrozenTarget
+from drafter_service.flashmap_proposer import request_generator
+from drafter_service.proposer import ProposeRequest
+from drafter_service.slots import SlotCacheProposer
+from flashmap.types import Draft
 
 KIND = "eagle"
 
@@ -70,7 +68,9 @@ KIND = "eagle"
 # ----------------------------------------------------------------------------- config
 
 @dataclass
-class EagleConfig:
+class EagleConfig(TargetRefConfig):
+    _WHAT = "eagle"
+
     kind: str = KIND
     dim: int = 4096  # EAGLE-3 uses the target's hidden size (init_eagle's default; Qwen3-8B: 4096)
     n_layers: int = 1  # EAGLE-3: one decoder layer
@@ -93,84 +93,48 @@ class EagleConfig:
     step_loss_decay: float = 7.0  # rollout step s (= draft slot s+1) weighted exp(-s/decay), like FlashMap's slots
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
     def mlp_hidden(self) -> int:
         return max(1, int(round(self.dim * self.mlp_ratio)))
-
-    @property
-    def feature_dim(self) -> int:
-        return len(self.feature_layers) * self.target_hidden_size
 
     def validate(self) -> "EagleConfig":
         if self.kind != KIND:
             raise ValueError(f"kind must be {KIND!r}, got {self.kind!r}")
-        for name in ("dim", "n_layers", "n_heads", "block_size", "train_depth"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.dim % self.n_heads or self.head_dim % 2:
-            raise ValueError(f"dim {self.dim} must split into {self.n_heads} heads of even width")
+        self._check_widths(("dim", "n_layers", "n_heads", "block_size", "train_depth"))
         if self.mlp_ratio <= 0 or self.step_loss_decay <= 0:
             raise ValueError("mlp_ratio and step_loss_decay must be > 0")
-        if self.vocab_size < 2 or self.target_hidden_size < 1 or self.target_num_layers < 1:
-            raise ValueError("target fields (vocab_size >= 2, target_hidden_size, target_num_layers) are not set")
-        if not self.feature_layers:
-            raise ValueError("feature_layers is empty")
-        bad = [l for l in self.feature_layers if not 0 <= l < self.target_num_layers]
-        if bad:
-            raise ValueError(f"feature_layers {bad} outside 0..{self.target_num_layers - 1}")
+        self._check_target()
         return self
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "EagleConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown eagle config fields {unknown}")
-        cfg = cls(**d)
-        cfg.feature_layers = [int(x) for x in cfg.feature_layers]
-        return cfg
 
 
 # ----------------------------------------------------------------------------- model
 
-class EagleLayer(nn.Module):
+class EagleLayer(Attention):
     """Pre-norm decoder layer: causal self-attention (RoPE, qk-norm) + SwiGLU MLP. Split into
-    `qkv` and `finish` so callers choose which keys a query sees (cache, rollout mask)."""
+    `qkv` and `finish` so callers choose which keys a query sees (cache, rollout mask).
+    The attention projections (wq, wk, wv, wo, q_norm, k_norm) are flashmap_dit.Attention's,
+    inherited so their weight names stay flat (layers.i.wq, ...)."""
 
     def __init__(self, cfg: EagleConfig):
-        super().__init__()
-        D, self.n_heads, self.theta = cfg.dim, cfg.n_heads, cfg.rope_theta
+        nn.Module.__init__(self)
+        D = cfg.dim
+        # Registration order norm1, attention projections, norm2, MLP: the parameter order
+        # (seeded init, optimizer state of saved training runs) of this layer as first written.
         self.norm1 = nn.RMSNorm(D, eps=cfg.norm_eps)
-        self.wq, self.wk, self.wv, self.wo = (nn.Linear(D, D, bias=False) for _ in range(4))
-        norm = (lambda: nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)) if cfg.qk_norm else nn.Identity
-        self.q_norm, self.k_norm = norm(), norm()
+        self._init_projections(cfg)
         self.norm2 = nn.RMSNorm(D, eps=cfg.norm_eps)
         self.gate = nn.Linear(D, cfg.mlp_hidden, bias=False)
         self.up = nn.Linear(D, cfg.mlp_hidden, bias=False)
         self.down = nn.Linear(cfg.mlp_hidden, D, bias=False)
 
-    def _heads(self, x: Tensor) -> Tensor:  # [B, L, D] -> [B, h, L, d]
-        B, L, _ = x.shape
-        return x.view(B, L, self.n_heads, -1).transpose(1, 2)
-
     def qkv(self, x: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [B, L, D], pos [B, L] absolute positions -> q, k, v [B, h, L, d] (q, k rotated)."""
         y = self.norm1(x)
-        q = apply_rope(self.q_norm(self._heads(self.wq(y))), pos, self.theta)
-        k = apply_rope(self.k_norm(self._heads(self.wk(y))), pos, self.theta)
-        return q, k, self._heads(self.wv(y))
+        return (self.query(y, pos), *self.project_kv(y, pos))
 
     def finish(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
         """x [B, L, D] with its queries q attends to k, v [B, h, T, d]; mask broadcastable to
         [B, h, L, T] (True = attend)."""
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        x = x + self.wo(o.transpose(1, 2).flatten(2))
+        x = x + self.attend(q, k, v, mask)
         y = self.norm2(x)
         return x + self.down(F.silu(self.gate(y)) * self.up(y))
 
@@ -185,14 +149,12 @@ def rollout_mask(P: int, s: int, device=None) -> Tensor:
     return torch.cat(blocks, dim=1)
 
 
-class EagleDrafter(nn.Module):
+class EagleDrafter(FrozenTarget):
     def __init__(self, cfg: EagleConfig, embed: Tensor | None = None, lm_head: Tensor | None = None):
         super().__init__()
         self.cfg = cfg.validate()
-        V, H, D = cfg.vocab_size, cfg.target_hidden_size, cfg.dim
-        self.register_buffer("embed", torch.empty(V, H) if embed is None else embed, persistent=False)
-        self.register_buffer("lm_head", torch.empty(V, H) if lm_head is None else lm_head, persistent=False)
-        self._check_target_shapes()
+        H, D = cfg.target_hidden_size, cfg.dim
+        self._init_target(embed, lm_head)  # frozen target tensors [V, H]
         self.feat_proj = nn.Linear(cfg.feature_dim, D, bias=False)
         self.feat_norm = nn.RMSNorm(D, eps=cfg.norm_eps)
         self.hid_norm = nn.RMSNorm(D, eps=cfg.norm_eps)  # own hidden state fed back in place of g
@@ -205,19 +167,6 @@ class EagleDrafter(nn.Module):
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.xavier_uniform_(m.weight)
-
-    def _check_target_shapes(self) -> None:
-        want = (self.cfg.vocab_size, self.cfg.target_hidden_size)
-        for name in ("embed", "lm_head"):
-            if tuple(getattr(self, name).shape) != want:
-                raise ValueError(f"{name} has shape {tuple(getattr(self, name).shape)}, config wants {want}")
-
-    def set_target(self, embed: Tensor, lm_head: Tensor) -> None:
-        """Attach the frozen target embedding / LM head [V, H] (cast to the model's dtype)."""
-        ref = next(self.parameters())
-        self.embed = embed.detach().to(ref.device, ref.dtype)
-        self.lm_head = lm_head.detach().to(ref.device, ref.dtype)
-        self._check_target_shapes()
 
     # ------------------------------------------------------------------ pieces
     def features_in(self, features: Tensor) -> Tensor:
@@ -274,184 +223,51 @@ class EagleDrafter(nn.Module):
 def init_eagle(target_dir: str | Path, *, seed: int | None = None, device: str = "cpu",
                dtype: torch.dtype = torch.float32, **config_overrides) -> EagleDrafter:
     """A freshly initialised EAGLE-style drafter for the target in target_dir (dim defaults
-    to the target's hidden size, as in EAGLE-3)."""
-    fixed = sorted(set(config_overrides) & {"vocab_size", "target_hidden_size", "target_num_layers",
-                                            "embed_hash", "lm_head_hash"})
-    if fixed:
-        raise ValueError(f"{fixed} come from the target checkpoint and cannot be overridden")
-    target = _target_fields(target_dir)
-    embed, lm_head = load_embeddings(target_dir)
-    embed_hash, lm_head_hash = _hashes(embed, lm_head)
-    fields_ = dict(target_name=Path(target_dir).resolve().name,
-                   feature_layers=feature_layers_for(target["target_num_layers"]),
-                   dim=target["target_hidden_size"])
-    fields_.update({k: v for k, v in config_overrides.items() if v is not None})
-    fields_.update(target, embed_hash=embed_hash, lm_head_hash=lm_head_hash)
-    try:
-        cfg = EagleConfig(**fields_)
-        if seed is not None:
-            torch.manual_seed(seed)
-        model = EagleDrafter(cfg)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"bad eagle drafter config: {e}") from None
-    model.set_target(embed, lm_head)
-    return model.to(device, dtype)
+    to the target's hidden size, as in EAGLE-3; overrides that are None keep the default)."""
+    return init_model(EagleDrafter, EagleConfig, "eagle drafter", target_dir, seed=seed, device=device, dtype=dtype,
+                      config_overrides={k: v for k, v in config_overrides.items() if v is not None},
+                      defaults=lambda target: dict(dim=target["target_hidden_size"]))
 
 
 def save_eagle(model: EagleDrafter, directory: str | Path) -> Path:
     """Write config.json + model.safetensors (trainable weights only) into directory."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    weights = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    tmp_w, tmp_c = directory / f".{WEIGHTS_FILE}.tmp", directory / f".{CONFIG_FILE}.tmp"
-    save_file(weights, str(tmp_w), metadata={"format": FORMAT})
-    tmp_c.write_text(json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION, **model.cfg.to_dict()},
-                                indent=2, sort_keys=True) + "\n")
-    os.replace(tmp_w, directory / WEIGHTS_FILE)
-    os.replace(tmp_c, directory / CONFIG_FILE)
-    return directory
-
-
-def checkpoint_kind(directory: str | Path) -> str:
-    """The "kind" of a drafter checkpoint directory ("flashmap", "dflash", "eagle")."""
-    path = Path(directory) / CONFIG_FILE
-    if not path.is_file():
-        raise CheckpointError(f"{path}: no such file (not a drafter checkpoint directory?)")
-    try:
-        d = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: unreadable drafter config ({e})") from None
-    if not isinstance(d, dict) or d.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: not a drafter config (missing \"format\": \"{FORMAT}\")")
-    return str(d.get("kind", "flashmap"))
+    return save_drafter(model, directory)
 
 
 def read_eagle_config(directory: str | Path) -> EagleConfig:
-    directory = Path(directory)
-    path = directory / CONFIG_FILE
-    kind = checkpoint_kind(directory)
-    if kind != KIND:
-        raise CheckpointError(f"{path}: a {kind!r} drafter, not an EAGLE-style one")
-    d = json.loads(path.read_text())
-    if d.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: unsupported format_version {d.get('format_version')!r} "
-                              f"(this build reads {FORMAT_VERSION})")
-    d = {k: v for k, v in d.items() if k not in ("format", "format_version")}
-    try:
-        return EagleConfig.from_dict(d).validate()
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{path}: bad eagle drafter config ({e})") from None
+    return read_model_config(directory, EagleConfig, "eagle drafter", kind=KIND, kind_name="an EAGLE-style one")
 
 
 def load_eagle(directory: str | Path, target_dir: str | Path, device: str = "cpu",
                dtype: torch.dtype = torch.float32) -> EagleDrafter:
     """Load an EAGLE-style drafter, attaching (and checking) the target's embedding / LM head."""
-    directory = Path(directory)
-    cfg = read_eagle_config(directory)
-    embed, lm_head = load_embeddings(target_dir)
-    check_target(cfg, target_dir, embed, lm_head)
-    path = directory / WEIGHTS_FILE
-    if not path.is_file():
-        raise CheckpointError(f"{path}: no such file")
-    try:
-        weights = load_file(str(path))
-    except Exception as e:  # safetensors raises several types for a corrupt file
-        raise CheckpointError(f"{path}: corrupt safetensors file ({e})") from None
-    with torch.device("meta"):
-        model = EagleDrafter(cfg)
-    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    missing, unexpected = sorted(set(want) - set(weights)), sorted(set(weights) - set(want))
-    if missing or unexpected:
-        raise CheckpointError(f"{path}: weights do not match the config (missing {missing[:3]}, "
-                              f"unexpected {unexpected[:3]})")
-    bad = [f"{k} {tuple(weights[k].shape)} vs {want[k]}" for k in want if tuple(weights[k].shape) != want[k]]
-    if bad:
-        raise CheckpointError(f"{path}: weight shape mismatch: {'; '.join(bad[:3])} (stored vs config)")
-    model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, assign=True)
-    model.set_target(embed, lm_head)
-    return model.to(device, dtype).eval()
+    return load_model(EagleDrafter, read_eagle_config(directory), directory, target_dir, device, dtype)
 
 
 # ----------------------------------------------------------------------------- proposer
 
-class EagleProposer(Proposer):
-    """Per-sequence cache + batched chain drafting (one forward per drafted token)."""
+class EagleProposer(SlotCacheProposer):
+    """Per-sequence cache + batched chain drafting (one forward per drafted token).
+
+    Sequences (slots, release, truncate): SlotCacheProposer. A slot's length L counts context
+    positions; K/V are finalized for 0..L-2. Truncating to n keeps them valid: the K/V of
+    positions <= n-2 depend only on tokens <= n-1, and g of position n-1 is cached."""
 
     def __init__(self, model: EagleDrafter, n_slots: int = 64, max_context: int = 4096, device: str = "cpu"):
-        cfg = model.cfg
-        self.model = model.to(device).eval()
-        self.cfg = cfg
-        self.device = torch.device(device)
-        self.block_size = cfg.block_size
-        self.vocab_size = cfg.vocab_size
-        self.n_slots, self.max_context = n_slots, max_context
-        self.steps = 1  # no flow: accepted (set_steps / per-request steps) and ignored
-        dtype = next(model.parameters()).dtype
-        shape = (cfg.n_layers, n_slots, cfg.n_heads, max_context, cfg.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.g_cache = torch.zeros(n_slots, max_context, cfg.dim, dtype=dtype, device=self.device)
-        self.lengths = np.zeros(n_slots, np.int64)  # context positions; K/V finalized for 0..L-2
-        self.slot_of: dict[str, int] = {}
-        self._free = list(range(n_slots - 1, -1, -1))
-
-    def set_steps(self, n: int) -> None:
-        if int(n) != n or n < 1:
-            raise ValueError(f"steps must be an integer >= 1, got {n}")
-        self.steps = int(n)
-
-    def _slot(self, seq_id: str) -> int:
-        slot = self.slot_of.get(seq_id)
-        if slot is None:
-            if not self._free:
-                raise SlotsExhausted(f"all {self.n_slots} drafter slots are in use; release finished "
-                                     f"sequences or start the drafter with more slots")
-            slot = self._free.pop()
-            self.slot_of[seq_id] = slot
-            self.lengths[slot] = 0
-        return slot
-
-    def release(self, seq_id: str) -> None:
-        slot = self.slot_of.pop(seq_id, None)
-        if slot is not None:
-            self.lengths[slot] = 0
-            self._free.append(slot)
-
-    def context_length(self, seq_id: str) -> int:
-        slot = self.slot_of.get(seq_id)
-        return 0 if slot is None else int(self.lengths[slot])
-
-    def truncate(self, seq_id: str, n: int) -> None:
-        """Keep the first n positions: the K/V of positions <= n-2 depend only on tokens <= n-1
-        and stay valid; g of position n-1 is cached."""
-        have = self.context_length(seq_id)
-        if not 0 <= n <= have:
-            raise ValueError(f"cannot truncate {seq_id!r} to {n}: it holds {have} positions")
-        if seq_id in self.slot_of:
-            self.lengths[self.slot_of[seq_id]] = n
+        # steps = 1: no flow; accepted (set_steps / per-request steps) and ignored
+        super().__init__(model, n_slots, max_context, device, cache_layers=model.cfg.n_layers)
+        self.g_cache = torch.zeros(n_slots, max_context, self.cfg.dim, dtype=self.k_cache.dtype, device=self.device)
 
     @property
     def bytes_per_context_token(self) -> int:
         return (2 * self.cfg.n_layers + 1) * self.cfg.dim * self.k_cache.element_size()
 
-    @torch.inference_mode()
-    def extend(self, seq_id: str, token_ids: np.ndarray, features: np.ndarray) -> None:
-        features = np.asarray(features, np.float32)
-        token_ids = np.asarray(token_ids, np.int64).reshape(-1)
+    def _write(self, slot: int, start: int, token_ids: np.ndarray, features: np.ndarray) -> None:
         m = len(token_ids)
-        if features.shape != (m, self.cfg.feature_dim):
-            raise ValueError(f"features must be [{m}, {self.cfg.feature_dim}] for {m} tokens, got {features.shape}")
-        slot = self._slot(seq_id)
-        start = int(self.lengths[slot])
-        if start + m > self.max_context:
-            raise ContextTooLong(f"sequence {seq_id!r}: context {start + m} exceeds the drafter's "
-                                 f"max_context {self.max_context}")
-        if m == 0:
-            return
         self.g_cache[slot, start:start + m] = self.model.features_in(torch.from_numpy(features).to(self.device))
         # Finalize positions p0..p1: each needs the token at p + 1, now known.
         p0, p1 = max(start - 1, 0), start + m - 2
-        self.lengths[slot] = start + m
+        self.slots.lengths[slot] = start + m
         if p1 < p0:
             return
         nxt = torch.from_numpy(token_ids[p0 + 1 - start:p1 + 2 - start]).to(self.device)
@@ -474,8 +290,9 @@ class EagleProposer(Proposer):
             if r.temperature < 0 or (r.temperature > 0 and r.top_m < 1):
                 raise ValueError(f"request {r.seq_id!r}: need temperature >= 0 and top_m >= 1")
         B, K, dev = len(requests), self.block_size, self.device
-        slots = [self.slot_of.get(r.seq_id, -1) for r in requests]
-        L = np.array([0 if s < 0 else int(self.lengths[s]) for s in slots], np.int64)
+        rows = [self.slots.lookup(r.seq_id) for r in requests]
+        slots = [slot for slot, _ in rows]
+        L = np.array([length for _, length in rows], np.int64)
         p0 = np.maximum(L - 1, 0)  # position of the first drafted step (the last context position)
         T = int(p0.max()) + K
         slot_t = torch.tensor([max(s, 0) for s in slots], device=dev)

@@ -109,6 +109,10 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
+        self._init_projections(cfg)
+
+    def _init_projections(self, cfg: DrafterConfig) -> None:
+        """Register wq, wk, wv, wo, q_norm, k_norm (a subclass may register modules before them)."""
         D, self.n_heads, self.theta = cfg.dim, cfg.n_heads, cfg.rope_theta
         self.wq = nn.Linear(D, D, bias=False)
         self.wk = nn.Linear(D, D, bias=False)
@@ -128,14 +132,21 @@ class Attention(nn.Module):
             k = apply_rope(k, pos, self.theta)
         return k, self._heads(self.wv(src))
 
+    def query(self, x: Tensor, pos: Tensor | None = None) -> Tensor:
+        """x [B, L, D] -> q [B, h, L, d]; rotated at pos [B, L] when given."""
+        q = self.q_norm(self._heads(self.wq(x)))
+        return q if pos is None else apply_rope(q, pos, self.theta)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Queries q [B, h, L, d] over k, v [B, h, T, d] -> output projection [B, L, D];
+        mask broadcastable to [B, h, L, T] bool (True = attend)."""
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, h, L, d]
+        return self.wo(o.transpose(1, 2).flatten(2))  # [B, L, D]
+
     def forward(self, x: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
                 q_pos: Tensor | None = None) -> Tensor:
         """x [B, L, D] attends to k, v [B, h, T, d]; mask [B, 1, 1, T] bool (True = attend)."""
-        q = self.q_norm(self._heads(self.wq(x)))  # [B, h, L, d]
-        if q_pos is not None:
-            q = apply_rope(q, q_pos, self.theta)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, h, L, d]
-        return self.wo(o.transpose(1, 2).flatten(2))  # [B, L, D]
+        return self.attend(self.query(x, q_pos), k, v, mask)
 
 
 class DiTBlock(nn.Module):
@@ -166,15 +177,37 @@ class DiTBlock(nn.Module):
         return h + g3[:, None] * self.mlp(y)
 
 
-class FlashMapDiT(nn.Module):
-    def __init__(self, cfg: DrafterConfig, embed: Tensor | None = None, lm_head: Tensor | None = None):
-        super().__init__()
-        self.cfg = cfg.validate()
-        V, H, D, K = cfg.vocab_size, cfg.target_hidden_size, cfg.dim, cfg.block_size
-        # Frozen target tensors [V, H]; empty placeholders until the target is attached.
+class FrozenTarget(nn.Module):
+    """Base of the drafter networks (FlashMapDiT, eagle.EagleDrafter): the target's frozen
+    embedding / LM head [V, H] as non-persistent buffers, checked against self.cfg."""
+
+    def _init_target(self, embed: Tensor | None, lm_head: Tensor | None) -> None:
+        """Register the buffers (empty placeholders until the target is attached)."""
+        V, H = self.cfg.vocab_size, self.cfg.target_hidden_size
         self.register_buffer("embed", torch.empty(V, H) if embed is None else embed, persistent=False)
         self.register_buffer("lm_head", torch.empty(V, H) if lm_head is None else lm_head, persistent=False)
         self._check_target_shapes()
+
+    def _check_target_shapes(self) -> None:
+        want = (self.cfg.vocab_size, self.cfg.target_hidden_size)
+        for name in ("embed", "lm_head"):
+            if tuple(getattr(self, name).shape) != want:
+                raise ValueError(f"{name} has shape {tuple(getattr(self, name).shape)}, config wants {want}")
+
+    def set_target(self, embed: Tensor, lm_head: Tensor) -> None:
+        """Attach the frozen target embedding / LM head [V, H] (cast to the model's dtype)."""
+        ref = next(self.parameters())
+        self.embed = embed.detach().to(ref.device, ref.dtype)
+        self.lm_head = lm_head.detach().to(ref.device, ref.dtype)
+        self._check_target_shapes()
+
+
+class FlashMapDiT(FrozenTarget):
+    def __init__(self, cfg: DrafterConfig, embed: Tensor | None = None, lm_head: Tensor | None = None):
+        super().__init__()
+        self.cfg = cfg.validate()
+        H, D, K = cfg.target_hidden_size, cfg.dim, cfg.block_size
+        self._init_target(embed, lm_head)  # frozen target tensors [V, H]
 
         # Magnitudes of x_s @ E vary with s (noise ~ sqrt(V) x a row of E), so inputs are rms-normalised.
         self.in_norm = nn.RMSNorm(H, eps=cfg.norm_eps, elementwise_affine=False)
@@ -209,19 +242,6 @@ class FlashMapDiT(nn.Module):
         for blk in self.blocks:
             nn.init.zeros_(blk.adaln.weight)
             nn.init.zeros_(blk.adaln.bias)
-
-    def _check_target_shapes(self) -> None:
-        want = (self.cfg.vocab_size, self.cfg.target_hidden_size)
-        for name in ("embed", "lm_head"):
-            if tuple(getattr(self, name).shape) != want:
-                raise ValueError(f"{name} has shape {tuple(getattr(self, name).shape)}, config wants {want}")
-
-    def set_target(self, embed: Tensor, lm_head: Tensor) -> None:
-        """Attach the frozen target embedding / LM head [V, H] (cast to the model's dtype)."""
-        ref = next(self.parameters())
-        self.embed = embed.detach().to(ref.device, ref.dtype)
-        self.lm_head = lm_head.detach().to(ref.device, ref.dtype)
-        self._check_target_shapes()
 
     # ------------------------------------------------------------------ context
     def encode_context(self, features: Tensor, positions: Tensor | None = None) -> list[tuple[Tensor, Tensor]]:

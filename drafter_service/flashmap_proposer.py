@@ -29,20 +29,9 @@ from torch import Tensor
 
 from drafter_service.flashmap_dit import CrossContext, FlashMapDiT, jump
 from drafter_service.flow_time import time_grid
-from drafter_service.proposer import Proposer, ProposeRequest
+from drafter_service.proposer import ProposeRequest
+from drafter_service.slots import ContextTooLong, ProposerError, SlotCacheProposer, SlotsExhausted  # noqa: F401
 from flashmap.types import Draft
-
-
-class ProposerError(RuntimeError):
-    """The proposer cannot serve this sequence (callers may fall back to plain decoding)."""
-
-
-class SlotsExhausted(ProposerError):
-    pass
-
-
-class ContextTooLong(ProposerError):
-    pass
 
 
 def request_generator(seed: int, block: int = 0) -> torch.Generator:
@@ -74,89 +63,31 @@ class _Row:
     top_m: int
 
 
-class FlashMapProposer(Proposer):
+class FlashMapProposer(SlotCacheProposer):
+    """Sequences (slots, release, truncate, set_steps): SlotCacheProposer. Truncating leaves the
+    cache rows past the new length in place: masked now, overwritten by the next extend."""
+
     def __init__(self, model: FlashMapDiT, n_slots: int = 64, max_context: int = 4096, device: str = "cpu",
                  steps: int = 1, shared_noise: bool = True):
-        cfg = model.cfg
-        self.model = model.to(device).eval()
-        self.cfg = cfg
-        self.device = torch.device(device)
-        self.block_size = cfg.block_size
-        self.vocab_size = cfg.vocab_size
-        self.n_slots, self.max_context = n_slots, max_context
+        super().__init__(model, n_slots, max_context, device, cache_layers=model.cfg.n_blocks)
         self.shared_noise = shared_noise
-        self.steps = 1
         self.set_steps(steps)
-        dtype = next(model.parameters()).dtype
-        shape = (cfg.n_blocks, n_slots, cfg.n_heads, max_context, cfg.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.lengths = np.zeros(n_slots, np.int64)  # host copy: no device sync to read lengths
-        self.slot_of: dict[str, int] = {}
-        self._free = list(range(n_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self.graphs = None  # FlowGraphs after enable_graphs()
 
     # ------------------------------------------------------------------ sequences
-    def set_steps(self, n: int) -> None:
-        """Run-time switch of the default step count (takes effect at the next propose)."""
-        if int(n) != n or n < 1:
-            raise ValueError(f"steps must be an integer >= 1, got {n}")
-        self.steps = int(n)
-
-    def _slot(self, seq_id: str) -> int:
-        slot = self.slot_of.get(seq_id)
-        if slot is None:
-            if not self._free:
-                raise SlotsExhausted(f"all {self.n_slots} drafter slots are in use; release finished "
-                                     f"sequences or start the drafter with more slots")
-            slot = self._free.pop()
-            self.slot_of[seq_id] = slot
-            self.lengths[slot] = 0
-        return slot
-
-    @torch.inference_mode()
-    def extend(self, seq_id: str, token_ids: np.ndarray, features: np.ndarray) -> None:
-        features = np.asarray(features, np.float32)
+    def _write(self, slot: int, start: int, token_ids: np.ndarray, features: np.ndarray) -> None:
         m = len(token_ids)
-        if features.shape != (m, self.cfg.feature_dim):
-            raise ValueError(f"features must be [{m}, {self.cfg.feature_dim}] for {m} tokens, got {features.shape}")
-        slot = self._slot(seq_id)
-        start = int(self.lengths[slot])
-        if start + m > self.max_context:
-            raise ContextTooLong(f"sequence {seq_id!r}: context {start + m} exceeds the drafter's "
-                                 f"max_context {self.max_context}")
-        if m == 0:
-            return
         feats = torch.from_numpy(features).to(self.device)[None]  # [1, m, F]
         pos = torch.arange(start, start + m, device=self.device)[None]  # [1, m]
         for i, (k, v) in enumerate(self.model.encode_context(feats, pos)):  # [1, h, m, d]
             self.k_cache[i, slot, :, start:start + m] = k[0]
             self.v_cache[i, slot, :, start:start + m] = v[0]
-        self.lengths[slot] = start + m
-
-    def truncate(self, seq_id: str, n: int) -> None:
-        """Keep only the first n context positions (a resend after a lost reply). The cache
-        rows past n are left in place: masked now, overwritten by the next extend."""
-        have = self.context_length(seq_id)
-        if not 0 <= n <= have:
-            raise ValueError(f"cannot truncate {seq_id!r} to {n}: it holds {have} positions")
-        if seq_id in self.slot_of:
-            self.lengths[self.slot_of[seq_id]] = n
+        self.slots.lengths[slot] = start + m
 
     @property
     def bytes_per_context_token(self) -> int:
         """Cache bytes one context position takes (K and V, all blocks)."""
         return 2 * self.cfg.n_blocks * self.cfg.dim * self.k_cache.element_size()
-
-    def release(self, seq_id: str) -> None:
-        slot = self.slot_of.pop(seq_id, None)
-        if slot is not None:
-            self.lengths[slot] = 0
-            self._free.append(slot)
-
-    def context_length(self, seq_id: str) -> int:
-        slot = self.slot_of.get(seq_id)
-        return 0 if slot is None else int(self.lengths[slot])
 
     # ------------------------------------------------------------------ drafting
     def propose(self, requests: list[ProposeRequest], steps: int | None = None) -> list[Draft]:
@@ -176,8 +107,7 @@ class FlashMapProposer(Proposer):
                 raise ValueError(f"request {r.seq_id!r}: steps must be an integer >= 1, got {n}")
             if r.temperature < 0 or (r.temperature > 0 and r.top_m < 1):
                 raise ValueError(f"request {r.seq_id!r}: need temperature >= 0 and top_m >= 1")
-            slot = self.slot_of.get(r.seq_id, -1)
-            length = 0 if slot < 0 else int(self.lengths[slot])
+            slot, length = self.slots.lookup(r.seq_id)
             for b in range(n_blocks):
                 rows.append(_Row(slot, length, int(r.anchor), request_generator(r.seed, b), r.temperature, r.top_m))
                 row_steps.append(1 if self.cfg.kind == "dflash" else int(n))
@@ -191,8 +121,8 @@ class FlashMapProposer(Proposer):
 
     def cross_context(self, seq_ids: list[str]) -> CrossContext:
         """The cached context of these sequences as the model's CrossContext (unknown: empty)."""
-        slots = [self.slot_of.get(s, -1) for s in seq_ids]
-        return self._context(slots, [0 if i < 0 else int(self.lengths[i]) for i in slots])
+        rows = [self.slots.lookup(s) for s in seq_ids]
+        return self._context([slot for slot, _ in rows], [length for _, length in rows])
 
     def _context(self, slots: list[int], lengths: list[int]) -> CrossContext:
         """Cache rows as a CrossContext, cut to the longest row (slot -1: no context)."""

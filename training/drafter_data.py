@@ -51,9 +51,11 @@ _RESUME_KEYS = ("format", "target_vocab_size", "feature_layers", "feature_dim", 
 
 # ----------------------------------------------------------------------------- prompts
 
-def read_prompts(path: str | Path, target_dir: str | Path | None = None) -> list[list[int]]:
-    """Prompts from a JSONL file: each line has "prompt_ids" (token ids) or "prompt" (text,
-    encoded with the target checkpoint's tokenizer, special tokens included as text)."""
+def read_prompt_lines(path: str | Path,
+                      target_dir: str | Path | None = None) -> list[tuple[int, dict, list[int]]]:
+    """(line number, record, token ids) per non-empty line of a JSONL prompt file: each line has
+    "prompt_ids" (token ids) or "prompt" (text, encoded with the target checkpoint's
+    tokenizer, special tokens included as text). Shared by read_prompts and evaluate."""
     path = Path(path)
     tok = None
     out = []
@@ -70,15 +72,23 @@ def read_prompts(path: str | Path, target_dir: str | Path | None = None) -> list
             if tok is None:
                 if target_dir is None:
                     raise ValueError(f"{path}:{n}: text prompts need the target's tokenizer")
+                tj = Path(target_dir) / "tokenizer.json"
+                if not tj.is_file():
+                    raise ValueError(f"{path}:{n}: text prompts need the target's tokenizer ({tj} is missing)")
                 from tokenizers import Tokenizer
-                tok = Tokenizer.from_file(str(Path(target_dir) / "tokenizer.json"))
+                tok = Tokenizer.from_file(str(tj))
             ids = tok.encode(rec["prompt"], add_special_tokens=False).ids
         else:
             raise ValueError(f"{path}:{n}: a prompt line needs \"prompt_ids\" or \"prompt\"")
         if not ids:
             raise ValueError(f"{path}:{n}: empty prompt")
-        out.append(ids)
+        out.append((n, rec, ids))
     return out
+
+
+def read_prompts(path: str | Path, target_dir: str | Path | None = None) -> list[list[int]]:
+    """Prompts from a JSONL file (see read_prompt_lines)."""
+    return [ids for _, _, ids in read_prompt_lines(path, target_dir)]
 
 
 def _prompts_hash(prompts: list[list[int]]) -> str:

@@ -76,32 +76,11 @@ class Method:
 
 def read_domain_prompts(path: str | Path, target_dir: str | Path | None) -> list[dict]:
     """[{domain, id, ids}] from a JSONL with "domain" and "prompt" (text, target tokenizer) or
-    "prompt_ids" per line."""
-    path = Path(path)
-    tok = None
-    out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not JSON ({e})") from None
-        if "prompt_ids" in rec:
-            ids = [int(x) for x in rec["prompt_ids"]]
-        elif "prompt" in rec:
-            if tok is None:
-                tj = Path(target_dir or "") / "tokenizer.json"
-                if not tj.is_file():
-                    raise ValueError(f"{path}:{n}: text prompts need the target's tokenizer ({tj} is missing)")
-                from tokenizers import Tokenizer
-                tok = Tokenizer.from_file(str(tj))
-            ids = tok.encode(rec["prompt"], add_special_tokens=False).ids
-        else:
-            raise ValueError(f"{path}:{n}: a prompt line needs \"prompt_ids\" or \"prompt\"")
-        if not ids:
-            raise ValueError(f"{path}:{n}: empty prompt")
-        out.append({"domain": str(rec.get("domain", "all")), "id": str(rec.get("id", n)), "ids": ids})
+    "prompt_ids" per line (parsed by training.drafter_data.read_prompt_lines)."""
+    from training.drafter_data import read_prompt_lines
+
+    out = [{"domain": str(rec.get("domain", "all")), "id": str(rec.get("id", n)), "ids": ids}
+           for n, rec, ids in read_prompt_lines(path, target_dir)]
     if not out:
         raise ValueError(f"{path}: no prompts")
     return out

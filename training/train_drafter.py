@@ -67,8 +67,26 @@ PNG_FILE = "loss.png"
 
 # ----------------------------------------------------------------------------- config
 
+class ConfigDict:
+    """JSON dict form of a training-config dataclass (TrainConfig, train_eagle.EagleTrainConfig):
+    betas as a list; unknown keys (older / newer runs) are dropped on the way back."""
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        known = {f.name for f in fields(cls)}
+        d = {k: v for k, v in d.items() if k in known}
+        if "betas" in d:
+            d["betas"] = tuple(d["betas"])
+        return cls(**d)
+
+
 @dataclass
-class TrainConfig:
+class TrainConfig(ConfigDict):
     """One training run. Defaults: the paper's Qwen3-8B recipe for the flow stage
     (block 16, ~39K steps at peak LR 6e-4); `for_stage` / `small` give the others.
     Batch size, warmup, betas, weight decay, clipping, EMA and max length are not given
@@ -107,19 +125,6 @@ class TrainConfig:
         if stage == "distill":
             return cls(stage=stage, steps=23_000, lr=5e-5, warmup_steps=500)
         return cls(stage=stage)  # flow, and dflash with the same budget (same data, retrained)
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["betas"] = list(self.betas)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "TrainConfig":
-        known = {f.name for f in fields(cls)}
-        d = {k: v for k, v in d.items() if k in known}
-        if "betas" in d:
-            d["betas"] = tuple(d["betas"])
-        return cls(**d)
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
@@ -398,7 +403,8 @@ def _step_generator(seed: int, step: int, device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(s)
 
 
-def plot_losses(csv_path: Path, png_path: Path) -> None:
+def plot_losses(csv_path: Path, png_path: Path, cols: list[str] | None = None) -> None:
+    """Plot of the loss columns of csv_path (default: every column but step, lr, elapsed_s)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -407,7 +413,7 @@ def plot_losses(csv_path: Path, png_path: Path) -> None:
         rows = list(csv.DictReader(f))
     if not rows:
         return
-    cols = [c for c in rows[0] if c not in ("step", "lr", "elapsed_s")]
+    cols = cols or [c for c in rows[0] if c not in ("step", "lr", "elapsed_s")]
     steps = [int(r["step"]) for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4))
     for c in cols:
@@ -429,13 +435,8 @@ def train(tcfg: TrainConfig, *, target: str | Path, data: str | Path, out: str |
           teacher: str | Path | None = None, resume: bool = False, device: str = "cpu",
           progress: bool = True) -> FlashMapDiT:
     """Run one stage; returns the trained model (also saved in out)."""
-    from tqdm import tqdm
-
     if tcfg.stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, got {tcfg.stage!r}")
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    state_path, csv_path = out / STATE_FILE, out / CSV_FILE
     torch.manual_seed(tcfg.seed)
 
     teacher_model = None
@@ -458,21 +459,72 @@ def train(tcfg: TrainConfig, *, target: str | Path, data: str | Path, out: str |
     if tcfg.stage == "distill":
         ema = copy.deepcopy(model).requires_grad_(False).eval() if tcfg.ema_decay > 0 else model
 
+    cols = ["step", "lr", "loss"] + (["zero", "semigroup"] if tcfg.stage == "distill" else []) + ["elapsed_s"]
+    stream = SequenceStream(data, seed=tcfg.seed, max_len=tcfg.max_len)
+    seqs_per_step = max(1, -(-tcfg.batch_size // tcfg.anchors_per_seq))
+    K = model.cfg.block_size
+
+    def batch_fn(step: int) -> tuple[Batch, torch.Generator]:
+        rng = np.random.default_rng([tcfg.seed, step, 1])
+        batch = make_batch(stream.take(step * seqs_per_step, seqs_per_step), K, tcfg.anchors_per_seq,
+                           tcfg.max_len, rng).to(device)
+        return batch, _step_generator(tcfg.seed, step, device)
+
+    def loss_fn(batch_gen: tuple[Batch, torch.Generator]) -> tuple[Tensor, dict]:
+        if tcfg.stage == "flow":
+            return flow_loss(model, *batch_gen)
+        if tcfg.stage == "dflash":
+            return dflash_loss(model, *batch_gen)
+        return distill_loss(model, teacher_model, ema, *batch_gen)
+
+    own_ema = ema if ema is not None and ema is not model else None
+
+    def ema_update() -> None:
+        with torch.no_grad():
+            for pe, pm in zip(own_ema.parameters(), model.parameters()):
+                pe.lerp_(pm, 1 - tcfg.ema_decay)
+
+    return run_training(model, tcfg, stage=tcfg.stage, out=out, resume=resume, device=device, progress=progress,
+                        cols=cols, batch_fn=batch_fn, loss_fn=loss_fn, extra_modules={"ema": own_ema},
+                        after_step=ema_update if own_ema is not None else None,
+                        postfix=lambda stats, lr: dict(loss=f"{stats['loss']:.4f}", lr=f"{lr:.2e}"))
+
+
+def run_training(model: torch.nn.Module, tcfg, *, stage: str, out: str | Path, resume: bool, device: str,
+                 progress: bool, cols: list[str], batch_fn, loss_fn, extra_modules: dict | None = None,
+                 after_step=None, postfix=None, plot_cols: list[str] | None = None,
+                 stage_name: str | None = None) -> torch.nn.Module:
+    """The training loop every drafter shares (this module's stages, train_eagle).
+
+    AdamW with `_param_groups` and the `lr_factor` schedule; resume from OUT/train_state.pt
+    (refused when its "stage" is not `stage`; stage_name names the expected run in the
+    error, default repr(stage)); loss.csv keeps exactly the rows of steps already done; per
+    step batch_fn(step) (outside autocast) then loss_fn(batch) -> (loss, stats) under bf16
+    autocast when tcfg.amp on CUDA, gradient clipping, after_step() after the optimizer
+    step; every save_every steps the drafter checkpoint (save_drafter), train_state.pt
+    (model, optimizer, scheduler, step, train config, and extra_modules' state dicts: None
+    for a None module) and loss.png (plot_cols). Returns the model in eval mode."""
+    from tqdm import tqdm
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    state_path, csv_path = out / STATE_FILE, out / CSV_FILE
+    extra_modules = extra_modules or {}
     opt = torch.optim.AdamW(_param_groups(model, tcfg.weight_decay), lr=tcfg.lr, betas=tcfg.betas)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(i, tcfg))
     start = 0
     if resume and state_path.is_file():
         st = torch.load(state_path, map_location=device, weights_only=False)
-        if st["stage"] != tcfg.stage:
-            raise ValueError(f"{state_path} is a {st['stage']!r} run, not {tcfg.stage!r}")
+        if st.get("stage") != stage:
+            raise ValueError(f"{state_path} is a {st.get('stage')!r} run, not {stage_name or repr(stage)}")
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["optimizer"])
         sched.load_state_dict(st["scheduler"])
-        if ema is not None and ema is not model and st.get("ema") is not None:
-            ema.load_state_dict(st["ema"])
+        for name, m in extra_modules.items():
+            if m is not None and st.get(name) is not None:
+                m.load_state_dict(st[name])
         start = int(st["step"])
     # The CSV keeps exactly the rows of steps already done (a crash may have logged past the last save).
-    cols = ["step", "lr", "loss"] + (["zero", "semigroup"] if tcfg.stage == "distill" else []) + ["elapsed_s"]
     old_rows = []
     if start and csv_path.is_file():
         with open(csv_path) as f:
@@ -482,38 +534,26 @@ def train(tcfg: TrainConfig, *, target: str | Path, data: str | Path, out: str |
         w.writeheader()
         w.writerows(old_rows)
 
-    stream = SequenceStream(data, seed=tcfg.seed, max_len=tcfg.max_len)
-    seqs_per_step = max(1, -(-tcfg.batch_size // tcfg.anchors_per_seq))
-    K = model.cfg.block_size
     amp = tcfg.amp and torch.device(device).type == "cuda"
 
     def save(step: int) -> None:
         save_drafter(model, out)
         tmp = out / (STATE_FILE + ".tmp")
-        torch.save({"stage": tcfg.stage, "step": step, "train_config": tcfg.to_dict(),
-                    "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                    "ema": ema.state_dict() if ema is not None and ema is not model else None}, tmp)
+        torch.save({"stage": stage, "step": step, "train_config": tcfg.to_dict(), "model": model.state_dict(),
+                    "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                    **{name: None if m is None else m.state_dict() for name, m in extra_modules.items()}}, tmp)
         tmp.replace(state_path)
-        plot_losses(csv_path, out / PNG_FILE)
+        plot_losses(csv_path, out / PNG_FILE, plot_cols)
 
     t0 = time.perf_counter()
     csv_f = open(csv_path, "a", newline="")
-    writer = csv.DictWriter(csv_f, cols)
-    bar = tqdm(range(start, tcfg.steps), initial=start, total=tcfg.steps, desc=f"{tcfg.stage}",
-               disable=not progress)
+    writer = csv.DictWriter(csv_f, cols, extrasaction="ignore")
+    bar = tqdm(range(start, tcfg.steps), initial=start, total=tcfg.steps, desc=stage, disable=not progress)
     try:
         for step in bar:
-            rng = np.random.default_rng([tcfg.seed, step, 1])
-            batch = make_batch(stream.take(step * seqs_per_step, seqs_per_step), K, tcfg.anchors_per_seq,
-                               tcfg.max_len, rng).to(device)
-            gen = _step_generator(tcfg.seed, step, device)
+            batch = batch_fn(step)
             with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=amp):
-                if tcfg.stage == "flow":
-                    loss, stats = flow_loss(model, batch, gen)
-                elif tcfg.stage == "dflash":
-                    loss, stats = dflash_loss(model, batch, gen)
-                else:
-                    loss, stats = distill_loss(model, teacher_model, ema, batch, gen)
+                loss, stats = loss_fn(batch)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"step {step}: loss is {loss.item()}")
             opt.zero_grad(set_to_none=True)
@@ -523,16 +563,15 @@ def train(tcfg: TrainConfig, *, target: str | Path, data: str | Path, out: str |
             lr = opt.param_groups[0]["lr"]
             opt.step()
             sched.step()
-            if ema is not None and ema is not model:
-                with torch.no_grad():
-                    for pe, pm in zip(ema.parameters(), model.parameters()):
-                        pe.lerp_(pm, 1 - tcfg.ema_decay)
+            if after_step is not None:
+                after_step()
             done = step + 1
             if done % tcfg.log_every == 0 or done == tcfg.steps or step == start:
                 writer.writerow({"step": done, "lr": f"{lr:.3e}", "elapsed_s": f"{time.perf_counter() - t0:.2f}",
                                  **{k: f"{v:.6f}" for k, v in stats.items()}})
                 csv_f.flush()
-                bar.set_postfix(loss=f"{stats['loss']:.4f}", lr=f"{lr:.2e}")
+                if postfix is not None:
+                    bar.set_postfix(**postfix(stats, lr))
             if done % tcfg.save_every == 0 or done == tcfg.steps:
                 save(done)
     finally:
@@ -544,39 +583,52 @@ def train(tcfg: TrainConfig, *, target: str | Path, data: str | Path, out: str |
 
 # ----------------------------------------------------------------------------- CLI
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m training.train_drafter", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--stage", choices=STAGES, required=True)
+RUN_OPTIONS = ("steps", "lr", "warmup_steps", "batch_size", "max_len", "seed", "save_every", "log_every")
+
+
+def add_common_args(ap: argparse.ArgumentParser, *, small_help: str, batch_help: str) -> None:
+    """The options of every drafter training CLI (this one, train_eagle); each adds its own
+    (stage, architecture, ...). The RUN_OPTIONS ones override training-config fields."""
     ap.add_argument("--target", required=True, help="target checkpoint directory (embedding / LM head, hashes)")
     ap.add_argument("--data", required=True, help="directory written by training.drafter_data")
     ap.add_argument("--out", required=True, help="output directory (drafter checkpoint + training state)")
-    ap.add_argument("--teacher", help="distill: the flow-stage drafter checkpoint")
-    ap.add_argument("--small", action="store_true", help="CPU-sized preset (tiny drafter, short run)")
+    ap.add_argument("--small", action="store_true", help=small_help)
     ap.add_argument("--steps", type=int)
     ap.add_argument("--lr", type=float, help="peak learning rate (cosine schedule with warmup)")
     ap.add_argument("--warmup-steps", type=int)
-    ap.add_argument("--batch-size", type=int, help="blocks (anchors) per step")
-    ap.add_argument("--anchors-per-seq", type=int)
+    ap.add_argument("--batch-size", type=int, help=batch_help)
     ap.add_argument("--max-len", type=int)
-    ap.add_argument("--ema-decay", type=float)
     ap.add_argument("--seed", type=int)
     ap.add_argument("--save-every", type=int)
     ap.add_argument("--log-every", type=int)
+    ap.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt if present")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--no-progress", action="store_true")
+
+
+def config_from_args(cfg, args: argparse.Namespace, run_options: tuple[str, ...] = (),
+                     arch_options: tuple[str, ...] = ()):
+    """cfg with the options given on the command line: RUN_OPTIONS and run_options replace
+    its fields, arch_options its `arch` entries."""
+    given = lambda keys: {k: getattr(args, k) for k in keys if getattr(args, k) is not None}  # noqa: E731
+    return replace(cfg, **given(RUN_OPTIONS + run_options), arch={**cfg.arch, **given(arch_options)})
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m training.train_drafter", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--stage", choices=STAGES, required=True)
+    add_common_args(ap, small_help="CPU-sized preset (tiny drafter, short run)", batch_help="blocks (anchors) per step")
+    ap.add_argument("--teacher", help="distill: the flow-stage drafter checkpoint")
+    ap.add_argument("--anchors-per-seq", type=int)
+    ap.add_argument("--ema-decay", type=float)
     ap.add_argument("--dim", type=int)
     ap.add_argument("--n-blocks", type=int)
     ap.add_argument("--n-heads", type=int)
     ap.add_argument("--block-size", type=int)
-    ap.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt if present")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
 
-    cfg = TrainConfig.for_stage(args.stage, small=args.small)
-    over = {k: getattr(args, k) for k in ("steps", "lr", "warmup_steps", "batch_size", "anchors_per_seq", "max_len",
-                                          "ema_decay", "seed", "save_every", "log_every")
-            if getattr(args, k) is not None}
-    arch = {k: getattr(args, k) for k in ("dim", "n_blocks", "n_heads", "block_size") if getattr(args, k) is not None}
-    cfg = replace(cfg, **over, arch={**cfg.arch, **arch})
+    cfg = config_from_args(TrainConfig.for_stage(args.stage, small=args.small), args,
+                           ("anchors_per_seq", "ema_decay"), ("dim", "n_blocks", "n_heads", "block_size"))
     try:
         train(cfg, target=args.target, data=args.data, out=args.out, teacher=args.teacher, resume=args.resume,
               device=args.device, progress=not args.no_progress)

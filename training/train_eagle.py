@@ -13,17 +13,15 @@ as FlashMap's slot weights: step s drafts slot s+1).
 
 OUT holds the drafter checkpoint (config.json with kind "eagle" + model.safetensors, via
 save_eagle), train_state.pt (model, optimizer, scheduler, step), loss.csv and loss.png.
-The optimiser, schedule, data stream, resume and logging are those of
-training.train_drafter (shared code, not copies).
+The optimiser, schedule, data stream, loop, resume, logging and CLI options are those of
+training.train_drafter (run_training, SequenceStream, add_common_args: shared code, not copies).
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
-import time
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -31,18 +29,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from drafter_service.eagle import EagleDrafter, init_eagle, save_eagle
+from drafter_service.eagle import EagleDrafter, init_eagle
 from training.drafter_data import read_meta
-from training.train_drafter import SequenceStream, _check_data, _param_groups, lr_factor, plot_losses
+from training.train_drafter import (CSV_FILE, PNG_FILE, STATE_FILE, ConfigDict, SequenceStream,  # noqa: F401
+                                    _check_data, add_common_args, config_from_args, run_training)
 
-STATE_FILE = "train_state.pt"
-CSV_FILE = "loss.csv"
-PNG_FILE = "loss.png"
 STAGE = "eagle"
 
 
 @dataclass
-class EagleTrainConfig:
+class EagleTrainConfig(ConfigDict):
     """Defaults: the same budget as the FlashMap flow stage (~39K steps); batch in sequences.
     LR, batch, warmup, clipping and depth are common EAGLE-3 choices, not from the paper."""
 
@@ -66,19 +62,6 @@ class EagleTrainConfig:
     def small(cls) -> "EagleTrainConfig":
         return cls(steps=300, lr=1e-3, warmup_steps=20, batch_size=8, max_len=256, log_every=5, save_every=100,
                    amp=False, arch=dict(dim=None, n_layers=1, n_heads=4, block_size=16, train_depth=4))
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["betas"] = list(self.betas)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "EagleTrainConfig":
-        known = {f.name for f in fields(cls)}
-        d = {k: v for k, v in d.items() if k in known}
-        if "betas" in d:
-            d["betas"] = tuple(d["betas"])
-        return cls(**d)
 
 
 @dataclass
@@ -141,127 +124,33 @@ def eagle_loss(model: EagleDrafter, batch: SeqBatch, depth: int | None = None) -
 def train(tcfg: EagleTrainConfig, *, target: str | Path, data: str | Path, out: str | Path, resume: bool = False,
           device: str = "cpu", progress: bool = True) -> EagleDrafter:
     """Train (or continue); returns the model (also saved in out)."""
-    from tqdm import tqdm
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    state_path, csv_path = out / STATE_FILE, out / CSV_FILE
     torch.manual_seed(tcfg.seed)
     model = init_eagle(target, seed=tcfg.seed, device=device, **tcfg.arch).train()
     _check_data(read_meta(data), model.cfg)
-    opt = torch.optim.AdamW(_param_groups(model, tcfg.weight_decay), lr=tcfg.lr, betas=tcfg.betas)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(i, tcfg))
-    start = 0
-    if resume and state_path.is_file():
-        st = torch.load(state_path, map_location=device, weights_only=False)
-        if st.get("stage") != STAGE:
-            raise ValueError(f"{state_path} is a {st.get('stage')!r} run, not an eagle run")
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["optimizer"])
-        sched.load_state_dict(st["scheduler"])
-        start = int(st["step"])
-    depth = model.cfg.train_depth
-    cols = ["step", "lr", "loss"] + [f"acc{s}" for s in range(depth)] + ["elapsed_s"]
-    old_rows = []
-    if start and csv_path.is_file():
-        with open(csv_path) as f:
-            old_rows = [r for r in csv.DictReader(f) if int(r["step"]) <= start]
-    with open(csv_path, "w", newline="") as f:
-        w = csv.DictWriter(f, cols)
-        w.writeheader()
-        w.writerows(old_rows)
-
+    cols = ["step", "lr", "loss"] + [f"acc{s}" for s in range(model.cfg.train_depth)] + ["elapsed_s"]
     stream = SequenceStream(data, seed=tcfg.seed)
-    amp = tcfg.amp and torch.device(device).type == "cuda"
-
-    def save(step: int) -> None:
-        save_eagle(model, out)
-        tmp = out / (STATE_FILE + ".tmp")
-        torch.save({"stage": STAGE, "step": step, "train_config": tcfg.to_dict(), "model": model.state_dict(),
-                    "optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, tmp)
-        tmp.replace(state_path)
-        plot_losses_acc(csv_path, out / PNG_FILE)
-
-    t0 = time.perf_counter()
-    csv_f = open(csv_path, "a", newline="")
-    writer = csv.DictWriter(csv_f, cols, extrasaction="ignore")
-    bar = tqdm(range(start, tcfg.steps), initial=start, total=tcfg.steps, desc=STAGE, disable=not progress)
-    try:
-        for step in bar:
-            batch = make_seq_batch(stream.take(step * tcfg.batch_size, tcfg.batch_size), tcfg.max_len).to(device)
-            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=amp):
-                loss, stats = eagle_loss(model, batch)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"step {step}: loss is {loss.item()}")
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if tcfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
-            lr = opt.param_groups[0]["lr"]
-            opt.step()
-            sched.step()
-            done = step + 1
-            if done % tcfg.log_every == 0 or done == tcfg.steps or step == start:
-                writer.writerow({"step": done, "lr": f"{lr:.3e}", "elapsed_s": f"{time.perf_counter() - t0:.2f}",
-                                 **{k: f"{v:.6f}" for k, v in stats.items()}})
-                csv_f.flush()
-                bar.set_postfix(loss=f"{stats['loss']:.4f}", acc0=f"{stats.get('acc0', float('nan')):.3f}")
-            if done % tcfg.save_every == 0 or done == tcfg.steps:
-                save(done)
-    finally:
-        csv_f.close()
-    if start >= tcfg.steps:
-        save(start)
-    return model.eval()
-
-
-def plot_losses_acc(csv_path: Path, png_path: Path) -> None:
-    """loss.png: the loss column only (per-step accuracies stay in the CSV)."""
-    with open(csv_path) as f:
-        rows = list(csv.DictReader(f))
-    if not rows:
-        return
-    tmp = csv_path.with_name(".loss_only.csv")
-    with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, ["step", "lr", "loss", "elapsed_s"], extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
-    try:
-        plot_losses(tmp, png_path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    return run_training(
+        model, tcfg, stage=STAGE, stage_name="an eagle run", out=out, resume=resume, device=device,
+        progress=progress, cols=cols,
+        batch_fn=lambda step: make_seq_batch(stream.take(step * tcfg.batch_size, tcfg.batch_size),
+                                             tcfg.max_len).to(device),
+        loss_fn=lambda batch: eagle_loss(model, batch),
+        postfix=lambda stats, lr: dict(loss=f"{stats['loss']:.4f}", acc0=f"{stats.get('acc0', float('nan')):.3f}"),
+        plot_cols=["loss"])  # loss.png: the loss column only (per-step accuracies stay in the CSV)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m training.train_eagle", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", required=True, help="target checkpoint directory (embedding / LM head, hashes)")
-    ap.add_argument("--data", required=True, help="directory written by training.drafter_data")
-    ap.add_argument("--out", required=True, help="output directory (drafter checkpoint + training state)")
-    ap.add_argument("--small", action="store_true", help="CPU-sized preset (short run, depth-4 rollout)")
-    ap.add_argument("--steps", type=int)
-    ap.add_argument("--lr", type=float, help="peak learning rate (cosine schedule with warmup)")
-    ap.add_argument("--warmup-steps", type=int)
-    ap.add_argument("--batch-size", type=int, help="sequences per step")
-    ap.add_argument("--max-len", type=int)
-    ap.add_argument("--seed", type=int)
-    ap.add_argument("--save-every", type=int)
-    ap.add_argument("--log-every", type=int)
+    add_common_args(ap, small_help="CPU-sized preset (short run, depth-4 rollout)", batch_help="sequences per step")
     ap.add_argument("--dim", type=int, help="drafter width (default: the target's hidden size)")
     ap.add_argument("--n-layers", type=int)
     ap.add_argument("--n-heads", type=int)
     ap.add_argument("--block-size", type=int)
     ap.add_argument("--train-depth", type=int, help="training-time-test rollout steps")
-    ap.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt if present")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
 
-    cfg = EagleTrainConfig.small() if args.small else EagleTrainConfig()
-    over = {k: getattr(args, k) for k in ("steps", "lr", "warmup_steps", "batch_size", "max_len", "seed",
-                                          "save_every", "log_every") if getattr(args, k) is not None}
-    arch = {k: getattr(args, k) for k in ("dim", "n_layers", "n_heads", "block_size", "train_depth")
-            if getattr(args, k) is not None}
-    cfg = replace(cfg, **over, arch={**cfg.arch, **arch})
+    cfg = config_from_args(EagleTrainConfig.small() if args.small else EagleTrainConfig(), args,
+                           arch_options=("dim", "n_layers", "n_heads", "block_size", "train_depth"))
     try:
         train(cfg, target=args.target, data=args.data, out=args.out, resume=args.resume, device=args.device,
               progress=not args.no_progress)

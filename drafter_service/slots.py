@@ -1,0 +1,143 @@
+"""Per-sequence slots of the serving proposers' static caches (FlashMap / DFlash-style in
+flashmap_proposer, EAGLE-style in eagle).
+
+`SlotTable` is the bookkeeping: seq_id -> cache slot, the free list (slot 0 handed out
+first) and a host copy of each slot's context length (no device sync to read it).
+`SlotCacheProposer` is the Proposer base both serving proposers share: the model, device,
+K/V cache buffers [layers, n_slots, h, max_context, d], the slot table, `extend` up to the
+subclass's `_write` of the new positions (input checks, slot, max_context), and the
+sequence-level calls that only touch the table (release, truncate, context_length, set_steps).
+"""
+
+from __future__ import annotations
+
+import abc
+
+import numpy as np
+import torch
+
+from drafter_service.proposer import Proposer
+
+
+class ProposerError(RuntimeError):
+    """The proposer cannot serve this sequence (callers may fall back to plain decoding)."""
+
+
+class SlotsExhausted(ProposerError):
+    pass
+
+
+class ContextTooLong(ProposerError):
+    pass
+
+
+class SlotTable:
+    def __init__(self, n_slots: int, max_context: int):
+        self.n_slots, self.max_context = n_slots, max_context
+        self.lengths = np.zeros(n_slots, np.int64)  # host copy: no device sync to read lengths
+        self.slot_of: dict[str, int] = {}
+        self._free = list(range(n_slots - 1, -1, -1))  # pop() hands out slot 0 first
+
+    def acquire(self, seq_id: str) -> int:
+        """The slot of seq_id, taking a free one (length 0) for a new sequence."""
+        slot = self.slot_of.get(seq_id)
+        if slot is None:
+            if not self._free:
+                raise SlotsExhausted(f"all {self.n_slots} drafter slots are in use; release finished "
+                                     f"sequences or start the drafter with more slots")
+            slot = self._free.pop()
+            self.slot_of[seq_id] = slot
+            self.lengths[slot] = 0
+        return slot
+
+    def reserve(self, seq_id: str, m: int) -> tuple[int, int]:
+        """(slot, start) for appending m positions to seq_id; ContextTooLong past max_context.
+        The caller writes the cache rows start..start+m-1 and then sets lengths[slot]."""
+        slot = self.acquire(seq_id)
+        start = int(self.lengths[slot])
+        if start + m > self.max_context:
+            raise ContextTooLong(f"sequence {seq_id!r}: context {start + m} exceeds the drafter's "
+                                 f"max_context {self.max_context}")
+        return slot, start
+
+    def lookup(self, seq_id: str) -> tuple[int, int]:
+        """(slot, length) of seq_id; (-1, 0) for an unknown sequence. Takes no slot."""
+        slot = self.slot_of.get(seq_id, -1)
+        return slot, 0 if slot < 0 else int(self.lengths[slot])
+
+    def release(self, seq_id: str) -> None:
+        slot = self.slot_of.pop(seq_id, None)
+        if slot is not None:
+            self.lengths[slot] = 0
+            self._free.append(slot)
+
+    def context_length(self, seq_id: str) -> int:
+        return self.lookup(seq_id)[1]
+
+    def truncate(self, seq_id: str, n: int) -> None:
+        """Keep only the first n context positions (the cache rows past n stay in place)."""
+        have = self.context_length(seq_id)
+        if not 0 <= n <= have:
+            raise ValueError(f"cannot truncate {seq_id!r} to {n}: it holds {have} positions")
+        if seq_id in self.slot_of:
+            self.lengths[self.slot_of[seq_id]] = n
+
+
+class SlotCacheProposer(Proposer):
+    """A drafter model served from static per-slot K/V caches of `cache_layers` layers.
+
+    Truncating only moves a slot's length back: each subclass keeps the cache rows below the
+    new length valid (they depend on earlier positions only) and masks or overwrites the rest."""
+
+    def __init__(self, model: torch.nn.Module, n_slots: int, max_context: int, device: str, cache_layers: int):
+        cfg = model.cfg
+        self.model = model.to(device).eval()
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.block_size = cfg.block_size
+        self.vocab_size = cfg.vocab_size
+        self.slots = SlotTable(n_slots, max_context)
+        self.steps = 1
+        dtype = next(model.parameters()).dtype
+        shape = (cache_layers, n_slots, cfg.n_heads, max_context, cfg.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+
+    @property
+    def n_slots(self) -> int:
+        return self.slots.n_slots
+
+    @property
+    def max_context(self) -> int:
+        return self.slots.max_context
+
+    def set_steps(self, n: int) -> None:
+        """Run-time switch of the default step count (takes effect at the next propose)."""
+        if int(n) != n or n < 1:
+            raise ValueError(f"steps must be an integer >= 1, got {n}")
+        self.steps = int(n)
+
+    def release(self, seq_id: str) -> None:
+        self.slots.release(seq_id)
+
+    def context_length(self, seq_id: str) -> int:
+        return self.slots.context_length(seq_id)
+
+    def truncate(self, seq_id: str, n: int) -> None:
+        self.slots.truncate(seq_id, n)
+
+    @torch.inference_mode()
+    def extend(self, seq_id: str, token_ids: np.ndarray, features: np.ndarray) -> None:
+        features = np.asarray(features, np.float32)
+        token_ids = np.asarray(token_ids, np.int64).reshape(-1)
+        m = len(token_ids)
+        if features.shape != (m, self.cfg.feature_dim):
+            raise ValueError(f"features must be [{m}, {self.cfg.feature_dim}] for {m} tokens, got {features.shape}")
+        slot, start = self.slots.reserve(seq_id, m)
+        if m:
+            self._write(slot, start, token_ids, features)
+
+    @abc.abstractmethod
+    def _write(self, slot: int, start: int, token_ids: np.ndarray, features: np.ndarray) -> None:
+        """Cache the m >= 1 new positions start..start+m-1 of `slot` (token_ids [m] int64,
+        features [m, F] float32) and set the slot's length to start + m (inference mode)."""
