@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from drafter_service.config import DrafterConfig
+from drafter_service.flow_time import interp_torch, tau_tables
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -208,6 +209,7 @@ class FlashMapDiT(FrozenTarget):
         self.cfg = cfg.validate()
         H, D, K = cfg.target_hidden_size, cfg.dim, cfg.block_size
         self._init_target(embed, lm_head)  # frozen target tensors [V, H]
+        self._tau_cache: dict = {}  # (device, V) -> tau tables; kept out of buffers so .to(bf16) leaves them exact
 
         # Magnitudes of x_s @ E vary with s (noise ~ sqrt(V) x a row of E), so inputs are rms-normalised.
         self.in_norm = nn.RMSNorm(H, eps=cfg.norm_eps, elementwise_affine=False)
@@ -260,13 +262,24 @@ class FlashMapDiT(FrozenTarget):
         return CrossContext(self.encode_context(features), lengths.to(features.device, torch.long))
 
     # ------------------------------------------------------------------ forward
+    def _tau(self, t: Tensor) -> Tensor:
+        """tau(t) [B]: the network is conditioned on tau, not t. Training draws tau ~ U(0, 1),
+        which puts almost no mass on t < ~0.5 (where the one-hot is invisible at large V);
+        in tau every such t is ~0, the start of drafting, so inference stays in distribution."""
+        key = (t.device, self.cfg.vocab_size)
+        if key not in self._tau_cache:  # filled before any CUDA-graph capture (warm-up runs)
+            self._tau_cache[key] = tau_tables(self.cfg.vocab_size, t.device, self.cfg.time_table_size,
+                                              self.cfg.gauss_hermite_nodes)
+        return interp_torch(t, *self._tau_cache[key])
+
     def time_cond(self, s: Tensor | float, t: Tensor | float, n: int) -> Tensor:
-        """Conditioning vector [B, D] from the jump (s, t); fixed (0, 1) for dflash."""
+        """Conditioning vector [B, D] from the jump (s, t) in tau units; fixed (0, 1) for dflash."""
         dev = self.pos_embed.device
         if self.cfg.kind == "dflash":
             s, t = 0.0, 1.0
         fd = self.cfg.time_freq_dim
-        e = torch.cat([timestep_embedding(_per_row(s, n, dev), fd), timestep_embedding(_per_row(t, n, dev), fd)], -1)
+        s, t = self._tau(_per_row(s, n, dev)), self._tau(_per_row(t, n, dev))
+        e = torch.cat([timestep_embedding(s, fd), timestep_embedding(t, fd)], -1)
         return self.time_embed(e.to(self.pos_embed.dtype))  # [B, D]
 
     def forward(self, x: Tensor | None, s: Tensor | float, t: Tensor | float, anchor: Tensor,

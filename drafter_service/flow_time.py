@@ -66,13 +66,26 @@ def _interp(x, xp: np.ndarray, fp: np.ndarray):
         calc = torch.float32 if x.device.type == "mps" else torch.float64  # mps has no float64
         xp_t = torch.tensor(xp, dtype=calc, device=x.device)  # copies the read-only table
         fp_t = torch.tensor(fp, dtype=calc, device=x.device)
-        xc = x.to(calc).clamp(xp_t[0], xp_t[-1])
-        i = torch.searchsorted(xp_t, xc, right=True).clamp(1, len(xp) - 1)  # xp[i-1] <= x < xp[i]
-        x0, x1, f0, f1 = xp_t[i - 1], xp_t[i], fp_t[i - 1], fp_t[i]
-        out = f0 + (xc - x0) / (x1 - x0) * (f1 - f0)
-        return out.to(x.dtype if x.is_floating_point() else torch.float32)
+        return interp_torch(x, xp_t, fp_t)
     out = np.interp(np.asarray(x, np.float64), xp, fp)
     return float(out) if np.ndim(out) == 0 else out
+
+
+def interp_torch(x: torch.Tensor, xp_t: torch.Tensor, fp_t: torch.Tensor) -> torch.Tensor:
+    """Piecewise-linear interpolation with tables already on x's device (no host copy, so
+    it can run inside a CUDA graph)."""
+    xc = x.to(xp_t.dtype).clamp(xp_t[0], xp_t[-1])
+    i = torch.searchsorted(xp_t, xc, right=True).clamp(1, len(xp_t) - 1)  # xp[i-1] <= x < xp[i]
+    x0, x1, f0, f1 = xp_t[i - 1], xp_t[i], fp_t[i - 1], fp_t[i]
+    out = f0 + (xc - x0) / (x1 - x0) * (f1 - f0)
+    return out.to(x.dtype if x.is_floating_point() else torch.float32)
+
+
+def tau_tables(vocab_size: int, device, size: int = DEFAULT_TABLE_SIZE, nodes: int = DEFAULT_GH_NODES):
+    """(t knots, tau knots) as float64 tensors on device (float32 on mps), for interp_torch."""
+    tau_k, t_k = _table(vocab_size, size, nodes)
+    calc = torch.float32 if torch.device(device).type == "mps" else torch.float64
+    return torch.tensor(t_k, dtype=calc, device=device), torch.tensor(tau_k, dtype=calc, device=device)
 
 
 def tau_of_t(t, vocab_size: int, size: int = DEFAULT_TABLE_SIZE, nodes: int = DEFAULT_GH_NODES):
