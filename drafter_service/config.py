@@ -96,6 +96,9 @@ class DrafterConfig(TargetRefConfig):
     time_table_size: int = 4097  # points of the tau <-> t lookup table (uniform in t)
     gauss_hermite_nodes: int = 256  # quadrature nodes for P[argmax x_t = y]
     zero_jump_fraction: float = 0.5  # distillation: share of zero-length jumps (s = t)
+    # Flow stage: share of blocks trained at tau = 0 (pure noise, where drafting starts).
+    # The paper samples tau ~ U(0, 1) only (0.0); a short CPU run needs extra mass there.
+    pure_noise_fraction: float = 0.0
     full_jump_fraction: float = 1.0 / 16  # distillation: share of full 0 -> 1 jumps
 
     # ---------------------------------------------------------------- derived

@@ -264,6 +264,9 @@ def weighted_kl(p: Tensor, logits: Tensor, mask: Tensor, w: Tensor) -> Tensor:
 def sample_times(n: int, vocab_size: int, cfg: DrafterConfig, gen: torch.Generator, device) -> Tensor:
     """[n] flow times t = t_of_tau(tau), tau ~ U(0, 1)."""
     tau = torch.rand(n, generator=gen, device=device, dtype=torch.float64)
+    if cfg.pure_noise_fraction > 0:
+        pure = torch.rand(n, generator=gen, device=device, dtype=torch.float64) < cfg.pure_noise_fraction
+        tau = torch.where(pure, torch.zeros_like(tau), tau)
     return t_of_tau(tau, vocab_size, cfg.time_table_size, cfg.gauss_hermite_nodes).float()
 
 
@@ -625,10 +628,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-blocks", type=int)
     ap.add_argument("--n-heads", type=int)
     ap.add_argument("--block-size", type=int)
+    ap.add_argument("--pure-noise-fraction", type=float, help="flow: share of blocks at tau = 0 (paper: 0)")
     args = ap.parse_args(argv)
 
     cfg = config_from_args(TrainConfig.for_stage(args.stage, small=args.small), args,
-                           ("anchors_per_seq", "ema_decay"), ("dim", "n_blocks", "n_heads", "block_size"))
+                           ("anchors_per_seq", "ema_decay"), ("dim", "n_blocks", "n_heads", "block_size", "pure_noise_fraction"))
     try:
         train(cfg, target=args.target, data=args.data, out=args.out, teacher=args.teacher, resume=args.resume,
               device=args.device, progress=not args.no_progress)
