@@ -15,11 +15,11 @@ ARCH="--dim 256 --n-blocks 2 --n-heads 4"
 [ -f training/data/drafter_prompts.jsonl ] || $PY -m training.drafter_prompts --per-domain "${PROMPTS_PER_DOMAIN:-300}"
 $PY -m training.drafter_data --target "$T" --prompts training/data/drafter_prompts.jsonl --out "$RUNS/data" \
     --max-new-tokens "${MAX_NEW:-96}" --temperature 0
-$PY -m training.train_drafter --stage flow --small $ARCH --steps "${STEPS_FLOW:-1500}" --target "$T" --data "$RUNS/data" --out "$RUNS/flow" --resume &
-$PY -m training.train_drafter --stage dflash --small $ARCH --steps "${STEPS_FLOW:-1500}" --target "$T" --data "$RUNS/data" --out "$RUNS/dflash" --resume &
+$PY -m training.train_drafter --stage flow --small $ARCH --pure-noise-fraction "${PURE_NOISE:-0.3}" --steps "${STEPS_FLOW:-1200}" --target "$T" --data "$RUNS/data" --out "$RUNS/flow" --resume &
+$PY -m training.train_drafter --stage dflash --small $ARCH --steps "${STEPS_DFLASH:-1500}" --target "$T" --data "$RUNS/data" --out "$RUNS/dflash" --resume &
 wait
-$PY -m training.train_drafter --stage distill --small --steps "${STEPS_DISTILL:-600}" --teacher "$RUNS/flow" --target "$T" --data "$RUNS/data" --out "$RUNS/map" --resume &
+$PY -m training.train_drafter --stage distill --small --steps "${STEPS_DISTILL:-400}" --teacher "$RUNS/flow" --target "$T" --data "$RUNS/data" --out "$RUNS/map" --resume &
 $PY -m training.train_eagle --small --steps "${STEPS_EAGLE:-1500}" --target "$T" --data "$RUNS/data" --out "$RUNS/eagle" --resume &
 wait
 $PY -m flashmap.cli eval --target "$T" --flashmap "$RUNS/map" --teacher "$RUNS/flow" --dflash "$RUNS/dflash" \
-    --eagle "$RUNS/eagle" --max-prompts "${EVAL_PROMPTS:-6}" --max-new-tokens "${EVAL_NEW:-96}" --threads 1
+    --eagle "$RUNS/eagle" --max-prompts "${EVAL_PROMPTS:-6}" --max-new-tokens "${EVAL_NEW:-64}" --threads 1

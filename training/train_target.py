@@ -1,6 +1,8 @@
 """Train the small demo target (a Qwen3ForCausalLM) from scratch on CPU on the local corpus.
 
-    python -m training.train_target --out checkpoints/demo-target --steps 1200 --threads 2
+    python -m training.train_target --out checkpoints/demo-target --threads 2
+
+(the defaults are the settings of the committed demo checkpoint; see its README.md).
 
 Steps: build the corpus (``training.corpus``, seeded), write the held-out prompts, train
 the byte-level BPE (``training.tokenizer``), tokenize each domain into one stream
@@ -204,12 +206,12 @@ def _answer(text: str) -> str | None:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--out", default="checkpoints/demo-target", help="output checkpoint directory")
-    ap.add_argument("--steps", type=int, default=1200)
-    ap.add_argument("--seq-len", type=int, default=384)
-    ap.add_argument("--batch-size", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--min-lr-ratio", type=float, default=0.1)
-    ap.add_argument("--warmup", type=int, default=60)
+    ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--grad-clip", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
