@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -224,6 +225,8 @@ def run_stack(args) -> int:
         triton_grpc_port=grpc_port, triton_metrics_port=metrics, n_slots=args.n_slots, max_seq_len=args.max_seq_len,
         **({"log_dir": args.log_dir} if args.log_dir else {}),
     )
+    # SIGTERM (docker stop, kill, a supervisor) must stop the three children like Ctrl-C does.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     print(f"starting Triton target, drafter and orchestrator (logs in {cfg.log_dir}) ...", flush=True)
     stack = Stack(cfg).start()
     print(
