@@ -211,14 +211,7 @@ class AsyncClient:
             call.cancel()
 
     async def generate(self, **kw) -> Completion:
-        ids, text = [], []
-        async for c in self.generate_stream(**kw):
-            if c.finished:
-                return Completion(c.request_id, ids, "".join(text), c.finish_reason, c.stats, c.prompt_tokens,
-                                  c.time_to_first_token_s, c.total_s)
-            ids.extend(c.token_ids)
-            text.append(c.text)
-        raise FlashMapError("stream ended without a final message")
+        return _collect([c async for c in self.generate_stream(**kw)])
 
     async def abort(self, request_id: str) -> bool:
         try:
