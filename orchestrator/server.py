@@ -80,7 +80,10 @@ class Orchestrator:
         if cfg.tokenizer_dir:
             from flashmap.tokenizer import TextTokenizer
 
-            self.tokenizer = TextTokenizer(cfg.tokenizer_dir)
+            try:
+                self.tokenizer = TextTokenizer(cfg.tokenizer_dir)
+            except FileNotFoundError as e:  # serve token ids; text prompts get INVALID_ARGUMENT
+                log.warning("no tokenizer: %s", e)
         self.info = None
         self.metrics: OrchestratorMetrics | None = None
         self.waiting: deque[_Active] = deque()
