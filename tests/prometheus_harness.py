@@ -33,11 +33,22 @@ import urllib.request
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
+import pytest
 import yaml
 
 # --------------------------------------------------------------------------------------------
 # Locating the binaries
 # --------------------------------------------------------------------------------------------
+
+
+def need(found, what: str, install: str):
+    """found, or skip (locally) / fail (CI=true) with the line that installs the tool."""
+    if found:
+        return found
+    msg = f"{what} not installed ({install})"
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{msg}: .ci/run must install it")
+    pytest.skip(msg)
 
 
 def find_prometheus() -> str | None:

@@ -33,6 +33,7 @@ if str(ROOT) not in sys.path:  # the metric registries live in the project's pac
     sys.path.insert(0, str(ROOT))
 
 from prometheus_harness import (  # noqa: E402
+    need,
     alert_expressions,
     dashboard_expressions,
     dashboard_panels,
@@ -55,14 +56,6 @@ K8S = DEPLOY / "k8s"
 VENV_BIN = Path(sys.executable).parent
 
 
-def need(found, what: str, install: str):
-    """Return found, or skip (locally) / fail (CI) with the line that installs the tool."""
-    if found:
-        return found
-    msg = f"{what} not installed ({install})"
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{msg}: .ci/run must install it")
-    pytest.skip(msg)
 
 
 def tool(name: str) -> str | None:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from prometheus_harness import (
+    need,
     ALERT_RULES,
     TARGET_LABELS,
     PrometheusServer,
@@ -55,14 +56,6 @@ MAX_SEQ_LEN = 256
 JOBS = ("flashmap-orchestrator", "flashmap-drafter", "triton")  # deploy/prometheus/prometheus.yml
 
 
-def need(found, what: str, install: str):
-    """found, or skip (locally) / fail (CI=true) with the line that installs the tool."""
-    if found:
-        return found
-    msg = f"{what} not installed ({install})"
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{msg}: CI must install it")
-    pytest.skip(msg)
 
 
 def tritonserver_available() -> bool:
