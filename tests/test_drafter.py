@@ -20,6 +20,7 @@ from drafter_service.flow_time import time_grid
 from drafter_service.oracle import OracleProposer
 from drafter_service.proposer import ProposeRequest
 from target_service.checkpoint import CheckpointError
+from drafter_helpers import randomize
 
 SMALL = dict(dim=64, n_blocks=2, n_heads=4, block_size=16, time_freq_dim=32)
 
@@ -41,14 +42,6 @@ def targets(tmp_path_factory):
             "other_vocab": make_target(root / "other_vocab", vocab_size=256)}
 
 
-def randomize(model: FlashMapDiT, seed: int = 0) -> FlashMapDiT:
-    """Give the zero-initialised adaLN a random value so that every path matters in comparisons."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for blk in model.blocks:
-            for p in (blk.adaln.weight, blk.adaln.bias):
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
-    return model
 
 
 @pytest.fixture(scope="module", params=["flashmap", "dflash"])

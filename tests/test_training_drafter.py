@@ -18,6 +18,7 @@ from drafter_service.flashmap_proposer import FlashMapProposer
 from drafter_service.proposer import ProposeRequest
 from training import drafter_data as dd
 from training import train_drafter as td
+from drafter_helpers import randomize
 
 TINY = dict(dim=64, n_blocks=1, n_heads=4, block_size=16, time_freq_dim=32)
 
@@ -38,14 +39,6 @@ def world(tmp_path_factory):
     return target, data, engine, prompts
 
 
-def randomize(model, seed=0):
-    """Non-zero adaLN so that time conditioning and every block matter."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for blk in model.blocks:
-            for p in (blk.adaln.weight, blk.adaln.bias):
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
-    return model
 
 
 def a_batch(data, n_seqs=3, anchors=4, seed=0):
