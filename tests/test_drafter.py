@@ -42,8 +42,6 @@ def targets(tmp_path_factory):
             "other_vocab": make_target(root / "other_vocab", vocab_size=256)}
 
 
-
-
 @pytest.fixture(scope="module", params=["flashmap", "dflash"])
 def model(request, targets):
     return randomize(init_drafter(targets["main"], seed=0, kind=request.param, **SMALL))

@@ -39,8 +39,6 @@ def world(tmp_path_factory):
     return target, data, engine, prompts
 
 
-
-
 def a_batch(data, n_seqs=3, anchors=4, seed=0):
     stream = td.SequenceStream(data, seed=seed)
     return td.make_batch(stream.take(0, n_seqs), 16, anchors, 256, np.random.default_rng(seed))
