@@ -240,6 +240,29 @@ def test_lr_schedule():
 
 # ----------------------------------------------------------------------------- CLI + checkpoints
 
+def test_warm_start_from_dflash_drafts_what_dflash_drafts(world):
+    target, data, _, _ = world
+    src = randomize(init_drafter(target, seed=0, kind="dflash", **TINY), seed=1)
+    with torch.no_grad():
+        src.mask_embed.normal_()  # a trained mask vector is not zero: it must move, not vanish
+    model = td.warm_start_from_dflash(src, pure_noise_fraction=0.2)
+    assert model.cfg.kind == "flashmap" and model.cfg.pure_noise_fraction == 0.2
+    batch = a_batch(data)
+    ctx_src, ctx = batch.context(src), batch.context(model)
+    x = torch.randn(len(batch.anchor), 16, 512)  # any state: the state projection starts at 0
+    with torch.no_grad():
+        want = src(None, 0.0, 1.0, batch.anchor, ctx_src)
+        got = model(x, 0.0, 1.0, batch.anchor, ctx)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # ... and the state can be learnt: the flow loss moves the state projection off zero.
+    _fit(model.train(), td.flow_loss, batch, steps=2)
+    assert model.state_in.weight.abs().sum() > 0
+    with pytest.raises(ValueError, match="dflash"):
+        td.warm_start_from_dflash(model)
+    with pytest.raises(ValueError, match="architecture"):
+        td.warm_start_from_dflash(src, dim=32)
+
+
 def _csv_steps(path):
     with open(path) as f:
         return [int(r["step"]) for r in csv.DictReader(f)]
@@ -281,6 +304,19 @@ def test_cli_stages_resume_and_checkpoint(world, tmp_path):
     assert td.main(["--stage", "dflash", "--out", str(base), "--steps", "1", *common]) == 0
     m = load_drafter(base, target)
     assert m.cfg.kind == "dflash" and _drafts(m).tokens.shape == (16,)
+
+    warm = tmp_path / "warm"
+    assert td.main(["--stage", "flow", "--init-from", str(base), "--out", str(warm), "--steps", "1",
+                    "--lr", "0", *common]) == 0
+    w = load_drafter(warm, target)
+    assert w.cfg.kind == "flashmap" and w.cfg.n_blocks == m.cfg.n_blocks
+    assert np.array_equal(_drafts(w).tokens, _drafts(m).tokens)  # lr 0: still the baseline's 1-jump draft
+    more = tmp_path / "dflash_more"
+    assert td.main(["--stage", "dflash", "--init-from", str(base), "--out", str(more), "--steps", "1",
+                    "--lr", "0", *common]) == 0
+    assert np.array_equal(_drafts(load_drafter(more, target)).tokens, _drafts(m).tokens)
+    assert td.main(["--stage", "dflash", "--init-from", str(warm), "--out", str(tmp_path / "y"), "--steps", "1",
+                    *common]) == 2  # not a dflash drafter
 
     # one-line errors
     assert td.main(["--stage", "distill", "--out", str(tmp_path / "x"), "--steps", "1", *common]) == 2

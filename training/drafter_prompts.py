@@ -32,20 +32,26 @@ def _cut(rng: random.Random, doc: str, domain: str, max_chars: int) -> str | Non
     return prefix[-max_chars:] if prefix.strip() else None
 
 
-def make_prompts(per_domain: int, seed: int = 0, max_chars: int = 600) -> list[dict]:
+def make_prompts(per_domain: int, seed: int = 0, max_chars: int = 600, max_passes: int = 10) -> list[dict]:
     corpus = build_corpus(seed=0)  # the corpus the demo target was trained on
     rng = random.Random(seed)
     out = []
     for domain in DOMAINS:
         docs = corpus.domains[domain].train
-        picked = 0
-        for doc in rng.sample(docs, min(len(docs), per_domain * 3)):
-            prompt = _cut(rng, doc, domain, max_chars)
-            if prompt:
-                out.append({"domain": domain, "id": f"{domain}-train-{picked:05d}", "prompt": prompt})
-                picked += 1
-                if picked == per_domain:
-                    break
+        picked, seen = 0, set()
+        # A domain with fewer documents than prompts wanted (code: ~540 stdlib files) is cut
+        # again at other random points, pass after pass, until the count is reached.
+        for _ in range(max_passes):
+            for doc in rng.sample(docs, min(len(docs), per_domain * 3)):
+                prompt = _cut(rng, doc, domain, max_chars)
+                if prompt and prompt not in seen:
+                    seen.add(prompt)
+                    out.append({"domain": domain, "id": f"{domain}-train-{picked:05d}", "prompt": prompt})
+                    picked += 1
+                    if picked == per_domain:
+                        break
+            if picked == per_domain:
+                break
     return out
 
 

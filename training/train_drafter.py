@@ -108,6 +108,9 @@ class TrainConfig(ConfigDict):
     log_every: int = 10
     save_every: int = 1_000
     amp: bool = True  # bf16 autocast on CUDA
+    # flow: start from a trained DFlash-style drafter of the same backbone (warm_start_from_dflash);
+    # dflash: continue one. "" = the DiT init. Not in the paper: a CPU-budget choice, reported.
+    init_from: str = ""
     # Drafter architecture for flow / dflash (distill copies the teacher's): DrafterConfig fields.
     arch: dict = field(default_factory=lambda: dict(dim=2048, n_blocks=6, n_heads=16, block_size=16))
 
@@ -384,6 +387,35 @@ def distill_loss(student: FlashMapDiT, teacher: FlashMapDiT, ema: FlashMapDiT, b
 
 # ----------------------------------------------------------------------------- trainer
 
+ARCH_FIELDS = ("dim", "n_blocks", "n_heads", "block_size", "mlp_ratio", "time_freq_dim", "qk_norm")
+
+
+def warm_start_from_dflash(src: FlashMapDiT, **config_overrides) -> FlashMapDiT:
+    """A flashmap drafter that computes exactly what the DFlash-style `src` computes at the
+    1-jump conditioning (s, t) = (0, 1), whatever its input state.
+
+    Both kinds share every module but the slot input: dflash feeds a learned mask vector,
+    flashmap a projection of the state. The projection starts at zero and the mask vector
+    moves into the slots' position embeddings, so the flow stage starts from the baseline's
+    per-slot marginals and only has to learn what the state adds (joint structure).
+    config_overrides: non-architecture DrafterConfig fields (pure_noise_fraction, ...)."""
+    if src.cfg.kind != "dflash":
+        raise ValueError(f"--init-from needs a dflash drafter, got kind {src.cfg.kind!r}")
+    bad = sorted(set(config_overrides) & set(ARCH_FIELDS))
+    if bad:
+        raise ValueError(f"the architecture comes from the --init-from drafter; do not set {bad}")
+    cfg = replace(src.cfg, kind="flashmap", **config_overrides)
+    model = FlashMapDiT(cfg).to(src.pos_embed.device, src.pos_embed.dtype)
+    model.set_target(src.embed, src.lm_head)
+    state = {k: v for k, v in src.state_dict().items() if k != "mask_embed"}
+    with torch.no_grad():
+        state["pos_embed"] = state["pos_embed"].clone()
+        state["pos_embed"][1:] += src.mask_embed  # [K, D] slots; row 0 is the anchor
+        state["state_in.weight"] = torch.zeros_like(model.state_in.weight)
+    model.load_state_dict(state)
+    return model
+
+
 def _check_data(meta: dict, model_cfg: DrafterConfig) -> None:
     if meta["target_vocab_size"] != model_cfg.vocab_size:
         raise ValueError(f"data vocab {meta['target_vocab_size']} != drafter vocab {model_cfg.vocab_size}")
@@ -444,6 +476,8 @@ def train(tcfg: TrainConfig, *, target: str | Path, data: str | Path, out: str |
 
     teacher_model = None
     if tcfg.stage == "distill":
+        if tcfg.init_from:
+            raise ValueError("--init-from is for the flow and dflash stages (distill starts from --teacher)")
         if teacher is None:
             raise ValueError("--stage distill needs --teacher (a flow-stage drafter checkpoint)")
         teacher_model = load_drafter(teacher, target, device=device)
@@ -451,6 +485,16 @@ def train(tcfg: TrainConfig, *, target: str | Path, data: str | Path, out: str |
             raise ValueError(f"the teacher must be a flashmap drafter, got kind {teacher_model.cfg.kind!r}")
         teacher_model.requires_grad_(False).eval()
         model = copy.deepcopy(teacher_model).requires_grad_(True).train()
+    elif tcfg.init_from:
+        # flow: FlashMap warm-started from the baseline; dflash: the baseline trained on for the
+        # same number of steps (the equal-compute comparison).
+        src = load_drafter(tcfg.init_from, target, device=device)
+        if tcfg.stage == "dflash":
+            if src.cfg.kind != "dflash":
+                raise ValueError(f"--init-from needs a dflash drafter, got kind {src.cfg.kind!r}")
+            model = src.train()
+        else:
+            model = warm_start_from_dflash(src, **{k: v for k, v in tcfg.arch.items() if k not in ARCH_FIELDS}).train()
     else:
         kind = "dflash" if tcfg.stage == "dflash" else "flashmap"
         model = init_drafter(target, seed=tcfg.seed, device=device, kind=kind, **tcfg.arch).train()
@@ -629,10 +673,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-heads", type=int)
     ap.add_argument("--block-size", type=int)
     ap.add_argument("--pure-noise-fraction", type=float, help="flow: share of blocks at tau = 0 (paper: 0)")
+    ap.add_argument("--init-from", help="flow / dflash: start from this DFlash-style drafter (flow: warm start, not the paper's)")
     args = ap.parse_args(argv)
 
     cfg = config_from_args(TrainConfig.for_stage(args.stage, small=args.small), args,
-                           ("anchors_per_seq", "ema_decay"), ("dim", "n_blocks", "n_heads", "block_size", "pure_noise_fraction"))
+                           ("anchors_per_seq", "ema_decay", "init_from"), ("dim", "n_blocks", "n_heads", "block_size", "pure_noise_fraction"))
     try:
         train(cfg, target=args.target, data=args.data, out=args.out, teacher=args.teacher, resume=args.resume,
               device=args.device, progress=not args.no_progress)
