@@ -291,7 +291,10 @@ class FlashMapDiT(FrozenTarget):
         B, K, D = anchor.shape[0], self.cfg.block_size, self.cfg.dim
         c = self.time_cond(s, t, B)  # [B, D]
         if self.cfg.kind == "flashmap":
-            h_state = self.state_in(self.in_norm(x.to(self.embed.dtype) @ self.embed))  # [B, K, D]
+            if x.stride(1) == 0:  # one noise draw broadcast over the K slots: project it once
+                h_state = self.state_in(self.in_norm(x[:, :1].to(self.embed.dtype) @ self.embed)).expand(B, K, D)
+            else:
+                h_state = self.state_in(self.in_norm(x.to(self.embed.dtype) @ self.embed))  # [B, K, D]
         else:
             h_state = self.mask_embed.expand(B, K, D)  # [B, K, D]
         h_anchor = self.anchor_in(self.in_norm(self.embed[anchor]))[:, None]  # [B, 1, D]

@@ -186,6 +186,8 @@ class FlashMapProposer(SlotCacheProposer):
     def _sample(self, logits: Tensor, rows: list[_Row]) -> list[Draft]:
         """Greedy rows: per-slot argmax. Sampling rows: top-m of softmax(logits / T), renormalised."""
         greedy = logits.argmax(-1).cpu().numpy()  # [B, K]
+        if all(r.temperature == 0 for r in rows):
+            return [Draft.greedy(g) for g in greedy]
         m_max = max([r.top_m for r in rows if r.temperature > 0] + [1])
         top_logits, top_ids = logits.topk(min(m_max, self.vocab_size), dim=-1)  # [B, K, m_max]
         top_logits, top_ids = top_logits.cpu(), top_ids.cpu()
