@@ -186,17 +186,17 @@ def test_eval_end_to_end_and_resume(world, tmp_path):
             f.write(json.dumps(rec) + "\n")
     out = tmp_path / "results"
     argv = ["--target", str(target), "--flashmap", str(tmp_path / "fm"), "--dflash", str(tmp_path / "df"),
-            "--eagle", str(tmp_path / "eg"), "--prompts", str(tmp_path / "prompts.jsonl"), "--max-prompts", "1",
+            "--dflash-start", str(tmp_path / "df"), "--eagle", str(tmp_path / "eg"), "--prompts", str(tmp_path / "prompts.jsonl"), "--max-prompts", "1",
             "--max-new-tokens", "10", "--teacher-steps", "3", "--out-dir", str(out), "--no-progress", "--threads", "1"]
     assert ev.main(argv) == 0
     report = (out / "eval.md").read_text()
     for needle in ("Command: `python -m training.evaluate", "Machine:", "FlashMap, 1 step", "FlashMap, 2 steps",
-                   "teacher flow, 3 Euler steps", "DFlash-style", "EAGLE-style chain", "Shuffle test",
+                   "teacher flow, 3 Euler steps", "DFlash-style", "FlashMap's warm start", "EAGLE-style chain", "Shuffle test",
                    "Conditional acceptance per slot", "code T=0", "math T=1"):
         assert needle in report, needle
     assert (out / "eval_acceptance.png").stat().st_size > 0 and (out / "eval_conditional.png").stat().st_size > 0
     cells = json.loads((out / "eval_cells.json").read_text())["cells"]
-    assert len(cells) == 8 * 2 * 2  # 5 methods + 3 shuffle rows, 2 domains, 2 temperatures
+    assert len(cells) == 9 * 2 * 2  # 6 methods + 3 shuffle rows, 2 domains, 2 temperatures
     for c in cells.values():
         assert c["gamma"] >= 1 and c["speedup"] > 0 and c["n_prompts"] == 1
         assert c["cond_num"][0] <= c["cond_den"][0] == c["drafts"]
@@ -204,6 +204,8 @@ def test_eval_end_to_end_and_resume(world, tmp_path):
             assert c["greedy_equal"]
     a, b = cells["dflash|code|T=1"], cells["dflash-indep|code|T=1"]
     assert (a["accepted"], a["drafts"]) == (b["accepted"], b["drafts"])
+    c = cells["dflash-start|code|T=1"]  # the same checkpoint given twice
+    assert (a["accepted"], a["drafts"]) == (c["accepted"], c["drafts"])
     # resumed: every cell cached, nothing re-measured
     before = {k: c["run"] for k, c in cells.items()}
     del cells["eagle|math|T=1"]

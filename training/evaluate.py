@@ -115,6 +115,9 @@ def build_methods(args) -> tuple[list[Method], list[str]]:
         methods.append(Method("dflash", "DFlash-style", args.dflash, "dflash", 1))
     else:
         notes.append("no --dflash checkpoint: DFlash rows skipped")
+    if args.dflash_start:
+        kind_of(args.dflash_start, "dflash", "--dflash-start")
+        methods.append(Method("dflash-start", "DFlash-style, FlashMap's warm start", args.dflash_start, "dflash", 1))
     if args.eagle:
         kind_of(args.eagle, "eagle", "--eagle")
         methods.append(Method("eagle", "EAGLE-style chain", args.eagle, "eagle", 1))
@@ -593,6 +596,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m training.evaluate
     ap.add_argument("--flashmap", help="FlashMap (flow-map distilled) drafter checkpoint: 1- and 2-step rows")
     ap.add_argument("--teacher", help="flow-stage FlashMap checkpoint: N-step teacher rows (default: --flashmap)")
     ap.add_argument("--dflash", help="DFlash-style drafter checkpoint")
+    ap.add_argument("--dflash-start", help="the DFlash-style checkpoint FlashMap was warm-started from (one more row)")
     ap.add_argument("--eagle", help="EAGLE-style drafter checkpoint")
     ap.add_argument("--teacher-steps", type=int, default=8, help="Euler steps of the teacher flow rows (>= 3)")
     ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL: domain + prompt (or prompt_ids)")

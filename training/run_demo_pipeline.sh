@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The demo pipeline on CPU, every stage resumable (rerun the script to continue):
-# target -> drafter training prompts -> self-distillation data -> FlashMap flow -> flow-map
-# distillation -> DFlash-style and EAGLE-style baselines -> evaluation report.
-# Sizes are the CPU presets; STEPS_* override them.
+# target -> drafter training prompts -> self-distillation data -> DFlash-style baseline ->
+# FlashMap flow stage (warm-started from the baseline) -> flow-map distillation, with the
+# baseline trained on for the same number of steps (equal compute) and the EAGLE-style
+# chain alongside -> evaluation report. Sizes are the CPU presets; STEPS_* override them.
+# Two cores: at most two or three training processes at a time, one torch thread each.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -10,16 +12,34 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 T=checkpoints/demo-target
 RUNS="${RUNS:-runs/demo}"
 ARCH="--dim 256 --n-blocks 2 --n-heads 4"
+BATCH="--batch-size 64 --anchors-per-seq 8"
+S_BASE="${STEPS_DFLASH:-3000}"    # the baseline, which is also FlashMap's starting point
+S_FLOW="${STEPS_FLOW:-1500}"      # FlashMap flow stage on top of it
+S_MAP="${STEPS_DISTILL:-500}"     # flow-map distillation
+S_MORE=$((S_FLOW + S_MAP))        # the baseline's extra steps: equal compute
 
 [ -f "$T/model.safetensors" ] || $PY -m training.train_target --out "$T"
-[ -f training/data/drafter_prompts.jsonl ] || $PY -m training.drafter_prompts --per-domain "${PROMPTS_PER_DOMAIN:-300}"
+[ -f training/data/drafter_prompts.jsonl ] || $PY -m training.drafter_prompts --per-domain "${PROMPTS_PER_DOMAIN:-1200}"
 $PY -m training.drafter_data --target "$T" --prompts training/data/drafter_prompts.jsonl --out "$RUNS/data" \
     --max-new-tokens "${MAX_NEW:-96}" --temperature 0
-$PY -m training.train_drafter --stage flow --small $ARCH --pure-noise-fraction "${PURE_NOISE:-0.3}" --steps "${STEPS_FLOW:-1200}" --target "$T" --data "$RUNS/data" --out "$RUNS/flow" --resume &
-$PY -m training.train_drafter --stage dflash --small $ARCH --steps "${STEPS_DFLASH:-1500}" --target "$T" --data "$RUNS/data" --out "$RUNS/dflash" --resume &
-wait
-$PY -m training.train_drafter --stage distill --small --steps "${STEPS_DISTILL:-400}" --teacher "$RUNS/flow" --target "$T" --data "$RUNS/data" --out "$RUNS/map" --resume &
-$PY -m training.train_eagle --small --steps "${STEPS_EAGLE:-1500}" --target "$T" --data "$RUNS/data" --out "$RUNS/eagle" --resume &
+
+common=(--small $BATCH --target "$T" --data "$RUNS/data" --resume)
+flashmap_chain() {
+    $PY -m training.train_drafter --stage dflash $ARCH --steps "$S_BASE" --out "$RUNS/dflash-start" "${common[@]}"
+    $PY -m training.train_drafter --stage flow --init-from "$RUNS/dflash-start" --pure-noise-fraction "${PURE_NOISE:-0.3}" \
+        --lr "${LR_FLOW:-3e-4}" --steps "$S_FLOW" --out "$RUNS/flow" "${common[@]}" &
+    local flow=$!
+    $PY -m training.train_drafter --stage dflash --init-from "$RUNS/dflash-start" \
+        --lr "${LR_FLOW:-3e-4}" --steps "$S_MORE" --out "$RUNS/dflash" "${common[@]}" &
+    local more=$!
+    wait $flow
+    $PY -m training.train_drafter --stage distill --steps "$S_MAP" --teacher "$RUNS/flow" --out "$RUNS/map" "${common[@]}"
+    wait $more
+}
+flashmap_chain > "$RUNS/flashmap_chain.log" 2>&1 &
+$PY -m training.train_eagle --small --batch-size 8 --steps "${STEPS_EAGLE:-2000}" --target "$T" --data "$RUNS/data" \
+    --out "$RUNS/eagle" --resume > "$RUNS/eagle.log" 2>&1 &
 wait
 $PY -m flashmap.cli eval --target "$T" --flashmap "$RUNS/map" --teacher "$RUNS/flow" --dflash "$RUNS/dflash" \
-    --eagle "$RUNS/eagle" --max-prompts "${EVAL_PROMPTS:-6}" --max-new-tokens "${EVAL_NEW:-64}" --threads 1
+    --dflash-start "$RUNS/dflash-start" --eagle "$RUNS/eagle" --max-prompts "${EVAL_PROMPTS:-10}" \
+    --max-new-tokens "${EVAL_NEW:-64}" --threads "${EVAL_THREADS:-2}"
