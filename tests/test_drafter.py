@@ -108,8 +108,27 @@ def test_adaln_zero_blocks_start_as_identity(targets):
     for blk, (k, v) in zip(m.blocks, ctx.kv):
         assert torch.count_nonzero(blk.adaln.weight) == 0 and torch.count_nonzero(blk.adaln.bias) == 0
         mask = torch.ones(2, 1, 1, 4, dtype=torch.bool)
-        out = blk(h, c, k, v, mask, torch.arange(17).expand(2, 17), torch.ones(2, 1, 1))
+        out = blk(h, blk.modulation(c), k, v, mask, torch.arange(17).expand(2, 17), torch.ones(2, 1, 1))
         assert torch.equal(out, h)
+
+
+def test_modulation_cache_follows_the_weights(targets):
+    m = randomize(init_drafter(targets["main"], seed=0, **SMALL)).eval()
+    ctx = m.context(torch.randn(3, 4, 64), torch.tensor([4, 3, 0]))
+    x, anchor = torch.randn(3, 16, m.cfg.vocab_size), torch.tensor([1, 2, 3])
+    with torch.no_grad():
+        fresh = m(x, torch.full((3,), 0.0), torch.full((3,), 1.0), anchor, ctx)  # tensor times: never cached
+        first = m(x, 0.0, 1.0, anchor, ctx)  # fills the cache
+        again = m(x, 0.0, 1.0, anchor, ctx)  # served from it
+        torch.testing.assert_close(first, fresh, rtol=1e-5, atol=1e-5)
+        assert torch.equal(again, first) and len(m._mod_cache) == 1
+        randomize(m, seed=7)  # weights change in place: the cached vectors must not be used
+        changed = m(x, 0.0, 1.0, anchor, ctx)
+        want = m(x, torch.full((3,), 0.0), torch.full((3,), 1.0), anchor, ctx)
+    torch.testing.assert_close(changed, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(changed, first)
+    out = m(x, 0.0, 1.0, anchor, ctx)  # with grad enabled (training): never cached
+    assert out.requires_grad
 
 
 def test_jump_endpoints():
