@@ -69,21 +69,26 @@ class OracleProposer(Proposer):
         return None
 
     def propose(self, requests: list[ProposeRequest], steps: int | None = None) -> list[Draft]:
+        return [blocks[0] for blocks in self.propose_blocks(requests, steps)]
+
+    def propose_blocks(self, requests: list[ProposeRequest], steps: int | None = None,
+                       n_blocks: int = 1) -> list[list[Draft]]:
+        """n_blocks per request (tree verification); block b > 0 draws its own random errors."""
+        return [[self._propose(r, b) for b in range(n_blocks)] for r in requests]
+
+    def _propose(self, r: ProposeRequest, block: int) -> Draft:
         K = self.block_size
-        out = []
-        for r in requests:
-            prefix = np.asarray(self.committed.get(r.seq_id, []) + [int(r.anchor)], np.int64)
-            n = len(prefix)
-            tokens = np.zeros(K, np.int64)
-            ref = self._find(r.seq_id, prefix)
-            if ref is not None:
-                nxt = ref[n:n + K]
-                tokens[:len(nxt)] = nxt
-            wrong = np.zeros(K, bool)
-            wrong[[k - 1 for k in self.error_slots]] = True
-            if self.error_rate > 0:
-                rng = np.random.default_rng([self.seed & 0xFFFFFFFF, r.seed & 0xFFFFFFFF, n])
-                wrong |= rng.random(K) < self.error_rate
-            tokens[wrong] = (tokens[wrong] + 1) % self.vocab_size
-            out.append(Draft.greedy(tokens))
-        return out
+        prefix = np.asarray(self.committed.get(r.seq_id, []) + [int(r.anchor)], np.int64)
+        n = len(prefix)
+        tokens = np.zeros(K, np.int64)
+        ref = self._find(r.seq_id, prefix)
+        if ref is not None:
+            nxt = ref[n:n + K]
+            tokens[:len(nxt)] = nxt
+        wrong = np.zeros(K, bool)
+        wrong[[k - 1 for k in self.error_slots]] = True
+        if self.error_rate > 0:
+            rng = np.random.default_rng([self.seed & 0xFFFFFFFF, r.seed & 0xFFFFFFFF, n] + ([block] if block else []))
+            wrong |= rng.random(K) < self.error_rate
+        tokens[wrong] = (tokens[wrong] + 1) % self.vocab_size
+        return Draft.greedy(tokens)

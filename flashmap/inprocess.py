@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+import numpy as np
 
 from drafter_service.proposer import Proposer, ProposeRequest
 from flashmap.types import Draft
@@ -53,10 +55,20 @@ def _draft_requests(seqs: list[Sequence]) -> list[ProposeRequest]:
     ]
 
 
-def decode(engine, requests: list[GenerationRequest], proposer: Proposer | None = None, steps: int = 1) -> list[GenerationResult]:
-    """Decode all requests to completion; results come back in request order."""
+def decode(engine, requests: list[GenerationRequest], proposer: Proposer | None = None, steps: int = 1,
+           tree_blocks: int = 1) -> list[GenerationResult]:
+    """Decode all requests to completion; results come back in request order.
+
+    tree_blocks > 1 (greedy requests, a proposer with `propose_blocks`): each round drafts that
+    many blocks from independent noise and verifies them as a tree (TargetEngine.verify_tree);
+    the sequence commits the branch the target accepts furthest."""
     for r in requests:
         r.validate(engine.vocab_size, engine.max_seq_len)
+    if tree_blocks > 1:
+        if proposer is None or not hasattr(proposer, "propose_blocks"):
+            raise ValueError("tree verification needs a proposer that drafts several blocks (propose_blocks)")
+        if any(not r.params.greedy for r in requests):
+            raise ValueError("tree verification is greedy-only: every request needs temperature 0")
     block = proposer.block_size if proposer is not None else 16
     waiting = deque(enumerate(requests))
     active: dict[int, tuple[Sequence, int]] = {}  # index -> (sequence, slot)
@@ -69,6 +81,7 @@ def decode(engine, requests: list[GenerationRequest], proposer: Proposer | None 
             active[i] = (Sequence(i, req, block), engine.allocate())
         seqs = [s for s, _ in active.values()]
         drafts: dict[int, Draft] = {}
+        branches: dict[int, list[Draft]] = {}  # tree rounds: the other blocks
         to_draft = [s for s in seqs if s.draft_budget() > 0] if proposer is not None else []
         if to_draft:
             t0 = time.perf_counter()
@@ -76,12 +89,32 @@ def decode(engine, requests: list[GenerationRequest], proposer: Proposer | None 
                 ctx = s.take_pending_context()
                 if ctx is not None:
                     proposer.extend(str(s.seq_id), *ctx)
-            for s, d in zip(to_draft, proposer.propose(_draft_requests(to_draft), steps)):
-                drafts[s.seq_id] = d.truncate(s.draft_budget())
+            if tree_blocks > 1:
+                for s, blocks in zip(to_draft, proposer.propose_blocks(_draft_requests(to_draft), steps, tree_blocks)):
+                    drafts[s.seq_id], *branches[s.seq_id] = (d.truncate(s.draft_budget()) for d in blocks)
+            else:
+                for s, d in zip(to_draft, proposer.propose(_draft_requests(to_draft), steps)):
+                    drafts[s.seq_id] = d.truncate(s.draft_budget())
             timings.draft_s += time.perf_counter() - t0
         rows = [s.verify_row(drafts.get(s.seq_id), slot) for s, slot in active.values()]
         t0 = time.perf_counter()
-        outs = engine.verify(rows)
+        def tree_round(i: int, s: Sequence) -> bool:  # a tree that does not fit the context: the plain block
+            r = rows[i]
+            return bool(r.num_draft) and s.seq_id in branches and \
+                r.start_pos + len(r.tokens) + r.num_draft * len(branches[s.seq_id]) <= engine.max_seq_len
+
+        flat = [i for i, (s, _) in enumerate(active.values()) if not tree_round(i, s)]
+        outs: list = [None] * len(rows)
+        for i, out in zip(flat, engine.verify([rows[i] for i in flat])):
+            outs[i] = out
+        for i, (s, _) in enumerate(active.values()):
+            if outs[i] is None:  # a tree round: commit the winning branch as if it alone was verified
+                blocks = [drafts[s.seq_id], *branches[s.seq_id]]
+                outs[i], best = engine.verify_tree(rows[i], [b.tokens for b in blocks[1:]])
+                drafts[s.seq_id] = blocks[best]
+                rows[i] = replace(rows[i], tokens=np.concatenate([rows[i].tokens[:-len(blocks[best].tokens)],
+                                                                               blocks[best].tokens]),
+                                              support_ids=blocks[best].support_ids)
         timings.verify_s += time.perf_counter() - t0
         timings.iterations += 1
         for (i, (s, slot)), row, out in zip(list(active.items()), rows, outs):

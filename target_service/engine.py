@@ -179,6 +179,72 @@ class TargetEngine:
         feats = np.split(features.cpu().numpy(), np.cumsum(lengths)[:-1])
         return [VerifyResult(*s, features=f) for s, f in zip(stats, feats)]
 
+    def verify_tree(self, row: VerifyRow, branches: list[np.ndarray]) -> tuple[VerifyResult, int]:
+        """Greedy (T = 0) verification of several draft blocks after one anchor, in one pass.
+
+        row is the sequence's ordinary round, [.., anchor, d_1..d_K] (branch 0); branches are
+        more blocks of K tokens drafted after the same anchor. They are written after the row
+        at their own cache indices, with RoPE at their positions in the sequence and a tree
+        mask (each sees the context, the anchor and its own prefix), so every branch gets the
+        logits a plain verify of it would get. The branch with the longest prefix equal to the
+        target's argmax wins (the first on ties); its K/V entries are moved to the row's
+        positions, leaving the cache exactly as after `verify` of that branch alone. Returns
+        (that branch's VerifyResult, its index)."""
+        (row,) = self._validate([row])
+        if not row.params.greedy:
+            raise InvalidRequest("tree verification is greedy-only (temperature 0)")
+        K, n = row.num_draft, len(row.tokens)
+        blocks = [np.asarray(b, np.int64) for b in branches]
+        if K == 0 and blocks:
+            raise InvalidRequest("tree verification needs a drafted row (num_draft > 0)")
+        for i, b in enumerate(blocks):
+            if b.shape != (K,) or ((b < 0) | (b >= self.vocab_size)).any():
+                raise InvalidRequest(f"branch {i + 1}: need {K} token ids in [0, {self.vocab_size}), got {b.tolist()}")
+        total = n + K * len(blocks)
+        if row.start_pos + total > self.max_seq_len:
+            raise InvalidRequest(f"start_pos + tree tokens = {row.start_pos + total} > max_seq_len {self.max_seq_len}")
+        anchor = row.start_pos + n - K - 1  # the anchor's position
+        seq_pos = np.concatenate([row.start_pos + np.arange(n)] + [anchor + 1 + np.arange(K)] * len(blocks))
+        cache_pos = row.start_pos + np.arange(total)
+        # Visible: cache indices up to the anchor, then the query's own branch up to itself.
+        branch_start = np.concatenate([np.full(n, anchor + 1)] + [np.full(K, row.start_pos + n + i * K)
+                                                                  for i in range(len(blocks))])
+        j = np.arange(row.start_pos + total)
+        mask = (j[None] <= cache_pos[:, None]) & ((j[None] <= anchor) | (j[None] >= branch_start[:, None]))
+        dev = self._device
+        tokens = torch.as_tensor(np.concatenate([row.tokens, *blocks]), device=dev)[None]
+        want = np.zeros(total, bool)
+        want[n - K - 1:] = True  # the anchor, branch 0 and the other branches
+        try:
+            with torch.inference_mode():
+                logits, features = self.model(
+                    tokens, torch.as_tensor(seq_pos, device=dev)[None], torch.tensor([row.slot], device=dev),
+                    torch.ones(1, total, dtype=torch.bool, device=dev), torch.as_tensor(want, device=dev)[None],
+                    self._feature_layers, row.start_pos + total, torch.as_tensor(cache_pos, device=dev)[None],
+                    torch.as_tensor(mask, device=dev)[None, None])
+        except BaseException:
+            self._length[row.slot] = min(self._length[row.slot], row.start_pos)
+            raise
+        top = logits.argmax(-1).cpu().numpy().astype(np.int64)  # [1 + K * (1 + len(blocks))]
+        drafts = [row.tokens[n - K:], *blocks]
+        argmax = [np.concatenate([top[:1], top[1 + i * K:1 + (i + 1) * K]]) for i in range(len(drafts))]
+        accepted = [int(np.cumprod(d == a[:K]).sum()) for d, a in zip(drafts, argmax)]
+        best = int(np.argmax(accepted))
+        feats = features.cpu().numpy()
+        keep = np.concatenate([np.arange(n - K), n + (best - 1) * K + np.arange(K)]) if best else np.arange(n)
+        if best:  # move the winner's K/V to the row's draft positions
+            src = torch.as_tensor(row.start_pos + keep[n - K:], device=dev)
+            dst = torch.arange(anchor + 1, anchor + 1 + K, device=dev)
+            for layer in self.model.model.layers:
+                c = layer.self_attn.kv_cache
+                c.k[row.slot, :, dst] = c.k[row.slot, :, src]
+                c.v[row.slot, :, dst] = c.v[row.slot, :, src]
+        self._length[row.slot] = row.start_pos + n
+        S = row.support_ids.shape[1]
+        result = VerifyResult(argmax[best], np.zeros((0, S), np.float32), np.zeros(0, np.float32),
+                              np.full(K + 1, -1, np.int64), features=feats[keep])
+        return result, best
+
     def _validate(self, rows: list[VerifyRow]) -> list[VerifyRow]:
         """Raise InvalidRequest (one line, naming the row) for any bad row; return the rows
         with tokens [L] and support_ids [K, S] as int64 arrays."""

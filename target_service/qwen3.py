@@ -203,7 +203,7 @@ def attention(
     cos: Tensor,  # [B, L, D]
     sin: Tensor,  # [B, L, D]
     slots: Tensor,  # [B]
-    positions: Tensor,  # [B, L]
+    positions: Tensor,  # [B, L] cache index each token is written at
     valid: Tensor,  # [B, L]
     mask: Tensor,  # [B, 1, L, S]
 ) -> Tensor:
@@ -288,6 +288,8 @@ class Qwen3(nn.Module):
         logits_mask: Tensor,  # [B, L] bool, positions that need logits (subset of valid)
         feature_layers: tuple[int, ...] = (),
         kv_len: int | None = None,  # max(position)+1 over the batch; computed when None
+        cache_positions: Tensor | None = None,  # [B, L] where K/V are written; default: positions
+        attn_mask: Tensor | None = None,  # [B, 1, L, kv_len] bool; default: causal over positions
     ) -> tuple[Tensor, Tensor]:
         """One pass over rows that each continue their own slot.
 
@@ -296,20 +298,25 @@ class Qwen3(nn.Module):
         features [M, F] for the M valid positions (row-major), F = len(feature_layers) * E.
         Feature layer l is the output of decoder layer l, i.e. HF hidden_states[l+1]
         (for the last layer HF reports the final-normed state, and so does this).
+        Tree verification (TargetEngine.verify_tree) writes sibling branches at their own
+        cache indices (cache_positions) while RoPE uses their positions in the sequence, and
+        passes the tree's attention mask.
         """
         if not self.max_seq_len:
             raise RuntimeError("call setup_caches() before forward()")
+        if cache_positions is None:
+            cache_positions = positions
         if kv_len is None:
-            kv_len = int(torch.where(valid, positions, 0).max()) + 1
+            kv_len = int(torch.where(valid, cache_positions, 0).max()) + 1
         n_layers = self.config.num_hidden_layers
         safe_pos = torch.where(valid, positions, 0)
         cos, sin = self.rope_cos[safe_pos], self.rope_sin[safe_pos]  # [B, L, D]
-        mask = attention_mask(positions, valid, kv_len)  # [B, 1, L, S]
+        mask = attention_mask(positions, valid, kv_len) if attn_mask is None else attn_mask  # [B, 1, L, S]
 
         h = self.model.embed_tokens(tokens)  # [B, L, E]
         captured: dict[int, Tensor] = {}
         for i, layer in enumerate(self.model.layers):
-            h = h + attention(layer.self_attn, layer.input_layernorm(h), cos, sin, slots, positions, valid, mask)
+            h = h + attention(layer.self_attn, layer.input_layernorm(h), cos, sin, slots, cache_positions, valid, mask)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             if i in feature_layers and i != n_layers - 1:
                 captured[i] = h[valid]  # [M, E]

@@ -196,7 +196,10 @@ def test_eval_end_to_end_and_resume(world, tmp_path):
         assert needle in report, needle
     assert (out / "eval_acceptance.png").stat().st_size > 0 and (out / "eval_conditional.png").stat().st_size > 0
     cells = json.loads((out / "eval_cells.json").read_text())["cells"]
-    assert len(cells) == 9 * 2 * 2  # 6 methods + 3 shuffle rows, 2 domains, 2 temperatures
+    # 6 methods + 3 shuffle rows, 2 domains, 2 temperatures; the tree row at T = 0 only
+    assert len(cells) == 9 * 2 * 2 + 2
+    assert "flashmap-1-tree|code|T=0" in cells and "flashmap-1-tree|code|T=1" not in cells
+    assert "tree of 4 blocks" in report
     for c in cells.values():
         assert c["gamma"] >= 1 and c["speedup"] > 0 and c["n_prompts"] == 1
         assert c["cond_num"][0] <= c["cond_den"][0] == c["drafts"]

@@ -115,6 +115,26 @@ def test_oracle_full_accept_and_rejection_at_every_slot(target):
                     r.stats.accepted_per_slot[0] == r.stats.accepted_per_slot[slot - 2] > 0)
 
 
+def test_tree_verification_is_lossless_and_takes_the_best_branch(target):
+    path, engine, prompts, reference = target.path, target.engine, target.prompts, target.reference
+    refs = [p + r for p, r in zip(prompts, reference)]
+    oracle = lambda: OracleProposer(refs, 16, engine.vocab_size, error_rate=0.15, seed=3)  # noqa: E731
+    chain = decode(engine, _requests(prompts), oracle())
+    tree = decode(engine, _requests(prompts), oracle(), tree_blocks=3)
+    assert [r.token_ids for r in chain] == reference
+    assert [r.token_ids for r in tree] == reference
+    # Branch 0 is the chain's draft; two more blocks with their own errors can only help.
+    acc = lambda out: sum(r.stats.accepted for r in out) / sum(r.stats.drafts for r in out)  # noqa: E731
+    assert acc(tree) > acc(chain)
+    # The FlashMap drafter's blocks from independent noise, 1 and 2 jumps.
+    for steps in (1, 2):
+        proposer = load_proposer("init", str(path), n_slots=N_PROMPTS, max_context=engine.max_seq_len, steps=steps)
+        out = decode(engine, _requests(prompts), proposer, steps=steps, tree_blocks=4)
+        assert [r.token_ids for r in out] == reference
+    with pytest.raises(ValueError, match="greedy-only"):
+        decode(engine, [GenerationRequest(prompts[0], 4, SamplingParams(temperature=1.0))], oracle(), tree_blocks=2)
+
+
 # --------------------------------------------------------------------------------------------
 # temperature > 0: the law of the first 3 tokens on a tiny-vocabulary model
 V_TINY, N_SAMPLES, BATCH = 8, 12_000, 400

@@ -211,6 +211,44 @@ def test_rollback_then_reverify_equals_fresh_run(engine, model):
     assert rel_err(res.features, ref.features[25:]) < 1e-5
 
 
+def test_tree_verify_equals_verifying_the_winning_branch_alone(model):
+    prompt, K = seq(30, 12), 6
+    ref = fresh_engine(model)
+    slot = ref.allocate()
+    greedy = [int(ref.verify([row(slot, 0, prompt)])[0].argmax[-1])]  # the anchor, then its continuation
+    for i in range(K):
+        greedy.append(int(ref.verify([row(slot, 30 + i, greedy[-1:])])[0].argmax[-1]))
+    anchor, cont = greedy[0], np.array(greedy[1:])
+    rnd = seq(3 * K, 13).reshape(3, K)
+    blocks = [rnd[0], np.r_[cont[:4], rnd[1, 4:]], np.r_[cont[:2], rnd[2, 2:]]]  # branch 1 goes furthest
+
+    tree = fresh_engine(model)
+    a = tree.allocate()
+    tree.verify([row(a, 0, prompt)])
+    res, best = tree.verify_tree(row(a, 30, np.r_[anchor, blocks[0]], k=K), blocks[1:])
+    assert best == 1 and tree.length(a) == 30 + 1 + K
+    alone = fresh_engine(model)
+    b = alone.allocate()
+    alone.verify([row(b, 0, prompt)])
+    want = alone.verify([row(b, 30, np.r_[anchor, blocks[1]], k=K)])[0]
+    np.testing.assert_array_equal(res.argmax, want.argmax)
+    assert res.support_probs.shape == (0, 1) and (res.residual == -1).all()
+    assert res.features.shape == want.features.shape and rel_err(res.features, want.features) < 1e-5
+    # The winner's K/V now sit at the row's positions: the next round sees the same cache.
+    nxt = np.r_[cont[4:], seq(4, 14)]
+    got = tree.verify([row(a, 31 + 4, nxt, k=3)])[0]
+    ref_next = alone.verify([row(b, 31 + 4, nxt, k=3)])[0]
+    np.testing.assert_array_equal(got.argmax, ref_next.argmax)
+    assert rel_err(got.features, ref_next.features) < 1e-5
+    # Branch 0 winning leaves the row as verify would, and bad input is refused.
+    res0, best0 = tree.verify_tree(row(a, 30, np.r_[anchor, blocks[1]], k=K), [blocks[0]])
+    assert best0 == 0 and np.array_equal(res0.argmax, want.argmax)
+    with pytest.raises(InvalidRequest, match="greedy-only"):
+        tree.verify_tree(row(a, 30, np.r_[anchor, blocks[0]], k=K, params=SamplingParams(temperature=1.0)), [])
+    with pytest.raises(InvalidRequest, match="branch 1"):
+        tree.verify_tree(row(a, 30, np.r_[anchor, blocks[0]], k=K), [blocks[1][:3]])
+
+
 def test_incremental_decoding_equals_one_forward(engine, model, hf_models):
     tokens = seq(25, 10)
     slot = engine.allocate()

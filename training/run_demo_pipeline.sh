@@ -42,4 +42,4 @@ $PY -m training.train_eagle --small --batch-size 8 --steps "${STEPS_EAGLE:-2000}
 wait
 $PY -m flashmap.cli eval --target "$T" --flashmap "$RUNS/map" --teacher "$RUNS/flow" --dflash "$RUNS/dflash" \
     --dflash-start "$RUNS/dflash-start" --eagle "$RUNS/eagle" --max-prompts "${EVAL_PROMPTS:-10}" \
-    --max-new-tokens "${EVAL_NEW:-64}" --threads "${EVAL_THREADS:-2}"
+    --max-new-tokens "${EVAL_NEW:-64}" --threads "${EVAL_THREADS:-2}" --cache "$RUNS/eval_cells.json"
