@@ -75,6 +75,8 @@ def load_proposer(drafter: str, target_dir: str, device: str = "cpu", n_slots: i
 
 def _cmd_generate(args) -> int:
     if not args.in_process:
+        if args.tree_blocks != 1:
+            raise UsageError("--tree-blocks is an --in-process option (the served stack verifies one block)")
         return _generate_remote(args)
     if not args.target:
         raise UsageError("--in-process needs --target DIR")
@@ -98,7 +100,9 @@ def _cmd_generate(args) -> int:
     req = GenerationRequest(prompt_ids, args.max_new_tokens, params, stop + tuple(args.stop_id), args.draft_steps)
     req.validate(engine.vocab_size, engine.max_seq_len)
     proposer = None if args.ar else load_proposer(args.drafter, args.target, n_slots=1, max_context=engine.max_seq_len, steps=args.draft_steps or 1)
-    (res,) = decode(engine, [req], proposer, steps=args.draft_steps or 1)
+    if args.tree_blocks < 1:
+        raise UsageError(f"--tree-blocks must be >= 1, got {args.tree_blocks}")
+    (res,) = decode(engine, [req], proposer, steps=args.draft_steps or 1, tree_blocks=1 if args.ar else args.tree_blocks)
     s = res.stats
     out = {
         "token_ids": res.token_ids,
@@ -190,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target", default=None, help="target checkpoint dir (HF Qwen3)")
     g.add_argument("--drafter", default="init", help="drafter checkpoint dir, or 'init' for an untrained drafter")
     g.add_argument("--ar", action="store_true", help="decode with the target alone (autoregressive baseline)")
+    g.add_argument("--tree-blocks", type=int, default=1,
+                   help="--in-process, temperature 0: verify this many drafted blocks as a tree per round")
     g.add_argument("--url", default=os.environ.get("FLASHMAP_URL", "127.0.0.1:50051"), help="orchestrator address")
     _add_sampling_args(g)
     g.set_defaults(func=_cmd_generate)
