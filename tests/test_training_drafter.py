@@ -318,5 +318,15 @@ def test_cli_stages_resume_and_checkpoint(world, tmp_path):
     assert td.main(["--stage", "dflash", "--init-from", str(warm), "--out", str(tmp_path / "y"), "--steps", "1",
                     *common]) == 2  # not a dflash drafter
 
+    # export: bf16 weights, no training state; loads back into fp32 for the same target
+    from training import export_drafter
+
+    assert export_drafter.main([str(dist), str(tmp_path / "exported")]) == 0
+    assert not (tmp_path / "exported" / td.STATE_FILE).exists() and (tmp_path / "exported" / td.CSV_FILE).is_file()
+    a, b = load_drafter(dist, target), load_drafter(tmp_path / "exported", target)
+    for k, v in a.state_dict().items():
+        torch.testing.assert_close(b.state_dict()[k], v, rtol=1e-2, atol=1e-2)
+    assert export_drafter.main([str(tmp_path / "nothing"), str(tmp_path / "e2")]) == 2
+
     # one-line errors
     assert td.main(["--stage", "distill", "--out", str(tmp_path / "x"), "--steps", "1", *common]) == 2
