@@ -45,4 +45,10 @@ $PY -m training.train_eagle --small --batch-size 8 --steps "${STEPS_EAGLE:-2000}
 wait
 $PY -m flashmap.cli eval --target "$T" --flashmap "$RUNS/map" --teacher "$RUNS/flow" --dflash "$RUNS/dflash" \
     --dflash-start "$RUNS/dflash-start" --eagle "$RUNS/eagle" --max-prompts "${EVAL_PROMPTS:-10}" \
-    --max-new-tokens "${EVAL_NEW:-64}" --threads "${EVAL_THREADS:-2}" --cache "$RUNS/eval_cells.json"
+    --max-new-tokens "${EVAL_NEW:-64}" --threads "${EVAL_THREADS:-2}" --repeats "${EVAL_REPEATS:-3}" \
+    --cache "$RUNS/eval_cells.json"
+if [ "${EXPORT:-0}" = 1 ]; then  # the committed demo checkpoints (bf16 weights, config, loss curve)
+    for pair in map:demo-flashmap flow:demo-flashmap-teacher dflash:demo-dflash eagle:demo-eagle; do
+        $PY -m training.export_drafter "$RUNS/${pair%%:*}" "checkpoints/${pair##*:}"
+    done
+fi
