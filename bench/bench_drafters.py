@@ -36,9 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.bench_drafters", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="checkpoints/demo-target")
     ap.add_argument("--methods", nargs="+", required=True,
-                    help="NAME:CHECKPOINT[:STEPS] (FlashMap or DFlash-style drafters; steps default 1)")
+                    help="NAME:CHECKPOINT[:STEPS[:MIN_CONFIDENCE]] (FlashMap or DFlash-style drafters; steps "
+                         "default 1; min confidence: cut greedy drafts before the first less sure slot, default 0)")
     ap.add_argument("--domain", default="code")
-    ap.add_argument("--prompts", type=int, default=10, help="first N held-out prompts of the domain")
+    ap.add_argument("--prompts", type=int, default=10, help="N held-out prompts of the domain")
+    ap.add_argument("--offset", type=int, default=0,
+                    help="skip the first M (flashmap eval uses the first 10: tune settings on the others)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
@@ -48,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
 
     prompts = [p for p in read_domain_prompts(DEFAULT_PROMPTS, args.target) if p["domain"] == args.domain]
-    prompts = prompts[:args.prompts]
+    prompts = prompts[args.offset:args.offset + args.prompts]
     engine = TargetEngine(args.target, n_slots=1, max_seq_len=max(len(p["ids"]) for p in prompts)
                           + args.max_new_tokens + 18)
     methods: dict = {"target alone": (None, 1)}
@@ -56,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
         name, ckpt, *rest = spec.split(":")
         model = load_drafter(ckpt, args.target)
         steps = int(rest[0]) if rest else 1
-        methods[name] = (FlashMapProposer(model, n_slots=1, max_context=engine.max_seq_len, steps=steps), steps)
+        min_conf = float(rest[1]) if len(rest) > 1 else 0.0
+        methods[name] = (FlashMapProposer(model, n_slots=1, max_context=engine.max_seq_len, steps=steps,
+                                          min_confidence=min_conf), steps)
 
     def run(method: str, i: int):
         proposer, steps = methods[method]
@@ -87,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"## {args.domain}, T = 0 ({datetime.date.today().isoformat()})", "",
              f"Machine: {machine()}. Command: `python -m bench.bench_drafters "
              + " ".join(argv if argv is not None else sys.argv[1:]) + "`", "",
-             f"{len(prompts)} held-out prompts, {args.max_new_tokens} new tokens each ({tokens} in all), every "
+             f"{len(prompts)} held-out prompts (from number {args.offset + 1}), {args.max_new_tokens} new tokens each ({tokens} in all), every "
              f"prompt decoded by every method back to back, {args.repeats} rotations, fastest run per prompt kept.", "",
              "| method | gamma | seconds | tokens/s | speedup |", "|---|---:|---:|---:|---:|"]
     for m in names:

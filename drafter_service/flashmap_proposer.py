@@ -68,9 +68,15 @@ class FlashMapProposer(SlotCacheProposer):
     cache rows past the new length in place: masked now, overwritten by the next extend."""
 
     def __init__(self, model: FlashMapDiT, n_slots: int = 64, max_context: int = 4096, device: str = "cpu",
-                 steps: int = 1, shared_noise: bool = True):
+                 steps: int = 1, shared_noise: bool = True, min_confidence: float = 0.0):
         super().__init__(model, n_slots, max_context, device, cache_layers=model.cfg.n_blocks)
+        if not 0.0 <= min_confidence < 1.0:
+            raise ValueError(f"min_confidence must be in [0, 1), got {min_confidence}")
         self.shared_noise = shared_noise
+        # Greedy drafts stop before the first slot whose drafted token has probability below
+        # this (at least one token): a shorter verify when the rest would likely be rejected.
+        # Any draft length keeps the output exact; 0 = always the full block.
+        self.min_confidence = min_confidence
         self.set_steps(steps)
         self.graphs = None  # FlowGraphs after enable_graphs()
 
@@ -186,15 +192,19 @@ class FlashMapProposer(SlotCacheProposer):
     def _sample(self, logits: Tensor, rows: list[_Row]) -> list[Draft]:
         """Greedy rows: per-slot argmax. Sampling rows: top-m of softmax(logits / T), renormalised."""
         greedy = logits.argmax(-1).cpu().numpy()  # [B, K]
+        keep = np.full(len(rows), self.block_size)
+        if self.min_confidence > 0:
+            low = (logits.softmax(-1).amax(-1) < self.min_confidence).cpu().numpy()  # [B, K]
+            keep = np.where(low.any(1), np.maximum(low.argmax(1), 1), self.block_size)
         if all(r.temperature == 0 for r in rows):
-            return [Draft.greedy(g) for g in greedy]
+            return [Draft.greedy(g[:n]) for g, n in zip(greedy, keep)]
         m_max = max([r.top_m for r in rows if r.temperature > 0] + [1])
         top_logits, top_ids = logits.topk(min(m_max, self.vocab_size), dim=-1)  # [B, K, m_max]
         top_logits, top_ids = top_logits.cpu(), top_ids.cpu()
         out = []
         for i, r in enumerate(rows):
             if r.temperature == 0:
-                out.append(Draft.greedy(greedy[i]))
+                out.append(Draft.greedy(greedy[i][:keep[i]]))
                 continue
             m = min(r.top_m, self.vocab_size)
             q = (top_logits[i, :, :m].double() / r.temperature).softmax(-1)  # [K, m]; topk order = q order

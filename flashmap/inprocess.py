@@ -91,7 +91,8 @@ def decode(engine, requests: list[GenerationRequest], proposer: Proposer | None 
                     proposer.extend(str(s.seq_id), *ctx)
             if tree_blocks > 1:
                 for s, blocks in zip(to_draft, proposer.propose_blocks(_draft_requests(to_draft), steps, tree_blocks)):
-                    drafts[s.seq_id], *branches[s.seq_id] = (d.truncate(s.draft_budget()) for d in blocks)
+                    n = min([s.draft_budget()] + [len(d.tokens) for d in blocks])  # a tree's branches share K
+                    drafts[s.seq_id], *branches[s.seq_id] = (d.truncate(n) for d in blocks)
             else:
                 for s, d in zip(to_draft, proposer.propose(_draft_requests(to_draft), steps)):
                     drafts[s.seq_id] = d.truncate(s.draft_budget())

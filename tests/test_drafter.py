@@ -237,6 +237,27 @@ def test_batched_propose_equals_one_at_a_time(model):
             assert np.all(np.diff(d.support_probs, axis=1) <= 0)
 
 
+def test_min_confidence_cuts_greedy_drafts_only(model):
+    full = FlashMapProposer(model, n_slots=4, max_context=32)
+    cut = FlashMapProposer(model, n_slots=4, max_context=32, min_confidence=0.5)
+    for p in (full, cut):
+        fill(p, {"a": 9, "b": 4, "c": 1})
+    reqs = requests_mix()
+    want, got = full.propose(reqs), cut.propose(reqs)
+    ctx = full.cross_context(["a"])
+    with torch.no_grad():  # the drafted block's own probabilities decide where it stops
+        x = torch.stack([draw_noise(torch.Generator().manual_seed(1), 16, model.cfg.vocab_size)])
+        conf = model(x, 0.0, 1.0, torch.tensor([11]), ctx).softmax(-1).amax(-1)[0].numpy()
+    low = np.nonzero(conf < 0.5)[0]
+    n = 16 if len(low) == 0 else max(int(low[0]), 1)
+    assert len(got[0].tokens) == n and np.array_equal(got[0].tokens, want[0].tokens[:n])
+    for d, w, r in zip(got[1:], want[1:], reqs[1:]):
+        if r.temperature > 0:  # sampled drafts keep the full block
+            assert same(d, w)
+    with pytest.raises(ValueError, match="min_confidence"):
+        FlashMapProposer(model, n_slots=1, max_context=8, min_confidence=1.0)
+
+
 def test_seeds(flashmap):
     prop = FlashMapProposer(flashmap, n_slots=2, max_context=16)
     fill(prop, {"s": 5})

@@ -133,6 +133,13 @@ def test_tree_verification_is_lossless_and_takes_the_best_branch(target):
         assert [r.token_ids for r in out] == reference
     with pytest.raises(ValueError, match="greedy-only"):
         decode(engine, [GenerationRequest(prompts[0], 4, SamplingParams(temperature=1.0))], oracle(), tree_blocks=2)
+    # Drafts cut short by the drafter's confidence (any length is exact), alone and in a tree.
+    proposer = load_proposer("init", str(path), n_slots=N_PROMPTS, max_context=engine.max_seq_len)
+    proposer.min_confidence = 0.3
+    for tree_blocks in (1, 3):
+        out = decode(engine, _requests(prompts), proposer, tree_blocks=tree_blocks)
+        assert [r.token_ids for r in out] == reference
+        assert sum(r.stats.draft_tokens for r in out) < 16 * sum(r.stats.drafts for r in out)
 
 
 # --------------------------------------------------------------------------------------------
