@@ -231,10 +231,12 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         )
 
 
-def build_proposer(target_dir: str, drafter: str, device: str, n_slots: int, max_context: int, steps: int):
+def build_proposer(target_dir: str, drafter: str, device: str, n_slots: int, max_context: int, steps: int,
+                   min_confidence: float = 0.0):
     from flashmap.cli import load_proposer
 
-    return load_proposer(drafter, target_dir, device=device, n_slots=n_slots, max_context=max_context, steps=steps)
+    return load_proposer(drafter, target_dir, device=device, n_slots=n_slots, max_context=max_context, steps=steps,
+                         min_confidence=min_confidence)
 
 
 async def serve(service: DrafterService, host: str, port: int, metrics_port: int, ready: asyncio.Event | None = None,
@@ -259,6 +261,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=int(env("FLASHMAP_DRAFTER_PORT", "50052")))
     ap.add_argument("--metrics-port", type=int, default=int(env("FLASHMAP_DRAFTER_METRICS_PORT", "9401")))
     ap.add_argument("--steps", type=int, default=int(env("FLASHMAP_DRAFT_STEPS", "1")))
+    ap.add_argument("--min-confidence", type=float, default=float(env("FLASHMAP_DRAFT_MIN_CONFIDENCE", "0")),
+                    help="cut greedy drafts before the first slot whose token has a lower drafter probability (0: off)")
     ap.add_argument("--n-slots", type=int, default=64)
     ap.add_argument("--max-context", type=int, default=4096)
     ap.add_argument("--idle-timeout-s", type=float, default=300.0)
@@ -268,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--log-level", default="INFO")
     a = ap.parse_args(argv)
     setup_logging(a.log_level)
-    proposer = build_proposer(a.target_dir, a.drafter, a.device, a.n_slots, a.max_context, a.steps)
+    proposer = build_proposer(a.target_dir, a.drafter, a.device, a.n_slots, a.max_context, a.steps, a.min_confidence)
     if a.device.startswith("cuda") and a.cuda_graphs and hasattr(proposer, "enable_graphs"):
         steps = tuple(sorted({1, 2, a.steps}))
         report = proposer.enable_graphs(steps=steps)  # logs capture time and memory

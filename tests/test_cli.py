@@ -41,6 +41,8 @@ def test_generate_json_ar_and_speculative_agree(ckpts, capsys):
         assert len(spec["accepted_per_slot"]) == 16 and spec["mean_acceptance_length"] >= 1.0
     code, out, _ = _run(capsys, *base, "--drafter", ckpts["drafter"], "--tree-blocks", "3")
     assert code == 0 and json.loads(out)["token_ids"] == ar["token_ids"]
+    code, out, _ = _run(capsys, *base, "--drafter", ckpts["drafter"], "--min-confidence", "0.5")
+    assert code == 0 and json.loads(out)["token_ids"] == ar["token_ids"]
 
 
 def test_text_prompt_prints_text(ckpts, capsys):
@@ -65,6 +67,7 @@ def test_text_prompt_prints_text(ckpts, capsys):
     (["--prompt-ids", "1,x"], "comma-separated integers"),
     (["--prompt-ids", "1,2", "--tree-blocks", "2", "--temperature", "0.5"], "greedy-only"),
     (["--prompt-ids", "1,2", "--tree-blocks", "0"], "--tree-blocks must be >= 1"),
+    (["--prompt-ids", "1,2", "--min-confidence", "1.5"], "min_confidence must be in [0, 1)"),
 ])
 def test_bad_input_is_one_line(ckpts, capsys, args, message):
     code, out, err = _run(capsys, "--target", ckpts["target"], *args)
