@@ -55,6 +55,13 @@ def _draft_requests(seqs: list[Sequence]) -> list[ProposeRequest]:
     ]
 
 
+def _tree_fits(engine, row, n_branches: int) -> bool:
+    """Verify this row as a tree: it drafted, has other branches, and they fit the context
+    (else the plain block is verified)."""
+    return bool(row.num_draft) and n_branches > 0 and \
+        row.start_pos + len(row.tokens) + row.num_draft * n_branches <= engine.max_seq_len
+
+
 def decode(engine, requests: list[GenerationRequest], proposer: Proposer | None = None, steps: int = 1,
            tree_blocks: int = 1) -> list[GenerationResult]:
     """Decode all requests to completion; results come back in request order.
@@ -99,23 +106,18 @@ def decode(engine, requests: list[GenerationRequest], proposer: Proposer | None 
             timings.draft_s += time.perf_counter() - t0
         rows = [s.verify_row(drafts.get(s.seq_id), slot) for s, slot in active.values()]
         t0 = time.perf_counter()
-        def tree_round(i: int, s: Sequence) -> bool:  # a tree that does not fit the context: the plain block
-            r = rows[i]
-            return bool(r.num_draft) and s.seq_id in branches and \
-                r.start_pos + len(r.tokens) + r.num_draft * len(branches[s.seq_id]) <= engine.max_seq_len
-
-        flat = [i for i, (s, _) in enumerate(active.values()) if not tree_round(i, s)]
+        tree = [_tree_fits(engine, r, len(branches.get(s.seq_id, ()))) for r, (s, _) in zip(rows, active.values())]
+        flat = [i for i, t in enumerate(tree) if not t]
         outs: list = [None] * len(rows)
         for i, out in zip(flat, engine.verify([rows[i] for i in flat])):
             outs[i] = out
         for i, (s, _) in enumerate(active.values()):
-            if outs[i] is None:  # a tree round: commit the winning branch as if it alone was verified
+            if tree[i]:  # commit the winning branch as if it alone had been verified
                 blocks = [drafts[s.seq_id], *branches[s.seq_id]]
                 outs[i], best = engine.verify_tree(rows[i], [b.tokens for b in blocks[1:]])
-                drafts[s.seq_id] = blocks[best]
-                rows[i] = replace(rows[i], tokens=np.concatenate([rows[i].tokens[:-len(blocks[best].tokens)],
-                                                                               blocks[best].tokens]),
-                                              support_ids=blocks[best].support_ids)
+                win = drafts[s.seq_id] = blocks[best]
+                prefix = rows[i].tokens[:len(rows[i].tokens) - len(win.tokens)]  # [.., anchor]
+                rows[i] = replace(rows[i], tokens=np.concatenate([prefix, win.tokens]), support_ids=win.support_ids)
         timings.verify_s += time.perf_counter() - t0
         timings.iterations += 1
         for (i, (s, slot)), row, out in zip(list(active.items()), rows, outs):
