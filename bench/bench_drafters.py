@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--compile", action="store_true", help="torch.compile every drafter (FlashMapProposer.enable_compile)")
     ap.add_argument("--out", default=str(REPO / "docs" / "results" / "bench_drafters.md"))
     ap.add_argument("--append", action="store_true")
     args = ap.parse_args(argv)
@@ -60,8 +61,11 @@ def main(argv: list[str] | None = None) -> int:
         model = load_drafter(ckpt, args.target)
         steps = int(rest[0]) if rest else 1
         min_conf = float(rest[1]) if len(rest) > 1 else 0.0
-        methods[name] = (FlashMapProposer(model, n_slots=1, max_context=engine.max_seq_len, steps=steps,
-                                          min_confidence=min_conf), steps)
+        proposer = FlashMapProposer(model, n_slots=1, max_context=engine.max_seq_len, steps=steps,
+                                    min_confidence=min_conf)
+        if args.compile:
+            proposer.enable_compile(steps=(steps,))
+        methods[name] = (proposer, steps)
 
     def run(method: str, i: int):
         proposer, steps = methods[method]

@@ -316,8 +316,14 @@ class FlashMapDiT(FrozenTarget):
 
         x [B, K, V] flow state at time s (unused for dflash, may be None); s, t floats or
         [B]; anchor [B] int64 token ids; ctx: the rows' projected context."""
+        return self.evaluate(x, self.modulations(s, t, anchor.shape[0]), anchor, ctx.kv, ctx.lengths)
+
+    def evaluate(self, x: Tensor | None, mods: list[Tensor], anchor: Tensor, kv: list[tuple[Tensor, Tensor]],
+                 lengths: Tensor) -> Tensor:
+        """`forward` given the jump's adaLN vectors (`modulations`) and the context as plain
+        tensors: no host floats and no caches, so torch.compile can trace it whole
+        (FlashMapProposer.enable_compile)."""
         B, K, D = anchor.shape[0], self.cfg.block_size, self.cfg.dim
-        mods = self.modulations(s, t, B)  # n_blocks x [B, 9D]
         if self.cfg.kind == "flashmap":
             if x.stride(1) == 0:  # one noise draw broadcast over the K slots: project it once
                 h_state = self.state_in(self.in_norm(x[:, :1].to(self.embed.dtype) @ self.embed)).expand(B, K, D)
@@ -328,8 +334,7 @@ class FlashMapDiT(FrozenTarget):
         h_anchor = self.anchor_in(self.in_norm(self.embed[anchor]))[:, None]  # [B, 1, D]
         h = torch.cat([h_anchor, h_state], dim=1) + self.pos_embed  # [B, K+1, D]
 
-        lengths = ctx.lengths  # [B]
-        T = ctx.kv[0][0].shape[2]
+        T = kv[0][0].shape[2]
         q_pos = lengths[:, None] + torch.arange(K + 1, device=h.device)  # [B, K+1]: anchor at len, slot k at len+k
         has = lengths > 0  # [B]
         valid = torch.arange(T, device=h.device)[None] < lengths[:, None]  # [B, T]
@@ -337,7 +342,7 @@ class FlashMapDiT(FrozenTarget):
             valid[:, 0] |= ~has  # rows without context attend to a dummy key (output zeroed below): no NaN
         mask = valid[:, None, None, :]  # [B, 1, 1, T]
         has_ctx = has.to(h.dtype)[:, None, None]  # [B, 1, 1]
-        for blk, mod, (k, v) in zip(self.blocks, mods, ctx.kv):
+        for blk, mod, (k, v) in zip(self.blocks, mods, kv):
             h = blk(h, mod, k, v, mask, q_pos, has_ctx)
 
         h = self.out_proj(self.final_norm(h[:, 1:]))  # [B, K, H]

@@ -21,6 +21,7 @@ Not thread-safe: the gRPC server serialises calls.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,13 +80,16 @@ class FlashMapProposer(SlotCacheProposer):
         self.min_confidence = min_confidence
         self.set_steps(steps)
         self.graphs = None  # FlowGraphs after enable_graphs()
+        # The network's two entry points; enable_compile() swaps in compiled versions.
+        self._evaluate = self.model.evaluate
+        self._encode = self.model.encode_context
 
     # ------------------------------------------------------------------ sequences
     def _write(self, slot: int, start: int, token_ids: np.ndarray, features: np.ndarray) -> None:
         m = len(token_ids)
         feats = torch.from_numpy(features).to(self.device)[None]  # [1, m, F]
         pos = torch.arange(start, start + m, device=self.device)[None]  # [1, m]
-        for i, (k, v) in enumerate(self.model.encode_context(feats, pos)):  # [1, h, m, d]
+        for i, (k, v) in enumerate(self._encode(feats, pos)):  # [1, h, m, d]
             self.k_cache[i, slot, :, start:start + m] = k[0]
             self.v_cache[i, slot, :, start:start + m] = v[0]
         self.slots.lengths[slot] = start + m
@@ -151,13 +155,45 @@ class FlashMapProposer(SlotCacheProposer):
         self.graphs = FlowGraphs(self, steps, mode=mode, **buckets)
         return self.graphs.capture()
 
+    def enable_compile(self, steps: tuple[int, ...] = (1, 2), warmup: bool = True) -> dict:
+        """Draft through torch.compile (drafter_service.compiled): the CPU counterpart of
+        enable_graphs. warmup: compile now, on a throw-away sequence, drafting with each step
+        count in `steps` (else the first requests pay the compilation). Returns a report."""
+        from drafter_service.compiled import compiled_method
+
+        if self.graphs is not None:
+            raise RuntimeError("CUDA graphs are enabled: they already replay the drafter; compile is for CPU")
+        self._evaluate = compiled_method(self.model, "evaluate")
+        self._encode = compiled_method(self.model, "encode_context")
+        t0 = time.perf_counter()
+        if warmup:
+            # torch.compile specialises sizes 0 and 1: one sequence and one new position
+            # compile apart from batches and longer extends, so all four are warmed up.
+            seqs = ["__compile_warmup_0__", "__compile_warmup_1__"][:min(2, self.n_slots)]
+            try:
+                for seq in seqs:
+                    for m in (3, 1):
+                        self.extend(seq, np.zeros(m, np.int64), np.zeros((m, self.cfg.feature_dim), np.float32))
+                for n in steps:
+                    for batch in [seqs[:i] for i in range(1, len(seqs) + 1)]:
+                        self.propose([ProposeRequest(seq_id=q, anchor=0, temperature=0.0, seed=0, steps=n) for q in batch])
+            finally:
+                for seq in seqs:
+                    self.release(seq)
+        failed = [c.failed for c in (self._evaluate, self._encode) if c.failed]
+        return {"compiled": not failed, "seconds": round(time.perf_counter() - t0, 1), "failed": failed}
+
+    def _network(self, x: Tensor | None, s: float, t: float, anchor: Tensor, ctx: CrossContext) -> Tensor:
+        """model(x, s, t, anchor, ctx) through the (possibly compiled) evaluation."""
+        return self._evaluate(x, self.model.modulations(s, t, anchor.shape[0]), anchor, ctx.kv, ctx.lengths)
+
     @torch.inference_mode()
     def _propose_rows(self, rows: list[_Row], steps: int) -> list[Draft]:
         K, V = self.block_size, self.vocab_size
         anchor = torch.tensor([r.anchor for r in rows], device=self.device)  # [B]
         if self.cfg.kind == "dflash":
             ctx = self._context([r.slot for r in rows], [r.length for r in rows])
-            logits = self.model(None, 0.0, 1.0, anchor, ctx)  # [B, K, V]
+            logits = self._network(None, 0.0, 1.0, anchor, ctx)  # [B, K, V]
         else:
             # Noise is drawn on the host (reproducible whatever the device); shared noise
             # crosses to the device as one [V] row per request and is expanded there:
@@ -184,7 +220,10 @@ class FlashMapProposer(SlotCacheProposer):
         logits = None
         for i in range(len(grid) - 1):
             a, b = tt[i], tt[i + 1]
-            logits = self.model(x, a, a if euler else b, anchor, ctx)
+            if times is None:
+                logits = self._network(x, a, a if euler else b, anchor, ctx)
+            else:  # CUDA graphs: device times, traced as they are
+                logits = self.model(x, a, a if euler else b, anchor, ctx)
             if grid[i + 1] < 1.0:  # the last update would give x_1 = pi: the logits already say it
                 x = jump(x, logits.softmax(-1), a, b)
         return logits

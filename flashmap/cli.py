@@ -50,10 +50,10 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def load_proposer(drafter: str, target_dir: str, device: str = "cpu", n_slots: int = 8, max_context: int = 4096,
-                  steps: int = 1, min_confidence: float = 0.0):
+                  steps: int = 1, min_confidence: float = 0.0, compile: bool = False):
     """A proposer from a drafter checkpoint dir (FlashMap, DFlash-style or EAGLE-style), or 'init'
     for a fresh (untrained) FlashMap drafter. min_confidence: FlashMapProposer's greedy draft
-    cut (the EAGLE-style chain ignores it).
+    cut; compile: FlashMapProposer.enable_compile (the EAGLE-style chain ignores both).
 
     'init' on a small target builds a small DiT (width = target hidden, 2 blocks);
     the paper's 2048-wide, 6-block default is for full-size targets.
@@ -72,15 +72,18 @@ def load_proposer(drafter: str, target_dir: str, device: str = "cpu", n_slots: i
         if eagle.checkpoint_kind(drafter) == "eagle":
             return eagle.load_proposer(drafter, target_dir, device=device, n_slots=n_slots, max_context=max_context)
         model = load_drafter(drafter, target_dir, device=device)
-    return FlashMapProposer(model, n_slots=n_slots, max_context=max_context, device=device, steps=steps,
-                            min_confidence=min_confidence)
+    proposer = FlashMapProposer(model, n_slots=n_slots, max_context=max_context, device=device, steps=steps,
+                                min_confidence=min_confidence)
+    if compile:
+        proposer.enable_compile(steps=(steps,))
+    return proposer
 
 
 def _cmd_generate(args) -> int:
     if not args.in_process:
-        if args.tree_blocks != 1 or args.min_confidence:
-            raise UsageError("--tree-blocks and --min-confidence are --in-process options "
-                             "(for the stack: the drafter service's --min-confidence)")
+        if args.tree_blocks != 1 or args.min_confidence or args.compile:
+            raise UsageError("--tree-blocks, --min-confidence and --compile are --in-process options "
+                             "(for the stack: the drafter service's --min-confidence and --compile)")
         return _generate_remote(args)
     if not args.target:
         raise UsageError("--in-process needs --target DIR")
@@ -104,7 +107,8 @@ def _cmd_generate(args) -> int:
     req = GenerationRequest(prompt_ids, args.max_new_tokens, params, stop + tuple(args.stop_id), args.draft_steps)
     req.validate(engine.vocab_size, engine.max_seq_len)
     proposer = None if args.ar else load_proposer(args.drafter, args.target, n_slots=1, max_context=engine.max_seq_len,
-                                                  steps=args.draft_steps or 1, min_confidence=args.min_confidence)
+                                                  steps=args.draft_steps or 1, min_confidence=args.min_confidence,
+                                                  compile=args.compile)
     if args.tree_blocks < 1:
         raise UsageError(f"--tree-blocks must be >= 1, got {args.tree_blocks}")
     (res,) = decode(engine, [req], proposer, steps=args.draft_steps or 1, tree_blocks=1 if args.ar else args.tree_blocks)
@@ -201,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ar", action="store_true", help="decode with the target alone (autoregressive baseline)")
     g.add_argument("--min-confidence", type=float, default=0.0,
                    help="--in-process: cut greedy drafts before the first slot the drafter is less sure of")
+    g.add_argument("--compile", action="store_true",
+                   help="--in-process: torch.compile the drafter (CPU; the first call compiles, ~1 min)")
     g.add_argument("--tree-blocks", type=int, default=1,
                    help="--in-process, temperature 0: verify this many drafted blocks as a tree per round")
     g.add_argument("--url", default=os.environ.get("FLASHMAP_URL", "127.0.0.1:50051"), help="orchestrator address")

@@ -43,6 +43,14 @@ def test_generate_json_ar_and_speculative_agree(ckpts, capsys):
     assert code == 0 and json.loads(out)["token_ids"] == ar["token_ids"]
     code, out, _ = _run(capsys, *base, "--drafter", ckpts["drafter"], "--min-confidence", "0.5")
     assert code == 0 and json.loads(out)["token_ids"] == ar["token_ids"]
+    code, out, _ = _run(capsys, *base, "--drafter", ckpts["drafter"], "--compile")
+    assert code == 0 and json.loads(out)["token_ids"] == ar["token_ids"]
+
+
+def test_in_process_options_need_in_process(capsys):
+    for opt in (["--compile"], ["--min-confidence", "0.2"], ["--tree-blocks", "2"]):
+        assert main(["generate", "--prompt-ids", "1,2", *opt]) == 2
+        assert "--in-process options" in capsys.readouterr().err
 
 
 def test_text_prompt_prints_text(ckpts, capsys):

@@ -1,11 +1,13 @@
 """The CUDA-graph drafting path (padded batch buckets, fixed context windows, device-tensor
 times) computes what the dynamic path computes. Run here in mode="static": the same
-function without capture, since CI has no GPU."""
+function without capture, since CI has no GPU. And its CPU counterpart, torch.compile
+(enable_compile): the same drafts, and eager drafting when compilation fails."""
 
 import numpy as np
 import pytest
 import torch
 
+from drafter_service import compiled
 from drafter_service.checkpoint import init_drafter
 from drafter_service.flashmap_proposer import FlashMapProposer
 from drafter_service.proposer import ProposeRequest
@@ -46,3 +48,45 @@ def test_graph_run_reports_no_graph_for_uncaptured_steps(model):
     p = _proposer(model, graphs=True)
     x = torch.zeros(1, p.block_size, p.vocab_size)
     assert p.graphs.run(x, torch.tensor([1]), [0], [3], steps=5) is None
+
+
+def _mixed_requests():
+    return [ProposeRequest("s1", anchor=9, seed=3), ProposeRequest("s2", anchor=4, temperature=1.0, top_m=4, seed=5),
+            ProposeRequest("s4", anchor=2, seed=6), ProposeRequest("new", anchor=1, seed=7)]
+
+
+def test_compiled_drafts_equal_eager(model):
+    ref, comp = _proposer(model, graphs=False), _proposer(model, graphs=False)
+    comp.enable_compile(warmup=False)  # (the warm-up's extra compilations would only cost CI time)
+    reqs = _mixed_requests()
+    for batch in (reqs[:1], reqs):
+        for a, b in zip(ref.propose(batch), comp.propose(batch)):
+            np.testing.assert_array_equal(a.tokens, b.tokens)
+            np.testing.assert_array_equal(a.support_ids, b.support_ids)
+            np.testing.assert_allclose(a.support_probs, b.support_probs, rtol=1e-4, atol=1e-6)
+    feats = np.random.default_rng(1).standard_normal((5, model.cfg.feature_dim)).astype(np.float32)
+    for p in (ref, comp):  # the compiled context encoder writes the same cache
+        p.extend("s1", np.arange(5), feats)
+    torch.testing.assert_close(comp.k_cache, ref.k_cache, rtol=1e-4, atol=1e-5)
+    with pytest.raises(IndexError):  # a bad request fails as it does eagerly...
+        comp.propose([ProposeRequest("s1", anchor=10**6, seed=1)])
+    assert comp._evaluate.failed is None and comp._encode.failed is None  # ...and compiling goes on
+
+
+def test_compile_failure_falls_back_to_eager(model, monkeypatch, caplog):
+    def broken(fn, **kw):
+        def run(*a):
+            raise RuntimeError("no C++ compiler (simulated)")
+        return run
+    monkeypatch.setattr(compiled.torch, "compile", broken)
+    ref, comp = _proposer(model, graphs=False), _proposer(model, graphs=False)
+    model.__dict__.pop("_compiled_methods", None)  # compile anew, through the broken torch.compile
+    try:
+        report = comp.enable_compile(steps=(1,))
+        assert not report["compiled"] and "no C++ compiler" in report["failed"][0]
+        assert "running it eagerly" in caplog.text
+        reqs = _mixed_requests()
+        for a, b in zip(ref.propose(reqs), comp.propose(reqs)):
+            np.testing.assert_array_equal(a.tokens, b.tokens)
+    finally:
+        model.__dict__.pop("_compiled_methods", None)

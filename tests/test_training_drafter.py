@@ -317,6 +317,11 @@ def test_cli_stages_resume_and_checkpoint(world, tmp_path):
     assert np.array_equal(_drafts(load_drafter(more, target)).tokens, _drafts(m).tokens)
     assert td.main(["--stage", "dflash", "--init-from", str(warm), "--out", str(tmp_path / "y"), "--steps", "1",
                     *common]) == 2  # not a dflash drafter
+    on = tmp_path / "flow_more"  # a flow-stage drafter trained on, with another pure-noise share
+    assert td.main(["--stage", "flow", "--init-from", str(warm), "--out", str(on), "--steps", "1", "--lr", "0",
+                    "--pure-noise-fraction", "0.5", *common]) == 0
+    w2 = load_drafter(on, target)
+    assert w2.cfg.pure_noise_fraction == 0.5 and np.array_equal(_drafts(w2).tokens, _drafts(w).tokens)
 
     # export: bf16 weights, no training state; loads back into fp32 for the same target
     from training import export_drafter

@@ -233,8 +233,9 @@ def best_of(n: int, fn) -> dict:
     return best
 
 
-def make_proposer(m: Method, target: str, engine, device: str, cache: dict):
-    """A fresh proposer for the method (the loaded model is shared between methods)."""
+def make_proposer(m: Method, target: str, engine, device: str, cache: dict, compile: bool = False):
+    """A fresh proposer for the method (the loaded model is shared between methods, and so are
+    its compilations: FlashMapProposer.enable_compile)."""
     from drafter_service.checkpoint import load_drafter
     from drafter_service.eagle import EagleProposer, load_eagle
     from drafter_service.flashmap_proposer import FlashMapProposer
@@ -244,8 +245,11 @@ def make_proposer(m: Method, target: str, engine, device: str, cache: dict):
     model = cache[m.checkpoint]
     if m.kind == "eagle":
         return EagleProposer(model, n_slots=1, max_context=engine.max_seq_len, device=device)
-    return FlashMapProposer(model, n_slots=1, max_context=engine.max_seq_len, device=device, steps=m.steps,
-                            shared_noise=m.shared_noise)
+    proposer = FlashMapProposer(model, n_slots=1, max_context=engine.max_seq_len, device=device, steps=m.steps,
+                                shared_noise=m.shared_noise)
+    if compile:
+        proposer.enable_compile(steps=(m.steps,))
+    return proposer
 
 
 def params_of(model) -> int:
@@ -521,7 +525,7 @@ def evaluate(args, command: str) -> Path:
     engine = TargetEngine(args.target, n_slots=1, max_seq_len=max_seq_len, device=args.device)
     settings = {"target": str(Path(args.target).resolve()), "prompts": str(Path(args.prompts).resolve()),
                 "max_prompts": args.max_prompts, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
-                "repeats": args.repeats, "timing": "fastest run per prompt",
+                "repeats": args.repeats, "timing": "fastest run per prompt", "drafter_compile": args.compile,
                 "device": args.device, "checkpoints": {m.name: str(Path(m.checkpoint).resolve()) for m in methods},
                 "prompt_ids": {d: [p["id"] for p in ps] for d, ps in by_domain.items()}}
     cache_path = Path(args.cache) if args.cache else Path(args.out_dir) / "eval_cells.json"
@@ -548,7 +552,7 @@ def evaluate(args, command: str) -> Path:
                 if not wanted(m, d, t):
                     continue
                 bar.set_description(f"{m.name} | {d} | T={t:g}")
-                proposer = make_proposer(m, args.target, engine, args.device, models)
+                proposer = make_proposer(m, args.target, engine, args.device, models, args.compile)
                 if m.name not in warmed:
                     run_prompts(engine, ps[:1], t, min(4, args.max_new_tokens), args.seed, proposer, m.steps,
                                 tree_blocks=m.tree_blocks)
@@ -630,6 +634,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m training.evaluate
     ap.add_argument("--out-dir", default=str(DEFAULT_OUT), help="where eval.md and the plots go")
     ap.add_argument("--cache", help="JSON cell cache (default OUT_DIR/eval_cells.json); finished cells are skipped")
     ap.add_argument("--fresh", action="store_true", help="ignore (and overwrite) the cell cache")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile the FlashMap / DFlash-style drafters (the CPU counterpart of their CUDA graphs)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     ap.add_argument("--no-progress", action="store_true")

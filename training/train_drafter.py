@@ -486,13 +486,15 @@ def train(tcfg: TrainConfig, *, target: str | Path, data: str | Path, out: str |
         teacher_model.requires_grad_(False).eval()
         model = copy.deepcopy(teacher_model).requires_grad_(True).train()
     elif tcfg.init_from:
-        # flow: FlashMap warm-started from the baseline; dflash: the baseline trained on for the
-        # same number of steps (the equal-compute comparison).
+        # flow: FlashMap warm-started from the baseline, or a flow-stage drafter trained on;
+        # dflash: the baseline trained on (the equal-compute comparison).
         src = load_drafter(tcfg.init_from, target, device=device)
-        if tcfg.stage == "dflash":
-            if src.cfg.kind != "dflash":
-                raise ValueError(f"--init-from needs a dflash drafter, got kind {src.cfg.kind!r}")
+        if tcfg.stage == "dflash" or src.cfg.kind == "flashmap":
+            want = "dflash" if tcfg.stage == "dflash" else "flashmap"
+            if src.cfg.kind != want:
+                raise ValueError(f"--init-from needs a {want} drafter, got kind {src.cfg.kind!r}")
             model = src.train()
+            model.cfg = replace(src.cfg, **{k: v for k, v in tcfg.arch.items() if k not in ARCH_FIELDS}).validate()
         else:
             model = warm_start_from_dflash(src, **{k: v for k, v in tcfg.arch.items() if k not in ARCH_FIELDS}).train()
     else:
@@ -673,7 +675,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-heads", type=int)
     ap.add_argument("--block-size", type=int)
     ap.add_argument("--pure-noise-fraction", type=float, help="flow: share of blocks at tau = 0 (paper: 0)")
-    ap.add_argument("--init-from", help="flow / dflash: start from this DFlash-style drafter (flow: warm start, not the paper's)")
+    ap.add_argument("--init-from", help="flow: start from a DFlash-style drafter (warm start, not the paper's) or train "
+                                        "a flow-stage drafter on; dflash: train a DFlash-style drafter on")
     args = ap.parse_args(argv)
 
     cfg = config_from_args(TrainConfig.for_stage(args.stage, small=args.small), args,
