@@ -44,6 +44,7 @@ checked against the hashes.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -186,6 +187,21 @@ class EagleDrafter(FrozenTarget):
         """Hidden [..., D] -> logits [..., V] (float32) of the token two positions on."""
         return (self.out_proj(self.final_norm(h)) @ self.lm_head.T).float()
 
+    def chain_step(self, g: Tensor, tok: Tensor, pos: Tensor, kbuf: list[Tensor], vbuf: list[Tensor], rows: Tensor,
+                   key_idx: Tensor) -> tuple[Tensor, Tensor]:
+        """One drafted token per row: g [B, D] (features or own hidden state), tok [B] the token
+        before, pos [B] its position; writes that position's K/V into kbuf / vbuf [B, h, T, d] and
+        returns the hidden state [B, D] and the next token's logits [B, V]."""
+        h = self.fuse(g, tok)[:, None]  # [B, 1, D]
+        mask = (key_idx[None] <= pos[:, None])[:, None, None]  # [B, 1, 1, T]
+        for i, layer in enumerate(self.layers):
+            q, kk, vv = layer.qkv(h, pos[:, None])
+            kbuf[i][rows, :, pos] = kk[:, :, 0]
+            vbuf[i][rows, :, pos] = vv[:, :, 0]
+            h = layer.finish(h, q, kbuf[i], vbuf[i], mask)
+        h = h[:, 0]
+        return h, self.logits(h)
+
     # ------------------------------------------------------------------ training
     def rollout(self, features: Tensor, tokens: Tensor, depth: int | None = None) -> list[Tensor]:
         """Training-time test on whole sequences.
@@ -257,6 +273,7 @@ class EagleProposer(SlotCacheProposer):
         # steps = 1: no flow; accepted (set_steps / per-request steps) and ignored
         super().__init__(model, n_slots, max_context, device, cache_layers=model.cfg.n_layers)
         self.g_cache = torch.zeros(n_slots, max_context, self.cfg.dim, dtype=self.k_cache.dtype, device=self.device)
+        self._step = self.model.chain_step  # enable_compile() swaps in a compiled one
 
     @property
     def bytes_per_context_token(self) -> int:
@@ -280,6 +297,27 @@ class EagleProposer(SlotCacheProposer):
             self.v_cache[i, slot, :, p0:p1 + 1] = v[0]
             h = layer.finish(h, q, self.k_cache[i, slot, :, :p1 + 1][None], self.v_cache[i, slot, :, :p1 + 1][None],
                              mask)
+
+    def enable_compile(self, steps: tuple[int, ...] = (1,), warmup: bool = True) -> dict:
+        """Run each chain step through torch.compile (drafter_service.compiled), as
+        FlashMapProposer.enable_compile does for its network. steps: accepted and ignored."""
+        from drafter_service.compiled import compiled_method
+
+        self._step = compiled_method(self.model, "chain_step")
+        t0 = time.perf_counter()
+        if warmup:  # sizes 0 and 1 compile apart: one and two sequences, one and three positions
+            seqs = ["__compile_warmup_0__", "__compile_warmup_1__"][:min(2, self.n_slots)]
+            try:
+                for seq in seqs:
+                    for m in (3, 1):
+                        self.extend(seq, np.zeros(m, np.int64), np.zeros((m, self.cfg.feature_dim), np.float32))
+                for n in range(1, len(seqs) + 1):
+                    self.propose([ProposeRequest(seq_id=q, anchor=0, temperature=0.0, seed=0) for q in seqs[:n]])
+            finally:
+                for seq in seqs:
+                    self.release(seq)
+        return {"compiled": self._step.failed is None, "seconds": round(time.perf_counter() - t0, 1),
+                "failed": [self._step.failed] if self._step.failed else []}
 
     @torch.inference_mode()
     def propose(self, requests: list[ProposeRequest], steps: int | None = None) -> list[Draft]:
@@ -318,16 +356,7 @@ class EagleProposer(SlotCacheProposer):
         sup_ids = np.full((B, K, m_max), -1, np.int64)
         sup_q = np.zeros((B, K, m_max), np.float32)
         for k in range(K):
-            pos = p0_t + k  # [B]
-            h = self.model.fuse(g, tok)[:, None]  # [B, 1, D]
-            mask = (key_idx[None] <= pos[:, None])[:, None, None]  # [B, 1, 1, T]
-            for i, layer in enumerate(self.model.layers):
-                q, kk, vv = layer.qkv(h, pos[:, None])
-                kbuf[i][rows, :, pos] = kk[:, :, 0]
-                vbuf[i][rows, :, pos] = vv[:, :, 0]
-                h = layer.finish(h, q, kbuf[i], vbuf[i], mask)
-            h = h[:, 0]
-            logits = self.model.logits(h)  # [B, V]
+            h, logits = self._step(g, tok, p0_t + k, kbuf, vbuf, rows, key_idx)  # [B, D], [B, V]
             nxt = logits.argmax(-1).cpu().numpy()
             top_l, top_i = logits.topk(m_max, dim=-1)
             top_l, top_i = top_l.cpu(), top_i.cpu()

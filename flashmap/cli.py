@@ -53,7 +53,7 @@ def load_proposer(drafter: str, target_dir: str, device: str = "cpu", n_slots: i
                   steps: int = 1, min_confidence: float = 0.0, compile: bool = False):
     """A proposer from a drafter checkpoint dir (FlashMap, DFlash-style or EAGLE-style), or 'init'
     for a fresh (untrained) FlashMap drafter. min_confidence: FlashMapProposer's greedy draft
-    cut; compile: FlashMapProposer.enable_compile (the EAGLE-style chain ignores both).
+    cut (the EAGLE-style chain ignores it); compile: the proposer's enable_compile.
 
     'init' on a small target builds a small DiT (width = target hidden, 2 blocks);
     the paper's 2048-wide, 6-block default is for full-size targets.
@@ -69,11 +69,14 @@ def load_proposer(drafter: str, target_dir: str, device: str = "cpu", n_slots: i
     else:
         from drafter_service import eagle
 
+        model = None
         if eagle.checkpoint_kind(drafter) == "eagle":
-            return eagle.load_proposer(drafter, target_dir, device=device, n_slots=n_slots, max_context=max_context)
-        model = load_drafter(drafter, target_dir, device=device)
-    proposer = FlashMapProposer(model, n_slots=n_slots, max_context=max_context, device=device, steps=steps,
-                                min_confidence=min_confidence)
+            proposer = eagle.load_proposer(drafter, target_dir, device=device, n_slots=n_slots, max_context=max_context)
+        else:
+            model = load_drafter(drafter, target_dir, device=device)
+    if model is not None:
+        proposer = FlashMapProposer(model, n_slots=n_slots, max_context=max_context, device=device, steps=steps,
+                                    min_confidence=min_confidence)
     if compile:
         proposer.enable_compile(steps=(steps,))
     return proposer

@@ -111,6 +111,22 @@ def test_eagle_is_lossless_in_decode(world):
     assert all(len(r.token_ids) > 0 for r in out)
 
 
+def test_compiled_chain_is_lossless_in_decode(world):
+    """enable_compile: the chain step through torch.compile, batched decode (2 slots) as above."""
+    _, target, engine = world
+    model = randomize(init_eagle(target, seed=1, **TINY)).eval()
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 500, size=int(rng.integers(3, 12))).tolist() for _ in range(3)]
+    reqs = lambda: [GenerationRequest(p, 20, SamplingParams()) for p in prompts]  # noqa: E731
+    eager = decode(engine, reqs(), EagleProposer(model, n_slots=2, max_context=96))
+    prop = EagleProposer(model, n_slots=2, max_context=96)
+    prop.enable_compile(warmup=False)
+    out = decode(engine, reqs(), prop)
+    assert [r.token_ids for r in out] == [r.token_ids for r in eager] == [r.token_ids for r in decode(engine, reqs())]
+    assert [r.stats.accepted for r in out] == [r.stats.accepted for r in eager]  # the same drafts
+    assert prop._step.failed is None
+
+
 def test_training_step_lowers_loss_and_cli(world, tmp_path):
     from training import drafter_data as dd
     from training import train_eagle as te
@@ -187,7 +203,8 @@ def test_eval_end_to_end_and_resume(world, tmp_path):
     out = tmp_path / "results"
     argv = ["--target", str(target), "--flashmap", str(tmp_path / "fm"), "--dflash", str(tmp_path / "df"),
             "--dflash-start", str(tmp_path / "df"), "--eagle", str(tmp_path / "eg"), "--prompts", str(tmp_path / "prompts.jsonl"), "--max-prompts", "1",
-            "--max-new-tokens", "10", "--teacher-steps", "3", "--out-dir", str(out), "--no-progress", "--threads", "1"]
+            "--max-new-tokens", "10", "--teacher-steps", "3", "--out-dir", str(out), "--no-progress", "--threads", "1",
+            "--min-confidence", "0.3"]
     assert ev.main(argv) == 0
     report = (out / "eval.md").read_text()
     for needle in ("Command: `python -m training.evaluate", "Machine:", "FlashMap, 1 step", "FlashMap, 2 steps",
@@ -196,10 +213,11 @@ def test_eval_end_to_end_and_resume(world, tmp_path):
         assert needle in report, needle
     assert (out / "eval_acceptance.png").stat().st_size > 0 and (out / "eval_conditional.png").stat().st_size > 0
     cells = json.loads((out / "eval_cells.json").read_text())["cells"]
-    # 6 methods + 3 shuffle rows, 2 domains, 2 temperatures; the tree row at T = 0 only
-    assert len(cells) == 9 * 2 * 2 + 2
-    assert "flashmap-1-tree|code|T=0" in cells and "flashmap-1-tree|code|T=1" not in cells
-    assert "tree of 4 blocks" in report
+    # 6 methods + 3 shuffle rows, 2 domains, 2 temperatures; the tree and the two cut rows at T = 0 only
+    assert len(cells) == 9 * 2 * 2 + 3 * 2
+    for row in ("flashmap-1-tree", "flashmap-1-cut", "dflash-cut"):
+        assert f"{row}|code|T=0" in cells and f"{row}|code|T=1" not in cells
+    assert "tree of 4 blocks" in report and "drafts cut below 0.3" in report
     for c in cells.values():
         assert c["gamma"] >= 1 and c["speedup"] > 0 and c["n_prompts"] == 1
         assert c["cond_num"][0] <= c["cond_den"][0] == c["drafts"]

@@ -12,6 +12,10 @@ method, in the same process:
                     distilled model's diagonal)
     dflash          the DFlash-style baseline (one pass over a masked block)
     eagle           the EAGLE-3-style autoregressive chain (drafter_service.eagle)
+    flashmap-1-tree FlashMap 1 step, --tree-blocks blocks from independent noise verified
+                    as a tree (T = 0)
+    *-cut           FlashMap 1 step / DFlash-style with greedy drafts cut before the first
+                    slot below --min-confidence (T = 0)
     *-indep         shuffle test: the same drafter with an independent noise draw per
                     slot (shared_noise=False); Delta = gamma_shared - gamma_independent
                     is the acceptance that comes from the joint structure of one draw.
@@ -32,7 +36,9 @@ docs/results/eval.md (command, date, machine, every cell) and two PNG plots.
     python -m training.evaluate --target checkpoints/demo-target --flashmap runs/map \
         --teacher runs/flow --dflash runs/dflash --eagle runs/eagle --max-prompts 8 --max-new-tokens 128
 
-Not done: several blocks from independent noise verified as a tree, and EAGLE's tree of 16.
+--compile runs every drafter through torch.compile (FlashMapProposer / EagleProposer
+.enable_compile, the CPU counterpart of the drafter's CUDA graphs); the target runs eagerly,
+alone and when verifying alike. Not done: EAGLE's tree of 16.
 """
 
 from __future__ import annotations
@@ -71,9 +77,10 @@ class Method:
     steps: int = 1
     shared_noise: bool = True
     tree_blocks: int = 1  # > 1: that many blocks from independent noise verified as a tree (T = 0 only)
+    min_confidence: float = 0.0  # > 0: greedy drafts cut before the first less sure slot (T = 0 only)
 
     def runs_at(self, temperature: float) -> bool:
-        return self.tree_blocks == 1 or temperature == 0
+        return (self.tree_blocks == 1 and self.min_confidence == 0) or temperature == 0
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -122,6 +129,10 @@ def build_methods(args) -> tuple[list[Method], list[str]]:
         methods.append(Method("dflash", "DFlash-style", args.dflash, "dflash", 1))
     else:
         notes.append("no --dflash checkpoint: DFlash rows skipped")
+    if args.min_confidence > 0:  # the draft cut of FlashMapProposer(min_confidence=...), greedy rows only
+        for base in [m for m in methods if m.name in ("flashmap-1", "dflash")]:
+            methods.append(Method(f"{base.name}-cut", f"{base.label}, drafts cut below {args.min_confidence:g} (T = 0)",
+                                  base.checkpoint, base.kind, base.steps, min_confidence=args.min_confidence))
     if args.dflash_start:
         kind_of(args.dflash_start, "dflash", "--dflash-start")
         methods.append(Method("dflash-start", "DFlash-style, FlashMap's warm start", args.dflash_start, "dflash", 1))
@@ -244,9 +255,10 @@ def make_proposer(m: Method, target: str, engine, device: str, cache: dict, comp
         cache[m.checkpoint] = (load_eagle if m.kind == "eagle" else load_drafter)(m.checkpoint, target, device=device)
     model = cache[m.checkpoint]
     if m.kind == "eagle":
-        return EagleProposer(model, n_slots=1, max_context=engine.max_seq_len, device=device)
-    proposer = FlashMapProposer(model, n_slots=1, max_context=engine.max_seq_len, device=device, steps=m.steps,
-                                shared_noise=m.shared_noise)
+        proposer = EagleProposer(model, n_slots=1, max_context=engine.max_seq_len, device=device)
+    else:
+        proposer = FlashMapProposer(model, n_slots=1, max_context=engine.max_seq_len, device=device, steps=m.steps,
+                                    shared_noise=m.shared_noise, min_confidence=m.min_confidence)
     if compile:
         proposer.enable_compile(steps=(m.steps,))
     return proposer
@@ -321,7 +333,9 @@ def write_report(out_dir: Path, data: dict, methods: list[Method], domains: list
     lines = ["# Drafter evaluation", "",
              f"Date: {info['date']}. Machine: {info['machine']}.", "",
              f"Command: `{info['command']}`", "",
-             f"Target: `{info['target']}` ({info['target_desc']}); device {info['device']}, fp32, concurrency 1 "
+             f"Target: `{info['target']}` ({info['target_desc']}); device {info['device']}, fp32, "
+             + ("drafters compiled (torch.compile), the target eager, " if info.get("compile") else "")
+             + "concurrency 1 "
              f"(one request at a time), max {info['max_new_tokens']} new tokens, stop at the target's EOS ids, "
              f"block K = {K}, proposal support top-{info['top_m']} at T > 0, seed {info['seed']}, "
              f"timings: per prompt the fastest of {info['repeats']} run(s).",
@@ -526,6 +540,7 @@ def evaluate(args, command: str) -> Path:
     settings = {"target": str(Path(args.target).resolve()), "prompts": str(Path(args.prompts).resolve()),
                 "max_prompts": args.max_prompts, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
                 "repeats": args.repeats, "timing": "fastest run per prompt", "drafter_compile": args.compile,
+                "min_confidence": args.min_confidence,
                 "device": args.device, "checkpoints": {m.name: str(Path(m.checkpoint).resolve()) for m in methods},
                 "prompt_ids": {d: [p["id"] for p in ps] for d, ps in by_domain.items()}}
     cache_path = Path(args.cache) if args.cache else Path(args.out_dir) / "eval_cells.json"
@@ -603,7 +618,7 @@ def evaluate(args, command: str) -> Path:
             "target": _show(args.target),
             "target_desc": f"{engine.num_layers} layers, hidden {engine.hidden_size}, vocab {engine.vocab_size}",
             "device": args.device, "max_new_tokens": args.max_new_tokens, "seed": args.seed, "block_size": K,
-            "repeats": args.repeats,
+            "repeats": args.repeats, "compile": args.compile,
             "top_m": 4, "prompts": _show(args.prompts), "counts": {d: len(ps) for d, ps in by_domain.items()},
             "truncated": truncated, "drafters": drafters, "notes": notes}
     report = write_report(out_dir, data, methods, domains, temps, info)
@@ -634,8 +649,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m training.evaluate
     ap.add_argument("--out-dir", default=str(DEFAULT_OUT), help="where eval.md and the plots go")
     ap.add_argument("--cache", help="JSON cell cache (default OUT_DIR/eval_cells.json); finished cells are skipped")
     ap.add_argument("--fresh", action="store_true", help="ignore (and overwrite) the cell cache")
+    ap.add_argument("--min-confidence", type=float, default=0.0,
+                    help="> 0: also FlashMap 1-step and DFlash-style rows with greedy drafts cut before the first "
+                         "slot below this probability (T = 0)")
     ap.add_argument("--compile", action="store_true",
-                    help="torch.compile the FlashMap / DFlash-style drafters (the CPU counterpart of their CUDA graphs)")
+                    help="torch.compile every drafter (the CPU counterpart of the drafter's CUDA graphs)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     ap.add_argument("--no-progress", action="store_true")
