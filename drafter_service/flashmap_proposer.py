@@ -183,8 +183,10 @@ class FlashMapProposer(SlotCacheProposer):
         failed = [c.failed for c in (self._evaluate, self._encode) if c.failed]
         return {"compiled": not failed, "seconds": round(time.perf_counter() - t0, 1), "failed": failed}
 
-    def _network(self, x: Tensor | None, s: float, t: float, anchor: Tensor, ctx: CrossContext) -> Tensor:
-        """model(x, s, t, anchor, ctx) through the (possibly compiled) evaluation."""
+    def _network(self, x: Tensor | None, s: Tensor | float, t: Tensor | float, anchor: Tensor,
+                 ctx: CrossContext) -> Tensor:
+        """model(x, s, t, anchor, ctx) through the (possibly compiled) evaluation; times are
+        host floats, or device tensors inside CUDA graphs (never compiled together)."""
         return self._evaluate(x, self.model.modulations(s, t, anchor.shape[0]), anchor, ctx.kv, ctx.lengths)
 
     @torch.inference_mode()
@@ -220,10 +222,7 @@ class FlashMapProposer(SlotCacheProposer):
         logits = None
         for i in range(len(grid) - 1):
             a, b = tt[i], tt[i + 1]
-            if times is None:
-                logits = self._network(x, a, a if euler else b, anchor, ctx)
-            else:  # CUDA graphs: device times, traced as they are
-                logits = self.model(x, a, a if euler else b, anchor, ctx)
+            logits = self._network(x, a, a if euler else b, anchor, ctx)
             if grid[i + 1] < 1.0:  # the last update would give x_1 = pi: the logits already say it
                 x = jump(x, logits.softmax(-1), a, b)
         return logits

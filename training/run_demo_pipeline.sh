@@ -43,12 +43,34 @@ flashmap_chain > "$RUNS/flashmap_chain.log" 2>&1 &
 $PY -m training.train_eagle --small --batch-size 8 --steps "${STEPS_EAGLE:-2000}" --target "$T" --data "$RUNS/data" \
     --out "$RUNS/eagle" --resume > "$RUNS/eagle.log" 2>&1 &
 wait
-$PY -m flashmap.cli eval --target "$T" --flashmap "$RUNS/map" --teacher "$RUNS/flow" --dflash "$RUNS/dflash" \
+
+# Round two (the committed demo checkpoints got it; MORE=0 skips it): the flow stage trained on,
+# distilled anew from it, and the baseline trained on for the same number of steps.
+FINAL="$RUNS"
+if [ "${MORE:-1}" = 1 ]; then
+    FINAL="$RUNS/more"
+    S_FLOW2="${STEPS_FLOW_MORE:-1500}"
+    S_MAP2="${STEPS_DISTILL_MORE:-1000}"
+    more=(--seed 1 "${common[@]}")  # other batches than round one's
+    {
+        $PY -m training.train_drafter --stage flow --init-from "$RUNS/flow" --lr "${LR_FLOW:-3e-4}" --steps "$S_FLOW2" \
+            --out "$FINAL/flow" "${more[@]}"
+        $PY -m training.train_drafter --stage distill --lr "${LR_DISTILL:-5e-5}" --steps "$S_MAP2" --teacher "$FINAL/flow" \
+            --out "$FINAL/map" "${more[@]}"
+    } > "$RUNS/flashmap_more.log" 2>&1 &
+    # Equal compute along each final model's lineage: the new map builds on round one's flow stage,
+    # not on its distillation, which the baseline's round one already matched.
+    $PY -m training.train_drafter --stage dflash --init-from "$RUNS/dflash" --lr "${LR_FLOW:-3e-4}" \
+        --steps $((S_FLOW2 + S_MAP2 - S_MAP)) --out "$FINAL/dflash" "${more[@]}" > "$RUNS/dflash_more.log" 2>&1 &
+    wait
+fi
+$PY -m flashmap.cli eval --target "$T" --flashmap "$FINAL/map" --teacher "$FINAL/flow" --dflash "$FINAL/dflash" \
     --dflash-start "$RUNS/dflash-start" --eagle "$RUNS/eagle" --max-prompts "${EVAL_PROMPTS:-10}" \
     --max-new-tokens "${EVAL_NEW:-64}" --threads "${EVAL_THREADS:-2}" --repeats "${EVAL_REPEATS:-3}" \
-    --cache "$RUNS/eval_cells.json"
+    --compile --min-confidence "${EVAL_MIN_CONFIDENCE:-0.2}" --cache "$FINAL/eval_cells.json"
 if [ "${EXPORT:-0}" = 1 ]; then  # the committed demo checkpoints (bf16 weights, config, loss curve)
-    for pair in map:demo-flashmap flow:demo-flashmap-teacher dflash:demo-dflash eagle:demo-eagle; do
-        $PY -m training.export_drafter "$RUNS/${pair%%:*}" "checkpoints/${pair##*:}"
+    for pair in "$FINAL/map:demo-flashmap" "$FINAL/flow:demo-flashmap-teacher" "$FINAL/dflash:demo-dflash" \
+                "$RUNS/eagle:demo-eagle"; do
+        $PY -m training.export_drafter "${pair%%:*}" "checkpoints/${pair##*:}"
     done
 fi
