@@ -28,9 +28,12 @@ and the conditional acceptance per slot P(slot k accepted | slots < k accepted, 
 drafted), counted from every round. At T = 0 every method's output must equal the
 target's (asserted).
 
-Resumable: each finished cell is written to a JSON cache (--cache) and skipped by the
-next run with the same settings; a (domain, temperature) with missing cells re-measures
-the target alone first, so a speedup always compares two runs of one process. Writes
+The target alone is timed before and after the methods of each (domain, temperature),
+and per prompt the fastest of both counts: a slow stretch of a shared machine during one
+of them cannot inflate the speedups. Resumable: each finished cell is written to a JSON
+cache (--cache) and skipped by the next run with the same settings; a (domain,
+temperature) with missing cells re-measures the target alone, so a speedup always
+compares runs of one process. Writes
 docs/results/eval.md (command, date, machine, every cell) and two PNG plots.
 
     python -m training.evaluate --target checkpoints/demo-target --flashmap runs/map \
@@ -235,12 +238,17 @@ def best_of(n: int, fn) -> dict:
     on a shared machine the least disturbed run is the best estimate of the cost, and taking
     it per prompt keeps a burst of noise in one run from spoiling the others. Counts are
     identical; draft / verify seconds are those of the fastest whole run, scaled to the wall."""
-    runs = [fn() for _ in range(max(1, n))]
+    return fastest([fn() for _ in range(max(1, n))])
+
+
+def fastest(runs: list[dict]) -> dict:
+    """The per-prompt fastest of runs of the same prompts (see best_of)."""
     best = dict(min(runs, key=lambda r: r["wall_s"]))
-    wall = sum(min(w) for w in zip(*(r["prompt_walls"] for r in runs)))
+    walls = [min(w) for w in zip(*(r["prompt_walls"] for r in runs))]
+    wall = sum(walls)
     scale = wall / max(best["wall_s"], 1e-12)
-    best.update(wall_s=wall, tok_s=best["tokens"] / max(wall, 1e-12), draft_s=best["draft_s"] * scale,
-                verify_s=best["verify_s"] * scale)
+    best.update(wall_s=wall, prompt_walls=walls, tok_s=best["tokens"] / max(wall, 1e-12),
+                draft_s=best["draft_s"] * scale, verify_s=best["verify_s"] * scale)
     return best
 
 
@@ -338,7 +346,8 @@ def write_report(out_dir: Path, data: dict, methods: list[Method], domains: list
              + "concurrency 1 "
              f"(one request at a time), max {info['max_new_tokens']} new tokens, stop at the target's EOS ids, "
              f"block K = {K}, proposal support top-{info['top_m']} at T > 0, seed {info['seed']}, "
-             f"timings: per prompt the fastest of {info['repeats']} run(s).",
+             f"timings: per prompt the fastest of {info['repeats']} run(s) (the target alone: of "
+             f"{info['repeats']} before and {info['repeats']} after the methods of each domain and temperature).",
              f"Prompts: `{info['prompts']}`, " + ", ".join(f"{d}: {info['counts'][d]}" for d in domains)
              + (f" ({info['truncated']} prompts cut to their last tokens to fit the context)" if info['truncated']
                 else "") + ".", ""]
@@ -539,7 +548,7 @@ def evaluate(args, command: str) -> Path:
     engine = TargetEngine(args.target, n_slots=1, max_seq_len=max_seq_len, device=args.device)
     settings = {"target": str(Path(args.target).resolve()), "prompts": str(Path(args.prompts).resolve()),
                 "max_prompts": args.max_prompts, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
-                "repeats": args.repeats, "timing": "fastest run per prompt", "drafter_compile": args.compile,
+                "repeats": args.repeats, "timing": "fastest run per prompt, target alone before and after", "drafter_compile": args.compile,
                 "min_confidence": args.min_confidence,
                 "device": args.device, "checkpoints": {m.name: str(Path(m.checkpoint).resolve()) for m in methods},
                 "prompt_ids": {d: [p["id"] for p in ps] for d, ps in by_domain.items()}}
@@ -550,7 +559,7 @@ def evaluate(args, command: str) -> Path:
 
     wanted = lambda m, d, t: m.runs_at(t) and cell_key(m.name, d, t) not in cells  # noqa: E731
     todo = [(d, t) for t in temps for d in domains if any(wanted(m, d, t) for m in methods)]
-    n_units = args.repeats * sum(len(by_domain[d]) * (1 + sum(wanted(m, d, t) for m in methods)) for d, t in todo)
+    n_units = args.repeats * sum(len(by_domain[d]) * (2 + sum(wanted(m, d, t) for m in methods)) for d, t in todo)
     models: dict = {}
     bar = tqdm(total=n_units, desc="eval", unit="prompt", disable=args.no_progress)
     warmed: set[str] = set()
@@ -562,6 +571,7 @@ def evaluate(args, command: str) -> Path:
                 warmed.add("target")
             bar.set_description(f"target alone | {d} | T={t:g}")
             base = best_of(args.repeats, lambda: run_prompts(engine, ps, t, args.max_new_tokens, args.seed, bar=bar))
+            new_cells = []
             for m in methods:
                 key = cell_key(m.name, d, t)
                 if not wanted(m, d, t):
@@ -586,7 +596,18 @@ def evaluate(args, command: str) -> Path:
                               "base_tokens": base["tokens"], "speedup": r["tok_s"] / base["tok_s"],
                               "cond_den": den, "cond_num": num, "greedy_equal": True if t == 0 else None,
                               "run": run_id}
+                new_cells.append(key)
                 save_cache(cache_path, data)
+            # The target alone again after the methods, per prompt the fastest of before and after:
+            # a slow stretch of the machine during the first measurement would inflate every
+            # speedup of this (domain, temperature), so the baseline gets the better of two chances.
+            bar.set_description(f"target alone again | {d} | T={t:g}")
+            base = fastest([base, best_of(args.repeats, lambda: run_prompts(engine, ps, t, args.max_new_tokens,
+                                                                                args.seed, bar=bar))])
+            for key in new_cells:
+                c = cells[key]
+                c.update(base_tok_s=base["tok_s"], base_wall_s=base["wall_s"], speedup=c["tok_s"] / base["tok_s"])
+            save_cache(cache_path, data)
     finally:
         bar.close()
 
