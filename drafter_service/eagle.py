@@ -305,17 +305,8 @@ class EagleProposer(SlotCacheProposer):
 
         self._step = compiled_method(self.model, "chain_step")
         t0 = time.perf_counter()
-        if warmup:  # sizes 0 and 1 compile apart: one and two sequences, one and three positions
-            seqs = ["__compile_warmup_0__", "__compile_warmup_1__"][:min(2, self.n_slots)]
-            try:
-                for seq in seqs:
-                    for m in (3, 1):
-                        self.extend(seq, np.zeros(m, np.int64), np.zeros((m, self.cfg.feature_dim), np.float32))
-                for n in range(1, len(seqs) + 1):
-                    self.propose([ProposeRequest(seq_id=q, anchor=0, temperature=0.0, seed=0) for q in seqs[:n]])
-            finally:
-                for seq in seqs:
-                    self.release(seq)
+        if warmup:
+            self._compile_warmup(steps)
         return {"compiled": self._step.failed is None, "seconds": round(time.perf_counter() - t0, 1),
                 "failed": [self._step.failed] if self._step.failed else []}
 

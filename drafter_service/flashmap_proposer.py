@@ -83,6 +83,7 @@ class FlashMapProposer(SlotCacheProposer):
         # The network's two entry points; enable_compile() swaps in compiled versions.
         self._evaluate = self.model.evaluate
         self._encode = self.model.encode_context
+        self._grids: dict[int, list[float]] = {}  # steps -> flow times (a pure function of the config)
 
     # ------------------------------------------------------------------ sequences
     def _write(self, slot: int, start: int, token_ids: np.ndarray, features: np.ndarray) -> None:
@@ -157,8 +158,8 @@ class FlashMapProposer(SlotCacheProposer):
 
     def enable_compile(self, steps: tuple[int, ...] = (1, 2), warmup: bool = True) -> dict:
         """Draft through torch.compile (drafter_service.compiled): the CPU counterpart of
-        enable_graphs. warmup: compile now, on a throw-away sequence, drafting with each step
-        count in `steps` (else the first requests pay the compilation). Returns a report."""
+        enable_graphs. warmup: compile now, every variant with each step count in `steps`
+        (else the first requests pay the compilation). Returns a report."""
         from drafter_service.compiled import compiled_method
 
         if self.graphs is not None:
@@ -167,19 +168,7 @@ class FlashMapProposer(SlotCacheProposer):
         self._encode = compiled_method(self.model, "encode_context")
         t0 = time.perf_counter()
         if warmup:
-            # torch.compile specialises sizes 0 and 1: one sequence and one new position
-            # compile apart from batches and longer extends, so all four are warmed up.
-            seqs = ["__compile_warmup_0__", "__compile_warmup_1__"][:min(2, self.n_slots)]
-            try:
-                for seq in seqs:
-                    for m in (3, 1):
-                        self.extend(seq, np.zeros(m, np.int64), np.zeros((m, self.cfg.feature_dim), np.float32))
-                for n in steps:
-                    for batch in [seqs[:i] for i in range(1, len(seqs) + 1)]:
-                        self.propose([ProposeRequest(seq_id=q, anchor=0, temperature=0.0, seed=0, steps=n) for q in batch])
-            finally:
-                for seq in seqs:
-                    self.release(seq)
+            self._compile_warmup(steps)
         failed = [c.failed for c in (self._evaluate, self._encode) if c.failed]
         return {"compiled": not failed, "seconds": round(time.perf_counter() - t0, 1), "failed": failed}
 
@@ -216,7 +205,10 @@ class FlashMapProposer(SlotCacheProposer):
                    times: list[Tensor] | None = None) -> Tensor:
         """Run the flow from x_0 to t = 1; returns the last evaluation's logits [B, K, V].
         times: the grid as [B] device tensors (CUDA graphs); default: host floats."""
-        grid = [float(g) for g in time_grid(steps, self.vocab_size, self.cfg.time_table_size, self.cfg.gauss_hermite_nodes)]
+        if steps not in self._grids:
+            self._grids[steps] = [float(g) for g in time_grid(steps, self.vocab_size, self.cfg.time_table_size,
+                                                              self.cfg.gauss_hermite_nodes)]
+        grid = self._grids[steps]
         tt = grid if times is None else times
         euler = steps >= 3  # 1-2 steps: flow-map jumps (s, t); more: teacher ODE (t, t)
         logits = None
@@ -229,10 +221,11 @@ class FlashMapProposer(SlotCacheProposer):
 
     def _sample(self, logits: Tensor, rows: list[_Row]) -> list[Draft]:
         """Greedy rows: per-slot argmax. Sampling rows: top-m of softmax(logits / T), renormalised."""
-        greedy = logits.argmax(-1).cpu().numpy()  # [B, K]
+        top, greedy_t = logits.max(-1)  # [B, K]
+        greedy = greedy_t.cpu().numpy()
         keep = np.full(len(rows), self.block_size)
-        if self.min_confidence > 0:
-            low = (logits.softmax(-1).amax(-1) < self.min_confidence).cpu().numpy()  # [B, K]
+        if self.min_confidence > 0:  # probability of the argmax = exp(max - logsumexp)
+            low = ((top - logits.logsumexp(-1)).exp() < self.min_confidence).cpu().numpy()  # [B, K]
             keep = np.where(low.any(1), np.maximum(low.argmax(1), 1), self.block_size)
         if all(r.temperature == 0 for r in rows):
             return [Draft.greedy(g[:n]) for g, n in zip(greedy, keep)]

@@ -16,7 +16,7 @@ import abc
 import numpy as np
 import torch
 
-from drafter_service.proposer import Proposer
+from drafter_service.proposer import Proposer, ProposeRequest
 
 
 class ProposerError(RuntimeError):
@@ -136,6 +136,22 @@ class SlotCacheProposer(Proposer):
         slot, start = self.slots.reserve(seq_id, m)
         if m:
             self._write(slot, start, token_ids, features)
+
+    def _compile_warmup(self, steps: tuple[int, ...]) -> None:
+        """Draft once through every variant torch.compile makes of the drafter (sizes 0 and 1
+        are specialised): one and two sequences, one and three new positions, a sequence
+        without context; on throw-away sequences, released after."""
+        seqs = ["__compile_warmup_0__", "__compile_warmup_1__"][:min(2, self.n_slots)]
+        try:
+            for seq in seqs:
+                for m in (3, 1):
+                    self.extend(seq, np.zeros(m, np.int64), np.zeros((m, self.cfg.feature_dim), np.float32))
+            for n in steps:
+                for batch in [seqs[:i] for i in range(1, len(seqs) + 1)] + [["__compile_warmup_new__"]]:
+                    self.propose([ProposeRequest(seq_id=q, anchor=0, temperature=0.0, seed=0, steps=n) for q in batch])
+        finally:
+            for seq in seqs:
+                self.release(seq)
 
     @abc.abstractmethod
     def _write(self, slot: int, start: int, token_ids: np.ndarray, features: np.ndarray) -> None:
