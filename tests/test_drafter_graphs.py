@@ -3,6 +3,8 @@ times) computes what the dynamic path computes. Run here in mode="static": the s
 function without capture, since CI has no GPU. And its CPU counterpart, torch.compile
 (enable_compile): the same drafts, and eager drafting when compilation fails."""
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -55,6 +57,8 @@ def _mixed_requests():
             ProposeRequest("s4", anchor=2, seed=6), ProposeRequest("new", anchor=1, seed=7)]
 
 
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                    reason="torch.compile (inductor) needs a C++ compiler")
 def test_compiled_drafts_equal_eager(model):
     ref, comp = _proposer(model, graphs=False), _proposer(model, graphs=False)
     report = comp.enable_compile(steps=(1,))  # with the warm-up's variants
