@@ -96,12 +96,17 @@ def test_proposer_chain_matches_training_rollout(world):
     assert prop.context_length("a") == 0 and len(d_new.tokens) == 16 and len(d_b.tokens) == 16
 
 
-def test_eagle_is_lossless_in_decode(world):
+def _greedy_world(world, seed: int, n: int, max_new: int):
+    """engine, a randomized tiny EAGLE drafter, n random prompts and a maker of their greedy requests."""
     _, target, engine = world
     model = randomize(init_eagle(target, seed=1, **TINY)).eval()
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(0, 500, size=int(rng.integers(3, 12))).tolist() for _ in range(4)]
-    reqs = lambda: [GenerationRequest(p, 24, SamplingParams()) for p in prompts]  # noqa: E731
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, 500, size=int(rng.integers(3, 12))).tolist() for _ in range(n)]
+    return engine, model, prompts, lambda: [GenerationRequest(p, max_new, SamplingParams()) for p in prompts]
+
+
+def test_eagle_is_lossless_in_decode(world):
+    engine, model, prompts, reqs = _greedy_world(world, seed=1, n=4, max_new=24)
     base = [r.token_ids for r in decode(engine, reqs())]
     out = decode(engine, reqs(), EagleProposer(model, n_slots=2, max_context=96))
     assert [r.token_ids for r in out] == base
@@ -116,11 +121,7 @@ def test_eagle_is_lossless_in_decode(world):
                     reason="torch.compile (inductor) needs a C++ compiler")
 def test_compiled_chain_is_lossless_in_decode(world):
     """enable_compile: the chain step through torch.compile, batched decode (2 slots) as above."""
-    _, target, engine = world
-    model = randomize(init_eagle(target, seed=1, **TINY)).eval()
-    rng = np.random.default_rng(2)
-    prompts = [rng.integers(0, 500, size=int(rng.integers(3, 12))).tolist() for _ in range(3)]
-    reqs = lambda: [GenerationRequest(p, 20, SamplingParams()) for p in prompts]  # noqa: E731
+    engine, model, _, reqs = _greedy_world(world, seed=2, n=3, max_new=20)
     eager = decode(engine, reqs(), EagleProposer(model, n_slots=2, max_context=96))
     prop = EagleProposer(model, n_slots=2, max_context=96)
     prop.enable_compile(warmup=False)
