@@ -2,7 +2,8 @@
 
 A 1-step draft is ~150 small ops; eagerly, on CPU, their dispatch costs as much as the
 arithmetic. Compiled (inductor, C++ kernels) the same network runs as one fused program:
-on the demo drafter 2.6 -> 1.8 ms per block on this project's 2-core CPU. Unlike a
+one 1-jump evaluation of the demo drafter took 2.6 -> 1.8 ms on this project's 2-core CPU
+(a whole drafting round, context update included: 3.0 ms, docs/results/eval.md). Unlike a
 CUDA graph it needs no static shapes: `dynamic=True` traces batch and context length as
 symbols, so one compilation serves every request (sizes 0 and 1 are specialised, which
 costs a second compilation the first time a batch of 2+ or a longer extend comes).

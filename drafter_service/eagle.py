@@ -44,7 +44,6 @@ checked against the hashes.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -269,11 +268,13 @@ class EagleProposer(SlotCacheProposer):
     positions; K/V are finalized for 0..L-2. Truncating to n keeps them valid: the K/V of
     positions <= n-2 depend only on tokens <= n-1, and g of position n-1 is cached."""
 
+    COMPILED = {"_step": "chain_step"}
+
     def __init__(self, model: EagleDrafter, n_slots: int = 64, max_context: int = 4096, device: str = "cpu"):
         # steps = 1: no flow; accepted (set_steps / per-request steps) and ignored
         super().__init__(model, n_slots, max_context, device, cache_layers=model.cfg.n_layers)
         self.g_cache = torch.zeros(n_slots, max_context, self.cfg.dim, dtype=self.k_cache.dtype, device=self.device)
-        self._step = self.model.chain_step  # enable_compile() swaps in a compiled one
+        self._step = self.model.chain_step  # COMPILED: enable_compile() swaps in a compiled one
 
     @property
     def bytes_per_context_token(self) -> int:
@@ -297,18 +298,6 @@ class EagleProposer(SlotCacheProposer):
             self.v_cache[i, slot, :, p0:p1 + 1] = v[0]
             h = layer.finish(h, q, self.k_cache[i, slot, :, :p1 + 1][None], self.v_cache[i, slot, :, :p1 + 1][None],
                              mask)
-
-    def enable_compile(self, steps: tuple[int, ...] = (1,), warmup: bool = True) -> dict:
-        """Run each chain step through torch.compile (drafter_service.compiled), as
-        FlashMapProposer.enable_compile does for its network. steps: accepted and ignored."""
-        from drafter_service.compiled import compiled_method
-
-        self._step = compiled_method(self.model, "chain_step")
-        t0 = time.perf_counter()
-        if warmup:
-            self._compile_warmup(steps)
-        return {"compiled": self._step.failed is None, "seconds": round(time.perf_counter() - t0, 1),
-                "failed": [self._step.failed] if self._step.failed else []}
 
     @torch.inference_mode()
     def propose(self, requests: list[ProposeRequest], steps: int | None = None) -> list[Draft]:

@@ -322,7 +322,7 @@ class FlashMapDiT(FrozenTarget):
                  lengths: Tensor) -> Tensor:
         """`forward` given the jump's adaLN vectors (`modulations`) and the context as plain
         tensors: no host floats and no caches, so torch.compile can trace it whole
-        (FlashMapProposer.enable_compile)."""
+        (SlotCacheProposer.enable_compile)."""
         B, K, D = anchor.shape[0], self.cfg.block_size, self.cfg.dim
         if self.cfg.kind == "flashmap":
             if x.stride(1) == 0:  # one noise draw broadcast over the K slots: project it once

@@ -21,7 +21,6 @@ Not thread-safe: the gRPC server serialises calls.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,6 +67,8 @@ class FlashMapProposer(SlotCacheProposer):
     """Sequences (slots, release, truncate, set_steps): SlotCacheProposer. Truncating leaves the
     cache rows past the new length in place: masked now, overwritten by the next extend."""
 
+    COMPILED = {"_evaluate": "evaluate", "_encode": "encode_context"}
+
     def __init__(self, model: FlashMapDiT, n_slots: int = 64, max_context: int = 4096, device: str = "cpu",
                  steps: int = 1, shared_noise: bool = True, min_confidence: float = 0.0):
         super().__init__(model, n_slots, max_context, device, cache_layers=model.cfg.n_blocks)
@@ -80,7 +81,7 @@ class FlashMapProposer(SlotCacheProposer):
         self.min_confidence = min_confidence
         self.set_steps(steps)
         self.graphs = None  # FlowGraphs after enable_graphs()
-        # The network's two entry points; enable_compile() swaps in compiled versions.
+        # The network's two entry points (COMPILED); enable_compile() swaps in compiled versions.
         self._evaluate = self.model.evaluate
         self._encode = self.model.encode_context
         self._grids: dict[int, list[float]] = {}  # steps -> flow times (a pure function of the config)
@@ -155,22 +156,6 @@ class FlashMapProposer(SlotCacheProposer):
             return {"graphs": 0}
         self.graphs = FlowGraphs(self, steps, mode=mode, **buckets)
         return self.graphs.capture()
-
-    def enable_compile(self, steps: tuple[int, ...] = (1, 2), warmup: bool = True) -> dict:
-        """Draft through torch.compile (drafter_service.compiled): the CPU counterpart of
-        enable_graphs. warmup: compile now, every variant with each step count in `steps`
-        (else the first requests pay the compilation). Returns a report."""
-        from drafter_service.compiled import compiled_method
-
-        if self.graphs is not None:
-            raise RuntimeError("CUDA graphs are enabled: they already replay the drafter; compile is for CPU")
-        self._evaluate = compiled_method(self.model, "evaluate")
-        self._encode = compiled_method(self.model, "encode_context")
-        t0 = time.perf_counter()
-        if warmup:
-            self._compile_warmup(steps)
-        failed = [c.failed for c in (self._evaluate, self._encode) if c.failed]
-        return {"compiled": not failed, "seconds": round(time.perf_counter() - t0, 1), "failed": failed}
 
     def _network(self, x: Tensor | None, s: Tensor | float, t: Tensor | float, anchor: Tensor,
                  ctx: CrossContext) -> Tensor:

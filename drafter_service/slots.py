@@ -12,6 +12,7 @@ sequence-level calls that only touch the table (release, truncate, context_lengt
 from __future__ import annotations
 
 import abc
+import time
 
 import numpy as np
 import torch
@@ -136,6 +137,26 @@ class SlotCacheProposer(Proposer):
         slot, start = self.slots.reserve(seq_id, m)
         if m:
             self._write(slot, start, token_ids, features)
+
+    # Proposer attribute -> the model method enable_compile runs through torch.compile.
+    COMPILED: dict[str, str] = {}
+
+    def enable_compile(self, steps: tuple[int, ...] = (1,), warmup: bool = True) -> dict:
+        """Draft through torch.compile (drafter_service.compiled), the CPU counterpart of CUDA
+        graphs: each COMPILED method of the model is compiled, shared by the proposers of that
+        model. warmup: compile now, every variant with each step count in `steps` (else the
+        first requests pay the compilation). Returns a report."""
+        from drafter_service.compiled import compiled_method
+
+        if getattr(self, "graphs", None) is not None:
+            raise RuntimeError("CUDA graphs are enabled: they already replay the drafter; compile is for CPU")
+        for attr, method in self.COMPILED.items():
+            setattr(self, attr, compiled_method(self.model, method))
+        t0 = time.perf_counter()
+        if warmup:
+            self._compile_warmup(steps)
+        failed = [getattr(self, a).failed for a in self.COMPILED if getattr(self, a).failed]
+        return {"compiled": not failed, "seconds": round(time.perf_counter() - t0, 1), "failed": failed}
 
     def _compile_warmup(self, steps: tuple[int, ...]) -> None:
         """Draft once through every variant torch.compile makes of the drafter (sizes 0 and 1

@@ -254,7 +254,7 @@ def fastest(runs: list[dict]) -> dict:
 
 def make_proposer(m: Method, target: str, engine, device: str, cache: dict, compile: bool = False):
     """A fresh proposer for the method (the loaded model is shared between methods, and so are
-    its compilations: FlashMapProposer.enable_compile)."""
+    its compilations: SlotCacheProposer.enable_compile)."""
     from drafter_service.checkpoint import load_drafter
     from drafter_service.eagle import EagleProposer, load_eagle
     from drafter_service.flashmap_proposer import FlashMapProposer
