@@ -1,9 +1,10 @@
 """torch.compile of the drafter's network: on CPU, what the CUDA graphs are on a GPU.
 
 A 1-step draft is ~150 small ops; eagerly, on CPU, their dispatch costs as much as the
-arithmetic. Compiled (inductor, C++ kernels) the same network runs as one fused program:
-one 1-jump evaluation of the demo drafter took 2.6 -> 1.8 ms on this project's 2-core CPU
-(a whole drafting round, context update included: 3.0 ms, docs/results/eval.md). Unlike a
+arithmetic. Compiled (inductor, C++ kernels, weights frozen and pre-packed) the same network
+runs as one fused program: one 1-jump evaluation of the demo drafter took 2.6 -> 1.8 ms on
+this project's 2-core CPU without freezing, and freezing took a whole 1-jump draft from
+3.05 to 2.4 ms more. Unlike a
 CUDA graph it needs no static shapes: `dynamic=True` traces batch and context length as
 symbols, so one compilation serves every request (sizes 0 and 1 are specialised, which
 costs a second compilation the first time a batch of 2+ or a longer extend comes).
@@ -16,6 +17,7 @@ gets slower, never stops, and the numbers are the same function's.
 from __future__ import annotations
 
 import logging
+import types
 from typing import Callable
 
 import torch
@@ -24,18 +26,35 @@ log = logging.getLogger("flashmap.drafter.compile")
 
 
 class Compiled:
-    """`fn` through torch.compile(dynamic=True), falling back to `fn` itself on failure."""
+    """`fn` (a bound method of a module) through torch.compile(dynamic=True), falling back to
+    `fn` itself on failure.
+
+    Inductor's freezing is on: the module's weights are folded into the compiled program as
+    constants and pre-packed for the CPU GEMM library once, instead of packed on every call
+    (a 1-jump draft of the demo drafter: 3.05 -> 2.4 ms; the drafter's matmuls are 17 rows
+    each, where packing costs as much as multiplying). So the weights must not change after
+    compiling: if they do (an in-place update bumps a tensor's version), the wrapper says so
+    once and runs eagerly, with the current weights."""
 
     def __init__(self, fn: Callable, name: str):
-        # Variants are kept per code object: every drafter of one class (an evaluation compares
-        # several) shares the limit, and torch's default of 8 would send the rest eager.
+        # Variants are kept per code object (compiled_method gives each model its own); the
+        # warm-up makes several, and a mistaken fallback to eager would cost more than room.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.eager = fn
         self.name = name
-        self.compiled = torch.compile(fn, dynamic=True)
+        self.compiled = torch.compile(fn, dynamic=True, options={"freezing": True})
         self.failed: str | None = None  # why compilation was given up, once it was
+        module = getattr(fn, "__self__", None)
+        self._weights = list(module.parameters()) + list(module.buffers()) if isinstance(module, torch.nn.Module) else []
+        self._versions = self._weight_versions()
+
+    def _weight_versions(self) -> list[int]:
+        return [w._version for w in self._weights]
 
     def __call__(self, *args):
+        if self.failed is None and self._weight_versions() != self._versions:
+            self.failed = "the weights changed after compiling (they are frozen into the compiled program)"
+            log.warning("%s: %s; running it eagerly", self.name, self.failed)
         if self.failed is None:
             try:
                 return self.compiled(*args)
@@ -49,8 +68,21 @@ class Compiled:
 
 def compiled_method(obj, name: str) -> Compiled:
     """One Compiled per (object, method name): proposers that share a model (the eval builds
-    one per table cell) share its compilations too."""
+    one per table cell) share its compilations too.
+
+    Each object compiles its own copy of the method's code. Dynamo keeps compilations per code
+    object and, on every call, checks the guards of each entry until one matches: with one
+    shared code object, a model in an evaluation that compiles four drafters paid for the
+    other three's guards (+0.7 ms per drafting round on the demo, half a target step)."""
     cache = obj.__dict__.setdefault("_compiled_methods", {})  # plain attribute, also on an nn.Module
     if name not in cache:
-        cache[name] = Compiled(getattr(obj, name), f"{type(obj).__name__}.{name}")
+        cache[name] = Compiled(_own_code(getattr(obj, name)), f"{type(obj).__name__}.{name}")
     return cache[name]
+
+
+def _own_code(method: types.MethodType) -> types.MethodType:
+    """The bound method over a fresh copy of its function's code object (same behaviour)."""
+    f = method.__func__
+    copy = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    copy.__kwdefaults__, copy.__qualname__ = f.__kwdefaults__, f.__qualname__
+    return types.MethodType(copy, method.__self__)

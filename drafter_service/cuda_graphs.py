@@ -36,7 +36,7 @@ def bucket_of(n: int, buckets: tuple[int, ...]) -> int | None:
 
 @dataclass
 class _Static:
-    x: Tensor  # [b, K, V]
+    y: Tensor  # [b, K, H] embedded noise
     anchor: Tensor  # [b]
     slots: Tensor  # [b]
     lengths: Tensor  # [b]
@@ -66,12 +66,12 @@ class FlowGraphs:
 
     def _fn(self, st: _Static, steps: int, window: int, times: list[Tensor]) -> Tensor:
         ctx = self.p._context_tensors(st.slots, st.lengths, window)
-        return self.p._integrate(st.x, st.anchor, ctx, steps, times)
+        return self.p._integrate(st.y, st.anchor, ctx, steps, times)
 
     def _static(self, b: int) -> _Static:
-        K, V, dev = self.p.block_size, self.p.vocab_size, self.p.device
+        K, E, dev = self.p.block_size, self.p.model.embed, self.p.device
         z = lambda: torch.zeros(b, dtype=torch.long, device=dev)  # noqa: E731
-        return _Static(torch.zeros(b, K, V, dtype=torch.float32, device=dev), z(), z(), z())
+        return _Static(torch.zeros(b, K, E.shape[1], dtype=E.dtype, device=dev), z(), z(), z())
 
     @torch.inference_mode()
     def capture(self) -> dict:
@@ -109,18 +109,19 @@ class FlowGraphs:
         return report
 
     @torch.inference_mode()
-    def run(self, x: Tensor, anchor: Tensor, slots: list[int], lengths: list[int], steps: int) -> Tensor | None:
-        """Logits [B, K, V] through a graph, or None when no graph fits (the caller runs eagerly)."""
-        B = x.shape[0]
+    def run(self, y: Tensor, anchor: Tensor, slots: list[int], lengths: list[int], steps: int) -> Tensor | None:
+        """Logits [B, K, V] from the embedded noise y [B, K, H] through a graph, or None when no
+        graph fits (the caller runs eagerly)."""
+        B = y.shape[0]
         b, w = bucket_of(B, self.batch_buckets), bucket_of(max(lengths + [1]), self.context_buckets)
         st = self.graphs.get((steps, b, w)) if b is not None and w is not None else None
         if st is None:
             return None
-        st.x.zero_()
+        st.y.zero_()
         st.anchor.zero_()
         st.slots.zero_()
         st.lengths.zero_()
-        st.x[:B].copy_(x)
+        st.y[:B].copy_(y)
         st.anchor[:B].copy_(anchor)
         st.slots[:B].copy_(torch.tensor([max(s, 0) for s in slots]))
         st.lengths[:B].copy_(torch.tensor(lengths))

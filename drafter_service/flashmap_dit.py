@@ -15,6 +15,13 @@ Output: per-slot logits [B, K, V] of the clean block, conditioned on the jump (s
 Flow map: pi = softmax(logits), X_{s,t}(x) = x + (t-s)/(1-s) * (pi - x): X_{s,1} = pi, and
 the diagonal s = t is the teacher denoiser with velocity (pi - x)/(1-t).
 
+The network sees the state only through y = x @ E, and the flow map is affine, so serving
+carries y [B, K, H] instead of x [B, K, V]: y_t = y_s + (t-s)/(1-s) * (pi @ E - y_s), and
+the noise x_0 ~ N(0, I_V) enters as y_0 ~ N(0, E^T E), drawn as z @ F with z ~ N(0, I_H)
+and F^T F = E^T E (`noise_factor`). Same distribution of drafts, without drawing V normals
+and reading the [V, H] embedding for every block (at Qwen3-8B's V = 151,936: 1.2 GB in bf16).
+`forward` takes x (training); `evaluate` takes y (serving).
+
 kind "dflash" (DFlash-style baseline) is the same backbone with the state replaced by a
 learned mask embedding and the time conditioning fixed at (0, 1): one pass gives
 independent per-slot marginals.
@@ -79,6 +86,23 @@ def jump(x: Tensor, probs: Tensor, s: Tensor | float, t: Tensor | float) -> Tens
     s, t = _per_row(s, n, x.device), _per_row(t, n, x.device)
     w = ((t - s) / (1 - s).clamp_min(1e-6))[:, None, None]  # [B, 1, 1]
     return x + w * (probs.to(x.dtype) - x)
+
+
+def noise_factor(E: Tensor) -> Tensor:
+    """F [r, H] (E's dtype) with F^T F = E^T E, r = min(V, H), for E [V, H]: z @ F with
+    z ~ N(0, I_r) is distributed as x_0 @ E with x_0 ~ N(0, I_V). F = L^T from the Cholesky
+    factor of E^T E when V > H (an eigendecomposition if E lacks full column rank), E itself
+    when V <= H. Computed in float64."""
+    e = E.double()
+    if e.shape[0] <= e.shape[1]:
+        return E.clone()
+    gram = e.T @ e  # [H, H]
+    try:
+        f = torch.linalg.cholesky(gram).T
+    except torch.linalg.LinAlgError:
+        lam, q = torch.linalg.eigh(gram)
+        f = lam.clamp_min(0).sqrt()[:, None] * q.T
+    return f.to(E.dtype)
 
 
 # ----------------------------------------------------------------------------- context
@@ -215,6 +239,7 @@ class FlashMapDiT(FrozenTarget):
         self._init_target(embed, lm_head)  # frozen target tensors [V, H]
         self._tau_cache: dict = {}  # (device, V) -> tau tables; kept out of buffers so .to(bf16) leaves them exact
         self._mod_cache: dict = {}  # see modulations()
+        self._noise_factor: tuple | None = None  # see noise_factor()
 
         # Magnitudes of x_s @ E vary with s (noise ~ sqrt(V) x a row of E), so inputs are rms-normalised.
         self.in_norm = nn.RMSNorm(H, eps=cfg.norm_eps, elementwise_affine=False)
@@ -316,19 +341,35 @@ class FlashMapDiT(FrozenTarget):
 
         x [B, K, V] flow state at time s (unused for dflash, may be None); s, t floats or
         [B]; anchor [B] int64 token ids; ctx: the rows' projected context."""
-        return self.evaluate(x, self.modulations(s, t, anchor.shape[0]), anchor, ctx.kv, ctx.lengths)
+        y = self.embed_state(x) if self.cfg.kind == "flashmap" else None
+        return self.evaluate(y, self.modulations(s, t, anchor.shape[0]), anchor, ctx.kv, ctx.lengths)
 
-    def evaluate(self, x: Tensor | None, mods: list[Tensor], anchor: Tensor, kv: list[tuple[Tensor, Tensor]],
+    # ------------------------------------------------------------------ embedded state
+    def embed_state(self, x: Tensor) -> Tensor:
+        """x [B, K, V] -> y = x @ E [B, K, H]; a draw broadcast over the K slots is projected once."""
+        if x.stride(1) == 0:
+            return (x[:, :1].to(self.embed.dtype) @ self.embed).expand(-1, x.shape[1], -1)
+        return x.to(self.embed.dtype) @ self.embed
+
+    def noise_factor(self) -> Tensor:
+        """`noise_factor` of the frozen embedding, computed once (again if it is replaced)."""
+        E = self.embed
+        key = (E.data_ptr(), E._version, E.device, E.dtype)
+        if self._noise_factor is None or self._noise_factor[0] != key:
+            self._noise_factor = (key, noise_factor(E))
+        return self._noise_factor[1]
+
+    def evaluate(self, y: Tensor | None, mods: list[Tensor], anchor: Tensor, kv: list[tuple[Tensor, Tensor]],
                  lengths: Tensor) -> Tensor:
-        """`forward` given the jump's adaLN vectors (`modulations`) and the context as plain
-        tensors: no host floats and no caches, so torch.compile can trace it whole
-        (SlotCacheProposer.enable_compile)."""
+        """`forward` given the embedded state y = x_s @ E [B, K, H] (None for dflash), the
+        jump's adaLN vectors (`modulations`) and the context as plain tensors: no host floats
+        and no caches, so torch.compile can trace it whole (SlotCacheProposer.enable_compile)."""
         B, K, D = anchor.shape[0], self.cfg.block_size, self.cfg.dim
         if self.cfg.kind == "flashmap":
-            if x.stride(1) == 0:  # one noise draw broadcast over the K slots: project it once
-                h_state = self.state_in(self.in_norm(x[:, :1].to(self.embed.dtype) @ self.embed)).expand(B, K, D)
+            if y.stride(1) == 0:  # one state broadcast over the K slots (shared noise): project it once
+                h_state = self.state_in(self.in_norm(y[:, :1].to(self.embed.dtype))).expand(B, K, D)
             else:
-                h_state = self.state_in(self.in_norm(x.to(self.embed.dtype) @ self.embed))  # [B, K, D]
+                h_state = self.state_in(self.in_norm(y.to(self.embed.dtype)))  # [B, K, D]
         else:
             h_state = self.mask_embed.expand(B, K, D)  # [B, K, D]
         h_anchor = self.anchor_in(self.in_norm(self.embed[anchor]))[:, None]  # [B, 1, D]

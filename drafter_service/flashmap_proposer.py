@@ -10,8 +10,10 @@ per flow step:
     steps >= 3: N Euler steps of the teacher ODE (diagonal s = t) on a grid uniform in tau
     dflash:     one pass over the masked block, whatever the step count
 
+The flow runs on the embedded state y = x @ E [B, K, H] (flashmap_dit: the network sees x
+only through it), so the noise is y_0 = z @ F (F^T F = E^T E), distributed as x_0 @ E.
 Randomness is per request: a CPU torch.Generator seeded with the request's seed draws
-the noise x_0 (one [V] draw shared by all K slots, or [K, V] with shared_noise=False)
+z (one [r] draw shared by all K slots, or [K, r] with shared_noise=False; r = min(V, H))
 and then the proposal samples, so drafts are reproducible and independent of batching
 and of the device. At temperature T > 0 slot k proposes x_k ~ q_k = softmax(logits/T)
 restricted to its top-m tokens and renormalised; the support sent to the target is those
@@ -44,11 +46,12 @@ def request_generator(seed: int, block: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(s)
 
 
-def draw_noise(gen: torch.Generator, block_size: int, vocab_size: int, shared: bool = True) -> Tensor:
-    """x_0 for one block: [K, V] float32; with shared=True one [V] draw repeated over the K slots."""
+def draw_noise(gen: torch.Generator, block_size: int, dim: int, shared: bool = True) -> Tensor:
+    """Standard normal noise for one block: [K, dim] float32; with shared=True one [dim] draw
+    repeated over the K slots."""
     if shared:
-        return torch.randn(vocab_size, generator=gen).expand(block_size, vocab_size)
-    return torch.randn(block_size, vocab_size, generator=gen)
+        return torch.randn(dim, generator=gen).expand(block_size, dim)
+    return torch.randn(block_size, dim, generator=gen)
 
 
 @dataclass
@@ -157,39 +160,41 @@ class FlashMapProposer(SlotCacheProposer):
         self.graphs = FlowGraphs(self, steps, mode=mode, **buckets)
         return self.graphs.capture()
 
-    def _network(self, x: Tensor | None, s: Tensor | float, t: Tensor | float, anchor: Tensor,
+    def _network(self, y: Tensor | None, s: Tensor | float, t: Tensor | float, anchor: Tensor,
                  ctx: CrossContext) -> Tensor:
-        """model(x, s, t, anchor, ctx) through the (possibly compiled) evaluation; times are
-        host floats, or device tensors inside CUDA graphs (never compiled together)."""
-        return self._evaluate(x, self.model.modulations(s, t, anchor.shape[0]), anchor, ctx.kv, ctx.lengths)
+        """The model at the embedded state y [B, K, H] through the (possibly compiled) evaluation;
+        times are host floats, or device tensors inside CUDA graphs (never compiled together)."""
+        return self._evaluate(y, self.model.modulations(s, t, anchor.shape[0]), anchor, ctx.kv, ctx.lengths)
 
     @torch.inference_mode()
     def _propose_rows(self, rows: list[_Row], steps: int) -> list[Draft]:
-        K, V = self.block_size, self.vocab_size
+        K = self.block_size
         anchor = torch.tensor([r.anchor for r in rows], device=self.device)  # [B]
         if self.cfg.kind == "dflash":
             ctx = self._context([r.slot for r in rows], [r.length for r in rows])
             logits = self._network(None, 0.0, 1.0, anchor, ctx)  # [B, K, V]
         else:
-            # Noise is drawn on the host (reproducible whatever the device); shared noise
-            # crosses to the device as one [V] row per request and is expanded there:
-            # K times fewer bytes (at V=151,936 the [B, K, V] copy dominated batch-16 drafts).
-            noise = [draw_noise(r.gen, K, V, self.shared_noise) for r in rows]
+            # z is drawn on the host (the same draws whatever the device); shared noise crosses
+            # to the device as one [r] row per request and is expanded there.
+            F = self.model.noise_factor()  # [r, H]
+            noise = [draw_noise(r.gen, K, F.shape[0], self.shared_noise) for r in rows]
             if self.shared_noise:
-                x = torch.stack([n[0] for n in noise]).to(self.device)[:, None].expand(-1, K, -1)  # [B, K, V]
+                z = torch.stack([n[0] for n in noise]).to(self.device, F.dtype)  # [B, r]
+                y = (z @ F)[:, None].expand(-1, K, -1)  # [B, K, H]
             else:
-                x = torch.stack(noise).to(self.device)  # [B, K, V]
+                y = torch.stack(noise).to(self.device, F.dtype) @ F  # [B, K, H]
             logits = None
             if self.graphs is not None:
-                logits = self.graphs.run(x, anchor, [r.slot for r in rows], [r.length for r in rows], steps)
+                logits = self.graphs.run(y, anchor, [r.slot for r in rows], [r.length for r in rows], steps)
             if logits is None:
-                logits = self._integrate(x, anchor, self._context([r.slot for r in rows], [r.length for r in rows]), steps)
+                logits = self._integrate(y, anchor, self._context([r.slot for r in rows], [r.length for r in rows]), steps)
         return self._sample(logits, rows)
 
-    def _integrate(self, x: Tensor, anchor: Tensor, ctx: CrossContext, steps: int,
+    def _integrate(self, y: Tensor, anchor: Tensor, ctx: CrossContext, steps: int,
                    times: list[Tensor] | None = None) -> Tensor:
-        """Run the flow from x_0 to t = 1; returns the last evaluation's logits [B, K, V].
-        times: the grid as [B] device tensors (CUDA graphs); default: host floats."""
+        """Run the flow from the embedded noise y_0 [B, K, H] to t = 1; returns the last
+        evaluation's logits [B, K, V]. times: the grid as [B] device tensors (CUDA graphs);
+        default: host floats."""
         if steps not in self._grids:
             self._grids[steps] = [float(g) for g in time_grid(steps, self.vocab_size, self.cfg.time_table_size,
                                                               self.cfg.gauss_hermite_nodes)]
@@ -199,9 +204,10 @@ class FlashMapProposer(SlotCacheProposer):
         logits = None
         for i in range(len(grid) - 1):
             a, b = tt[i], tt[i + 1]
-            logits = self._network(x, a, a if euler else b, anchor, ctx)
+            logits = self._network(y, a, a if euler else b, anchor, ctx)
             if grid[i + 1] < 1.0:  # the last update would give x_1 = pi: the logits already say it
-                x = jump(x, logits.softmax(-1), a, b)
+                E = self.model.embed
+                y = jump(y, logits.softmax(-1).to(E.dtype) @ E, a, b)  # y_b = X_{a,b}(x_a) @ E
         return logits
 
     def _sample(self, logits: Tensor, rows: list[_Row]) -> list[Draft]:

@@ -13,7 +13,7 @@ import torch
 
 from drafter_service.checkpoint import init_drafter, load_drafter, save_drafter
 from drafter_service.config import DrafterConfig
-from drafter_service.flashmap_dit import FlashMapDiT, jump
+from drafter_service.flashmap_dit import FlashMapDiT, jump, noise_factor
 from drafter_service.flashmap_proposer import (ContextTooLong, FlashMapProposer, SlotsExhausted, draw_noise,
                                                request_generator)
 from drafter_service.flow_time import time_grid
@@ -246,8 +246,10 @@ def test_min_confidence_cuts_greedy_drafts_only(model):
     want, got = full.propose(reqs), cut.propose(reqs)
     ctx = full.cross_context(["a"])
     with torch.no_grad():  # the drafted block's own probabilities decide where it stops
-        x = torch.stack([draw_noise(torch.Generator().manual_seed(1), 16, model.cfg.vocab_size)])
-        conf = model(x, 0.0, 1.0, torch.tensor([11]), ctx).softmax(-1).amax(-1)[0].numpy()
+        F = model.noise_factor()
+        y = (draw_noise(torch.Generator().manual_seed(1), 16, F.shape[0]) @ F)[None]  # [1, K, H]
+        logits = model.evaluate(y, model.modulations(0.0, 1.0, 1), torch.tensor([11]), ctx.kv, ctx.lengths)
+        conf = logits.softmax(-1).amax(-1)[0].numpy()
     low = np.nonzero(conf < 0.5)[0]
     n = 16 if len(low) == 0 else max(int(low[0]), 1)
     assert len(got[0].tokens) == n and np.array_equal(got[0].tokens, want[0].tokens[:n])
@@ -274,6 +276,42 @@ def test_shared_noise():
     y = draw_noise(request_generator(5), 16, 512, shared=False)
     assert not torch.equal(y[0], y[1])
     assert torch.equal(x[0], y[0])  # same stream: the first draw is the same
+
+
+def test_embedded_noise_is_the_projected_vocabulary_noise(flashmap):
+    """y_0 = z @ F has the law of x_0 @ E (x_0 ~ N(0, I_V)), and a jump in embedded space is
+    the projection of the jump in R^V: serving's y path is the network's x path."""
+    E = flashmap.embed.double()
+    F = flashmap.noise_factor().double()
+    assert E.shape[0] > E.shape[1] and F.shape == (E.shape[1], E.shape[1])  # the Cholesky case
+    torch.testing.assert_close(F.T @ F, E.T @ E, rtol=1e-4, atol=1e-4)
+    n = 20_000
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(n, E.shape[1], generator=g, dtype=torch.float64) @ F
+    x = torch.randn(n, E.shape[0], generator=g, dtype=torch.float64) @ E
+    scale = (E.T @ E).diagonal().sqrt()
+    for a in (y, x):  # both covariances within sampling error of E^T E
+        cov = a.T @ a / n
+        assert ((cov - E.T @ E).abs() / (scale[:, None] * scale[None])).max() < 8 / n ** 0.5
+    ctx = FlashMapProposer(flashmap, n_slots=1, max_context=4).cross_context(["none"])
+    xs = torch.randn(1, 16, E.shape[0], generator=g)
+    pi = torch.softmax(torch.randn(1, 16, E.shape[0], generator=g), -1)
+    with torch.no_grad():
+        want = flashmap(jump(xs, pi, 0.0, 0.5), 0.5, 1.0, torch.tensor([3]), ctx)
+        ys = jump(flashmap.embed_state(xs), pi @ flashmap.embed, 0.0, 0.5)
+        got = flashmap.evaluate(ys, flashmap.modulations(0.5, 1.0, 1), torch.tensor([3]), ctx.kv, ctx.lengths)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("V,H,rank", [(8, 32, 8), (64, 16, 16), (64, 16, 5)])
+def test_noise_factor_small_vocabulary_and_low_rank(V, H, rank):
+    """V <= H (the tiny-vocabulary tests) and an embedding without full column rank still get
+    a factor with F^T F = E^T E."""
+    g = torch.Generator().manual_seed(V + rank)
+    E = torch.randn(V, rank, generator=g, dtype=torch.float64) @ torch.randn(rank, H, generator=g, dtype=torch.float64)
+    F = noise_factor(E.float()).double()
+    assert F.shape == (min(V, H), H)
+    torch.testing.assert_close(F.T @ F, E.T @ E, rtol=1e-4, atol=1e-3)
 
 
 def test_shared_noise_switch_changes_drafts(flashmap):

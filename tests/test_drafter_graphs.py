@@ -48,8 +48,8 @@ def test_static_graph_path_matches_dynamic(model, steps, n_seqs, temperature):
 
 def test_graph_run_reports_no_graph_for_uncaptured_steps(model):
     p = _proposer(model, graphs=True)
-    x = torch.zeros(1, p.block_size, p.vocab_size)
-    assert p.graphs.run(x, torch.tensor([1]), [0], [3], steps=5) is None
+    y = torch.zeros(1, p.block_size, p.cfg.target_hidden_size)
+    assert p.graphs.run(y, torch.tensor([1]), [0], [3], steps=5) is None
 
 
 def _mixed_requests():
@@ -95,3 +95,24 @@ def test_compile_failure_falls_back_to_eager(model, monkeypatch, caplog):
             np.testing.assert_array_equal(a.tokens, b.tokens)
     finally:
         model.__dict__.pop("_compiled_methods", None)
+
+
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                    reason="torch.compile (inductor) needs a C++ compiler")
+def test_compiled_drafter_sees_weight_changes(tmp_path, caplog):
+    """Compiling freezes the weights into the program: after an in-place update the drafter
+    must draft with the new weights (eagerly), not the frozen ones."""
+    target = make_random_qwen3(tmp_path / "t", with_tokenizer=False)
+    fresh = init_drafter(target, dim=64, n_blocks=2, n_heads=4, seed=1)
+    comp = _proposer(fresh, graphs=False)
+    assert comp.enable_compile(steps=(1,))["compiled"]
+    reqs = _mixed_requests()
+    before = comp.propose(reqs)
+    with torch.no_grad():
+        fresh.out_proj.weight.mul_(-3.0)
+    ref = _proposer(fresh, graphs=False)  # eager, new weights
+    after, want = comp.propose(reqs), ref.propose(reqs)
+    for a, b in zip(after, want):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+    assert any(not np.array_equal(a.tokens, b.tokens) for a, b in zip(before, after))
+    assert "weights changed" in comp._evaluate.failed and "running it eagerly" in caplog.text
