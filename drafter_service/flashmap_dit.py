@@ -93,10 +93,13 @@ def noise_factor(E: Tensor) -> Tensor:
     z ~ N(0, I_r) is distributed as x_0 @ E with x_0 ~ N(0, I_V). F = L^T from the Cholesky
     factor of E^T E when V > H (an eigendecomposition if E lacks full column rank), E itself
     when V <= H. Computed in float64."""
-    e = E.double()
-    if e.shape[0] <= e.shape[1]:
+    V, H = E.shape
+    if V <= H:
         return E.clone()
-    gram = e.T @ e  # [H, H]
+    gram = torch.zeros(H, H, dtype=torch.float64, device=E.device)
+    for chunk in E.split(16384):  # a float64 copy of all of E would be 5 GB at Qwen3-8B's size
+        c = chunk.double()
+        gram += c.T @ c
     try:
         f = torch.linalg.cholesky(gram).T
     except torch.linalg.LinAlgError:

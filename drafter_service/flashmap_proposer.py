@@ -88,6 +88,8 @@ class FlashMapProposer(SlotCacheProposer):
         self._evaluate = self.model.evaluate
         self._encode = self.model.encode_context
         self._grids: dict[int, list[float]] = {}  # steps -> flow times (a pure function of the config)
+        if self.cfg.kind == "flashmap":
+            self.model.noise_factor()  # at start-up rather than in the first request
 
     # ------------------------------------------------------------------ sequences
     def _write(self, slot: int, start: int, token_ids: np.ndarray, features: np.ndarray) -> None:

@@ -14,6 +14,7 @@ import torch
 
 from drafter_service.checkpoint import init_drafter, save_drafter
 from drafter_service.eagle import (EagleProposer, checkpoint_kind, init_eagle, load_eagle, rollout_mask, save_eagle)
+from drafter_service.flashmap_proposer import FlashMapProposer
 from drafter_service.proposer import ProposeRequest
 from flashmap.inprocess import decode
 from flashmap.types import SamplingParams
@@ -250,3 +251,30 @@ def test_conditional_counts():
     den, num = conditional_counts([(4, 4), (4, 0), (2, 1), (3, 2)], 4)
     # slot 1: drafted in all 4 rounds, accepted in 3; slot 2: 3 rounds reached it, accepted in 2 ...
     assert den == [4, 3, 2, 1] and num == [3, 2, 1, 1]
+
+
+def test_paired_timing_runs_every_prompt_with_every_method(world, monkeypatch):
+    """run_paired: each prompt decoded by every runner back to back in rotating order, each
+    runner keeps per prompt its fastest run; counts and outputs are those of one decode."""
+    from flashmap import inprocess
+    from training import evaluate as ev
+
+    _, target, engine = world
+    proposer = FlashMapProposer(init_drafter(target, seed=0, dim=64, n_blocks=1, n_heads=4), n_slots=1,
+                                max_context=engine.max_seq_len)
+    order, real = [], inprocess.decode
+
+    def spy(engine_, reqs, proposer_, *a):
+        order.append(("alone" if proposer_ is None else "fm", reqs[0].request_id))
+        return real(engine_, reqs, proposer_, *a)
+    monkeypatch.setattr(inprocess, "decode", spy)
+    prompts = [{"id": f"p{i}", "ids": [3 + i, 7, 11, 2 * i]} for i in range(2)]
+    runs = ev.run_paired(engine, prompts, 0.0, 8, 0, {"alone": (None, 1, 1), "fm": (proposer, 1, 1)}, repeats=2)
+    assert order == [("alone", "p0"), ("fm", "p0"), ("alone", "p1"), ("fm", "p1"),
+                     ("fm", "p0"), ("alone", "p0"), ("fm", "p1"), ("alone", "p1")]
+    once = ev.run_prompts(engine, prompts, 0.0, 8, 0, proposer)
+    for name in ("alone", "fm"):
+        assert len(runs[name]["prompt_walls"]) == 2 and runs[name]["wall_s"] == sum(runs[name]["prompt_walls"])
+    assert runs["fm"]["outputs"] == runs["alone"]["outputs"] == once["outputs"]
+    assert (runs["fm"]["drafts"], runs["fm"]["accepted"]) == (once["drafts"], once["accepted"])
+    assert runs["alone"]["drafts"] == 0 and runs["fm"]["drafts"] > 0

@@ -28,12 +28,13 @@ and the conditional acceptance per slot P(slot k accepted | slots < k accepted, 
 drafted), counted from every round. At T = 0 every method's output must equal the
 target's (asserted).
 
-The target alone is timed before and after the methods of each (domain, temperature),
-and per prompt the fastest of both counts: a slow stretch of a shared machine during one
-of them cannot inflate the speedups. Resumable: each finished cell is written to a JSON
-cache (--cache) and skipped by the next run with the same settings; a (domain,
-temperature) with missing cells re-measures the target alone, so a speedup always
-compares runs of one process. Writes
+Timing is paired (`run_paired`): each prompt is decoded by the target alone and by every
+method back to back, --repeats times in rotating order, and per prompt the fastest run of
+each counts, so a slow stretch of a shared machine hits a method and its baseline alike.
+Resumable: the cells of each finished (domain, temperature) are written to a JSON cache
+(--cache) and skipped by the next run with the same settings; a (domain, temperature) with
+missing cells re-measures the target alone, so a speedup always compares runs of one
+process. Writes
 docs/results/eval.md (command, date, machine, every cell) and two PNG plots.
 
     python -m training.evaluate --target checkpoints/demo-target --flashmap runs/map \
@@ -208,48 +209,55 @@ def make_requests(prompts: list[dict], temperature: float, max_new: int, seed: i
 
 def run_prompts(engine, prompts, temperature, max_new, seed, proposer=None, steps=1, bar=None,
                 tree_blocks=1) -> dict:
-    """Decode every prompt alone (concurrency 1); totals, per-round log, outputs."""
+    """Decode every prompt alone (concurrency 1) once with one method; see `run_paired`."""
+    return run_paired(engine, prompts, temperature, max_new, seed, {"run": (proposer, steps, tree_blocks)}, 1,
+                      bar)["run"]
+
+
+def run_paired(engine, prompts, temperature, max_new, seed, runners: dict, repeats: int, bar=None) -> dict:
+    """Decode every prompt alone (concurrency 1) with every runner, name -> (proposer or None,
+    steps, tree_blocks), back to back, `repeats` times with the runners' order rotated.
+
+    Per runner and prompt the fastest run counts (its wall, draft and verify seconds): on a
+    shared machine the least disturbed run is the best estimate of the cost, and since a
+    prompt's runs by all runners lie within seconds of each other, a slow stretch of the
+    machine hits the baseline and the methods alike instead of one table cell. Counts, outputs
+    and the round log are the first repeat's (decoding is seeded: every repeat is the same).
+    Returns name -> totals, outputs, per-round log."""
     from flashmap.inprocess import decode
 
-    outs, walls = [], []
-    with round_log() as rounds:
-        for req in make_requests(prompts, temperature, max_new, seed, engine.eos_token_ids):
-            t0 = time.perf_counter()
-            (res,) = decode(engine, [req], proposer, steps, tree_blocks)
-            walls.append(time.perf_counter() - t0)
-            outs.append(res)
-            if bar is not None:
-                bar.update(1)
-    wall = sum(walls)
-    drafts = sum(r.stats.drafts for r in outs)
-    accepted = sum(r.stats.accepted for r in outs)
-    tokens = sum(len(r.token_ids) for r in outs)
-    return {"outputs": [r.token_ids for r in outs], "tokens": tokens, "wall_s": wall, "prompt_walls": walls,
-            "tok_s": tokens / max(wall, 1e-12), "drafts": drafts, "accepted": accepted,
-            "draft_tokens": sum(r.stats.draft_tokens for r in outs),
-            "rounds": sum(r.stats.rounds for r in outs),
-            "gamma": 1.0 + accepted / drafts if drafts else float("nan"),
-            "draft_s": sum(r.timings.draft_s for r in outs), "verify_s": sum(r.timings.verify_s for r in outs),
-            "round_log": list(rounds)}
-
-
-def best_of(n: int, fn) -> dict:
-    """Run fn() n times (the same seeded decode each time) and keep, per prompt, the fastest:
-    on a shared machine the least disturbed run is the best estimate of the cost, and taking
-    it per prompt keeps a burst of noise in one run from spoiling the others. Counts are
-    identical; draft / verify seconds are those of the fastest whole run, scaled to the wall."""
-    return fastest([fn() for _ in range(max(1, n))])
-
-
-def fastest(runs: list[dict]) -> dict:
-    """The per-prompt fastest of runs of the same prompts (see best_of)."""
-    best = dict(min(runs, key=lambda r: r["wall_s"]))
-    walls = [min(w) for w in zip(*(r["prompt_walls"] for r in runs))]
-    wall = sum(walls)
-    scale = wall / max(best["wall_s"], 1e-12)
-    best.update(wall_s=wall, prompt_walls=walls, tok_s=best["tokens"] / max(wall, 1e-12),
-                draft_s=best["draft_s"] * scale, verify_s=best["verify_s"] * scale)
-    return best
+    names = list(runners)
+    best: dict[str, list] = {m: [None] * len(prompts) for m in names}  # (wall, draft_s, verify_s)
+    first: dict[str, list] = {m: [None] * len(prompts) for m in names}  # (result, rounds)
+    for rep in range(max(1, repeats)):
+        for i in range(len(prompts)):
+            for m in names[rep % len(names):] + names[:rep % len(names)]:
+                proposer, steps, tree_blocks = runners[m]
+                req = make_requests(prompts, temperature, max_new, seed, engine.eos_token_ids)[i]
+                with round_log() as rounds:
+                    t0 = time.perf_counter()
+                    (res,) = decode(engine, [req], proposer, steps, tree_blocks)
+                    wall = time.perf_counter() - t0
+                if best[m][i] is None or wall < best[m][i][0]:
+                    best[m][i] = (wall, res.timings.draft_s, res.timings.verify_s)
+                if first[m][i] is None:
+                    first[m][i] = (res, list(rounds))
+                if bar is not None:
+                    bar.update(1)
+    out = {}
+    for m in names:
+        outs = [res for res, _ in first[m]]
+        walls = [b[0] for b in best[m]]
+        wall, drafts = sum(walls), sum(r.stats.drafts for r in outs)
+        accepted, tokens = sum(r.stats.accepted for r in outs), sum(len(r.token_ids) for r in outs)
+        out[m] = {"outputs": [r.token_ids for r in outs], "tokens": tokens, "wall_s": wall, "prompt_walls": walls,
+                  "tok_s": tokens / max(wall, 1e-12), "drafts": drafts, "accepted": accepted,
+                  "draft_tokens": sum(r.stats.draft_tokens for r in outs),
+                  "rounds": sum(r.stats.rounds for r in outs),
+                  "gamma": 1.0 + accepted / drafts if drafts else float("nan"),
+                  "draft_s": sum(b[1] for b in best[m]), "verify_s": sum(b[2] for b in best[m]),
+                  "round_log": [x for _, rounds in first[m] for x in rounds]}
+    return out
 
 
 def make_proposer(m: Method, target: str, engine, device: str, cache: dict, compile: bool = False):
@@ -346,8 +354,8 @@ def write_report(out_dir: Path, data: dict, methods: list[Method], domains: list
              + "concurrency 1 "
              f"(one request at a time), max {info['max_new_tokens']} new tokens, stop at the target's EOS ids, "
              f"block K = {K}, proposal support top-{info['top_m']} at T > 0, seed {info['seed']}, "
-             f"timings: per prompt the fastest of {info['repeats']} run(s) (the target alone: of "
-             f"{info['repeats']} before and {info['repeats']} after the methods of each domain and temperature).",
+             f"timings paired: every prompt decoded by the target alone and by every method back to back, "
+             f"{info['repeats']} time(s) in rotating order, per prompt the fastest run of each.",
              f"Prompts: `{info['prompts']}`, " + ", ".join(f"{d}: {info['counts'][d]}" for d in domains)
              + (f" ({info['truncated']} prompts cut to their last tokens to fit the context)" if info['truncated']
                 else "") + ".", ""]
@@ -548,7 +556,7 @@ def evaluate(args, command: str) -> Path:
     engine = TargetEngine(args.target, n_slots=1, max_seq_len=max_seq_len, device=args.device)
     settings = {"target": str(Path(args.target).resolve()), "prompts": str(Path(args.prompts).resolve()),
                 "max_prompts": args.max_prompts, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
-                "repeats": args.repeats, "timing": "fastest run per prompt, target alone before and after", "drafter_compile": args.compile,
+                "repeats": args.repeats, "timing": "paired: per prompt every method and the target alone back to back, fastest of the repeats", "drafter_compile": args.compile,
                 "min_confidence": args.min_confidence,
                 "device": args.device, "checkpoints": {m.name: str(Path(m.checkpoint).resolve()) for m in methods},
                 "prompt_ids": {d: [p["id"] for p in ps] for d, ps in by_domain.items()}}
@@ -559,54 +567,41 @@ def evaluate(args, command: str) -> Path:
 
     wanted = lambda m, d, t: m.runs_at(t) and cell_key(m.name, d, t) not in cells  # noqa: E731
     todo = [(d, t) for t in temps for d in domains if any(wanted(m, d, t) for m in methods)]
-    n_units = args.repeats * sum(len(by_domain[d]) * (2 + sum(wanted(m, d, t) for m in methods)) for d, t in todo)
+    n_units = args.repeats * sum(len(by_domain[d]) * (1 + sum(wanted(m, d, t) for m in methods)) for d, t in todo)
     models: dict = {}
     bar = tqdm(total=n_units, desc="eval", unit="prompt", disable=args.no_progress)
     warmed: set[str] = set()
     try:
         for d, t in todo:
             ps = by_domain[d]
-            if "target" not in warmed:  # first-call costs (allocations, kernels) stay out of the timings
-                run_prompts(engine, ps[:1], t, min(4, args.max_new_tokens), args.seed)
-                warmed.add("target")
-            bar.set_description(f"target alone | {d} | T={t:g}")
-            base = best_of(args.repeats, lambda: run_prompts(engine, ps, t, args.max_new_tokens, args.seed, bar=bar))
-            new_cells = []
-            for m in methods:
-                key = cell_key(m.name, d, t)
-                if not wanted(m, d, t):
-                    continue
-                bar.set_description(f"{m.name} | {d} | T={t:g}")
-                proposer = make_proposer(m, args.target, engine, args.device, models, args.compile)
-                if m.name not in warmed:
-                    run_prompts(engine, ps[:1], t, min(4, args.max_new_tokens), args.seed, proposer, m.steps,
-                                tree_blocks=m.tree_blocks)
-                    warmed.add(m.name)
-                r = best_of(args.repeats, lambda: run_prompts(engine, ps, t, args.max_new_tokens, args.seed, proposer,
-                                                              m.steps, bar=bar, tree_blocks=m.tree_blocks))
+            todo_methods = [m for m in methods if wanted(m, d, t)]
+            runners = {"target alone": (None, 1, 1)}
+            for m in todo_methods:
+                runners[m.name] = (make_proposer(m, args.target, engine, args.device, models, args.compile),
+                                   m.steps, m.tree_blocks)
+            for name, (proposer, steps, tree_blocks) in runners.items():
+                if name not in warmed:  # first-call costs (allocations, kernels) stay out of the timings
+                    run_prompts(engine, ps[:1], t, min(4, args.max_new_tokens), args.seed, proposer, steps,
+                                tree_blocks=tree_blocks)
+                    warmed.add(name)
+            bar.set_description(f"{d} | T={t:g} | {len(runners)} runs per prompt")
+            runs = run_paired(engine, ps, t, args.max_new_tokens, args.seed, runners, args.repeats, bar)
+            base = runs["target alone"]
+            for m in todo_methods:
+                r = runs[m.name]
                 if t == 0:
                     bad = [p["id"] for p, a, b in zip(ps, r["outputs"], base["outputs"]) if a != b]
                     assert not bad, f"{m.name}: greedy output differs from the target's on prompts {bad} ({d})"
-                den, num = conditional_counts(r["round_log"], proposer.block_size)
-                cells[key] = {"method": m.name, "domain": d, "temperature": t, "n_prompts": len(ps),
-                              "tokens": r["tokens"], "rounds": r["rounds"], "drafts": r["drafts"],
-                              "accepted": r["accepted"], "draft_tokens": r["draft_tokens"], "gamma": r["gamma"],
-                              "wall_s": r["wall_s"], "tok_s": r["tok_s"], "draft_s": r["draft_s"],
-                              "verify_s": r["verify_s"], "base_tok_s": base["tok_s"], "base_wall_s": base["wall_s"],
-                              "base_tokens": base["tokens"], "speedup": r["tok_s"] / base["tok_s"],
-                              "cond_den": den, "cond_num": num, "greedy_equal": True if t == 0 else None,
-                              "run": run_id}
-                new_cells.append(key)
-                save_cache(cache_path, data)
-            # The target alone again after the methods, per prompt the fastest of before and after:
-            # a slow stretch of the machine during the first measurement would inflate every
-            # speedup of this (domain, temperature), so the baseline gets the better of two chances.
-            bar.set_description(f"target alone again | {d} | T={t:g}")
-            base = fastest([base, best_of(args.repeats, lambda: run_prompts(engine, ps, t, args.max_new_tokens,
-                                                                                args.seed, bar=bar))])
-            for key in new_cells:
-                c = cells[key]
-                c.update(base_tok_s=base["tok_s"], base_wall_s=base["wall_s"], speedup=c["tok_s"] / base["tok_s"])
+                den, num = conditional_counts(r["round_log"], runners[m.name][0].block_size)
+                cells[cell_key(m.name, d, t)] = {
+                    "method": m.name, "domain": d, "temperature": t, "n_prompts": len(ps),
+                    "tokens": r["tokens"], "rounds": r["rounds"], "drafts": r["drafts"],
+                    "accepted": r["accepted"], "draft_tokens": r["draft_tokens"], "gamma": r["gamma"],
+                    "wall_s": r["wall_s"], "tok_s": r["tok_s"], "draft_s": r["draft_s"],
+                    "verify_s": r["verify_s"], "base_tok_s": base["tok_s"], "base_wall_s": base["wall_s"],
+                    "base_tokens": base["tokens"], "speedup": r["tok_s"] / base["tok_s"],
+                    "cond_den": den, "cond_num": num, "greedy_equal": True if t == 0 else None,
+                    "run": run_id}
             save_cache(cache_path, data)
     finally:
         bar.close()
@@ -665,7 +660,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m training.evaluate
     ap.add_argument("--max-prompts", type=int, default=0, help="first N prompts per domain (0 = all)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeats", type=int, default=1, help="time every cell N times, keep the fastest")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="decode every prompt N times with every method (rotating order), keep the fastest")
     ap.add_argument("--no-shuffle", action="store_true", help="skip the shuffle test (independent-noise rows)")
     ap.add_argument("--out-dir", default=str(DEFAULT_OUT), help="where eval.md and the plots go")
     ap.add_argument("--cache", help="JSON cell cache (default OUT_DIR/eval_cells.json); finished cells are skipped")
