@@ -1,10 +1,11 @@
-"""Paired speed benchmark of drafters against the target alone, in one process.
+"""Paired speed benchmark of a few drafters against the target alone, in one process.
 
-`flashmap eval` times each (method, domain, temperature) cell in its own stretch of
-minutes, so on a shared VM the machine's speed drifts between a method and its baseline.
-Here every prompt is decoded by every method back to back, in a rotating order, `repeats`
-times; each method keeps its fastest run per prompt, and the speedup is the ratio of the
-summed fastest times (equal tokens at T = 0: the outputs are asserted identical).
+The quick counterpart of `flashmap eval`'s speed columns, for trying drafter settings:
+checkpoints given by path with their step count and draft cut, one domain at T = 0, every
+prompt with request seed 0. Every prompt is decoded by every method back to back, in a
+rotating order, `repeats` times; each method keeps its fastest run per prompt, and the
+speedup is the ratio of the summed fastest times (equal tokens at T = 0: the outputs are
+asserted identical).
 
     python -m bench.bench_drafters --domain code --methods flashmap:checkpoints/demo-flashmap \\
         dflash:checkpoints/demo-dflash --prompts 10 --repeats 5
