@@ -2,12 +2,12 @@
 
 A 1-step draft is ~150 small ops; eagerly, on CPU, their dispatch costs as much as the
 arithmetic. Compiled (inductor, C++ kernels, weights frozen and pre-packed) the same network
-runs as one fused program: one 1-jump evaluation of the demo drafter took 2.6 -> 1.8 ms on
-this project's 2-core CPU without freezing, and freezing took a whole 1-jump draft from
-3.05 to 2.4 ms more. Unlike a
-CUDA graph it needs no static shapes: `dynamic=True` traces batch and context length as
-symbols, so one compilation serves every request (sizes 0 and 1 are specialised, which
-costs a second compilation the first time a batch of 2+ or a longer extend comes).
+runs as one fused program. On this project's 2-core CPU, one 1-jump evaluation of the demo
+drafter took 2.6 -> 1.8 ms compiled, and freezing took a whole 1-jump `propose` from about
+3.1 to 2.4-2.7 ms (ad hoc timing loops). Unlike a CUDA graph it needs no static shapes:
+`dynamic=True` traces batch and context length as symbols, so one compilation serves every
+request (sizes 0 and 1 are specialised, which costs a second compilation the first time a
+batch of 2+ or a longer extend comes).
 
 Compiling needs a C++ compiler at run time. If it fails (none installed, an op inductor
 cannot lower) the wrapper logs once and runs the eager function from then on: drafting
@@ -31,8 +31,8 @@ class Compiled:
 
     Inductor's freezing is on: the module's weights are folded into the compiled program as
     constants and pre-packed for the CPU GEMM library once, instead of packed on every call
-    (a 1-jump draft of the demo drafter: 3.05 -> 2.4 ms; the drafter's matmuls are 17 rows
-    each, where packing costs as much as multiplying). So the weights must not change after
+    (the drafter's matmuls are 17 rows each, where packing costs about as much as
+    multiplying). So the weights must not change after
     compiling: if they do (an in-place update bumps a tensor's version), the wrapper says so
     once and runs eagerly, with the current weights."""
 
@@ -73,7 +73,8 @@ def compiled_method(obj, name: str) -> Compiled:
     Each object compiles its own copy of the method's code. Dynamo keeps compilations per code
     object and, on every call, checks the guards of each entry until one matches: with one
     shared code object, a model in an evaluation that compiles four drafters paid for the
-    other three's guards (+0.7 ms per drafting round on the demo, half a target step)."""
+    other three's guards (about 0.06 ms more dynamo overhead per drafting round on the
+    demo, torch profiler)."""
     cache = obj.__dict__.setdefault("_compiled_methods", {})  # plain attribute, also on an nn.Module
     if name not in cache:
         cache[name] = Compiled(_own_code(getattr(obj, name)), f"{type(obj).__name__}.{name}")
