@@ -17,8 +17,8 @@ the diagonal s = t is the teacher denoiser with velocity (pi - x)/(1-t).
 
 The network sees the state only through y = x @ E, and the flow map is affine, so serving
 carries y [B, K, H] instead of x [B, K, V]: y_t = y_s + (t-s)/(1-s) * (pi @ E - y_s), and
-the noise x_0 ~ N(0, I_V) enters as y_0 ~ N(0, E^T E), drawn as z @ F with z ~ N(0, I_H)
-and F^T F = E^T E (`noise_factor`). Same distribution of drafts, without drawing V normals
+the noise x_0 ~ N(0, I_V) enters as y_0 ~ N(0, E^T E), drawn as z @ F with z ~ N(0, I_r),
+r = min(V, H), and F^T F = E^T E (`noise_factor`). Same distribution of drafts, without drawing V normals
 and reading the [V, H] embedding for every block (at Qwen3-8B's V = 151,936: 1.2 GB in bf16).
 `forward` takes x (training); `evaluate` takes y (serving).
 

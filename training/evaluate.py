@@ -227,13 +227,13 @@ def run_paired(engine, prompts, temperature, max_new, seed, runners: dict, repea
     from flashmap.inprocess import decode
 
     names = list(runners)
+    requests = make_requests(prompts, temperature, max_new, seed, engine.eos_token_ids)  # read-only in decode
     best: dict[str, list] = {m: [None] * len(prompts) for m in names}  # (wall, draft_s, verify_s)
     first: dict[str, list] = {m: [None] * len(prompts) for m in names}  # (result, rounds)
     for rep in range(max(1, repeats)):
-        for i in range(len(prompts)):
+        for i, req in enumerate(requests):
             for m in names[rep % len(names):] + names[:rep % len(names)]:
                 proposer, steps, tree_blocks = runners[m]
-                req = make_requests(prompts, temperature, max_new, seed, engine.eos_token_ids)[i]
                 with round_log() as rounds:
                     t0 = time.perf_counter()
                     (res,) = decode(engine, [req], proposer, steps, tree_blocks)
