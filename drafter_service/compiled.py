@@ -1,13 +1,19 @@
 """torch.compile of the drafter's network: on CPU, what the CUDA graphs are on a GPU.
 
 A 1-step draft is ~150 small ops; eagerly, on CPU, their dispatch costs as much as the
-arithmetic. Compiled (inductor, C++ kernels, weights frozen and pre-packed) the same network
-runs as one fused program. On this project's 2-core CPU, one 1-jump evaluation of the demo
-drafter took 2.6 -> 1.8 ms compiled, and freezing took a whole 1-jump `propose` from about
-3.1 to 2.4-2.7 ms (ad hoc timing loops). Unlike a CUDA graph it needs no static shapes:
+arithmetic. Compiled (inductor, C++ kernels) the same network runs as one fused program, and
+with inductor's freezing its weights become constants, pre-packed once for the CPU GEMM
+library instead of on every 17-row matmul. On this project's 2-core CPU a 1-jump `propose` of
+the demo drafter took 3.2 ms eagerly, 2.2 ms compiled and 1.9 ms compiled with freezing
+(ad hoc timing loop, best of 7 x 300 calls). Unlike a CUDA graph it needs no static shapes:
 `dynamic=True` traces batch and context length as symbols, so one compilation serves every
 request (sizes 0 and 1 are specialised, which costs a second compilation the first time a
 batch of 2+ or a longer extend comes).
+
+Freezing is switched on around every call, not passed as a torch.compile option: dynamo
+decides whether parameters are frozen constants while it traces (any recompilation too),
+from the global inductor config; `options={"freezing": True}` reaches inductor only after
+that and leaves the weights as graph inputs (torch 2.13, checked in the generated code).
 
 Compiling needs a C++ compiler at run time. If it fails (none installed, an op inductor
 cannot lower) the wrapper logs once and runs the eager function from then on: drafting
@@ -21,6 +27,7 @@ import types
 from typing import Callable
 
 import torch
+import torch._inductor.config  # noqa: F401 - Compiled sets its freezing flag
 
 log = logging.getLogger("flashmap.drafter.compile")
 
@@ -29,20 +36,22 @@ class Compiled:
     """`fn` (a bound method of a module) through torch.compile(dynamic=True), falling back to
     `fn` itself on failure.
 
-    Inductor's freezing is on: the module's weights are folded into the compiled program as
-    constants and pre-packed for the CPU GEMM library once, instead of packed on every call
-    (the drafter's matmuls are 17 rows each, where packing costs about as much as
-    multiplying). So the weights must not change after
-    compiling: if they do (an in-place update bumps a tensor's version), the wrapper says so
-    once and runs eagerly, with the current weights."""
+    freeze=True (inductor's freezing): the module's weights are folded into the compiled
+    program as constants and pre-packed for the CPU GEMM library once. Worth it where the
+    row count is fixed (the drafting pass: 17 rows per block, a packed MKL GEMM); where it
+    varies (extending the context by 1-16 positions) the packed kernels were slower than
+    plain ones here. Frozen weights must not change after compiling: if they do (an in-place
+    update bumps a tensor's version), the wrapper says so once and runs eagerly, with the
+    current weights."""
 
-    def __init__(self, fn: Callable, name: str):
+    def __init__(self, fn: Callable, name: str, freeze: bool = False):
         # Variants are kept per code object (compiled_method gives each model its own); the
         # warm-up makes several, and a mistaken fallback to eager would cost more than room.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.eager = fn
         self.name = name
-        self.compiled = torch.compile(fn, dynamic=True, options={"freezing": True})
+        self.freeze = freeze
+        self.compiled = torch.compile(fn, dynamic=True)
         self.failed: str | None = None  # why compilation was given up, once it was
         module = getattr(fn, "__self__", None)
         self._weights = list(module.parameters()) + list(module.buffers()) if isinstance(module, torch.nn.Module) else []
@@ -56,6 +65,9 @@ class Compiled:
             self.failed = "the weights changed after compiling (they are frozen into the compiled program)"
             log.warning("%s: %s; running it eagerly", self.name, self.failed)
         if self.failed is None:
+            config = torch._inductor.config
+            frozen = config.freezing
+            config.freezing = self.freeze  # read by dynamo when (re)compiling; see the module docstring
             try:
                 return self.compiled(*args)
             except Exception as e:  # noqa: BLE001 - sorted out below
@@ -63,10 +75,12 @@ class Compiled:
                 self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 log.warning("torch.compile of %s failed, running it eagerly: %s", self.name, self.failed)
                 return out
+            finally:
+                config.freezing = frozen
         return self.eager(*args)
 
 
-def compiled_method(obj, name: str) -> Compiled:
+def compiled_method(obj, name: str, freeze: bool = False) -> Compiled:
     """One Compiled per (object, method name): proposers that share a model (the eval builds
     one per table cell) share its compilations too.
 
@@ -77,7 +91,7 @@ def compiled_method(obj, name: str) -> Compiled:
     demo, torch profiler)."""
     cache = obj.__dict__.setdefault("_compiled_methods", {})  # plain attribute, also on an nn.Module
     if name not in cache:
-        cache[name] = Compiled(_own_code(getattr(obj, name)), f"{type(obj).__name__}.{name}")
+        cache[name] = Compiled(_own_code(getattr(obj, name)), f"{type(obj).__name__}.{name}", freeze)
     return cache[name]
 
 

@@ -268,7 +268,7 @@ class EagleProposer(SlotCacheProposer):
     positions; K/V are finalized for 0..L-2. Truncating to n keeps them valid: the K/V of
     positions <= n-2 depend only on tokens <= n-1, and g of position n-1 is cached."""
 
-    COMPILED = {"_step": "chain_step"}
+    COMPILED = {"_step": ("chain_step", False)}
 
     def __init__(self, model: EagleDrafter, n_slots: int = 64, max_context: int = 4096, device: str = "cpu"):
         # steps = 1: no flow; accepted (set_steps / per-request steps) and ignored

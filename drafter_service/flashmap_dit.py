@@ -88,6 +88,13 @@ def jump(x: Tensor, probs: Tensor, s: Tensor | float, t: Tensor | float) -> Tens
     return x + w * (probs.to(x.dtype) - x)
 
 
+def greedy_summary(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """Per slot the argmax and its probability: logits [B, K, V] -> ids [B, K] int64, prob
+    [B, K] float32 (prob = exp(max - logsumexp), what a greedy draft is cut on)."""
+    top, ids = logits.max(-1)  # [B, K]
+    return ids, (top - logits.logsumexp(-1)).exp()
+
+
 def noise_factor(E: Tensor) -> Tensor:
     """F [r, H] (E's dtype) with F^T F = E^T E, r = min(V, H), for E [V, H]: z @ F with
     z ~ N(0, I_r) is distributed as x_0 @ E with x_0 ~ N(0, I_V). F = L^T from the Cholesky
@@ -391,6 +398,14 @@ class FlashMapDiT(FrozenTarget):
 
         h = self.out_proj(self.final_norm(h[:, 1:]))  # [B, K, H]
         return (h @ self.lm_head.T).float()  # [B, K, V]
+
+    def evaluate_greedy(self, y: Tensor | None, mods: list[Tensor], anchor: Tensor,
+                        kv: list[tuple[Tensor, Tensor]], lengths: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """`evaluate` and the `greedy_summary` of its logits: (logits, ids, prob). Drafting's
+        last evaluation; compiled, the summary is one fused pass over the logits (eagerly a
+        max with indices over [B, K, V] alone takes ~0.05 ms on 2 CPU cores)."""
+        logits = self.evaluate(y, mods, anchor, kv, lengths)
+        return (logits, *greedy_summary(logits))
 
     def denoise_logits(self, x_t: Tensor, t: Tensor | float, anchor: Tensor, ctx: CrossContext) -> Tensor:
         """Teacher denoiser (the diagonal s = t): logits [B, K, V] of the clean block given x_t."""

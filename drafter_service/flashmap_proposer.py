@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from drafter_service.flashmap_dit import CrossContext, FlashMapDiT, jump
+from drafter_service.flashmap_dit import CrossContext, FlashMapDiT, greedy_summary, jump
 from drafter_service.flow_time import time_grid
 from drafter_service.proposer import ProposeRequest
 from drafter_service.slots import ContextTooLong, ProposerError, SlotCacheProposer, SlotsExhausted  # noqa: F401
@@ -70,7 +70,9 @@ class FlashMapProposer(SlotCacheProposer):
     """Sequences (slots, release, truncate, set_steps): SlotCacheProposer. Truncating leaves the
     cache rows past the new length in place: masked now, overwritten by the next extend."""
 
-    COMPILED = {"_evaluate": "evaluate", "_encode": "encode_context"}
+    # Drafting passes are frozen (17 rows per block: packed GEMMs pay); extends are not.
+    COMPILED = {"_evaluate": ("evaluate", True), "_evaluate_greedy": ("evaluate_greedy", True),
+                "_encode": ("encode_context", False)}
 
     def __init__(self, model: FlashMapDiT, n_slots: int = 64, max_context: int = 4096, device: str = "cpu",
                  steps: int = 1, shared_noise: bool = True, min_confidence: float = 0.0):
@@ -84,8 +86,9 @@ class FlashMapProposer(SlotCacheProposer):
         self.min_confidence = min_confidence
         self.set_steps(steps)
         self.graphs = None  # FlowGraphs after enable_graphs()
-        # The network's two entry points (COMPILED); enable_compile() swaps in compiled versions.
+        # The network's entry points (COMPILED); enable_compile() swaps in compiled versions.
         self._evaluate = self.model.evaluate
+        self._evaluate_greedy = self.model.evaluate_greedy  # the last evaluation of a draft
         self._encode = self.model.encode_context
         self._grids: dict[int, list[float]] = {}  # steps -> flow times (a pure function of the config)
         if self.cfg.kind == "flashmap":
@@ -143,8 +146,13 @@ class FlashMapProposer(SlotCacheProposer):
 
     def _context(self, slots: list[int], lengths: list[int]) -> CrossContext:
         """Cache rows as a CrossContext, cut to the longest row (slot -1: no context)."""
+        lengths_t = torch.tensor(lengths, device=self.device)
+        if len(slots) == 1:  # one row: views of the cache, no gather copy
+            s, w = max(slots[0], 0), max(lengths + [1])
+            return CrossContext([(self.k_cache[i, s:s + 1, :, :w], self.v_cache[i, s:s + 1, :, :w])
+                                 for i in range(self.cfg.n_blocks)], lengths_t)
         slots_t = torch.tensor([max(i, 0) for i in slots], device=self.device)
-        return self._context_tensors(slots_t, torch.tensor(lengths, device=self.device), max(lengths + [1]))
+        return self._context_tensors(slots_t, lengths_t, max(lengths + [1]))
 
     def _context_tensors(self, slots: Tensor, lengths: Tensor, window: int) -> CrossContext:
         """The first `window` cache positions of rows `slots` [B] (device tensors: no host sync,
@@ -163,10 +171,12 @@ class FlashMapProposer(SlotCacheProposer):
         return self.graphs.capture()
 
     def _network(self, y: Tensor | None, s: Tensor | float, t: Tensor | float, anchor: Tensor,
-                 ctx: CrossContext) -> Tensor:
-        """The model at the embedded state y [B, K, H] through the (possibly compiled) evaluation;
-        times are host floats, or device tensors inside CUDA graphs (never compiled together)."""
-        return self._evaluate(y, self.model.modulations(s, t, anchor.shape[0]), anchor, ctx.kv, ctx.lengths)
+                 ctx: CrossContext, greedy: bool = False):
+        """The model at the embedded state y [B, K, H] through the (possibly compiled) evaluation:
+        logits [B, K, V], or with greedy=True (logits, ids, prob) (FlashMapDiT.evaluate_greedy).
+        Times are host floats, or device tensors inside CUDA graphs (never compiled together)."""
+        f = self._evaluate_greedy if greedy else self._evaluate
+        return f(y, self.model.modulations(s, t, anchor.shape[0]), anchor, ctx.kv, ctx.lengths)
 
     @torch.inference_mode()
     def _propose_rows(self, rows: list[_Row], steps: int) -> list[Draft]:
@@ -174,7 +184,7 @@ class FlashMapProposer(SlotCacheProposer):
         anchor = torch.tensor([r.anchor for r in rows], device=self.device)  # [B]
         if self.cfg.kind == "dflash":
             ctx = self._context([r.slot for r in rows], [r.length for r in rows])
-            logits = self._network(None, 0.0, 1.0, anchor, ctx)  # [B, K, V]
+            logits, *summary = self._network(None, 0.0, 1.0, anchor, ctx, greedy=True)  # [B, K, V]
         else:
             # z is drawn on the host (the same draws whatever the device); shared noise crosses
             # to the device as one [r] row per request and is expanded there.
@@ -185,40 +195,43 @@ class FlashMapProposer(SlotCacheProposer):
                 y = (z @ F)[:, None].expand(-1, K, -1)  # [B, K, H]
             else:
                 y = torch.stack(noise).to(self.device, F.dtype) @ F  # [B, K, H]
-            logits = None
+            logits, summary = None, None
             if self.graphs is not None:
                 logits = self.graphs.run(y, anchor, [r.slot for r in rows], [r.length for r in rows], steps)
             if logits is None:
-                logits = self._integrate(y, anchor, self._context([r.slot for r in rows], [r.length for r in rows]), steps)
-        return self._sample(logits, rows)
+                ctx = self._context([r.slot for r in rows], [r.length for r in rows])
+                logits, *summary = self._integrate(y, anchor, ctx, steps, summary=True)
+        return self._sample(logits, rows, summary)
 
     def _integrate(self, y: Tensor, anchor: Tensor, ctx: CrossContext, steps: int,
-                   times: list[Tensor] | None = None) -> Tensor:
+                   times: list[Tensor] | None = None, summary: bool = False):
         """Run the flow from the embedded noise y_0 [B, K, H] to t = 1; returns the last
-        evaluation's logits [B, K, V]. times: the grid as [B] device tensors (CUDA graphs);
-        default: host floats."""
+        evaluation's logits [B, K, V] (summary=True: (logits, ids, prob), `greedy_summary`).
+        times: the grid as [B] device tensors (CUDA graphs); default: host floats."""
         if steps not in self._grids:
             self._grids[steps] = [float(g) for g in time_grid(steps, self.vocab_size, self.cfg.time_table_size,
                                                               self.cfg.gauss_hermite_nodes)]
         grid = self._grids[steps]
         tt = grid if times is None else times
         euler = steps >= 3  # 1-2 steps: flow-map jumps (s, t); more: teacher ODE (t, t)
-        logits = None
+        out = None
         for i in range(len(grid) - 1):
             a, b = tt[i], tt[i + 1]
-            logits = self._network(y, a, a if euler else b, anchor, ctx)
-            if grid[i + 1] < 1.0:  # the last update would give x_1 = pi: the logits already say it
+            last = i == len(grid) - 2
+            out = self._network(y, a, a if euler else b, anchor, ctx, greedy=summary and last)
+            if not last:  # the last update would give x_1 = pi: the logits already say it
                 E = self.model.embed
-                y = jump(y, logits.softmax(-1).to(E.dtype) @ E, a, b)  # y_b = X_{a,b}(x_a) @ E
-        return logits
+                y = jump(y, out.softmax(-1).to(E.dtype) @ E, a, b)  # y_b = X_{a,b}(x_a) @ E
+        return out
 
-    def _sample(self, logits: Tensor, rows: list[_Row]) -> list[Draft]:
-        """Greedy rows: per-slot argmax. Sampling rows: top-m of softmax(logits / T), renormalised."""
-        top, greedy_t = logits.max(-1)  # [B, K]
-        greedy = greedy_t.cpu().numpy()
+    def _sample(self, logits: Tensor, rows: list[_Row], summary: list[Tensor] | None = None) -> list[Draft]:
+        """Greedy rows: per-slot argmax. Sampling rows: top-m of softmax(logits / T), renormalised.
+        summary: the logits' (ids, prob) when the last evaluation made them (`greedy_summary`)."""
+        ids, prob = summary if summary else greedy_summary(logits)  # [B, K] each
+        greedy = ids.cpu().numpy()
         keep = np.full(len(rows), self.block_size)
-        if self.min_confidence > 0:  # probability of the argmax = exp(max - logsumexp)
-            low = ((top - logits.logsumexp(-1)).exp() < self.min_confidence).cpu().numpy()  # [B, K]
+        if self.min_confidence > 0:
+            low = (prob < self.min_confidence).cpu().numpy()  # [B, K]
             keep = np.where(low.any(1), np.maximum(low.argmax(1), 1), self.block_size)
         if all(r.temperature == 0 for r in rows):
             return [Draft.greedy(g[:n]) for g, n in zip(greedy, keep)]

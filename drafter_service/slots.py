@@ -138,8 +138,9 @@ class SlotCacheProposer(Proposer):
         if m:
             self._write(slot, start, token_ids, features)
 
-    # Proposer attribute -> the model method enable_compile runs through torch.compile.
-    COMPILED: dict[str, str] = {}
+    # Proposer attribute -> (the model method enable_compile runs through torch.compile,
+    # whether its weights are frozen into the compiled program: compiled.Compiled).
+    COMPILED: dict[str, tuple[str, bool]] = {}
 
     def enable_compile(self, steps: tuple[int, ...] = (1,), warmup: bool = True) -> dict:
         """Draft through torch.compile (drafter_service.compiled), the CPU counterpart of CUDA
@@ -150,8 +151,8 @@ class SlotCacheProposer(Proposer):
 
         if getattr(self, "graphs", None) is not None:
             raise RuntimeError("CUDA graphs are enabled: they already replay the drafter; compile is for CPU")
-        for attr, method in self.COMPILED.items():
-            setattr(self, attr, compiled_method(self.model, method))
+        for attr, (method, freeze) in self.COMPILED.items():
+            setattr(self, attr, compiled_method(self.model, method, freeze))
         t0 = time.perf_counter()
         if warmup:
             self._compile_warmup(steps)

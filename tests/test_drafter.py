@@ -13,7 +13,7 @@ import torch
 
 from drafter_service.checkpoint import init_drafter, load_drafter, save_drafter
 from drafter_service.config import DrafterConfig
-from drafter_service.flashmap_dit import FlashMapDiT, jump, noise_factor
+from drafter_service.flashmap_dit import FlashMapDiT, greedy_summary, jump, noise_factor
 from drafter_service.flashmap_proposer import (ContextTooLong, FlashMapProposer, SlotsExhausted, draw_noise,
                                                request_generator)
 from drafter_service.flow_time import time_grid
@@ -140,6 +140,14 @@ def test_jump_endpoints():
 
 
 # ----------------------------------------------------------------------------- proposer cache
+
+def test_greedy_summary_is_argmax_and_its_probability():
+    logits = torch.randn(3, 5, 50) * 4
+    logits[0, 0, 7] = logits[0, 0, 3] = logits[0, 0].max() + 1  # a tie: the first index wins, like argmax
+    ids, prob = greedy_summary(logits)
+    assert torch.equal(ids, logits.argmax(-1)) and ids[0, 0] == 3
+    torch.testing.assert_close(prob, logits.softmax(-1).amax(-1))
+
 
 def test_cache_path_equals_training_path(model):
     prop = FlashMapProposer(model, n_slots=4, max_context=32)

@@ -108,11 +108,23 @@ def test_compiled_drafter_sees_weight_changes(tmp_path, caplog):
     assert comp.enable_compile(steps=(1,))["compiled"]
     reqs = _mixed_requests()
     before = comp.propose(reqs)
-    with torch.no_grad():
-        fresh.out_proj.weight.mul_(-3.0)
+    # One drafting pass as the proposer runs it (one row with context, shared noise).
+    H, K = fresh.cfg.target_hidden_size, fresh.cfg.block_size
+    ctx = comp.cross_context(["s1"])
+    args = (torch.randn(1, 1, H).expand(1, K, H), fresh.modulations(0.0, 1.0, 1), torch.tensor([9]), ctx.kv,
+            ctx.lengths)
+    with torch.inference_mode():
+        old = comp._evaluate_greedy(*args)[0]
+        with torch.no_grad():
+            fresh.out_proj.weight.mul_(-3.0)
+        # The compiled program itself still has the old weights: they really are frozen in.
+        with torch._inductor.config.patch(freezing=True):
+            torch.testing.assert_close(comp._evaluate_greedy.compiled(*args)[0], old)
+        new = fresh.evaluate(*args)
+    assert not torch.allclose(new, old)
     ref = _proposer(fresh, graphs=False)  # eager, new weights
     after, want = comp.propose(reqs), ref.propose(reqs)
     for a, b in zip(after, want):
         np.testing.assert_array_equal(a.tokens, b.tokens)
     assert any(not np.array_equal(a.tokens, b.tokens) for a, b in zip(before, after))
-    assert "weights changed" in comp._evaluate.failed and "running it eagerly" in caplog.text
+    assert "weights changed" in comp._evaluate_greedy.failed and "running it eagerly" in caplog.text
