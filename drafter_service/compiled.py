@@ -62,7 +62,7 @@ class Compiled:
 
     def __call__(self, *args):
         if self.failed is None and self._weight_versions() != self._versions:
-            self.failed = "the weights changed after compiling (they are frozen into the compiled program)"
+            self.failed = "the weights changed after compiling (a frozen program would still hold the old ones)"
             log.warning("%s: %s; running it eagerly", self.name, self.failed)
         if self.failed is None:
             config = torch._inductor.config
