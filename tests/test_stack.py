@@ -475,7 +475,7 @@ class TestMainStack:
 
 @pytest.mark.timeout(150)
 def test_late_drafter_falls_back_exactly_and_is_released(target_dir, ref, tmp_path):
-    """A drafter slower than the orchestrator's draft timeout: every round falls back (exact,
+    """A drafter slower than the orchestrator's draft timeout: (nearly) every round falls back (exact,
     counted with reason "timeout"), and the drafter still gets every sequence released."""
     prompts = _prompts(3, seed=101, lo=3, hi=12)
     max_new = 16
@@ -489,7 +489,10 @@ def test_late_drafter_falls_back_exactly_and_is_released(target_dir, ref, tmp_pa
                 outs = list(pool.map(lambda p: _stream(c, prompt_ids=p, max_new_tokens=max_new, ignore_eos=True), prompts))
             for exp, (ids, final) in zip(expected, outs):
                 assert ids == exp and final.finish_reason == "length"
-                assert final.stats.drafts == 0 and final.stats.fallback_rounds > 0
+                # The timeout counts from when the request is written: an answer that came in
+                # while a loaded machine was still finishing the write is used (it was once, in
+                # CI), so "every round" is "nearly every round" here.
+                assert final.stats.fallback_rounds > 0 and final.stats.drafts < final.stats.fallback_rounds
             m = _samples(cfg.metrics_port)
             assert _total(m, "flashmap_fallback_rounds_total", reason="timeout") > 0
             # The drafter does the (late) work: it takes context for these sequences...
