@@ -23,7 +23,7 @@ import torch
 
 from flashmap.types import InvalidRequest, SamplingParams, VerifyResult, VerifyRow, feature_layers_for
 from target_service.qwen3 import Qwen3, Qwen3Config
-from target_service.verification import verification_stats
+from target_service.verification import argmax_ids, verification_stats
 
 DEFAULT_MAX_SEQ_LEN = 4096
 
@@ -225,7 +225,7 @@ class TargetEngine:
         except BaseException:
             self._length[row.slot] = min(self._length[row.slot], row.start_pos)
             raise
-        top = logits.argmax(-1).cpu().numpy().astype(np.int64)  # [1 + K * (1 + len(blocks))]
+        top = argmax_ids(logits)  # [1 + K * (1 + len(blocks))]
         drafts = [row.tokens[n - K:], *blocks]
         argmax = [np.concatenate([top[:1], top[1 + i * K:1 + (i + 1) * K]]) for i in range(len(drafts))]
         accepted = [int(np.cumprod(d == a[:K]).sum()) for d, a in zip(drafts, argmax)]
@@ -290,10 +290,12 @@ class TargetEngine:
         bad = sup[(sup < -1) | (sup >= self.vocab_size)]
         if bad.size:
             raise InvalidRequest(f"{where}support id {int(bad[0])} outside [-1, {self.vocab_size})")
-        for k, ids in enumerate(sup):
-            ids = ids[ids >= 0]
-            if len(np.unique(ids)) != len(ids):
-                raise InvalidRequest(f"{where}support_ids[{k}] repeats a token id")
+        # Sorted, a repeat is two equal neighbours; padding (-1) may repeat. One vectorised
+        # test: a loop of np.unique per slot cost ~70 us per 16-slot verify.
+        srt = np.sort(sup, axis=1)
+        dup = ((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any(axis=1)  # [K]
+        if dup.any():
+            raise InvalidRequest(f"{where}support_ids[{int(dup.argmax())}] repeats a token id")
         return sup.astype(np.int64, copy=False)
 
 

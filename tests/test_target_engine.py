@@ -19,7 +19,7 @@ from target_service.checkpoint import CheckpointError
 from target_service.engine import NoFreeSlot, TargetEngine
 from target_service.qwen3 import Qwen3, Qwen3Config
 from target_service.random_checkpoint import make_random_qwen3
-from target_service.verification import process_logits, verification_stats
+from target_service.verification import argmax_ids, process_logits, verification_stats
 
 transformers = pytest.importorskip("transformers")
 
@@ -339,6 +339,16 @@ def test_greedy_rows_have_argmax_only():
     assert s.support_probs.shape == (0, 1) and s.residual.shape == (1,) and s.residual[0] >= 0
 
 
+def test_argmax_ids_matches_torch_on_ties_and_nan():
+    logits = torch.randn(6, 50)
+    logits[1, [3, 7]] = 10.0  # tie: the first index wins
+    logits[2] = 0.0
+    logits[3, [5, 9]] = float("nan")  # NaN is the maximum, the first one
+    logits[4, 0] = float("inf")
+    assert argmax_ids(logits).tolist() == logits.argmax(-1).tolist()
+    assert argmax_ids(logits).dtype == np.int64
+
+
 def test_residual_and_bonus_follow_the_target_distribution():
     stats_mod = pytest.importorskip("scipy.stats")
     torch.manual_seed(2)
@@ -377,6 +387,7 @@ def test_invalid_requests(engine):
         dict(slot=99),
         dict(support_ids=np.array([[1], [2], [3]])),  # K+1 = 4 > L = 3
         dict(support_ids=np.array([[1, 1]])),
+        dict(support_ids=np.array([[1, -1, -1], [2, -1, 2]])),  # a repeat in slot 1, padding around it
         dict(support_ids=np.array([[V]])),
         dict(params=SamplingParams(temperature=-1.0)),
         dict(params=SamplingParams(top_p=0.0)),
@@ -389,6 +400,9 @@ def test_invalid_requests(engine):
     with pytest.raises(InvalidRequest, match="twice"):
         engine.verify([row(b, 0, seq(3)), row(a, 10, seq(3)), row(b, 0, seq(3))])
     assert (engine.length(a), engine.length(b)) == lengths  # nothing ran
+    # Padding may repeat: this row is valid.
+    engine.verify([VerifyRow(**{**ok, "support_ids": np.array([[1, -1, -1], [2, 3, -1]])})])
+    assert engine.length(a) == 13
 
 
 def test_slots_allocate_release(engine):
