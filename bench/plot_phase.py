@@ -24,7 +24,7 @@ def phase_tables(md: str) -> list[list[tuple[float, float | None, float | None]]
     tables, rows, in_table = [], [], False
     for line in body.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else None
-        if cells and cells[0] not in ("run",) and not set(cells[0]) <= set("-:"):
+        if cells and cells[0] != "run" and not set(cells[0]) <= set("-:"):
             speed = lambda c: None if c == "-" else float(c.rstrip("x"))  # noqa: E731
             rows.append((float(cells[1]), speed(cells[2]), speed(cells[3])))
             in_table = True
