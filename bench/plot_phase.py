@@ -21,11 +21,11 @@ LABELS = ("round three (current checkpoints)", "round one (earlier checkpoints)"
 def phase_tables(md: str) -> list[list[tuple[float, float | None, float | None]]]:
     """Per table of the section: rows (ms per token, FlashMap 1 step, cut at 0.2); '-' = None."""
     body = md.split(SECTION, 1)[1].split("\n## ", 1)[0]
+    speed = lambda c: None if c == "-" else float(c.rstrip("x"))  # noqa: E731
     tables, rows, in_table = [], [], False
     for line in body.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else None
         if cells and cells[0] != "run" and not set(cells[0]) <= set("-:"):
-            speed = lambda c: None if c == "-" else float(c.rstrip("x"))  # noqa: E731
             rows.append((float(cells[1]), speed(cells[2]), speed(cells[3])))
             in_table = True
         elif not cells and in_table:
