@@ -1,11 +1,11 @@
 """Paired speed benchmark of a few drafters against the target alone, in one process.
 
 The quick counterpart of `flashmap eval`'s speed columns, for trying drafter settings:
-checkpoints given by path with their step count and draft cut, one domain at T = 0, every
-prompt with request seed 0. Every prompt is decoded by every method back to back, in a
-rotating order, `repeats` times; each method keeps its fastest run per prompt, and the
-speedup is the ratio of the summed fastest times (equal tokens at T = 0: the outputs are
-asserted identical).
+checkpoints given by path with their step count and draft cut, one domain at T = 0, request
+seeds as in `flashmap eval`. The timing is the eval's own (`training.evaluate.run_paired`):
+every prompt is decoded by every method back to back, in a rotating order, `repeats` times;
+each method keeps its fastest run per prompt, and the speedup is the ratio of the summed
+fastest times (equal tokens at T = 0: the outputs are asserted identical).
 
     python -m bench.bench_drafters --domain code --methods flashmap:checkpoints/demo-flashmap \\
         dflash:checkpoints/demo-dflash --prompts 10 --repeats 5
@@ -18,21 +18,17 @@ from __future__ import annotations
 import argparse
 import datetime
 import sys
-import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def main(argv: list[str] | None = None) -> int:
-    from drafter_service.checkpoint import load_drafter
-    from drafter_service.flashmap_proposer import FlashMapProposer
-    from flashmap.inprocess import decode
+    from drafter_service.factory import load_model, make_proposer
     from target_service.engine import TargetEngine
-    from training.evaluate import DEFAULT_PROMPTS, machine, make_requests, read_domain_prompts
+    from training.evaluate import DEFAULT_PROMPTS, machine, read_domain_prompts, run_paired, run_prompts
 
     ap = argparse.ArgumentParser(prog="python -m bench.bench_drafters", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="checkpoints/demo-target")
@@ -56,44 +52,22 @@ def main(argv: list[str] | None = None) -> int:
     prompts = prompts[args.offset:args.offset + args.prompts]
     engine = TargetEngine(args.target, n_slots=1, max_seq_len=max(len(p["ids"]) for p in prompts)
                           + args.max_new_tokens + 18)
-    methods: dict = {"target alone": (None, 1)}
+    runners: dict = {"target alone": (None, 1, 1)}
     for spec in args.methods:
         name, ckpt, *rest = spec.split(":")
-        model = load_drafter(ckpt, args.target)
         steps = int(rest[0]) if rest else 1
         min_conf = float(rest[1]) if len(rest) > 1 else 0.0
-        proposer = FlashMapProposer(model, n_slots=1, max_context=engine.max_seq_len, steps=steps,
-                                    min_confidence=min_conf)
-        if args.compile:
-            proposer.enable_compile(steps=(steps,))
-        methods[name] = (proposer, steps)
-
-    def run(method: str, i: int):
-        proposer, steps = methods[method]
-        (req,) = make_requests([prompts[i]], 0.0, args.max_new_tokens, 0, engine.eos_token_ids)
-        t0 = time.perf_counter()
-        (res,) = decode(engine, [req], proposer, steps)
-        return time.perf_counter() - t0, res
-
-    names = list(methods)
+        runners[name] = (make_proposer(load_model(ckpt, args.target), n_slots=1, max_context=engine.max_seq_len,
+                                       steps=steps, min_confidence=min_conf, compile=args.compile), steps, 1)
+    names = list(runners)
     for m in names:  # warm-up: allocations and first-call costs stay out of the timings
-        run(m, 0)
-    best = {m: np.full(len(prompts), np.inf) for m in names}
-    outputs, gamma_num, gamma_den = {}, {m: 0 for m in names}, {m: 0 for m in names}
-    for r in range(args.repeats):
-        for i in range(len(prompts)):
-            for m in names[r % len(names):] + names[:r % len(names)]:  # rotate who goes first
-                wall, res = run(m, i)
-                best[m][i] = min(best[m][i], wall)
-                outputs.setdefault(i, res.token_ids)
-                assert res.token_ids == outputs[i], f"{m}: output differs from the others on prompt {i}"
-                if r == 0:
-                    gamma_num[m] += res.stats.accepted
-                    gamma_den[m] += res.stats.drafts
-        print(f"repeat {r + 1}/{args.repeats} done", file=sys.stderr)
+        run_prompts(engine, prompts[:1], 0.0, args.max_new_tokens, 0, *runners[m][:2])
+    runs = run_paired(engine, prompts, 0.0, args.max_new_tokens, 0, runners, args.repeats)
+    for m in names:
+        assert runs[m]["outputs"] == runs["target alone"]["outputs"], f"{m}: output differs from the target's"
 
-    base = best["target alone"].sum()
-    tokens = sum(len(t) for t in outputs.values())
+    base = runs["target alone"]["wall_s"]
+    tokens = runs["target alone"]["tokens"]
     lines = [f"## {args.domain}, T = 0 ({datetime.date.today().isoformat()})", "",
              f"Machine: {machine()}. Command: `python -m bench.bench_drafters "
              + " ".join(argv if argv is not None else sys.argv[1:]) + "`", "",
@@ -101,8 +75,9 @@ def main(argv: list[str] | None = None) -> int:
              f"prompt decoded by every method back to back, {args.repeats} rotations, fastest run per prompt kept.", "",
              "| method | gamma | seconds | tokens/s | speedup |", "|---|---:|---:|---:|---:|"]
     for m in names:
-        g = f"{1 + gamma_num[m] / gamma_den[m]:.2f}" if gamma_den[m] else "-"
-        s = best[m].sum()
+        r = runs[m]
+        g = f"{r['gamma']:.2f}" if r["drafts"] else "-"
+        s = r["wall_s"]
         lines.append(f"| {m} | {g} | {s:.3f} | {tokens / s:.1f} | {base / s:.2f}x |")
     text = "\n".join(lines) + "\n"
     print(text)

@@ -22,10 +22,10 @@ import numpy as np
 import torch
 
 from drafter_service.oracle import OracleProposer
-from flashmap.cli import load_proposer
+from drafter_service.factory import load_proposer
 from flashmap.inprocess import decode
-from flashmap.stack import default_checkpoints
-from orchestrator.sequence import GenerationRequest
+from flashmap_cli.stack import default_checkpoints
+from flashmap.types import GenerationRequest
 from target_service.engine import TargetEngine
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "results"
@@ -48,11 +48,11 @@ def _run_once(engine, prompts, max_new, proposer, steps):
     for r in reqs:  # concurrency 1: one request at a time
         (o,) = decode(engine, [r], proposer, steps)
         outs.append(o)
-        draft += o.timings.draft_s
-        verify += o.timings.verify_s
+        draft += o.stats.draft_s
+        verify += o.stats.verify_s
     total = time.perf_counter() - t0
     tokens = sum(len(o.token_ids) for o in outs)
-    iters = sum(o.timings.iterations for o in outs)
+    iters = sum(o.stats.rounds + 1 for o in outs)  # + the prefill
     drafts = sum(o.stats.drafts for o in outs)
     acc = sum(o.stats.accepted for o in outs)
     return {

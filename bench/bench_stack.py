@@ -15,19 +15,18 @@ import argparse
 import datetime
 import os
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench.bench_inprocess import machine
-from flashmap.cli import load_proposer
+from drafter_service.factory import load_proposer
 from flashmap.client import Client, DrafterAdmin
 from flashmap.inprocess import decode
-from flashmap.stack import Stack, StackConfig, default_checkpoints
-from orchestrator.sequence import GenerationRequest
+from flashmap.metrics import scrape, totals
+from flashmap.types import GenerationRequest
+from flashmap_cli.stack import Stack, StackConfig, default_checkpoints
 from target_service.engine import TargetEngine
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "results"
@@ -35,13 +34,7 @@ OUT = Path(__file__).resolve().parent.parent / "docs" / "results"
 
 def scrape_sums(url: str) -> dict[str, float]:
     """Histogram _sum and _count totals by metric name (labels summed)."""
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name.endswith(("_sum", "_count")):
-                out[s.name] = out.get(s.name, 0.0) + s.value
-    return out
+    return {k: v for k, v in totals(scrape(url, timeout=10)).items() if k.endswith(("_sum", "_count"))}
 
 
 def peak_rss_mb(pid: int) -> float:
@@ -102,7 +95,7 @@ def through_stack(cfg: StackConfig, prompts, max_new, concurrency):
     }
     split["rest_ms"] = split["round_ms"] - split["draft_ms"] - split["verify_ms"]
     drafts = sum(o.stats.drafts for o in outs)
-    gamma = 1 + sum(o.stats.accepted_tokens for o in outs) / drafts if drafts else 1.0
+    gamma = 1 + sum(o.stats.accepted for o in outs) / drafts if drafts else 1.0
     fallback = sum(o.stats.fallback_rounds for o in outs)
     return [o.token_ids for o in outs], sum(len(o.token_ids) for o in outs) / dt, gamma, split, fallback
 

@@ -32,11 +32,11 @@ import torch  # noqa: E402
 from drafter_service.config import DrafterConfig  # noqa: E402
 from drafter_service.flashmap_dit import FlashMapDiT  # noqa: E402
 from drafter_service.flashmap_proposer import FlashMapProposer  # noqa: E402
-from drafter_service.proposer import ProposeRequest  # noqa: E402
-from flashmap.cli import load_proposer  # noqa: E402
+from flashmap.types import ProposeRequest  # noqa: E402
+from drafter_service.factory import load_proposer  # noqa: E402
 from flashmap.inprocess import decode  # noqa: E402
 from flashmap.types import SamplingParams, VerifyRow  # noqa: E402
-from orchestrator.sequence import GenerationRequest  # noqa: E402
+from flashmap.types import GenerationRequest  # noqa: E402
 from target_service.engine import TargetEngine  # noqa: E402
 from target_service.qwen3 import Qwen3, Qwen3Config  # noqa: E402
 from target_service.random_checkpoint import make_random_qwen3  # noqa: E402

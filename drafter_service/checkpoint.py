@@ -20,8 +20,8 @@ from safetensors.torch import load_file, save_file
 
 from drafter_service.config import DrafterConfig
 from drafter_service.flashmap_dit import FlashMapDiT
+from flashmap.checkpoint import CheckpointError, array_hash, load_embeddings, read_config
 from flashmap.types import feature_layers_for
-from target_service.checkpoint import CheckpointError, load_embeddings, read_config, tensor_hash
 
 FORMAT = "flashmap-drafter"
 FORMAT_VERSION = 1
@@ -36,6 +36,11 @@ def _hashes(embed: torch.Tensor, lm_head: torch.Tensor) -> tuple[str, str]:
     """Content hashes of the embedding and LM head (hashed once when tied)."""
     h = tensor_hash(embed)
     return h, h if lm_head is embed else tensor_hash(lm_head)
+
+
+def tensor_hash(t: torch.Tensor) -> str:
+    """flashmap.checkpoint.array_hash of a tensor's values."""
+    return array_hash(t.detach().float().cpu().numpy())
 
 
 def _target_fields(target_dir: str | Path) -> dict:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 
+from flashmap.types import BLOCK_SIZE
+
 KINDS = ("flashmap", "dflash")
 
 
@@ -73,7 +75,7 @@ class DrafterConfig(TargetRefConfig):
     n_blocks: int = 6
     n_heads: int = 16
     mlp_ratio: float = 4.0  # DiT default
-    block_size: int = 16  # K draft slots per block
+    block_size: int = BLOCK_SIZE  # K draft slots per block
     time_freq_dim: int = 256  # sinusoidal embedding width, per time (s and t)
     rope_theta: float = 10000.0  # cross-attention RoPE over absolute positions
     norm_eps: float = 1e-6
@@ -85,8 +87,8 @@ class DrafterConfig(TargetRefConfig):
     target_hidden_size: int = 0
     target_num_layers: int = 0
     feature_layers: list[int] = field(default_factory=list)  # decoder-layer outputs, 0-based
-    embed_hash: str = ""  # tensor_hash of the target's input embedding [V, H]
-    lm_head_hash: str = ""  # tensor_hash of the target's LM head [V, H]
+    embed_hash: str = ""  # checkpoint.tensor_hash of the target's input embedding [V, H]
+    lm_head_hash: str = ""  # checkpoint.tensor_hash of the target's LM head [V, H]
 
     # --- flow settings
     draft_steps: int = 1  # default step count when serving (1 = one jump 0 -> 1)

@@ -53,14 +53,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from drafter_service.checkpoint import checkpoint_kind  # noqa: F401 - part of this module's API
 from drafter_service.checkpoint import init_model, load_model, read_model_config, save_drafter
 from drafter_service.config import TargetRefConfig
 from drafter_service.flashmap_dit import Attention, FrozenTarget
 from drafter_service.flashmap_proposer import request_generator
-from drafter_service.proposer import ProposeRequest
 from drafter_service.slots import SlotCacheProposer
-from flashmap.types import Draft
+from flashmap.types import BLOCK_SIZE, Draft, ProposeRequest
 
 KIND = "eagle"
 
@@ -76,7 +74,7 @@ class EagleConfig(TargetRefConfig):
     n_layers: int = 1  # EAGLE-3: one decoder layer
     n_heads: int = 32
     mlp_ratio: float = 3.0  # SwiGLU hidden = dim * mlp_ratio (Qwen3-8B's 12288 / 4096)
-    block_size: int = 16  # K draft tokens per round (a chain)
+    block_size: int = BLOCK_SIZE  # K draft tokens per round (a chain)
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     qk_norm: bool = True
@@ -362,10 +360,3 @@ class EagleProposer(SlotCacheProposer):
                 out.append(Draft(tokens[b].copy(), sup_ids[b, :, :m].copy(), sup_q[b, :, :m].copy()))
         return out
 
-
-def load_proposer(directory: str | Path, target_dir: str | Path, device: str = "cpu", n_slots: int = 8,
-                  max_context: int = 4096) -> EagleProposer:
-    """An EagleProposer from a checkpoint directory (for flashmap.cli.load_proposer to dispatch
-    to when checkpoint_kind(directory) == "eagle")."""
-    return EagleProposer(load_eagle(directory, target_dir, device=device), n_slots=n_slots,
-                         max_context=max_context, device=device)

@@ -31,9 +31,8 @@ from torch import Tensor
 
 from drafter_service.flashmap_dit import CrossContext, FlashMapDiT, greedy_summary, jump
 from drafter_service.flow_time import time_grid
-from drafter_service.proposer import ProposeRequest
 from drafter_service.slots import ContextTooLong, ProposerError, SlotCacheProposer, SlotsExhausted  # noqa: F401
-from flashmap.types import Draft
+from flashmap.types import Draft, ProposeRequest
 
 
 def request_generator(seed: int, block: int = 0) -> torch.Generator:
@@ -69,6 +68,8 @@ class _Row:
 class FlashMapProposer(SlotCacheProposer):
     """Sequences (slots, release, truncate, set_steps): SlotCacheProposer. Truncating leaves the
     cache rows past the new length in place: masked now, overwritten by the next extend."""
+
+    max_blocks = 64  # independent noise draws per request for tree verification
 
     # Drafting passes are frozen (17 rows per block: packed GEMMs pay); extends are not.
     COMPILED = {"_evaluate": ("evaluate", True), "_evaluate_greedy": ("evaluate_greedy", True),
@@ -136,6 +137,7 @@ class FlashMapProposer(SlotCacheProposer):
             idx = [i for i, k in enumerate(row_steps) if k == n]
             group = [rows[i] for i in idx]
             for i, d in zip(idx, self._propose_rows(group, n)):
+                d.steps = n
                 drafts[i] = d
         return [drafts[i * n_blocks:(i + 1) * n_blocks] for i in range(len(requests))]
 
@@ -161,12 +163,16 @@ class FlashMapProposer(SlotCacheProposer):
               for i in range(self.cfg.n_blocks)]  # [B, h, window, d] each
         return CrossContext(kv, lengths)
 
+    @property
+    def available_steps(self) -> tuple[int, ...] | None:
+        return tuple(self.graphs.steps) if self.graphs is not None else None
+
     def enable_graphs(self, steps: tuple[int, ...] = (1, 2), mode: str = "cuda", **buckets) -> dict:
         """Capture the flow integration per (steps, batch bucket, context bucket); see cuda_graphs."""
         from drafter_service.cuda_graphs import FlowGraphs
 
         if self.cfg.kind != "flashmap":
-            return {"graphs": 0}
+            return {"graphs": 0, "reason": "a DFlash-style drafter has one pass and no flow to capture"}
         self.graphs = FlowGraphs(self, steps, mode=mode, **buckets)
         return self.graphs.capture()
 

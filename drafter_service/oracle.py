@@ -15,13 +15,14 @@ from typing import Sequence
 
 import numpy as np
 
-from drafter_service.proposer import Proposer, ProposeRequest
-from flashmap.types import Draft
+from drafter_service.proposer import Proposer
+from flashmap.types import BLOCK_SIZE, Draft, ProposeRequest
 
 
 class OracleProposer(Proposer):
-    def __init__(self, references: Sequence[Sequence[int]], block_size: int = 16, vocab_size: int | None = None,
-                 error_slots: Sequence[int] = (), error_rate: float = 0.0, seed: int = 0):
+    max_blocks = 64  # block b > 0 draws its own random errors
+    def __init__(self, references: Sequence[Sequence[int]], block_size: int = BLOCK_SIZE, vocab_size: int | None = None,
+                 error_slots: Sequence[int] = (), error_rate: float = 0.0, seed: int = 0, feature_dim: int = 0):
         if vocab_size is None or vocab_size < 1:
             raise ValueError(f"vocab_size is required (>= 1), got {vocab_size}")
         bad = [k for k in error_slots if not 1 <= k <= block_size]
@@ -34,14 +35,12 @@ class OracleProposer(Proposer):
         self.error_slots = sorted(set(error_slots))
         self.error_rate, self.seed = error_rate, seed
         self.steps = 1  # accepted and ignored: the oracle has no flow
+        self.feature_dim = feature_dim  # features are accepted and ignored
         self.committed: dict[str, list[int]] = {}
         self._match: dict[str, int] = {}  # seq_id -> index of the last matching reference
 
     def extend(self, seq_id: str, token_ids: np.ndarray, features: np.ndarray) -> None:
         self.committed.setdefault(seq_id, []).extend(int(t) for t in np.asarray(token_ids).reshape(-1))
-
-    def set_steps(self, n: int) -> None:
-        self.steps = int(n)
 
     def truncate(self, seq_id: str, n: int) -> None:
         """Keep only the first n committed tokens."""

@@ -1,50 +1,79 @@
-"""The proposer interface every drafter implements (FlashMap, DFlash-style, test oracle).
+"""The proposer interface every drafter implements (FlashMap, DFlash-style, EAGLE-style, test oracle).
 
 A proposer keeps per-sequence context: the token ids and target features of the
 committed positions, appended in order as rounds commit. `propose` drafts a block of
 `block_size` tokens after each sequence's anchor (the last committed token, whose
 features are not known yet: the context is strictly before the anchor).
+
+The interface is complete: callers (the drafter service, the in-process runtime) never
+probe for optional methods. Defaults here are what a drafter without the feature does.
 """
 
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
 
 import numpy as np
 
-from flashmap.types import Draft
-
-
-@dataclass
-class ProposeRequest:
-    seq_id: str
-    anchor: int  # last committed token; it sits at position len(context)
-    temperature: float = 0.0  # 0: greedy proposals (support = {x_k}); > 0: sample from top-m
-    top_m: int = 4  # support size when sampling
-    seed: int = 0  # seeds the flow noise and the proposal sampling
-    steps: int | None = None  # per-request override of the proposer's step count
+from flashmap.types import Draft, ProposeRequest
 
 
 class Proposer(abc.ABC):
     block_size: int
+    feature_dim: int  # width of the target features `extend` takes
+    steps: int = 1  # default step count of `propose` (flow-map jumps; a chain drafter ignores it)
+    max_blocks: int = 1  # blocks per request `propose_blocks` can draw from independent noise
 
     @abc.abstractmethod
     def extend(self, seq_id: str, token_ids: np.ndarray, features: np.ndarray) -> None:
         """Append committed positions: token_ids [m] int64, features [m, F] float32."""
 
     @abc.abstractmethod
-    def propose(self, requests: list[ProposeRequest], steps: int) -> list[Draft]:
-        """One batched draft: a block per request, in request order."""
+    def propose(self, requests: list[ProposeRequest], steps: int | None = None) -> list[Draft]:
+        """One batched draft: a block per request, in request order. steps: this call's default
+        (None: self.steps); a request's own `steps` overrides it."""
 
     @abc.abstractmethod
     def release(self, seq_id: str) -> None:
         """Forget a sequence (finish, cancel, idle timeout). Unknown ids are ignored."""
 
+    def propose_blocks(self, requests: list[ProposeRequest], steps: int | None = None,
+                       n_blocks: int = 1) -> list[list[Draft]]:
+        """n_blocks blocks per request from independent noise (block 0 = `propose`'s), for tree
+        verification; at most `max_blocks`."""
+        if n_blocks > self.max_blocks:
+            raise ValueError(f"{type(self).__name__} drafts at most {self.max_blocks} block(s) per request, "
+                             f"asked for {n_blocks}")
+        return [[d] for d in self.propose(requests, steps)]
+
+    def set_steps(self, n: int) -> None:
+        """Run-time switch of the default step count (takes effect at the next propose)."""
+        if int(n) != n or n < 1:
+            raise ValueError(f"steps must be an integer >= 1, got {n}")
+        self.steps = int(n)
+
+    @property
+    def available_steps(self) -> tuple[int, ...] | None:
+        """Step counts this proposer can run now (captured CUDA graphs); None: any."""
+        return None
+
+    @property
+    def bytes_per_context_token(self) -> int:
+        """State bytes one context position takes (0: not reported)."""
+        return 0
+
     def truncate(self, seq_id: str, length: int) -> None:
         """Roll a sequence's context back to `length` positions (a resend after a lost reply)."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} cannot roll a sequence back")
 
     def context_length(self, seq_id: str) -> int:
         """Committed positions held for seq_id (0 if unknown)."""
         return 0
+
+    def enable_graphs(self, steps: tuple[int, ...] = (1, 2)) -> dict:
+        """Capture CUDA graphs of the drafting pass (CUDA only). Returns a report."""
+        return {"graphs": 0, "reason": f"{type(self).__name__} has no CUDA-graph path"}
+
+    def enable_compile(self, steps: tuple[int, ...] = (1,), warmup: bool = True) -> dict:
+        """torch.compile the drafting pass (the CPU counterpart of CUDA graphs). Returns a report."""
+        return {"compiled": False, "reason": f"{type(self).__name__} has no compiled path"}

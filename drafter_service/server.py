@@ -23,22 +23,18 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from drafter_service.factory import load_proposer
 from drafter_service.metrics import DrafterMetrics
-from drafter_service.proposer import Proposer, ProposeRequest
+from drafter_service.proposer import Proposer
 from flashmap.grpc_serving import run, serve_grpc
 from flashmap.logs import fields, setup_logging
+from flashmap.types import ProposeRequest
 from flashmap.v1 import drafter_pb2, drafter_pb2_grpc
+from flashmap.wire import draft_to_block, tensor_to_features
 
 log = logging.getLogger("flashmap.drafter")
 
 MAX_STEPS = 64  # N Euler steps of the teacher beyond this are a mistake, not a request
-
-
-def tensor_to_numpy(t: drafter_pb2.Tensor) -> np.ndarray:
-    if t.dtype not in ("float32", "float16"):
-        raise ValueError(f"unsupported feature dtype {t.dtype!r}")
-    arr = np.frombuffer(t.data, dtype=np.dtype(t.dtype).newbyteorder("<"))
-    return arr.reshape(tuple(t.shape)).astype(np.float32)
 
 
 @dataclass
@@ -55,7 +51,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         self.name = name
         self.metrics = metrics or DrafterMetrics()
         self.idle_timeout_s = idle_timeout_s
-        self.available_steps = available_steps  # None: any 1..MAX_STEPS (eager); CUDA: the captured ones
+        self.available_steps = available_steps or proposer.available_steps  # None: any 1..MAX_STEPS
         self._queue: asyncio.Queue[_Job] = asyncio.Queue()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter-forward")
         self._last_use: dict[str, float] = {}
@@ -112,22 +108,24 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         p = self.proposer
         now = time.monotonic()
         blocks: dict[tuple[int, int], drafter_pb2.Block] = {}
-        todo: dict[int, list[tuple[tuple[int, int], ProposeRequest, int]]] = {}
+        todo: dict[tuple[int, int], list[tuple[tuple[int, int], ProposeRequest, int]]] = {}  # (steps, blocks)
         for ri, req in enumerate(requests):
             for si, s in enumerate(req.sequences):
                 key = (ri, si)
-                err = self._check_steps(s.steps) or self._extend(s)
+                n_blocks = max(int(s.num_blocks), 1)
+                err = self._check_steps(s.steps) or self._extend(s) or (
+                    f"{n_blocks} blocks asked, this drafter draws at most {p.max_blocks}" if n_blocks > p.max_blocks else "")
                 if err:
                     blocks[key] = drafter_pb2.Block(seq_id=s.seq_id, error=err)
                     continue
                 self._last_use[s.seq_id] = now
                 steps = s.steps or p.steps
                 pr = ProposeRequest(s.seq_id, int(s.anchor), float(s.temperature), int(s.top_m or 4), int(s.seed), steps)
-                todo.setdefault(steps, []).append((key, pr, int(s.max_tokens)))
-        for steps, items in todo.items():
+                todo.setdefault((steps, n_blocks), []).append((key, pr, int(s.max_tokens)))
+        for (steps, n_blocks), items in todo.items():
             t0 = time.perf_counter()
             try:
-                drafts = p.propose([pr for _, pr, _ in items], steps)
+                drafts = p.propose_blocks([pr for _, pr, _ in items], steps, n_blocks)
             except Exception as e:  # noqa: BLE001 - e.g. slots exhausted: these sequences fall back
                 for key, pr, _ in items:
                     blocks[key] = drafter_pb2.Block(seq_id=pr.seq_id, error=str(e))
@@ -135,13 +133,12 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             self.metrics.forward_latency.labels(drafter=self.name, steps=str(steps)).observe(time.perf_counter() - t0)
             self.metrics.batch_size.labels(drafter=self.name).observe(len(items))
             self.metrics.blocks.labels(drafter=self.name, steps=str(steps)).inc(len(items))
-            for (key, pr, max_tokens), d in zip(items, drafts):
+            for (key, pr, max_tokens), ds in zip(items, drafts):
                 if max_tokens:
-                    d = d.truncate(max_tokens)
-                blocks[key] = drafter_pb2.Block(
-                    seq_id=pr.seq_id, tokens=d.tokens.tolist(), support_ids=d.support_ids.reshape(-1).tolist(),
-                    support_probs=d.support_probs.reshape(-1).tolist(), support_size=d.support_ids.shape[1], steps=steps,
-                )
+                    ds = [d.truncate(max_tokens) for d in ds]
+                for d in ds:
+                    d.steps = steps
+                blocks[key] = draft_to_block(pr.seq_id, ds)
         self._update_gauges()
         return [
             drafter_pb2.DraftResponse(call_id=req.call_id, blocks=[blocks[(ri, si)] for si in range(len(req.sequences))])
@@ -158,7 +155,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             if s.context_start < have:  # a resend after a timed-out call: roll back, then append
                 p.truncate(s.seq_id, s.context_start)
             if len(s.new_token_ids):
-                feats = tensor_to_numpy(s.new_features)
+                feats = tensor_to_features(s.new_features)
                 p.extend(s.seq_id, np.asarray(s.new_token_ids, np.int64), feats)
             elif s.context_start == 0 and have == 0:
                 return f"no context for {s.seq_id}"
@@ -213,8 +210,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         return self._steps_response()
 
     def _steps_response(self) -> drafter_pb2.StepsResponse:
-        graphs = getattr(self.proposer, "graphs", None)
-        avail = self.available_steps or (graphs.steps if graphs is not None else (1, 2))
+        avail = self.available_steps or (1, 2)
         return drafter_pb2.StepsResponse(steps=self.proposer.steps, available=list(avail))
 
     async def Release(self, request, context):
@@ -226,17 +222,9 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         ids = list(self._last_use)
         ctx = sum(p.context_length(i) for i in ids)
         return drafter_pb2.StatsResponse(
-            active_sequences=len(ids), context_tokens=ctx, state_bytes=ctx * getattr(p, "bytes_per_context_token", 0),
-            steps=p.steps, drafter=self.name, block_size=p.block_size, feature_dim=getattr(getattr(p, "cfg", None), "feature_dim", 0),
+            active_sequences=len(ids), context_tokens=ctx, state_bytes=ctx * p.bytes_per_context_token,
+            steps=p.steps, drafter=self.name, block_size=p.block_size, feature_dim=p.feature_dim,
         )
-
-
-def build_proposer(target_dir: str, drafter: str, device: str, n_slots: int, max_context: int, steps: int,
-                   min_confidence: float = 0.0):
-    from flashmap.cli import load_proposer
-
-    return load_proposer(drafter, target_dir, device=device, n_slots=n_slots, max_context=max_context, steps=steps,
-                         min_confidence=min_confidence)
 
 
 async def serve(service: DrafterService, host: str, port: int, metrics_port: int, ready: asyncio.Event | None = None,
@@ -274,12 +262,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--log-level", default="INFO")
     a = ap.parse_args(argv)
     setup_logging(a.log_level)
-    proposer = build_proposer(a.target_dir, a.drafter, a.device, a.n_slots, a.max_context, a.steps, a.min_confidence)
-    if a.device.startswith("cuda") and a.cuda_graphs and hasattr(proposer, "enable_graphs"):
+    proposer = load_proposer(a.drafter, a.target_dir, device=a.device, n_slots=a.n_slots, max_context=a.max_context,
+                             steps=a.steps, min_confidence=a.min_confidence)
+    if a.device.startswith("cuda") and a.cuda_graphs:
         steps = tuple(sorted({1, 2, a.steps}))
         report = proposer.enable_graphs(steps=steps)  # logs capture time and memory
         log.info("CUDA graphs captured", extra=fields(**report))
-    elif a.compile and hasattr(proposer, "enable_compile"):
+    elif a.compile:
         report = proposer.enable_compile(steps=tuple(sorted({1, 2, a.steps})))
         log.info("drafter compiled", extra=fields(**report))
     name = "init" if a.drafter == "init" else os.path.basename(os.path.normpath(a.drafter))

@@ -17,7 +17,8 @@ import time
 import numpy as np
 import torch
 
-from drafter_service.proposer import Proposer, ProposeRequest
+from drafter_service.proposer import Proposer
+from flashmap.types import ProposeRequest
 
 
 class ProposerError(RuntimeError):
@@ -96,6 +97,7 @@ class SlotCacheProposer(Proposer):
         self.cfg = cfg
         self.device = torch.device(device)
         self.block_size = cfg.block_size
+        self.feature_dim = cfg.feature_dim
         self.vocab_size = cfg.vocab_size
         self.slots = SlotTable(n_slots, max_context)
         self.steps = 1
@@ -111,12 +113,6 @@ class SlotCacheProposer(Proposer):
     @property
     def max_context(self) -> int:
         return self.slots.max_context
-
-    def set_steps(self, n: int) -> None:
-        """Run-time switch of the default step count (takes effect at the next propose)."""
-        if int(n) != n or n < 1:
-            raise ValueError(f"steps must be an integer >= 1, got {n}")
-        self.steps = int(n)
 
     def release(self, seq_id: str) -> None:
         self.slots.release(seq_id)
@@ -149,7 +145,7 @@ class SlotCacheProposer(Proposer):
         first requests pay the compilation). Returns a report."""
         from drafter_service.compiled import compiled_method
 
-        if getattr(self, "graphs", None) is not None:
+        if self.available_steps is not None:
             raise RuntimeError("CUDA graphs are enabled: they already replay the drafter; compile is for CPU")
         for attr, (method, freeze) in self.COMPILED.items():
             setattr(self, attr, compiled_method(self.model, method, freeze))

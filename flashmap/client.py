@@ -19,7 +19,9 @@ from typing import AsyncIterator, Iterator
 
 import grpc
 
+from flashmap.types import SpecStats
 from flashmap.v1 import drafter_pb2, drafter_pb2_grpc, serving_pb2, serving_pb2_grpc
+from flashmap.wire import stats_from_proto
 
 
 class FlashMapError(Exception):
@@ -55,18 +57,6 @@ def _translate(e: grpc.RpcError) -> FlashMapError:
 
 
 @dataclass
-class Stats:
-    rounds: int = 0
-    drafts: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    mean_acceptance_length: float = 0.0
-    accepted_per_slot: list[int] = field(default_factory=list)
-    fallback_rounds: int = 0
-    draft_steps: int = 0
-
-
-@dataclass
 class Chunk:
     """A streamed piece: token ids + text delta, or (finished=True) the final summary."""
 
@@ -77,17 +67,17 @@ class Chunk:
     finish_reason: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    stats: Stats | None = None
+    stats: SpecStats | None = None
     time_to_first_token_s: float = 0.0
     total_s: float = 0.0
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
-        d["stats"] = dict(self.stats.__dict__) if self.stats else None
+        d["stats"] = self.stats.as_dict() if self.stats else None
         return d
 
     def summary(self) -> str:
-        s = self.stats or Stats()
+        s = self.stats or SpecStats()
         return (f"{self.completion_tokens} tokens, finish={self.finish_reason}, mean acceptance length="
                 f"{s.mean_acceptance_length:.2f}, rounds={s.rounds}, fallback rounds={s.fallback_rounds}, "
                 f"ttft={self.time_to_first_token_s * 1e3:.1f} ms, total={self.total_s:.3f} s")
@@ -99,14 +89,15 @@ class Completion:
     token_ids: list[int]
     text: str
     finish_reason: str
-    stats: Stats
+    stats: SpecStats
     prompt_tokens: int
     time_to_first_token_s: float
     total_s: float
 
 
 def _request(prompt=None, prompt_ids=None, max_new_tokens=64, temperature=0.0, top_k=0, top_p=None, seed=None,
-             stop=(), stop_token_ids=(), ignore_eos=False, draft_steps=None, request_id="") -> serving_pb2.GenerateRequest:
+             stop=(), stop_token_ids=(), ignore_eos=False, draft_steps=None, request_id="",
+             max_draft_tokens=None) -> serving_pb2.GenerateRequest:
     req = serving_pb2.GenerateRequest(
         request_id=request_id, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
         stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
@@ -121,6 +112,8 @@ def _request(prompt=None, prompt_ids=None, max_new_tokens=64, temperature=0.0, t
         req.seed = seed
     if draft_steps is not None:
         req.draft_steps = draft_steps
+    if max_draft_tokens is not None:  # 0: speculation off for this request
+        req.max_draft_tokens = max_draft_tokens
     return req
 
 
@@ -128,11 +121,8 @@ def _chunk(resp: serving_pb2.GenerateResponse) -> Chunk:
     if resp.WhichOneof("kind") == "chunk":
         return Chunk(resp.request_id, list(resp.chunk.token_ids), resp.chunk.text)
     f = resp.final
-    st = f.stats
-    stats = Stats(st.rounds, st.drafts, st.draft_tokens, st.accepted_tokens, st.mean_acceptance_length,
-                  list(st.accepted_per_slot), st.fallback_rounds, st.draft_steps)
     return Chunk(resp.request_id, finished=True, finish_reason=f.finish_reason, prompt_tokens=f.usage.prompt_tokens,
-                 completion_tokens=f.usage.completion_tokens, stats=stats,
+                 completion_tokens=f.usage.completion_tokens, stats=stats_from_proto(f.stats),
                  time_to_first_token_s=f.time_to_first_token_s, total_s=f.total_s)
 
 

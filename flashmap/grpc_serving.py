@@ -10,6 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
 from typing import Callable
 
 import grpc
@@ -71,3 +75,42 @@ def run(coro) -> None:
         asyncio.run(coro)
         return
     uvloop.run(coro)
+
+
+# ----------------------------------------------------------------------------- clients of a server
+
+def free_ports(n: int) -> list[int]:
+    """n distinct TCP ports on 127.0.0.1 that are free right now (the tiny race until a server
+    binds them is fine for tests and `flashmap up`)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def free_port() -> int:
+    return free_ports(1)[0]
+
+
+def wait_grpc_health(url: str, timeout_s: float, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
+    """Block until the gRPC health service at url says SERVING; raise with the log's tail if
+    proc exits first or timeout_s passes."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(url) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                tail = log.read_text()[-3000:] if log and log.exists() else ""
+                raise RuntimeError(f"process for {url} exited with {proc.returncode}:\n{tail}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    tail = log.read_text()[-3000:] if log and log.exists() else ""
+    raise TimeoutError(f"{url} not healthy after {timeout_s:.0f} s:\n{tail}")

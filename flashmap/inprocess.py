@@ -1,35 +1,26 @@
-"""The in-process decoder: target engine + proposer + rejection sampling in one loop.
+"""The in-process runtime: the target engine and a proposer in one process, driven by the
+round loop every runtime shares (flashmap.rounds).
 
 `decode` runs any number of requests with continuous batching over the engine's KV
-slots: each iteration is one batched draft and one batched verify for every active
-sequence. With `proposer=None` it is the autoregressive baseline (one token per
-verify), which the lossless tests and the benchmarks compare against. The servers
-run the same per-sequence logic (orchestrator.sequence) across processes.
+slots: each iteration is one `speculative_round` for every active sequence. With
+`proposer=None` it is the autoregressive baseline (one token per verify), which the
+lossless tests and the benchmarks compare against.
+
+The engine and the proposer are taken as they are (target_service.engine.TargetEngine,
+any drafter_service proposer); this module imports neither.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
 import numpy as np
 
-from drafter_service.proposer import Proposer, ProposeRequest
-from flashmap.types import Draft
-from orchestrator.sequence import GenerationRequest, Sequence, SequenceStats
-
-
-@dataclass
-class Timings:
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    total_s: float = 0.0
-    iterations: int = 0
-
-    @property
-    def other_s(self) -> float:
-        return self.total_s - self.draft_s - self.verify_s
+from flashmap.rounds import DraftBatch, run_local, speculative_round
+from flashmap.sequence import Sequence
+from flashmap.types import BLOCK_SIZE, GenerationRequest, ProposeRequest, SpecStats, VerifyRow
 
 
 @dataclass
@@ -38,97 +29,93 @@ class GenerationResult:
     prompt_ids: list[int]
     token_ids: list[int]
     finish_reason: str
-    stats: SequenceStats
-    timings: Timings = field(default_factory=Timings)
+    stats: SpecStats
+    wall_s: float = 0.0  # the whole decode call (shared by the requests it ran together)
 
 
-def _draft_requests(seqs: list[Sequence]) -> list[ProposeRequest]:
-    return [
-        ProposeRequest(
-            seq_id=str(s.seq_id),
-            anchor=s.anchor,
-            temperature=s.params.temperature,
-            seed=s.draft_seed(),
-            steps=s.request.draft_steps,
-        )
-        for s in seqs
-    ]
+class LocalDrafter:
+    """A proposer (drafter_service.proposer.Proposer) as the round loop's Drafter."""
+
+    def __init__(self, proposer, steps: int = 1):
+        self.proposer = proposer
+        self.steps = steps
+        self.block_size = proposer.block_size
+
+    async def draft(self, seqs: list[Sequence], n_blocks: list[int]) -> DraftBatch:
+        p = self.proposer
+        for s in seqs:
+            ctx = s.context_for_drafter()
+            if ctx is not None:
+                p.extend(str(s.seq_id), ctx[1], ctx[2])
+                s.drafter_acknowledged()
+        out = DraftBatch()
+        for n in sorted(set(n_blocks)):
+            group = [s for s, k in zip(seqs, n_blocks) if k == n]
+            reqs = [ProposeRequest(str(s.seq_id), s.anchor, s.params.temperature, seed=s.draft_seed(),
+                                   steps=s.request.draft_steps) for s in group]
+            for s, blocks in zip(group, p.propose_blocks(reqs, self.steps, n)):
+                out.blocks[s.seq_id] = blocks
+        return out
+
+    async def release(self, seqs: list[Sequence]) -> None:
+        for s in seqs:
+            self.proposer.release(str(s.seq_id))
 
 
-def _tree_fits(engine, row, n_branches: int) -> bool:
-    """Verify this row as a tree: it drafted, has other branches, and they fit the context
-    (else the plain block is verified)."""
-    return bool(row.num_draft) and n_branches > 0 and \
-        row.start_pos + len(row.tokens) + row.num_draft * n_branches <= engine.max_seq_len
+class LocalTarget:
+    """A TargetEngine as the round loop's Target: plain rows in one forward, trees one by one."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.max_seq_len = engine.max_seq_len
+
+    async def verify(self, rows: list[VerifyRow], branches: list[list[np.ndarray]]) -> list:
+        out: list = [None] * len(rows)
+        flat = [i for i, b in enumerate(branches) if not b]
+        for i, res in zip(flat, self.engine.verify([rows[i] for i in flat]) if flat else []):
+            out[i] = (res, 0)
+        for i, b in enumerate(branches):
+            if b:
+                out[i] = self.engine.verify_tree(rows[i], b)
+        return out
 
 
-def decode(engine, requests: list[GenerationRequest], proposer: Proposer | None = None, steps: int = 1,
-           tree_blocks: int = 1) -> list[GenerationResult]:
+def decode(engine, requests: list[GenerationRequest], proposer=None, steps: int = 1,
+           tree_blocks: int = 1, controller=None) -> list[GenerationResult]:
     """Decode all requests to completion; results come back in request order.
 
-    tree_blocks > 1 (greedy requests, a proposer with `propose_blocks`): each round drafts that
-    many blocks from independent noise and verifies them as a tree (TargetEngine.verify_tree);
-    the sequence commits the branch the target accepts furthest."""
+    tree_blocks > 1 (greedy requests): each round drafts that many blocks from independent
+    noise and verifies them as a tree (TargetEngine.verify_tree); the sequence commits the
+    branch the target accepts furthest. controller: a flashmap.speculation.SpeculationController
+    choosing each round's draft lengths (None: the whole block every round)."""
     for r in requests:
         r.validate(engine.vocab_size, engine.max_seq_len)
     if tree_blocks > 1:
-        if proposer is None or not hasattr(proposer, "propose_blocks"):
-            raise ValueError("tree verification needs a proposer that drafts several blocks (propose_blocks)")
+        if proposer is None or proposer.max_blocks < tree_blocks:
+            raise ValueError(f"tree verification of {tree_blocks} blocks needs a proposer that drafts several blocks")
         if any(not r.params.greedy for r in requests):
             raise ValueError("tree verification is greedy-only: every request needs temperature 0")
-    block = proposer.block_size if proposer is not None else 16
+    block = proposer.block_size if proposer is not None else BLOCK_SIZE
+    target = LocalTarget(engine)
+    drafter = LocalDrafter(proposer, steps) if proposer is not None else None
     waiting = deque(enumerate(requests))
-    active: dict[int, tuple[Sequence, int]] = {}  # index -> (sequence, slot)
+    active: dict[int, Sequence] = {}  # request index -> sequence (seq_id = index, handle = engine slot)
     results: list[GenerationResult | None] = [None] * len(requests)
-    timings = Timings()
     t_start = time.perf_counter()
     while waiting or active:
         while waiting and engine.free_slots > 0:
             i, req = waiting.popleft()
-            active[i] = (Sequence(i, req, block), engine.allocate())
-        seqs = [s for s, _ in active.values()]
-        drafts: dict[int, Draft] = {}
-        branches: dict[int, list[Draft]] = {}  # tree rounds: the other blocks
-        to_draft = [s for s in seqs if s.draft_budget() > 0] if proposer is not None else []
-        if to_draft:
-            t0 = time.perf_counter()
-            for s in to_draft:
-                ctx = s.take_pending_context()
-                if ctx is not None:
-                    proposer.extend(str(s.seq_id), *ctx)
-            if tree_blocks > 1:
-                for s, blocks in zip(to_draft, proposer.propose_blocks(_draft_requests(to_draft), steps, tree_blocks)):
-                    n = min([s.draft_budget()] + [len(d.tokens) for d in blocks])  # a tree's branches share K
-                    drafts[s.seq_id], *branches[s.seq_id] = (d.truncate(n) for d in blocks)
-            else:
-                for s, d in zip(to_draft, proposer.propose(_draft_requests(to_draft), steps)):
-                    drafts[s.seq_id] = d.truncate(s.draft_budget())
-            timings.draft_s += time.perf_counter() - t0
-        rows = [s.verify_row(drafts.get(s.seq_id), slot) for s, slot in active.values()]
-        t0 = time.perf_counter()
-        tree = [_tree_fits(engine, r, len(branches.get(s.seq_id, ()))) for r, (s, _) in zip(rows, active.values())]
-        flat = [i for i, t in enumerate(tree) if not t]
-        outs: list = [None] * len(rows)
-        for i, out in zip(flat, engine.verify([rows[i] for i in flat])):
-            outs[i] = out
-        for i, (s, _) in enumerate(active.values()):
-            if tree[i]:  # commit the winning branch as if it alone had been verified
-                blocks = [drafts[s.seq_id], *branches[s.seq_id]]
-                outs[i], best = engine.verify_tree(rows[i], [b.tokens for b in blocks[1:]])
-                win = drafts[s.seq_id] = blocks[best]
-                prefix = rows[i].tokens[:len(rows[i].tokens) - len(win.tokens)]  # [.., anchor]
-                rows[i] = replace(rows[i], tokens=np.concatenate([prefix, win.tokens]), support_ids=win.support_ids)
-        timings.verify_s += time.perf_counter() - t0
-        timings.iterations += 1
-        for (i, (s, slot)), row, out in zip(list(active.items()), rows, outs):
-            s.commit(row, drafts.get(s.seq_id), out)
+            active[i] = Sequence(i, req, block, handle=engine.allocate())
+        run_local(speculative_round(list(active.values()), target, drafter, tree_blocks, controller))
+        for i, s in list(active.items()):
             if s.finished:
-                engine.release(slot)
-                if proposer is not None:
-                    proposer.release(str(s.seq_id))
+                engine.release(s.handle)
+                if drafter is not None:
+                    run_local(drafter.release([s]))
                 del active[i]
-                results[i] = GenerationResult(s.request.request_id, list(s.request.prompt_ids), s.generated, s.finish_reason, s.stats)
-    timings.total_s = time.perf_counter() - t_start
+                results[i] = GenerationResult(s.request.request_id, list(s.request.prompt_ids), s.generated,
+                                              s.finish_reason, s.stats)
+    wall = time.perf_counter() - t_start
     for r in results:
-        r.timings = timings  # shared: the batch ran as one
+        r.wall_s = wall
     return results

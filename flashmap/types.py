@@ -1,6 +1,7 @@
-"""Records that cross part boundaries: target verify rows/results and drafter drafts.
+"""Records that cross part boundaries: a generation request and its statistics, target
+verify rows / results, drafter requests and drafts.
 
-Numpy only (no torch): the orchestrator imports these. Shapes use
+Numpy only (no torch): every part imports these. Shapes use
 K = number of draft tokens in a round (0 for prefill and autoregressive steps),
 S = size of the drafter's explicit proposal support per slot, L = input tokens,
 F = concatenated feature-layer width.
@@ -11,6 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+
+
+BLOCK_SIZE = 16  # draft tokens per block (K): the paper's, and every drafter's default
 
 
 class InvalidRequest(ValueError):
@@ -36,6 +40,101 @@ class SamplingParams:
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
         return self
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    max_new_tokens: int = 64
+    params: SamplingParams = field(default_factory=SamplingParams)
+    stop_token_ids: tuple[int, ...] = ()
+    draft_steps: int | None = None  # None: the drafter's current step count
+    request_id: str = ""
+    max_draft_tokens: int | None = None  # None: the drafter's block size; 0: speculation off
+
+    def validate(self, vocab_size: int, max_seq_len: int) -> None:
+        """Raise InvalidRequest with a one-line message for anything a server must refuse."""
+        if len(self.prompt_ids) == 0:
+            raise InvalidRequest("prompt is empty")
+        bad = [t for t in self.prompt_ids if not (0 <= int(t) < vocab_size)]
+        if bad:
+            raise InvalidRequest(f"prompt token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+        if self.max_new_tokens <= 0:
+            raise InvalidRequest(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
+        if len(self.prompt_ids) >= max_seq_len:
+            raise InvalidRequest(f"prompt has {len(self.prompt_ids)} tokens; the context holds {max_seq_len}")
+        if len(self.prompt_ids) + self.max_new_tokens > max_seq_len:
+            raise InvalidRequest(
+                f"prompt ({len(self.prompt_ids)}) + max_new_tokens ({self.max_new_tokens}) exceeds the context ({max_seq_len})"
+            )
+        if self.draft_steps is not None and self.draft_steps < 1:
+            raise InvalidRequest(f"draft_steps must be >= 1, got {self.draft_steps}")
+        if self.max_draft_tokens is not None and self.max_draft_tokens < 0:
+            raise InvalidRequest(f"max_draft_tokens must be >= 0, got {self.max_draft_tokens}")
+        self.params.validate()
+
+
+@dataclass
+class SpecStats:
+    """Speculation statistics of one request: THE record (in-process results, the orchestrator,
+    the wire's SpecStats message and the client SDK all carry this one).
+
+    Per slot k (0-based): drafted_per_slot[k] rounds drafted slot k; verified_per_slot[k] of
+    them reached it (slots < k all accepted); accepted_per_slot[k] accepted it. So
+    accepted / verified is the conditional acceptance P(slot k accepted | slots < k accepted).
+    """
+
+    block_size: int = BLOCK_SIZE
+    rounds: int = 0  # verify passes after prefill
+    drafts: int = 0  # rounds that verified a draft
+    draft_tokens: int = 0
+    accepted: int = 0
+    fallback_rounds: int = 0  # rounds that wanted a draft and decoded without one (drafter down, late, lost)
+    draft_steps: int = 0  # step count of the latest drafted block
+    draft_s: float = 0.0  # time in draft calls of the rounds this request took part in
+    verify_s: float = 0.0  # time in verify calls of those rounds
+    drafted_per_slot: np.ndarray = None  # [block_size] int64
+    verified_per_slot: np.ndarray = None  # [block_size] int64
+    accepted_per_slot: np.ndarray = None  # [block_size] int64
+
+    def __post_init__(self):
+        for name in ("drafted_per_slot", "verified_per_slot", "accepted_per_slot"):
+            v = getattr(self, name)
+            arr = np.zeros(self.block_size, np.int64) if v is None else np.asarray(v, np.int64)
+            if len(arr) < self.block_size:
+                arr = np.concatenate([arr, np.zeros(self.block_size - len(arr), np.int64)])
+            setattr(self, name, arr)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens committed per drafted round (gamma), DESIGN.md's definition."""
+        return 1.0 + self.accepted / self.drafts if self.drafts else 0.0
+
+    def record_round(self, drafted: int, accepted: int) -> None:
+        """One verified round of `drafted` draft tokens, the first `accepted` of them accepted."""
+        self.rounds += 1
+        if not drafted:
+            return
+        self.drafts += 1
+        self.draft_tokens += drafted
+        self.accepted += accepted
+        self.drafted_per_slot[:drafted] += 1
+        self.verified_per_slot[:min(drafted, accepted + 1)] += 1
+        self.accepted_per_slot[:accepted] += 1
+
+    def conditional_acceptance(self) -> np.ndarray:
+        """[block_size] P(slot k accepted | slots < k accepted, slot k drafted); NaN where never reached."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(self.verified_per_slot > 0, self.accepted_per_slot / np.maximum(self.verified_per_slot, 1),
+                            np.nan)
+
+    def as_dict(self) -> dict:
+        d = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        for k, v in d.items():
+            if isinstance(v, np.ndarray):
+                d[k] = v.tolist()
+        d["mean_acceptance_length"] = self.mean_acceptance_length
+        return d
 
 
 @dataclass
@@ -72,20 +171,33 @@ class VerifyResult:
 
 
 @dataclass
+class ProposeRequest:
+    """One sequence's part of a batched draft call (the drafter keeps its context)."""
+
+    seq_id: str
+    anchor: int  # last committed token; it sits at position len(context)
+    temperature: float = 0.0  # 0: greedy proposals (support = {x_k}); > 0: sample from top-m
+    top_m: int = 4  # support size when sampling
+    seed: int = 0  # seeds the flow noise and the proposal sampling
+    steps: int | None = None  # per-request override of the proposer's step count
+
+
+@dataclass
 class Draft:
     """One proposed block. Greedy drafting: support_ids[:, 0] = tokens, probs 1."""
 
     tokens: np.ndarray  # [K] int64
     support_ids: np.ndarray  # [K, S] int64, -1 = padding
     support_probs: np.ndarray  # [K, S] float32, q_k(s); sum over S is 1 per slot
+    steps: int = 0  # the step count that drafted it (0: not reported)
 
     @staticmethod
-    def greedy(tokens: np.ndarray) -> "Draft":
+    def greedy(tokens: np.ndarray, steps: int = 0) -> "Draft":
         tokens = np.asarray(tokens, np.int64)
-        return Draft(tokens, tokens[:, None].copy(), np.ones((len(tokens), 1), np.float32))
+        return Draft(tokens, tokens[:, None].copy(), np.ones((len(tokens), 1), np.float32), steps)
 
     def truncate(self, k: int) -> "Draft":
-        return Draft(self.tokens[:k], self.support_ids[:k], self.support_probs[:k])
+        return Draft(self.tokens[:k], self.support_ids[:k], self.support_probs[:k], self.steps)
 
 
 def feature_layers_for(num_layers: int, count: int = 5) -> list[int]:

@@ -11,6 +11,10 @@ serves the stream in order), so work does not pile up behind it. For the same re
 a release waits for that answer: sent earlier, it would reach the drafter before the
 late call that still carries the sequence, which would then hold it until the idle
 timeout.
+
+`ServiceDrafter` is the round loop's Drafter (flashmap.rounds) on top of the client: it
+sends each sequence's unacknowledged context with its request and marks it acknowledged
+only when a block comes back.
 """
 
 from __future__ import annotations
@@ -23,24 +27,13 @@ import time
 import grpc
 import numpy as np
 
-from flashmap.types import Draft
+from flashmap.rounds import DraftBatch
+from flashmap.sequence import Sequence
+from flashmap.types import BLOCK_SIZE
 from flashmap.v1 import drafter_pb2, drafter_pb2_grpc
+from flashmap.wire import block_to_drafts, features_to_tensor
 
 log = logging.getLogger("flashmap.orchestrator.drafter")
-
-
-def features_to_tensor(features: np.ndarray) -> drafter_pb2.Tensor:
-    f = np.ascontiguousarray(features, dtype=np.float32)
-    return drafter_pb2.Tensor(shape=list(f.shape), dtype="float32", data=f.tobytes())
-
-
-def block_to_draft(block: drafter_pb2.Block) -> Draft:
-    k, s = len(block.tokens), max(block.support_size, 1)
-    return Draft(
-        np.asarray(block.tokens, np.int64),
-        np.asarray(block.support_ids, np.int64).reshape(k, s),
-        np.asarray(block.support_probs, np.float32).reshape(k, s),
-    )
 
 
 class DrafterClient:
@@ -57,7 +50,7 @@ class DrafterClient:
         self._ids = itertools.count(1)
         self._last_attempt = 0.0
         self.connected = False
-        self.block_size = 16
+        self.block_size = BLOCK_SIZE  # until Stats says
         self.steps = 1
         self.name = "flashmap"
 
@@ -164,3 +157,50 @@ class DrafterClient:
 
     async def close(self) -> None:
         await self._teardown()
+
+
+class ServiceDrafter:
+    """The round loop's Drafter over a DrafterClient (one batched call per round)."""
+
+    def __init__(self, client: DrafterClient, timeout_s: float, top_m: int = 4):
+        self.client = client
+        self.timeout_s = timeout_s
+        self.top_m = top_m
+        self.asked: set[int] = set()  # sequences the drafter may hold context of
+
+    @property
+    def block_size(self) -> int:
+        return self.client.block_size
+
+    async def draft(self, seqs: list[Sequence], n_blocks: list[int]) -> DraftBatch:
+        msgs = []
+        for s, n in zip(seqs, n_blocks):
+            ctx = s.context_for_drafter()
+            start, ids, feats = ctx if ctx is not None else (s.drafter_seen, np.zeros(0, np.int64),
+                                                             np.zeros((0, 0), np.float32))
+            msgs.append(drafter_pb2.SequenceDraft(
+                seq_id=str(s.seq_id), context_start=start, new_token_ids=ids.tolist(),
+                new_features=features_to_tensor(feats), anchor=s.anchor, steps=s.request.draft_steps or 0,
+                num_blocks=n, temperature=s.params.temperature, top_m=self.top_m, seed=s.draft_seed(),
+                max_tokens=s.draft_budget(),
+            ))
+        self.asked.update(s.seq_id for s in seqs)
+        resp, reason = await self.client.draft(msgs, self.timeout_s)
+        out = DraftBatch(failure=reason)
+        if resp is None:
+            return out
+        for s, m, block in zip(seqs, msgs, resp.blocks):
+            if block.error:
+                log.warning("sequence %s: drafter: %s; continuing autoregressively", s.seq_id, block.error)
+                s.lose_drafter()
+                continue
+            s.drafter_acknowledged()
+            out.blocks[s.seq_id] = block_to_drafts(block)
+            if not m.steps:  # drafted with the drafter's default: follow run-time switches (SetSteps)
+                self.client.steps = block.steps
+        return out
+
+    async def release(self, seqs: list[Sequence]) -> None:
+        held = [s for s in seqs if s.seq_id in self.asked]
+        self.asked.difference_update(s.seq_id for s in held)
+        await self.client.release([str(s.seq_id) for s in held])

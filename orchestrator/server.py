@@ -16,25 +16,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import logging
+import secrets
 import time
 import uuid
 from collections import deque
 from dataclasses import dataclass
 
 import grpc
-import numpy as np
 
 from flashmap.grpc_serving import run, serve_grpc
 from flashmap.logs import fields, setup_logging
+from flashmap.rounds import speculative_round
+from flashmap.sequence import Sequence
+from flashmap.speculation import SpeculationController
 from flashmap.tokenizer import IncrementalDecoder
-from flashmap.types import Draft, InvalidRequest, SamplingParams
-from flashmap.v1 import drafter_pb2, serving_pb2, serving_pb2_grpc
-from orchestrator.drafter_client import DrafterClient, block_to_draft, features_to_tensor
+from flashmap.types import BLOCK_SIZE, GenerationRequest, InvalidRequest, SamplingParams
+from flashmap.v1 import serving_pb2, serving_pb2_grpc
+from flashmap.wire import stats_to_proto
+from orchestrator.drafter_client import DrafterClient, ServiceDrafter
 from orchestrator.metrics import OrchestratorMetrics
-from orchestrator.sequence import GenerationRequest, Sequence
-from target_service.triton_client import TargetClient
+from orchestrator.target_client import TargetClient, TritonTarget
 
 log = logging.getLogger("flashmap.orchestrator")
 
@@ -52,6 +54,8 @@ class OrchestratorConfig:
     max_queue: int = 256
     draft_timeout_s: float = 2.0
     top_m: int = 4  # drafter support size at temperature > 0
+    tree_blocks: int = 1  # > 1: greedy requests draft that many blocks from independent noise, verified as a tree
+    speculation: str = "auto"  # auto: draft lengths from measured costs (flashmap.speculation); full: always K
 
 
 @dataclass
@@ -60,15 +64,12 @@ class _Active:
     queue: asyncio.Queue  # token lists, then None when finished
     request_id: str
     t_arrival: float
-    started: bool = False  # holds a target sequence (Triton START sent)
-    drafter_seen: int = 0  # context positions the drafter holds
-    drafter_sent: bool = False  # the drafter was sent context (it may hold some even if every answer was late)
-    drafter_lost: bool = False  # drafter lost this sequence's context: autoregressive from now on
-    fallback_rounds: int = 0
-    draft_steps: int = 0  # step count of this sequence's latest block, as the drafter reports it
     t_first: float | None = None
     t_last: float | None = None
-    error: tuple[grpc.StatusCode, str] | None = None
+
+
+def _status_of(error: BaseException) -> grpc.StatusCode:
+    return grpc.StatusCode.INVALID_ARGUMENT if isinstance(error, InvalidRequest) else grpc.StatusCode.UNAVAILABLE
 
 
 class Orchestrator:
@@ -76,6 +77,9 @@ class Orchestrator:
         self.cfg = cfg
         self.target = TargetClient(cfg.target_url, model=cfg.target_model)
         self.drafter = DrafterClient(cfg.drafter_url) if cfg.drafter_url else None
+        self.drafter_port = ServiceDrafter(self.drafter, cfg.draft_timeout_s, cfg.top_m) if self.drafter else None
+        self.target_port: TritonTarget | None = None  # after start(): needs the target's context length
+        self.controller: SpeculationController | None = None  # after start(): needs the block size
         self.tokenizer = None
         if cfg.tokenizer_dir:
             from flashmap.tokenizer import TextTokenizer
@@ -89,7 +93,6 @@ class Orchestrator:
         self.waiting: deque[_Active] = deque()
         self.active: dict[int, _Active] = {}
         self.by_request: dict[str, _Active] = {}
-        self._ids = itertools.count(1)
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
 
@@ -103,10 +106,12 @@ class Orchestrator:
                 pass
             await asyncio.sleep(0.5)
         self.info = await self.target.info()
+        self.target_port = TritonTarget(self.target, self.info.max_seq_len)
         if self.drafter is not None:
             await self.drafter.ensure_connected()
-        block = self.drafter.block_size if self.drafter is not None else 16
-        self.metrics = OrchestratorMetrics(block_size=block)
+        self.metrics = OrchestratorMetrics(block_size=self._block_size())
+        if self.cfg.speculation == "auto" and self.drafter is not None:
+            self.controller = SpeculationController(self._block_size())
         self.metrics.drafter_steps.labels(drafter=self._drafter_name()).set(self.drafter.steps if self.drafter else 0)
         # Export the counters that alerts divide by at 0 from the start: a series that first
         # appears at its first increment has no rate() for that increment.
@@ -124,6 +129,9 @@ class Orchestrator:
             self._loop_task.cancel()
         if self.drafter:
             await self.drafter.close()
+
+    def _block_size(self) -> int:
+        return self.drafter.block_size if self.drafter is not None else BLOCK_SIZE
 
     def _drafter_name(self) -> str:
         return self.drafter.name if self.drafter is not None else "none"
@@ -152,7 +160,9 @@ class Orchestrator:
         steps = req.draft_steps if req.HasField("draft_steps") else None
         if steps is not None and not (1 <= steps <= 64):
             raise InvalidRequest(f"draft_steps must be in 1..64, got {steps}")
-        gen = GenerationRequest(prompt, req.max_new_tokens, params, stop_ids, steps, req.request_id or uuid.uuid4().hex)
+        max_draft = req.max_draft_tokens if req.HasField("max_draft_tokens") else None
+        gen = GenerationRequest(prompt, req.max_new_tokens, params, stop_ids, steps, req.request_id or uuid.uuid4().hex,
+                                max_draft)
         gen.validate(self.info.vocab_size, self.info.max_seq_len)
         return gen
 
@@ -161,8 +171,12 @@ class Orchestrator:
             raise OverflowError(f"queue full ({self.cfg.max_queue} waiting requests)")
         if gen.request_id in self.by_request:
             raise InvalidRequest(f"request_id {gen.request_id!r} is already running")
-        block = self.drafter.block_size if self.drafter is not None else 16
-        a = _Active(Sequence(next(self._ids), gen, block), asyncio.Queue(), gen.request_id, time.perf_counter())
+        # Random ids: a client that reaches Triton or the drafter cannot guess another request's.
+        sid = secrets.randbelow(2**62 - 1) + 1
+        while sid in self.active:
+            sid = secrets.randbelow(2**62 - 1) + 1
+        a = _Active(Sequence(sid, gen, self._block_size(), handle=sid), asyncio.Queue(), gen.request_id,
+                    time.perf_counter())
         self.waiting.append(a)
         self.by_request[gen.request_id] = a
         self.metrics.queued_requests.labels(model=self.info.model_name).set(len(self.waiting))
@@ -211,103 +225,51 @@ class Orchestrator:
 
     async def _release(self, sid: int, a: _Active) -> None:
         del self.active[sid]
-        if a.started:
-            try:
-                await self.target.release(sid)
-            except Exception as e:  # noqa: BLE001 - Triton's idle timeout frees it anyway
-                log.warning("release of sequence %d on the target failed: %s", sid, e)
-        if self.drafter is not None and a.drafter_sent:
-            await self.drafter.release([str(sid)])
+        try:
+            await self.target_port.release(a.seq.handle)
+        except Exception as e:  # noqa: BLE001 - Triton's idle timeout frees it anyway
+            log.warning("release of sequence %d on the target failed: %s", sid, e)
+        if self.drafter_port is not None:
+            await self.drafter_port.release([a.seq])
         self._finish(a, a.seq.finish_reason or "abort")
 
     def _finish(self, a: _Active, reason: str) -> None:
         self.by_request.pop(a.request_id, None)
-        status = "error" if a.error else reason
-        self.metrics.requests.labels(model=self.info.model_name, status=status).inc()
+        self.metrics.requests.labels(model=self.info.model_name, status=reason).inc()
         a.queue.put_nowait(None)
-
-    async def _draft(self, seqs: list[_Active]) -> dict[int, Draft]:
-        """One batched drafter call; sequences without a block decode autoregressively."""
-        if self.drafter is None or not seqs:
-            return {}
-        msgs = []
-        for a in seqs:
-            ctx = a.seq.take_pending_context()
-            if ctx is not None:  # keep it until the drafter acknowledges it
-                a.seq.pending_context.append(ctx)
-            ids, feats = ctx if ctx is not None else (np.zeros(0, np.int64), np.zeros((0, 0), np.float32))
-            a.drafter_sent = True
-            msgs.append(drafter_pb2.SequenceDraft(
-                seq_id=str(a.seq.seq_id), context_start=a.drafter_seen, new_token_ids=ids.tolist(),
-                new_features=features_to_tensor(feats), anchor=a.seq.anchor, steps=a.seq.request.draft_steps or 0,
-                temperature=a.seq.params.temperature, top_m=self.cfg.top_m, seed=a.seq.draft_seed(),
-                max_tokens=a.seq.draft_budget(),
-            ))
-        t0 = time.perf_counter()
-        resp, reason = await self.drafter.draft(msgs, self.cfg.draft_timeout_s)
-        dt = time.perf_counter() - t0
-        if resp is None:
-            for a in seqs:
-                self.metrics.fallback_rounds.labels(model=self.info.model_name, reason=reason).inc()
-                a.fallback_rounds += 1
-            return {}
-        drafts = {}
-        for a, m, block in zip(seqs, msgs, resp.blocks):
-            if block.error:
-                log.warning("request %s: drafter: %s; continuing autoregressively", a.request_id, block.error)
-                a.drafter_lost = True
-                a.seq.pending_context.clear()
-                continue
-            a.drafter_seen += len(m.new_token_ids)
-            a.seq.pending_context.clear()
-            a.draft_steps = block.steps
-            if not m.steps:  # drafted with the drafter's default: follow run-time switches (SetSteps)
-                self.drafter.steps = block.steps
-            drafts[a.seq.seq_id] = block_to_draft(block).truncate(a.seq.draft_budget())
-        self.metrics.drafter_steps.labels(drafter=self._drafter_name()).set(self.drafter.steps)
-        # One observation per drafter call (a call drafts the whole batch).
-        steps = next((b.steps for b in resp.blocks if not b.error), self.drafter.steps)
-        self.metrics.draft_latency.labels(**self._labels(steps)).observe(dt)
-        return drafts
 
     async def _round(self) -> None:
         t_round = time.perf_counter()
         acts = list(self.active.values())
-        can_draft = [a for a in acts if a.seq.draft_budget() > 0 and not a.drafter_lost]
-        drafts = await self._draft(can_draft)
-        for a in acts:
-            if a.drafter_lost and a.seq.prefilled:
-                a.fallback_rounds += 1
-                self.metrics.fallback_rounds.labels(model=self.info.model_name, reason="context_lost").inc()
-        rows = [a.seq.verify_row(drafts.get(a.seq.seq_id)) for a in acts]
-        t0 = time.perf_counter()
-        results = await asyncio.gather(
-            *[self.target.verify(a.seq.seq_id, row, start=not a.started) for a, row in zip(acts, rows)],
-            return_exceptions=True,
-        )
+        res = await speculative_round([a.seq for a in acts], self.target_port, self.drafter_port, self.cfg.tree_blocks,
+                                      self.controller)
         name = self.info.model_name
-        self.metrics.verify_latency.labels(model=name).observe(time.perf_counter() - t0)
+        if res.plan is not None:
+            for length in res.plan.values():
+                self.metrics.draft_length.labels(model=name).observe(length)
+            if not any(res.plan.values()) and any(a.seq.prefilled for a in acts):
+                self.metrics.speculation_off_rounds.labels(model=name).inc()
+        if self.drafter is not None:
+            self.metrics.drafter_steps.labels(drafter=self._drafter_name()).set(self.drafter.steps)
+            if res.draft_s:  # one observation per drafter call (a call drafts the whole batch)
+                self.metrics.draft_latency.labels(**self._labels(res.steps or self.drafter.steps)).observe(res.draft_s)
+        self.metrics.verify_latency.labels(model=name).observe(res.verify_s)
         self.metrics.verify_batch_size.labels(model=name).observe(len(acts))
         now = time.perf_counter()
-        for a, row, res in zip(acts, rows, results):
-            a.started = True
-            if isinstance(res, BaseException):
-                code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(res, InvalidRequest) else grpc.StatusCode.UNAVAILABLE
-                a.error = (code, f"target verify failed: {res}")
-                a.seq.abort()
+        for a, r in zip(acts, res.sequences):
+            if r.fallback:
+                self.metrics.fallback_rounds.labels(model=name, reason=r.fallback).inc()
+            if r.error is not None:
                 continue
-            was_prefill = not a.seq.prefilled
-            draft = drafts.get(a.seq.seq_id)
-            new = a.seq.commit(row, draft, res)
-            if was_prefill:
+            if r.prefill:
                 self.metrics.prompt_tokens.labels(model=name).inc(a.seq.n_prompt)
-            elif draft is not None:
-                self.metrics.record_round(self._labels(self._steps_of(a)), *a.seq.last_round)
-            self._emit(a, new, now)
+            elif r.drafted:
+                self.metrics.record_round(self._labels(self._steps_of(a)), r.drafted, r.accepted)
+            self._emit(a, r.new_tokens, now)
         self.metrics.round_latency.labels(**self._labels(self.drafter.steps if self.drafter else 0)).observe(time.perf_counter() - t_round)
 
     def _steps_of(self, a: _Active) -> int:
-        return a.draft_steps or a.seq.request.draft_steps or (self.drafter.steps if self.drafter else 0)
+        return a.seq.stats.draft_steps or a.seq.request.draft_steps or (self.drafter.steps if self.drafter else 0)
 
     def _emit(self, a: _Active, new: list[int], now: float) -> None:
         if not new:
@@ -364,24 +326,21 @@ class FlashMapServicer(serving_pb2_grpc.FlashMapServicer):
         except asyncio.CancelledError:
             orch.abort(rid)  # client went away: free the slot on target and drafter
             raise
-        if a.error is not None:
-            await context.abort(*a.error)
+        if a.seq.error is not None:
+            await context.abort(_status_of(a.seq.error), f"target verify failed: {a.seq.error}")
         s = a.seq.stats
+        s.draft_steps = orch._steps_of(a)
         final = serving_pb2.FinalResult(
             finish_reason=finish_override or a.seq.finish_reason or "abort",
             usage=serving_pb2.Usage(prompt_tokens=a.seq.n_prompt, completion_tokens=len(a.seq.generated)),
-            stats=serving_pb2.SpecStats(
-                rounds=s.rounds, drafts=s.drafts, draft_tokens=s.draft_tokens, accepted_tokens=s.accepted,
-                mean_acceptance_length=s.mean_acceptance_length, accepted_per_slot=s.accepted_per_slot.tolist(),
-                fallback_rounds=a.fallback_rounds, draft_steps=orch._steps_of(a),
-            ),
+            stats=stats_to_proto(s),
             time_to_first_token_s=(a.t_first - a.t_arrival) if a.t_first else 0.0,
             total_s=time.perf_counter() - a.t_arrival,
         )
         log.info("request finished", extra=fields(
             request_id=rid, finish_reason=final.finish_reason, prompt_tokens=a.seq.n_prompt,
             completion_tokens=len(a.seq.generated), mean_acceptance_length=round(s.mean_acceptance_length, 3),
-            fallback_rounds=a.fallback_rounds, total_s=round(final.total_s, 4)))
+            fallback_rounds=s.fallback_rounds, total_s=round(final.total_s, 4)))
         yield serving_pb2.GenerateResponse(request_id=rid, final=final)
 
     async def Abort(self, request, context):
@@ -440,13 +399,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-concurrent", type=int, default=0)
     ap.add_argument("--max-queue", type=int, default=int(env("FLASHMAP_MAX_QUEUE", "256")))
     ap.add_argument("--draft-timeout-s", type=float, default=float(env("FLASHMAP_DRAFT_TIMEOUT_S", "2.0")))
+    ap.add_argument("--tree-blocks", type=int, default=int(env("FLASHMAP_TREE_BLOCKS", "1")),
+                    help="greedy requests: verify this many drafted blocks as a tree (1 = one block)")
+    ap.add_argument("--speculation", choices=("auto", "full"), default=env("FLASHMAP_SPECULATION", "auto"),
+                    help="auto: each round's draft lengths from measured acceptance and costs; full: always the whole block")
     ap.add_argument("--log-level", default="INFO")
     a = ap.parse_args(argv)
+    if a.tree_blocks < 1:
+        ap.error(f"--tree-blocks must be >= 1, got {a.tree_blocks}")
     setup_logging(a.log_level)
     cfg = OrchestratorConfig(
         host=a.host, port=a.port, metrics_port=a.metrics_port, target_url=a.target_url, drafter_url=a.drafter_url,
         tokenizer_dir=a.tokenizer_dir, max_concurrent=a.max_concurrent, max_queue=a.max_queue,
-        draft_timeout_s=a.draft_timeout_s,
+        draft_timeout_s=a.draft_timeout_s, tree_blocks=a.tree_blocks, speculation=a.speculation,
     )
     run(serve(cfg))
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from target_service.checkpoint import CheckpointError, load_tensors, read_config
+from flashmap.checkpoint import CheckpointError, load_tensors, read_config
 
 _SUPPORTED_ROPE_TYPES = (None, "default")
 

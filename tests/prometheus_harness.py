@@ -1,14 +1,12 @@
-"""Test helpers around a real Prometheus server, plus the catalogue of metric names we export.
-
-Two things live here because both the static deploy tests and the live stack test need them:
+"""Test helpers around a real Prometheus server and the dashboards / rules that query it.
 
 1. ``PrometheusServer``: starts the real ``prometheus`` binary (Debian package) on 127.0.0.1 with a
    generated scrape config pointing at the given targets, waits until it is ready, queries its HTTP
    API, and stops it. Nothing is downloaded; the binary must be installed (``.ci/run`` installs it).
 
-2. ``exported_metrics()``: every series name (with its label names) that FlashMap's services export,
-   built from the real metric registries of the orchestrator and the drafter plus Triton's names.
-   Dashboards and alert rules may only use names from this catalogue.
+2. The expressions of the Grafana dashboard and the alert rules, parsed, and ``exported_metrics()``:
+   the metric catalogue (flashmap.metrics) they may use; ``service_registry_metrics()`` reads the
+   real registries of the orchestrator and the drafter, so a test can hold the catalogue to them.
 
 Comparing Prometheus' numbers with the SDK's per-request stats: ``rate()``/``increase()`` extrapolate
 to the window edges, so a dashboard expression is only approximately equal to the exact ratio.
@@ -23,7 +21,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -35,6 +32,10 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import pytest
 import yaml
+
+from flashmap import metrics
+from flashmap.grpc_serving import free_port  # noqa: F401 - re-exported for the tests
+from flashmap.metrics import PROMETHEUS_SYNTHETIC, series_labels
 
 # --------------------------------------------------------------------------------------------
 # Locating the binaries
@@ -58,13 +59,6 @@ def find_prometheus() -> str | None:
 
 def find_promtool() -> str | None:
     return os.environ.get("PROMTOOL_BIN") or shutil.which("promtool")
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now (the tiny race is fine for tests)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class PrometheusError(RuntimeError):
@@ -404,70 +398,14 @@ def referenced_metrics() -> set[str]:
 # What the services export
 # --------------------------------------------------------------------------------------------
 
-# Triton's own per-model metrics (port 8002). They come from prometheus-cpp, so counters carry no
-# _total suffix. Labels: model and version; failures also carry a reason in recent releases.
-TRITON_METRICS: dict[str, set[str]] = {
-    "nv_inference_request_success": {"model", "version"},
-    "nv_inference_request_failure": {"model", "version", "reason"},
-    "nv_inference_count": {"model", "version"},
-    "nv_inference_exec_count": {"model", "version"},
-    "nv_inference_request_duration_us": {"model", "version"},
-    "nv_inference_queue_duration_us": {"model", "version"},
-    "nv_inference_compute_infer_duration_us": {"model", "version"},
-}
-
-# Custom metrics that our Python backend model (target_service/model_repository/flashmap_target/1/
-# model.py, _init_metrics) registers through pb_utils.MetricFamily, labelled by model; Triton serves
-# them on its metrics port. They can only be read from a running Triton (the live test does).
-TARGET_MODEL_METRICS: dict[str, set[str] | None] = {
-    name: {"model"}
-    for name in (
-        "flashmap_target_active_sequences",
-        "flashmap_target_slots",
-        "flashmap_target_batch_size",
-        "flashmap_target_verify_batches_total",
-        "flashmap_target_verify_rows_total",
-        "flashmap_target_idle_released_total",
-    )
-}
-
-# Series that Prometheus itself attaches to every scrape (alert rules use `up`).
-PROMETHEUS_SYNTHETIC = {
-    name: set()
-    for name in ("up", "scrape_duration_seconds", "scrape_samples_scraped", "scrape_samples_post_metric_relabeling", "scrape_series_added")
-}
-
-# Labels Prometheus adds to every scraped series.
-TARGET_LABELS = {"job", "instance"}
-
-
 def scrape(url: str, timeout: float = 5.0) -> dict[str, set[str]]:
     """GET a /metrics endpoint; {series name: label names}."""
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return parse_exposition(r.read().decode())
-
-
-_SAMPLE_LINE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\s*(?:\{(.*)\})?\s+\S+")
-_LABEL_PAIR = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"(?:[^"\\]|\\.)*"')
+    return series_labels(metrics.scrape(url, timeout))
 
 
 def parse_exposition(text: str) -> dict[str, set[str]]:
-    """Prometheus text format -> {series name: label names seen on it}.
-
-    Names exactly as written, which is what Prometheus stores. (prometheus_client's parser
-    appends _total to every counter sample, so Triton's unsuffixed nv_inference_count would
-    come back as nv_inference_count_total, a series no Prometheus ever has.)
-    """
-    out: dict[str, set[str]] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        m = _SAMPLE_LINE.match(line)
-        if not m:
-            raise ValueError(f"unparseable exposition line: {line!r}")
-        out.setdefault(m.group(1), set()).update(_LABEL_PAIR.findall(m.group(2) or ""))
-    return out
+    """Prometheus text format -> {series name: label names seen on it}."""
+    return series_labels(metrics.parse_exposition(text))
 
 
 def _touch_all_children(metrics_obj) -> None:
@@ -493,22 +431,13 @@ def service_registry_metrics() -> dict[str, set[str]]:
     from orchestrator.metrics import OrchestratorMetrics
 
     out: dict[str, set[str]] = {}
-    for metrics in (OrchestratorMetrics(), DrafterMetrics()):
-        _touch_all_children(metrics)
-        for name, labels in parse_exposition(generate_latest(metrics.registry).decode()).items():
+    for registry in (OrchestratorMetrics(), DrafterMetrics()):
+        _touch_all_children(registry)
+        for name, labels in parse_exposition(generate_latest(registry.registry).decode()).items():
             out.setdefault(name, set()).update(labels)
     return out
 
 
 def exported_metrics() -> dict[str, set[str] | None]:
-    """Everything a dashboard or rule may reference: {series name: allowed labels, None = any}."""
-    out: dict[str, set[str] | None] = {}
-    for name, labels in service_registry_metrics().items():
-        out[name] = labels | TARGET_LABELS
-    for name, labels in TRITON_METRICS.items():
-        out[name] = labels | TARGET_LABELS
-    for name, labels in TARGET_MODEL_METRICS.items():
-        out[name] = None if labels is None else labels | TARGET_LABELS
-    for name, labels in PROMETHEUS_SYNTHETIC.items():
-        out[name] = labels | TARGET_LABELS
-    return out
+    """Everything a dashboard or rule may reference: the catalogue (flashmap.metrics)."""
+    return metrics.exported_series()

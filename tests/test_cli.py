@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from drafter_service.checkpoint import init_drafter, save_drafter
-from flashmap.cli import main
+from flashmap_cli.main import main
 from target_service.random_checkpoint import make_random_qwen3
 
 
@@ -114,7 +114,7 @@ def test_missing_and_corrupt_checkpoints(ckpts, capsys, tmp_path):
 
 def test_process_exit_status_and_no_traceback(ckpts):
     """The real console entry point: non-zero exit, one line, no traceback."""
-    p = subprocess.run([sys.executable, "-m", "flashmap.cli", "generate", "--in-process", "--target", ckpts["target"],
+    p = subprocess.run([sys.executable, "-m", "flashmap_cli.main", "generate", "--in-process", "--target", ckpts["target"],
                         "--prompt-ids", "1,2", "--temperature", "-2"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert p.stderr.strip().splitlines() == ["error: temperature must be >= 0, got -2.0"]

@@ -33,6 +33,7 @@ if str(ROOT) not in sys.path:  # the metric registries live in the project's pac
     sys.path.insert(0, str(ROOT))
 
 from prometheus_harness import (  # noqa: E402
+    service_registry_metrics,
     need,
     alert_expressions,
     dashboard_expressions,
@@ -402,6 +403,13 @@ def test_referenced_metrics_are_all_exported():
 
 def test_metric_catalogue_comes_from_the_registries():
     catalogue = exported_metrics()
+    # The registries the services build export exactly the catalogue's series, labels included.
+    from flashmap.metrics import TARGET_LABELS
+
+    registries = service_registry_metrics()
+    ours = {n: ls - TARGET_LABELS for n, ls in catalogue.items() if n.startswith("flashmap_") and not
+            n.startswith("flashmap_target_")}
+    assert registries == ours
     # Counters carry _total, histograms _bucket/_sum/_count, with the label names of the code.
     assert catalogue["flashmap_num_accepted_tokens_per_pos_total"] >= {"model", "drafter", "steps", "position"}
     assert "le" in catalogue["flashmap_acceptance_length_bucket"]

@@ -18,8 +18,8 @@ from drafter_service.flashmap_proposer import (ContextTooLong, FlashMapProposer,
                                                request_generator)
 from drafter_service.flow_time import time_grid
 from drafter_service.oracle import OracleProposer
-from drafter_service.proposer import ProposeRequest
-from target_service.checkpoint import CheckpointError
+from flashmap.types import ProposeRequest
+from flashmap.checkpoint import CheckpointError
 from drafter_helpers import randomize
 
 SMALL = dict(dim=64, n_blocks=2, n_heads=4, block_size=16, time_freq_dim=32)

@@ -12,9 +12,9 @@ import pytest
 
 from drafter_service.checkpoint import init_drafter, save_drafter
 from drafter_service.eagle import init_eagle, save_eagle
-from drafter_service.proposer import ProposeRequest
-from flashmap.cli import load_proposer
-from flashmap.stack import free_port, wait_grpc_health
+from flashmap.types import ProposeRequest
+from drafter_service.factory import load_proposer
+from flashmap.grpc_serving import free_port, wait_grpc_health
 from flashmap.v1 import drafter_pb2, drafter_pb2_grpc
 from orchestrator.drafter_client import block_to_draft, features_to_tensor
 from target_service.random_checkpoint import make_random_qwen3

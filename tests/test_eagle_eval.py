@@ -13,13 +13,14 @@ import pytest
 import torch
 
 from drafter_service.checkpoint import init_drafter, save_drafter
-from drafter_service.eagle import (EagleProposer, checkpoint_kind, init_eagle, load_eagle, rollout_mask, save_eagle)
+from drafter_service.checkpoint import checkpoint_kind
+from drafter_service.eagle import EagleProposer, init_eagle, load_eagle, rollout_mask, save_eagle
 from drafter_service.flashmap_proposer import FlashMapProposer
-from drafter_service.proposer import ProposeRequest
+from flashmap.types import ProposeRequest
 from flashmap.inprocess import decode
 from flashmap.types import SamplingParams
-from orchestrator.sequence import GenerationRequest
-from target_service.checkpoint import CheckpointError
+from flashmap.types import GenerationRequest
+from flashmap.checkpoint import CheckpointError
 
 TINY = dict(n_heads=4, n_layers=1, block_size=16, train_depth=3)
 
@@ -245,12 +246,16 @@ def test_eval_end_to_end_and_resume(world, tmp_path):
     assert ev.main([*argv, "--max-new-tokens", "11"]) == 2
 
 
-def test_conditional_counts():
-    from training.evaluate import conditional_counts
+def test_per_slot_counts():
+    from flashmap.types import SpecStats
 
-    den, num = conditional_counts([(4, 4), (4, 0), (2, 1), (3, 2)], 4)
+    s = SpecStats(block_size=4)
+    for drafted, accepted in [(4, 4), (4, 0), (2, 1), (3, 2)]:
+        s.record_round(drafted, accepted)
     # slot 1: drafted in all 4 rounds, accepted in 3; slot 2: 3 rounds reached it, accepted in 2 ...
-    assert den == [4, 3, 2, 1] and num == [3, 2, 1, 1]
+    assert s.verified_per_slot.tolist() == [4, 3, 2, 1] and s.accepted_per_slot.tolist() == [3, 2, 1, 1]
+    assert s.drafted_per_slot.tolist() == [4, 4, 3, 2]
+    assert np.allclose(s.conditional_acceptance(), [0.75, 2 / 3, 0.5, 1.0])
 
 
 def test_paired_timing_runs_every_prompt_with_every_method(world, monkeypatch):

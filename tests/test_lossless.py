@@ -23,10 +23,10 @@ import torch
 from scipy.stats import chisquare
 
 from drafter_service.oracle import OracleProposer
-from flashmap.cli import load_proposer
+from drafter_service.factory import load_proposer
 from flashmap.inprocess import decode
 from flashmap.types import SamplingParams
-from orchestrator.sequence import GenerationRequest
+from flashmap.types import GenerationRequest
 from target_service.engine import TargetEngine
 from target_service.random_checkpoint import make_random_qwen3
 

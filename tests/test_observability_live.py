@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from flashmap.metrics import TARGET_LABELS
 from prometheus_harness import (
     need,
     ALERT_RULES,
-    TARGET_LABELS,
     PrometheusServer,
     alert_expressions,
     dashboard_expressions,
@@ -77,7 +77,7 @@ class Traffic:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     need(tritonserver_available(), "tritonserver", "pip install -e '.[triton]' (nvidia-pytriton)")
-    from flashmap.stack import Stack, StackConfig
+    from flashmap_cli.stack import Stack, StackConfig
     from target_service.random_checkpoint import make_random_qwen3
 
     ckpt = make_random_qwen3(tmp_path_factory.mktemp("target") / "qwen3", max_position_embeddings=MAX_SEQ_LEN)
@@ -147,7 +147,7 @@ def sdk_totals(completions) -> dict:
         "requests": len(completions),
         "drafts": sum(s.drafts for s in stats),
         "draft_tokens": sum(s.draft_tokens for s in stats),
-        "accepted": sum(s.accepted_tokens for s in stats),
+        "accepted": sum(s.accepted for s in stats),
         "per_slot": per_slot,
         "drafts_by_steps": dict(drafts_by_steps),
         "fallback_rounds": sum(s.fallback_rounds for s in stats),

@@ -10,7 +10,7 @@ import pytest
 from scipy.stats import chisquare
 
 from flashmap.types import Draft, VerifyResult
-from orchestrator.rejection_sampler import greedy_verify, sample_verify
+from flashmap.rejection_sampler import greedy_verify, sample_verify
 
 V = 12
 N = 20_000

@@ -1,5 +1,5 @@
 """Integration tests of the services: a real tritonserver, drafter and orchestrator as
-processes on 127.0.0.1 (flashmap.stack.Stack), driven through the client SDK.
+processes on 127.0.0.1 (flashmap_cli.stack.Stack), driven through the client SDK.
 
 Two stacks on a tiny random Qwen3 (fp32 on CPU):
 - TestMainStack: the real FlashMap drafter service (untrained "init" drafter), 8 KV slots.
@@ -79,7 +79,7 @@ from flashmap.client import (  # noqa: E402 - after the script entry point, whic
     InvalidArgument,
     ResourceExhausted,
 )
-from flashmap.stack import Stack, StackConfig  # noqa: E402
+from flashmap_cli.stack import Stack, StackConfig  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -156,7 +156,7 @@ class Reference:
     def __call__(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:
         from flashmap.inprocess import decode
         from flashmap.types import SamplingParams
-        from orchestrator.sequence import GenerationRequest
+        from flashmap.types import GenerationRequest
 
         todo = list(dict.fromkeys(tuple(p) for p in prompts if (tuple(p), max_new) not in self.cache))
         if todo:
@@ -508,12 +508,6 @@ def test_late_drafter_falls_back_exactly_and_is_released(target_dir, ref, tmp_pa
 # ============================================================================= small stack
 
 
-def _free_port() -> int:
-    from flashmap.stack import free_port
-
-    return free_port()
-
-
 class OracleStack(Stack):
     """A Stack whose drafter process is the drafter service around the oracle proposer."""
 
@@ -598,7 +592,7 @@ class TestSmallStack:
         stats = [f.stats for _, f in outs]
         drafts = sum(s.drafts for s in stats)
         draft_tokens = sum(s.draft_tokens for s in stats)
-        accepted = sum(s.accepted_tokens for s in stats)
+        accepted = sum(s.accepted for s in stats)
         per_slot = np.sum([s.accepted_per_slot for s in stats], axis=0)
         # Meaningful: drafts happened, many were accepted, and not all of them.
         assert drafts > 0 and 0 < accepted < draft_tokens
@@ -621,4 +615,41 @@ class TestSmallStack:
         assert gamma_metrics > 1.5
         # Each request's own mean acceptance length is consistent with its counts.
         for s in stats:
-            assert s.mean_acceptance_length == pytest.approx(1.0 + s.accepted_tokens / s.drafts)
+            assert s.mean_acceptance_length == pytest.approx(1.0 + s.accepted / s.drafts)
+
+
+# ============================================================================= tree verification
+
+
+@pytest.mark.timeout(240)
+def test_tree_verification_through_the_stack_is_the_in_process_round(target_dir, ref, tmp_path):
+    """tree_blocks = 3 through Triton, the drafter service and the orchestrator: T = 0 output equal
+    to the target alone, and round for round what the in-process decoder does with the same
+    oracle and seeds (both runtimes call flashmap.rounds.speculative_round); the tree accepts
+    more than one block per round would."""
+    from drafter_service.oracle import OracleProposer
+    from flashmap.inprocess import decode
+    from flashmap.types import GenerationRequest, SamplingParams
+
+    prompts, max_new = ORACLE_PROMPTS[:3], ORACLE_MAX_NEW
+    expected = ref(prompts, max_new)
+    refs = [p + out for p, out in zip(prompts, expected)]
+    refs_path = tmp_path / "refs.json"
+    refs_path.write_text(json.dumps(refs))
+    cfg = StackConfig.on_free_ports(target_dir=str(target_dir), drafter="oracle", n_slots=4, max_seq_len=1024,
+                                    tree_blocks=3, log_dir=str(tmp_path / "logs"))
+    with OracleStack(cfg, refs_path), Client(cfg.url, timeout=120) as c:
+        outs = [_stream(c, prompt_ids=p, max_new_tokens=max_new, ignore_eos=True, seed=i) for i, p in enumerate(prompts)]
+    for exp, (ids, final) in zip(expected, outs):
+        assert ids == exp and final.finish_reason == "length"
+
+    def local(tree_blocks: int):
+        reqs = [GenerationRequest(p, max_new, SamplingParams(seed=i)) for i, p in enumerate(prompts)]
+        return decode(ref.engine, reqs, OracleProposer(refs, BLOCK, VOCAB, error_rate=0.2, seed=1), tree_blocks=tree_blocks)
+
+    tree = local(3)
+    for mine, (_, final) in zip(tree, outs):
+        s = final.stats
+        assert (s.rounds, s.drafts, s.accepted) == (mine.stats.rounds, mine.stats.drafts, mine.stats.accepted)
+        assert s.accepted_per_slot.tolist() == mine.stats.accepted_per_slot.tolist()
+    assert sum(r.stats.accepted for r in tree) > sum(r.stats.accepted for r in local(1))

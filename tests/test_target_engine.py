@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from flashmap.types import InvalidRequest, SamplingParams, VerifyRow, feature_layers_for
-from target_service.checkpoint import CheckpointError
+from flashmap.checkpoint import CheckpointError
 from target_service.engine import NoFreeSlot, TargetEngine
 from target_service.qwen3 import Qwen3, Qwen3Config
 from target_service.random_checkpoint import make_random_qwen3

@@ -15,7 +15,7 @@ import torch
 from drafter_service.checkpoint import init_drafter, load_drafter
 from drafter_service.flashmap_dit import jump
 from drafter_service.flashmap_proposer import FlashMapProposer
-from drafter_service.proposer import ProposeRequest
+from flashmap.types import ProposeRequest
 from training import drafter_data as dd
 from training import train_drafter as td
 from drafter_helpers import randomize

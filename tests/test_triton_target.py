@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import re
-import socket
 import time
 
 import numpy as np
 import pytest
 
+from flashmap.grpc_serving import free_ports
 from flashmap.types import InvalidRequest, SamplingParams, VerifyRow
 from target_service import launcher
 
@@ -28,15 +28,6 @@ MAX_SEQ_LEN = 200  # not the checkpoint default (256): checks the setting reache
 GREEDY = SamplingParams()
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +43,7 @@ def server(checkpoint, tmp_path_factory):
         launcher.find_tritonserver()
     except launcher.TritonStartError as e:
         pytest.skip(str(e))
-    grpc_port, http_port, metrics_port = _free_ports(3)
+    grpc_port, http_port, metrics_port = free_ports(3)
     log = tmp_path_factory.mktemp("triton") / "tritonserver.log"
     handle = launcher.start_triton(
         checkpoint, grpc_port=grpc_port, http_port=http_port, metrics_port=metrics_port,
@@ -75,7 +66,7 @@ def engine(checkpoint):
 
 def run(coro_fn, server, **kw):
     """Run an async test body with a fresh client (gRPC aio channels belong to one loop)."""
-    from target_service.triton_client import TargetClient
+    from orchestrator.target_client import TargetClient
 
     async def main():
         async with TargetClient(server.grpc_url, **kw) as client:
@@ -312,10 +303,10 @@ def test_bad_requests_get_clear_errors_and_server_keeps_serving(server):
 
 
 def test_unreachable_server_is_target_unavailable():
-    from target_service.triton_client import TargetClient, TargetUnavailable
+    from orchestrator.target_client import TargetClient, TargetUnavailable
 
     async def body():
-        async with TargetClient(f"127.0.0.1:{_free_ports(1)[0]}") as c:
+        async with TargetClient(f"127.0.0.1:{free_ports(1)[0]}") as c:
             assert not await c.ready()
             with pytest.raises(TargetUnavailable):
                 await c.verify(1, VerifyRow(-1, 0, np.array([1]), GREEDY), start=True)

@@ -108,7 +108,7 @@ def generate_responses(engine, prompts: list[list[int]], max_new_tokens: int, te
     slots. Sampling is seeded per prompt by (seed, global prompt index), so a chunk gives
     the same responses whether or not earlier chunks ran in the same process."""
     from flashmap.inprocess import decode
-    from orchestrator.sequence import GenerationRequest
+    from flashmap.types import GenerationRequest
 
     reqs = []
     for i, p in enumerate(prompts):
@@ -242,7 +242,8 @@ def build(engine, prompts: list[list[int]], out_dir: str | Path, *, max_new_toke
     out_dir.mkdir(parents=True, exist_ok=True)
     embed_hash = ""
     if target_dir is not None:
-        from target_service.checkpoint import load_embeddings, tensor_hash
+        from drafter_service.checkpoint import tensor_hash
+        from flashmap.checkpoint import load_embeddings
         embed_hash = tensor_hash(load_embeddings(target_dir)[0])
     meta = dict(format=FORMAT, target=str(target_dir or ""), target_vocab_size=engine.vocab_size,
                 target_hidden_size=engine.hidden_size, target_num_layers=engine.num_layers,

@@ -48,7 +48,6 @@ alone and when verifying alike. Not done: EAGLE's tree of 16.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -102,7 +101,7 @@ def read_domain_prompts(path: str | Path, target_dir: str | Path | None) -> list
 
 
 def build_methods(args) -> tuple[list[Method], list[str]]:
-    from drafter_service.eagle import checkpoint_kind
+    from drafter_service.checkpoint import checkpoint_kind
 
     methods, notes = [], []
 
@@ -159,47 +158,8 @@ def build_methods(args) -> tuple[list[Method], list[str]]:
 
 # ----------------------------------------------------------------------------- measuring
 
-@contextlib.contextmanager
-def round_log():
-    """Records (draft tokens, accepted) of every drafted round decoded inside the block.
-
-    SequenceStats keeps accepted-per-slot counts but not how many rounds drafted slot k
-    (the last rounds of a sequence are cut to its token budget), so the conditional
-    acceptance needs the rounds themselves: Sequence.commit is wrapped while the block runs."""
-    from orchestrator.sequence import Sequence
-
-    log: list[tuple[int, int]] = []
-    orig = Sequence.commit
-
-    def commit(self, row, draft, result):
-        was_prefilled = self.prefilled
-        out = orig(self, row, draft, result)
-        if was_prefilled and self.last_round[0] > 0:
-            log.append(tuple(self.last_round))
-        return out
-
-    Sequence.commit = commit
-    try:
-        yield log
-    finally:
-        Sequence.commit = orig
-
-
-def conditional_counts(rounds: list[tuple[int, int]], K: int) -> tuple[list[int], list[int]]:
-    """Per slot k = 1..K: (rounds with slot k drafted and slots < k accepted, of those with slot k accepted)."""
-    den, num = [0] * K, [0] * K
-    for k_drafted, acc in rounds:
-        for k in range(1, min(k_drafted, K) + 1):
-            if acc >= k - 1:
-                den[k - 1] += 1
-                if acc >= k:
-                    num[k - 1] += 1
-    return den, num
-
-
 def make_requests(prompts: list[dict], temperature: float, max_new: int, seed: int, eos: list[int]):
-    from flashmap.types import SamplingParams
-    from orchestrator.sequence import GenerationRequest
+    from flashmap.types import GenerationRequest, SamplingParams
 
     return [GenerationRequest(list(p["ids"]), max_new,
                               SamplingParams(temperature=float(temperature), seed=seed * 1_000_003 + i),
@@ -221,9 +181,10 @@ def run_paired(engine, prompts, temperature, max_new, seed, runners: dict, repea
     Per runner and prompt the fastest run counts (its wall, draft and verify seconds): on a
     shared machine the least disturbed run is the best estimate of the cost, and since a
     prompt's runs by all runners lie within seconds of each other, a slow stretch of the
-    machine hits the baseline and the methods alike instead of one table cell. Counts, outputs
-    and the round log are the first repeat's (decoding is seeded: every repeat is the same).
-    Returns name -> totals, outputs, per-round log."""
+    machine hits the baseline and the methods alike instead of one table cell. Counts and
+    outputs are the first repeat's (decoding is seeded: every repeat is the same).
+    Returns name -> totals, outputs, per-slot counts (cond_den: rounds that reached slot k,
+    cond_num: of those, rounds that accepted it)."""
     from flashmap.inprocess import decode
 
     names = list(runners)
@@ -234,19 +195,18 @@ def run_paired(engine, prompts, temperature, max_new, seed, runners: dict, repea
         for i, req in enumerate(requests):
             for m in names[rep % len(names):] + names[:rep % len(names)]:
                 proposer, steps, tree_blocks = runners[m]
-                with round_log() as rounds:
-                    t0 = time.perf_counter()
-                    (res,) = decode(engine, [req], proposer, steps, tree_blocks)
-                    wall = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                (res,) = decode(engine, [req], proposer, steps, tree_blocks)
+                wall = time.perf_counter() - t0
                 if best[m][i] is None or wall < best[m][i][0]:
-                    best[m][i] = (wall, res.timings.draft_s, res.timings.verify_s)
+                    best[m][i] = (wall, res.stats.draft_s, res.stats.verify_s)
                 if first[m][i] is None:
-                    first[m][i] = (res, list(rounds))
+                    first[m][i] = res
                 if bar is not None:
                     bar.update(1)
     out = {}
     for m in names:
-        outs = [res for res, _ in first[m]]
+        outs = first[m]
         walls = [b[0] for b in best[m]]
         wall, drafts = sum(walls), sum(r.stats.drafts for r in outs)
         accepted, tokens = sum(r.stats.accepted for r in outs), sum(len(r.token_ids) for r in outs)
@@ -256,28 +216,21 @@ def run_paired(engine, prompts, temperature, max_new, seed, runners: dict, repea
                   "rounds": sum(r.stats.rounds for r in outs),
                   "gamma": 1.0 + accepted / drafts if drafts else float("nan"),
                   "draft_s": sum(b[1] for b in best[m]), "verify_s": sum(b[2] for b in best[m]),
-                  "round_log": [x for _, rounds in first[m] for x in rounds]}
+                  "cond_den": np.sum([r.stats.verified_per_slot for r in outs], 0).tolist(),
+                  "cond_num": np.sum([r.stats.accepted_per_slot for r in outs], 0).tolist()}
     return out
 
 
 def make_proposer(m: Method, target: str, engine, device: str, cache: dict, compile: bool = False):
     """A fresh proposer for the method (the loaded model is shared between methods, and so are
     its compilations: SlotCacheProposer.enable_compile)."""
-    from drafter_service.checkpoint import load_drafter
-    from drafter_service.eagle import EagleProposer, load_eagle
-    from drafter_service.flashmap_proposer import FlashMapProposer
+    from drafter_service import factory
 
     if m.checkpoint not in cache:
-        cache[m.checkpoint] = (load_eagle if m.kind == "eagle" else load_drafter)(m.checkpoint, target, device=device)
-    model = cache[m.checkpoint]
-    if m.kind == "eagle":
-        proposer = EagleProposer(model, n_slots=1, max_context=engine.max_seq_len, device=device)
-    else:
-        proposer = FlashMapProposer(model, n_slots=1, max_context=engine.max_seq_len, device=device, steps=m.steps,
-                                    shared_noise=m.shared_noise, min_confidence=m.min_confidence)
-    if compile:
-        proposer.enable_compile(steps=(m.steps,))
-    return proposer
+        cache[m.checkpoint] = factory.load_model(m.checkpoint, target, device=device)
+    return factory.make_proposer(cache[m.checkpoint], device=device, n_slots=1, max_context=engine.max_seq_len,
+                                 steps=m.steps, min_confidence=m.min_confidence, shared_noise=m.shared_noise,
+                                 compile=compile)
 
 
 def params_of(model) -> int:
@@ -520,8 +473,8 @@ def write_plots(out_dir: Path, data: dict, methods: list[Method], domains: list[
 def evaluate(args, command: str) -> Path:
     from tqdm import tqdm
 
-    from drafter_service.eagle import checkpoint_kind
-    from target_service.checkpoint import read_config
+    from drafter_service.checkpoint import checkpoint_kind
+    from flashmap.checkpoint import read_config
     from target_service.engine import TargetEngine
 
     methods, notes = build_methods(args)
@@ -592,7 +545,7 @@ def evaluate(args, command: str) -> Path:
                 if t == 0:
                     bad = [p["id"] for p, a, b in zip(ps, r["outputs"], base["outputs"]) if a != b]
                     assert not bad, f"{m.name}: greedy output differs from the target's on prompts {bad} ({d})"
-                den, num = conditional_counts(r["round_log"], runners[m.name][0].block_size)
+                den, num = r["cond_den"], r["cond_num"]
                 cells[cell_key(m.name, d, t)] = {
                     "method": m.name, "domain": d, "temperature": t, "n_prompts": len(ps),
                     "tokens": r["tokens"], "rounds": r["rounds"], "drafts": r["drafts"],
@@ -620,9 +573,8 @@ def evaluate(args, command: str) -> Path:
             continue
         model = models.get(m.checkpoint)
         if model is None:
-            from drafter_service.checkpoint import load_drafter
-            from drafter_service.eagle import load_eagle
-            model = (load_eagle if m.kind == "eagle" else load_drafter)(m.checkpoint, args.target)
+            from drafter_service.factory import load_model
+            model = load_model(m.checkpoint, args.target)
         c = model.cfg
         arch = (f"{c.n_layers} layer(s)" if m.kind == "eagle" else f"{c.n_blocks} blocks") + \
             f", width {c.dim}, {c.n_heads} heads"

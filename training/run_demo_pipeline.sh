@@ -52,7 +52,7 @@ $PY -m training.train_eagle --small --batch-size 8 --steps "${STEPS_EAGLE:-2000}
     --out "$RUNS/eagle" --resume > "$RUNS/eagle.log" 2>&1 &
 wait
 
-$PY -m flashmap.cli eval --target "$T" --flashmap "$RUNS/map" --teacher "$RUNS/flow" --dflash "$RUNS/dflash" \
+$PY -m flashmap_cli.main eval --target "$T" --flashmap "$RUNS/map" --teacher "$RUNS/flow" --dflash "$RUNS/dflash" \
     --dflash-start "$RUNS/dflash-start3" --eagle "$RUNS/eagle" --max-prompts "${EVAL_PROMPTS:-10}" \
     --max-new-tokens "${EVAL_NEW:-64}" --threads "${EVAL_THREADS:-2}" --repeats "${EVAL_REPEATS:-3}" \
     --compile --min-confidence "${EVAL_MIN_CONFIDENCE:-0.2}" --cache "$RUNS/eval_cells.json"

@@ -51,7 +51,7 @@ class DraftRequest(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceDraft, _Mapping]]] = ...) -> None: ...
 
 class Block(_message.Message):
-    __slots__ = ("seq_id", "tokens", "support_ids", "support_probs", "support_size", "steps", "error")
+    __slots__ = ("seq_id", "tokens", "support_ids", "support_probs", "support_size", "steps", "error", "branches")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SUPPORT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class Block(_message.Message):
     SUPPORT_SIZE_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    BRANCHES_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     support_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -66,7 +67,14 @@ class Block(_message.Message):
     support_size: int
     steps: int
     error: str
-    def __init__(self, seq_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., support_ids: _Optional[_Iterable[int]] = ..., support_probs: _Optional[_Iterable[float]] = ..., support_size: _Optional[int] = ..., steps: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    branches: _containers.RepeatedCompositeFieldContainer[Branch]
+    def __init__(self, seq_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., support_ids: _Optional[_Iterable[int]] = ..., support_probs: _Optional[_Iterable[float]] = ..., support_size: _Optional[int] = ..., steps: _Optional[int] = ..., error: _Optional[str] = ..., branches: _Optional[_Iterable[_Union[Branch, _Mapping]]] = ...) -> None: ...
+
+class Branch(_message.Message):
+    __slots__ = ("tokens",)
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftTiming(_message.Message):
     __slots__ = ("queue_s", "forward_s", "batch_size")

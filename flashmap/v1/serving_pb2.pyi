@@ -13,7 +13,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos", "draft_steps")
+    __slots__ = ("request_id", "text", "token_ids", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos", "draft_steps", "max_draft_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class GenerateRequest(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -38,7 +39,8 @@ class GenerateRequest(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
     draft_steps: int
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., draft_steps: _Optional[int] = ...) -> None: ...
+    max_draft_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., draft_steps: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("token_ids", "text")
@@ -57,7 +59,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpecStats(_message.Message):
-    __slots__ = ("rounds", "drafts", "draft_tokens", "accepted_tokens", "mean_acceptance_length", "accepted_per_slot", "fallback_rounds", "draft_steps")
+    __slots__ = ("rounds", "drafts", "draft_tokens", "accepted_tokens", "mean_acceptance_length", "accepted_per_slot", "fallback_rounds", "draft_steps", "drafted_per_slot", "verified_per_slot")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +68,8 @@ class SpecStats(_message.Message):
     ACCEPTED_PER_SLOT_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_PER_SLOT_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_PER_SLOT_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     drafts: int
     draft_tokens: int
@@ -74,7 +78,9 @@ class SpecStats(_message.Message):
     accepted_per_slot: _containers.RepeatedScalarFieldContainer[int]
     fallback_rounds: int
     draft_steps: int
-    def __init__(self, rounds: _Optional[int] = ..., drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., accepted_per_slot: _Optional[_Iterable[int]] = ..., fallback_rounds: _Optional[int] = ..., draft_steps: _Optional[int] = ...) -> None: ...
+    drafted_per_slot: _containers.RepeatedScalarFieldContainer[int]
+    verified_per_slot: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, rounds: _Optional[int] = ..., drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., accepted_per_slot: _Optional[_Iterable[int]] = ..., fallback_rounds: _Optional[int] = ..., draft_steps: _Optional[int] = ..., drafted_per_slot: _Optional[_Iterable[int]] = ..., verified_per_slot: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FinalResult(_message.Message):
     __slots__ = ("finish_reason", "usage", "stats", "time_to_first_token_s", "total_s")

@@ -9,11 +9,14 @@ Each Triton sequence (correlation id) owns one KV slot of the engine:
   Triton's sequence batcher drops idle sequences without telling the model;
 - a request with INFO = true answers INFO_JSON (vocab size, feature layers, ...) instead.
 
-Tensor contract (config.pbtxt; every tensor has a leading batch dimension of 1):
+Tensor contract (config.pbtxt; every tensor has a leading batch dimension of 1; encoded and
+decoded by flashmap.wire on both sides):
   in:  TOKENS INT64 [L], START_POS INT64 [1], SUPPORT_IDS INT64 [K, S] (-1 padded, K may be 0),
-       TEMPERATURE FP32 [1], TOP_K INT32 [1], TOP_P FP32 [1], ROUND_SEED INT64 [1], INFO BOOL [1]
+       TEMPERATURE FP32 [1], TOP_K INT32 [1], TOP_P FP32 [1], ROUND_SEED INT64 [1], INFO BOOL [1],
+       BRANCHES INT64 [n, K] (tree verification at T = 0: more blocks after the same anchor)
   out: ARGMAX INT64 [K+1], SUPPORT_PROBS FP32 [K, S], COMPLEMENT FP32 [K], RESIDUAL INT64 [K+1],
-       FEATURES FP32|FP16 [L, F], INFO_JSON BYTES [1]
+       FEATURES FP32|FP16 [L, F], BEST INT64 [1] (the winning block; 0 = TOKENS' own), INFO_JSON BYTES [1]
+A row with BRANCHES is verified on its own (TargetEngine.verify_tree), the others in one forward.
 
 Errors: engine InvalidRequest -> that request alone gets TritonError(INVALID_ARG, message);
 no free slot -> UNAVAILABLE; anything else -> INTERNAL for the requests of that forward.
@@ -43,7 +46,9 @@ import triton_python_backend_utils as pb_utils
 try:  # a clear message beats a bare ModuleNotFoundError in the server log
     import torch
 
-    from flashmap.types import InvalidRequest, SamplingParams, VerifyRow
+    from flashmap import wire
+    from flashmap.metrics import TARGET_MODEL
+    from flashmap.types import InvalidRequest
     from target_service import engine as engine_module
 except ImportError as e:  # pragma: no cover - only in a misconfigured server
     raise ImportError(
@@ -138,21 +143,17 @@ class TritonPythonModel:
 
     def _init_metrics(self):
         labels = {"model": self.info["model_name"]}
-        gauge, counter = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER
-
-        def metric(name, desc, kind):
-            # Keep the family alive as long as the model: its metrics die with it.
-            fam = pb_utils.MetricFamily(name=name, description=desc, kind=kind)
-            self._families.append(fam)
-            return fam.Metric(labels=labels)
-
-        self._families = []
-        self.m_active = metric("flashmap_target_active_sequences", "Sequences holding a KV slot", gauge)
-        self.m_slots = metric("flashmap_target_slots", "KV slots (max concurrent sequences)", gauge)
-        self.m_batch = metric("flashmap_target_batch_size", "Sequences in the last verify forward", gauge)
-        self.m_batches = metric("flashmap_target_verify_batches_total", "Verify forward passes", counter)
-        self.m_rows = metric("flashmap_target_verify_rows_total", "Sequences verified (sum of batch sizes)", counter)
-        self.m_idle = metric("flashmap_target_idle_released_total", "Slots freed by the idle timeout", counter)
+        kinds = {"gauge": pb_utils.MetricFamily.GAUGE, "counter": pb_utils.MetricFamily.COUNTER}
+        # Keep the families alive as long as the model: its metrics die with them.
+        self._families = [pb_utils.MetricFamily(name=m.name, description=m.help, kind=kinds[m.kind])
+                          for m in TARGET_MODEL]
+        m = {spec.name: fam.Metric(labels=labels) for spec, fam in zip(TARGET_MODEL, self._families)}
+        self.m_active = m["flashmap_target_active_sequences"]
+        self.m_slots = m["flashmap_target_slots"]
+        self.m_batch = m["flashmap_target_batch_size"]
+        self.m_batches = m["flashmap_target_verify_batches_total"]
+        self.m_rows = m["flashmap_target_verify_rows_total"]
+        self.m_idle = m["flashmap_target_idle_released_total"]
         self.m_slots.set(self.engine.n_slots)
         self.m_active.set(0)
 
@@ -218,9 +219,10 @@ class TritonPythonModel:
         self._reap_idle(now)
         responses = [None] * len(requests)
         rows, pending = [], []  # pending: (request index, corrid, end)
+        trees = []  # (request index, corrid, end, row, branches): verified one by one
         for i, request in enumerate(requests):
             try:
-                kind, corrid, start, end, row = self._parse(request)
+                kind, corrid, start, end, row, branches = self._parse(request)
                 if kind == "info":
                     out = np.array([[self.info_bytes]], dtype=np.object_)
                     responses[i] = pb_utils.InferenceResponse([pb_utils.Tensor("INFO_JSON", out)])
@@ -248,6 +250,9 @@ class TritonPythonModel:
                     )
                 self.last_use[corrid] = now
                 row.slot = self.slots[corrid]
+                if branches:
+                    trees.append((i, corrid, end, row, branches))
+                    continue
                 rows.append(row)
                 pending.append((i, corrid, end))
             except InvalidRequest as e:
@@ -265,6 +270,12 @@ class TritonPythonModel:
                 responses[i] = result if isinstance(result, pb_utils.InferenceResponse) else self._response(result)
                 if end:
                     self._release(corrid)
+        for i, corrid, end, row, branches in trees:
+            responses[i] = self._verify_tree(row, branches)
+            self.m_batches.increment(1)
+            self.m_rows.increment(1)
+            if end:
+                self._release(corrid)
         self._update_active()
         # Triton needs one response per request; none is left empty above, but never crash on it.
         return [r if r is not None else _error("no response", pb_utils.TritonError.INTERNAL) for r in responses]
@@ -291,60 +302,39 @@ class TritonPythonModel:
                 out.append(_error(f"internal error: {type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL))
         return out
 
+    def _verify_tree(self, row, branches):
+        try:
+            result, best = self.engine.verify_tree(row, branches)
+            return self._response(result, best)
+        except InvalidRequest as e:
+            return _error(str(e), pb_utils.TritonError.INVALID_ARG)
+        except Exception as e:
+            pb_utils.Logger.log_error("flashmap_target verify_tree: " + traceback.format_exc())
+            return _error(f"internal error: {type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL)
+
     def _parse(self, request):
-        """-> (kind, corrid, start, end, VerifyRow | None); raises InvalidRequest."""
-        corrid = int(_scalar(request, "CORRID", 0))
+        """-> (kind, corrid, start, end, VerifyRow | None, branches); raises InvalidRequest."""
+        def get(name):
+            t = pb_utils.get_input_tensor_by_name(request, name)
+            return None if t is None else t.as_numpy()
+
+        corrid = int(wire.scalar(get, "CORRID", 0))
         if corrid == 0:
             corrid = int(request.correlation_id())
-        start = bool(_scalar(request, "START", 0))
-        end = bool(_scalar(request, "END", 0))
-        if bool(_scalar(request, "INFO", False)):
-            return "info", corrid, start, end, None
-        tokens = _array(request, "TOKENS", np.int64, ndim=1)
-        if tokens is None or tokens.size == 0:
-            return "verify", corrid, start, end, None
-        support = _array(request, "SUPPORT_IDS", np.int64, ndim=2)
-        if support is None or support.shape[0] == 0:
-            support = np.zeros((0, 1), np.int64)
-        params = SamplingParams(
-            temperature=float(_scalar(request, "TEMPERATURE", 0.0)),
-            top_k=int(_scalar(request, "TOP_K", 0)),
-            top_p=float(_scalar(request, "TOP_P", 1.0)),
-        ).validate()
-        row = VerifyRow(
-            slot=-1,
-            start_pos=int(_scalar(request, "START_POS", 0)),
-            tokens=tokens,
-            params=params,
-            support_ids=support,
-            round_seed=int(_scalar(request, "ROUND_SEED", 0)),
-        )
-        return "verify", corrid, start, end, row
+        start = bool(wire.scalar(get, "START", 0))
+        end = bool(wire.scalar(get, "END", 0))
+        if bool(wire.scalar(get, "INFO", False)):
+            return "info", corrid, start, end, None, []
+        row, branches = wire.parse_verify_inputs(get)
+        return "verify", corrid, start, end, row, branches
 
-    def _response(self, r):
-        probs = np.asarray(r.support_probs, np.float32)
-        if probs.ndim != 2:  # keep the declared rank [K, S] even for an empty array
-            probs = probs.reshape(len(r.complement), -1) if probs.size else np.zeros((0, 0), np.float32)
-        tensors = {
-            "ARGMAX": np.asarray(r.argmax, np.int64),
-            "SUPPORT_PROBS": probs,
-            "COMPLEMENT": np.asarray(r.complement, np.float32).reshape(-1),
-            "RESIDUAL": np.asarray(r.residual, np.int64).reshape(-1),
-            "FEATURES": np.asarray(r.features).astype(self.features_np_dtype, copy=False),
-        }
-        return pb_utils.InferenceResponse(
-            [pb_utils.Tensor(name, np.ascontiguousarray(a[None])) for name, a in tensors.items()]
-        )
+    def _response(self, r, best: int = 0):
+        tensors = wire.verify_outputs(r, best, self.features_np_dtype)
+        return pb_utils.InferenceResponse([pb_utils.Tensor(name, a) for name, a in tensors.items()])
 
     def _empty_response(self):
         # Release / no-op answers: zero-size outputs of the declared ranks.
-        tensors = {
-            "ARGMAX": np.zeros((1, 0), np.int64),
-            "SUPPORT_PROBS": np.zeros((1, 0, 0), np.float32),
-            "COMPLEMENT": np.zeros((1, 0), np.float32),
-            "RESIDUAL": np.zeros((1, 0), np.int64),
-            "FEATURES": np.zeros((1, 0, self.engine.feature_dim), self.features_np_dtype),
-        }
+        tensors = wire.empty_outputs(self.engine.feature_dim, self.features_np_dtype)
         return pb_utils.InferenceResponse([pb_utils.Tensor(n, a) for n, a in tensors.items()])
 
     def finalize(self):
@@ -363,22 +353,3 @@ def _error(message: str, code) -> "pb_utils.InferenceResponse":
     message = re.sub(r"^row \d+: ", "", message)
     return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message, code))
 
-
-def _array(request, name, dtype, ndim):
-    t = pb_utils.get_input_tensor_by_name(request, name)
-    if t is None:
-        return None
-    a = t.as_numpy()
-    if a.ndim != ndim + 1 or a.shape[0] != 1:
-        raise InvalidRequest(f"{name}: expected a batch of one with {ndim + 1} dims, got shape {list(a.shape)}")
-    return np.ascontiguousarray(a[0], dtype=dtype)
-
-
-def _scalar(request, name, default):
-    t = pb_utils.get_input_tensor_by_name(request, name)
-    if t is None:
-        return default
-    a = t.as_numpy().reshape(-1)
-    if a.size != 1:
-        raise InvalidRequest(f"{name}: expected one value, got shape {list(t.as_numpy().shape)}")
-    return a[0].item()

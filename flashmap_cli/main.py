@@ -49,39 +49,6 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
-def load_proposer(drafter: str, target_dir: str, device: str = "cpu", n_slots: int = 8, max_context: int = 4096,
-                  steps: int = 1, min_confidence: float = 0.0, compile: bool = False):
-    """A proposer from a drafter checkpoint dir (FlashMap, DFlash-style or EAGLE-style), or 'init'
-    for a fresh (untrained) FlashMap drafter. min_confidence: FlashMapProposer's greedy draft
-    cut (the EAGLE-style chain ignores it); compile: the proposer's enable_compile.
-
-    'init' on a small target builds a small DiT (width = target hidden, 2 blocks);
-    the paper's 2048-wide, 6-block default is for full-size targets.
-    """
-    from drafter_service.checkpoint import init_drafter, load_drafter
-    from drafter_service.flashmap_proposer import FlashMapProposer
-    from target_service.checkpoint import read_config
-
-    if drafter == "init":
-        hidden = read_config(target_dir)["hidden_size"]
-        small = {} if hidden >= 2048 else {"dim": max(64, hidden), "n_blocks": 2, "n_heads": 4}
-        model = init_drafter(target_dir, **small)
-    else:
-        from drafter_service import eagle
-
-        model = None
-        if eagle.checkpoint_kind(drafter) == "eagle":
-            proposer = eagle.load_proposer(drafter, target_dir, device=device, n_slots=n_slots, max_context=max_context)
-        else:
-            model = load_drafter(drafter, target_dir, device=device)
-    if model is not None:
-        proposer = FlashMapProposer(model, n_slots=n_slots, max_context=max_context, device=device, steps=steps,
-                                    min_confidence=min_confidence)
-    if compile:
-        proposer.enable_compile(steps=(steps,))
-    return proposer
-
-
 def _cmd_generate(args) -> int:
     if not args.in_process:
         if args.tree_blocks != 1 or args.min_confidence or args.compile:
@@ -92,8 +59,9 @@ def _cmd_generate(args) -> int:
         raise UsageError("--in-process needs --target DIR")
     if args.prompt is None and args.prompt_ids is None:
         raise UsageError("give --prompt TEXT or --prompt-ids 1,2,3")
+    from drafter_service.factory import load_proposer
     from flashmap.inprocess import decode
-    from orchestrator.sequence import GenerationRequest
+    from flashmap.types import GenerationRequest
     from target_service.engine import TargetEngine
 
     params = _sampling(args)
@@ -125,8 +93,8 @@ def _cmd_generate(args) -> int:
         "accepted": s.accepted,
         "mean_acceptance_length": round(s.mean_acceptance_length, 4),
         "accepted_per_slot": s.accepted_per_slot.tolist(),
-        "seconds": round(res.timings.total_s, 4),
-        "tokens_per_s": round(len(res.token_ids) / max(res.timings.total_s, 1e-9), 2),
+        "seconds": round(res.wall_s, 4),
+        "tokens_per_s": round(len(res.token_ids) / max(res.wall_s, 1e-9), 2),
     }
     if tokenizer is None and (Path(args.target) / "tokenizer.json").is_file():
         from flashmap.tokenizer import TextTokenizer
@@ -189,7 +157,7 @@ def _cmd_steps(args) -> int:
 
 
 def _cmd_up(args) -> int:
-    from flashmap.stack import run_stack
+    from flashmap_cli.stack import run_stack
 
     return run_stack(args)
 
@@ -224,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("eval", help="acceptance / speedup tables of the drafters (flashmap eval --help)")
 
     u = sub.add_parser("up", help="start target (Triton), drafter and orchestrator locally")
-    from flashmap.stack import add_stack_args
+    from flashmap_cli.stack import add_stack_args
 
     add_stack_args(u)
     u.set_defaults(func=_cmd_up)
@@ -245,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # noqa: BLE001 - the CLI's contract: one line, no traceback
-        from target_service.checkpoint import CheckpointError
+        from flashmap.checkpoint import CheckpointError
 
         known = (UsageError, InvalidRequest, CheckpointError, FileNotFoundError, ValueError)
         from flashmap.client import FlashMapError

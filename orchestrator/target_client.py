@@ -1,17 +1,19 @@
 """Orchestrator-side async client of the Triton-hosted target (model "flashmap_target").
 
-numpy + tritonclient.grpc.aio only: the orchestrator has no torch.
+numpy + tritonclient.grpc.aio only: the orchestrator has no torch. Tensors are encoded and
+decoded by flashmap.wire, the same codec the model uses.
 
     client = TargetClient("127.0.0.1:8001")
     info = await client.info()                      # vocab size, feature layers, slots, eos ids ...
-    res = await client.verify(seq_id, row, start=True)   # first round of a sequence: START
-    res = await client.verify(seq_id, row, start=False)  # later rounds
+    res, best = await client.verify(seq_id, row, start=True)   # first round of a sequence: START
+    res, best = await client.verify(seq_id, row, start=False)  # later rounds
     await client.release(seq_id)                    # finish / cancel: frees the KV slot
 
 The correlation id of a sequence is seq_id (> 0); row.slot is ignored (the server maps
 correlation ids to KV slots). Verify calls of different sequences issued concurrently
 (asyncio.gather) reach the model together: Triton's sequence batcher hands them to one
-execute(), which runs one forward pass.
+execute(), which runs one forward pass. `TritonTarget` is the round loop's Target
+(flashmap.rounds) on top of the client.
 
 Errors: InvalidRequest (bad input; Triton INVALID_ARGUMENT, with the model's message),
 TargetUnavailable (cannot connect, not ready, no free KV slot, deadline), TargetError
@@ -29,10 +31,10 @@ import numpy as np
 from tritonclient.grpc import InferInput, InferRequestedOutput
 from tritonclient.utils import InferenceServerException
 
+from flashmap import wire
 from flashmap.types import InvalidRequest, VerifyResult, VerifyRow
 
 DEFAULT_MODEL = "flashmap_target"
-_VERIFY_OUTPUTS = ("ARGMAX", "SUPPORT_PROBS", "COMPLEMENT", "RESIDUAL", "FEATURES")
 # Info requests use throw-away correlation ids far above any seq_id the orchestrator hands out.
 _INFO_CORRID_BASE = 1 << 62
 
@@ -143,41 +145,23 @@ class TargetClient:
         start: first request of the sequence (allocates its KV slot; restarts it if it had one).
         end: release the slot after this verify (saves a release() call).
         """
+        return (await self.verify_tree(seq_id, row, [], start, end))[0]
+
+    async def verify_tree(self, seq_id: int, row: VerifyRow, branches: list[np.ndarray], start: bool,
+                          end: bool = False) -> tuple[VerifyResult, int]:
+        """`verify` with more draft blocks after the row's anchor, verified as a tree (T = 0):
+        (the winning block's result, its index; 0 = the row's own block)."""
         _check_seq_id(seq_id)
-        tokens = np.asarray(row.tokens)
-        support = np.asarray(row.support_ids)
-        if tokens.ndim != 1 or tokens.size == 0:
-            raise InvalidRequest(f"tokens must be a non-empty 1-D array, got shape {tokens.shape}")
-        if support.ndim != 2:
-            raise InvalidRequest(f"support_ids must be a 2-D array [K, S], got shape {support.shape}")
-        p = row.params
-        try:
-            inputs = [
-                _input("TOKENS", tokens.astype(np.int64)[None]),
-                _input("START_POS", np.array([[row.start_pos]], np.int64)),
-                _input("SUPPORT_IDS", support.astype(np.int64)[None]),
-                _input("TEMPERATURE", np.array([[p.temperature]], np.float32)),
-                _input("TOP_K", np.array([[p.top_k]], np.int32)),
-                _input("TOP_P", np.array([[p.top_p]], np.float32)),
-                _input("ROUND_SEED", np.array([[row.round_seed]], np.int64)),
-            ]
-        except (OverflowError, ValueError, TypeError) as e:
-            raise InvalidRequest(f"verify row does not fit the target's tensor types: {e}") from None
-        r = await self._infer(inputs, _VERIFY_OUTPUTS, seq_id, start=start, end=end)
-        return VerifyResult(
-            argmax=r.as_numpy("ARGMAX")[0].astype(np.int64, copy=False),
-            support_probs=r.as_numpy("SUPPORT_PROBS")[0].astype(np.float32, copy=False),
-            complement=r.as_numpy("COMPLEMENT")[0].astype(np.float32, copy=False),
-            residual=r.as_numpy("RESIDUAL")[0].astype(np.int64, copy=False),
-            features=r.as_numpy("FEATURES")[0].astype(np.float32, copy=False),  # FP16 on the wire is allowed
-        )
+        inputs = [_input(n, a) for n, a in wire.verify_inputs(row, branches).items()]
+        r = await self._infer(inputs, wire.VERIFY_OUTPUTS, seq_id, start=start, end=end)
+        return wire.parse_verify_outputs(r.as_numpy)
 
     async def release(self, seq_id: int) -> None:
         """End sequence seq_id and free its KV slot (finish or cancel). Idempotent."""
         _check_seq_id(seq_id)
-        inputs = [_input("TOKENS", np.zeros((1, 0), np.int64))]
+        inputs = [_input(n, a) for n, a in wire.release_inputs().items()]
         try:
-            await self._infer(inputs, _VERIFY_OUTPUTS, seq_id, start=False, end=True)
+            await self._infer(inputs, wire.VERIFY_OUTPUTS, seq_id, start=False, end=True)
         except InvalidRequest as e:
             # Triton refuses END for a sequence it no longer knows (ended, or dropped after the idle
             # timeout): then there is nothing left to free.
@@ -220,3 +204,26 @@ def _map_error(e: InferenceServerException, url: str) -> Exception:
     if status.endswith(("UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED")) or "failed to connect" in message.lower():
         return TargetUnavailable(f"target at {url}: {message}")
     return TargetError(f"target at {url}: {status or 'error'}: {message}")
+
+
+class TritonTarget:
+    """The round loop's Target (flashmap.rounds) over a TargetClient: one concurrent verify
+    call per row, which Triton's sequence batcher runs as one forward. row.slot is the
+    sequence's correlation id; its first verify carries START."""
+
+    def __init__(self, client: TargetClient, max_seq_len: int):
+        self.client = client
+        self.max_seq_len = max_seq_len
+        self.started: set[int] = set()  # correlation ids holding a KV slot
+
+    async def verify(self, rows: list[VerifyRow], branches: list[list[np.ndarray]]) -> list:
+        first = [r.slot not in self.started for r in rows]
+        self.started.update(r.slot for r in rows)
+        return await asyncio.gather(
+            *[self.client.verify_tree(r.slot, r, b, start=s) for r, s, b in zip(rows, first, branches)],
+            return_exceptions=True)
+
+    async def release(self, corrid: int) -> None:
+        if corrid in self.started:
+            self.started.discard(corrid)
+            await self.client.release(corrid)

@@ -2,6 +2,8 @@
 
 Shared by the target engine and the drafter, which copies the target's embedding and LM
 head. Handles single-file and sharded (model.safetensors.index.json) checkpoints.
+This module imports no torch: tensors come back in the framework asked for (safetensors
+imports it then), and content hashes are taken of numpy arrays.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import hashlib
 import json
 from pathlib import Path
 
-import torch
+import numpy as np
 from safetensors import safe_open
 
 
@@ -44,14 +46,15 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
     if not single.is_file():
         raise CheckpointError(f"{single}: no such file")
     try:
-        with safe_open(str(single), framework="pt") as f:
+        with safe_open(str(single), framework="numpy") as f:
             return {name: single for name in f.keys()}
     except Exception as e:  # safetensors raises several types for a corrupt header
         raise CheckpointError(f"{single}: corrupt safetensors file ({e})") from None
 
 
-def load_tensors(model_dir: str | Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
-    """Load the named tensors (all when names is None) from a checkpoint directory."""
+def load_tensors(model_dir: str | Path, names: list[str] | None = None, framework: str = "pt") -> dict:
+    """Load the named tensors (all when names is None) from a checkpoint directory, as
+    `framework` tensors (safetensors' names: "pt" for torch, "numpy")."""
     model_dir = Path(model_dir)
     files = _weight_files(model_dir)
     wanted = list(files) if names is None else names
@@ -61,10 +64,10 @@ def load_tensors(model_dir: str | Path, names: list[str] | None = None) -> dict[
     by_file: dict[Path, list[str]] = {}
     for n in wanted:
         by_file.setdefault(files[n], []).append(n)
-    out: dict[str, torch.Tensor] = {}
+    out: dict = {}
     for path, ns in by_file.items():
         try:
-            with safe_open(str(path), framework="pt") as f:
+            with safe_open(str(path), framework=framework) as f:
                 for n in ns:
                     out[n] = f.get_tensor(n)
         except CheckpointError:
@@ -74,7 +77,7 @@ def load_tensors(model_dir: str | Path, names: list[str] | None = None) -> dict[
     return out
 
 
-def load_embeddings(model_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+def load_embeddings(model_dir: str | Path, framework: str = "pt") -> tuple:
     """The target's input embedding [V, H] and LM head [V, H] (the same tensor when tied)."""
     cfg = read_config(model_dir)
     files = _weight_files(Path(model_dir))
@@ -82,12 +85,13 @@ def load_embeddings(model_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     tied = cfg.get("tie_word_embeddings", False) or "lm_head.weight" not in files
     if not tied:
         names.append("lm_head.weight")
-    t = load_tensors(model_dir, names)
+    t = load_tensors(model_dir, names, framework)
     emb = t["model.embed_tokens.weight"]
     return emb, emb if tied else t["lm_head.weight"]
 
 
-def tensor_hash(t: torch.Tensor) -> str:
-    """Content hash of a tensor (fp32 bytes), to check a drafter was made for this target."""
-    data = t.detach().to(torch.float32).contiguous().cpu().numpy().tobytes()
+def array_hash(a: np.ndarray) -> str:
+    """Content hash of an array's values as float32 bytes, to check a drafter was made for
+    this target (torch callers pass `t.float().cpu().numpy()`)."""
+    data = np.ascontiguousarray(a, dtype=np.float32).tobytes()
     return hashlib.sha256(data).hexdigest()[:16]

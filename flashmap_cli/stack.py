@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,36 +17,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flashmap.grpc_serving import free_port, wait_grpc_health
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_TARGET = REPO_ROOT / "checkpoints" / "demo-target"
 DEMO_DRAFTER = REPO_ROOT / "checkpoints" / "demo-flashmap"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_grpc_health(url: str, timeout_s: float, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(url) as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        while time.monotonic() < deadline:
-            if proc is not None and proc.poll() is not None:
-                tail = log.read_text()[-3000:] if log and log.exists() else ""
-                raise RuntimeError(f"process for {url} exited with {proc.returncode}:\n{tail}")
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-    tail = log.read_text()[-3000:] if log and log.exists() else ""
-    raise TimeoutError(f"{url} not healthy after {timeout_s:.0f} s:\n{tail}")
 
 
 @dataclass
@@ -68,6 +42,7 @@ class StackConfig:
     max_queue: int = 256
     draft_timeout_s: float = 2.0
     drafter_idle_timeout_s: float = 300.0
+    tree_blocks: int = 1  # > 1: greedy requests verify that many blocks as a tree
     log_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="flashmap-logs-"))
     with_drafter: bool = True
 
@@ -138,6 +113,7 @@ class Stack:
             "orchestrator.server", "--host", c.host, "--port", str(c.port), "--metrics-port", str(c.metrics_port),
             "--target-url", f"{c.host}:{c.triton_grpc_port}", "--drafter-url", c.drafter_url if c.with_drafter else "",
             "--tokenizer-dir", c.target_dir, "--max-queue", str(c.max_queue), "--draft-timeout-s", str(c.draft_timeout_s),
+            "--tree-blocks", str(c.tree_blocks),
         ])
         wait_grpc_health(c.url, 300, self.orch_proc, self._log("orchestrator"))
 

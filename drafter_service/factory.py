@@ -1,0 +1,52 @@
+"""The one place that turns a drafter checkpoint (or "init") into a serving proposer.
+
+Every kind goes through here: FlashMap and DFlash-style (FlashMapProposer over a
+FlashMapDiT), EAGLE-style (EagleProposer), for the drafter service, the CLI, the
+benchmarks and `flashmap eval`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from drafter_service import eagle
+from drafter_service.checkpoint import checkpoint_kind, init_drafter, load_drafter
+from drafter_service.flashmap_proposer import FlashMapProposer
+from drafter_service.proposer import Proposer
+from flashmap.checkpoint import read_config
+
+
+def load_model(drafter: str | Path, target_dir: str | Path, device: str = "cpu"):
+    """The drafter network of a checkpoint directory (any kind), or a fresh FlashMap drafter for
+    "init": on a small target a small DiT (width = target hidden, 2 blocks); the paper's
+    2048-wide, 6-block default is for full-size targets."""
+    if str(drafter) == "init":
+        hidden = read_config(target_dir)["hidden_size"]
+        small = {} if hidden >= 2048 else {"dim": max(64, hidden), "n_blocks": 2, "n_heads": 4}
+        return init_drafter(target_dir, device=device, **small)
+    if checkpoint_kind(drafter) == "eagle":
+        return eagle.load_eagle(drafter, target_dir, device=device)
+    return load_drafter(drafter, target_dir, device=device)
+
+
+def make_proposer(model, device: str = "cpu", n_slots: int = 8, max_context: int = 4096, steps: int = 1,
+                  min_confidence: float = 0.0, shared_noise: bool = True, compile: bool = False) -> Proposer:
+    """A proposer around a loaded drafter network (several proposers may share one model).
+    min_confidence / shared_noise: FlashMapProposer's draft cut and shuffle-test switch (the
+    EAGLE-style chain has neither); compile: the proposer's enable_compile for `steps`."""
+    if isinstance(model, eagle.EagleDrafter):
+        proposer = eagle.EagleProposer(model, n_slots=n_slots, max_context=max_context, device=device)
+    else:
+        proposer = FlashMapProposer(model, n_slots=n_slots, max_context=max_context, device=device, steps=steps,
+                                    shared_noise=shared_noise, min_confidence=min_confidence)
+    if compile:
+        proposer.enable_compile(steps=(steps,))
+    return proposer
+
+
+def load_proposer(drafter: str | Path, target_dir: str | Path, device: str = "cpu", n_slots: int = 8,
+                  max_context: int = 4096, steps: int = 1, min_confidence: float = 0.0,
+                  compile: bool = False) -> Proposer:
+    """`make_proposer` over `load_model`: a proposer from a checkpoint directory or "init"."""
+    return make_proposer(load_model(drafter, target_dir, device), device=device, n_slots=n_slots,
+                         max_context=max_context, steps=steps, min_confidence=min_confidence, compile=compile)

@@ -1,0 +1,161 @@
+"""One speculative round for a batch of sequences: the round loop of every runtime.
+
+The in-process decoder (flashmap.inprocess) and the orchestrator (orchestrator.server)
+both call `speculative_round`; they differ only in what they plug in:
+
+    Drafter   local proposer (inprocess.LocalDrafter) | drafter service (orchestrator.drafter_client)
+    Target    local engine (inprocess.LocalTarget)    | Triton (orchestrator.target_client)
+
+A round: every sequence that can draft asks the drafter for a block (or `tree_blocks`
+blocks from independent noise, greedy requests only); sequences without a block decode
+one token autoregressively, which keeps the output exact. Then one verify call covers
+every sequence (a prefill next to drafted rows); a row with several blocks is verified as
+a tree and commits its best branch as if that branch alone had been verified. Rejection
+sampling commits the accepted tokens plus one (Sequence.commit).
+
+The protocols are async so the remote clients can await the network; the local ones
+never suspend, so `run_local` drives a round without an event loop.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+import numpy as np
+
+from flashmap.sequence import Sequence
+from flashmap.speculation import SpeculationController
+from flashmap.types import Draft, VerifyRow
+
+
+@dataclass
+class DraftBatch:
+    """A drafter's answer for one round: blocks per sequence id (the first block is the one a
+    plain round verifies; more are tree branches). Sequences missing here draft nothing this
+    round; `failure` says why when the whole call failed ("unavailable", "timeout")."""
+
+    blocks: dict[int, list[Draft]] = field(default_factory=dict)
+    failure: str = ""
+
+
+class Drafter(Protocol):
+    block_size: int
+
+    async def draft(self, seqs: list[Sequence], n_blocks: list[int]) -> DraftBatch:
+        """Blocks after each sequence's anchor, n_blocks[i] of them for seqs[i]. Sends the
+        sequence's unacknowledged context first (Sequence.context_for_drafter); calls
+        Sequence.lose_drafter when the drafter can no longer serve a sequence."""
+
+    async def release(self, seqs: list[Sequence]) -> None:
+        """Forget these sequences' context."""
+
+
+class Target(Protocol):
+    max_seq_len: int
+
+    async def verify(self, rows: list[VerifyRow], branches: list[list[np.ndarray]]) -> list:
+        """One verify for every row: per row (VerifyResult, index of the winning block) or the
+        exception that failed it. branches[i] non-empty: more blocks after row i's anchor,
+        verified as a tree (index 0 = the row's own block)."""
+
+
+@dataclass
+class SequenceRound:
+    """One sequence's part of a round."""
+
+    seq: Sequence
+    new_tokens: list[int]  # committed this round (the first response token at prefill)
+    prefill: bool
+    drafted: int = 0  # draft tokens verified
+    accepted: int = 0
+    fallback: str = ""  # why a sequence that wanted a draft had none: unavailable | timeout | context_lost
+    error: BaseException | None = None
+
+
+@dataclass
+class RoundResult:
+    sequences: list[SequenceRound]
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    steps: int = 0  # step count of this round's blocks (0: none drafted)
+    plan: dict[int, int] | None = None  # the controller's draft length per sequence id (None: no controller)
+
+
+def _tree_fits(row: VerifyRow, n_branches: int, max_seq_len: int) -> bool:
+    """Verify this row as a tree: it drafted, has other branches, and they fit the context
+    (else the plain block is verified)."""
+    return bool(row.num_draft) and n_branches > 0 and \
+        row.start_pos + len(row.tokens) + row.num_draft * n_branches <= max_seq_len
+
+
+async def speculative_round(seqs: list[Sequence], target: Target, drafter: Drafter | None = None,
+                            tree_blocks: int = 1, controller: SpeculationController | None = None) -> RoundResult:
+    """One draft + verify + commit for every sequence in `seqs` (none finished). controller:
+    chooses each sequence's draft length from measured costs (None: the whole block)."""
+    out = RoundResult([])
+    if controller is not None and drafter is not None:
+        out.plan = controller.plan(seqs)
+    wanted = [s for s in seqs if s.draft_budget() > 0] if drafter is not None else []
+    ask = [s for s in wanted if not s.drafter_lost]
+    asked = {s.seq_id for s in ask}
+    lost = {s.seq_id for s in wanted if s.drafter_lost}
+    batch = DraftBatch()
+    if ask:
+        t0 = time.perf_counter()
+        batch = await drafter.draft(ask, [tree_blocks if s.params.greedy else 1 for s in ask])
+        out.draft_s = time.perf_counter() - t0
+
+    rows, drafts, branches = [], [], []
+    for s in seqs:
+        blocks = batch.blocks.get(s.seq_id, [])
+        n = min([s.draft_budget()] + [len(b.tokens) for b in blocks])  # a tree's branches share K
+        draft = blocks[0].truncate(n) if blocks else None
+        row = s.verify_row(draft)
+        more = [b.tokens[:n] for b in blocks[1:]]
+        rows.append(row)
+        drafts.append(draft)
+        branches.append(more if _tree_fits(row, len(more), target.max_seq_len) else [])
+        if draft is not None and draft.steps:
+            out.steps = draft.steps
+    t0 = time.perf_counter()
+    results = await target.verify(rows, branches)
+    out.verify_s = time.perf_counter() - t0
+
+    for s, row, draft, more, res in zip(seqs, rows, drafts, branches, results):
+        s.stats.draft_s += out.draft_s if s.seq_id in asked else 0.0
+        s.stats.verify_s += out.verify_s
+        prefill = not s.prefilled
+        fallback = ""
+        if s.seq_id in asked | lost and draft is None:
+            fallback = "context_lost" if s.drafter_lost else (batch.failure or "context_lost")
+            s.stats.fallback_rounds += 1
+        if isinstance(res, BaseException):
+            s.fail(res)
+            out.sequences.append(SequenceRound(s, [], prefill, fallback=fallback, error=res))
+            continue
+        result, best = res
+        if best:  # the winning branch, committed as if it alone had been verified
+            win = Draft.greedy(more[best - 1], draft.steps)
+            row = replace(row, tokens=np.concatenate([row.tokens[:len(row.tokens) - len(win.tokens)], win.tokens]),
+                          support_ids=win.support_ids)
+            draft = win
+        new, accepted = s.commit(row, draft, result)
+        out.sequences.append(SequenceRound(s, new, prefill, row.num_draft, accepted, fallback))
+    if controller is not None:
+        controller.observe(sum(len(r.tokens) for r in rows), out.verify_s, len(ask), out.draft_s,
+                           [(r.seq.params.greedy, r.drafted, r.accepted) for r in out.sequences])
+    return out
+
+
+def run_local(coro):
+    """Run a coroutine whose awaits never suspend (the local drafter and target) without an
+    event loop: a round in one process costs no scheduling."""
+    try:
+        coro.send(None)
+    except StopIteration as stop:
+        return stop.value
+    coro.close()
+    raise RuntimeError("a local round awaited I/O: use an event loop for remote parts")
+

@@ -1,0 +1,156 @@
+"""One request's decoding state and round logic, shared by every runtime (flashmap.rounds).
+
+A sequence alternates: (prefill) -> [draft -> verify -> commit]*. Positions: the target
+KV cache holds every committed token except the newest one, the anchor, which sits at
+position len(tokens) - 1 and is written by the next verify. The drafter's context is
+every position strictly before the anchor; committed positions the drafter has not
+acknowledged yet wait in `pending_context` (a lost answer is resent from `drafter_seen`).
+With no draft a round is one autoregressive step (the bonus token is the next token),
+so the autoregressive baseline and the drafter-down fallback run through the same code.
+
+Numpy only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from flashmap.rejection_sampler import greedy_verify, sample_verify
+from flashmap.types import BLOCK_SIZE, Draft, GenerationRequest, SpecStats, VerifyResult, VerifyRow
+
+
+class Sequence:
+    def __init__(self, seq_id: int, request: GenerationRequest, block_size: int = BLOCK_SIZE, handle: int = -1):
+        self.seq_id = seq_id
+        self.handle = handle  # the target's name for this sequence: engine slot or Triton correlation id
+        self.request = request
+        self.params = request.params
+        self.block_size = block_size
+        self.tokens: list[int] = [int(t) for t in request.prompt_ids]
+        self.n_prompt = len(self.tokens)
+        self.prefilled = False
+        self.finish_reason: str | None = None
+        self.error: BaseException | None = None  # set when a part failed this request (finish "error")
+        # Entropy when no seed: a request with a seed is reproducible, one without is not.
+        self.rng = np.random.default_rng(request.params.seed)
+        self.stats = SpecStats(block_size)
+        self.pending_context: list[tuple[np.ndarray, np.ndarray]] = []  # (token ids [m], features [m, F])
+        self.drafter_seen = 0  # context positions the drafter has acknowledged
+        self.drafter_lost = False  # the drafter lost this sequence's context: autoregressive from now on
+        self.draft_limit: int | None = None  # this round's draft length, set by the speculation controller
+        self._stop = set(request.stop_token_ids)
+
+    # -- state -----------------------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.n_prompt:]
+
+    @property
+    def anchor(self) -> int:
+        return self.tokens[-1]
+
+    def draft_budget(self) -> int:
+        """Most draft tokens this round may carry: within max_new_tokens, the request's
+        max_draft_tokens and the controller's choice for this round (draft_limit)."""
+        if not self.prefilled or self.finished:
+            return 0
+        left = self.request.max_new_tokens - len(self.generated) - 1
+        caps = [self.block_size, left]
+        if self.request.max_draft_tokens is not None:
+            caps.append(self.request.max_draft_tokens)
+        if self.draft_limit is not None:
+            caps.append(self.draft_limit)
+        return max(0, min(caps))
+
+    def wants_draft(self) -> bool:
+        """Would draft this round if the drafter answers (False when its context is lost)."""
+        return self.draft_budget() > 0 and not self.drafter_lost
+
+    def draft_seed(self) -> int:
+        return int(self.rng.integers(2**62))
+
+    # -- the drafter's context ----------------------------------------------------
+    def context_for_drafter(self) -> tuple[int, np.ndarray, np.ndarray] | None:
+        """(position of the first unacknowledged context token, token ids [m], features [m, F]);
+        None when the drafter has everything. Kept until `drafter_acknowledged`."""
+        if not self.pending_context:
+            return None
+        ids = np.concatenate([c[0] for c in self.pending_context])
+        feats = np.concatenate([c[1] for c in self.pending_context])
+        self.pending_context = [(ids, feats)]
+        return self.drafter_seen, ids, feats
+
+    def drafter_acknowledged(self) -> None:
+        """The drafter holds all pending context."""
+        self.drafter_seen += sum(len(c[0]) for c in self.pending_context)
+        self.pending_context.clear()
+
+    def lose_drafter(self) -> None:
+        """The drafter cannot serve this sequence any more (its context is gone)."""
+        self.drafter_lost = True
+        self.pending_context.clear()
+
+    # -- one round -------------------------------------------------------------
+    def verify_row(self, draft: Draft | None) -> VerifyRow:
+        """The target input of this round: the prompt at prefill, else [anchor, d_1..d_K]."""
+        round_seed = int(self.rng.integers(2**62))
+        if not self.prefilled:
+            return VerifyRow(self.handle, 0, np.asarray(self.tokens, np.int64), self.params, round_seed=round_seed)
+        if draft is None or len(draft.tokens) == 0:
+            support = np.zeros((0, 1), np.int64)
+            toks = np.asarray([self.anchor], np.int64)
+        else:
+            support = draft.support_ids
+            toks = np.concatenate([[self.anchor], draft.tokens]).astype(np.int64)
+        return VerifyRow(self.handle, len(self.tokens) - 1, toks, self.params, support, round_seed)
+
+    def commit(self, row: VerifyRow, draft: Draft | None, result: VerifyResult) -> tuple[list[int], int]:
+        """Apply rejection sampling to a verify result; (newly committed tokens, drafts accepted)."""
+        k = row.num_draft
+        if k == 0:
+            new, n_acc = [int(result.argmax[-1] if self.params.greedy else result.residual[-1])], 0
+        elif self.params.greedy:
+            new, n_acc = greedy_verify(draft.tokens, result.argmax)
+        else:
+            new, n_acc = sample_verify(draft, result, self.rng)
+        # Positions now in the target's cache and final: the row's tokens up to the last accepted.
+        n_ctx = len(row.tokens) - k + n_acc
+        self.pending_context.append((row.tokens[:n_ctx], result.features[:n_ctx]))
+        if self.prefilled:
+            self.stats.record_round(k, n_acc)
+            if k and draft is not None and draft.steps:
+                self.stats.draft_steps = draft.steps
+        self.prefilled = True
+        return self._append(new), n_acc
+
+    def _append(self, new: list[int]) -> list[int]:
+        """Append tokens, stopping at a stop id (kept) or max_new_tokens."""
+        out = []
+        for t in new:
+            out.append(t)
+            self.tokens.append(t)
+            if t in self._stop:
+                self.finish_reason = "stop"
+                break
+            if len(self.generated) >= self.request.max_new_tokens:
+                self.finish_reason = "length"
+                break
+        return out
+
+    def finish(self, reason: str) -> None:
+        """End the request now (abort, a stop string, ...); the first reason stays."""
+        if not self.finished:
+            self.finish_reason = reason
+
+    def abort(self) -> None:
+        self.finish("abort")
+
+    def fail(self, error: BaseException) -> None:
+        """A part failed this request: it ends with finish reason "error"."""
+        if not self.finished:
+            self.error = error
+            self.finish_reason = "error"

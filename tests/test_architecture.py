@@ -1,0 +1,26 @@
+"""The architecture holds: the import contracts of pyproject.toml (import-linter), and the
+orchestrator, the client SDK and the Triton client run without torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_import_contracts_are_kept():
+    from importlinter.cli import lint_imports
+
+    assert lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_cache=True) == 0
+
+
+def test_orchestrator_client_and_triton_client_import_no_torch():
+    modules = ["orchestrator.server", "orchestrator.target_client", "orchestrator.drafter_client", "flashmap.client",
+               "flashmap.rounds", "flashmap.inprocess", "flashmap.wire", "flashmap.metrics", "flashmap.checkpoint",
+               "flashmap.tokenizer"]
+    code = f"import sys\nfor m in {modules!r}: __import__(m)\nprint(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

@@ -1,0 +1,120 @@
+"""The speculation controller (flashmap.speculation): its choices from measured costs, and
+that switching speculation on and off mid-request keeps T = 0 output exact."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from drafter_service.oracle import OracleProposer
+from flashmap.inprocess import decode
+from flashmap.sequence import Sequence
+from flashmap.speculation import ControllerConfig, OnlineLinear, SpeculationController
+from flashmap.types import GenerationRequest, SamplingParams
+from target_service.engine import TargetEngine
+from target_service.random_checkpoint import make_random_qwen3
+
+K = 16
+
+
+def _seqs(n: int, acceptance: float, rounds: int = 50) -> list[Sequence]:
+    """n prefilled greedy sequences whose history accepted each slot with `acceptance`."""
+    out = []
+    for i in range(n):
+        s = Sequence(i, GenerationRequest([1, 2, 3], max_new_tokens=500), K)
+        s.prefilled = True
+        s.tokens.append(4)
+        rng = np.random.default_rng(i)
+        for _ in range(rounds):
+            acc = 0
+            while acc < K and rng.random() < acceptance:
+                acc += 1
+            s.stats.record_round(K, acc)
+        out.append(s)
+    return out
+
+
+def _controller(verify: tuple[float, float], draft: tuple[float, float]) -> SpeculationController:
+    """A controller whose cost fits have seen rounds of verify_s = v0 + v1 * tokens, draft_s = d0 + d1 * batch."""
+    c = SpeculationController(K, ControllerConfig(probe_every=10**9))
+    for t in (1, 4, 16, 64, 256):
+        c.verify_cost.add(t, verify[0] + verify[1] * t)
+    for b in (1, 2, 8, 16):
+        c.draft_cost.add(b, draft[0] + draft[1] * b)
+    return c
+
+
+def test_online_linear_recovers_a_cost_line():
+    f = OnlineLinear((0.0, 0.0))
+    for x in range(1, 40):
+        f.add(x, 0.003 + 0.0002 * x)
+    assert f.coef == pytest.approx((0.003, 0.0002), rel=1e-3)
+
+
+def test_full_block_when_acceptance_is_high_and_verify_is_cheap():
+    c = _controller(verify=(0.010, 1e-6), draft=(0.001, 1e-5))  # memory-bound device: flat verify
+    seqs = _seqs(4, acceptance=0.95)
+    assert set(c.plan(seqs).values()) == {K}
+    assert all(s.draft_budget() == K for s in seqs)
+
+
+def test_no_speculation_when_verify_cost_per_token_exceeds_the_gain():
+    # Compute-bound: every query token costs as much as a whole one-token step's overhead.
+    c = _controller(verify=(0.001, 0.004), draft=(0.003, 0.001))
+    seqs = _seqs(16, acceptance=0.3)
+    assert set(c.plan(seqs).values()) == {0}
+    assert all(s.draft_budget() == 0 for s in seqs)
+
+
+def test_length_between_follows_the_per_slot_acceptance():
+    c = _controller(verify=(0.010, 2e-4), draft=(0.002, 1e-4))
+    short, long_ = _seqs(1, acceptance=0.5)[0], _seqs(1, acceptance=0.97)[0]
+    long_.seq_id = 1
+    plan = c.plan([short, long_])
+    assert 0 < plan[0] < plan[1] <= K
+
+
+def test_probe_turns_speculation_back_on():
+    c = _controller(verify=(0.001, 0.004), draft=(0.003, 0.001))
+    c.cfg.probe_every = 3
+    seqs = _seqs(2, acceptance=0.3)
+    plans = [c.plan(seqs) for _ in range(3)]
+    assert set(plans[0].values()) == set(plans[1].values()) == {0} and set(plans[2].values()) == {K}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = make_random_qwen3(tmp_path_factory.mktemp("spec") / "t", vocab_size=256, num_hidden_layers=2, seed=5,
+                             with_tokenizer=False)
+    return TargetEngine(path, n_slots=4, max_seq_len=256)
+
+
+def test_switching_speculation_on_and_off_mid_request_is_exact(tiny):
+    """A controller that alternates between no draft, a partial draft and the full block (and
+    whose first rounds speculate fully): every T = 0 output equals the target alone's."""
+    prompts = [[3, 4, 5, 6], [7, 8], [9, 10, 11, 12, 13], [14]]
+    reqs = lambda: [GenerationRequest(p, 40, SamplingParams()) for p in prompts]  # noqa: E731
+    alone = [r.token_ids for r in decode(tiny, reqs())]
+    refs = [p + a for p, a in zip(prompts, alone)]
+
+    class Alternating(SpeculationController):
+        calls = 0
+
+        def plan(self, seqs):
+            Alternating.calls += 1
+            for s in seqs:
+                s.draft_limit = None
+                s.draft_limit = min(s.draft_budget(), (0, 3, K)[Alternating.calls % 3])
+            return {s.seq_id: s.draft_limit for s in seqs}
+
+    oracle = OracleProposer(refs, K, tiny.vocab_size, error_rate=0.1, seed=2)
+    out = decode(tiny, reqs(), oracle, controller=Alternating(K))
+    assert [r.token_ids for r in out] == alone
+    lens = {int(n) for r in out for n in np.nonzero(r.stats.drafted_per_slot)[0]}
+    assert Alternating.calls > 6 and max(lens) == K - 1 and 2 in lens  # full and partial drafts happened
+    assert all(r.stats.rounds > r.stats.drafts > 0 for r in out)  # and rounds without a draft
+
+    # The real controller, learning on this CPU, is exact too.
+    out = decode(tiny, reqs(), OracleProposer(refs, K, tiny.vocab_size, error_rate=0.1, seed=2),
+                 controller=SpeculationController(K))
+    assert [r.token_ids for r in out] == alone
