@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 from flashmap.types import InvalidRequest
 
@@ -38,17 +39,23 @@ class TextTokenizer:
 
 
 class IncrementalDecoder:
-    """Turns a growing id list into text deltas without splitting multi-byte characters."""
+    """Turns a growing id list into text deltas in O(1) per token (the tokenizers library's
+    DecodeStream), never splitting a multi-byte character. `ends[i]` is the length of the
+    text once token i is decoded, so a caller can cut ids and text at the same place."""
 
     def __init__(self, tokenizer: TextTokenizer):
         self.tokenizer = tokenizer
+        self._stream = DecodeStream(skip_special_tokens=True)
         self.ids: list[int] = []
+        self.ends: list[int] = []  # [len(ids)] text length after each token
         self.text = ""
 
     def push(self, new_ids: list[int]) -> str:
-        self.ids.extend(new_ids)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more ids
-            return ""
-        delta, self.text = text[len(self.text):], text
-        return delta
+        start = len(self.text)
+        for t in new_ids:
+            piece = self._stream.step(self.tokenizer.tok, int(t))
+            if piece:  # None while a character is incomplete
+                self.text += piece
+            self.ids.append(int(t))
+            self.ends.append(len(self.text))
+        return self.text[start:]

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import logging
 import secrets
 import time
 import uuid
 from collections import deque
 from dataclasses import dataclass
+from typing import AsyncIterator
 
 import grpc
 
@@ -31,7 +33,7 @@ from flashmap.rounds import speculative_round
 from flashmap.sequence import Sequence
 from flashmap.speculation import SpeculationController
 from flashmap.tokenizer import IncrementalDecoder
-from flashmap.types import BLOCK_SIZE, GenerationRequest, InvalidRequest, SamplingParams
+from flashmap.types import BLOCK_SIZE, GenerationRequest, InvalidRequest, SamplingParams, SpecStats
 from flashmap.v1 import serving_pb2, serving_pb2_grpc
 from flashmap.wire import stats_to_proto
 from orchestrator.drafter_client import DrafterClient, ServiceDrafter
@@ -56,6 +58,31 @@ class OrchestratorConfig:
     top_m: int = 4  # drafter support size at temperature > 0
     tree_blocks: int = 1  # > 1: greedy requests draft that many blocks from independent noise, verified as a tree
     speculation: str = "auto"  # auto: draft lengths from measured costs (flashmap.speculation); full: always K
+
+
+@dataclass
+class Piece:
+    """Tokens committed for one request and their text (may be empty while a character is incomplete)."""
+
+    token_ids: list[int]
+    text: str
+
+
+@dataclass
+class Outcome:
+    """How a request ended: one per request, the same in the stream, the usage and the metrics."""
+
+    finish_reason: str  # length | stop | abort | error
+    prompt_tokens: int
+    completion_tokens: int  # the tokens streamed
+    stats: SpecStats
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+    error: tuple[grpc.StatusCode, str] | None = None  # the request failed: status for the client
+
+    @staticmethod
+    def failed(code: grpc.StatusCode, message: str) -> "Outcome":
+        return Outcome("error", 0, 0, SpecStats(), error=(code, message))
 
 
 @dataclass
@@ -140,31 +167,38 @@ class Orchestrator:
         return {"model": self.info.model_name, "drafter": self._drafter_name(), "steps": str(steps)}
 
     # -- requests ----------------------------------------------------------------
-    def _to_generation_request(self, req: serving_pb2.GenerateRequest) -> GenerationRequest:
-        kind = req.WhichOneof("prompt")
-        if kind == "text":
+    def make_request(self, *, text: str | None = None, token_ids: list[int] | None = None, max_new_tokens: int,
+                     temperature: float = 0.0, top_k: int = 0, top_p: float | None = None, seed: int | None = None,
+                     stop_token_ids=(), ignore_eos: bool = False, draft_steps: int | None = None,
+                     max_draft_tokens: int | None = None, request_id: str = "") -> GenerationRequest:
+        """A validated GenerationRequest from a front end's fields (gRPC Generate, the OpenAI API);
+        InvalidRequest with a one-line message for anything the server refuses."""
+        if text is not None:
             if self.tokenizer is None:
-                raise InvalidRequest("this server has no tokenizer: send token_ids")
-            prompt = self.tokenizer.encode(req.text)
-        elif kind == "token_ids":
-            prompt = list(req.token_ids.ids)
+                raise InvalidRequest("this server has no tokenizer: send token ids")
+            prompt = self.tokenizer.encode(text)
+        elif token_ids is not None:
+            prompt = [int(t) for t in token_ids]
         else:
             raise InvalidRequest("prompt is empty")
-        params = SamplingParams(
-            temperature=req.temperature,
-            top_k=req.top_k,
-            top_p=req.top_p if req.HasField("top_p") else 1.0,
-            seed=req.seed if req.HasField("seed") else None,
-        )
-        stop_ids = tuple(req.stop_token_ids) + (() if req.ignore_eos else tuple(self.info.eos_token_ids))
-        steps = req.draft_steps if req.HasField("draft_steps") else None
-        if steps is not None and not (1 <= steps <= 64):
-            raise InvalidRequest(f"draft_steps must be in 1..64, got {steps}")
-        max_draft = req.max_draft_tokens if req.HasField("max_draft_tokens") else None
-        gen = GenerationRequest(prompt, req.max_new_tokens, params, stop_ids, steps, req.request_id or uuid.uuid4().hex,
-                                max_draft)
+        params = SamplingParams(temperature=float(temperature), top_k=int(top_k),
+                                top_p=1.0 if top_p is None else float(top_p), seed=seed)
+        stop_ids = tuple(stop_token_ids) + (() if ignore_eos else tuple(self.info.eos_token_ids))
+        if draft_steps is not None and not (1 <= draft_steps <= 64):
+            raise InvalidRequest(f"draft_steps must be in 1..64, got {draft_steps}")
+        gen = GenerationRequest(prompt, int(max_new_tokens), params, stop_ids, draft_steps,
+                                request_id or uuid.uuid4().hex, max_draft_tokens)
         gen.validate(self.info.vocab_size, self.info.max_seq_len)
         return gen
+
+    def request_from_proto(self, req: serving_pb2.GenerateRequest) -> GenerationRequest:
+        kind = req.WhichOneof("prompt")
+        opt = lambda name: getattr(req, name) if req.HasField(name) else None  # noqa: E731
+        return self.make_request(
+            text=req.text if kind == "text" else None, token_ids=list(req.token_ids.ids) if kind == "token_ids" else None,
+            max_new_tokens=req.max_new_tokens, temperature=req.temperature, top_k=req.top_k, top_p=opt("top_p"),
+            seed=opt("seed"), stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos,
+            draft_steps=opt("draft_steps"), max_draft_tokens=opt("max_draft_tokens"), request_id=req.request_id)
 
     def submit(self, gen: GenerationRequest) -> _Active:
         if len(self.waiting) >= self.cfg.max_queue and len(self.active) >= self.max_concurrent:
@@ -234,8 +268,8 @@ class Orchestrator:
         self._finish(a, a.seq.finish_reason or "abort")
 
     def _finish(self, a: _Active, reason: str) -> None:
+        """The request holds nothing any more: its stream ends (Orchestrator.stream counts it)."""
         self.by_request.pop(a.request_id, None)
-        self.metrics.requests.labels(model=self.info.model_name, status=reason).inc()
         a.queue.put_nowait(None)
 
     async def _round(self) -> None:
@@ -268,6 +302,75 @@ class Orchestrator:
             self._emit(a, r.new_tokens, now)
         self.metrics.round_latency.labels(**self._labels(self.drafter.steps if self.drafter else 0)).observe(time.perf_counter() - t_round)
 
+    async def stream(self, gen: GenerationRequest, stops: list[str] = ()) -> AsyncIterator["Piece | Outcome"]:
+        """Run one request: its pieces as they commit, then one Outcome (every front end, gRPC
+        and HTTP, serves this). Stop strings end the request at the first token whose text
+        reaches one; the ids, the text and the usage all stop at the same token."""
+        try:
+            a = self.submit(gen)
+        except InvalidRequest as e:
+            yield Outcome.failed(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            return
+        except OverflowError as e:
+            yield Outcome.failed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            return
+        decoder = IncrementalDecoder(self.tokenizer) if self.tokenizer is not None else None
+        stops = [x for x in stops if x]
+        if stops and decoder is None:
+            self.abort(gen.request_id)
+            yield Outcome.failed(grpc.StatusCode.INVALID_ARGUMENT, "stop strings need the target's tokenizer")
+            return
+        longest = max((len(x) for x in stops), default=0)
+        sent_ids = sent_chars = 0
+        stopped = False
+        status = "abort"  # what the requests metric records if the client goes away first
+        try:
+            while (new := await a.queue.get()) is not None:
+                if decoder is None:
+                    sent_ids += len(new)
+                    yield Piece(new, "")
+                    continue
+                decoder.push(new)
+                # Hold back text that could be the start of a stop string; the ids go with the text.
+                keep = bisect.bisect_right(decoder.ends, len(decoder.text) - max(longest - 1, 0), lo=sent_ids)
+                cut = _find_stop(decoder.text, stops, max(0, sent_chars - longest)) if stops else None
+                if cut is not None:  # keep the tokens whose text ends before the stop string
+                    keep = bisect.bisect_right(decoder.ends, cut, lo=sent_ids)
+                    stopped = True
+                    a.seq.finish("stop")
+                    self._wake.set()
+                end = decoder.ends[keep - 1] if keep else 0
+                if keep > sent_ids:
+                    yield Piece(decoder.ids[sent_ids:keep], decoder.text[sent_chars:end])
+                    sent_ids, sent_chars = keep, end
+                if stopped:
+                    while await a.queue.get() is not None:
+                        pass
+                    break
+            if decoder is not None and not stopped and len(decoder.ids) > sent_ids:  # the held-back tail
+                yield Piece(decoder.ids[sent_ids:], decoder.text[sent_chars:])
+                sent_ids, sent_chars = len(decoder.ids), len(decoder.text)
+            if a.seq.error is not None:
+                status = "error"
+                yield Outcome.failed(_status_of(a.seq.error), f"target verify failed: {a.seq.error}")
+                return
+            s = a.seq.stats
+            s.draft_steps = self._steps_of(a)
+            total = time.perf_counter() - a.t_arrival
+            status = "stop" if stopped else (a.seq.finish_reason or "abort")
+            outcome = Outcome(status, a.seq.n_prompt, sent_ids, s, (a.t_first - a.t_arrival) if a.t_first else 0.0,
+                              total)
+            log.info("request finished", extra=fields(
+                request_id=gen.request_id, finish_reason=status, prompt_tokens=outcome.prompt_tokens,
+                completion_tokens=sent_ids, mean_acceptance_length=round(s.mean_acceptance_length, 3),
+                fallback_rounds=s.fallback_rounds, total_s=round(total, 4)))
+            yield outcome
+        except (asyncio.CancelledError, GeneratorExit):
+            self.abort(gen.request_id)  # client went away: free the slot on target and drafter
+            raise
+        finally:
+            self.metrics.requests.labels(model=self.info.model_name, status=status).inc()
+
     def _steps_of(self, a: _Active) -> int:
         return a.seq.stats.draft_steps or a.seq.request.draft_steps or (self.drafter.steps if self.drafter else 0)
 
@@ -294,54 +397,21 @@ class FlashMapServicer(serving_pb2_grpc.FlashMapServicer):
     async def Generate(self, request, context):
         orch = self.orch
         try:
-            gen = orch._to_generation_request(request)
-            a = orch.submit(gen)
+            gen = orch.request_from_proto(request)
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except OverflowError as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         rid = gen.request_id
-        decoder = IncrementalDecoder(orch.tokenizer) if orch.tokenizer is not None else None
-        stops = [s for s in request.stop if s]
-        finish_override = None
-        try:
-            while True:
-                new = await a.queue.get()
-                if new is None:
-                    break
-                text = decoder.push(new) if decoder is not None else ""
-                if stops and decoder is not None:
-                    cut = _find_stop(decoder.text, stops)
-                    if cut is not None:
-                        # Cut the text before the stop string and end the request here.
-                        already = len(decoder.text) - len(text)
-                        text = decoder.text[already:cut] if cut > already else ""
-                        finish_override = "stop"
-                        orch.abort(rid)
-                        yield serving_pb2.GenerateResponse(request_id=rid, chunk=serving_pb2.TokenChunk(token_ids=new, text=text))
-                        while await a.queue.get() is not None:
-                            pass
-                        break
-                yield serving_pb2.GenerateResponse(request_id=rid, chunk=serving_pb2.TokenChunk(token_ids=new, text=text))
-        except asyncio.CancelledError:
-            orch.abort(rid)  # client went away: free the slot on target and drafter
-            raise
-        if a.seq.error is not None:
-            await context.abort(_status_of(a.seq.error), f"target verify failed: {a.seq.error}")
-        s = a.seq.stats
-        s.draft_steps = orch._steps_of(a)
-        final = serving_pb2.FinalResult(
-            finish_reason=finish_override or a.seq.finish_reason or "abort",
-            usage=serving_pb2.Usage(prompt_tokens=a.seq.n_prompt, completion_tokens=len(a.seq.generated)),
-            stats=stats_to_proto(s),
-            time_to_first_token_s=(a.t_first - a.t_arrival) if a.t_first else 0.0,
-            total_s=time.perf_counter() - a.t_arrival,
-        )
-        log.info("request finished", extra=fields(
-            request_id=rid, finish_reason=final.finish_reason, prompt_tokens=a.seq.n_prompt,
-            completion_tokens=len(a.seq.generated), mean_acceptance_length=round(s.mean_acceptance_length, 3),
-            fallback_rounds=s.fallback_rounds, total_s=round(final.total_s, 4)))
-        yield serving_pb2.GenerateResponse(request_id=rid, final=final)
+        async for item in orch.stream(gen, [s for s in request.stop if s]):
+            if isinstance(item, Piece):
+                yield serving_pb2.GenerateResponse(request_id=rid, chunk=serving_pb2.TokenChunk(
+                    token_ids=item.token_ids, text=item.text))
+                continue
+            if item.error is not None:
+                await context.abort(*item.error)
+            yield serving_pb2.GenerateResponse(request_id=rid, final=serving_pb2.FinalResult(
+                finish_reason=item.finish_reason,
+                usage=serving_pb2.Usage(prompt_tokens=item.prompt_tokens, completion_tokens=item.completion_tokens),
+                stats=stats_to_proto(item.stats), time_to_first_token_s=item.ttft_s, total_s=item.total_s))
 
     async def Abort(self, request, context):
         return serving_pb2.AbortResponse(found=self.orch.abort(request.request_id))
@@ -367,8 +437,9 @@ class FlashMapServicer(serving_pb2_grpc.FlashMapServicer):
         )
 
 
-def _find_stop(text: str, stops: list[str]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+def _find_stop(text: str, stops: list[str], start: int = 0) -> int | None:
+    """Where the first stop string starts in text[start:] (as an index of text), or None."""
+    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
     return min(hits) if hits else None
 
 

@@ -16,7 +16,7 @@ from flashmap.types import ProposeRequest
 from drafter_service.factory import load_proposer
 from flashmap.grpc_serving import free_port, wait_grpc_health
 from flashmap.v1 import drafter_pb2, drafter_pb2_grpc
-from orchestrator.drafter_client import block_to_draft, features_to_tensor
+from flashmap.wire import block_to_drafts, features_to_tensor
 from target_service.random_checkpoint import make_random_qwen3
 
 
@@ -54,7 +54,7 @@ def test_service_serves_saved_checkpoint(kind, target, tmp_path):
         local = load_proposer(str(ckpt), str(target), n_slots=1, max_context=64)
         local.extend("a", ids, feats)
         (expect,) = local.propose([ProposeRequest("a", anchor=5, seed=3)], local.steps)
-        np.testing.assert_array_equal(block_to_draft(resp.blocks[0]).tokens, expect.tokens)
+        np.testing.assert_array_equal(block_to_drafts(resp.blocks[0])[0].tokens, expect.tokens)
         assert stats.active_sequences == 1 and stats.context_tokens == 9
     finally:
         proc.terminate()
