@@ -43,6 +43,7 @@ class StackConfig:
     draft_timeout_s: float = 2.0
     drafter_idle_timeout_s: float = 300.0
     tree_blocks: int = 1  # > 1: greedy requests verify that many blocks as a tree
+    speculation: str = "auto"  # auto: draft lengths from measured costs; full: the whole block every round
     log_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="flashmap-logs-"))
     with_drafter: bool = True
 
@@ -113,7 +114,7 @@ class Stack:
             "orchestrator.server", "--host", c.host, "--port", str(c.port), "--metrics-port", str(c.metrics_port),
             "--target-url", f"{c.host}:{c.triton_grpc_port}", "--drafter-url", c.drafter_url if c.with_drafter else "",
             "--tokenizer-dir", c.target_dir, "--max-queue", str(c.max_queue), "--draft-timeout-s", str(c.draft_timeout_s),
-            "--tree-blocks", str(c.tree_blocks),
+            "--tree-blocks", str(c.tree_blocks), "--speculation", c.speculation,
         ])
         wait_grpc_health(c.url, 300, self.orch_proc, self._log("orchestrator"))
 

@@ -81,8 +81,10 @@ def stack(tmp_path_factory):
     from target_service.random_checkpoint import make_random_qwen3
 
     ckpt = make_random_qwen3(tmp_path_factory.mktemp("target") / "qwen3", max_position_embeddings=MAX_SEQ_LEN)
+    # speculation="full": the dashboards' acceptance panels need drafted rounds (the untrained
+    # drafter would make the speculation controller turn drafting off).
     cfg = StackConfig.on_free_ports(target_dir=str(ckpt), n_slots=N_SLOTS, max_seq_len=MAX_SEQ_LEN,
-                                    log_dir=str(tmp_path_factory.mktemp("logs")))
+                                    speculation="full", log_dir=str(tmp_path_factory.mktemp("logs")))
     st = Stack(cfg).start()  # start() stops whatever it started when it fails
     try:
         yield st

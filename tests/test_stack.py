@@ -205,8 +205,10 @@ def ref(target_dir) -> Reference:
 
 @pytest.fixture(scope="class")
 def stack(target_dir, tmp_path_factory):
+    # The whole block every round: these tests check what drafting does (the untrained drafter
+    # would make the speculation controller turn drafting off).
     cfg = StackConfig.on_free_ports(target_dir=str(target_dir), n_slots=8, max_seq_len=1024, steps=1,
-                                    log_dir=str(tmp_path_factory.mktemp("logs-main")))
+                                    speculation="full", log_dir=str(tmp_path_factory.mktemp("logs-main")))
     with Stack(cfg) as st:
         yield st
 
@@ -637,7 +639,7 @@ def test_tree_verification_through_the_stack_is_the_in_process_round(target_dir,
     refs_path = tmp_path / "refs.json"
     refs_path.write_text(json.dumps(refs))
     cfg = StackConfig.on_free_ports(target_dir=str(target_dir), drafter="oracle", n_slots=4, max_seq_len=1024,
-                                    tree_blocks=3, log_dir=str(tmp_path / "logs"))
+                                    tree_blocks=3, speculation="full", log_dir=str(tmp_path / "logs"))
     with OracleStack(cfg, refs_path), Client(cfg.url, timeout=120) as c:
         outs = [_stream(c, prompt_ids=p, max_new_tokens=max_new, ignore_eos=True, seed=i) for i, p in enumerate(prompts)]
     for exp, (ids, final) in zip(expected, outs):
@@ -650,6 +652,7 @@ def test_tree_verification_through_the_stack_is_the_in_process_round(target_dir,
     tree = local(3)
     for mine, (_, final) in zip(tree, outs):
         s = final.stats
-        assert (s.rounds, s.drafts, s.accepted) == (mine.stats.rounds, mine.stats.drafts, mine.stats.accepted)
+        assert (s.rounds, s.drafts, s.draft_tokens, s.accepted) == \
+            (mine.stats.rounds, mine.stats.drafts, mine.stats.draft_tokens, mine.stats.accepted)
         assert s.accepted_per_slot.tolist() == mine.stats.accepted_per_slot.tolist()
     assert sum(r.stats.accepted for r in tree) > sum(r.stats.accepted for r in local(1))
