@@ -257,3 +257,29 @@ def test_triton_kernels_match_torch_in_the_interpreter(ckpt_small):
     assert all(isinstance(v, float) and v < 1e-5 for v in out["check"].values()), out["check"]
     assert out["windowed"] is False and all(k[2] is None for k in out["keys"])  # no context buckets
     assert out["argmax_equal"] and out["feature_err"] < 1e-5, out
+
+
+# ------------------------------------------------------------------ bench/gpu_check.py
+
+
+def test_gpu_check_smoke_runs_every_section(tmp_path):
+    """The device script end to end at tiny sizes on the CPU (static graphs, torch ops): every
+    section runs without error, the JSON is written and the summary table comes last."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="2")
+    p = subprocess.run([sys.executable, "bench/gpu_check.py", "--smoke", "--out", str(tmp_path), "--skip",
+                        "exactness_bf16"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    for name in ("env", "ceilings", "exactness_fp32", "target", "drafter"):
+        assert "error" not in report[name], (name, report[name])
+    ex = report["exactness_fp32"]
+    assert ex["graph_vs_eager"]["argmax_equal"] == "10/10" and ex["graph_vs_eager"]["features_max_rel_err"] < 1e-5
+    assert ex["speculative_eq_autoregressive_steps1"] == "2/2" and ex["invariant_speculative_eq_autoregressive"] == "2/2"
+    assert ex["invariant_verify17_vs_17_steps"]["features_bitwise_equal"] is True
+    t = report["target"]
+    assert {f"{n} b={b}" for n in ("step", "verify17") for b in (1, 4, 16)} <= set(t["graph"]) <= set(t["eager"])
+    assert t["capture"]["graphs"] == 6 and set(t["parts"]) == {"b=1 q=1", "b=1 q=17", "b=16 q=1", "b=16 q=17"}
+    assert report["drafter"]["same_draft_alone_and_in_batch16"] is True
+    assert len(report["projection"]) == 3 * 2 * 4
+    tail = p.stdout.strip().splitlines()
+    assert tail[-1].startswith("sections with errors: none") and any(l.startswith("acceptance: ") for l in tail[-6:])
