@@ -31,7 +31,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
+import os
 import sys
 import tempfile
 import time
@@ -520,6 +520,28 @@ def drafter_section(dev, smoke: bool, guard: Guard) -> dict:
     return res
 
 
+def cuda_tests_section(guard: Guard) -> dict:
+    """The repository's CUDA tests (they skip on a CPU): graph == eager and lossless with graphs
+    on CUDA, the drafter's device noise. In a subprocess, bounded by the time guard."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    limit = max(30.0, min(240.0, guard.left() - 20))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "cuda",
+           "tests/test_target_graphs.py", "tests/test_drafter_device_noise.py"]
+    t = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=limit)
+        out = {"returncode": p.returncode, "tail": (p.stdout + p.stderr)[-2500:]}
+    except subprocess.TimeoutExpired as e:
+        out = {"returncode": None, "error": f"timed out after {limit:.0f} s",
+               "tail": ((e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or ""))[-2500:]}
+    out["seconds"] = round(time.perf_counter() - t, 1)
+    last = [l for l in out["tail"].splitlines() if l.strip()]
+    out["result"] = last[-1] if last else ""
+    return out
+
+
 def projection(report: dict) -> dict:
     t, d = report.get("target", {}), report.get("drafter", {}).get("latency", {})
     lat = t.get("graph") or t.get("eager") or {}
@@ -544,7 +566,9 @@ def summary(report: dict) -> list[str]:
     lines.append(f"device {env.get('name', env.get('device'))}  torch {env.get('torch')}  triton {env.get('triton')}  "
                  f"copy {ceil.get('copy_GBps')} GB/s  bf16 mm {ceil.get('matmul_TFLOPs')} TFLOP/s")
     for dt in ("fp32", "bf16"):
-        e = report.get(f"exactness_{dt}", {})
+        e = report.get(f"exactness_{dt}")
+        if e is None:
+            continue
         if "error" in e:
             lines.append(f"exact {dt}: ERROR {e['error'][:120]}")
             continue
@@ -558,7 +582,7 @@ def summary(report: dict) -> list[str]:
     g, ea, rp = t.get("graph", {}), t.get("eager", {}), t.get("replay_device_ms", {})
     if floor or g:
         lines.append(f"target 8B bf16 ctx {t.get('context')}: weights {t.get('weight_bytes', 0) / 1e9:.2f} GB, "
-                     f"floor {floor} ms, ops {t.get('ops')}")
+                     f"floor {floor} ms, ops {t.get('ops')}, graph vs eager {t.get('graph_vs_eager_b4_verify17')}")
         lines.append(f"{'batch':>5} | {'step graph':>10} {'replay':>7} {'eager':>7} | {'verify17 g':>10} {'replay':>7} "
                      f"{'eager':>7} | {'T=1,S=4':>7} | step/floor  v/step")
         for b in BATCHES:
@@ -595,6 +619,9 @@ def summary(report: dict) -> list[str]:
     if d1 and d16:
         checks.append(f"drafter b=16 / b=1 = {d16 / d1:.2f} < 2: {'PASS' if d16 < 2 * d1 else 'FAIL'}")
     lines += ["acceptance: " + c for c in checks]
+    ct = report.get("cuda_tests", {})
+    if ct:
+        lines.append(f"CUDA tests (pytest -k cuda): {ct.get('result') or ct.get('error')} ({ct.get('seconds')} s)")
     errs = [k for k, v in report.items() if isinstance(v, dict) and "error" in v]
     lines.append(f"sections with errors: {errs or 'none'}; total {time.perf_counter() - T0:.0f} s")
     return lines
@@ -604,7 +631,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=None, help="directory for gpu_check.json and gpu_check.log")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (tests the script)")
-    ap.add_argument("--budget", type=float, default=420.0, help="global time guard, seconds")
+    ap.add_argument("--budget", type=float, default=400.0,
+                    help="global time guard, seconds: sections that would not fit are skipped; at budget + 45 s a "
+                         "watchdog prints the table and exits")
     ap.add_argument("--skip", default="", help="comma-separated sections to skip")
     a = ap.parse_args(argv)
     global SMOKE
@@ -624,6 +653,23 @@ def main(argv=None) -> int:
             (a.out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
             (a.out / "gpu_check.log").write_text("\n".join(LOG) + "\n")
 
+    def watchdog():  # a section that hangs (a capture, a kernel) must not lose the table
+        say(f"WATCHDOG: {a.budget + 45:.0f} s passed; printing what there is and exiting")
+        report["watchdog"] = {"error": "a section was still running at the watchdog"}
+        lines = summary(report)
+        report["summary"] = lines
+        LOG.extend(lines)
+        try:
+            save()
+        finally:
+            print("\n".join(lines), flush=True)
+            os._exit(3)
+
+    import threading
+
+    timer = threading.Timer(a.budget + 45, watchdog)
+    timer.daemon = True
+    timer.start()
     sections = [
         ("env", 5, lambda: env_section(dev)),
         ("ceilings", 20, lambda: ceilings_section(dev, a.smoke)),
@@ -631,9 +677,10 @@ def main(argv=None) -> int:
         ("exactness_bf16", 60, lambda: exactness_section(dev, torch.bfloat16, a.smoke, guard)),
         ("target", 90, lambda: target_section(dev, a.smoke, guard, report)),
         ("drafter", 40, lambda: drafter_section(dev, a.smoke, guard)),
+        ("cuda_tests", 60, lambda: cuda_tests_section(guard)),
     ]
     for name, need, fn in sections:
-        if name in skip:
+        if name in skip or (name == "cuda_tests" and a.smoke):
             continue
         if not guard.fits(need if not a.smoke else 1):
             report[name] = {"error": f"skipped: {guard.left():.0f} s left, section needs ~{need} s"}
@@ -656,6 +703,7 @@ def main(argv=None) -> int:
         report["projection"] = projection(report)
     except Exception as e:  # noqa: BLE001
         report["projection"] = {"error": f"{type(e).__name__}: {e}"}
+    timer.cancel()
     lines = summary(report)
     report["summary"] = lines
     LOG.extend(lines)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from target_service.checkpoint import CheckpointError, load_tensors, read_config
-from target_service.kernels import TorchOps, rms_norm_ref, rotate_half  # noqa: F401 - rotate_half re-exported
+from target_service.kernels import TorchOps, rms_norm_ref
 
 _SUPPORTED_ROPE_TYPES = (None, "default")
 

@@ -206,6 +206,29 @@ def test_cuda_graphs_equal_eager_on_cuda(ckpt, dtype):
         assert same >= len(want) - 1
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_lossless_on_cuda_with_graphs(ckpt, batch_invariant):
+    """Speculative (untrained FlashMap drafter, its CUDA graphs) == autoregressive at T = 0 with
+    the target's CUDA graphs in fp32; in batch-invariant mode also in bf16."""
+    from flashmap.cli import load_proposer
+    from flashmap.inprocess import decode
+    from orchestrator.sequence import GenerationRequest
+
+    prompts = [toks(int(n), 60 + i).tolist() for i, n in enumerate([4, 9, 6, 12, 20, 3, 15, 7])]
+    reqs = lambda: [GenerationRequest(p, 24) for p in prompts]  # noqa: E731
+    for dtype in (torch.float32,) + ((torch.bfloat16,) if batch_invariant else ()):
+        eng = TargetEngine(ckpt, n_slots=8, max_seq_len=96, device="cuda", dtype=dtype)
+        eng.enable_graphs(batch_buckets=(8,) if batch_invariant else (1, 2, 4, 8), query_buckets=(1, 2, 4, 8, 17),
+                          batch_invariant=batch_invariant)
+        ar = decode(eng, reqs())
+        for steps in (1, 2):
+            prop = load_proposer("init", str(ckpt), device="cuda", n_slots=8, max_context=96, steps=steps)
+            prop.enable_graphs(steps=(steps,), batch_buckets=(8,))
+            sp = decode(eng, reqs(), prop, steps)
+            assert [r.token_ids for r in sp] == [r.token_ids for r in ar], (dtype, steps)
+
+
 # ------------------------------------------------------------------ Triton kernels, interpreted
 
 _INTERPRET = r"""
