@@ -461,7 +461,22 @@ def _parts(model, engine, b: int, q: int, ctx: int, dev) -> dict:
         scratch.reshape(-1), c.num_attention_heads, c.num_key_value_heads)), dev)
     out["attention"] = graph_time(loop(lambda: ops.attention(qh, cache.k, cache.v, slots, pos, ctx + q)), dev)
     out["silu_mul"] = graph_time(loop(lambda: ops.silu_mul(gu)), dev)
-    return {k: v["ms"] for k, v in out.items()}
+    res = {k: v["ms"] for k, v in out.items()}
+    # Other tilings of the attention kernel (BLOCK_M, BLOCK_N, warps): data for tuning it next time.
+    from target_service import kernels
+
+    if dev.type == "cuda" and isinstance(ops, kernels.TritonOps) and "attention" in ops.enabled:
+        chosen = kernels.attention_blocks
+        for cfg in ((64, 64, 4), (128, 32, 8), (64, 128, 8), (128, 128, 8)):
+            try:
+                kernels.attention_blocks = lambda dtype, cfg=cfg: cfg
+                res[f"attention {cfg}"] = graph_time(
+                    loop(lambda: ops.attention(qh, cache.k, cache.v, slots, pos, ctx + q)), dev)["ms"]
+            except Exception as e:  # noqa: BLE001
+                res[f"attention {cfg}"] = f"{type(e).__name__}"
+            finally:
+                kernels.attention_blocks = chosen
+    return res
 
 
 def drafter_section(dev, smoke: bool, guard: Guard) -> dict:
@@ -593,6 +608,11 @@ def summary(report: dict) -> list[str]:
             lines.append(f"{b:>5} | {f(st):>10} {f(rp.get(f'b={b} q=1'))} {f(ea.get(f'step b={b}', {}).get('ms'))} | "
                          f"{f(vr):>10} {f(rp.get(f'b={b} q=17'))} {f(ea.get(f'verify17 b={b}', {}).get('ms'))} | "
                          f"{f(g.get(f'verify17_T1_S4 b={b}', {}).get('ms'))} | {ratio}  {vs}")
+    for key, parts in (t.get("parts") or {}).items():
+        if isinstance(parts, dict) and "error" not in parts:
+            lines.append(f"parts {key} (ms/step, each in a graph): " + "  ".join(
+                f"{k.replace('attention ', 'attn')}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                for k, v in parts.items()))
     lat = d.get("latency", {})
     if lat:
         lines.append("drafter paper size bf16 (ms, wall): " + "  ".join(

@@ -9,6 +9,11 @@ overwritten). The result per row is the verification statistics of its last K+1
 positions (target_service.verification) and the feature-layer hidden states of all
 its positions, which the drafter conditions on.
 
+On a GPU, `enable_graphs` (or `cuda_graphs=True`) runs every batch that fits a (batch,
+query length) bucket as one CUDA-graph replay of the same forward (target_service.cuda_graphs);
+prefill and odd shapes run eagerly. Only the argmax, the features and, for sampling rows,
+the O(K * S) statistics come back to the host.
+
 Not thread-safe: callers (the Triton model) serialise calls.
 """
 

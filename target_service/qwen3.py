@@ -10,7 +10,7 @@ keeps Hugging Face parameter names, so any HF Qwen3 checkpoint loads as is.
 Qwen3 specifics: RMSNorm over head_dim on q and k (before RoPE), no attention
 bias, SwiGLU MLP, optional tied embeddings, GQA with head_dim free of hidden/heads.
 
-Shapes: B rows, L tokens per row (padded), S = attended cache length, H heads,
+Shapes: B rows, L tokens per row (padded), M = B * L, S = attended cache length, H heads,
 KV kv-heads, D head_dim, E hidden size, V vocabulary, N = selected positions.
 """
 
@@ -177,18 +177,6 @@ def rope_tables(head_dim: int, theta: float, max_seq_len: int) -> tuple[Tensor, 
     return emb.cos(), emb.sin()
 
 
-def attention_mask(positions: Tensor, valid: Tensor, kv_len: int) -> Tensor:
-    """[B, 1, L, S] bool: a query at position p sees cache positions <= p of its own slot.
-
-    Entries of the slot beyond the row's start position are stale (rolled back) or
-    being written by this very pass; the causal bound hides the stale ones. Padding
-    queries look at position 0 only, which keeps their softmax finite.
-    """
-    q_pos = torch.where(valid, positions, 0)  # [B, L]
-    cache_pos = torch.arange(kv_len, device=positions.device)  # [S]
-    return (cache_pos[None, None, :] <= q_pos[:, :, None])[:, None]  # [B, 1, L, S]
-
-
 def fuse_projections(model: "Qwen3") -> None:
     """Store q/k/v and gate/up of every layer as one matrix each, with the nn.Linear weights
     re-pointed at views of it (same parameter names, no second copy): one GEMM instead of
@@ -260,6 +248,9 @@ def forward_step(
 ) -> tuple[Tensor, Tensor]:
     """The one forward of the target, with static shapes: every entry of [B, L] is computed and
     written (padding to the scratch position), nothing depends on host values but kv_len.
+    A query sees its slot's cache up to q_limit: entries beyond the row's start position are
+    stale (rolled back) or written by this very pass, and the causal bound hides the stale
+    ones; padding queries see position 0 only, which keeps their softmax finite.
     The eager path (Qwen3.forward) and the CUDA-graph path (target_service.cuda_graphs) both
     run it. Returns logits [N, V] fp32 and features [M', F] fp32 (F = len(feature_layers) * E).
     Feature layer l is the output of decoder layer l, i.e. HF hidden_states[l+1] (for the
