@@ -289,12 +289,13 @@ def test_gpu_check_smoke_runs_every_section(tmp_path):
     """The device script end to end at tiny sizes on the CPU (static graphs, torch ops): every
     section runs without error, the JSON is written and the summary table comes last."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="2")
-    p = subprocess.run([sys.executable, "bench/gpu_check.py", "--smoke", "--out", str(tmp_path), "--skip",
-                        "exactness_bf16"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    p = subprocess.run([sys.executable, "bench/gpu_check.py", "--smoke", "--out", str(tmp_path)],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    for name in ("env", "ceilings", "exactness_fp32", "target", "drafter"):
+    for name in ("env", "ceilings", "exactness_fp32", "exactness_bf16", "target", "drafter"):
         assert "error" not in report[name], (name, report[name])
+    assert report["exactness_bf16"]["invariant_verify17_vs_17_steps"]["features_bitwise_equal"] is True
     ex = report["exactness_fp32"]
     assert ex["graph_vs_eager"]["argmax_equal"] == "10/10" and ex["graph_vs_eager"]["features_max_rel_err"] < 1e-5
     assert ex["speculative_eq_autoregressive_steps1"] == "2/2" and ex["invariant_speculative_eq_autoregressive"] == "2/2"
