@@ -12,10 +12,15 @@ per flow step:
 
 The flow runs on the embedded state y = x @ E [B, K, H] (flashmap_dit: the network sees x
 only through it), so the noise is y_0 = z @ F (F^T F = E^T E), distributed as x_0 @ E.
-Randomness is per request: a CPU torch.Generator seeded with the request's seed draws
-z (one [r] draw shared by all K slots, or [K, r] with shared_noise=False; r = min(V, H))
-and then the proposal samples, so drafts are reproducible and independent of batching
-and of the device. At temperature T > 0 slot k proposes x_k ~ q_k = softmax(logits/T)
+Randomness is per request, from generators seeded with the request's seed: z (one [r]
+draw shared by all K slots, or [K, r] with shared_noise=False; r = min(V, H)) comes from a
+generator on the drafter's device (on CUDA a Philox generator per request: no host draw
+and no host-to-device copy per request, so a batch of 16 costs what one does), the
+proposal samples from a CPU generator. Drafts are reproducible for a seed and
+independent of batching on a given device; the CPU and CUDA draws differ (other
+generators), and CUDA draws may differ between GPU models (torch's kernels lay out
+Philox offsets by the device's size) and torch versions. On the CPU both come from one
+generator, as before. At temperature T > 0 slot k proposes x_k ~ q_k = softmax(logits/T)
 restricted to its top-m tokens and renormalised; the support sent to the target is those
 m ids with their q (DESIGN.md, exact speculative sampling).
 Not thread-safe: the gRPC server serialises calls.
@@ -35,22 +40,22 @@ from drafter_service.slots import ContextTooLong, ProposerError, SlotCachePropos
 from flashmap.types import Draft, ProposeRequest
 
 
-def request_generator(seed: int, block: int = 0) -> torch.Generator:
-    """CPU generator of one request's randomness; block b > 0 (propose_blocks) gets an
-    independent stream, block 0 is the plain `propose` stream."""
+def request_generator(seed: int, block: int = 0, device: str | torch.device = "cpu") -> torch.Generator:
+    """Generator (CPU by default) of one request's randomness; block b > 0 (propose_blocks)
+    gets an independent stream, block 0 is the plain `propose` stream."""
     if block == 0:
         s = int(seed) & 0xFFFF_FFFF_FFFF_FFFF
     else:
         s = int(np.random.SeedSequence([int(seed) & 0xFFFF_FFFF_FFFF_FFFF, block]).generate_state(1, np.uint64)[0])
-    return torch.Generator().manual_seed(s)
+    return torch.Generator(device=device).manual_seed(s)
 
 
 def draw_noise(gen: torch.Generator, block_size: int, dim: int, shared: bool = True) -> Tensor:
-    """Standard normal noise for one block: [K, dim] float32; with shared=True one [dim] draw
-    repeated over the K slots."""
+    """Standard normal noise for one block on the generator's device: [K, dim] float32; with
+    shared=True one [dim] draw repeated over the K slots."""
     if shared:
-        return torch.randn(dim, generator=gen).expand(block_size, dim)
-    return torch.randn(block_size, dim, generator=gen)
+        return torch.randn(dim, generator=gen, device=gen.device).expand(block_size, dim)
+    return torch.randn(block_size, dim, generator=gen, device=gen.device)
 
 
 @dataclass
@@ -60,9 +65,10 @@ class _Row:
     slot: int
     length: int
     anchor: int
-    gen: torch.Generator
+    gen: torch.Generator  # CPU: proposal samples (and on a CPU drafter the noise too)
     temperature: float
     top_m: int
+    noise_gen: torch.Generator | None = None  # on the drafter's device when it is not the CPU
 
 
 class FlashMapProposer(SlotCacheProposer):
@@ -87,6 +93,7 @@ class FlashMapProposer(SlotCacheProposer):
         self.min_confidence = min_confidence
         self.set_steps(steps)
         self.graphs = None  # FlowGraphs after enable_graphs()
+        self._host_noise = torch.device(self.device).type == "cpu"  # else: noise from a device generator
         # The network's entry points (COMPILED); enable_compile() swaps in compiled versions.
         self._evaluate = self.model.evaluate
         self._evaluate_greedy = self.model.evaluate_greedy  # the last evaluation of a draft
@@ -130,7 +137,9 @@ class FlashMapProposer(SlotCacheProposer):
                 raise ValueError(f"request {r.seq_id!r}: need temperature >= 0 and top_m >= 1")
             slot, length = self.slots.lookup(r.seq_id)
             for b in range(n_blocks):
-                rows.append(_Row(slot, length, int(r.anchor), request_generator(r.seed, b), r.temperature, r.top_m))
+                gen = request_generator(r.seed, b)
+                noise_gen = None if self._host_noise else request_generator(r.seed, b, self.device)
+                rows.append(_Row(slot, length, int(r.anchor), gen, r.temperature, r.top_m, noise_gen))
                 row_steps.append(1 if self.cfg.kind == "dflash" else int(n))
         drafts: list[Draft | None] = [None] * len(rows)
         for n in sorted(set(row_steps)):  # one batched pass per distinct step count
@@ -192,10 +201,10 @@ class FlashMapProposer(SlotCacheProposer):
             ctx = self._context([r.slot for r in rows], [r.length for r in rows])
             logits, *summary = self._network(None, 0.0, 1.0, anchor, ctx, greedy=True)  # [B, K, V]
         else:
-            # z is drawn on the host (the same draws whatever the device); shared noise crosses
-            # to the device as one [r] row per request and is expanded there.
+            # z is drawn on the drafter's device (CPU: from the request's one generator);
+            # shared noise is one [r] row per request, expanded over the K slots.
             F = self.model.noise_factor()  # [r, H]
-            noise = [draw_noise(r.gen, K, F.shape[0], self.shared_noise) for r in rows]
+            noise = [draw_noise(r.noise_gen or r.gen, K, F.shape[0], self.shared_noise) for r in rows]
             if self.shared_noise:
                 z = torch.stack([n[0] for n in noise]).to(self.device, F.dtype)  # [B, r]
                 y = (z @ F)[:, None].expand(-1, K, -1)  # [B, K, H]

@@ -9,6 +9,11 @@ overwritten). The result per row is the verification statistics of its last K+1
 positions (target_service.verification) and the feature-layer hidden states of all
 its positions, which the drafter conditions on.
 
+On a GPU, `enable_graphs` (or `cuda_graphs=True`) runs every batch that fits a (batch,
+query length) bucket as one CUDA-graph replay of the same forward (target_service.cuda_graphs);
+prefill and odd shapes run eagerly. Only the argmax, the features and, for sampling rows,
+the O(K * S) statistics come back to the host.
+
 Not thread-safe: callers (the Triton model) serialise calls.
 """
 
@@ -22,6 +27,7 @@ import numpy as np
 import torch
 
 from flashmap.types import InvalidRequest, SamplingParams, VerifyResult, VerifyRow, feature_layers_for
+from target_service.kernels import self_check
 from target_service.qwen3 import Qwen3, Qwen3Config
 from target_service.verification import argmax_ids, verification_stats
 
@@ -41,10 +47,13 @@ class TargetEngine:
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         feature_layers: list[int] | None = None,
+        cuda_graphs: bool = False,
     ):
+        """cuda_graphs=True (on a CUDA device): capture decode / verify graphs for the default
+        buckets at start-up (`enable_graphs` for other buckets or the batch-invariant mode)."""
         model = Qwen3.from_pretrained(model_dir, device=device, dtype=dtype)
         eos = list(model.config.eos_token_id) + _generation_eos(Path(model_dir))
-        self._setup(model, n_slots, max_seq_len, feature_layers, eos)
+        self._setup(model, n_slots, max_seq_len, feature_layers, eos, cuda_graphs)
 
     @classmethod
     def from_model(
@@ -55,14 +64,15 @@ class TargetEngine:
         max_seq_len: int | None = None,
         feature_layers: list[int] | None = None,
         eos_token_ids: list[int] | None = None,
+        cuda_graphs: bool = False,
     ) -> "TargetEngine":
         """An engine around an already loaded model (its caches are replaced)."""
         engine = cls.__new__(cls)
         eos = list(model.config.eos_token_id) if eos_token_ids is None else list(eos_token_ids)
-        engine._setup(model, n_slots, max_seq_len, feature_layers, eos)
+        engine._setup(model, n_slots, max_seq_len, feature_layers, eos, cuda_graphs)
         return engine
 
-    def _setup(self, model: Qwen3, n_slots, max_seq_len, feature_layers, eos: list[int]) -> None:
+    def _setup(self, model: Qwen3, n_slots, max_seq_len, feature_layers, eos: list[int], cuda_graphs=False) -> None:
         c = model.config
         if max_seq_len is None:
             max_seq_len = min(c.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
@@ -79,6 +89,34 @@ class TargetEngine:
         self._length = [0] * n_slots
         w = model.lm_head.weight
         self._device, self._dtype = w.device, w.dtype
+        self.graphs = None  # TargetGraphs after enable_graphs()
+        self.kernel_check: dict = {}  # the fused kernels' self-check on this device (kernels.self_check)
+        if w.device.type == "cuda":
+            self.kernel_check = self_check(model.ops, dtype=w.dtype, device=w.device, n_heads=c.num_attention_heads,
+                                           n_kv=c.num_key_value_heads, head_dim=c.head_dim, hidden=c.hidden_size,
+                                           intermediate=c.intermediate_size)
+        if cuda_graphs and w.device.type == "cuda":
+            self.enable_graphs()
+
+    def enable_graphs(self, batch_buckets: tuple[int, ...] | None = None, query_buckets: tuple[int, ...] | None = None,
+                      context_buckets: tuple[int, ...] | None = None, mode: str = "cuda",
+                      batch_invariant: bool = False) -> dict:
+        """Run decode / verify passes that fit a bucket through captured CUDA graphs
+        (target_service.cuda_graphs); mode="static" runs the same padded function without
+        capture (CPU tests). batch_invariant=True: one graph of the largest shape for every
+        pass, so logits do not depend on the batch (bit-identical speculative and plain
+        decoding) at the cost of that shape. Returns the capture report."""
+        from target_service.cuda_graphs import TargetGraphs
+
+        self.graphs = None
+        graphs = TargetGraphs(self.model, self._feature_layers, self.n_slots, batch_buckets, query_buckets,
+                              context_buckets, mode=mode, batch_invariant=batch_invariant)
+        report = graphs.capture()
+        self.graphs = graphs
+        return report
+
+    def disable_graphs(self) -> None:
+        self.graphs = None
 
     # -- description -----------------------------------------------------------------
     @property
@@ -158,17 +196,34 @@ class TargetEngine:
     # -- verify ----------------------------------------------------------------------
     def verify(self, rows: list[VerifyRow]) -> list[VerifyResult]:
         """One forward pass for all rows; see the module docstring. Validates every row
-        before touching any cache."""
+        before touching any cache. A batch that fits a captured bucket (enable_graphs) runs
+        in its graph; others (prefill, odd shapes) run eagerly. In batch-invariant mode the
+        rows that fit run in the graph and the others in a second, eager pass."""
         if not rows:
             return []
         rows = self._validate(rows)
         lengths = [len(r.tokens) for r in rows]
-        batch = [torch.as_tensor(a, device=self._device) for a in _pack(rows, max(lengths))]
         kv_len = max(r.start_pos + n for r, n in zip(rows, lengths))
+        out: list[VerifyResult | None] = [None] * len(rows)
         try:
             with torch.inference_mode():
-                logits, features = self.model(*batch, self._feature_layers, kv_len)
-                stats = verification_stats(logits, rows)
+                key = self.graphs.key_for(len(rows), max(lengths), kv_len) if self.graphs is not None else None
+                if key is not None:
+                    out = self._verify_graph(rows, key)
+                elif self.graphs is not None and self.graphs.batch_invariant:
+                    q = self.graphs.query_buckets[-1]
+                    short = [i for i, n in enumerate(lengths) if n <= q]
+                    long = [i for i, n in enumerate(lengths) if n > q]
+                    for part in (short, long):
+                        if not part:
+                            continue
+                        sub = [rows[i] for i in part]
+                        k = self.graphs.key_for(len(sub), max(lengths[i] for i in part),
+                                                max(r.start_pos + len(r.tokens) for r in sub)) if part is short else None
+                        for i, r in zip(part, self._verify_graph(sub, k) if k else self._verify_eager(sub)):
+                            out[i] = r
+                else:
+                    out = self._verify_eager(rows)
         except BaseException:
             # The cache may be half written from start_pos on: keep only what is intact.
             for r in rows:
@@ -176,8 +231,27 @@ class TargetEngine:
             raise
         for r, n in zip(rows, lengths):
             self._length[r.slot] = r.start_pos + n
+        return out
+
+    def _verify_eager(self, rows: list[VerifyRow]) -> list[VerifyResult]:
+        lengths = [len(r.tokens) for r in rows]
+        batch = [torch.as_tensor(a, device=self._device) for a in _pack(rows, max(lengths))]
+        kv_len = max(r.start_pos + n for r, n in zip(rows, lengths))
+        logits, features = self.model(*batch, self._feature_layers, kv_len)
+        stats = verification_stats(logits, rows)
         feats = np.split(features.cpu().numpy(), np.cumsum(lengths)[:-1])
         return [VerifyResult(*s, features=f) for s, f in zip(stats, feats)]
+
+    def _verify_graph(self, rows: list[VerifyRow], key) -> list[VerifyResult]:
+        """The same pass through a graph bucket: logits stay on the device (statistics of
+        sampling rows are computed there), argmax and features come back."""
+        b, q, _ = key
+        tokens, positions, slots, valid, _ = _pack(rows, max(len(r.tokens) for r in rows))
+        positions = np.where(valid, positions, -1)
+        logits, argmax, feats = self.graphs.run(key, tokens, positions, slots)
+        starts = [i * q + len(r.tokens) - r.num_draft - 1 for i, r in enumerate(rows)]
+        stats = verification_stats(logits, rows, argmax=argmax, starts=starts)
+        return [VerifyResult(*s, features=feats[i * q:i * q + len(r.tokens)]) for i, (s, r) in enumerate(zip(stats, rows))]
 
     def verify_tree(self, row: VerifyRow, branches: list[np.ndarray]) -> tuple[VerifyResult, int]:
         """Greedy (T = 0) verification of several draft blocks after one anchor, in one pass.

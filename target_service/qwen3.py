@@ -10,7 +10,7 @@ keeps Hugging Face parameter names, so any HF Qwen3 checkpoint loads as is.
 Qwen3 specifics: RMSNorm over head_dim on q and k (before RoPE), no attention
 bias, SwiGLU MLP, optional tied embeddings, GQA with head_dim free of hidden/heads.
 
-Shapes: B rows, L tokens per row (padded), S = attended cache length, H heads,
+Shapes: B rows, L tokens per row (padded), M = B * L, S = attended cache length, H heads,
 KV kv-heads, D head_dim, E hidden size, V vocabulary, N = selected positions.
 """
 
@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from flashmap.checkpoint import CheckpointError, load_tensors, read_config
+from target_service.kernels import TorchOps, rms_norm_ref
 
 _SUPPORTED_ROPE_TYPES = (None, "default")
 
@@ -105,17 +106,20 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         # Statistics in fp32 and the gain applied after casting back, as HF does, so
         # bf16 results round the same way.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm_ref(x, self.weight, self.eps)
 
 
 class KVCache(nn.Module):
-    """One layer's static cache: K and V [n_slots, KV, max_seq_len, D] (not saved)."""
+    """One layer's static cache: K and V [n_slots, KV, max_seq_len + 1, D] (not saved).
+
+    Position max_seq_len of each slot is scratch: padding tokens write their K/V there, so
+    every pass can write all B x L entries with static shapes (no data-dependent index
+    list, which a CUDA graph could not capture), and no padded entry lands on a real
+    position. Attention never reads it."""
 
     def __init__(self, n_slots: int, n_kv: int, max_seq_len: int, head_dim: int, *, dtype, device):
         super().__init__()
-        shape = (n_slots, n_kv, max_seq_len, head_dim)
+        shape = (n_slots, n_kv, max_seq_len + 1, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
@@ -131,6 +135,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
         self.kv_cache: KVCache | None = None  # set by Qwen3.setup_caches
+        self.wqkv: Tensor | None = None  # [(H + 2 KV) D, E]: q/k/v weights as one matrix (setup_caches)
 
 
 class MLP(nn.Module):
@@ -139,9 +144,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        self.w_gate_up: Tensor | None = None  # [2I, E]: gate and up weights as one matrix (setup_caches)
 
 
 class DecoderLayer(nn.Module):
@@ -174,57 +177,111 @@ def rope_tables(head_dim: int, theta: float, max_seq_len: int) -> tuple[Tensor, 
     return emb.cos(), emb.sin()
 
 
-def rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def fuse_projections(model: "Qwen3") -> None:
+    """Store q/k/v and gate/up of every layer as one matrix each, with the nn.Linear weights
+    re-pointed at views of it (same parameter names, no second copy): one GEMM instead of
+    three (two), which at batch 1 on a GPU is fewer launches and wider, more efficient reads.
+    Call after the model has its final device and dtype (.to() would split them again)."""
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for owner, attr, linears in ((attn, "wqkv", (attn.q_proj, attn.k_proj, attn.v_proj)),
+                                     (mlp, "w_gate_up", (mlp.gate_proj, mlp.up_proj))):
+            ws = [lin.weight for lin in linears]
+            fused = getattr(owner, attr)
+            if fused is not None and _views_of(fused, ws):
+                continue
+            fused = torch.cat([w.detach() for w in ws], dim=0)
+            start = 0
+            for lin in linears:
+                n = lin.weight.shape[0]
+                lin.weight = nn.Parameter(fused[start:start + n], requires_grad=lin.weight.requires_grad)
+                start += n
+            setattr(owner, attr, fused)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [B, L, heads, D]; cos, sin [B, L, D]."""
-    cos, sin = cos[:, :, None, :].to(x.dtype), sin[:, :, None, :].to(x.dtype)
-    return x * cos + rotate_half(x) * sin
-
-
-def attention_mask(positions: Tensor, valid: Tensor, kv_len: int) -> Tensor:
-    """[B, 1, L, S] bool: a query at position p sees cache positions <= p of its own slot.
-
-    Entries of the slot beyond the row's start position are stale (rolled back) or
-    being written by this very pass; the causal bound hides the stale ones. Padding
-    queries look at position 0 only, which keeps their softmax finite.
-    """
-    q_pos = torch.where(valid, positions, 0)  # [B, L]
-    cache_pos = torch.arange(kv_len, device=positions.device)  # [S]
-    return (cache_pos[None, None, :] <= q_pos[:, :, None])[:, None]  # [B, 1, L, S]
+def _views_of(fused: Tensor, ws: list[Tensor]) -> bool:
+    """True when ws are consecutive row blocks of fused (already fused, same storage)."""
+    start = 0
+    for w in ws:
+        if w.device != fused.device or w.dtype != fused.dtype or \
+                w.data_ptr() != fused.data_ptr() + start * fused.stride(0) * fused.element_size():
+            return False
+        start += w.shape[0]
+    return start == fused.shape[0]
 
 
 def attention(
     attn: Attention,
-    x: Tensor,  # [B, L, E], already normed
-    cos: Tensor,  # [B, L, D]
-    sin: Tensor,  # [B, L, D]
+    ops: TorchOps,
+    x: Tensor,  # [M, E] (M = B * L), already normed
+    cos: Tensor,  # [T, D] fp32 RoPE tables
+    sin: Tensor,
+    rope_pos: Tensor,  # [M] position of each token in its sequence
     slots: Tensor,  # [B]
-    positions: Tensor,  # [B, L] cache index each token is written at
-    valid: Tensor,  # [B, L]
-    mask: Tensor,  # [B, 1, L, S]
+    write_slot: Tensor,  # [M] cache slot each token's K/V go to
+    write_pos: Tensor,  # [M] cache index (padding: the scratch position)
+    q_limit: Tensor,  # [B, L] last cache index each query sees
+    kv_len: int,  # cache positions the torch attention reads (>= max(q_limit) + 1)
+    mask: Tensor | None,  # [B, 1, L, kv_len] explicit mask (tree verification) or None: causal
 ) -> Tensor:
-    B, L, _ = x.shape
-    q = attn.q_norm(attn.q_proj(x).view(B, L, attn.n_heads, attn.head_dim))  # [B, L, H, D]
-    k = attn.k_norm(attn.k_proj(x).view(B, L, attn.n_kv, attn.head_dim))  # [B, L, KV, D]
-    v = attn.v_proj(x).view(B, L, attn.n_kv, attn.head_dim)  # [B, L, KV, D]
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-
-    # Write only real tokens: a padded entry must never land on a real position.
-    rows, cols = valid.nonzero(as_tuple=True)  # [M], [M]
-    write_slot, write_pos = slots[rows], positions[rows, cols]
+    B, L = q_limit.shape
+    qkv = F.linear(x, attn.wqkv)  # [M, (H + 2 KV) D]
     cache = attn.kv_cache
-    cache.k[write_slot, :, write_pos] = k[rows, cols]  # cache.k [n_slots, KV, T, D] <- [M, KV, D]
-    cache.v[write_slot, :, write_pos] = v[rows, cols]
+    q = ops.qk_norm_rope_write(qkv, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, cos, sin, rope_pos,
+                               cache.k, cache.v, write_slot, write_pos, attn.n_heads, attn.n_kv)  # [M, H, D]
+    out = ops.attention(q.view(B, L, attn.n_heads, attn.head_dim), cache.k, cache.v, slots, q_limit, kv_len, mask)
+    return F.linear(out.view(B * L, -1), attn.o_proj.weight)  # [M, E]
 
-    S = mask.shape[-1]
-    keys = cache.k[slots, :, :S]  # [B, KV, S, D]
-    values = cache.v[slots, :, :S]  # [B, KV, S, D]
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
-    return attn.o_proj(out.transpose(1, 2).reshape(B, L, -1))  # [B, L, E]
+
+def forward_step(
+    model: "Qwen3",
+    tokens: Tensor,  # [B, L] int64
+    rope_pos: Tensor,  # [B, L] int64 position in the sequence (RoPE); padding: any valid index
+    slots: Tensor,  # [B] int64
+    write_pos: Tensor,  # [B, L] int64 cache index K/V are written at; padding: model.max_seq_len (scratch)
+    q_limit: Tensor,  # [B, L] int64 last cache index each query attends to; padding: 0
+    logit_rows: Tensor | None,  # [N] flat indices (b * L + l) that need logits; None: all B * L
+    feature_rows: Tensor | None,  # [M'] flat indices that need features; None: all B * L
+    feature_layers: tuple[int, ...],
+    kv_len: int,  # cache positions the torch attention reads (ignored by the fused kernel)
+    attn_mask: Tensor | None = None,  # [B, 1, L, kv_len] bool, instead of the causal q_limit rule
+) -> tuple[Tensor, Tensor]:
+    """The one forward of the target, with static shapes: every entry of [B, L] is computed and
+    written (padding to the scratch position), nothing depends on host values but kv_len.
+    A query sees its slot's cache up to q_limit: entries beyond the row's start position are
+    stale (rolled back) or written by this very pass, and the causal bound hides the stale
+    ones; padding queries see position 0 only, which keeps their softmax finite.
+    The eager path (Qwen3.forward) and the CUDA-graph path (target_service.cuda_graphs) both
+    run it. Returns logits [N, V] fp32 and features [M', F] fp32 (F = len(feature_layers) * E).
+    Feature layer l is the output of decoder layer l, i.e. HF hidden_states[l+1] (for the
+    last layer HF reports the final-normed state, and so does this)."""
+    c, ops, layers = model.config, model.ops, model.model.layers
+    B, L = tokens.shape
+    n = len(layers)
+    rope_flat = rope_pos.reshape(-1)
+    write_slot = slots[:, None].expand(B, L).reshape(-1)  # [M]
+    write_flat = write_pos.reshape(-1)
+
+    residual = model.model.embed_tokens(tokens).view(B * L, -1)  # [M, E]
+    x = ops.rms_norm(residual, layers[0].input_layernorm.weight, c.rms_norm_eps)
+    captured: dict[int, Tensor] = {}
+    for i, layer in enumerate(layers):
+        a = attention(layer.self_attn, ops, x, model.rope_cos, model.rope_sin, rope_flat, slots, write_slot,
+                      write_flat, q_limit, kv_len, attn_mask)
+        residual, x = ops.add_rms_norm(a, residual, layer.post_attention_layernorm.weight, c.rms_norm_eps)
+        m = F.linear(ops.silu_mul(F.linear(x, layer.mlp.w_gate_up)), layer.mlp.down_proj.weight)  # [M, E]
+        norm = layers[i + 1].input_layernorm if i + 1 < n else model.model.norm
+        residual, x = ops.add_rms_norm(m, residual, norm.weight, c.rms_norm_eps)
+        if i in feature_layers:
+            captured[i] = x if i == n - 1 else residual  # the last layer's output: final-normed (HF)
+    pick = (lambda t: t) if logit_rows is None else (lambda t: t.index_select(0, logit_rows))
+    logits = F.linear(pick(x), model.lm_head.weight).float()  # [N, V]
+    if feature_layers:
+        fpick = (lambda t: t) if feature_rows is None else (lambda t: t.index_select(0, feature_rows))
+        features = torch.cat([fpick(captured[l]) for l in feature_layers], dim=-1).float()  # [M', F]
+    else:
+        features = x.new_zeros((B * L if feature_rows is None else len(feature_rows), 0), dtype=torch.float32)
+    return logits, features
 
 
 class Qwen3(nn.Module):
@@ -266,8 +323,12 @@ class Qwen3(nn.Module):
             model.lm_head.weight = model.model.embed_tokens.weight
         return model.to(device=device, dtype=dtype).eval()
 
-    def setup_caches(self, n_slots: int, max_seq_len: int) -> None:
-        """Allocate per-layer K/V [n_slots, KV, max_seq_len, D] and the RoPE tables."""
+    def setup_caches(self, n_slots: int, max_seq_len: int, ops: TorchOps | None = None) -> None:
+        """Allocate per-layer K/V [n_slots, KV, max_seq_len + 1, D] and the RoPE tables, fuse
+        the q/k/v and gate/up weights (`fuse_projections`) and pick the ops (default: the
+        fused Triton kernels on CUDA when Triton is there, torch otherwise)."""
+        from target_service.kernels import select_ops
+
         c, w = self.config, self.lm_head.weight
         for layer in self.model.layers:
             layer.self_attn.kv_cache = KVCache(
@@ -278,6 +339,8 @@ class Qwen3(nn.Module):
         self.register_buffer("rope_cos", cos.to(w.device), persistent=False)
         self.register_buffer("rope_sin", sin.to(w.device), persistent=False)
         self.max_seq_len = max_seq_len
+        fuse_projections(self)
+        self.ops = ops if ops is not None else select_ops(w.device)
 
     def forward(
         self,
@@ -291,13 +354,12 @@ class Qwen3(nn.Module):
         cache_positions: Tensor | None = None,  # [B, L] where K/V are written; default: positions
         attn_mask: Tensor | None = None,  # [B, 1, L, kv_len] bool; default: causal over positions
     ) -> tuple[Tensor, Tensor]:
-        """One pass over rows that each continue their own slot.
+        """One pass over rows that each continue their own slot (`forward_step` with the
+        index lists taken from the masks).
 
         Writes K/V of the valid tokens at (slot, position) and returns
         logits [N, V] fp32 for the logits_mask positions (row-major order) and
         features [M, F] for the M valid positions (row-major), F = len(feature_layers) * E.
-        Feature layer l is the output of decoder layer l, i.e. HF hidden_states[l+1]
-        (for the last layer HF reports the final-normed state, and so does this).
         Tree verification (TargetEngine.verify_tree) writes sibling branches at their own
         cache indices (cache_positions) while RoPE uses their positions in the sequence, and
         passes the tree's attention mask.
@@ -308,24 +370,10 @@ class Qwen3(nn.Module):
             cache_positions = positions
         if kv_len is None:
             kv_len = int(torch.where(valid, cache_positions, 0).max()) + 1
-        n_layers = self.config.num_hidden_layers
-        safe_pos = torch.where(valid, positions, 0)
-        cos, sin = self.rope_cos[safe_pos], self.rope_sin[safe_pos]  # [B, L, D]
-        mask = attention_mask(positions, valid, kv_len) if attn_mask is None else attn_mask  # [B, 1, L, S]
-
-        h = self.model.embed_tokens(tokens)  # [B, L, E]
-        captured: dict[int, Tensor] = {}
-        for i, layer in enumerate(self.model.layers):
-            h = h + attention(layer.self_attn, layer.input_layernorm(h), cos, sin, slots, cache_positions, valid, mask)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-            if i in feature_layers and i != n_layers - 1:
-                captured[i] = h[valid]  # [M, E]
-        h = self.model.norm(h)  # [B, L, E]
-        if n_layers - 1 in feature_layers:
-            captured[n_layers - 1] = h[valid]
-        logits = self.lm_head(h[logits_mask]).float()  # [N, V]
-        if feature_layers:
-            features = torch.cat([captured[l] for l in feature_layers], dim=-1).float()  # [M, F]
-        else:
-            features = h.new_zeros((int(valid.sum()), 0), dtype=torch.float32)
-        return logits, features
+        write_pos = torch.where(valid, cache_positions, self.max_seq_len)  # padding -> the scratch position
+        q_limit = torch.where(valid, cache_positions, 0)
+        rope_pos = torch.where(valid, positions, 0)
+        logit_rows = logits_mask.reshape(-1).nonzero()[:, 0]
+        feature_rows = valid.reshape(-1).nonzero()[:, 0]
+        return forward_step(self, tokens, rope_pos, slots, write_pos, q_limit, logit_rows, feature_rows,
+                            tuple(feature_layers), kv_len, attn_mask)

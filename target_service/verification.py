@@ -77,32 +77,41 @@ def argmax_ids(logits: Tensor) -> np.ndarray:
     return logits.argmax(-1).cpu().numpy().astype(np.int64)
 
 
-def verification_stats(logits: Tensor, rows: list[VerifyRow]) -> list[RowStats]:
-    """logits [sum_r (K_r+1), V]: each row's last K+1 positions, rows in order."""
+def verification_stats(logits: Tensor, rows: list[VerifyRow], argmax: np.ndarray | None = None,
+                       starts: list[int] | None = None) -> list[RowStats]:
+    """Statistics of each row's last K+1 positions, rows in order.
+
+    logits [N, V]: row i's positions are logits[starts[i] : starts[i] + K_i + 1] (default:
+    rows packed back to back from 0). argmax [N] (host), when the caller already has it
+    (the CUDA-graph path computes it on the device with the logits). Only rows with T > 0
+    touch the logits again, on their device; what comes back to the host is O(K * S)."""
     counts = [r.num_draft + 1 for r in rows]
-    argmax = np.split(argmax_ids(logits), np.cumsum(counts)[:-1])
-    sampled = _sample_rows(logits, rows, counts)
+    if starts is None:
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64).tolist()
+    top = argmax_ids(logits) if argmax is None else argmax
+    argmaxes = [np.asarray(top[s:s + c], np.int64) for s, c in zip(starts, counts)]
+    sampled = _sample_rows(logits, rows, counts, starts)
     out = []
     for i, r in enumerate(rows):
         if i in sampled:
-            out.append(RowStats(argmax[i], *sampled[i]))
+            out.append(RowStats(argmaxes[i], *sampled[i]))
         else:
             S = r.support_ids.shape[1]
             none = np.full(counts[i], -1, np.int64)
-            out.append(RowStats(argmax[i], np.zeros((0, S), np.float32), np.zeros(0, np.float32), none))
+            out.append(RowStats(argmaxes[i], np.zeros((0, S), np.float32), np.zeros(0, np.float32), none))
     return out
 
 
 def _sample_rows(
-    logits: Tensor, rows: list[VerifyRow], counts: list[int]
+    logits: Tensor, rows: list[VerifyRow], counts: list[int], starts: list[int]
 ) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Support probs, complement and residual/bonus samples of the rows with T > 0, batched."""
     picked = [i for i, r in enumerate(rows) if not r.params.greedy]
     if not picked:
         return {}
     device, V = logits.device, logits.shape[-1]
-    starts = np.concatenate([[0], np.cumsum(counts)])
-    index = torch.as_tensor(np.concatenate([np.arange(starts[i], starts[i + 1]) for i in picked]), device=device)
+    index = torch.as_tensor(np.concatenate([np.arange(starts[i], starts[i] + counts[i]) for i in picked]),
+                            device=device)
     n = [counts[i] for i in picked]
     offsets = np.concatenate([[0], np.cumsum(n)])  # of each picked row in the [M, ...] tensors
 
