@@ -190,6 +190,9 @@ class TritonOps(TorchOps):
                                               write_pos, n_heads, n_kv)
         M = qkv.shape[0]
         q = torch.empty(M, n_heads, D, dtype=qkv.dtype, device=qkv.device)
+        # The kernel indexes these [M] vectors with stride 1; a one-row batch's are broadcast
+        # views with stride 0 (an H200 run wrote out of bounds through one).
+        rope_pos, write_slot, write_pos = rope_pos.contiguous(), write_slot.contiguous(), write_pos.contiguous()
         self.k.qk_rope_kernel[(M, n_heads + 2 * n_kv)](
             qkv, q_w, k_w, cos, sin, rope_pos, write_slot, write_pos, q, cache_k, cache_v,
             qkv.stride(0), q.stride(0), q.stride(1), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
@@ -202,6 +205,7 @@ class TritonOps(TorchOps):
         if "attention" not in self.enabled or mask is not None or not _attention_fits(D) or q.stride(-1) != 1:
             return super().attention(q, cache_k, cache_v, slots, q_limit, kv_len, mask)
         G = H // KV
+        slots, q_limit = slots.contiguous(), q_limit.contiguous()  # indexed with stride 1 (see qk_norm_rope_write)
         bm, bn, warps = attention_blocks(q.dtype)
         out = torch.empty(B, L, H, D, dtype=q.dtype, device=q.device)
         grid = (B, KV, triton_cdiv(L * G, bm))
