@@ -129,7 +129,7 @@ def main(argv=None):
             rows.append((c, ar_tps, ip_tps, ip_gamma, st_tps, st_gamma, split, fallback))
             print(f"concurrency {c}: target alone {ar_tps:.1f} tok/s, in-process {ip_tps:.1f}, stack {st_tps:.1f} "
                   f"(stack/in-process {st_tps / ip_tps:.2f}), gamma {st_gamma:.2f}, split {split}", flush=True)
-        stats = DrafterAdmin(cfg.drafter_url).stats()
+        stats = DrafterAdmin(cfg.drafter_url, token=cfg.drafter_token).stats()
         mem = {
             "triton (server + Python stub)": peak_rss_mb(stack.triton.process.pid),
             "drafter": peak_rss_mb(stack.drafter_proc.pid),

@@ -23,18 +23,22 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from grpc_health.v1 import health, health_pb2
+
 from drafter_service.factory import load_proposer
 from drafter_service.metrics import DrafterMetrics
 from drafter_service.proposer import Proposer
-from flashmap.grpc_serving import run, serve_grpc
+from flashmap.auth import DRAFTER_TOKEN_ENV, DRAFTER_TOKEN_HEADER, read_secret
+from flashmap.grpc_serving import TokenAuth, add_service, run, serve_grpc
 from flashmap.logs import fields, setup_logging
 from flashmap.types import ProposeRequest
 from flashmap.v1 import drafter_pb2, drafter_pb2_grpc
-from flashmap.wire import draft_to_block, tensor_to_features
+from flashmap.wire import draft_to_block, features_to_tensor, tensor_to_features
 
 log = logging.getLogger("flashmap.drafter")
 
 MAX_STEPS = 64  # N Euler steps of the teacher beyond this are a mistake, not a request
+PROBE_ID = "__flashmap_health_probe__"
 
 
 @dataclass
@@ -58,8 +62,37 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         self._tasks: list[asyncio.Task] = []
         self.metrics.step_count.labels(drafter=name).set(proposer.steps)
 
-    async def start(self) -> None:
+    async def start(self, health_servicer=None, service_name: str = "", probe_interval_s: float = 5.0) -> None:
         self._tasks = [asyncio.create_task(self._worker()), asyncio.create_task(self._reaper())]
+        if health_servicer is not None and probe_interval_s > 0:
+            self._tasks.append(asyncio.create_task(self._health_loop(health_servicer, service_name, probe_interval_s)))
+
+    async def probe(self, timeout_s: float = 30.0) -> bool:
+        """A tiny draft through the batching worker (the readiness the health service reports)."""
+        seq = drafter_pb2.SequenceDraft(seq_id=PROBE_ID, context_start=0, new_token_ids=[0],
+                                        new_features=features_to_tensor(np.zeros((1, self.proposer.feature_dim),
+                                                                                 np.float32)), anchor=0)
+        fut = asyncio.get_running_loop().create_future()
+        await self._queue.put(_Job(drafter_pb2.DraftRequest(call_id=0, sequences=[seq]), fut, time.perf_counter()))
+        try:
+            resp = await asyncio.wait_for(fut, timeout_s)
+            return not resp.blocks[0].error
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            await asyncio.get_running_loop().run_in_executor(self._pool, self._release, [PROBE_ID], "probe")
+
+    async def _health_loop(self, health_servicer, service_name: str, interval_s: float) -> None:
+        serving = True
+        while True:
+            await asyncio.sleep(interval_s)
+            ok = await self.probe()
+            if ok != serving:
+                serving = ok
+                status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+                for svc in ("", service_name):
+                    await health_servicer.set(svc, status)
+                log.warning("drafter health: %s", "SERVING" if ok else "NOT_SERVING (a probe draft failed)")
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -164,7 +197,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         return ""
 
     def _update_gauges(self) -> None:
-        ids = list(self._last_use)
+        ids = [i for i in self._last_use if i != PROBE_ID]
         self.metrics.active_sequences.labels(drafter=self.name).set(len(ids))
         self.metrics.context_tokens.labels(drafter=self.name).set(sum(self.proposer.context_length(i) for i in ids))
 
@@ -219,7 +252,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
 
     async def Stats(self, request, context):
         p = self.proposer
-        ids = list(self._last_use)
+        ids = [i for i in self._last_use if i != PROBE_ID]
         ctx = sum(p.context_length(i) for i in ids)
         return drafter_pb2.StatsResponse(
             active_sequences=len(ids), context_tokens=ctx, state_bytes=ctx * p.bytes_per_context_token,
@@ -228,13 +261,19 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
 
 
 async def serve(service: DrafterService, host: str, port: int, metrics_port: int, ready: asyncio.Event | None = None,
-                stop: asyncio.Event | None = None) -> None:
-    await service.start()
+                stop: asyncio.Event | None = None, token: str = "", reflection_on: bool = False,
+                probe_interval_s: float = 5.0) -> None:
+    """token: every call but health must carry it (DRAFTER_TOKEN_HEADER); "" = no check
+    (local use). Health says NOT_SERVING while a tiny draft through the worker fails."""
+    health_servicer = health.aio.HealthServicer()
+    name = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"]
+    await service.start(health_servicer, name.full_name, probe_interval_s)
     try:
         await serve_grpc(
-            "drafter", lambda server: drafter_pb2_grpc.add_DrafterServicer_to_server(service, server),
-            [drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name], host, port, metrics_port,
-            registry=service.metrics.registry, max_message_bytes=256 << 20, ready=ready, stop=stop,
+            "drafter", lambda server: add_service(server, service, name), [name.full_name], host, port,
+            metrics_port, registry=service.metrics.registry, max_message_bytes=256 << 20, ready=ready, stop=stop,
+            interceptors=(TokenAuth(DRAFTER_TOKEN_HEADER, token),) if token else (), reflection_on=reflection_on,
+            health_servicer=health_servicer,
         )
     finally:
         await service.stop()
@@ -259,9 +298,14 @@ def main(argv: list[str] | None = None) -> None:
                     help="on CUDA, draft eagerly instead of replaying graphs captured at start-up")
     ap.add_argument("--compile", action="store_true", default=env("FLASHMAP_DRAFT_COMPILE", "0") == "1",
                     help="on CPU, torch.compile the drafter at start-up (about a minute; env FLASHMAP_DRAFT_COMPILE=1)")
+    ap.add_argument("--reflection", action="store_true", help="serve gRPC reflection (off: less to probe)")
+    ap.add_argument("--probe-interval-s", type=float, default=5.0, help="health: a tiny draft this often (0: off)")
     ap.add_argument("--log-level", default="INFO")
     a = ap.parse_args(argv)
     setup_logging(a.log_level)
+    token = read_secret(DRAFTER_TOKEN_ENV)
+    if not token and a.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("no %s: any client that reaches %s:%d can drive this drafter", DRAFTER_TOKEN_ENV, a.host, a.port)
     proposer = load_proposer(a.drafter, a.target_dir, device=a.device, n_slots=a.n_slots, max_context=a.max_context,
                              steps=a.steps, min_confidence=a.min_confidence)
     if a.device.startswith("cuda") and a.cuda_graphs:
@@ -273,7 +317,8 @@ def main(argv: list[str] | None = None) -> None:
         log.info("drafter compiled", extra=fields(**report))
     name = "init" if a.drafter == "init" else os.path.basename(os.path.normpath(a.drafter))
     service = DrafterService(proposer, name=name, idle_timeout_s=a.idle_timeout_s)
-    run(serve(service, a.host, a.port, a.metrics_port))
+    run(serve(service, a.host, a.port, a.metrics_port, token=token, reflection_on=a.reflection,
+              probe_interval_s=a.probe_interval_s))
 
 
 def _cuda() -> bool:

@@ -15,10 +15,12 @@ step count at run time.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import AsyncIterator, Iterator
 
 import grpc
 
+from flashmap.auth import API_KEY_ENV, API_KEY_HEADER, DRAFTER_TOKEN_ENV, DRAFTER_TOKEN_HEADER, bearer, read_secret
 from flashmap.types import SpecStats
 from flashmap.v1 import drafter_pb2, drafter_pb2_grpc, serving_pb2, serving_pb2_grpc
 from flashmap.wire import stats_from_proto
@@ -48,7 +50,16 @@ class Cancelled(FlashMapError):
     code = grpc.StatusCode.CANCELLED
 
 
-_BY_CODE = {c.code: c for c in (InvalidArgument, ResourceExhausted, Unavailable, Cancelled)}
+class DeadlineExceeded(FlashMapError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Unauthenticated(FlashMapError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+_BY_CODE = {c.code: c for c in (InvalidArgument, ResourceExhausted, Unavailable, Cancelled, DeadlineExceeded,
+                                Unauthenticated)}
 
 
 def _translate(e: grpc.RpcError) -> FlashMapError:
@@ -140,14 +151,28 @@ def _collect(chunks) -> Completion:
 _OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]
 
 
+def _channel_args(api_key: str | None, tls: bool | str | None):
+    """(metadata, channel credentials or None) for a public-API client. api_key None: the
+    environment's ($FLASHMAP_API_KEY or its _FILE); tls: True (system roots) or a CA file."""
+    key = read_secret(API_KEY_ENV) if api_key is None else api_key
+    md = ((API_KEY_HEADER, bearer(key)),) if key else None
+    if not tls:
+        return md, None
+    roots = Path(tls).read_bytes() if isinstance(tls, str) else None
+    return md, grpc.ssl_channel_credentials(root_certificates=roots)
+
+
 class Client:
-    def __init__(self, url: str = "127.0.0.1:50051", timeout: float | None = None):
-        self.channel = grpc.insecure_channel(url, options=_OPTIONS)
+    def __init__(self, url: str = "127.0.0.1:50051", timeout: float | None = None, api_key: str | None = None,
+                 tls: bool | str | None = None):
+        self._md, creds = _channel_args(api_key, tls)
+        self.channel = (grpc.secure_channel(url, creds, options=_OPTIONS) if creds is not None
+                        else grpc.insecure_channel(url, options=_OPTIONS))
         self.stub = serving_pb2_grpc.FlashMapStub(self.channel)
         self.timeout = timeout
 
     def generate_stream(self, **kw) -> Iterator[Chunk]:
-        call = self.stub.Generate(_request(**kw), timeout=self.timeout)
+        call = self.stub.Generate(_request(**kw), timeout=self.timeout, metadata=self._md)
         try:
             for resp in call:
                 yield _chunk(resp)
@@ -170,7 +195,7 @@ class Client:
 
     def _unary(self, rpc, req):
         try:
-            return rpc(req, timeout=self.timeout or 30.0)
+            return rpc(req, timeout=self.timeout or 30.0, metadata=self._md)
         except grpc.RpcError as e:
             raise _translate(e) from None
 
@@ -185,13 +210,16 @@ class Client:
 
 
 class AsyncClient:
-    def __init__(self, url: str = "127.0.0.1:50051", timeout: float | None = None):
-        self.channel = grpc.aio.insecure_channel(url, options=_OPTIONS)
+    def __init__(self, url: str = "127.0.0.1:50051", timeout: float | None = None, api_key: str | None = None,
+                 tls: bool | str | None = None):
+        self._md, creds = _channel_args(api_key, tls)
+        self.channel = (grpc.aio.secure_channel(url, creds, options=_OPTIONS) if creds is not None
+                        else grpc.aio.insecure_channel(url, options=_OPTIONS))
         self.stub = serving_pb2_grpc.FlashMapStub(self.channel)
         self.timeout = timeout
 
     async def generate_stream(self, **kw) -> AsyncIterator[Chunk]:
-        call = self.stub.Generate(_request(**kw), timeout=self.timeout)
+        call = self.stub.Generate(_request(**kw), timeout=self.timeout, metadata=self._md)
         try:
             async for resp in call:
                 yield _chunk(resp)
@@ -205,7 +233,8 @@ class AsyncClient:
 
     async def abort(self, request_id: str) -> bool:
         try:
-            return (await self.stub.Abort(serving_pb2.AbortRequest(request_id=request_id), timeout=30.0)).found
+            return (await self.stub.Abort(serving_pb2.AbortRequest(request_id=request_id), timeout=30.0,
+                                          metadata=self._md)).found
         except grpc.aio.AioRpcError as e:
             raise _translate(e) from None
 
@@ -222,9 +251,12 @@ class AsyncClient:
 class DrafterAdmin:
     """Run-time control of the drafter service: the step count (1 or 2 jumps, or N) and its state."""
 
-    def __init__(self, url: str = "127.0.0.1:50052"):
+    def __init__(self, url: str = "127.0.0.1:50052", token: str | None = None):
+        """token: the drafter's shared token (default: $FLASHMAP_DRAFTER_TOKEN or its _FILE)."""
         self.channel = grpc.insecure_channel(url)
         self.stub = drafter_pb2_grpc.DrafterStub(self.channel)
+        token = read_secret(DRAFTER_TOKEN_ENV) if token is None else token
+        self._md = ((DRAFTER_TOKEN_HEADER, token),) if token else None
 
     def get_steps(self) -> int:
         return self._call(self.stub.GetSteps, drafter_pb2.GetStepsRequest()).steps
@@ -235,12 +267,17 @@ class DrafterAdmin:
     def stats(self) -> drafter_pb2.StatsResponse:
         return self._call(self.stub.Stats, drafter_pb2.StatsRequest())
 
-    @staticmethod
-    def _call(rpc, req):
+    def _call(self, rpc, req):
         try:
-            return rpc(req, timeout=30.0)
+            return rpc(req, timeout=30.0, metadata=self._md)
         except grpc.RpcError as e:
             raise _translate(e) from None
 
     def close(self) -> None:
         self.channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

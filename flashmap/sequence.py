@@ -109,7 +109,10 @@ class Sequence:
         return VerifyRow(self.handle, len(self.tokens) - 1, toks, self.params, support, round_seed)
 
     def commit(self, row: VerifyRow, draft: Draft | None, result: VerifyResult) -> tuple[list[int], int]:
-        """Apply rejection sampling to a verify result; (newly committed tokens, drafts accepted)."""
+        """Apply rejection sampling to a verify result; (newly committed tokens, drafts accepted).
+        A sequence that ended while the round ran (aborted, cancelled) commits nothing."""
+        if self.finished:
+            return [], 0
         k = row.num_draft
         if k == 0:
             new, n_acc = [int(result.argmax[-1] if self.params.greedy else result.residual[-1])], 0

@@ -101,6 +101,9 @@ class SpeculationController:
         for s in seqs:
             s.draft_limit = None
         caps = {s.seq_id: (s.draft_budget() if not s.drafter_lost else 0) for s in seqs}
+        # A seeded sampling request keeps its whole draft: which tokens it samples depends on the
+        # draft lengths, and a seed must give the same text every time.
+        pinned = {s.seq_id for s in seqs if s.params.seed is not None and not s.params.greedy}
         fixed_tokens = sum(0 if s.prefilled else len(s.tokens) - 1 for s in seqs)  # prefill rows' extra tokens
         if self.verify_cost.n < self.cfg.min_rounds_measured or not any(caps.values()):
             choice = dict(caps)
@@ -112,6 +115,8 @@ class SpeculationController:
                     choice = dict(caps)
             if any(choice.values()):
                 self.off_rounds = 0
+        for i in pinned:
+            choice[i] = caps[i]
         for s in seqs:
             s.draft_limit = choice[s.seq_id]
         self.last_plan = choice

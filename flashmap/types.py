@@ -35,8 +35,8 @@ class SamplingParams:
     def validate(self) -> "SamplingParams":
         if not np.isfinite(self.temperature) or self.temperature < 0:
             raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise InvalidRequest(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 <= self.top_k < 2**31:
+            raise InvalidRequest(f"top_k must be in [0, 2^31) (0 = off), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
         return self

@@ -13,15 +13,19 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flashmap.auth import API_KEY_ENV, DRAFTER_TOKEN_ENV, TARGET_KEY_ENV, new_secret
 from flashmap.grpc_serving import free_port, wait_grpc_health
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_TARGET = REPO_ROOT / "checkpoints" / "demo-target"
 DEMO_DRAFTER = REPO_ROOT / "checkpoints" / "demo-flashmap"
+# `flashmap up` leaves its drafter token here (owner-only) so `flashmap steps` works from another shell.
+LOCAL_TOKEN_FILE = Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "flashmap" / "drafter_token"
 
 
 @dataclass
@@ -44,6 +48,11 @@ class StackConfig:
     drafter_idle_timeout_s: float = 300.0
     tree_blocks: int = 1  # > 1: greedy requests verify that many blocks as a tree
     speculation: str = "auto"  # auto: draft lengths from measured costs; full: the whole block every round
+    # Secrets between the parts (flashmap.auth): fresh random ones unless given.
+    target_key: str = field(default_factory=new_secret)
+    drafter_token: str = field(default_factory=new_secret)
+    api_key: str = ""  # the public API's key; "" = none (loopback)
+    target_timeout_s: float = 30.0  # the orchestrator's deadline for every call to Triton
     log_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="flashmap-logs-"))
     with_drafter: bool = True
 
@@ -74,7 +83,9 @@ class Stack:
         return Path(self.cfg.log_dir) / f"{name}.log"
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        c = self.cfg
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", DRAFTER_TOKEN_ENV: c.drafter_token, TARGET_KEY_ENV: c.target_key,
+               API_KEY_ENV: c.api_key}
         env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         f = open(self._log(name), "ab")
         return subprocess.Popen([sys.executable, "-m", *args], stdout=f, stderr=subprocess.STDOUT, env=env,
@@ -87,7 +98,7 @@ class Stack:
         self.triton = start_triton(
             c.target_dir, host=c.host, http_port=c.triton_http_port, grpc_port=c.triton_grpc_port,
             metrics_port=c.triton_metrics_port, n_slots=c.n_slots, max_seq_len=c.max_seq_len,
-            log_path=str(self._log("triton")),
+            log_path=str(self._log("triton")), key=c.target_key,
         )
 
     def start_drafter(self, wait: bool = True) -> None:
@@ -115,6 +126,7 @@ class Stack:
             "--target-url", f"{c.host}:{c.triton_grpc_port}", "--drafter-url", c.drafter_url if c.with_drafter else "",
             "--tokenizer-dir", c.target_dir, "--max-queue", str(c.max_queue), "--draft-timeout-s", str(c.draft_timeout_s),
             "--tree-blocks", str(c.tree_blocks), "--speculation", c.speculation,
+            "--target-timeout-s", str(c.target_timeout_s),
         ])
         wait_grpc_health(c.url, 300, self.orch_proc, self._log("orchestrator"))
 
@@ -146,6 +158,73 @@ class Stack:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+class Supervisor:
+    """Keeps the three parts of a Stack alive: a part that exits, or a Triton whose model fails
+    `probe_failures` probes in a row (its Python stub died: Triton itself still says ready),
+    is restarted with exponential back-off; each death is logged once."""
+
+    def __init__(self, stack: Stack, probe_interval_s: float = 3.0, probe_failures: int = 3,
+                 max_backoff_s: float = 30.0, log=print):
+        self.stack, self.log = stack, log
+        self.probe_interval_s, self.probe_failures, self.max_backoff_s = probe_interval_s, probe_failures, max_backoff_s
+        self.restarts = {"triton": 0, "drafter": 0, "orchestrator": 0}
+        self._down: dict[str, float] = {}  # part -> time.monotonic() it may be restarted
+        self._backoff = {k: 1.0 for k in self.restarts}
+        self._failed_probes = 0
+        self._next_probe = 0.0
+
+    def _dead(self) -> dict[str, str]:
+        """Parts that need a restart -> why."""
+        from target_service.launcher import probe
+
+        st, out = self.stack, {}
+        if st.triton is not None:
+            if not st.triton.alive():
+                out["triton"] = f"tritonserver exited with code {st.triton.process.returncode}"
+            elif time.monotonic() >= self._next_probe:
+                self._next_probe = time.monotonic() + self.probe_interval_s
+                ok, detail = probe(st.triton.http_url, st.cfg.target_key)
+                self._failed_probes = 0 if ok else self._failed_probes + 1
+                if self._failed_probes >= self.probe_failures:
+                    out["triton"] = f"the model failed {self._failed_probes} probes in a row ({detail})"
+        for name, proc in (("drafter", st.drafter_proc), ("orchestrator", st.orch_proc)):
+            if proc is not None and proc.poll() is not None:
+                out[name] = f"exited with code {proc.returncode}"
+        return out
+
+    def step(self) -> None:
+        """Check once; restart what is due."""
+        now = time.monotonic()
+        for name, why in self._dead().items():
+            if name not in self._down:
+                self._down[name] = now + self._backoff[name]
+                self.log(f"{name}: {why}; restarting in {self._backoff[name]:.0f} s (log {self.stack._log(name)})")
+            if now < self._down[name]:
+                continue
+            try:
+                {"triton": self._restart_triton, "drafter": self.stack.start_drafter,
+                 "orchestrator": self.stack.start_orchestrator}[name]()
+            except Exception as e:  # noqa: BLE001 - try again later, longer back-off
+                self._backoff[name] = min(2 * self._backoff[name], self.max_backoff_s)
+                self._down[name] = time.monotonic() + self._backoff[name]
+                self.log(f"{name}: restart failed ({e}); next try in {self._backoff[name]:.0f} s")
+                continue
+            self.restarts[name] += 1
+            self._backoff[name] = min(2 * self._backoff[name], self.max_backoff_s)
+            del self._down[name]
+            self.log(f"{name}: restarted")
+
+    def _restart_triton(self) -> None:
+        if self.stack.triton is not None:
+            self.stack.triton.stop(timeout=10)
+        self._failed_probes = 0
+        self.stack.start_target()
+
+    def run(self, stop: "threading.Event", interval_s: float = 1.0) -> None:
+        while not stop.wait(interval_s):
+            self.step()
 
 
 def _stop(proc: subprocess.Popen | None, timeout: float = 10.0) -> None:
@@ -206,6 +285,10 @@ def run_stack(args) -> int:
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     print(f"starting Triton target, drafter and orchestrator (logs in {cfg.log_dir}) ...", flush=True)
     stack = Stack(cfg).start()
+    LOCAL_TOKEN_FILE.parent.mkdir(parents=True, exist_ok=True)
+    LOCAL_TOKEN_FILE.touch(mode=0o600)
+    LOCAL_TOKEN_FILE.chmod(0o600)
+    LOCAL_TOKEN_FILE.write_text(cfg.drafter_token + "\n")
     print(
         f"FlashMap Serve is up\n"
         f"  Generate (gRPC)      {cfg.url}        try: flashmap generate \"def add(a, b):\" --url {cfg.url}\n"
@@ -216,11 +299,10 @@ def run_stack(args) -> int:
         f"Ctrl-C stops all three.",
         flush=True,
     )
+    supervisor = Supervisor(stack, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     try:
         while True:
-            for name, proc in (("drafter", stack.drafter_proc), ("orchestrator", stack.orch_proc)):
-                if proc is not None and proc.poll() is not None:
-                    print(f"{name} exited with {proc.returncode}; see {stack._log(name)}", file=sys.stderr)
+            supervisor.step()
             time.sleep(1.0)
     except KeyboardInterrupt:
         print("stopping ...", flush=True)

@@ -27,6 +27,7 @@ import time
 import grpc
 import numpy as np
 
+from flashmap.auth import DRAFTER_TOKEN_HEADER
 from flashmap.rounds import DraftBatch
 from flashmap.sequence import Sequence
 from flashmap.types import BLOCK_SIZE
@@ -37,9 +38,10 @@ log = logging.getLogger("flashmap.orchestrator.drafter")
 
 
 class DrafterClient:
-    def __init__(self, url: str, reconnect_interval_s: float = 1.0):
+    def __init__(self, url: str, reconnect_interval_s: float = 1.0, token: str = ""):
         self.url = url
         self.reconnect_interval_s = reconnect_interval_s
+        self._md = ((DRAFTER_TOKEN_HEADER, token),) if token else None  # the drafter's shared token
         self._channel: grpc.aio.Channel | None = None
         self._stub: drafter_pb2_grpc.DrafterStub | None = None
         self._call = None
@@ -65,9 +67,9 @@ class DrafterClient:
                 self.url, options=[("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
             )
             self._stub = drafter_pb2_grpc.DrafterStub(self._channel)
-            stats = await self._stub.Stats(drafter_pb2.StatsRequest(), timeout=2.0)
+            stats = await self._stub.Stats(drafter_pb2.StatsRequest(), timeout=2.0, metadata=self._md)
             self.block_size, self.steps, self.name = stats.block_size, stats.steps, stats.drafter or "flashmap"
-            self._call = self._stub.Draft()
+            self._call = self._stub.Draft(metadata=self._md)
             self._reader = asyncio.create_task(self._read_loop(self._call))
             self.connected = True
             log.info("drafter connected at %s (%s, block %d, steps %d)", self.url, self.name, self.block_size, self.steps)
@@ -151,7 +153,7 @@ class DrafterClient:
         if not self.connected:
             return
         try:
-            await self._stub.Release(drafter_pb2.ReleaseRequest(seq_ids=seq_ids), timeout=2.0)
+            await self._stub.Release(drafter_pb2.ReleaseRequest(seq_ids=seq_ids), timeout=2.0, metadata=self._md)
         except grpc.aio.AioRpcError:
             pass  # the drafter also drops idle sequences by itself
 

@@ -22,12 +22,16 @@ import secrets
 import time
 import uuid
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import AsyncIterator
 
 import grpc
+from grpc_health.v1 import health, health_pb2
 
-from flashmap.grpc_serving import run, serve_grpc
+from flashmap.auth import (API_KEY_ENV, API_KEY_HEADER, DRAFTER_TOKEN_ENV, TARGET_KEY_ENV, bearer,
+                           read_secret)
+from flashmap.grpc_serving import TokenAuth, add_service, run, serve_grpc
 from flashmap.logs import fields, setup_logging
 from flashmap.rounds import speculative_round
 from flashmap.sequence import Sequence
@@ -38,9 +42,10 @@ from flashmap.v1 import serving_pb2, serving_pb2_grpc
 from flashmap.wire import stats_to_proto
 from orchestrator.drafter_client import DrafterClient, ServiceDrafter
 from orchestrator.metrics import OrchestratorMetrics
-from orchestrator.target_client import TargetClient, TritonTarget
+from orchestrator.target_client import TargetClient, TargetUnavailable, TritonTarget
 
 log = logging.getLogger("flashmap.orchestrator")
+SERVICE_NAME = serving_pb2.DESCRIPTOR.services_by_name["FlashMap"].full_name
 
 
 @dataclass
@@ -58,6 +63,17 @@ class OrchestratorConfig:
     top_m: int = 4  # drafter support size at temperature > 0
     tree_blocks: int = 1  # > 1: greedy requests draft that many blocks from independent noise, verified as a tree
     speculation: str = "auto"  # auto: draft lengths from measured costs (flashmap.speculation); full: always K
+    # Trust boundaries (DESIGN.md): secrets come from the environment (flashmap.auth), "" = none.
+    api_key: str = ""  # clients must send authorization: Bearer <api_key> (gRPC Health and grpc.health stay open)
+    target_key: str = ""  # Triton's restricted-protocol key
+    drafter_token: str = ""  # the drafter's shared token
+    tls: tuple[str, str] | None = None  # (certificate chain, private key) files for the public port
+    reflection: bool = False
+    max_message_bytes: int = 4 << 20  # public API messages
+    max_prompt_bytes: int = 1 << 20  # text prompts, refused before tokenising
+    max_request_id_len: int = 128
+    target_timeout_s: float = 30.0  # deadline of every call to Triton
+    health_interval_s: float = 2.0  # idle: probe the target this often (busy: the verify calls tell)
 
 
 @dataclass
@@ -93,17 +109,23 @@ class _Active:
     t_arrival: float
     t_first: float | None = None
     t_last: float | None = None
+    deadline: float | None = None  # time.monotonic() after which the request ends (DEADLINE_EXCEEDED)
 
 
 def _status_of(error: BaseException) -> grpc.StatusCode:
-    return grpc.StatusCode.INVALID_ARGUMENT if isinstance(error, InvalidRequest) else grpc.StatusCode.UNAVAILABLE
+    if isinstance(error, InvalidRequest):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(error, TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    return grpc.StatusCode.UNAVAILABLE
 
 
 class Orchestrator:
     def __init__(self, cfg: OrchestratorConfig):
         self.cfg = cfg
-        self.target = TargetClient(cfg.target_url, model=cfg.target_model)
-        self.drafter = DrafterClient(cfg.drafter_url) if cfg.drafter_url else None
+        self.target = TargetClient(cfg.target_url, model=cfg.target_model, timeout_s=cfg.target_timeout_s,
+                                   key=cfg.target_key)
+        self.drafter = DrafterClient(cfg.drafter_url, token=cfg.drafter_token) if cfg.drafter_url else None
         self.drafter_port = ServiceDrafter(self.drafter, cfg.draft_timeout_s, cfg.top_m) if self.drafter else None
         self.target_port: TritonTarget | None = None  # after start(): needs the target's context length
         self.controller: SpeculationController | None = None  # after start(): needs the block size
@@ -122,6 +144,11 @@ class Orchestrator:
         self.by_request: dict[str, _Active] = {}
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
+        self._health_task: asyncio.Task | None = None
+        self.health = health.aio.HealthServicer()  # the gRPC health the server exports (flipped by _set_target_ok)
+        self.target_ok = True
+        self._last_target_ok = time.monotonic()
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="orchestrator-tokenize")
 
     # -- lifecycle ---------------------------------------------------------------
     async def start(self) -> None:
@@ -148,14 +175,41 @@ class Orchestrator:
             self.metrics.requests.labels(model=self.info.model_name, status=status)
         self.max_concurrent = self.cfg.max_concurrent or self.info.n_slots
         self._loop_task = asyncio.create_task(self._scheduler())
+        self._health_task = asyncio.create_task(self._health_loop())
         log.info("orchestrator ready: target %s (%d slots, vocab %d), drafter %s", self.info.model_name,
                  self.info.n_slots, self.info.vocab_size, self.cfg.drafter_url or "none")
 
     async def stop(self) -> None:
-        if self._loop_task:
-            self._loop_task.cancel()
+        for task in (self._loop_task, self._health_task):
+            if task:
+                task.cancel()
+        self._pool.shutdown(wait=False, cancel_futures=True)
         if self.drafter:
             await self.drafter.close()
+
+    # -- health ------------------------------------------------------------------
+    async def _set_target_ok(self, ok: bool, why: str = "") -> None:
+        """Health tells the truth: NOT_SERVING while the target cannot verify, SERVING once it can."""
+        if ok:
+            self._last_target_ok = time.monotonic()
+        if ok == self.target_ok:
+            return
+        self.target_ok = ok
+        status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+        for svc in ("", SERVICE_NAME):
+            await self.health.set(svc, status)
+        log.warning("target %s%s", "usable again: SERVING" if ok else "unusable: NOT_SERVING", f" ({why})" if why else "")
+
+    async def _health_loop(self) -> None:
+        """While requests run, their verify calls say whether the target works; when idle (or
+        when no verify has succeeded for a while) a probe request through the model does."""
+        while True:
+            await asyncio.sleep(self.cfg.health_interval_s)
+            stale = time.monotonic() - self._last_target_ok > max(3 * self.cfg.health_interval_s, 5.0)
+            if self.active and not stale:
+                continue
+            ok = await self.target.probe(timeout_s=max(self.cfg.health_interval_s, 2.0))
+            await self._set_target_ok(ok, "probe request failed" if not ok else "")
 
     def _block_size(self) -> int:
         return self.drafter.block_size if self.drafter is not None else BLOCK_SIZE
@@ -172,10 +226,15 @@ class Orchestrator:
                      stop_token_ids=(), ignore_eos: bool = False, draft_steps: int | None = None,
                      max_draft_tokens: int | None = None, request_id: str = "") -> GenerationRequest:
         """A validated GenerationRequest from a front end's fields (gRPC Generate, the OpenAI API);
-        InvalidRequest with a one-line message for anything the server refuses."""
+        InvalidRequest with a one-line message for anything the server refuses. Tokenises a text
+        prompt: call it off the event loop (`request_async`)."""
+        if len(request_id) > self.cfg.max_request_id_len or not request_id.isprintable():
+            raise InvalidRequest(f"request_id must be printable and at most {self.cfg.max_request_id_len} characters")
         if text is not None:
             if self.tokenizer is None:
                 raise InvalidRequest("this server has no tokenizer: send token ids")
+            if len(text) > self.cfg.max_prompt_bytes or len(text.encode("utf-8", "replace")) > self.cfg.max_prompt_bytes:
+                raise InvalidRequest(f"prompt text is longer than {self.cfg.max_prompt_bytes} bytes")
             prompt = self.tokenizer.encode(text)
         elif token_ids is not None:
             prompt = [int(t) for t in token_ids]
@@ -191,6 +250,11 @@ class Orchestrator:
         gen.validate(self.info.vocab_size, self.info.max_seq_len)
         return gen
 
+    async def request_async(self, build, *args) -> GenerationRequest:
+        """build(*args) (make_request, request_from_proto) on a worker thread: tokenising a long
+        prompt must not stall every other stream."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, build, *args)
+
     def request_from_proto(self, req: serving_pb2.GenerateRequest) -> GenerationRequest:
         kind = req.WhichOneof("prompt")
         opt = lambda name: getattr(req, name) if req.HasField(name) else None  # noqa: E731
@@ -200,7 +264,7 @@ class Orchestrator:
             seed=opt("seed"), stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos,
             draft_steps=opt("draft_steps"), max_draft_tokens=opt("max_draft_tokens"), request_id=req.request_id)
 
-    def submit(self, gen: GenerationRequest) -> _Active:
+    def submit(self, gen: GenerationRequest, deadline: float | None = None) -> _Active:
         if len(self.waiting) >= self.cfg.max_queue and len(self.active) >= self.max_concurrent:
             raise OverflowError(f"queue full ({self.cfg.max_queue} waiting requests)")
         if gen.request_id in self.by_request:
@@ -210,7 +274,7 @@ class Orchestrator:
         while sid in self.active:
             sid = secrets.randbelow(2**62 - 1) + 1
         a = _Active(Sequence(sid, gen, self._block_size(), handle=sid), asyncio.Queue(), gen.request_id,
-                    time.perf_counter())
+                    time.perf_counter(), deadline=deadline)
         self.waiting.append(a)
         self.by_request[gen.request_id] = a
         self.metrics.queued_requests.labels(model=self.info.model_name).set(len(self.waiting))
@@ -243,6 +307,10 @@ class Orchestrator:
 
     async def _admit_and_reap(self) -> None:
         name = self.info.model_name
+        now = time.monotonic()
+        for a in [*self.waiting, *self.active.values()]:
+            if a.deadline is not None and now > a.deadline:
+                a.seq.fail(TimeoutError("the request's deadline passed"))
         # Aborted or cancelled requests leave before their next round.
         for a in list(self.waiting):
             if a.seq.finished:
@@ -289,6 +357,12 @@ class Orchestrator:
                 self.metrics.draft_latency.labels(**self._labels(res.steps or self.drafter.steps)).observe(res.draft_s)
         self.metrics.verify_latency.labels(model=name).observe(res.verify_s)
         self.metrics.verify_batch_size.labels(model=name).observe(len(acts))
+        target_failure = next((r.error for r in res.sequences if r.error is not None
+                               and not isinstance(r.error, (InvalidRequest, ValueError))), None)
+        if target_failure is not None:
+            await self._set_target_ok(False, str(target_failure))
+        elif any(not r.error for r in res.sequences):
+            await self._set_target_ok(True)
         now = time.perf_counter()
         for a, r in zip(acts, res.sequences):
             if r.fallback:
@@ -302,12 +376,17 @@ class Orchestrator:
             self._emit(a, r.new_tokens, now)
         self.metrics.round_latency.labels(**self._labels(self.drafter.steps if self.drafter else 0)).observe(time.perf_counter() - t_round)
 
-    async def stream(self, gen: GenerationRequest, stops: list[str] = ()) -> AsyncIterator["Piece | Outcome"]:
+    async def stream(self, gen: GenerationRequest, stops: list[str] = (),
+                     deadline: float | None = None) -> AsyncIterator["Piece | Outcome"]:
         """Run one request: its pieces as they commit, then one Outcome (every front end, gRPC
         and HTTP, serves this). Stop strings end the request at the first token whose text
-        reaches one; the ids, the text and the usage all stop at the same token."""
+        reaches one; the ids, the text and the usage all stop at the same token. deadline
+        (time.monotonic()): past it the request ends with DEADLINE_EXCEEDED."""
+        if not self.target_ok:
+            yield Outcome.failed(grpc.StatusCode.UNAVAILABLE, "the target is unavailable (see Health)")
+            return
         try:
-            a = self.submit(gen)
+            a = self.submit(gen, deadline)
         except InvalidRequest as e:
             yield Outcome.failed(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             return
@@ -352,7 +431,9 @@ class Orchestrator:
                 sent_ids, sent_chars = len(decoder.ids), len(decoder.text)
             if a.seq.error is not None:
                 status = "error"
-                yield Outcome.failed(_status_of(a.seq.error), f"target verify failed: {a.seq.error}")
+                e = a.seq.error
+                yield Outcome.failed(_status_of(e), str(e) if isinstance(e, TimeoutError) and not
+                                     isinstance(e, TargetUnavailable) else f"target verify failed: {e}")
                 return
             s = a.seq.stats
             s.draft_steps = self._steps_of(a)
@@ -397,21 +478,29 @@ class FlashMapServicer(serving_pb2_grpc.FlashMapServicer):
     async def Generate(self, request, context):
         orch = self.orch
         try:
-            gen = orch.request_from_proto(request)
+            gen = await orch.request_async(orch.request_from_proto, request)
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rid = gen.request_id
-        async for item in orch.stream(gen, [s for s in request.stop if s]):
-            if isinstance(item, Piece):
-                yield serving_pb2.GenerateResponse(request_id=rid, chunk=serving_pb2.TokenChunk(
-                    token_ids=item.token_ids, text=item.text))
-                continue
-            if item.error is not None:
-                await context.abort(*item.error)
-            yield serving_pb2.GenerateResponse(request_id=rid, final=serving_pb2.FinalResult(
-                finish_reason=item.finish_reason,
-                usage=serving_pb2.Usage(prompt_tokens=item.prompt_tokens, completion_tokens=item.completion_tokens),
-                stats=stats_to_proto(item.stats), time_to_first_token_s=item.ttft_s, total_s=item.total_s))
+        left = context.time_remaining()
+        stream = orch.stream(gen, [s for s in request.stop if s],
+                             deadline=None if left is None else time.monotonic() + left)
+        try:
+            async for item in stream:
+                if isinstance(item, Piece):
+                    yield serving_pb2.GenerateResponse(request_id=rid, chunk=serving_pb2.TokenChunk(
+                        token_ids=item.token_ids, text=item.text))
+                    continue
+                if item.error is not None:
+                    await context.abort(*item.error)
+                yield serving_pb2.GenerateResponse(request_id=rid, final=serving_pb2.FinalResult(
+                    finish_reason=item.finish_reason,
+                    usage=serving_pb2.Usage(prompt_tokens=item.prompt_tokens, completion_tokens=item.completion_tokens),
+                    stats=stats_to_proto(item.stats), time_to_first_token_s=item.ttft_s, total_s=item.total_s))
+        finally:
+            # However the call ends (cancelled, deadline, the client gone while a chunk was being
+            # written), the request leaves now: no zombie holds a slot on the target or the drafter.
+            await stream.aclose()
 
     async def Abort(self, request, context):
         return serving_pb2.AbortResponse(found=self.orch.abort(request.request_id))
@@ -426,13 +515,10 @@ class FlashMapServicer(serving_pb2_grpc.FlashMapServicer):
         )
 
     async def Health(self, request, context):
+        """What the health loop last learned (never a call that could hang on a stalled part)."""
         o = self.orch
-        try:
-            target_ready = bool(await o.target.ready())
-        except Exception:  # noqa: BLE001
-            target_ready = False
         return serving_pb2.HealthResponse(
-            ready=target_ready, target_ready=target_ready, drafter_ready=bool(o.drafter and o.drafter.connected),
+            ready=o.target_ok, target_ready=o.target_ok, drafter_ready=bool(o.drafter and o.drafter.connected),
             active_requests=len(o.active), queued_requests=len(o.waiting),
         )
 
@@ -446,11 +532,16 @@ def _find_stop(text: str, stops: list[str], start: int = 0) -> int | None:
 async def serve(cfg: OrchestratorConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
     orch = Orchestrator(cfg)
     await orch.start()
+    service = serving_pb2.DESCRIPTOR.services_by_name["FlashMap"]
+    # With API keys, every call needs one but the health checks (ours and grpc.health.v1: probes).
+    auth = (TokenAuth(API_KEY_HEADER, bearer(cfg.api_key), open_methods=(f"/{SERVICE_NAME}/Health",)),) \
+        if cfg.api_key else ()
     try:
         await serve_grpc(
-            "orchestrator", lambda server: serving_pb2_grpc.add_FlashMapServicer_to_server(FlashMapServicer(orch), server),
-            [serving_pb2.DESCRIPTOR.services_by_name["FlashMap"].full_name], cfg.host, cfg.port, cfg.metrics_port,
-            registry=orch.metrics.registry, ready=ready, stop=stop,
+            "orchestrator", lambda server: add_service(server, FlashMapServicer(orch), service), [SERVICE_NAME],
+            cfg.host, cfg.port, cfg.metrics_port, registry=orch.metrics.registry, ready=ready, stop=stop,
+            max_message_bytes=cfg.max_message_bytes, interceptors=auth, tls=cfg.tls, reflection_on=cfg.reflection,
+            health_servicer=orch.health,
         )
     finally:
         await orch.stop()
@@ -474,16 +565,31 @@ def main(argv: list[str] | None = None) -> None:
                     help="greedy requests: verify this many drafted blocks as a tree (1 = one block)")
     ap.add_argument("--speculation", choices=("auto", "full"), default=env("FLASHMAP_SPECULATION", "auto"),
                     help="auto: each round's draft lengths from measured acceptance and costs; full: always the whole block")
+    ap.add_argument("--tls-cert", default=env("FLASHMAP_TLS_CERT"), help="PEM certificate chain: serve TLS")
+    ap.add_argument("--tls-key", default=env("FLASHMAP_TLS_KEY"), help="PEM private key of --tls-cert")
+    ap.add_argument("--reflection", action="store_true", help="serve gRPC reflection (off: less to probe)")
+    ap.add_argument("--max-message-bytes", type=int, default=int(env("FLASHMAP_MAX_MESSAGE_BYTES", str(4 << 20))))
+    ap.add_argument("--max-prompt-bytes", type=int, default=int(env("FLASHMAP_MAX_PROMPT_BYTES", str(1 << 20))))
+    ap.add_argument("--target-timeout-s", type=float, default=float(env("FLASHMAP_TARGET_TIMEOUT_S", "30")),
+                    help="deadline of every call to Triton")
     ap.add_argument("--log-level", default="INFO")
     a = ap.parse_args(argv)
     if a.tree_blocks < 1:
         ap.error(f"--tree-blocks must be >= 1, got {a.tree_blocks}")
+    if bool(a.tls_cert) != bool(a.tls_key):
+        ap.error("--tls-cert and --tls-key go together")
     setup_logging(a.log_level)
     cfg = OrchestratorConfig(
         host=a.host, port=a.port, metrics_port=a.metrics_port, target_url=a.target_url, drafter_url=a.drafter_url,
         tokenizer_dir=a.tokenizer_dir, max_concurrent=a.max_concurrent, max_queue=a.max_queue,
         draft_timeout_s=a.draft_timeout_s, tree_blocks=a.tree_blocks, speculation=a.speculation,
+        api_key=read_secret(API_KEY_ENV), target_key=read_secret(TARGET_KEY_ENV),
+        drafter_token=read_secret(DRAFTER_TOKEN_ENV), tls=(a.tls_cert, a.tls_key) if a.tls_cert else None,
+        reflection=a.reflection, max_message_bytes=a.max_message_bytes, max_prompt_bytes=a.max_prompt_bytes,
+        target_timeout_s=a.target_timeout_s,
     )
+    if not cfg.api_key and a.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("no %s: the public API on %s:%d takes requests from anyone who reaches it", API_KEY_ENV, a.host, a.port)
     run(serve(cfg))
 
 

@@ -32,6 +32,7 @@ from tritonclient.grpc import InferInput, InferRequestedOutput
 from tritonclient.utils import InferenceServerException
 
 from flashmap import wire
+from flashmap.auth import TARGET_KEY_HEADER
 from flashmap.types import InvalidRequest, VerifyResult, VerifyRow
 
 DEFAULT_MODEL = "flashmap_target"
@@ -40,7 +41,11 @@ _INFO_CORRID_BASE = 1 << 62
 
 
 class TargetUnavailable(ConnectionError):
-    """The target cannot serve now: unreachable, not ready, out of KV slots, or too slow."""
+    """The target cannot serve now: unreachable, not ready, or out of KV slots."""
+
+
+class TargetTimeout(TargetUnavailable, TimeoutError):
+    """The target did not answer within the call's deadline."""
 
 
 class TargetError(RuntimeError):
@@ -78,10 +83,14 @@ class TargetInfo:
 class TargetClient:
     """Async gRPC client of the flashmap_target model. Create and use it inside one event loop."""
 
-    def __init__(self, url: str = "127.0.0.1:8001", model: str = DEFAULT_MODEL, timeout_s: float | None = None):
+    def __init__(self, url: str = "127.0.0.1:8001", model: str = DEFAULT_MODEL, timeout_s: float | None = None,
+                 key: str = ""):
+        """timeout_s: deadline of every call (None = none); key: Triton's restricted-protocol
+        key (flashmap.auth.TARGET_KEY_HEADER), "" when the server has none."""
         self.url = url
         self.model = model
-        self.timeout_s = timeout_s  # per call; None = no deadline
+        self.timeout_s = timeout_s
+        self._headers = {TARGET_KEY_HEADER: key} if key else None
         self._client = None
         self._info: TargetInfo | None = None
 
@@ -90,7 +99,10 @@ class TargetClient:
         if self._client is None:
             from tritonclient.grpc.aio import InferenceServerClient
 
-            self._client = InferenceServerClient(self.url)
+            # Reconnect to a restarted server within a second, not gRPC's default back-off (up to 2 min).
+            self._client = InferenceServerClient(self.url, channel_args=[
+                ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                ("grpc.max_reconnect_backoff_ms", 1000)])
         return self._client
 
     async def close(self) -> None:
@@ -106,12 +118,22 @@ class TargetClient:
 
     # ------------------------------------------------------------------ health / info
 
-    async def ready(self) -> bool:
-        """True when the server and the model are ready; False when not (or unreachable)."""
+    async def ready(self, timeout_s: float = 2.0) -> bool:
+        """True when the server and the model say they are ready (Triton's own health; it does
+        not see a dead Python-backend stub: `probe` does); False when not or unreachable."""
         try:
             c = self._grpc()
-            return bool(await c.is_server_ready()) and bool(await c.is_model_ready(self.model))
+            return bool(await c.is_server_ready(client_timeout=timeout_s)) and \
+                bool(await c.is_model_ready(self.model, client_timeout=timeout_s))
         except InferenceServerException:
+            return False
+
+    async def probe(self, timeout_s: float = 5.0) -> bool:
+        """A real request through the model (an INFO round trip): False when the model cannot answer."""
+        try:
+            await self.info(refresh=True, timeout_s=timeout_s)
+            return True
+        except (TargetUnavailable, TargetError, InvalidRequest):
             return False
 
     async def wait_ready(self, timeout_s: float = 60.0, interval_s: float = 0.25) -> None:
@@ -123,7 +145,7 @@ class TargetClient:
                 raise TargetUnavailable(f"target {self.model!r} at {self.url} not ready after {timeout_s:g}s")
             await asyncio.sleep(interval_s)
 
-    async def info(self, refresh: bool = False) -> TargetInfo:
+    async def info(self, refresh: bool = False, timeout_s: float | None = None) -> TargetInfo:
         """Model metadata (cached). Asked as a START+END request with INFO = true.
 
         It passes through the sequence batcher like any sequence, so while every KV slot
@@ -132,7 +154,7 @@ class TargetClient:
         if self._info is None or refresh:
             corrid = _INFO_CORRID_BASE + random.getrandbits(60)
             inputs = [_input("TOKENS", np.zeros((1, 0), np.int64)), _input("INFO", np.ones((1, 1), np.bool_))]
-            result = await self._infer(inputs, ["INFO_JSON"], corrid, start=True, end=True)
+            result = await self._infer(inputs, ["INFO_JSON"], corrid, start=True, end=True, timeout_s=timeout_s)
             raw = result.as_numpy("INFO_JSON").reshape(-1)[0]
             self._info = TargetInfo.from_dict(json.loads(raw.decode() if isinstance(raw, bytes) else raw))
         return self._info
@@ -163,12 +185,12 @@ class TargetClient:
         try:
             await self._infer(inputs, wire.VERIFY_OUTPUTS, seq_id, start=False, end=True)
         except InvalidRequest as e:
-            # Triton refuses END for a sequence it no longer knows (ended, or dropped after the idle
-            # timeout): then there is nothing left to free.
-            if "START" not in str(e):
+            # Triton (no START) or the model (unknown sequence) refuse END for a sequence that is
+            # gone (ended, or dropped after the idle timeout): then there is nothing left to free.
+            if "START" not in str(e) and "unknown sequence" not in str(e):
                 raise
 
-    async def _infer(self, inputs, outputs, corrid: int, *, start: bool, end: bool):
+    async def _infer(self, inputs, outputs, corrid: int, *, start: bool, end: bool, timeout_s: float | None = None):
         try:
             return await self._grpc().infer(
                 self.model,
@@ -177,7 +199,8 @@ class TargetClient:
                 sequence_id=int(corrid),
                 sequence_start=bool(start),
                 sequence_end=bool(end),
-                client_timeout=self.timeout_s,
+                client_timeout=timeout_s or self.timeout_s,
+                headers=self._headers,
             )
         except InferenceServerException as e:
             raise _map_error(e, self.url) from None
@@ -201,7 +224,9 @@ def _map_error(e: InferenceServerException, url: str) -> Exception:
     message = e.message() or str(e)
     if status.endswith("INVALID_ARGUMENT"):
         return InvalidRequest(message)
-    if status.endswith(("UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED")) or "failed to connect" in message.lower():
+    if status.endswith("DEADLINE_EXCEEDED") or "deadline exceeded" in message.lower():
+        return TargetTimeout(f"target at {url}: no answer within the deadline ({message})")
+    if status.endswith(("UNAVAILABLE", "CANCELLED")) or "failed to connect" in message.lower():
         return TargetUnavailable(f"target at {url}: {message}")
     return TargetError(f"target at {url}: {status or 'error'}: {message}")
 

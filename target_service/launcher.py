@@ -46,6 +46,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flashmap.auth import TARGET_KEY_ENV, TARGET_KEY_HEADER, read_secret
+
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 MODEL_REPOSITORY = Path(__file__).resolve().parent / "model_repository"
 MODEL_NAME = "flashmap_target"
@@ -295,13 +297,17 @@ def start_triton(
     ready_timeout_s: float = 300.0,
     extra_env: dict[str, str] | None = None,
     keep_workspace: bool = False,
+    key: str = "",
 ) -> TritonHandle:
     """Start tritonserver with the FlashMap target model and wait until it is ready.
 
     model_dir: Qwen3 checkpoint directory (None: the model reads $FLASHMAP_TARGET_DIR or
     its config parameter). Settings left as None keep config.pbtxt's values (n_slots 8,
     idle timeout 60 s, device/dtype auto). log_path None: inside the workspace, which
-    stop() removes. Raises TritonStartError (with the log tail) when it does not become ready.
+    stop() removes. key: Triton's restricted protocols (inference, shared memory, model
+    control, statistics, trace, logging; not health or metadata) then need the header
+    flashmap.auth.TARGET_KEY_HEADER with this value. Raises TritonStartError (with the log
+    tail) when it does not become ready.
     """
     dist = find_tritonserver()
     workspace = Path(tempfile.mkdtemp(prefix="flashmap-triton-"))
@@ -343,6 +349,7 @@ def start_triton(
         ]
         if backend_dir is not None:
             cmd.append(f"--backend-directory={backend_dir}")
+        cmd += restricted_flags(key)
         env = server_env(dist)
         env.update(model_env(model_dir, max_seq_len=max_seq_len, device=device, dtype=dtype,
                              feature_layers=feature_layers))
@@ -368,6 +375,17 @@ def start_triton(
     return handle
 
 
+RESTRICTED = "inference,shared-memory,model-config,model-repository,statistics,trace,logging"
+
+
+def restricted_flags(key: str) -> list[str]:
+    """tritonserver flags that put everything but health and metadata behind the target key."""
+    if not key:
+        return []
+    return [f"--grpc-restricted-protocol={RESTRICTED}:{TARGET_KEY_HEADER}={key}",
+            f"--http-restricted-api={RESTRICTED}:{TARGET_KEY_HEADER}={key}"]
+
+
 def _load_errors(path: Path) -> str:
     """Model load failures from a tritonserver log, unescaped (the table rows get cut off)."""
     try:
@@ -386,6 +404,29 @@ def _start_failure(handle: TritonHandle, what: str) -> TritonStartError:
         + (f"{errors}\n--- log tail ---\n" if errors else "")
         + handle.log_tail(25 if errors else 60)
     )
+
+
+def probe(http_url: str, key: str = "", timeout_s: float = 5.0, model: str = MODEL_NAME) -> tuple[bool, str]:
+    """A real request through the model (an INFO round trip over Triton's HTTP API, standard
+    library only): (ok, detail). Triton's own readiness says nothing about a dead
+    Python-backend stub; this does."""
+    import json
+    import random
+
+    body = {"inputs": [{"name": "TOKENS", "shape": [1, 1], "datatype": "INT64", "data": [0]},
+                       {"name": "INFO", "shape": [1, 1], "datatype": "BOOL", "data": [True]}],
+            "outputs": [{"name": "INFO_JSON"}],
+            "parameters": {"sequence_id": random.getrandbits(62) | 1 << 62, "sequence_start": True,
+                           "sequence_end": True}}
+    req = urllib.request.Request(f"{http_url}/v2/models/{model}/infer", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **({TARGET_KEY_HEADER: key} if key else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return r.status == 200, f"HTTP {r.status}"
+    except urllib.error.HTTPError as e:
+        return False, f"HTTP {e.code}: {e.read()[:200]!r}"
+    except (urllib.error.URLError, OSError) as e:
+        return False, str(e)
 
 
 def wait_ready(handle: TritonHandle, timeout_s: float) -> None:
@@ -428,6 +469,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-path", default=None, help="server log (default: $TMPDIR/flashmap-triton-<grpc port>.log)")
     p.add_argument("--log-verbose", type=int, default=0)
     p.add_argument("--ready-timeout-s", type=float, default=600.0)
+    p.add_argument("--watchdog-s", type=float, default=10.0,
+                   help="probe the model this often and exit when 3 probes in a row fail, so a supervisor "
+                        "(compose, k8s, flashmap up) restarts the server (0: off)")
     args = p.parse_args(argv)
 
     if not Path(args.model_dir, "config.json").is_file():
@@ -460,14 +504,25 @@ def main(argv: list[str] | None = None) -> int:
             log_path=log_path,
             log_verbose=args.log_verbose,
             ready_timeout_s=args.ready_timeout_s,
+            key=read_secret(TARGET_KEY_ENV),
         )
         print(
             f"triton ready: grpc {handle.grpc_url}  http {handle.http_url}  metrics {handle.metrics_url}  "
             f"log {handle.log_path}",
             flush=True,
         )
+        failed, next_probe = 0, time.monotonic() + args.watchdog_s
         while handle.alive():
             time.sleep(0.5)
+            if args.watchdog_s > 0 and time.monotonic() >= next_probe:
+                ok, detail = probe(handle.http_url, read_secret(TARGET_KEY_ENV))
+                failed = 0 if ok else failed + 1
+                next_probe = time.monotonic() + args.watchdog_s
+                if failed >= 3:
+                    print(f"error: the model failed 3 probes in a row ({detail}); stopping tritonserver",
+                          file=sys.stderr, flush=True)
+                    handle.stop()
+                    return 1
         code = handle.stop()
         print(f"error: tritonserver exited with code {code}; log tail:\n{log_tail(log_path)}", file=sys.stderr)
         return 1

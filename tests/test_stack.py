@@ -64,7 +64,10 @@ def _oracle_drafter_main(argv: list[str]) -> None:
     setup_logging("INFO")
     refs = json.loads(Path(a.refs).read_text())
     proposer = OracleProposer(refs, block_size=BLOCK, vocab_size=a.vocab, error_rate=a.error_rate, seed=1)
-    asyncio.run(serve(DrafterService(proposer, name="oracle"), "127.0.0.1", a.port, a.metrics_port))
+    from flashmap.auth import DRAFTER_TOKEN_ENV, read_secret
+
+    asyncio.run(serve(DrafterService(proposer, name="oracle"), "127.0.0.1", a.port, a.metrics_port,
+                      token=read_secret(DRAFTER_TOKEN_ENV)))
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--oracle-drafter"]:
@@ -221,7 +224,7 @@ def client(stack):
 
 @pytest.fixture(scope="class")
 def admin(stack):
-    a = DrafterAdmin(stack.cfg.drafter_url)
+    a = DrafterAdmin(stack.cfg.drafter_url, token=stack.cfg.drafter_token)
     yield a
     a.close()
 
@@ -485,7 +488,7 @@ def test_late_drafter_falls_back_exactly_and_is_released(target_dir, ref, tmp_pa
     cfg = StackConfig.on_free_ports(target_dir=str(target_dir), n_slots=4, max_seq_len=1024, draft_timeout_s=1e-4,
                                     log_dir=str(tmp_path))
     with Stack(cfg) as st, Client(cfg.url, timeout=120) as c:
-        admin = DrafterAdmin(cfg.drafter_url)
+        admin = DrafterAdmin(cfg.drafter_url, token=cfg.drafter_token)
         try:
             with ThreadPoolExecutor(len(prompts)) as pool:
                 outs = list(pool.map(lambda p: _stream(c, prompt_ids=p, max_new_tokens=max_new, ignore_eos=True), prompts))

@@ -130,6 +130,10 @@ class TritonPythonModel:
         self.info_bytes = json.dumps(self.info).encode()
 
         self.slots: dict[int, int] = {}  # correlation id -> engine slot
+        # correlation id -> (lo, hi): the START_POS its next request may have (the anchor
+        # follows the last verify's accepted prefix), so no request can read or overwrite
+        # positions its sequence did not commit.
+        self.next_pos: dict[int, tuple[int, int]] = {}
         self.last_use: dict[int, float] = {}  # correlation id -> time.monotonic() of last request
         # The reaper thread and execute() both touch the engine's slots: one lock for both.
         self.lock = threading.Lock()
@@ -165,6 +169,7 @@ class TritonPythonModel:
     def _release(self, corrid: int) -> bool:
         slot = self.slots.pop(corrid, None)
         self.last_use.pop(corrid, None)
+        self.next_pos.pop(corrid, None)
         if slot is None:
             return False
         self.engine.release(slot)
@@ -230,8 +235,9 @@ class TritonPythonModel:
                 if row is None:
                     if not end:
                         raise InvalidRequest("TOKENS is empty (send END without tokens to release the sequence)")
-                    # Release / cancel; idempotent (an unknown or already freed sequence is fine).
-                    self._release(corrid)
+                    # Release / cancel of a sequence this model holds; no other id is acknowledged.
+                    if not self._release(corrid):
+                        raise InvalidRequest("unknown sequence")
                     responses[i] = self._empty_response()
                     continue
                 if start:
@@ -245,9 +251,14 @@ class TritonPythonModel:
                     self.slots[corrid] = slot
                 elif corrid not in self.slots:
                     raise InvalidRequest(
-                        f"sequence {corrid} has no KV slot (never started, ended, or idle for more than "
-                        f"{self.idle_timeout_s:g}s); send START"
+                        f"unknown sequence (never started, ended, or idle for more than {self.idle_timeout_s:g}s); "
+                        f"send START"
                     )
+                lo, hi = self.next_pos.get(corrid, (0, 0))
+                if not lo <= row.start_pos <= hi:
+                    raise InvalidRequest("START_POS does not continue this sequence")
+                n = len(row.tokens)
+                self.next_pos[corrid] = (row.start_pos + n - row.num_draft, row.start_pos + n)
                 self.last_use[corrid] = now
                 row.slot = self.slots[corrid]
                 if branches:

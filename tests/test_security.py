@@ -1,0 +1,70 @@
+"""Trust boundaries and failure handling, against the real processes on 127.0.0.1 (issue 15).
+
+The probes are bench/probe_security.py's (its script writes docs/results/security.md); here
+each one runs against one stack with an API key, and fails the suite when the stack does
+not hold: attacks through Triton and the drafter refused while greedy streams stay exact,
+limits and fuzzed requests answered with INVALID_ARGUMENT (no UNKNOWN / INTERNAL, no
+traceback), 1,000 cancels and deadlines leaving every slot free, a paused Triton ending
+requests within the bound, and a killed Triton stub seen by health and repaired.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import probe_security as probes
+
+pytestmark = pytest.mark.timeout(600)
+
+BOUND_S = 4.0
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    from flashmap_cli.stack import Stack, StackConfig
+    from target_service.random_checkpoint import make_random_qwen3
+
+    target = make_random_qwen3(tmp_path_factory.mktemp("sec") / "tiny-qwen3", vocab_size=512, seed=3)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        cfg = StackConfig.on_free_ports(target_dir=str(target), n_slots=4, max_seq_len=1024, api_key="test-key",
+                                        speculation="full", target_timeout_s=BOUND_S,
+                                        log_dir=str(tmp_path_factory.mktemp("logs")))
+        with Stack(cfg) as st:
+            yield st
+
+
+@pytest.fixture(scope="module")
+def ref(stack):
+    return probes.Reference(stack.cfg.target_dir)
+
+
+def test_triton_refuses_what_only_the_orchestrator_may_do(stack, ref):
+    r = probes.probe_triton(stack, ref)
+    assert r["attacks_refused"] > 10 and r["streams_exact"] == r["streams"]
+
+
+def test_drafter_refuses_calls_without_its_token(stack, ref):
+    r = probes.probe_drafter(stack, ref)
+    assert r["refused"] == r["calls_without_token"] > 0
+
+
+def test_public_api_key_limits_and_fuzz(stack):
+    r = probes.probe_public_api(stack)
+    assert r["codes"].get("UNAUTHENTICATED", 0) >= 1 and r["codes"].get("INVALID_ARGUMENT", 0) > 100
+    assert r["codes"].get("RESOURCE_EXHAUSTED", 0) >= 1  # the 10 MB message
+
+
+def test_cancels_and_deadlines_free_every_slot(stack, ref):
+    r = probes.probe_cancels(stack, ref, n=1000)
+    assert not any(r["after"].values())
+
+
+def test_paused_triton_ends_requests_within_the_bound(stack):
+    r = probes.probe_paused_triton(stack, BOUND_S)
+    assert r["ended_after_s"] < BOUND_S + 5
+
+
+def test_killed_triton_stub_is_seen_and_repaired(stack, ref):
+    r = probes.probe_stub_killed(stack, ref)
+    assert r["triton_restarts"] >= 1
