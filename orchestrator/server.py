@@ -203,6 +203,7 @@ class Orchestrator:
         opt = lambda name: getattr(req, name) if req.HasField(name) else None  # noqa: E731
         return self.make_request(
             text=req.text if kind == "text" else None, token_ids=list(req.token_ids.ids) if kind == "token_ids" else None,
+            messages=[{"role": m.role, "content": m.content} for m in req.messages.messages] if kind == "messages" else None,
             max_new_tokens=req.max_new_tokens, temperature=req.temperature, top_k=req.top_k, top_p=opt("top_p"),
             seed=opt("seed"), stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos,
             draft_steps=opt("draft_steps"), max_draft_tokens=opt("max_draft_tokens"), request_id=req.request_id)
