@@ -158,6 +158,22 @@ def test_chat_renders_the_checkpoint_template(oai, model, ref, target_dir):
     assert len({ch.id for ch in chunks}) == 1
 
 
+@pytest.mark.timeout(120)
+def test_grpc_chat_messages_equal_the_http_chat(stack, oai, model):
+    """Both front ends build a chat prompt the same way (Orchestrator.make_request): gRPC
+    Generate with messages gives the tokens the OpenAI chat endpoint gives."""
+    from flashmap.client import Client, InvalidArgument
+
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    r = oai.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
+                                    extra_body={"ignore_eos": True, "return_token_ids": True})
+    with Client(stack.cfg.url, timeout=60) as c:
+        out = c.generate(messages=messages, max_new_tokens=12, ignore_eos=True)
+        assert out.token_ids == r.choices[0].token_ids and out.prompt_tokens == r.usage.prompt_tokens
+        with pytest.raises(InvalidArgument, match="messages must be a non-empty list"):
+            c.generate(messages=[], max_new_tokens=4)
+
+
 @pytest.mark.timeout(180)
 def test_chat_default_max_tokens_and_eos(oai, model):
     """Without max_tokens a chat request may use the rest of the context and ends at the
