@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response, StreamingResponse
 
 from flashmap.types import InvalidRequest
+from orchestrator.server import Outcome, Piece
 
 log = logging.getLogger("flashmap.openai")
 
@@ -182,7 +183,7 @@ class _Shape:
         self.id = gen.request_id
         self.created = int(time.time())
 
-    def _head(self, chunk: bool) -> dict:
+    def head(self, chunk: bool) -> dict:
         obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
@@ -203,20 +204,20 @@ class _Shape:
         return c
 
     @staticmethod
-    def usage(o) -> dict:
+    def usage(o: Outcome) -> dict:
         return {"prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens,
                 "total_tokens": o.prompt_tokens + o.completion_tokens}
 
     @staticmethod
-    def stats(o) -> dict:
+    def stats(o: Outcome) -> dict:
         return {**o.stats.as_dict(), "time_to_first_token_s": o.ttft_s, "total_s": o.total_s}
 
-    def response(self, text: str, ids: list[int], o) -> dict:
-        return {**self._head(False), "choices": [self._choice(text, ids, o.finish_reason, False)],
+    def response(self, text: str, ids: list[int], o: Outcome) -> dict:
+        return {**self.head(False), "choices": [self._choice(text, ids, o.finish_reason, False)],
                 "usage": self.usage(o), "flashmap": self.stats(o)}
 
     def chunk(self, text: str, ids: list[int], finish: str | None = None, first: bool = False) -> dict:
-        return {**self._head(True), "choices": [self._choice(text, ids, finish, True, first)]}
+        return {**self.head(True), "choices": [self._choice(text, ids, finish, True, first)]}
 
 
 def _sse(obj: Any) -> str:
@@ -232,7 +233,7 @@ async def _events(first, items: AsyncIterator, shape: _Shape, include_usage: boo
             yield _sse(with_usage(shape.chunk("", [], first=True)))
         item = first
         while True:
-            if hasattr(item, "token_ids"):  # a Piece
+            if isinstance(item, Piece):
                 if item.text or shape.ids:
                     yield _sse(with_usage(shape.chunk(item.text, item.token_ids)))
             elif item.error is not None:
@@ -241,7 +242,7 @@ async def _events(first, items: AsyncIterator, shape: _Shape, include_usage: boo
             else:
                 yield _sse(with_usage({**shape.chunk("", [], item.finish_reason), "flashmap": shape.stats(item)}))
                 if include_usage:
-                    yield _sse({**shape._head(True), "choices": [], "usage": shape.usage(item)})
+                    yield _sse({**shape.head(True), "choices": [], "usage": shape.usage(item)})
                 break
             item = await items.__anext__()
     yield _sse("[DONE]")
@@ -303,6 +304,8 @@ def create_app(orch) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, e: RequestValidationError):
+        if "json" not in request.headers.get("content-type", ""):
+            return _error(ApiError(400, "send the request body as JSON (Content-Type: application/json)"))
         err = e.errors()[0] if e.errors() else {}
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         if err.get("type") == "extra_forbidden":
@@ -393,7 +396,7 @@ def create_app(orch) -> FastAPI:
         ok, first = await _unless_disconnected(request.receive, items.__anext__())
         if not ok:
             return Response(status_code=499)
-        if not hasattr(first, "token_ids") and first.error is not None:
+        if isinstance(first, Outcome) and first.error is not None:
             await items.aclose()
             return _error(ApiError.from_status(*first.error))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -402,11 +405,11 @@ def create_app(orch) -> FastAPI:
     return app
 
 
-async def _collect(items: AsyncIterator) -> tuple[str, list[int], Any]:
+async def _collect(items: AsyncIterator) -> tuple[str, list[int], Outcome]:
     text, ids = [], []
     async with contextlib.aclosing(items):
         async for item in items:
-            if hasattr(item, "token_ids"):
+            if isinstance(item, Piece):
                 text.append(item.text)
                 ids.extend(item.token_ids)
             else:

@@ -6,7 +6,8 @@ that can draft), then concurrent verify calls to Triton that its sequence batche
 runs as one forward, then rejection sampling and streaming per request. Requests
 beyond the target's KV slots wait in a queue; past `max_queue` they are refused with
 RESOURCE_EXHAUSTED. A drafter that is down or late costs speed, not correctness: the
-round runs without drafts (autoregressive) and is counted.
+round runs without drafts (autoregressive) and is counted. The OpenAI-compatible HTTP API
+(orchestrator/openai_api.py, --http-port) serves the same requests through make_request / stream.
 
   python -m orchestrator.server --target-url 127.0.0.1:8001 --drafter-url 127.0.0.1:50052 \
       --tokenizer-dir checkpoints/demo-target --port 50051 --metrics-port 9400

@@ -427,3 +427,19 @@ def test_error_after_the_stream_started_is_an_error_event():
     with pytest.raises(openai.APIError, match="gone"):
         list(client.completions.create(model="stub", prompt="hi", stream=True))
 
+
+
+def test_body_must_be_json():
+    """curl -d without a JSON content type, or a body that is not an object: a 400 that says so."""
+    import grpc
+    from fastapi.testclient import TestClient
+
+    from orchestrator.openai_api import create_app
+
+    with TestClient(create_app(_StubOrchestrator((grpc.StatusCode.UNAVAILABLE, "x")))) as c:
+        r = c.post("/v1/completions", content=b'{"prompt": "hi"}',
+                   headers={"content-type": "application/x-www-form-urlencoded"})
+        assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"]
+        r = c.post("/v1/chat/completions", json={"messages": "hi"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        assert c.get("/v1/completions").status_code == 405
