@@ -34,7 +34,6 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response, StreamingResponse
 
 from flashmap.types import InvalidRequest
-from orchestrator.server import Outcome, Piece
 
 log = logging.getLogger("flashmap.openai")
 
@@ -204,20 +203,26 @@ class _Shape:
         return c
 
     @staticmethod
-    def usage(o: Outcome) -> dict:
+    def usage(o) -> dict:
         return {"prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens,
                 "total_tokens": o.prompt_tokens + o.completion_tokens}
 
     @staticmethod
-    def stats(o: Outcome) -> dict:
+    def stats(o) -> dict:
         return {**o.stats.as_dict(), "time_to_first_token_s": o.ttft_s, "total_s": o.total_s}
 
-    def response(self, text: str, ids: list[int], o: Outcome) -> dict:
+    def response(self, text: str, ids: list[int], o) -> dict:
         return {**self.head(False), "choices": [self._choice(text, ids, o.finish_reason, False)],
                 "usage": self.usage(o), "flashmap": self.stats(o)}
 
     def chunk(self, text: str, ids: list[int], finish: str | None = None, first: bool = False) -> dict:
         return {**self.head(True), "choices": [self._choice(text, ids, finish, True, first)]}
+
+
+def _is_outcome(item) -> bool:
+    """Outcome (else a Piece) by its shape, not its type: `python -m orchestrator.server` runs
+    the server as __main__, whose Outcome class is not orchestrator.server.Outcome."""
+    return hasattr(item, "finish_reason")
 
 
 def _sse(obj: Any) -> str:
@@ -233,7 +238,7 @@ async def _events(first, items: AsyncIterator, shape: _Shape, include_usage: boo
             yield _sse(with_usage(shape.chunk("", [], first=True)))
         item = first
         while True:
-            if isinstance(item, Piece):
+            if not _is_outcome(item):
                 if item.text or shape.ids:
                     yield _sse(with_usage(shape.chunk(item.text, item.token_ids)))
             elif item.error is not None:
@@ -396,7 +401,7 @@ def create_app(orch) -> FastAPI:
         ok, first = await _unless_disconnected(request.receive, items.__anext__())
         if not ok:
             return Response(status_code=499)
-        if isinstance(first, Outcome) and first.error is not None:
+        if _is_outcome(first) and first.error is not None:
             await items.aclose()
             return _error(ApiError.from_status(*first.error))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -405,11 +410,11 @@ def create_app(orch) -> FastAPI:
     return app
 
 
-async def _collect(items: AsyncIterator) -> tuple[str, list[int], Outcome]:
+async def _collect(items: AsyncIterator) -> tuple[str, list[int], Any]:
     text, ids = [], []
     async with contextlib.aclosing(items):
         async for item in items:
-            if isinstance(item, Piece):
+            if not _is_outcome(item):
                 text.append(item.text)
                 ids.extend(item.token_ids)
             else:
