@@ -6,7 +6,8 @@ that can draft), then concurrent verify calls to Triton that its sequence batche
 runs as one forward, then rejection sampling and streaming per request. Requests
 beyond the target's KV slots wait in a queue; past `max_queue` they are refused with
 RESOURCE_EXHAUSTED. A drafter that is down or late costs speed, not correctness: the
-round runs without drafts (autoregressive) and is counted.
+round runs without drafts (autoregressive) and is counted. The OpenAI-compatible HTTP API
+(orchestrator/openai_api.py, --http-port) serves the same requests through make_request / stream.
 
   python -m orchestrator.server --target-url 127.0.0.1:8001 --drafter-url 127.0.0.1:50052 \
       --tokenizer-dir checkpoints/demo-target --port 50051 --metrics-port 9400
@@ -58,6 +59,7 @@ class OrchestratorConfig:
     top_m: int = 4  # drafter support size at temperature > 0
     tree_blocks: int = 1  # > 1: greedy requests draft that many blocks from independent noise, verified as a tree
     speculation: str = "auto"  # auto: draft lengths from measured costs (flashmap.speculation); full: always K
+    http_port: int = 8080  # the OpenAI-compatible HTTP API (orchestrator/openai_api.py); 0 = off
 
 
 @dataclass
@@ -167,15 +169,19 @@ class Orchestrator:
         return {"model": self.info.model_name, "drafter": self._drafter_name(), "steps": str(steps)}
 
     # -- requests ----------------------------------------------------------------
-    def make_request(self, *, text: str | None = None, token_ids: list[int] | None = None, max_new_tokens: int,
+    def make_request(self, *, text: str | None = None, token_ids: list[int] | None = None,
+                     messages: list[dict] | None = None, max_new_tokens: int | None,
                      temperature: float = 0.0, top_k: int = 0, top_p: float | None = None, seed: int | None = None,
                      stop_token_ids=(), ignore_eos: bool = False, draft_steps: int | None = None,
                      max_draft_tokens: int | None = None, request_id: str = "") -> GenerationRequest:
         """A validated GenerationRequest from a front end's fields (gRPC Generate, the OpenAI API);
-        InvalidRequest with a one-line message for anything the server refuses."""
+        InvalidRequest with a one-line message for anything the server refuses. `messages` is a
+        conversation for the checkpoint's chat template; max_new_tokens None: the rest of the context."""
+        if (text is not None or messages is not None) and self.tokenizer is None:
+            raise InvalidRequest("this server has no tokenizer: send token ids")
+        if messages is not None:
+            text = self.tokenizer.render_chat(messages, add_generation_prompt=True)
         if text is not None:
-            if self.tokenizer is None:
-                raise InvalidRequest("this server has no tokenizer: send token ids")
             prompt = self.tokenizer.encode(text)
         elif token_ids is not None:
             prompt = [int(t) for t in token_ids]
@@ -183,6 +189,8 @@ class Orchestrator:
             raise InvalidRequest("prompt is empty")
         params = SamplingParams(temperature=float(temperature), top_k=int(top_k),
                                 top_p=1.0 if top_p is None else float(top_p), seed=seed)
+        if max_new_tokens is None:  # at least 1, so a full context gets validate()'s message
+            max_new_tokens = max(1, self.info.max_seq_len - len(prompt))
         stop_ids = tuple(stop_token_ids) + (() if ignore_eos else tuple(self.info.eos_token_ids))
         if draft_steps is not None and not (1 <= draft_steps <= 64):
             raise InvalidRequest(f"draft_steps must be in 1..64, got {draft_steps}")
@@ -196,6 +204,7 @@ class Orchestrator:
         opt = lambda name: getattr(req, name) if req.HasField(name) else None  # noqa: E731
         return self.make_request(
             text=req.text if kind == "text" else None, token_ids=list(req.token_ids.ids) if kind == "token_ids" else None,
+            messages=[{"role": m.role, "content": m.content} for m in req.messages.messages] if kind == "messages" else None,
             max_new_tokens=req.max_new_tokens, temperature=req.temperature, top_k=req.top_k, top_p=opt("top_p"),
             seed=opt("seed"), stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos,
             draft_steps=opt("draft_steps"), max_draft_tokens=opt("max_draft_tokens"), request_id=req.request_id)
@@ -446,6 +455,11 @@ def _find_stop(text: str, stops: list[str], start: int = 0) -> int | None:
 async def serve(cfg: OrchestratorConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
     orch = Orchestrator(cfg)
     await orch.start()
+    http = None
+    if cfg.http_port:
+        from orchestrator.openai_api import HttpServer
+
+        http = await HttpServer(orch, cfg.host, cfg.http_port).start()
     try:
         await serve_grpc(
             "orchestrator", lambda server: serving_pb2_grpc.add_FlashMapServicer_to_server(FlashMapServicer(orch), server),
@@ -453,6 +467,8 @@ async def serve(cfg: OrchestratorConfig, ready: asyncio.Event | None = None, sto
             registry=orch.metrics.registry, ready=ready, stop=stop,
         )
     finally:
+        if http is not None:
+            await http.stop()
         await orch.stop()
 
 
@@ -464,6 +480,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--host", default=env("FLASHMAP_HOST", "127.0.0.1"))
     ap.add_argument("--port", type=int, default=int(env("FLASHMAP_PORT", "50051")))
     ap.add_argument("--metrics-port", type=int, default=int(env("FLASHMAP_METRICS_PORT", "9400")))
+    ap.add_argument("--http-port", type=int, default=int(env("FLASHMAP_HTTP_PORT", "8080")),
+                    help="OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions); 0 = off")
     ap.add_argument("--target-url", default=env("FLASHMAP_TARGET_URL", "127.0.0.1:8001"))
     ap.add_argument("--drafter-url", default=env("FLASHMAP_DRAFTER_URL", "127.0.0.1:50052"), help="'' for none")
     ap.add_argument("--tokenizer-dir", default=env("FLASHMAP_TARGET_DIR"))
@@ -480,7 +498,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--tree-blocks must be >= 1, got {a.tree_blocks}")
     setup_logging(a.log_level)
     cfg = OrchestratorConfig(
-        host=a.host, port=a.port, metrics_port=a.metrics_port, target_url=a.target_url, drafter_url=a.drafter_url,
+        host=a.host, port=a.port, metrics_port=a.metrics_port, http_port=a.http_port, target_url=a.target_url, drafter_url=a.drafter_url,
         tokenizer_dir=a.tokenizer_dir, max_concurrent=a.max_concurrent, max_queue=a.max_queue,
         draft_timeout_s=a.draft_timeout_s, tree_blocks=a.tree_blocks, speculation=a.speculation,
     )
