@@ -6,6 +6,7 @@
             print(chunk.text, end="")
         out = c.generate(prompt_ids=[1, 2, 3], max_new_tokens=16, temperature=0.8, seed=1)
         print(out.token_ids, out.stats.mean_acceptance_length)
+        print(c.generate(messages=[{"role": "user", "content": "Hello!"}], max_new_tokens=64).text)
 
 gRPC errors become FlashMapError subclasses (InvalidArgument, ResourceExhausted,
 Unavailable, ...), each with the server's message. DrafterAdmin switches the drafter's
@@ -106,7 +107,7 @@ class Completion:
     total_s: float
 
 
-def _request(prompt=None, prompt_ids=None, max_new_tokens=64, temperature=0.0, top_k=0, top_p=None, seed=None,
+def _request(prompt=None, prompt_ids=None, messages=None, max_new_tokens=64, temperature=0.0, top_k=0, top_p=None, seed=None,
              stop=(), stop_token_ids=(), ignore_eos=False, draft_steps=None, request_id="",
              max_draft_tokens=None) -> serving_pb2.GenerateRequest:
     req = serving_pb2.GenerateRequest(
@@ -115,6 +116,9 @@ def _request(prompt=None, prompt_ids=None, max_new_tokens=64, temperature=0.0, t
     )
     if prompt_ids is not None:
         req.token_ids.ids.extend(int(t) for t in prompt_ids)
+    elif messages is not None:  # [{"role": ..., "content": ...}]: the server applies the chat template
+        req.messages.SetInParent()  # an empty conversation is still a conversation (the server refuses it)
+        req.messages.messages.extend(serving_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
     elif prompt is not None:
         req.text = prompt
     if top_p is not None:

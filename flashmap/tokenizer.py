@@ -1,13 +1,16 @@
-"""The target checkpoint's tokenizer, without torch or transformers.
+"""The target checkpoint's tokenizer and chat template, without torch or transformers.
 
 Reads tokenizer.json with the `tokenizers` library (what transformers' fast tokenizer
-wraps), so the orchestrator stays light. Chat templates are applied by
-transformers where a caller wants them; serving takes text or ids.
+wraps), so the orchestrator stays light. The chat template (chat_template.jinja, or
+tokenizer_config.json's "chat_template") is rendered with jinja2 the way transformers'
+`apply_chat_template` renders it, so the OpenAI chat endpoint and the CLI build the same
+prompt the checkpoint was trained on.
 """
 
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -25,6 +28,7 @@ class TextTokenizer:
         self.tok = Tokenizer.from_file(str(path))
         cfg_path = model_dir / "tokenizer_config.json"
         self.config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.chat_template = ChatTemplate.from_checkpoint(model_dir, self.config)
 
     def encode(self, text: str) -> list[int]:
         if not text:
@@ -36,6 +40,65 @@ class TextTokenizer:
 
     def token_id(self, token: str) -> int | None:
         return self.tok.token_to_id(token)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text of a conversation (InvalidRequest when the checkpoint has no template)."""
+        if self.chat_template is None:
+            raise InvalidRequest("the target checkpoint has no chat template: send a plain prompt")
+        return self.chat_template.render(messages, add_generation_prompt)
+
+
+class ChatTemplate:
+    """A checkpoint's Jinja chat template, rendered as transformers renders it: a sandboxed
+    environment with trim_blocks / lstrip_blocks and loop controls, the `raise_exception`,
+    `strftime_now` and non-escaping `tojson` helpers, and the special tokens as variables."""
+
+    def __init__(self, source: str, special_tokens: dict[str, str] | None = None):
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise jinja2.exceptions.TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self.source = source
+        self.special_tokens = dict(special_tokens or {})
+        self._template = env.from_string(source)
+        self._errors = (jinja2.exceptions.TemplateError,)
+
+    @classmethod
+    def from_checkpoint(cls, model_dir: Path, tokenizer_config: dict) -> "ChatTemplate | None":
+        path = Path(model_dir) / "chat_template.jinja"
+        source = path.read_text() if path.is_file() else tokenizer_config.get("chat_template")
+        if isinstance(source, list):  # named templates: [{"name": "default", "template": ...}, ...]
+            source = next((t["template"] for t in source if t.get("name") == "default"), None)
+        if not source:
+            return None
+        special = {}
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            tok = tokenizer_config.get(name)
+            tok = tok.get("content") if isinstance(tok, dict) else tok
+            if isinstance(tok, str):
+                special[name] = tok
+        return cls(source, special)
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render [{"role", "content"}, ...]; InvalidRequest for a malformed conversation or one
+        the template refuses (its raise_exception)."""
+        if not isinstance(messages, list) or not messages:
+            raise InvalidRequest("messages must be a non-empty list")
+        for i, m in enumerate(messages):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise InvalidRequest(f"messages[{i}] must have a string 'role' and a string 'content'")
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         **self.special_tokens)
+        except self._errors as e:
+            raise InvalidRequest(f"chat template: {e}") from None
 
 
 class IncrementalDecoder:

@@ -39,6 +39,8 @@ class SamplingParams:
             raise InvalidRequest(f"top_k must be in [0, 2^31) (0 = off), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not (0 <= self.seed < 2**64):  # numpy's generator seeds; the wire's uint64
+            raise InvalidRequest(f"seed must be in [0, 2**64), got {self.seed}")
         return self
 
 

@@ -2,6 +2,7 @@
 
   flashmap generate --in-process --target DIR --drafter DIR|init --prompt TEXT ...
   flashmap generate "prompt" [--url HOST:PORT]        (against a running stack)
+  flashmap generate --chat "What can you do?"         (the prompt as a user turn of the chat template)
   flashmap up                                          (target + drafter + orchestrator)
 
 Bad input is a one-line `error: ...` on stderr and exit status 2, never a traceback.
@@ -15,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from flashmap.types import InvalidRequest, SamplingParams
+from flashmap.types import InvalidRequest, SamplingParams, SpecStats
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_TARGET = REPO_ROOT / "checkpoints" / "demo-target"
@@ -31,6 +32,33 @@ def _parse_ids(text: str) -> list[int]:
         return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
     except ValueError:
         raise UsageError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+
+
+def _messages(args) -> list[dict]:
+    """--chat: the prompt as one user turn (after --system's, when given)."""
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    return system + [{"role": "user", "content": args.prompt}]
+
+
+def stats_report(mode: str, n_tokens: int, finish: str, s: SpecStats, seconds: float, ttft_s: float | None = None) -> str:
+    """What `flashmap generate` prints on stderr after the text: speed, then how speculation went."""
+    head = f"[{mode}] {n_tokens} tokens in {seconds:.2f} s ({n_tokens / max(seconds, 1e-9):.1f} tokens/s), finish: {finish}"
+    if ttft_s:
+        head += f", first token after {ttft_s * 1e3:.0f} ms"
+    lines = [head]
+    if s.drafts:
+        steps = f", {s.draft_steps} flow-map step{'s' if s.draft_steps != 1 else ''}" if s.draft_steps else ""
+        lines.append(f"  mean acceptance length {s.mean_acceptance_length:.2f} tokens per drafted round: "
+                     f"{s.accepted} of {s.draft_tokens} draft tokens accepted in {s.drafts} drafted rounds "
+                     f"({s.rounds} rounds in all{steps})")
+        reached = [k for k in range(len(s.verified_per_slot)) if s.verified_per_slot[k]]
+        per_slot = "  ".join(f"{k + 1}: {s.accepted_per_slot[k]}/{s.verified_per_slot[k]}" for k in reached)
+        lines.append(f"  accepted / reached, by draft slot: {per_slot}")
+    else:
+        lines.append(f"  no drafts: {s.rounds} rounds decoded by the target alone")
+    if s.fallback_rounds:
+        lines.append(f"  fallback rounds (drafter down or late, the target decoded alone): {s.fallback_rounds}")
+    return "\n".join(lines)
 
 
 def _sampling(args) -> SamplingParams:
@@ -50,6 +78,10 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_generate(args) -> int:
+    if args.chat and args.prompt_ids is not None:
+        raise UsageError("--chat takes a text prompt, not --prompt-ids")
+    if args.system is not None and not args.chat:
+        raise UsageError("--system goes with --chat")
     if not args.in_process:
         if args.tree_blocks != 1 or args.min_confidence or args.compile:
             raise UsageError("--tree-blocks, --min-confidence and --compile are --in-process options "
@@ -73,7 +105,7 @@ def _cmd_generate(args) -> int:
         from flashmap.tokenizer import TextTokenizer
 
         tokenizer = TextTokenizer(args.target)
-        prompt_ids = tokenizer.encode(args.prompt)
+        prompt_ids = tokenizer.encode(tokenizer.render_chat(_messages(args)) if args.chat else args.prompt)
     stop = () if args.ignore_eos else tuple(engine.eos_token_ids)
     req = GenerationRequest(prompt_ids, args.max_new_tokens, params, stop + tuple(args.stop_id), args.draft_steps)
     req.validate(engine.vocab_size, engine.max_seq_len)
@@ -106,12 +138,7 @@ def _cmd_generate(args) -> int:
         print(json.dumps(out))
     else:
         print(out.get("text", ",".join(map(str, res.token_ids))))
-        print(
-            f"[{out['mode']}] {len(res.token_ids)} tokens, finish={res.finish_reason}, rounds={s.rounds}, "
-            f"mean acceptance length={s.mean_acceptance_length:.2f}, accepted per slot={s.accepted_per_slot.tolist()}, "
-            f"{out['tokens_per_s']} tok/s",
-            file=sys.stderr,
-        )
+        print(stats_report(out["mode"], len(res.token_ids), res.finish_reason, s, res.wall_s), file=sys.stderr)
     return 0
 
 
@@ -127,20 +154,28 @@ def _generate_remote(args) -> int:
         )
         if args.prompt_ids is not None:
             kwargs["prompt_ids"] = _parse_ids(args.prompt_ids)
+        elif args.chat:
+            kwargs["messages"] = _messages(args)
         else:
             kwargs["prompt"] = args.prompt
-        final = None
+        final, ids, text = None, [], []
         for chunk in client.generate_stream(**kwargs):
             if chunk.finished:
                 final = chunk
-            elif not args.json:
+                continue
+            ids.extend(chunk.token_ids)
+            text.append(chunk.text)
+            if not args.json:
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
         if args.json:
-            print(json.dumps(final.as_dict()))
+            out = {**final.as_dict(), "token_ids": ids, "text": "".join(text)}
+            del out["finished"]
+            print(json.dumps(out))
         else:
             print()
-            print(f"[stack] {final.summary()}", file=sys.stderr)
+            print(stats_report("stack", final.completion_tokens, final.finish_reason, final.stats, final.total_s,
+                               final.time_to_first_token_s), file=sys.stderr)
     return 0
 
 
@@ -173,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt_text", nargs="?", default=None, help="prompt text (same as --prompt)")
     g.add_argument("--prompt", default=None)
     g.add_argument("--prompt-ids", default=None, help="comma-separated token ids")
+    g.add_argument("--chat", action="store_true",
+                   help="send the prompt as a user message through the target's chat template (what a chat model expects)")
+    g.add_argument("--system", default=None, help="--chat: a system message before the prompt")
     g.add_argument("--in-process", action="store_true", help="run target and drafter in this process")
     g.add_argument("--target", default=None, help="target checkpoint dir (HF Qwen3)")
     g.add_argument("--drafter", default="init", help="drafter checkpoint dir, or 'init' for an untrained drafter")

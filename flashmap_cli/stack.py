@@ -36,6 +36,7 @@ class StackConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int = 9400
+    http_port: int = 8080  # the OpenAI-compatible API; 0 = off
     drafter_port: int = 50052
     drafter_metrics_port: int = 9401
     triton_http_port: int = 8000
@@ -58,13 +59,18 @@ class StackConfig:
 
     @classmethod
     def on_free_ports(cls, **kw) -> "StackConfig":
-        ports = {k: free_port() for k in ("port", "metrics_port", "drafter_port", "drafter_metrics_port",
+        ports = {k: free_port() for k in ("port", "metrics_port", "http_port", "drafter_port", "drafter_metrics_port",
                                          "triton_http_port", "triton_grpc_port", "triton_metrics_port")}
         return cls(**{**ports, **kw})
 
     @property
     def url(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        """Base URL of the OpenAI-compatible API (what an OpenAI client takes as base_url)."""
+        return f"http://{self.host}:{self.http_port}/v1"
 
     @property
     def drafter_url(self) -> str:
@@ -123,7 +129,7 @@ class Stack:
         c = self.cfg
         self.orch_proc = self._spawn("orchestrator", [
             "orchestrator.server", "--host", c.host, "--port", str(c.port), "--metrics-port", str(c.metrics_port),
-            "--target-url", f"{c.host}:{c.triton_grpc_port}", "--drafter-url", c.drafter_url if c.with_drafter else "",
+            "--http-port", str(c.http_port), "--target-url", f"{c.host}:{c.triton_grpc_port}", "--drafter-url", c.drafter_url if c.with_drafter else "",
             "--tokenizer-dir", c.target_dir, "--max-queue", str(c.max_queue), "--draft-timeout-s", str(c.draft_timeout_s),
             "--tree-blocks", str(c.tree_blocks), "--speculation", c.speculation,
             "--target-timeout-s", str(c.target_timeout_s),
@@ -262,6 +268,7 @@ def add_stack_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=int(os.environ.get("FLASHMAP_DRAFT_STEPS", "1")))
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--metrics-port", type=int, default=9400)
+    p.add_argument("--http-port", type=int, default=8080, help="OpenAI-compatible HTTP API; 0 = off")
     p.add_argument("--drafter-port", type=int, default=50052)
     p.add_argument("--drafter-metrics-port", type=int, default=9401)
     p.add_argument("--triton-ports", default="8000,8001,8002", help="HTTP,gRPC,metrics")
@@ -277,7 +284,7 @@ def run_stack(args) -> int:
     http, grpc_port, metrics = (int(x) for x in args.triton_ports.split(","))
     cfg = StackConfig(
         target_dir=target, drafter=drafter, steps=args.steps, port=args.port, metrics_port=args.metrics_port,
-        drafter_port=args.drafter_port, drafter_metrics_port=args.drafter_metrics_port, triton_http_port=http,
+        http_port=args.http_port, drafter_port=args.drafter_port, drafter_metrics_port=args.drafter_metrics_port, triton_http_port=http,
         triton_grpc_port=grpc_port, triton_metrics_port=metrics, n_slots=args.n_slots, max_seq_len=args.max_seq_len,
         **({"log_dir": args.log_dir} if args.log_dir else {}),
     )
@@ -289,16 +296,17 @@ def run_stack(args) -> int:
     LOCAL_TOKEN_FILE.touch(mode=0o600)
     LOCAL_TOKEN_FILE.chmod(0o600)
     LOCAL_TOKEN_FILE.write_text(cfg.drafter_token + "\n")
-    print(
-        f"FlashMap Serve is up\n"
-        f"  Generate (gRPC)      {cfg.url}        try: flashmap generate \"def add(a, b):\" --url {cfg.url}\n"
-        f"  orchestrator metrics http://{cfg.host}:{cfg.metrics_port}/metrics\n"
-        f"  drafter (gRPC)       {cfg.drafter_url}  metrics http://{cfg.host}:{cfg.drafter_metrics_port}/metrics\n"
-        f"  Triton               grpc {cfg.host}:{cfg.triton_grpc_port}  metrics http://{cfg.host}:{cfg.triton_metrics_port}/metrics\n"
-        f"  target {target}\n  drafter {drafter} (steps {cfg.steps})\n"
-        f"Ctrl-C stops all three.",
-        flush=True,
-    )
+    lines = [
+        "FlashMap Serve is up",
+        f"  Generate (gRPC)      {cfg.url}        try: flashmap generate --chat \"What can you do?\" --url {cfg.url}",
+        f"  OpenAI API (HTTP)    {cfg.http_url}  (/completions, /chat/completions, /models)" if cfg.http_port else "",
+        f"  orchestrator metrics http://{cfg.host}:{cfg.metrics_port}/metrics",
+        f"  drafter (gRPC)       {cfg.drafter_url}  metrics http://{cfg.host}:{cfg.drafter_metrics_port}/metrics",
+        f"  Triton               grpc {cfg.host}:{cfg.triton_grpc_port}  metrics http://{cfg.host}:{cfg.triton_metrics_port}/metrics",
+        f"  target {target}\n  drafter {drafter} (steps {cfg.steps})",
+        "Ctrl-C stops all three.",
+    ]
+    print("\n".join(x for x in lines if x), flush=True)
     supervisor = Supervisor(stack, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     try:
         while True:

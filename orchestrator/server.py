@@ -6,7 +6,8 @@ that can draft), then concurrent verify calls to Triton that its sequence batche
 runs as one forward, then rejection sampling and streaming per request. Requests
 beyond the target's KV slots wait in a queue; past `max_queue` they are refused with
 RESOURCE_EXHAUSTED. A drafter that is down or late costs speed, not correctness: the
-round runs without drafts (autoregressive) and is counted.
+round runs without drafts (autoregressive) and is counted. The OpenAI-compatible HTTP API
+(orchestrator/openai_api.py, --http-port) serves the same requests through make_request / stream.
 
   python -m orchestrator.server --target-url 127.0.0.1:8001 --drafter-url 127.0.0.1:50052 \
       --tokenizer-dir checkpoints/demo-target --port 50051 --metrics-port 9400
@@ -74,6 +75,7 @@ class OrchestratorConfig:
     max_request_id_len: int = 128
     target_timeout_s: float = 30.0  # deadline of every call to Triton
     health_interval_s: float = 2.0  # idle: probe the target this often (busy: the verify calls tell)
+    http_port: int = 8080  # the OpenAI-compatible HTTP API (orchestrator/openai_api.py); 0 = off
 
 
 @dataclass
@@ -221,18 +223,22 @@ class Orchestrator:
         return {"model": self.info.model_name, "drafter": self._drafter_name(), "steps": str(steps)}
 
     # -- requests ----------------------------------------------------------------
-    def make_request(self, *, text: str | None = None, token_ids: list[int] | None = None, max_new_tokens: int,
+    def make_request(self, *, text: str | None = None, token_ids: list[int] | None = None,
+                     messages: list[dict] | None = None, max_new_tokens: int | None,
                      temperature: float = 0.0, top_k: int = 0, top_p: float | None = None, seed: int | None = None,
                      stop_token_ids=(), ignore_eos: bool = False, draft_steps: int | None = None,
                      max_draft_tokens: int | None = None, request_id: str = "") -> GenerationRequest:
         """A validated GenerationRequest from a front end's fields (gRPC Generate, the OpenAI API);
-        InvalidRequest with a one-line message for anything the server refuses. Tokenises a text
-        prompt: call it off the event loop (`request_async`)."""
+        InvalidRequest with a one-line message for anything the server refuses. `messages` is a
+        conversation for the checkpoint's chat template; max_new_tokens None: the rest of the context.
+        Tokenises a text prompt: call it off the event loop (`request_async`)."""
         if len(request_id) > self.cfg.max_request_id_len or not request_id.isprintable():
             raise InvalidRequest(f"request_id must be printable and at most {self.cfg.max_request_id_len} characters")
+        if (text is not None or messages is not None) and self.tokenizer is None:
+            raise InvalidRequest("this server has no tokenizer: send token ids")
+        if messages is not None:
+            text = self.tokenizer.render_chat(messages, add_generation_prompt=True)
         if text is not None:
-            if self.tokenizer is None:
-                raise InvalidRequest("this server has no tokenizer: send token ids")
             if len(text) > self.cfg.max_prompt_bytes or len(text.encode("utf-8", "replace")) > self.cfg.max_prompt_bytes:
                 raise InvalidRequest(f"prompt text is longer than {self.cfg.max_prompt_bytes} bytes")
             prompt = self.tokenizer.encode(text)
@@ -242,6 +248,8 @@ class Orchestrator:
             raise InvalidRequest("prompt is empty")
         params = SamplingParams(temperature=float(temperature), top_k=int(top_k),
                                 top_p=1.0 if top_p is None else float(top_p), seed=seed)
+        if max_new_tokens is None:  # at least 1, so a full context gets validate()'s message
+            max_new_tokens = max(1, self.info.max_seq_len - len(prompt))
         stop_ids = tuple(stop_token_ids) + (() if ignore_eos else tuple(self.info.eos_token_ids))
         if draft_steps is not None and not (1 <= draft_steps <= 64):
             raise InvalidRequest(f"draft_steps must be in 1..64, got {draft_steps}")
@@ -260,6 +268,7 @@ class Orchestrator:
         opt = lambda name: getattr(req, name) if req.HasField(name) else None  # noqa: E731
         return self.make_request(
             text=req.text if kind == "text" else None, token_ids=list(req.token_ids.ids) if kind == "token_ids" else None,
+            messages=[{"role": m.role, "content": m.content} for m in req.messages.messages] if kind == "messages" else None,
             max_new_tokens=req.max_new_tokens, temperature=req.temperature, top_k=req.top_k, top_p=opt("top_p"),
             seed=opt("seed"), stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos,
             draft_steps=opt("draft_steps"), max_draft_tokens=opt("max_draft_tokens"), request_id=req.request_id)
@@ -536,6 +545,11 @@ async def serve(cfg: OrchestratorConfig, ready: asyncio.Event | None = None, sto
     # With API keys, every call needs one but the health checks (ours and grpc.health.v1: probes).
     auth = (TokenAuth(API_KEY_HEADER, bearer(cfg.api_key), open_methods=(f"/{SERVICE_NAME}/Health",)),) \
         if cfg.api_key else ()
+    http = None
+    if cfg.http_port:
+        from orchestrator.openai_api import HttpServer
+
+        http = await HttpServer(orch, cfg.host, cfg.http_port).start()
     try:
         await serve_grpc(
             "orchestrator", lambda server: add_service(server, FlashMapServicer(orch), service), [SERVICE_NAME],
@@ -544,6 +558,8 @@ async def serve(cfg: OrchestratorConfig, ready: asyncio.Event | None = None, sto
             health_servicer=orch.health,
         )
     finally:
+        if http is not None:
+            await http.stop()
         await orch.stop()
 
 
@@ -555,6 +571,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--host", default=env("FLASHMAP_HOST", "127.0.0.1"))
     ap.add_argument("--port", type=int, default=int(env("FLASHMAP_PORT", "50051")))
     ap.add_argument("--metrics-port", type=int, default=int(env("FLASHMAP_METRICS_PORT", "9400")))
+    ap.add_argument("--http-port", type=int, default=int(env("FLASHMAP_HTTP_PORT", "8080")),
+                    help="OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions); 0 = off")
     ap.add_argument("--target-url", default=env("FLASHMAP_TARGET_URL", "127.0.0.1:8001"))
     ap.add_argument("--drafter-url", default=env("FLASHMAP_DRAFTER_URL", "127.0.0.1:50052"), help="'' for none")
     ap.add_argument("--tokenizer-dir", default=env("FLASHMAP_TARGET_DIR"))
@@ -580,7 +598,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--tls-cert and --tls-key go together")
     setup_logging(a.log_level)
     cfg = OrchestratorConfig(
-        host=a.host, port=a.port, metrics_port=a.metrics_port, target_url=a.target_url, drafter_url=a.drafter_url,
+        host=a.host, port=a.port, metrics_port=a.metrics_port, http_port=a.http_port, target_url=a.target_url, drafter_url=a.drafter_url,
         tokenizer_dir=a.tokenizer_dir, max_concurrent=a.max_concurrent, max_queue=a.max_queue,
         draft_timeout_s=a.draft_timeout_s, tree_blocks=a.tree_blocks, speculation=a.speculation,
         api_key=read_secret(API_KEY_ENV), target_key=read_secret(TARGET_KEY_ENV),

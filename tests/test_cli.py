@@ -118,3 +118,42 @@ def test_process_exit_status_and_no_traceback(ckpts):
                         "--prompt-ids", "1,2", "--temperature", "-2"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert p.stderr.strip().splitlines() == ["error: temperature must be >= 0, got -2.0"]
+
+
+def test_chat_prompt_goes_through_the_chat_template(ckpts, capsys):
+    """--chat renders the prompt as a user turn of the checkpoint's template: the same tokens as
+    sending the rendered ids by hand; --chat / --system misuse is a one-line error."""
+    from flashmap.tokenizer import TextTokenizer
+
+    tok = TextTokenizer(ckpts["target"])
+    ids = tok.encode(tok.render_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]))
+    base = ["--target", ckpts["target"], "--max-new-tokens", "6", "--ignore-eos", "--json", "--ar"]
+    code, out, _ = _run(capsys, *base, "--chat", "--system", "Be brief.", "--prompt", "hi")
+    assert code == 0
+    chat = json.loads(out)
+    code, out, _ = _run(capsys, *base, "--prompt-ids", ",".join(map(str, ids)))
+    assert code == 0 and json.loads(out)["token_ids"] == chat["token_ids"] and len(chat["token_ids"]) == 6
+    for args, message in ((["--chat", "--prompt-ids", "1,2"], "--chat takes a text prompt"),
+                          (["--system", "x", "--prompt", "hi"], "--system goes with --chat")):
+        code, _, err = _run(capsys, "--target", ckpts["target"], *args)
+        assert code == 2 and message in err and err.count("\n") == 1
+
+
+def test_stats_report_is_readable():
+    from flashmap.types import SpecStats
+    from flashmap_cli.main import stats_report
+
+    s = SpecStats(block_size=4)
+    s.record_round(4, 2)
+    s.record_round(4, 4)
+    s.record_round(0, 0)
+    s.draft_steps, s.fallback_rounds = 1, 1
+    text = stats_report("stack", 9, "stop", s, 0.5, 0.012)
+    assert text.splitlines() == [
+        "[stack] 9 tokens in 0.50 s (18.0 tokens/s), finish: stop, first token after 12 ms",
+        "  mean acceptance length 4.00 tokens per drafted round: 6 of 8 draft tokens accepted in 2 drafted rounds "
+        "(3 rounds in all, 1 flow-map step)",
+        "  accepted / reached, by draft slot: 1: 2/2  2: 2/2  3: 1/2  4: 1/1",
+        "  fallback rounds (drafter down or late, the target decoded alone): 1",
+    ]
+    assert "no drafts: 0 rounds" in stats_report("in-process", 1, "length", SpecStats(), 0.1)

@@ -30,8 +30,6 @@ import re
 import subprocess
 import sys
 import threading
-import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -83,6 +81,14 @@ from flashmap.client import (  # noqa: E402 - after the script entry point, whic
     ResourceExhausted,
 )
 from flashmap_cli.stack import Stack, StackConfig  # noqa: E402
+from stack_helpers import (  # noqa: E402,F401 - one_thread_per_process is an autouse fixture
+    Reference,
+    _metrics_text,
+    _poll,
+    _samples,
+    _total,
+    one_thread_per_process,
+)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -93,40 +99,12 @@ def _prompts(n: int, seed: int, lo: int = 1, hi: int = 64) -> list[list[int]]:
     return [rng.integers(0, VOCAB, size=int(rng.integers(lo, hi + 1))).tolist() for _ in range(n)]
 
 
-def _metrics_text(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        return r.read().decode()
-
-
-def _samples(port: int) -> list:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return [s for fam in text_string_to_metric_families(_metrics_text(port)) for s in fam.samples]
-
-
-def _total(samples, name: str, **labels) -> float:
-    """Sum of every sample called `name` whose labels include `labels`."""
-    return sum(s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
-
-
 def _by_label(samples, name: str, label: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for s in samples:
         if s.name == name:
             out[s.labels[label]] = out.get(s.labels[label], 0.0) + s.value
     return out
-
-
-def _poll(what: str, fn, timeout_s: float = 20.0, interval_s: float = 0.05):
-    """Call fn until it returns a truthy value; fail with `what` after timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(interval_s)
-    pytest.fail(f"timed out after {timeout_s:g} s waiting for {what} (last: {last!r})")
 
 
 def _stream(client: Client, progress: list | None = None, **kw):
@@ -140,55 +118,6 @@ def _stream(client: Client, progress: list | None = None, **kw):
             ids.extend(c.token_ids)
     assert final is not None
     return list(ids), final
-
-
-class Reference:
-    """Greedy reference outputs from the in-process autoregressive decoder, checked for near-ties."""
-
-    def __init__(self, target_dir: Path):
-        import torch
-        from transformers import Qwen3ForCausalLM
-
-        from target_service.engine import TargetEngine
-
-        self.torch = torch
-        self.engine = TargetEngine(target_dir, n_slots=16, max_seq_len=1024)
-        self.hf = Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-        self.cache: dict[tuple, list[int]] = {}
-
-    def __call__(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-        from flashmap.inprocess import decode
-        from flashmap.types import SamplingParams
-        from flashmap.types import GenerationRequest
-
-        todo = list(dict.fromkeys(tuple(p) for p in prompts if (tuple(p), max_new) not in self.cache))
-        if todo:
-            results = decode(self.engine, [GenerationRequest(list(p), max_new, SamplingParams()) for p in todo], proposer=None)
-            for p, r in zip(todo, results):
-                assert r.finish_reason == "length" and len(r.token_ids) == max_new
-                self._check_no_near_tie(list(p), r.token_ids)
-                self.cache[(p, max_new)] = list(r.token_ids)
-        return [self.cache[(tuple(p), max_new)] for p in prompts]
-
-    def _check_no_near_tie(self, prompt: list[int], out: list[int]) -> None:
-        torch = self.torch
-        with torch.inference_mode():
-            logits = self.hf(torch.tensor([prompt + out]), use_cache=False).logits[0]
-        gen = logits[len(prompt) - 1: len(prompt) + len(out) - 1]  # the logits that chose each output token
-        assert gen.argmax(-1).tolist() == out, "in-process decoder disagrees with transformers"
-        top2 = torch.topk(gen, 2, dim=-1).values
-        gap = float((top2[:, 0] - top2[:, 1]).min())
-        assert gap > 1e-4, f"near-tie in the reference (top-2 gap {gap:.2e}): pick other prompts"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread_per_process():
-    """Triton's model, the drafter and this process each run torch: with a thread per core in
-    each, they spin against each other on a small machine and a round takes 10x longer."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_NUM_THREADS", "1")
-        mp.setenv("MKL_NUM_THREADS", "1")
-        yield
 
 
 @pytest.fixture(scope="module")
