@@ -1,12 +1,20 @@
-"""Stack benchmark: the same prompts through the in-process decoder, the served stack, and the target alone.
+"""Stack benchmark: the served stack against the target alone and fixed-length speculation.
 
-For concurrency 1, 4 and 16: tokens/s, mean acceptance length, and the per-round split
-(draft, verify, orchestration + transport) read from the orchestrator's Prometheus
-histograms; then each service's peak memory and the per-sequence state of target and
-drafter in bytes per context token. Greedy, fixed prompts; every stack output is
-checked against the in-process autoregressive output.
+For each prompt set (held-out text prompts of the demo domains, random token ids) and each
+concurrency, in one script:
 
-  python -m bench.bench_stack [--target DIR] [--drafter DIR|init] [--max-new-tokens 64]
+- in-process: the target alone (batched) and fixed-K speculation (flashmap.inprocess);
+- through the stack (Triton + drafter + orchestrator): speculation off (every request
+  max_draft_tokens = 0), fixed K (orchestrator --speculation full) and the goodput
+  controller (--speculation auto, the default).
+
+Tokens/s of each, the ratios the issue asks for, the controller's decisions (mean draft
+length, rounds with speculation off) from the orchestrator's metrics, the per-round split at
+concurrency 1, and each service's peak memory. Greedy; every output is checked against the
+target alone.
+
+  python -m bench.bench_stack [--target DIR] [--drafter DIR|init] [--max-new-tokens 48] \\
+      [--concurrency 1,4,16,32] [--threads N]
 """
 
 from __future__ import annotations
@@ -20,7 +28,6 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.bench_inprocess import machine
 from drafter_service.factory import load_proposer
 from flashmap.client import Client, DrafterAdmin
 from flashmap.inprocess import decode
@@ -28,13 +35,9 @@ from flashmap.metrics import scrape, totals
 from flashmap.types import GenerationRequest
 from flashmap_cli.stack import Stack, StackConfig, default_checkpoints
 from target_service.engine import TargetEngine
+from training.evaluate import DEFAULT_PROMPTS, machine, read_domain_prompts
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "results"
-
-
-def scrape_sums(url: str) -> dict[str, float]:
-    """Histogram _sum and _count totals by metric name (labels summed)."""
-    return {k: v for k, v in totals(scrape(url, timeout=10)).items() if k.endswith(("_sum", "_count"))}
 
 
 def peak_rss_mb(pid: int) -> float:
@@ -60,104 +63,132 @@ def peak_rss_mb(pid: int) -> float:
     return total / 1024
 
 
-def inprocess(target, drafter, prompts, max_new, concurrency):
-    engine = TargetEngine(target, n_slots=concurrency)
-    proposer = load_proposer(drafter, target, n_slots=concurrency, max_context=engine.max_seq_len) if drafter else None
+def inprocess(engine, proposer, prompts, max_new, concurrency) -> tuple[list, float]:
+    """(outputs, tokens/s) with `concurrency` requests batched at a time."""
     t0 = time.perf_counter()
     outs = []
     for i in range(0, len(prompts), concurrency):
         outs += decode(engine, [GenerationRequest(p, max_new) for p in prompts[i:i + concurrency]], proposer)
     dt = time.perf_counter() - t0
-    drafts = sum(o.stats.drafts for o in outs)
-    gamma = 1 + sum(o.stats.accepted for o in outs) / drafts if drafts else 1.0
-    return [o.token_ids for o in outs], sum(len(o.token_ids) for o in outs) / dt, gamma
+    return [o.token_ids for o in outs], sum(len(o.token_ids) for o in outs) / dt
 
 
-def through_stack(cfg: StackConfig, prompts, max_new, concurrency):
-    metrics_url = f"http://{cfg.host}:{cfg.metrics_port}/metrics"
-    before = scrape_sums(metrics_url)
+def through_stack(cfg: StackConfig, prompts, max_new, concurrency, spec_off: bool = False) -> dict:
+    url = f"http://{cfg.host}:{cfg.metrics_port}/metrics"
+    before = totals(scrape(url, 10))
 
     def one(p):
-        with Client(cfg.url) as c:
-            return c.generate(prompt_ids=p, max_new_tokens=max_new, ignore_eos=True)
+        with Client(cfg.url, api_key=cfg.api_key) as c:
+            return c.generate(prompt_ids=p, max_new_tokens=max_new, ignore_eos=True,
+                              max_draft_tokens=0 if spec_off else None)
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         outs = list(pool.map(one, prompts))
     dt = time.perf_counter() - t0
-    after = scrape_sums(metrics_url)
+    after = totals(scrape(url, 10))
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     rounds = max(d.get("flashmap_round_latency_seconds_count", 0.0), 1.0)
-    split = {
+    drafts = sum(o.stats.drafts for o in outs)
+    return {
+        "outputs": [o.token_ids for o in outs], "tok_s": sum(len(o.token_ids) for o in outs) / dt,
+        "gamma": 1 + sum(o.stats.accepted for o in outs) / drafts if drafts else 1.0,
         "draft_ms": 1e3 * d.get("flashmap_draft_latency_seconds_sum", 0.0) / rounds,
         "verify_ms": 1e3 * d.get("flashmap_verify_latency_seconds_sum", 0.0) / rounds,
         "round_ms": 1e3 * d.get("flashmap_round_latency_seconds_sum", 0.0) / rounds,
+        "mean_draft_len": d.get("flashmap_draft_length_sum", 0.0) / max(d.get("flashmap_draft_length_count", 0.0), 1),
+        "off_rounds": d.get("flashmap_speculation_off_rounds_total", 0.0), "rounds": rounds,
+        "fallback": sum(o.stats.fallback_rounds for o in outs),
     }
-    split["rest_ms"] = split["round_ms"] - split["draft_ms"] - split["verify_ms"]
-    drafts = sum(o.stats.drafts for o in outs)
-    gamma = 1 + sum(o.stats.accepted for o in outs) / drafts if drafts else 1.0
-    fallback = sum(o.stats.fallback_rounds for o in outs)
-    return [o.token_ids for o in outs], sum(len(o.token_ids) for o in outs) / dt, gamma, split, fallback
+
+
+def prompt_sets(target: str, vocab: int, n: int) -> dict[str, list[list[int]]]:
+    rng = np.random.default_rng(0)
+    sets = {"random ids": [rng.integers(3, vocab, size=int(rng.integers(8, 32))).tolist() for _ in range(n)]}
+    try:
+        text = [p["ids"] for p in read_domain_prompts(DEFAULT_PROMPTS, target)]
+        sets["held-out text"] = [text[i % len(text)] for i in range(n)]
+    except (OSError, ValueError):  # a target without a tokenizer
+        pass
+    return sets
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=None)
     ap.add_argument("--drafter", default=None)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--concurrency", default="1,4,16,32")
+    ap.add_argument("--prompts", type=int, default=0, help="prompts per set (default: 2 x the largest concurrency)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per service (default: the machine's cores)")
     ap.add_argument("--out", type=Path, default=OUT / "bench_stack.md")
     a = ap.parse_args(argv)
+    threads = a.threads or os.cpu_count() or 1
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # the services run one after the other within a round
+    import torch
+    torch.set_num_threads(threads)
     target, drafter, notes = default_checkpoints(a.target, a.drafter)
     levels = [int(x) for x in a.concurrency.split(",")]
-    rng = np.random.default_rng(0)
-    engine = TargetEngine(target, n_slots=1)
-    n_prompts = max(levels) * 2
-    prompts = [rng.integers(0, engine.vocab_size, size=int(rng.integers(8, 32))).tolist() for _ in range(n_prompts)]
-    kv_bytes = engine.kv_bytes_per_token
-    del engine
-
-    cfg = StackConfig.on_free_ports(target_dir=target, drafter=drafter, n_slots=max(levels), max_seq_len=512)
+    n = a.prompts or 2 * max(levels)
+    engine = TargetEngine(target, n_slots=max(levels), max_seq_len=512)
+    proposer = load_proposer(drafter, target, n_slots=max(levels), max_context=engine.max_seq_len)
+    sets = prompt_sets(target, engine.vocab_size, n)
+    cfg = StackConfig.on_free_ports(target_dir=target, drafter=drafter, n_slots=max(levels), max_seq_len=512,
+                                    speculation="auto")
     rows = []
     with Stack(cfg) as stack:
-        through_stack(cfg, prompts[:2], 8, 1)  # warm-up
-        for c in levels:
-            ar_ids, ar_tps, _ = inprocess(target, None, prompts, a.max_new_tokens, c)
-            ip_ids, ip_tps, ip_gamma = inprocess(target, drafter, prompts, a.max_new_tokens, c)
-            st_ids, st_tps, st_gamma, split, fallback = through_stack(cfg, prompts, a.max_new_tokens, c)
-            assert ip_ids == ar_ids and st_ids == ar_ids, "speculative output differs from autoregressive"
-            rows.append((c, ar_tps, ip_tps, ip_gamma, st_tps, st_gamma, split, fallback))
-            print(f"concurrency {c}: target alone {ar_tps:.1f} tok/s, in-process {ip_tps:.1f}, stack {st_tps:.1f} "
-                  f"(stack/in-process {st_tps / ip_tps:.2f}), gamma {st_gamma:.2f}, split {split}", flush=True)
-        stats = DrafterAdmin(cfg.drafter_url, token=cfg.drafter_token).stats()
-        mem = {
-            "triton (server + Python stub)": peak_rss_mb(stack.triton.process.pid),
-            "drafter": peak_rss_mb(stack.drafter_proc.pid),
-            "orchestrator": peak_rss_mb(stack.orch_proc.pid),
-        }
-
-    proposer = load_proposer(drafter, target, n_slots=1, max_context=16)
-    drafter_bytes = getattr(proposer, "bytes_per_context_token", 0)
+        for name, prompts in sets.items():
+            through_stack(cfg, prompts[:2], 8, 1)  # warm-up
+            decode(engine, [GenerationRequest(prompts[0], 8)], proposer)
+            for c in levels:
+                ar_ids, ar = inprocess(engine, None, prompts, a.max_new_tokens, c)
+                ip_ids, ip = inprocess(engine, proposer, prompts, a.max_new_tokens, c)
+                off = through_stack(cfg, prompts, a.max_new_tokens, c, spec_off=True)
+                stack.restart_orchestrator(speculation="full")
+                full = through_stack(cfg, prompts, a.max_new_tokens, c)
+                stack.restart_orchestrator(speculation="auto")
+                through_stack(cfg, prompts[:c], 8, c)  # the controller's first measurements
+                auto = through_stack(cfg, prompts, a.max_new_tokens, c)
+                for what, ids in (("in-process speculation", ip_ids), ("stack, off", off["outputs"]),
+                                  ("stack, full", full["outputs"]), ("stack, auto", auto["outputs"])):
+                    assert ids == ar_ids, f"{what}: output differs from the target alone ({name}, concurrency {c})"
+                rows.append((name, c, ar, ip, off, full, auto))
+                print(f"{name} c={c}: target alone {ar:.0f} tok/s, in-process spec {ip:.0f}, stack off "
+                      f"{off['tok_s']:.0f} / full {full['tok_s']:.0f} / auto {auto['tok_s']:.0f} (mean draft "
+                      f"{auto['mean_draft_len']:.1f}, off rounds {auto['off_rounds']:.0f})", flush=True)
+        with DrafterAdmin(cfg.drafter_url, token=cfg.drafter_token) as admin:
+            stats = admin.stats()
+        mem = {"triton (server + Python stub)": peak_rss_mb(stack.triton.process.pid),
+               "drafter": peak_rss_mb(stack.drafter_proc.pid), "orchestrator": peak_rss_mb(stack.orch_proc.pid)}
 
     date = datetime.date.today().isoformat()
     lines = [
         "# Stack benchmark (CPU)", "",
-        f"Date: {date}. Machine: {machine()}.",
-        f"Command: `python -m bench.bench_stack --max-new-tokens {a.max_new_tokens} --concurrency {a.concurrency}`.",
-        f"Target `{os.path.relpath(target)}`, drafter `{drafter}`; {n_prompts} prompts, greedy, {a.max_new_tokens} new tokens each.",
-        *[f"Note: {n}" for n in notes], "",
-        "All outputs (in-process speculative and stack) equal the target-alone output (checked by the script).", "",
-        "| concurrency | target alone tok/s | in-process spec tok/s | stack tok/s | stack / in-process | mean acceptance length | draft ms/round | verify ms/round | orchestration + transport ms/round | fallback rounds |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| prompts | concurrency | target alone (in-process) | fixed-K spec (in-process) | stack, speculation off | "
+        "stack, fixed K | stack, auto | auto / max(off, full) | auto / target alone | mean draft length (auto) | "
+        "rounds without speculation (auto) | gamma (auto) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for c, ar, ip, ipg, st, stg, sp, fb in rows:
-        lines.append(f"| {c} | {ar:.1f} | {ip:.1f} | {st:.1f} | {st / ip:.2f} | {stg:.2f} | {sp['draft_ms']:.2f} | "
-                     f"{sp['verify_ms']:.2f} | {sp['rest_ms']:.2f} | {fb} |")
-    lines += ["", "Peak resident memory (VmHWM, MB):", ""]
-    lines += [f"- {k}: {v:.0f}" for k, v in mem.items()]
-    lines += ["", "Per-sequence state, bytes per context token:", "",
-              f"- target KV cache: {kv_bytes}", f"- drafter cross-attention K/V cache: {drafter_bytes}",
-              f"- drafter stats after the run: {stats.active_sequences} active sequences, {stats.context_tokens} context tokens held"]
+    for name, c, ar, ip, off, full, auto in rows:
+        best = max(off["tok_s"], full["tok_s"])
+        lines.append(f"| {name} | {c} | {ar:.0f} | {ip:.0f} | {off['tok_s']:.0f} | {full['tok_s']:.0f} | "
+                     f"{auto['tok_s']:.0f} | {auto['tok_s'] / best:.2f} | {auto['tok_s'] / ar:.2f} | "
+                     f"{auto['mean_draft_len']:.1f} | {auto['off_rounds']:.0f} / {auto['rounds']:.0f} | {auto['gamma']:.2f} |")
+    lines += [
+        "", f"Tokens/s, greedy, {a.max_new_tokens} new tokens per request, {n} prompts per set; every output equals "
+        f"the target alone's (checked). Command: `python -m bench.bench_stack --concurrency {a.concurrency} "
+        f"--max-new-tokens {a.max_new_tokens}`. Date: {date}. Machine: {machine()}; {threads} torch threads per "
+        f"service. Target `{os.path.relpath(target)}`, drafter `{drafter}`.", *[f"Note: {x}" for x in notes], "",
+        "Per round at concurrency 1 (ms, stack, from the orchestrator's histograms):", "",
+        "| prompts | mode | draft | verify | whole round |", "|---|---|---:|---:|---:|"]
+    for name, c, ar, ip, off, full, auto in rows:
+        if c == levels[0]:
+            for mode, r in (("off", off), ("full", full), ("auto", auto)):
+                lines.append(f"| {name} | {mode} | {r['draft_ms']:.2f} | {r['verify_ms']:.2f} | {r['round_ms']:.2f} |")
+    lines += ["", "Peak resident memory (VmHWM, MB): " + ", ".join(f"{k} {v:.0f}" for k, v in mem.items()) + ".",
+              f"Target KV cache {engine.kv_bytes_per_token} bytes per context token; drafter cross-attention "
+              f"cache {proposer.bytes_per_context_token}; drafter after the run: {stats.active_sequences} "
+              f"sequences held."]
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -35,7 +35,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from flashmap.auth import DRAFTER_TOKEN_HEADER, TARGET_KEY_HEADER
+from flashmap.auth import DRAFTER_TOKEN_HEADER, TARGET_KEY_GRPC_HEADER
 from flashmap.client import AsyncClient, Client, DrafterAdmin, FlashMapError
 from flashmap.metrics import scrape, totals
 from flashmap.types import GenerationRequest, SamplingParams
@@ -135,7 +135,7 @@ def _triton_infer(stack: Stack, key: str | None, corrid: int, tokens: list[int],
     inputs[1].set_data_from_numpy(np.asarray([[start_pos]], np.int64))
     try:
         c.infer("flashmap_target", inputs, sequence_id=corrid, sequence_start=start, sequence_end=end,
-                headers={TARGET_KEY_HEADER: key} if key else None, client_timeout=20)
+                headers={TARGET_KEY_GRPC_HEADER: key} if key else None, client_timeout=20)
         return None
     except InferenceServerException as e:
         return e.status() or e.message()

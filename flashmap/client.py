@@ -21,7 +21,8 @@ from typing import AsyncIterator, Iterator
 
 import grpc
 
-from flashmap.auth import API_KEY_ENV, API_KEY_HEADER, DRAFTER_TOKEN_ENV, DRAFTER_TOKEN_HEADER, bearer, read_secret
+from flashmap.auth import (API_KEY_ENV, API_KEY_HEADER, DRAFTER_TOKEN_ENV, DRAFTER_TOKEN_HEADER, DRAFTER_TOKEN_LOCAL,
+                           bearer, read_secret)
 from flashmap.types import SpecStats
 from flashmap.v1 import drafter_pb2, drafter_pb2_grpc, serving_pb2, serving_pb2_grpc
 from flashmap.wire import stats_from_proto
@@ -256,10 +257,11 @@ class DrafterAdmin:
     """Run-time control of the drafter service: the step count (1 or 2 jumps, or N) and its state."""
 
     def __init__(self, url: str = "127.0.0.1:50052", token: str | None = None):
-        """token: the drafter's shared token (default: $FLASHMAP_DRAFTER_TOKEN or its _FILE)."""
+        """token: the drafter's shared token (default: $FLASHMAP_DRAFTER_TOKEN, its _FILE, or the
+        one `flashmap up` left for this user)."""
         self.channel = grpc.insecure_channel(url)
         self.stub = drafter_pb2_grpc.DrafterStub(self.channel)
-        token = read_secret(DRAFTER_TOKEN_ENV) if token is None else token
+        token = read_secret(DRAFTER_TOKEN_ENV, DRAFTER_TOKEN_LOCAL) if token is None else token
         self._md = ((DRAFTER_TOKEN_HEADER, token),) if token else None
 
     def get_steps(self) -> int:

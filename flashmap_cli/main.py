@@ -180,12 +180,9 @@ def _generate_remote(args) -> int:
 
 
 def _cmd_steps(args) -> int:
-    from flashmap.auth import DRAFTER_TOKEN_ENV, read_secret
     from flashmap.client import DrafterAdmin
-    from flashmap_cli.stack import LOCAL_TOKEN_FILE
 
-    token = read_secret(DRAFTER_TOKEN_ENV) or (LOCAL_TOKEN_FILE.read_text().strip() if LOCAL_TOKEN_FILE.is_file() else "")
-    admin = DrafterAdmin(args.drafter_url, token=token)
+    admin = DrafterAdmin(args.drafter_url)  # the token: the environment's, or `flashmap up`'s
     try:
         steps = admin.set_steps(args.steps) if args.steps is not None else admin.get_steps()
     finally:

@@ -15,17 +15,16 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from flashmap.auth import API_KEY_ENV, DRAFTER_TOKEN_ENV, TARGET_KEY_ENV, new_secret
-from flashmap.grpc_serving import free_port, wait_grpc_health
+from flashmap.auth import (API_KEY_ENV, DRAFTER_TOKEN_ENV, DRAFTER_TOKEN_LOCAL, TARGET_KEY_ENV, new_secret,
+                           write_local_secret)
+from flashmap.grpc_serving import free_ports, wait_grpc_health
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_TARGET = REPO_ROOT / "checkpoints" / "demo-target"
 DEMO_DRAFTER = REPO_ROOT / "checkpoints" / "demo-flashmap"
-# `flashmap up` leaves its drafter token here (owner-only) so `flashmap steps` works from another shell.
-LOCAL_TOKEN_FILE = Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "flashmap" / "drafter_token"
 
 
 @dataclass
@@ -59,9 +58,9 @@ class StackConfig:
 
     @classmethod
     def on_free_ports(cls, **kw) -> "StackConfig":
-        ports = {k: free_port() for k in ("port", "metrics_port", "http_port", "drafter_port", "drafter_metrics_port",
-                                         "triton_http_port", "triton_grpc_port", "triton_metrics_port")}
-        return cls(**{**ports, **kw})
+        names = ("port", "metrics_port", "http_port", "drafter_port", "drafter_metrics_port", "triton_http_port",
+                 "triton_grpc_port", "triton_metrics_port")
+        return cls(**{**dict(zip(names, free_ports(len(names)))), **kw})
 
     @property
     def url(self) -> str:
@@ -135,6 +134,12 @@ class Stack:
             "--target-timeout-s", str(c.target_timeout_s),
         ])
         wait_grpc_health(c.url, 300, self.orch_proc, self._log("orchestrator"))
+
+    def restart_orchestrator(self, **changes) -> None:
+        """Stop the orchestrator and start it again with these StackConfig fields changed."""
+        _stop(self.orch_proc)
+        self.cfg = replace(self.cfg, **changes)
+        self.start_orchestrator()
 
     def start(self) -> "Stack":
         # Three torch processes on a small CPU box each default to one thread per core and
@@ -292,10 +297,8 @@ def run_stack(args) -> int:
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     print(f"starting Triton target, drafter and orchestrator (logs in {cfg.log_dir}) ...", flush=True)
     stack = Stack(cfg).start()
-    LOCAL_TOKEN_FILE.parent.mkdir(parents=True, exist_ok=True)
-    LOCAL_TOKEN_FILE.touch(mode=0o600)
-    LOCAL_TOKEN_FILE.chmod(0o600)
-    LOCAL_TOKEN_FILE.write_text(cfg.drafter_token + "\n")
+    # For `flashmap steps` and DrafterAdmin in this user's other shells.
+    write_local_secret(DRAFTER_TOKEN_LOCAL, cfg.drafter_token)
     lines = [
         "FlashMap Serve is up",
         f"  Generate (gRPC)      {cfg.url}        try: flashmap generate --chat \"What can you do?\" --url {cfg.url}",

@@ -32,7 +32,7 @@ from tritonclient.grpc import InferInput, InferRequestedOutput
 from tritonclient.utils import InferenceServerException
 
 from flashmap import wire
-from flashmap.auth import TARGET_KEY_HEADER
+from flashmap.auth import TARGET_KEY_GRPC_HEADER
 from flashmap.types import InvalidRequest, VerifyResult, VerifyRow
 
 DEFAULT_MODEL = "flashmap_target"
@@ -86,11 +86,11 @@ class TargetClient:
     def __init__(self, url: str = "127.0.0.1:8001", model: str = DEFAULT_MODEL, timeout_s: float | None = None,
                  key: str = ""):
         """timeout_s: deadline of every call (None = none); key: Triton's restricted-protocol
-        key (flashmap.auth.TARGET_KEY_HEADER), "" when the server has none."""
+        key (flashmap.auth.TARGET_KEY_GRPC_HEADER), "" when the server has none."""
         self.url = url
         self.model = model
         self.timeout_s = timeout_s
-        self._headers = {TARGET_KEY_HEADER: key} if key else None
+        self._headers = {TARGET_KEY_GRPC_HEADER: key} if key else None
         self._client = None
         self._info: TargetInfo | None = None
 

@@ -70,7 +70,7 @@ def _idle(stack) -> bool:
     h = httpx.get(f"http://{stack.cfg.host}:{stack.cfg.http_port}/health", timeout=10).json()
     from flashmap.client import DrafterAdmin
 
-    admin = DrafterAdmin(stack.cfg.drafter_url)
+    admin = DrafterAdmin(stack.cfg.drafter_url, token=stack.cfg.drafter_token)
     try:
         drafter_active = admin.stats().active_sequences
     finally:
@@ -359,7 +359,11 @@ class _StubOrchestrator:
     def __init__(self, failure):
         from types import SimpleNamespace
 
+        from orchestrator.server import OrchestratorConfig
+
         self.info = SimpleNamespace(model_name="stub", max_seq_len=64)
+        self.cfg = OrchestratorConfig()
+        self.target_ok = True
         self.failure = failure
         self.active, self.waiting, self.drafter = {}, [], None
 
@@ -367,6 +371,9 @@ class _StubOrchestrator:
         from flashmap.types import GenerationRequest
 
         return GenerationRequest([1, 2], 4, request_id=kw["request_id"])
+
+    async def request_async(self, build, *args):
+        return build(*args)
 
     async def stream(self, gen, stops):
         from orchestrator.server import Outcome, Piece

@@ -90,7 +90,7 @@ def _stack_commands() -> list[str]:
 def test_generate_examples_answer_recognisably(stack):
     cmds = _stack_commands()
     assert cmds, "the README has no `flashmap generate` example"
-    env = _env(FLASHMAP_URL=stack.cfg.url)
+    env = _env(FLASHMAP_URL=stack.cfg.url, FLASHMAP_DRAFTER_TOKEN=stack.cfg.drafter_token)
     for cmd in cmds:
         p = _run(_flashmap(cmd), env)
         assert p.returncode == 0, (cmd, p.stderr)
@@ -162,13 +162,14 @@ def test_python_examples_work_as_written(stack):
             "127.0.0.1:50052": stack.cfg.drafter_url}
     from flashmap.client import DrafterAdmin
 
-    admin = DrafterAdmin(stack.cfg.drafter_url)
+    admin = DrafterAdmin(stack.cfg.drafter_url, token=stack.cfg.drafter_token)
     try:
         for block in blocks:
             code = block
             for a, b in subs.items():
                 code = code.replace(a, b)
-            p = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=_env(), capture_output=True, text=True,
+            env = _env(FLASHMAP_DRAFTER_TOKEN=stack.cfg.drafter_token)  # what `flashmap up` leaves for its user
+            p = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                                timeout=120)
             assert p.returncode == 0, (block, p.stderr)
             assert _expected(block) in p.stdout, (block, p.stdout)
