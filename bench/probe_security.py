@@ -95,10 +95,6 @@ def streams_stay_exact(stack: Stack, ref: Reference, attack, n: int = 4, max_new
     return {"streams": n, "streams_exact": sum(a == b for a, b in zip(got, want)), **attack_result}
 
 
-def scrape_total(url: str, name: str) -> float:
-    return totals(scrape(url)).get(name, 0.0)
-
-
 def wait_until(what: str, fn, timeout_s: float = 30.0, interval_s: float = 0.1):
     deadline = time.monotonic() + timeout_s
     last = None

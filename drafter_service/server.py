@@ -163,9 +163,11 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 for key, pr, _ in items:
                     blocks[key] = drafter_pb2.Block(seq_id=pr.seq_id, error=str(e))
                 continue
-            self.metrics.forward_latency.labels(drafter=self.name, steps=str(steps)).observe(time.perf_counter() - t0)
-            self.metrics.batch_size.labels(drafter=self.name).observe(len(items))
-            self.metrics.blocks.labels(drafter=self.name, steps=str(steps)).inc(len(items))
+            served = sum(pr.seq_id != PROBE_ID for _, pr, _ in items)  # the health probe is not traffic
+            if served:
+                self.metrics.forward_latency.labels(drafter=self.name, steps=str(steps)).observe(time.perf_counter() - t0)
+                self.metrics.batch_size.labels(drafter=self.name).observe(served)
+                self.metrics.blocks.labels(drafter=self.name, steps=str(steps)).inc(served)
             for (key, pr, max_tokens), ds in zip(items, drafts):
                 if max_tokens:
                     ds = [d.truncate(max_tokens) for d in ds]
@@ -213,7 +215,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
     def _release(self, seq_ids, reason: str) -> int:
         n = 0
         for sid in seq_ids:
-            if self._last_use.pop(sid, None) is not None:
+            if self._last_use.pop(sid, None) is not None and sid != PROBE_ID:
                 n += 1
             self.proposer.release(sid)
         if n:

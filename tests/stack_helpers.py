@@ -1,5 +1,6 @@
-"""What the tests that run the real stack share: the in-process greedy reference (checked
-for near-ties), /metrics readers, polling, and one torch thread per process."""
+"""What the tests that run the real stack share: the tiny target and its in-process greedy
+reference (checked for near-ties) as fixtures, /metrics readers, polling, and one torch
+thread per process."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from bench.probe_security import wait_until
 
 
 def _metrics_text(port: int) -> str:
@@ -28,14 +31,7 @@ def _total(samples, name: str, **labels) -> float:
 
 def _poll(what: str, fn, timeout_s: float = 20.0, interval_s: float = 0.05):
     """Call fn until it returns a truthy value; fail with `what` after timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(interval_s)
-    pytest.fail(f"timed out after {timeout_s:g} s waiting for {what} (last: {last!r})")
+    return wait_until(what, fn, timeout_s, interval_s)
 
 
 class Reference:
@@ -75,6 +71,22 @@ class Reference:
         top2 = torch.topk(gen, 2, dim=-1).values
         gap = float((top2[:, 0] - top2[:, 1]).min())
         assert gap > 1e-4, f"near-tie in the reference (top-2 gap {gap:.2e}): pick other prompts"
+
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory) -> Path:
+    """A tiny random Qwen3 with a tokenizer (the stack tests' target)."""
+    from target_service.random_checkpoint import make_random_qwen3
+
+    return make_random_qwen3(tmp_path_factory.mktemp("stack") / "tiny-qwen3", vocab_size=VOCAB, seed=3)
+
+
+@pytest.fixture(scope="module")
+def ref(target_dir) -> "Reference":
+    return Reference(target_dir)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -23,21 +23,9 @@ import pytest
 
 from flashmap.tokenizer import TextTokenizer
 from flashmap_cli.stack import Stack, StackConfig
-from stack_helpers import Reference, _poll, _samples, _total, one_thread_per_process  # noqa: F401 - autouse fixture
+from stack_helpers import Reference, _poll, _samples, _total, one_thread_per_process, ref, target_dir  # noqa: F401 - fixtures
 
 VOCAB = 512
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory) -> Path:
-    from target_service.random_checkpoint import make_random_qwen3
-
-    return make_random_qwen3(tmp_path_factory.mktemp("openai") / "tiny-qwen3", vocab_size=VOCAB, seed=3)
-
-
-@pytest.fixture(scope="module")
-def ref(target_dir) -> Reference:
-    return Reference(target_dir)
 
 
 @pytest.fixture(scope="module")

@@ -88,6 +88,8 @@ from stack_helpers import (  # noqa: E402,F401 - one_thread_per_process is an au
     _samples,
     _total,
     one_thread_per_process,
+    ref,
+    target_dir,
 )
 
 
@@ -118,18 +120,6 @@ def _stream(client: Client, progress: list | None = None, **kw):
             ids.extend(c.token_ids)
     assert final is not None
     return list(ids), final
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory) -> Path:
-    from target_service.random_checkpoint import make_random_qwen3
-
-    return make_random_qwen3(tmp_path_factory.mktemp("stack") / "tiny-qwen3", vocab_size=VOCAB, seed=3)
-
-
-@pytest.fixture(scope="module")
-def ref(target_dir) -> Reference:
-    return Reference(target_dir)
 
 
 # ============================================================================= main stack
