@@ -147,6 +147,7 @@ class Orchestrator:
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._health_task: asyncio.Task | None = None
+        self._releases: set[asyncio.Task] = set()  # slots being freed on the target and the drafter
         self.health = health.aio.HealthServicer()  # the gRPC health the server exports (flipped by _set_target_ok)
         self.target_ok = True
         self._last_target_ok = time.monotonic()
@@ -335,14 +336,21 @@ class Orchestrator:
         self.metrics.queued_requests.labels(model=name).set(len(self.waiting))
 
     async def _release(self, sid: int, a: _Active) -> None:
+        """Free the request's slots on both sides, in the background: a stalled part must not
+        hold up the other requests' rounds (its slot is freed by its idle timeout at worst)."""
         del self.active[sid]
+        task = asyncio.create_task(self._release_parts(sid, a))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+        self._finish(a, a.seq.finish_reason or "abort")
+
+    async def _release_parts(self, sid: int, a: _Active) -> None:
         try:
             await self.target_port.release(a.seq.handle)
         except Exception as e:  # noqa: BLE001 - Triton's idle timeout frees it anyway
             log.warning("release of sequence %d on the target failed: %s", sid, e)
         if self.drafter_port is not None:
             await self.drafter_port.release([a.seq])
-        self._finish(a, a.seq.finish_reason or "abort")
 
     def _finish(self, a: _Active, reason: str) -> None:
         """The request holds nothing any more: its stream ends (Orchestrator.stream counts it)."""
