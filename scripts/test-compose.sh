@@ -20,6 +20,8 @@ if [ "${1:-}" = "--report" ]; then REPORT=$2; fi
 
 # Podman's settings live in the repository, not in /etc (see deploy/containers.conf).
 export CONTAINERS_CONF=$ROOT/deploy/containers.conf
+# Docker's image format: OCI images drop HEALTHCHECK.
+export BUILDAH_FORMAT=docker
 PODMAN_COMPOSE_VERSION=1.6.0   # 1.0.3 (Debian 12) has no !reset, which deploy/docker-compose.cpu.yml uses
 SERVICES=(triton drafter orchestrator prometheus)
 RESTART_SERVICE=orchestrator
