@@ -64,7 +64,7 @@ install_tools() {
     || die "$PY is not Python 3.11 (the images' Python; the wheels are downloaded for it)"
   # podman-compose from PyPI, pinned, in a scratch venv of this run.
   "$PY" -m venv "$WORK/tools"
-  "$WORK/tools/bin/pip" install -q "podman-compose==$PODMAN_COMPOSE_VERSION" 2>&1 | grep -v '^WARNING: Location' || true
+  "$WORK/tools/bin/pip" install -q "podman-compose==$PODMAN_COMPOSE_VERSION" 2>&1 | { grep -v '^WARNING: Location' || true; }
   [ -x "$WORK/tools/bin/podman-compose" ] || die "podman-compose did not install"
 }
 
@@ -110,6 +110,7 @@ cleanup() {
   set +e
   if [ $rc -ne 0 ]; then
     for s in "${SERVICES[@]}"; do
+      podman container exists "$(ctr "$s")" || continue
       echo "----- logs: $s (last 40 lines)" >&2
       podman logs --tail 40 "$(ctr "$s")" >&2 2>&1
     done
@@ -237,6 +238,7 @@ image_sizes() {
 # --------------------------------------------------------------------------- run
 
 trap cleanup EXIT
+trap 'exit 130' INT TERM   # through cleanup, with a failing status
 declare -a SIZES=()
 timed "install tools (podman, runc, debootstrap, podman-compose)" install_tools
 log "podman $(podman --version | awk '{print $3}'), runc $(runc --version | awk 'NR==1{print $3}'), podman-compose $PODMAN_COMPOSE_VERSION"
@@ -244,9 +246,11 @@ remove_stack
 podman rmi -f "${IMAGES[@]}" >/dev/null 2>&1 || true   # build from nothing, every run
 
 timed "build: Debian root image (debootstrap + import)" deploy/base/debian.sh
-timed "download the pinned wheels (cpu.lock)" \
+download_wheels() {  # every wheel of the lock, checked against its hash, into this run's folder
   "$PY" -m pip download -q --no-deps --only-binary=:all: --require-hashes \
-  -r deploy/requirements/cpu.lock -d "$WORK/wheels"
+    -r deploy/requirements/cpu.lock -d "$WORK/wheels" 2>&1 | { grep -v '^WARNING: Location' || true; }
+}
+timed "download the pinned wheels (cpu.lock)" download_wheels
 timed "build: shared Python base" \
   podman build -q -f deploy/base/Containerfile.python -v "$WORK/wheels:/wheels:ro" \
   -t localhost/flashmap/python:cpu deploy
