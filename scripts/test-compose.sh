@@ -142,27 +142,23 @@ wait_healthy() {  # wait_healthy SERVICE TIMEOUT_S: run the service's own health
 
 generate() {  # generate LABEL: one Generate through the published port, with the project's client
   local out
-  out=$(PYTHONPATH=$ROOT "$PY" - "127.0.0.1:$ORCHESTRATOR_PORT" <<'EOF'
-import json, sys, time
+  # 32 tokens whatever the text (ignore_eos): the demo target may end early on a raw prompt.
+  out=$(PYTHONPATH=$ROOT "$PY" - "127.0.0.1:$ORCHESTRATOR_PORT" 2>&1 <<'EOF'
+import sys, time
 from flashmap.client import Client
 t = time.perf_counter()
 with Client(sys.argv[1], timeout=120) as c:
     out = c.generate(prompt="def add(a, b):", max_new_tokens=32, ignore_eos=True)
 s = out.stats
-print(json.dumps({"tokens": len(out.token_ids), "finish": out.finish_reason, "text": out.text[:60],
-                  "gamma": round(s.mean_acceptance_length, 2), "rounds": s.rounds, "drafts": s.drafts,
-                  "fallback_rounds": s.fallback_rounds, "ttft_ms": round(out.time_to_first_token_s * 1e3, 1),
-                  "client_s": round(time.perf_counter() - t, 3)}))
+print(f"{len(out.token_ids)} tokens, finish={out.finish_reason}, gamma {s.mean_acceptance_length:.2f}, "
+      f"{s.rounds} rounds ({s.fallback_rounds} without a draft), TTFT {out.time_to_first_token_s * 1e3:.0f} ms, "
+      f"{time.perf_counter() - t:.2f} s: {out.text[:48]!r}")
+if len(out.token_ids) != 32 or out.finish_reason != "length" or s.rounds < 1:
+    sys.exit("expected 32 tokens, finish=length, at least one round")
 EOF
-  ) || die "Generate ($1) failed"
+  ) || die "Generate ($1) failed: $out"
   log "Generate ($1): $out"
-  "$PY" - "$out" <<'EOF' || die "Generate ($1) answered wrongly: $out"
-import json, sys
-r = json.loads(sys.argv[1])
-assert r["tokens"] == 32 and r["finish"] == "length", "expected 32 tokens, finish=length"
-assert r["rounds"] > 0
-EOF
-  CHECKS+=("Generate ($1)|$(echo "$out" | "$PY" -c 'import json,sys; r=json.load(sys.stdin); print(f"{r[\"tokens\"]} tokens, finish={r[\"finish\"]}, gamma {r[\"gamma\"]}, {r[\"rounds\"]} rounds ({r[\"fallback_rounds\"]} without a draft), TTFT {r[\"ttft_ms\"]} ms, {r[\"client_s\"]} s: {r[\"text\"]!r}")')")
+  CHECKS+=("Generate ($1)|${out//|/\\|}")
 }
 
 openai_request() {
@@ -229,7 +225,7 @@ image_sizes() {
     size=$(podman image inspect -f '{{.Size}}' "$img")
     case $img in
       */triton:*|*/drafter:*|*/orchestrator:*)
-        SIZES+=("$img|$((size / 1000000)) MB|$(((size - base) / 1000000)) MB above the shared base") ;;
+        SIZES+=("$img|$((size / 1000000)) MB|its own layers: $(awk -v d=$((size - base)) 'BEGIN{printf "%.1f", d / 1e6}') MB above the shared base") ;;
       *) SIZES+=("$img|$((size / 1000000)) MB|") ;;
     esac
   done
@@ -243,6 +239,10 @@ declare -a SIZES=()
 timed "install tools (podman, runc, debootstrap, podman-compose)" install_tools
 log "podman $(podman --version | awk '{print $3}'), runc $(runc --version | awk 'NR==1{print $3}'), podman-compose $PODMAN_COMPOSE_VERSION"
 remove_stack
+if [ "${SKIP_BUILD:-0}" = 1 ]; then
+  # For working on the checks: the images of an earlier KEEP_IMAGES=1 run. Not for CI.
+  log "SKIP_BUILD=1: using the images already built"
+else
 podman rmi -f "${IMAGES[@]}" >/dev/null 2>&1 || true   # build from nothing, every run
 
 timed "build: Debian root image (debootstrap + import)" deploy/base/debian.sh
@@ -255,6 +255,7 @@ timed "build: shared Python base" \
   podman build -q -f deploy/base/Containerfile.python -v "$WORK/wheels:/wheels:ro" \
   -t localhost/flashmap/python:cpu deploy
 timed "build: service images + prometheus (podman-compose build)" compose build "${SERVICES[@]}"
+fi
 image_sizes
 
 t_up=$SECONDS
@@ -295,3 +296,5 @@ TOTAL=$((SECONDS - T0))
 } >"$WORK/report.md"
 cat "$WORK/report.md"
 [ -z "$REPORT" ] || cp "$WORK/report.md" "$REPORT"
+skipped=$(printf '%s\n' "${CHECKS[@]}" | grep -c '|skipped' || true)
+echo "compose: $((${#CHECKS[@]} - skipped)) passed, 0 failed, $skipped skipped"
