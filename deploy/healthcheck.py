@@ -2,6 +2,11 @@
 
     python healthcheck.py grpc 127.0.0.1:50051 [service]   # standard grpc.health.v1 Check
     python healthcheck.py http http://127.0.0.1:8000/v2/health/ready
+    python healthcheck.py triton http://127.0.0.1:8000      # a real request through the model
+
+The triton mode sends an INFO request through the FlashMap target model with the key in
+$FLASHMAP_TARGET_KEY (target_service.launcher.probe): Triton's own readiness stays green
+when the model's Python stub has died, this does not.
 
 Why a script: the slim images carry neither curl nor grpc_health_probe, and a Python one-liner in
 docker-compose.yml would be unreadable. The http mode uses only the standard library, so it also
@@ -51,11 +56,19 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("service", nargs="?", default="", help="service name; empty = whole server")
     h = sub.add_parser("http")
     h.add_argument("url")
+    t = sub.add_parser("triton")
+    t.add_argument("url", help="Triton's HTTP address, e.g. http://127.0.0.1:8000")
     args = p.parse_args(argv)
 
     if args.mode == "grpc":
         ok, detail = check_grpc(args.target, args.service, args.timeout)
         where = args.target
+    elif args.mode == "triton":
+        from flashmap.auth import TARGET_KEY_ENV, read_secret
+        from target_service.launcher import probe
+
+        ok, detail = probe(args.url, read_secret(TARGET_KEY_ENV), args.timeout)
+        where = args.url
     else:
         ok, detail = check_http(args.url, args.timeout)
         where = args.url

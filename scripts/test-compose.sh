@@ -80,10 +80,13 @@ print(" ".join(str(s.getsockname()[1]) for s in socks))
 EOF
 }
 
-read -r ORCHESTRATOR_PORT ORCHESTRATOR_METRICS_PORT DRAFTER_PORT DRAFTER_METRICS_PORT \
-  TRITON_HTTP_PORT TRITON_GRPC_PORT TRITON_METRICS_PORT PROMETHEUS_PORT GRAFANA_PORT <<<"$(free_ports 9)"
-export ORCHESTRATOR_PORT ORCHESTRATOR_METRICS_PORT DRAFTER_PORT DRAFTER_METRICS_PORT \
-  TRITON_HTTP_PORT TRITON_GRPC_PORT TRITON_METRICS_PORT PROMETHEUS_PORT GRAFANA_PORT
+read -r ORCHESTRATOR_PORT ORCHESTRATOR_HTTP_PORT ORCHESTRATOR_METRICS_PORT PROMETHEUS_PORT GRAFANA_PORT \
+  <<<"$(free_ports 5)"
+export ORCHESTRATOR_PORT ORCHESTRATOR_HTTP_PORT ORCHESTRATOR_METRICS_PORT PROMETHEUS_PORT GRAFANA_PORT
+# The secrets between the parts and the API key clients send (the client SDK reads FLASHMAP_API_KEY).
+secret() { "$PY" -c 'import secrets; print(secrets.token_urlsafe(32))'; }
+FLASHMAP_TARGET_KEY=$(secret) FLASHMAP_DRAFTER_TOKEN=$(secret) FLASHMAP_API_KEY=$(secret)
+export FLASHMAP_TARGET_KEY FLASHMAP_DRAFTER_TOKEN FLASHMAP_API_KEY
 export ORCHESTRATOR_BIND=127.0.0.1   # tests listen on loopback only
 export FLASHMAP_TARGET_HOST_DIR=$ROOT/checkpoints/demo-target
 export FLASHMAP_DRAFTER_HOST_DIR=$ROOT/checkpoints/demo-flashmap
@@ -161,18 +164,50 @@ EOF
   CHECKS+=("Generate ($1)|${out//|/\\|}")
 }
 
-openai_request() {
-  # PLACEHOLDER (issue 16, item 1): the orchestrator's OpenAI-compatible HTTP API is not written
-  # yet. When it is, its compose port gets published (say ORCHESTRATOR_HTTP_PORT) and this sends
-  # one /v1/completions request through it with the `openai` client or curl and checks the answer.
-  # Until then it only looks whether such a port is served, and records a skip.
-  local port=${ORCHESTRATOR_HTTP_PORT:-}
-  if [ -z "$port" ] || ! "$PY" -c "import socket,sys; socket.create_connection(('127.0.0.1', int(sys.argv[1])), 2)" "$port" 2>/dev/null; then
-    log "OpenAI request: skipped (no OpenAI-compatible port served yet)"
-    CHECKS+=("OpenAI /v1/completions|skipped: not served yet (placeholder)")
-    return 0
-  fi
-  die "an OpenAI port is served on $port but this script has no request for it yet: fill in openai_request"
+openai_request() {  # one /v1/chat/completions through the published HTTP port, with the API key
+  local out
+  out=$("$PY" - "http://127.0.0.1:$ORCHESTRATOR_HTTP_PORT" 2>&1 <<'EOF'
+import json, os, sys, urllib.error, urllib.request
+base = sys.argv[1]
+body = {"model": "demo-target", "messages": [{"role": "user", "content": "What can you do?"}], "max_tokens": 32,
+        "temperature": 0}
+req = lambda key: urllib.request.Request(base + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+try:
+    urllib.request.urlopen(req("wrong"), timeout=60)
+    sys.exit("a request with a wrong API key was served")
+except urllib.error.HTTPError as e:
+    assert e.code == 401, e.code
+r = json.load(urllib.request.urlopen(req(os.environ["FLASHMAP_API_KEY"]), timeout=120))
+text, spec = r["choices"][0]["message"]["content"], r["flashmap"]
+assert text and r["usage"]["completion_tokens"] > 0, r
+print(f"{r['usage']['completion_tokens']} tokens, finish={r['choices'][0]['finish_reason']}, "
+      f"gamma {spec['mean_acceptance_length']:.2f}; a wrong key got 401: {text[:48]!r}")
+EOF
+  ) || die "OpenAI request failed: $out"
+  log "OpenAI: $out"
+  CHECKS+=("OpenAI /v1/chat/completions|$out")
+}
+
+stub_kill_check() {  # kill -9 Triton's Python stub: the launcher's watchdog exits, podman restarts Triton
+  local c before after t pid
+  c=$(ctr triton)
+  before=$(podman inspect -f '{{.RestartCount}}' "$c")
+  pid=$(podman top "$c" pid args | awk '/triton_python_backend_stub/ {print $1; exit}')
+  [ -n "$pid" ] || die "no triton_python_backend_stub in the triton container"
+  log "kill -9 Triton's Python stub (pid $pid in the container)"
+  t=$SECONDS
+  podman exec "$c" kill -9 "$pid"
+  until after=$(podman inspect -f '{{.RestartCount}}' "$c") && [ "$after" -gt "$before" ] \
+      && [ "$(podman inspect -f '{{.State.Status}}' "$c")" = running ]; do
+    [ $((SECONDS - t)) -lt 120 ] || die "triton not restarted 120 s after its stub died"
+    sleep 1
+  done
+  TIMES+=("triton: stub killed to restarted (launcher watchdog)|$((SECONDS - t))")
+  wait_healthy triton 300
+  TIMES+=("triton: stub killed to healthy again|$((SECONDS - t))")
+  CHECKS+=("Triton stub kill -9|restart count $before -> $after, healthy again after $((SECONDS - t)) s")
+  generate "after the Triton restart"
 }
 
 prometheus_targets_up() {  # every scrape target healthy, through Prometheus' HTTP API
@@ -269,6 +304,7 @@ generate "first"
 openai_request
 prometheus_targets_up
 restart_check
+stub_kill_check
 
 timed "down (podman-compose down -v)" remove_stack
 TOTAL=$((SECONDS - T0))

@@ -328,8 +328,10 @@ def start_triton(
             for f in ("libtriton_python.so", "triton_python_backend_utils.py"):
                 (py / f).symlink_to(dist.python_backend / f)
             (py / "triton_python_backend_stub").symlink_to(dist.stub)
+        to_stdout = str(log_path) == "-"  # in a container: the server's output is the container's log
         log_path = Path(log_path) if log_path else workspace / "tritonserver.log"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
+        if not to_stdout:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
         cmd = [
             str(dist.binary),
             f"--model-repository={repo}",
@@ -354,7 +356,7 @@ def start_triton(
         env.update(model_env(model_dir, max_seq_len=max_seq_len, device=device, dtype=dtype,
                              feature_layers=feature_layers))
         env.update(extra_env or {})
-        log_file = open(log_path, "ab")
+        log_file = None if to_stdout else open(log_path, "ab")
         try:
             process = subprocess.Popen(
                 cmd, env=env, cwd=workspace,  # not the caller's cwd: the stub puts its cwd on sys.path
@@ -362,7 +364,8 @@ def start_triton(
                 start_new_session=True,  # a Ctrl-C in the terminal reaches us, and we stop it cleanly
             )
         finally:
-            log_file.close()
+            if log_file is not None:
+                log_file.close()
     except BaseException:
         shutil.rmtree(workspace, ignore_errors=True)
         raise
@@ -466,7 +469,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on cuda, fp32 on cpu)")
     p.add_argument("--feature-layers", default=None, help="comma-separated decoder layers (default: the engine's)")
     p.add_argument("--features-dtype", choices=["float32", "float16"], default=None)
-    p.add_argument("--log-path", default=None, help="server log (default: $TMPDIR/flashmap-triton-<grpc port>.log)")
+    p.add_argument("--log-path", default=None,
+                   help="server log (default: $TMPDIR/flashmap-triton-<grpc port>.log; '-': this process' output)")
     p.add_argument("--log-verbose", type=int, default=0)
     p.add_argument("--ready-timeout-s", type=float, default=600.0)
     p.add_argument("--watchdog-s", type=float, default=10.0,
@@ -477,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     if not Path(args.model_dir, "config.json").is_file():
         p.error(f"{args.model_dir}: no config.json (not a Hugging Face checkpoint directory)")
     log_path = Path(args.log_path or Path(tempfile.gettempdir()) / f"flashmap-triton-{args.grpc_port}.log")
-    log_path.unlink(missing_ok=True)
+    if args.log_path != "-":
+        log_path.unlink(missing_ok=True)
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt  # SIGTERM behaves like Ctrl-C: stop the server, exit 0

