@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from flashmap.auth import (API_KEY_ENV, DRAFTER_TOKEN_ENV, DRAFTER_TOKEN_LOCAL, TARGET_KEY_ENV, new_secret,
-                           write_local_secret)
+                           read_secret, write_local_secret)
 from flashmap.grpc_serving import free_ports, wait_grpc_health
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -291,6 +291,7 @@ def run_stack(args) -> int:
         target_dir=target, drafter=drafter, steps=args.steps, port=args.port, metrics_port=args.metrics_port,
         http_port=args.http_port, drafter_port=args.drafter_port, drafter_metrics_port=args.drafter_metrics_port, triton_http_port=http,
         triton_grpc_port=grpc_port, triton_metrics_port=metrics, n_slots=args.n_slots, max_seq_len=args.max_seq_len,
+        api_key=read_secret(API_KEY_ENV),  # clients must send it when set
         **({"log_dir": args.log_dir} if args.log_dir else {}),
     )
     # SIGTERM (docker stop, kill, a supervisor) must stop the three children like Ctrl-C does.
