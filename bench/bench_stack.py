@@ -73,9 +73,16 @@ def inprocess(engine, proposer, prompts, max_new, concurrency) -> tuple[list, fl
     return [o.token_ids for o in outs], sum(len(o.token_ids) for o in outs) / dt
 
 
+def _scrape_all(cfg: StackConfig) -> dict[str, float]:
+    """Totals of the orchestrator's, the drafter's and Triton's metrics (names do not collide)."""
+    out: dict[str, float] = {}
+    for port in (cfg.metrics_port, cfg.drafter_metrics_port, cfg.triton_metrics_port):
+        out.update(totals(scrape(f"http://{cfg.host}:{port}/metrics", 10)))
+    return out
+
+
 def through_stack(cfg: StackConfig, prompts, max_new, concurrency, spec_off: bool = False) -> dict:
-    url = f"http://{cfg.host}:{cfg.metrics_port}/metrics"
-    before = totals(scrape(url, 10))
+    before = _scrape_all(cfg)
 
     def one(p):
         with Client(cfg.url, api_key=cfg.api_key) as c:
@@ -86,16 +93,22 @@ def through_stack(cfg: StackConfig, prompts, max_new, concurrency, spec_off: boo
     with ThreadPoolExecutor(concurrency) as pool:
         outs = list(pool.map(one, prompts))
     dt = time.perf_counter() - t0
-    after = totals(scrape(url, 10))
+    after = _scrape_all(cfg)
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     rounds = max(d.get("flashmap_round_latency_seconds_count", 0.0), 1.0)
     drafts = sum(o.stats.drafts for o in outs)
+    verifies = max(d.get("nv_inference_exec_count", 0.0), 1.0)  # Triton executions (one per verify forward)
     return {
         "outputs": [o.token_ids for o in outs], "tok_s": sum(len(o.token_ids) for o in outs) / dt,
         "gamma": 1 + sum(o.stats.accepted for o in outs) / drafts if drafts else 1.0,
         "draft_ms": 1e3 * d.get("flashmap_draft_latency_seconds_sum", 0.0) / rounds,
         "verify_ms": 1e3 * d.get("flashmap_verify_latency_seconds_sum", 0.0) / rounds,
         "round_ms": 1e3 * d.get("flashmap_round_latency_seconds_sum", 0.0) / rounds,
+        # Inside the parts, per round: the drafter's forward, Triton's queue and model execution
+        # (the Python backend's stub and the engine), per request of a verify.
+        "drafter_forward_ms": 1e3 * d.get("flashmap_drafter_forward_latency_seconds_sum", 0.0) / rounds,
+        "triton_queue_ms": 1e-3 * d.get("nv_inference_queue_duration_us", 0.0) / verifies,
+        "triton_compute_ms": 1e-3 * d.get("nv_inference_compute_infer_duration_us", 0.0) / verifies,
         "mean_draft_len": d.get("flashmap_draft_length_sum", 0.0) / max(d.get("flashmap_draft_length_count", 0.0), 1),
         "off_rounds": d.get("flashmap_speculation_off_rounds_total", 0.0), "rounds": rounds,
         "fallback": sum(o.stats.fallback_rounds for o in outs),
@@ -179,12 +192,16 @@ def main(argv=None):
         f"the target alone's (checked). Command: `python -m bench.bench_stack --concurrency {a.concurrency} "
         f"--max-new-tokens {a.max_new_tokens}`. Date: {date}. Machine: {machine()}; {threads} torch threads per "
         f"service. Target `{os.path.relpath(target)}`, drafter `{drafter}`.", *[f"Note: {x}" for x in notes], "",
-        "Per round at concurrency 1 (ms, stack, from the orchestrator's histograms):", "",
-        "| prompts | mode | draft | verify | whole round |", "|---|---|---:|---:|---:|"]
+        "Per round at concurrency 1 (ms, stack): the orchestrator's draft and verify calls and whole round, "
+        "and inside them the drafter's forward and Triton's queue wait and model execution per request:", "",
+        "| prompts | mode | draft call | drafter forward | verify call | Triton queue | Triton model | whole round |",
+        "|---|---|---:|---:|---:|---:|---:|---:|"]
     for name, c, ar, ip, off, full, auto in rows:
         if c == levels[0]:
             for mode, r in (("off", off), ("full", full), ("auto", auto)):
-                lines.append(f"| {name} | {mode} | {r['draft_ms']:.2f} | {r['verify_ms']:.2f} | {r['round_ms']:.2f} |")
+                lines.append(f"| {name} | {mode} | {r['draft_ms']:.2f} | {r['drafter_forward_ms']:.2f} | "
+                             f"{r['verify_ms']:.2f} | {r['triton_queue_ms']:.2f} | {r['triton_compute_ms']:.2f} | "
+                             f"{r['round_ms']:.2f} |")
     lines += ["", "Peak resident memory (VmHWM, MB): " + ", ".join(f"{k} {v:.0f}" for k, v in mem.items()) + ".",
               f"Target KV cache {engine.kv_bytes_per_token} bytes per context token; drafter cross-attention "
               f"cache {proposer.bytes_per_context_token}; drafter after the run: {stats.active_sequences} "
