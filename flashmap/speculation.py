@@ -18,8 +18,8 @@ non-increasing in k, so this is a prefix); lam is then the throughput of that ch
 repeat until it settles, and keep the better of that and no speculation at all. Exactness
 never depends on the choice: any prefix of a draft is a valid proposal.
 
-When speculation is off for a while, one round in `probe_every` speculates anyway, so the
-acceptance and draft-cost estimates stay current and speculation can come back.
+A request left without a draft for `probe_every` rounds drafts a whole block, so its
+acceptance estimate and the draft cost stay current and speculation can come back.
 Numpy only.
 """
 
@@ -62,8 +62,10 @@ class OnlineLinear:
 @dataclass
 class ControllerConfig:
     prior_strength: float = 8.0  # pseudo-rounds of the global acceptance in a request's estimate
+    prior_acceptance: float = 0.6  # per-slot acceptance assumed before any round is seen
+    prior_rounds: float = 4.0  # ... with the weight of this many rounds
     forget: float = 0.98  # cost fits: weight of a round measured n rounds ago is forget**n
-    probe_every: int = 32  # with speculation off, one round in this many speculates anyway
+    probe_every: int = 8  # a request left without a draft this many rounds in a row drafts a full block
     min_rounds_measured: int = 4  # before this many verify measurements, speculate fully
 
 
@@ -75,10 +77,12 @@ class SpeculationController:
     def __post_init__(self):
         K = self.block_size
         # Global per-slot counts (verified, accepted), greedy and sampling separately.
-        self.global_counts = {g: (np.ones(K), np.full(K, 0.7)) for g in (True, False)}
-        self.verify_cost = OnlineLinear((1e-2, 1e-4), self.cfg.forget, prior_weight=1e-3)
-        self.draft_cost = OnlineLinear((1e-2, 1e-4), self.cfg.forget, prior_weight=1e-3)
-        self.off_rounds = 0  # consecutive rounds without speculation
+        c = self.cfg
+        self.global_counts = {g: (np.full(K, c.prior_rounds), np.full(K, c.prior_rounds * c.prior_acceptance))
+                              for g in (True, False)}
+        self.verify_cost = OnlineLinear((1e-2, 1e-4), c.forget, prior_weight=1e-3)
+        self.draft_cost = OnlineLinear((1e-2, 1e-4), c.forget, prior_weight=1e-3)
+        self.idle: dict[int, int] = {}  # seq_id -> rounds in a row it could have drafted and did not
         self.last_plan: dict[int, int] = {}
 
     # -- estimates ---------------------------------------------------------------
@@ -109,12 +113,15 @@ class SpeculationController:
             choice = dict(caps)
         else:
             choice = self._search(seqs, caps, fixed_tokens)
-            if not any(choice.values()):
-                self.off_rounds += 1
-                if self.off_rounds >= self.cfg.probe_every:
-                    choice = dict(caps)
-            if any(choice.values()):
-                self.off_rounds = 0
+        # Probes: a request that has gone without a draft for a while drafts a whole block, so its
+        # acceptance estimate (and the draft cost) stays current and speculation can come back.
+        idle = {}
+        for i, cap in caps.items():
+            if cap and not choice[i]:
+                idle[i] = self.idle.get(i, 0) + 1
+                if idle[i] >= self.cfg.probe_every:
+                    choice[i], idle[i] = cap, 0
+        self.idle = idle
         for i in pinned:
             choice[i] = caps[i]
         for s in seqs:

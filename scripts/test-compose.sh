@@ -168,9 +168,11 @@ openai_request() {  # one /v1/chat/completions through the published HTTP port, 
   local out
   out=$("$PY" - "http://127.0.0.1:$ORCHESTRATOR_HTTP_PORT" 2>&1 <<'EOF'
 import json, os, sys, urllib.error, urllib.request
-base = sys.argv[1]
-body = {"model": "demo-target", "messages": [{"role": "user", "content": "What can you do?"}], "max_tokens": 32,
-        "temperature": 0}
+base, key = sys.argv[1], os.environ["FLASHMAP_API_KEY"]
+auth = {"Authorization": f"Bearer {key}"}
+models = json.load(urllib.request.urlopen(urllib.request.Request(base + "/v1/models", headers=auth), timeout=30))
+body = {"model": models["data"][0]["id"], "messages": [{"role": "user", "content": "What can you do?"}],
+        "max_tokens": 32, "temperature": 0}
 req = lambda key: urllib.request.Request(base + "/v1/chat/completions", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
 try:
@@ -178,7 +180,7 @@ try:
     sys.exit("a request with a wrong API key was served")
 except urllib.error.HTTPError as e:
     assert e.code == 401, e.code
-r = json.load(urllib.request.urlopen(req(os.environ["FLASHMAP_API_KEY"]), timeout=120))
+r = json.load(urllib.request.urlopen(req(key), timeout=120))
 text, spec = r["choices"][0]["message"]["content"], r["flashmap"]
 assert text and r["usage"]["completion_tokens"] > 0, r
 print(f"{r['usage']['completion_tokens']} tokens, finish={r['choices'][0]['finish_reason']}, "
