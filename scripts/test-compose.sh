@@ -195,11 +195,11 @@ stub_kill_check() {  # kill -9 Triton's Python stub: the launcher's watchdog exi
   local c before after t pid
   c=$(ctr triton)
   before=$(podman inspect -f '{{.RestartCount}}' "$c")
-  pid=$(podman top "$c" pid args | awk '/triton_python_backend_stub/ {print $1; exit}')
+  pid=$(podman top "$c" hpid args | awk '/triton_python_backend_stub/ {print $1; exit}')
   [ -n "$pid" ] || die "no triton_python_backend_stub in the triton container"
-  log "kill -9 Triton's Python stub (pid $pid in the container)"
+  log "kill -9 Triton's Python stub (host pid $pid)"
   t=$SECONDS
-  podman exec "$c" kill -9 "$pid"
+  kill -9 "$pid"
   until after=$(podman inspect -f '{{.RestartCount}}' "$c") && [ "$after" -gt "$before" ] \
       && [ "$(podman inspect -f '{{.State.Status}}' "$c")" = running ]; do
     [ $((SECONDS - t)) -lt 120 ] || die "triton not restarted 120 s after its stub died"
@@ -207,7 +207,9 @@ stub_kill_check() {  # kill -9 Triton's Python stub: the launcher's watchdog exi
   done
   TIMES+=("triton: stub killed to restarted (launcher watchdog)|$((SECONDS - t))")
   wait_healthy triton 300
-  TIMES+=("triton: stub killed to healthy again|$((SECONDS - t))")
+  # The orchestrator said NOT_SERVING while the target could not verify; it must say SERVING again.
+  wait_healthy orchestrator 120
+  TIMES+=("triton: stub killed to Triton and the orchestrator healthy again|$((SECONDS - t))")
   CHECKS+=("Triton stub kill -9|restart count $before -> $after, healthy again after $((SECONDS - t)) s")
   generate "after the Triton restart"
 }
