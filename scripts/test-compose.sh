@@ -200,11 +200,7 @@ stub_kill_check() {  # kill -9 Triton's Python stub: the launcher's watchdog exi
   log "kill -9 Triton's Python stub (host pid $pid)"
   t=$SECONDS
   kill -9 "$pid"
-  until after=$(podman inspect -f '{{.RestartCount}}' "$c") && [ "$after" -gt "$before" ] \
-      && [ "$(podman inspect -f '{{.State.Status}}' "$c")" = running ]; do
-    [ $((SECONDS - t)) -lt 120 ] || die "triton not restarted 120 s after its stub died"
-    sleep 1
-  done
+  after=$(await_restart triton "$before" "$t" 120)
   TIMES+=("triton: stub killed to restarted (launcher watchdog)|$((SECONDS - t))")
   wait_healthy triton 300
   # The orchestrator said NOT_SERVING while the target could not verify; it must say SERVING again.
@@ -237,6 +233,17 @@ EOF
   CHECKS+=("Prometheus targets (HTTP API)|$summary")
 }
 
+await_restart() {  # await_restart SERVICE BEFORE T0 TIMEOUT_S: prints the restart count once it passes BEFORE
+  local c after
+  c=$(ctr "$1")
+  until after=$(podman inspect -f '{{.RestartCount}}' "$c") && [ "$after" -gt "$2" ] \
+      && [ "$(podman inspect -f '{{.State.Status}}' "$c")" = running ]; do
+    [ $((SECONDS - $3)) -lt "$4" ] || die "$1 not restarted $4 s after the kill"
+    sleep 1
+  done
+  echo "$after"
+}
+
 restart_check() {  # kill the service's main process; the restart policy must bring it back serving
   local c pid before after t
   c=$(ctr "$RESTART_SERVICE")
@@ -245,11 +252,7 @@ restart_check() {  # kill the service's main process; the restart policy must br
   log "kill -9 $RESTART_SERVICE's main process (host pid $pid)"
   t=$SECONDS
   kill -9 "$pid"
-  until after=$(podman inspect -f '{{.RestartCount}}' "$c") && [ "$after" -gt "$before" ] \
-      && [ "$(podman inspect -f '{{.State.Status}}' "$c")" = running ]; do
-    [ $((SECONDS - t)) -lt 60 ] || die "$RESTART_SERVICE not restarted 60 s after the kill"
-    sleep 1
-  done
+  after=$(await_restart "$RESTART_SERVICE" "$before" "$t" 60)
   TIMES+=("$RESTART_SERVICE: kill -9 to restarted by podman|$((SECONDS - t))")
   wait_healthy "$RESTART_SERVICE" 180
   TIMES+=("$RESTART_SERVICE: kill -9 to healthy again|$((SECONDS - t))")
