@@ -24,7 +24,9 @@ no free slot -> UNAVAILABLE; anything else -> INTERNAL for the requests of that 
 Configuration: config.pbtxt parameters (model_dir, max_seq_len, device, dtype, feature_layers),
 each overridden by the environment ($FLASHMAP_TARGET_DIR, $FLASHMAP_TARGET_MAX_SEQ_LEN, ...).
 n_slots = oldest.max_candidate_sequences; idle timeout = max_sequence_idle_microseconds.
-The project must be importable (PYTHONPATH; target_service/launcher.py sets it).
+The project must be importable by the stub's Python: target_service/launcher.py passes it on
+PYTHONPATH; a stub that runs Python in isolated mode ignores PYTHONPATH, and then a .pth file in
+that Python's site directory does it (deploy/Dockerfile.triton).
 
 Metrics (Triton's /metrics): flashmap_target_active_sequences, flashmap_target_slots,
 flashmap_target_batch_size (rows in the last forward), flashmap_target_verify_batches_total,
@@ -53,7 +55,8 @@ try:  # a clear message beats a bare ModuleNotFoundError in the server log
 except ImportError as e:  # pragma: no cover - only in a misconfigured server
     raise ImportError(
         f"flashmap_target: cannot import the FlashMap project ({e}). Put the project root and an "
-        "environment with torch/transformers on PYTHONPATH (target_service/launcher.py does this)."
+        "environment with torch/transformers on the stub Python's path (target_service/launcher.py; in "
+        "an image, a .pth file as deploy/Dockerfile.triton writes)."
     ) from e
 
 
