@@ -56,8 +56,8 @@ def orchestrator_metrics(block_size: int = BLOCK_SIZE) -> tuple[Metric, ...]:
           SPEC + ("position",)),
         M("flashmap_acceptance_length", "histogram", "Tokens committed per speculative round (gamma)", SPEC,
           tuple(range(1, block_size + 2))),
-        M("flashmap_draft_length", "histogram", "Draft tokens verified per request and round, as the speculation "
-          "controller chose them (0 = a plain decode step)", ("model",), tuple(range(0, block_size + 1))),
+        M("flashmap_draft_length", "histogram", "Draft tokens verified per request and decode round (0 = a plain "
+          "decode step: the speculation controller chose none, or no draft came)", ("model",), tuple(range(0, block_size + 1))),
         M("flashmap_speculation_off_rounds", "counter", "Rounds in which the controller verified no draft for "
           "any request (speculation off)", ("model",)),
         M("flashmap_draft_latency_seconds", "histogram", "Drafter call latency", SPEC, LATENCY_BUCKETS),

@@ -176,6 +176,8 @@ class Orchestrator:
             self.metrics.fallback_rounds.labels(model=self.info.model_name, reason=reason)
         for status in ("length", "stop", "abort", "error"):
             self.metrics.requests.labels(model=self.info.model_name, status=status)
+        self.metrics.draft_length.labels(model=self.info.model_name)
+        self.metrics.speculation_off_rounds.labels(model=self.info.model_name)
         self.max_concurrent = self.cfg.max_concurrent or self.info.n_slots
         self._loop_task = asyncio.create_task(self._scheduler())
         self._health_task = asyncio.create_task(self._health_loop())
@@ -363,11 +365,11 @@ class Orchestrator:
         res = await speculative_round([a.seq for a in acts], self.target_port, self.drafter_port, self.cfg.tree_blocks,
                                       self.controller)
         name = self.info.model_name
-        if res.plan is not None:
-            for length in res.plan.values():
-                self.metrics.draft_length.labels(model=name).observe(length)
-            if not any(res.plan.values()) and any(a.seq.prefilled for a in acts):
-                self.metrics.speculation_off_rounds.labels(model=name).inc()
+        decoding = [r for r in res.sequences if not r.prefill and r.error is None]
+        for r in decoding:
+            self.metrics.draft_length.labels(model=name).observe(r.drafted)
+        if res.plan is not None and decoding and not any(res.plan.values()):
+            self.metrics.speculation_off_rounds.labels(model=name).inc()
         if self.drafter is not None:
             self.metrics.drafter_steps.labels(drafter=self._drafter_name()).set(self.drafter.steps)
             if res.draft_s:  # one observation per drafter call (a call drafts the whole batch)
