@@ -30,7 +30,6 @@ import torch
 from torch import Tensor
 
 from drafter_service.flashmap_dit import CrossContext, FlashMapDiT, greedy_summary, jump
-from drafter_service.flow_time import time_grid
 from drafter_service.proposer import ProposeRequest
 from drafter_service.slots import ContextTooLong, ProposerError, SlotCacheProposer, SlotsExhausted  # noqa: F401
 from flashmap.types import Draft
@@ -209,8 +208,7 @@ class FlashMapProposer(SlotCacheProposer):
         evaluation's logits [B, K, V] (summary=True: (logits, ids, prob), `greedy_summary`).
         times: the grid as [B] device tensors (CUDA graphs); default: host floats."""
         if steps not in self._grids:
-            self._grids[steps] = [float(g) for g in time_grid(steps, self.vocab_size, self.cfg.time_table_size,
-                                                              self.cfg.gauss_hermite_nodes)]
+            self._grids[steps] = [float(g) for g in self.model.time_grid(steps)]  # the drafter's own time map
         grid = self._grids[steps]
         tt = grid if times is None else times
         euler = steps >= 3  # 1-2 steps: flow-map jumps (s, t); more: teacher ODE (t, t)

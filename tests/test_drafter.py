@@ -16,7 +16,6 @@ from drafter_service.config import DrafterConfig
 from drafter_service.flashmap_dit import FlashMapDiT, greedy_summary, jump, noise_factor
 from drafter_service.flashmap_proposer import (ContextTooLong, FlashMapProposer, SlotsExhausted, draw_noise,
                                                request_generator)
-from drafter_service.flow_time import time_grid
 from drafter_service.oracle import OracleProposer
 from drafter_service.proposer import ProposeRequest
 from target_service.checkpoint import CheckpointError
@@ -349,11 +348,11 @@ def test_step_schedule(flashmap, targets, monkeypatch):
     calls.clear()
     prop.set_steps(2)
     prop.propose(req)
-    u = round(float(time_grid(2, 512)[1]), 6)
+    u = round(float(flashmap.time_grid(2)[1]), 6)  # the drafter's own time map
     assert calls == [(0.0, u), (u, 1.0)]
     calls.clear()
     prop.propose(req, steps=4)
-    g = [round(float(x), 6) for x in time_grid(4, 512)[:-1]]
+    g = [round(float(x), 6) for x in flashmap.time_grid(4)[:-1]]
     assert calls == [(a, a) for a in g]
     calls.clear()
     prop.propose([ProposeRequest("x", 3, steps=1), ProposeRequest("y", 3)])  # override: two groups

@@ -220,7 +220,8 @@ def test_zero_length_jump_loss_vanishes_for_student_equal_teacher(world):
 
 
 def test_jump_sampling_fractions():
-    cfg = td.DrafterConfig(vocab_size=512, target_hidden_size=64, target_num_layers=4, feature_layers=[1])
+    cfg = td.DrafterConfig(vocab_size=512, target_hidden_size=64, target_num_layers=4, feature_layers=[1],
+                           time_map="vocab")  # a bare config: no embedding to measure the embedded map on
     s, u, t, zero = td.sample_jumps(20000, 512, cfg, torch.Generator().manual_seed(0), "cpu")
     full = (s == 0) & (t == 1)
     assert abs(zero.float().mean().item() - 0.5) < 0.02

@@ -56,7 +56,7 @@ from torch import Tensor
 from drafter_service.checkpoint import init_drafter, load_drafter, save_drafter
 from drafter_service.config import DrafterConfig
 from drafter_service.flashmap_dit import CrossContext, FlashMapDiT, jump
-from drafter_service.flow_time import t_of_tau
+from drafter_service.flow_time import map_t_of_tau
 from training.drafter_data import Shard, list_shards, read_meta, shard_index
 
 STAGES = ("flow", "distill", "dflash")
@@ -265,12 +265,12 @@ def weighted_kl(p: Tensor, logits: Tensor, mask: Tensor, w: Tensor) -> Tensor:
 
 
 def sample_times(n: int, vocab_size: int, cfg: DrafterConfig, gen: torch.Generator, device) -> Tensor:
-    """[n] flow times t = t_of_tau(tau), tau ~ U(0, 1)."""
+    """[n] flow times t = t_of_tau(tau) under cfg's time map, tau ~ U(0, 1)."""
     tau = torch.rand(n, generator=gen, device=device, dtype=torch.float64)
     if cfg.pure_noise_fraction > 0:
         pure = torch.rand(n, generator=gen, device=device, dtype=torch.float64) < cfg.pure_noise_fraction
         tau = torch.where(pure, torch.zeros_like(tau), tau)
-    return t_of_tau(tau, vocab_size, cfg.time_table_size, cfg.gauss_hermite_nodes).float()
+    return map_t_of_tau(tau, cfg).float()
 
 
 def noisy_state(target: Tensor, t: Tensor, vocab_size: int, gen: torch.Generator, shared: bool = True) -> Tensor:
@@ -332,7 +332,7 @@ def sample_jumps(n: int, vocab_size: int, cfg: DrafterConfig, gen: torch.Generat
     tau_s = torch.where(full, torch.zeros_like(tau_s), tau_s)
     tau_t = torch.where(full, torch.ones_like(tau_t), tau_t)
     tau_u = 0.5 * (tau_s + tau_t)
-    tm = lambda x: t_of_tau(x, vocab_size, cfg.time_table_size, cfg.gauss_hermite_nodes).float()  # noqa: E731
+    tm = lambda x: map_t_of_tau(x, cfg).float()  # noqa: E731
     s, u, t = tm(tau_s), tm(tau_u), tm(tau_t)
     t = torch.where(zero, s, t)  # exactly s = t
     return s, u, t, zero
@@ -404,7 +404,10 @@ def warm_start_from_dflash(src: FlashMapDiT, **config_overrides) -> FlashMapDiT:
     bad = sorted(set(config_overrides) & set(ARCH_FIELDS))
     if bad:
         raise ValueError(f"the architecture comes from the --init-from drafter; do not set {bad}")
-    cfg = replace(src.cfg, kind="flashmap", **config_overrides)
+    # A new flow drafter reads its state and keeps time as new drafters do, whatever the source
+    # checkpoint's config says (a dflash config from before these fields carries the legacy values).
+    new = {f: DrafterConfig.__dataclass_fields__[f].default for f in ("time_map", "state_input")}
+    cfg = replace(src.cfg, kind="flashmap", time_table_t=[], time_table_tau=[], **{**new, **config_overrides})
     model = FlashMapDiT(cfg).to(src.pos_embed.device, src.pos_embed.dtype)
     model.set_target(src.embed, src.lm_head)
     state = {k: v for k, v in src.state_dict().items() if k != "mask_embed"}
