@@ -96,7 +96,12 @@ class DrafterConfig(TargetRefConfig):
 
     # --- flow settings
     draft_steps: int = 1  # default step count when serving (1 = one jump 0 -> 1)
-    shared_noise: bool = True  # one noise draw [V] shared by all K slots
+    # One noise draw [V] shared by all K slots (True), or one per slot (False). Shared noise makes
+    # the slots' differences noise-free (x_t,k - x_t,j = t (e_yk - e_yj)): the states of
+    # different blocks lie on disjoint subspaces for every t > 0, no smooth flow from one
+    # shared draw reaches them, and a denoiser that learns to read the differences is fed
+    # states it never saw as soon as sampling starts (training/joint_task.py measures it).
+    shared_noise: bool = False
     slot_loss_decay: float = 7.0  # slot k (1-based) weighted exp(-(k-1)/decay)
     teacher_steps: int = 100  # Euler steps of the teacher ODE (distillation / evaluation)
     # tau <-> t map. "embedded": tau counts the decoding error removed for the Bayes decoder of
@@ -107,6 +112,10 @@ class DrafterConfig(TargetRefConfig):
     time_table_t: list[float] = field(default_factory=list)  # embedded map: knots (t, tau), (0,0)..(1,1)
     time_table_tau: list[float] = field(default_factory=list)
     time_map_samples: int = 16384  # Monte Carlo draws behind the embedded table
+    # Embedded map: tau is the mean over these readers of their normalised accuracy; a reader
+    # chooses between the true token and m - 1 random others (0: all V). A context that leaves
+    # a few candidates makes the state decisive much earlier than the all-V reader says.
+    time_map_candidates: list[int] = field(default_factory=lambda: [0])
     time_table_size: int = 4097  # vocab map: points of the tau <-> t lookup table (uniform in t)
     gauss_hermite_nodes: int = 256  # vocab map: quadrature nodes for P[argmax x_t = y]
     # How the network reads the embedded state y [.., H]: "whiten" = y @ W with W^T E^T E W = I

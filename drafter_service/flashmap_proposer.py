@@ -13,7 +13,8 @@ per flow step:
 The flow runs on the embedded state y = x @ E [B, K, H] (flashmap_dit: the network sees x
 only through it), so the noise is y_0 = z @ F (F^T F = E^T E), distributed as x_0 @ E.
 Randomness is per request: a CPU torch.Generator seeded with the request's seed draws
-z (one [r] draw shared by all K slots, or [K, r] with shared_noise=False; r = min(V, H))
+z (one [r] draw shared by all K slots, or [K, r] with shared_noise=False; r = min(V, H);
+default: as the drafter was trained, its config's shared_noise)
 and then the proposal samples, so drafts are reproducible and independent of batching
 and of the device. At temperature T > 0 slot k proposes x_k ~ q_k = softmax(logits/T)
 restricted to its top-m tokens and renormalised; the support sent to the target is those
@@ -74,8 +75,10 @@ class FlashMapProposer(SlotCacheProposer):
                 "_encode": ("encode_context", False)}
 
     def __init__(self, model: FlashMapDiT, n_slots: int = 64, max_context: int = 4096, device: str = "cpu",
-                 steps: int = 1, shared_noise: bool = True, min_confidence: float = 0.0):
+                 steps: int = 1, shared_noise: bool | None = None, min_confidence: float = 0.0):
         super().__init__(model, n_slots, max_context, device, cache_layers=model.cfg.n_blocks)
+        if shared_noise is None:  # draft with the noise the drafter was trained on
+            shared_noise = model.cfg.shared_noise
         if not 0.0 <= min_confidence < 1.0:
             raise ValueError(f"min_confidence must be in [0, 1), got {min_confidence}")
         self.shared_noise = shared_noise

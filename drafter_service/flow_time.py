@@ -154,7 +154,7 @@ def zca_whitening(E: torch.Tensor) -> torch.Tensor:
 
 
 def critical_snr(E: torch.Tensor, samples: int = DEFAULT_MAP_SAMPLES, seed: int = 0,
-                 chunk: int = 1024) -> np.ndarray:
+                 chunk: int = 1024, candidates: int = 0) -> np.ndarray:
     """Per Monte Carlo draw (token y uniform over V, whitened noise n ~ N(0, I_r)) the
     smallest r = t/(1-t) above which the Bayes decoder of y from y_t = (1-t) eps@E + t E_y
     is right ([samples] float64; +inf where another token has the same codeword).
@@ -163,7 +163,9 @@ def critical_snr(E: torch.Tensor, samples: int = DEFAULT_MAP_SAMPLES, seed: int 
     prior) takes argmax_j c_j.y_t - t/2 |c_j|^2, which is right iff for every j != y
     (c_y - c_j).n + r/2 |c_y - c_j|^2 > 0, i.e. iff r > -2 (c_y - c_j).n / |c_y - c_j|^2 for
     all j. So one pass over the draws gives P_E(t) = P[critical r < t/(1-t)] at every t at
-    once, monotone in t by construction."""
+    once, monotone in t by construction. candidates > 1: the decoder only chooses between y
+    and candidates - 1 other tokens drawn at random (a reader whose context has already
+    narrowed the choice); 0 = all V tokens."""
     g = torch.Generator(device="cpu").manual_seed(int(seed))
     V = E.shape[0]
     W = whitening(E)
@@ -180,6 +182,11 @@ def critical_snr(E: torch.Tensor, samples: int = DEFAULT_MAP_SAMPLES, seed: int 
         d = lev[y][:, None] + lev[None] - 2 * (C[y] @ C.T)  # |c_y - c_j|^2
         ratio = torch.where(d > 1e-12 * lev.max(), -2 * a / d.clamp_min(1e-300), torch.full_like(d, float("inf")))
         ratio.scatter_(1, y[:, None], float("-inf"))  # j = y is no competitor
+        if 1 < candidates < V:  # keep candidates - 1 random competitors per draw
+            keep = torch.rand(ratio.shape, generator=g).to(ratio.device)
+            keep.scatter_(1, y[:, None], 2.0)
+            cut = keep.topk(candidates, dim=1).values[:, -1:]
+            ratio = torch.where(keep >= cut, ratio, torch.full_like(ratio, float("-inf")))
         out.append(ratio.max(-1).values.double().cpu())
     return torch.cat(out).numpy()
 
@@ -196,18 +203,31 @@ def embedded_decode_prob(t, E: torch.Tensor | None = None, samples: int = DEFAUL
 
 
 def embedded_time_knots(E: torch.Tensor, knots: int = DEFAULT_MAP_KNOTS, samples: int = DEFAULT_MAP_SAMPLES,
-                        seed: int = 0) -> tuple[list[float], list[float]]:
-    """(t knots, tau knots) of the embedded map: tau_E(t) = (P_E(t) - 1/V) / (1 - 1/V), knots
-    uniform in tau (each the P_E-quantile of the critical SNR draws), from (0, 0) to (1, 1),
-    strictly increasing in both. Plain lists: they go into the drafter's config.json."""
+                        seed: int = 0, candidates=(0,)) -> tuple[list[float], list[float]]:
+    """(t knots, tau knots) of the embedded map, uniform in tau, from (0, 0) to (1, 1), strictly
+    increasing in both. Plain lists: they go into the drafter's config.json.
+
+    tau(t) is the mean over `candidates` (0 = all V; m > 1 = the true token and m - 1 random
+    others) of the normalised accuracy (P_m(t) - 1/m) / (1 - 1/m) of the Bayes decoder of one
+    slot's embedded state. (0,): tau_E, what a reader with no context can tell; (2, 0) also
+    spends half the time where a reader whose context left two candidates decides."""
     V = E.shape[0]
-    crit = critical_snr(E, samples, seed)
+    cands = [candidates] if isinstance(candidates, int) else list(candidates)
+    crits = [np.sort(critical_snr(E, samples, seed + i, candidates=c)) for i, c in enumerate(cands)]
+    r = np.concatenate([[0.0], np.geomspace(1e-3, 1e5, 4000)])  # r = t/(1-t), dense in log r
+    tau_r = np.zeros_like(r)
+    for c, crit in zip(cands, crits):
+        m = c if 1 < c < V else V  # chance level 1/m
+        p = np.searchsorted(crit, r, side="left") / len(crit)  # P[critical < r]
+        tau_r += np.clip((p - 1.0 / m) / (1.0 - 1.0 / m), 0.0, 1.0) / len(cands)
+    tau_r = np.maximum.accumulate(tau_r)
+    tau_r[0] = 0.0
+    up = np.concatenate([[True], np.diff(tau_r) > 0])  # invertible part
     tau = np.linspace(0.0, 1.0, knots)
-    r = np.quantile(crit, np.clip(1.0 / V + tau * (1.0 - 1.0 / V), 0.0, 1.0))
-    r = np.clip(r, 0.0, None)
-    t = np.where(np.isfinite(r), r / (1.0 + np.where(np.isfinite(r), r, 0.0)), 1.0)
+    rk = np.interp(tau, tau_r[up], r[up])
+    t = rk / (1.0 + rk)
     t[0], t[-1] = 0.0, 1.0
-    keep = np.concatenate([[True], np.diff(t) > 1e-12]) & (t < 1.0)  # quantile ties: keep the first
+    keep = np.concatenate([[True], np.diff(t) > 1e-12]) & (t < 1.0)
     t_k, tau_k = np.append(t[keep], 1.0), np.append(tau[keep], 1.0)
     return [float(x) for x in t_k], [float(x) for x in tau_k]
 
