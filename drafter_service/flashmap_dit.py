@@ -295,7 +295,9 @@ class FlashMapDiT(FrozenTarget):
         if self.cfg.state_input == "whiten":
             self.state_whiten = zca_whitening(self.embed).to(self.embed.device, self.embed.dtype)
         if self.cfg.time_map == "embedded" and not self.cfg.time_table_t:
-            t, tau = embedded_time_knots(self.embed, samples=self.cfg.time_map_samples,
+            # V x H x samples multiply-adds (Qwen3-8B: ~20 TFLOP): on a GPU when there is one
+            E = self.embed.to("cuda") if self.embed.device.type == "cpu" and torch.cuda.is_available() else self.embed
+            t, tau = embedded_time_knots(E.float(), samples=self.cfg.time_map_samples,
                                          candidates=self.cfg.time_map_candidates)
             self.cfg.time_table_t, self.cfg.time_table_tau = t, tau
             self._tau_cache.clear()

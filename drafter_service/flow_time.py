@@ -154,7 +154,7 @@ def zca_whitening(E: torch.Tensor) -> torch.Tensor:
 
 
 def critical_snr(E: torch.Tensor, samples: int = DEFAULT_MAP_SAMPLES, seed: int = 0,
-                 chunk: int = 1024, candidates: int = 0) -> np.ndarray:
+                 chunk: int | None = None, candidates: int = 0) -> np.ndarray:
     """Per Monte Carlo draw (token y uniform over V, whitened noise n ~ N(0, I_r)) the
     smallest r = t/(1-t) above which the Bayes decoder of y from y_t = (1-t) eps@E + t E_y
     is right ([samples] float64; +inf where another token has the same codeword).
@@ -172,6 +172,7 @@ def critical_snr(E: torch.Tensor, samples: int = DEFAULT_MAP_SAMPLES, seed: int 
     dt = torch.float32  # the decisions compare O(1) numbers: float32 is ample, and twice as fast
     C = torch.cat([(c.double() @ W) for c in E.split(16384)]).to(dt)  # [V, r] codewords
     lev = (C * C).sum(-1)  # [V]
+    chunk = chunk or max(1, min(1024, (1 << 26) // V))  # [chunk, V] float32 blocks of <= 256 MB
     ys = torch.randint(0, V, (samples,), generator=g)
     noise = torch.randn(samples, C.shape[1], generator=g, dtype=torch.float64)
     out = []

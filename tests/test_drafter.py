@@ -75,8 +75,9 @@ def test_config_json_round_trip(flashmap):
     assert DrafterConfig.from_json(cfg.to_json()) == cfg
     assert cfg.feature_layers == [1] and cfg.feature_dim == 64 and cfg.vocab_size == 512
     d = DrafterConfig()
+    # The paper's architecture; noise per slot, not the paper's shared draw (see DrafterConfig.shared_noise).
     assert (d.dim, d.n_blocks, d.n_heads, d.block_size, d.draft_steps, d.shared_noise, d.slot_loss_decay) == \
-        (2048, 6, 16, 16, 1, True, 7.0)
+        (2048, 6, 16, 16, 1, False, 7.0)
     with pytest.raises(ValueError, match="unknown"):
         DrafterConfig.from_dict({**cfg.to_dict(), "bogus": 1})
     with pytest.raises(ValueError, match="kind"):
@@ -319,6 +320,15 @@ def test_noise_factor_small_vocabulary_and_low_rank(V, H, rank):
     F = noise_factor(E.float()).double()
     assert F.shape == (min(V, H), H)
     torch.testing.assert_close(F.T @ F, E.T @ E, rtol=1e-4, atol=1e-3)
+
+
+def test_proposer_drafts_with_the_noise_the_drafter_was_trained_on(flashmap):
+    assert FlashMapProposer(flashmap, n_slots=1, max_context=8).shared_noise == flashmap.cfg.shared_noise
+    flashmap.cfg.shared_noise = not flashmap.cfg.shared_noise
+    try:
+        assert FlashMapProposer(flashmap, n_slots=1, max_context=8).shared_noise == flashmap.cfg.shared_noise
+    finally:
+        flashmap.cfg.shared_noise = not flashmap.cfg.shared_noise
 
 
 def test_shared_noise_switch_changes_drafts(flashmap):
