@@ -130,6 +130,25 @@ def denoiser_curve(model: FlashMapDiT, batches: list, taus=DEFAULT_TAUS, seed: i
     return rows
 
 
+def time_map_table(E: Tensor, taus=(0.1, 0.5, 0.9, 0.97, 0.99), samples: int = 16384) -> list[dict]:
+    """Where the vocabulary map puts its tau, and what the embedded state tells there: per
+    vocab-space tau, t, the state's argmax accuracy in vocabulary space (what tau_vocab
+    counts) and the Bayes decoder's accuracy from one slot's embedded state (P_E, tokens
+    uniform), and the t at which the embedded map reaches the same tau."""
+    from drafter_service.flow_time import correct_decode_prob, critical_snr, embedded_decode_prob, t_of_tau
+
+    V = E.shape[0]
+    crit = critical_snr(E, samples)
+    t_k, tau_k = embedded_time_knots(E, samples=samples)
+    rows = []
+    for tau in taus:
+        t = float(t_of_tau(tau, V))
+        rows.append(dict(tau=float(tau), t_vocab=t, p_vocab=float(correct_decode_prob(np.array(t), V)),
+                         p_embedded=float(embedded_decode_prob(np.array(t), E, critical=crit)),
+                         t_embedded=float(np.interp(tau, tau_k, t_k))))
+    return rows
+
+
 def accuracy_at(curve: list[dict], tau: float, key: str = "denoiser") -> float:
     """The curve's `key` at the row whose tau is nearest to `tau`."""
     return min(curve, key=lambda r: abs(r["tau"] - tau))[key]
@@ -249,10 +268,11 @@ class HeldoutSequence:
 
 
 def heldout_sequences(data_dir: str | Path, prompts: str | Path, target_dir: str | Path | None = None,
-                      exclude=SELECTION, domains: tuple[str, ...] | None = None) -> list[HeldoutSequence]:
+                      exclude=SELECTION, domains: tuple[str, ...] | None = None, only=None) -> list[HeldoutSequence]:
     """The sequences of a drafter data directory made from `prompts` (training.drafter_data on
     a held-out prompt file), without those whose per-domain index is in `exclude` (default:
-    the selection prompts 11-26 of each domain)."""
+    the selection prompts 11-26 of each domain); with `only`, just those per-domain indices
+    (only=SELECTION, exclude=(): the selection prompts)."""
     from training.drafter_data import list_shards, read_prompt_lines, read_shard
 
     lines = read_prompt_lines(prompts, target_dir)
@@ -265,7 +285,7 @@ def heldout_sequences(data_dir: str | Path, prompts: str | Path, target_dir: str
         j = seen[dom] = seen.get(dom, -1) + 1
         if list(s.tokens[:len(ids)].tolist()) != list(ids):
             raise ValueError(f"{data_dir}: sequence {i} does not start with prompt {i} of {prompts}")
-        if j in exclude or (domains and dom not in domains):
+        if j in exclude or (only is not None and j not in only) or (domains and dom not in domains):
             continue
         out.append(HeldoutSequence(i, dom, j, s.tokens.numpy().astype(np.int64), s.features.float().numpy(),
                                    int(s.prompt_len)))
@@ -410,23 +430,25 @@ class DrafterSpec:
 def diagnose(target: str | Path, data: str | Path, prompts: str | Path, drafters: list[DrafterSpec],
              dflash: str | Path | None = None, temperatures: tuple[float, ...] = (0.0,), *,
              max_anchors: int | None = None, domains: tuple[str, ...] | None = None, curve: bool = True,
-             device: str = "cpu", progress: bool = False, seed: int = 0) -> dict:
+             device: str = "cpu", progress: bool = False, seed: int = 0, selection: bool = False) -> dict:
     """Everything this module measures, on the held-out anchors of `data` (training.drafter_data
     run on `prompts` with the target; the selection prompts are left out): per FlashMap
     drafter its denoiser curve (with the DFlash-style drafter as the prior), and per drafter,
     step count and temperature the offline acceptance (shared noise, permutation and per-slot
     shuffles, by domain), the share of slots a second draw changes, agreement with the
-    DFlash-style drafter and paired bootstrap differences against it."""
+    DFlash-style drafter and paired bootstrap differences against it. selection: measure on
+    the selection prompts (11-26 of each domain) instead, to choose settings."""
     from drafter_service.checkpoint import load_drafter
     from drafter_service.flashmap_proposer import FlashMapProposer
     from target_service.engine import TargetEngine
 
-    seqs = heldout_sequences(data, prompts, target, domains=domains)
+    seqs = (heldout_sequences(data, prompts, target, exclude=(), only=SELECTION, domains=domains) if selection
+            else heldout_sequences(data, prompts, target, domains=domains))
     engine = TargetEngine(target, n_slots=16, device=device)
     K = None
     base = load_drafter(dflash, target, device=device) if dflash else None
     models = {d.name: load_drafter(d.path, target, device=device) for d in drafters}
-    res: dict = dict(n_sequences=len(seqs), curves={}, acceptance=[])
+    res: dict = dict(n_sequences=len(seqs), selection=selection, curves={}, acceptance=[])
     runs: dict = {}
     for name, m in [("dflash", base)] * (base is not None) + list(models.items()):
         K = m.cfg.block_size
@@ -498,7 +520,7 @@ def _spec(text: str) -> DrafterSpec:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m training.flow_diagnostics", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True)
-    ap.add_argument("--data", required=True, help="training.drafter_data output for --prompts (held-out answers)")
+    ap.add_argument("--data", help="training.drafter_data output for --prompts (held-out answers)")
     ap.add_argument("--prompts", default="training/data/heldout_prompts.jsonl")
     ap.add_argument("--drafter", type=_spec, action="append", default=[], help="NAME=DIR[:STEPS,...] (repeatable)")
     ap.add_argument("--dflash", help="DFlash-style checkpoint: the baseline, prior and agreement reference")
@@ -506,16 +528,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-anchors", type=int, help="at most this many anchors per sequence")
     ap.add_argument("--domain", action="append", help="only these domains (repeatable)")
     ap.add_argument("--no-curve", action="store_true")
-    ap.add_argument("--out", required=True, help="JSON result (a .md table beside it)")
+    ap.add_argument("--selection", action="store_true",
+                    help="the selection prompts (11-26 of each domain) instead of the held-out rest")
+    ap.add_argument("--time-maps", action="store_true",
+                    help="only print where the vocabulary map puts tau and what the embedded state tells there")
+    ap.add_argument("--out", help="JSON result (a .md table beside it)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.time_maps:
+        from target_service.checkpoint import load_embeddings
+
+        print(f"{'tau':>5} {'t (vocab map)':>14} {'P argmax x_t':>13} {'P Bayes y_t':>12} {'t (embedded map)':>17}")
+        for r in time_map_table(load_embeddings(args.target)[0].float()):
+            print(f"{r['tau']:5.2f} {r['t_vocab']:14.4f} {r['p_vocab']:13.3f} {r['p_embedded']:12.3f} "
+                  f"{r['t_embedded']:17.4f}")
+        return 0
+    if not args.out or not args.data:
+        ap.error("--data and --out are required (but for --time-maps)")
     try:
         res = diagnose(args.target, args.data, args.prompts, args.drafter, args.dflash,
                        tuple(args.temperature or [0.0]), max_anchors=args.max_anchors,
                        domains=tuple(args.domain) if args.domain else None, curve=not args.no_curve,
-                       device=args.device, progress=True)
+                       device=args.device, progress=True, selection=args.selection)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

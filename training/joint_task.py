@@ -47,11 +47,11 @@ from training.train_drafter import Batch, TrainConfig, run_stage
 
 @dataclass
 class JointTaskConfig:
-    vocab_size: int = 512
-    hidden_size: int = 32  # V/H = 16, the demo target's squeeze
-    n_contexts: int = 24
+    vocab_size: int = 256
+    hidden_size: int = 16  # V/H = 16, the demo target's squeeze
+    n_contexts: int = 16
     n_modes: int = 3
-    diverge: int = 5  # slots in which the modes differ (jointly)
+    diverge: int = 4  # slots in which the modes differ (jointly)
     diverge_window: int = 8  # ... chosen among the first slots, where acceptance is decided
     block_size: int = 16
     context_len: int = 4
@@ -62,7 +62,7 @@ class JointTaskConfig:
     n_blocks: int = 2
     n_heads: int = 4
     batch_size: int = 64
-    flow_steps: int = 1500
+    flow_steps: int = 2000
     flow_lr: float = 1e-3
     distill_steps: int = 1000
     distill_lr: float = 3e-4
@@ -73,7 +73,7 @@ class JointTaskConfig:
     shared_noise: bool = False
     pure_noise_fraction: float = 0.0
     # evaluation
-    draws: int = 48  # noise draws (requests) per context
+    draws: int = 32  # noise draws (requests) per context
     teacher_steps: tuple[int, ...] = (8, 16)
     ablations: tuple[str, ...] = ("vocab-map", "mix-map", "rms-input", "shared-noise", "old-recipe")
     device: str = "cpu"
