@@ -13,9 +13,14 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 
+from drafter_service.flow_time import TIME_MAPS, check_knots
 from flashmap.types import BLOCK_SIZE
 
 KINDS = ("flashmap", "dflash")
+STATE_INPUTS = ("whiten", "rms")
+# Fields a config.json written before they existed lacks: it gets these (the old behaviour),
+# not the dataclass defaults (what new drafters get).
+LEGACY_DEFAULTS = {"time_map": "vocab", "state_input": "rms"}
 
 
 class TargetRefConfig:
@@ -92,11 +97,32 @@ class DrafterConfig(TargetRefConfig):
 
     # --- flow settings
     draft_steps: int = 1  # default step count when serving (1 = one jump 0 -> 1)
-    shared_noise: bool = True  # one noise draw [V] shared by all K slots
+    # One noise draw [V] shared by all K slots (True), or one per slot (False). Shared noise makes
+    # the slots' differences noise-free (x_t,k - x_t,j = t (e_yk - e_yj)): the states of
+    # different blocks lie on disjoint subspaces for every t > 0, no smooth flow from one
+    # shared draw reaches them, and a denoiser that learns to read the differences is fed
+    # states it never saw as soon as sampling starts (training/joint_task.py measures it).
+    shared_noise: bool = False
     slot_loss_decay: float = 7.0  # slot k (1-based) weighted exp(-(k-1)/decay)
     teacher_steps: int = 100  # Euler steps of the teacher ODE (distillation / evaluation)
-    time_table_size: int = 4097  # points of the tau <-> t lookup table (uniform in t)
-    gauss_hermite_nodes: int = 256  # quadrature nodes for P[argmax x_t = y]
+    # tau <-> t map. "embedded": tau counts the decoding error removed for the Bayes decoder of
+    # one slot's embedded state y_t = x_t @ E (what the network can read; flow_time), measured
+    # on the target's E when the drafter is made and stored here as knots. "vocab": argmax of
+    # x_t in vocabulary space (analytic; drafters made before the embedded map).
+    time_map: str = "embedded"
+    time_table_t: list[float] = field(default_factory=list)  # embedded map: knots (t, tau), (0,0)..(1,1)
+    time_table_tau: list[float] = field(default_factory=list)
+    time_map_samples: int = 16384  # Monte Carlo draws behind the embedded table
+    # Embedded map: tau is the mean over these readers of their normalised accuracy; a reader
+    # chooses between the true token and m - 1 random others (0: all V). A context that leaves
+    # a few candidates makes the state decisive much earlier than the all-V reader says.
+    time_map_candidates: list[int] = field(default_factory=lambda: [0])
+    time_table_size: int = 4097  # vocab map: points of the tau <-> t lookup table (uniform in t)
+    gauss_hermite_nodes: int = 256  # vocab map: quadrature nodes for P[argmax x_t = y]
+    # How the network reads the embedded state y [.., H]: "whiten" = y @ W with W^T E^T E W = I
+    # (the noise becomes isotropic, every direction of E equally readable), then rms-normalised;
+    # "rms" = rms-normalised y (drafters made before whitening).
+    state_input: str = "whiten"
     zero_jump_fraction: float = 0.5  # distillation: share of zero-length jumps (s = t)
     # Flow stage: share of blocks trained at tau = 0 (pure noise, where drafting starts).
     # The paper samples tau ~ U(0, 1) only (0.0); a short CPU run needs extra mass there.
@@ -120,12 +146,22 @@ class DrafterConfig(TargetRefConfig):
             raise ValueError(f"time_table_size must be >= 3, got {self.time_table_size}")
         if self.mlp_ratio <= 0 or self.slot_loss_decay <= 0:
             raise ValueError("mlp_ratio and slot_loss_decay must be > 0")
+        if self.time_map not in TIME_MAPS:
+            raise ValueError(f"time_map must be one of {TIME_MAPS}, got {self.time_map!r}")
+        if self.time_table_t or self.time_table_tau:
+            check_knots(self.time_table_t, self.time_table_tau)
+        if self.state_input not in STATE_INPUTS:
+            raise ValueError(f"state_input must be one of {STATE_INPUTS}, got {self.state_input!r}")
         self._check_target()
         return self
 
     # ---------------------------------------------------------------- JSON (to_dict / from_dict: TargetRefConfig)
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DrafterConfig":
+        return super().from_dict({**LEGACY_DEFAULTS, **d})
 
     @classmethod
     def from_json(cls, text: str) -> "DrafterConfig":

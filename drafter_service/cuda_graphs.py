@@ -22,8 +22,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from drafter_service.flow_time import time_grid
-
 log = logging.getLogger("flashmap.drafter.graphs")
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -60,8 +58,7 @@ class FlowGraphs:
         self._pool = None
 
     def _times(self, steps: int, b: int) -> tuple[list[float], list[Tensor]]:
-        cfg = self.p.cfg
-        grid = [float(g) for g in time_grid(steps, cfg.vocab_size, cfg.time_table_size, cfg.gauss_hermite_nodes)]
+        grid = [float(g) for g in self.p.model.time_grid(steps)]  # the drafter's own time map
         return grid, [torch.full((b,), g, device=self.p.device) for g in grid]
 
     def _fn(self, st: _Static, steps: int, window: int, times: list[Tensor]) -> Tensor:

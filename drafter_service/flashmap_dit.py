@@ -4,7 +4,7 @@ Input: the flow state x_s [B, K, V] (noise at s = 0, one-hot at s = 1), the anch
 (last committed token) and the target's context features (strictly before the anchor).
 Output: per-slot logits [B, K, V] of the clean block, conditioned on the jump (s, t).
 
-    x_s @ E (frozen target embedding) -> rms -> linear H->D   } K slot tokens
+    x_s @ E (frozen target embedding) -> whiten -> rms -> linear H->D   } K slot tokens
     E[anchor] -> rms -> linear H->D                          } 1 prefix token
     + learned positions [K+1, D]
     n_blocks x [ self-attention over [anchor, slots] (bidirectional)
@@ -21,6 +21,15 @@ the noise x_0 ~ N(0, I_V) enters as y_0 ~ N(0, E^T E), drawn as z @ F with z ~ N
 r = min(V, H), and F^T F = E^T E (`noise_factor`). Same distribution of drafts, without drawing V normals
 and reading the [V, H] embedding for every block (at Qwen3-8B's V = 151,936: 1.2 GB in bf16).
 `forward` takes x (training); `evaluate` takes y (serving).
+
+Reading the state: eps @ E has covariance E^T E, whose spectrum is very uneven (demo
+target: condition number ~2,000, 10 of 256 directions carry 77% of the noise), so after a
+plain rms-normalisation the directions that tell tokens apart are buried under a few
+loud noise directions. With state_input = "whiten" y is first multiplied by
+(E^T E)^{-1/2} (a frozen buffer computed from E): the noise is isotropic and every
+direction weighs what it tells. The flow time is conditioned on tau of the config's time
+map (flow_time; "embedded" for new drafters: tau measured on what the embedded state
+can tell), whose table is measured when the target's E is attached if the config lacks it.
 
 kind "dflash" (DFlash-style baseline) is the same backbone with the state replaced by a
 learned mask embedding and the time conditioning fixed at (0, 1): one pass gives
@@ -44,7 +53,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from drafter_service.config import DrafterConfig
-from drafter_service.flow_time import interp_torch, tau_tables
+from drafter_service.flow_time import (embedded_time_knots, interp_torch, map_t_of_tau, map_time_grid, time_knots,
+                                       zca_whitening)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -226,6 +236,11 @@ class FrozenTarget(nn.Module):
         self.register_buffer("embed", torch.empty(V, H) if embed is None else embed, persistent=False)
         self.register_buffer("lm_head", torch.empty(V, H) if lm_head is None else lm_head, persistent=False)
         self._check_target_shapes()
+        if embed is not None:
+            self._target_attached()
+
+    def _target_attached(self) -> None:
+        """Hook for what a subclass derives from the frozen target tensors."""
 
     def _check_target_shapes(self) -> None:
         want = (self.cfg.vocab_size, self.cfg.target_hidden_size)
@@ -239,6 +254,7 @@ class FrozenTarget(nn.Module):
         self.embed = embed.detach().to(ref.device, ref.dtype)
         self.lm_head = lm_head.detach().to(ref.device, ref.dtype)
         self._check_target_shapes()
+        self._target_attached()
 
 
 class FlashMapDiT(FrozenTarget):
@@ -246,10 +262,13 @@ class FlashMapDiT(FrozenTarget):
         super().__init__()
         self.cfg = cfg.validate()
         H, D, K = cfg.target_hidden_size, cfg.dim, cfg.block_size
-        self._init_target(embed, lm_head)  # frozen target tensors [V, H]
-        self._tau_cache: dict = {}  # (device, V) -> tau tables; kept out of buffers so .to(bf16) leaves them exact
+        self._tau_cache: dict = {}  # device -> tau tables; kept out of buffers so .to(bf16) leaves them exact
         self._mod_cache: dict = {}  # see modulations()
         self._noise_factor: tuple | None = None  # see noise_factor()
+        if cfg.kind == "flashmap" and cfg.state_input == "whiten":
+            # (E^T E)^{-1/2} [H, H] (set with the target; identity until then)
+            self.register_buffer("state_whiten", torch.eye(H), persistent=False)
+        self._init_target(embed, lm_head)  # frozen target tensors [V, H]
 
         # Magnitudes of x_s @ E vary with s (noise ~ sqrt(V) x a row of E), so inputs are rms-normalised.
         self.in_norm = nn.RMSNorm(H, eps=cfg.norm_eps, elementwise_affine=False)
@@ -268,6 +287,22 @@ class FlashMapDiT(FrozenTarget):
         self.reset_parameters()
 
     # ------------------------------------------------------------------ setup
+    def _target_attached(self) -> None:
+        """Derive from the newly attached embedding E: the whitening of the state input and,
+        when the config has none yet, the embedded time map's table (measured on E)."""
+        if self.cfg.kind != "flashmap" or self.embed.device.type == "meta":
+            return
+        if self.cfg.state_input == "whiten":
+            self.state_whiten = zca_whitening(self.embed).to(self.embed.device, self.embed.dtype)
+        if self.cfg.time_map == "embedded" and not self.cfg.time_table_t:
+            # V x H x samples multiply-adds (Qwen3-8B: ~20 TFLOP): on a GPU when there is one
+            E = self.embed.to("cuda") if self.embed.device.type == "cpu" and torch.cuda.is_available() else self.embed
+            t, tau = embedded_time_knots(E.float(), samples=self.cfg.time_map_samples,
+                                         candidates=self.cfg.time_map_candidates)
+            self.cfg.time_table_t, self.cfg.time_table_tau = t, tau
+            self._tau_cache.clear()
+            self._mod_cache.clear()
+
     def reset_parameters(self) -> None:
         """DiT init: xavier linears, small normal embeddings, adaLN-Zero modulation at 0."""
         for m in self.modules():
@@ -303,22 +338,32 @@ class FlashMapDiT(FrozenTarget):
 
     # ------------------------------------------------------------------ forward
     def _tau(self, t: Tensor) -> Tensor:
-        """tau(t) [B]: the network is conditioned on tau, not t. Training draws tau ~ U(0, 1),
-        which puts almost no mass on t < ~0.5 (where the one-hot is invisible at large V);
+        """tau(t) [B] under the config's time map: the network is conditioned on tau, not t.
+        Training draws tau ~ U(0, 1), which puts almost no mass where the state is unreadable;
         in tau every such t is ~0, the start of drafting, so inference stays in distribution."""
-        key = (t.device, self.cfg.vocab_size)
-        if key not in self._tau_cache:  # filled before any CUDA-graph capture (warm-up runs)
-            self._tau_cache[key] = tau_tables(self.cfg.vocab_size, t.device, self.cfg.time_table_size,
-                                              self.cfg.gauss_hermite_nodes)
-        return interp_torch(t, *self._tau_cache[key])
+        if t.device not in self._tau_cache:  # filled before any CUDA-graph capture (warm-up runs)
+            tau_k, t_k = time_knots(self.cfg)
+            calc = torch.float32 if t.device.type == "mps" else torch.float64  # mps has no float64
+            self._tau_cache[t.device] = (torch.tensor(t_k, dtype=calc, device=t.device),
+                                         torch.tensor(tau_k, dtype=calc, device=t.device))
+        return interp_torch(t, *self._tau_cache[t.device])
+
+    def t_of_tau(self, tau):
+        """Flow time t of tau under this drafter's time map (float, numpy or torch)."""
+        return map_t_of_tau(tau, self.cfg)
+
+    def time_grid(self, steps: int):
+        """The drafting grid of `steps` jumps / Euler steps: steps+1 times uniform in tau, 0 .. 1."""
+        return map_time_grid(steps, self.cfg)
 
     def time_cond(self, s: Tensor | float, t: Tensor | float, n: int) -> Tensor:
         """Conditioning vector [B, D] from the jump (s, t) in tau units; fixed (0, 1) for dflash."""
         dev = self.pos_embed.device
-        if self.cfg.kind == "dflash":
-            s, t = 0.0, 1.0
         fd = self.cfg.time_freq_dim
-        s, t = self._tau(_per_row(s, n, dev)), self._tau(_per_row(t, n, dev))
+        if self.cfg.kind == "dflash":  # tau(0) = 0 and tau(1) = 1 under every time map
+            s, t = _per_row(0.0, n, dev), _per_row(1.0, n, dev)
+        else:
+            s, t = self._tau(_per_row(s, n, dev)), self._tau(_per_row(t, n, dev))
         e = torch.cat([timestep_embedding(s, fd), timestep_embedding(t, fd)], -1)
         return self.time_embed(e.to(self.pos_embed.dtype))  # [B, D]
 
@@ -369,6 +414,12 @@ class FlashMapDiT(FrozenTarget):
             self._noise_factor = (key, noise_factor(E))
         return self._noise_factor[1]
 
+    def read_state(self, y: Tensor) -> Tensor:
+        """The embedded state as the network reads it: y [B, K, H] whitened (state_input
+        "whiten") or as is ("rms"), before the rms-normalisation."""
+        y = y.to(self.embed.dtype)
+        return y @ self.state_whiten if self.cfg.state_input == "whiten" else y
+
     def evaluate(self, y: Tensor | None, mods: list[Tensor], anchor: Tensor, kv: list[tuple[Tensor, Tensor]],
                  lengths: Tensor) -> Tensor:
         """`forward` given the embedded state y = x_s @ E [B, K, H] (None for dflash), the
@@ -377,9 +428,9 @@ class FlashMapDiT(FrozenTarget):
         B, K, D = anchor.shape[0], self.cfg.block_size, self.cfg.dim
         if self.cfg.kind == "flashmap":
             if y.stride(1) == 0:  # one state broadcast over the K slots (shared noise): project it once
-                h_state = self.state_in(self.in_norm(y[:, :1].to(self.embed.dtype))).expand(B, K, D)
+                h_state = self.state_in(self.in_norm(self.read_state(y[:, :1]))).expand(B, K, D)
             else:
-                h_state = self.state_in(self.in_norm(y.to(self.embed.dtype)))  # [B, K, D]
+                h_state = self.state_in(self.in_norm(self.read_state(y)))  # [B, K, D]
         else:
             h_state = self.mask_embed.expand(B, K, D)  # [B, K, D]
         h_anchor = self.anchor_in(self.in_norm(self.embed[anchor]))[:, None]  # [B, 1, D]

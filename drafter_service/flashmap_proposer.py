@@ -13,7 +13,8 @@ per flow step:
 The flow runs on the embedded state y = x @ E [B, K, H] (flashmap_dit: the network sees x
 only through it), so the noise is y_0 = z @ F (F^T F = E^T E), distributed as x_0 @ E.
 Randomness is per request, from generators seeded with the request's seed: z (one [r]
-draw shared by all K slots, or [K, r] with shared_noise=False; r = min(V, H)) comes from a
+draw shared by all K slots, or [K, r] with shared_noise=False; r = min(V, H); default: as
+the drafter was trained, its config's shared_noise) comes from a
 generator on the drafter's device (on CUDA a Philox generator per request: no host draw
 and no host-to-device copy per request, so a batch of 16 costs what one does), the
 proposal samples from a CPU generator. Drafts are reproducible for a seed and
@@ -82,8 +83,10 @@ class FlashMapProposer(SlotCacheProposer):
                 "_encode": ("encode_context", False)}
 
     def __init__(self, model: FlashMapDiT, n_slots: int = 64, max_context: int = 4096, device: str = "cpu",
-                 steps: int = 1, shared_noise: bool = True, min_confidence: float = 0.0):
+                 steps: int = 1, shared_noise: bool | None = None, min_confidence: float = 0.0):
         super().__init__(model, n_slots, max_context, device, cache_layers=model.cfg.n_blocks)
+        if shared_noise is None:  # draft with the noise the drafter was trained on
+            shared_noise = model.cfg.shared_noise
         if not 0.0 <= min_confidence < 1.0:
             raise ValueError(f"min_confidence must be in [0, 1), got {min_confidence}")
         self.shared_noise = shared_noise
@@ -224,8 +227,7 @@ class FlashMapProposer(SlotCacheProposer):
         evaluation's logits [B, K, V] (summary=True: (logits, ids, prob), `greedy_summary`).
         times: the grid as [B] device tensors (CUDA graphs); default: host floats."""
         if steps not in self._grids:
-            self._grids[steps] = [float(g) for g in time_grid(steps, self.vocab_size, self.cfg.time_table_size,
-                                                              self.cfg.gauss_hermite_nodes)]
+            self._grids[steps] = [float(g) for g in self.model.time_grid(steps)]  # the drafter's own time map
         grid = self._grids[steps]
         tt = grid if times is None else times
         euler = steps >= 3  # 1-2 steps: flow-map jumps (s, t); more: teacher ODE (t, t)

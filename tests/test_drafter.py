@@ -16,7 +16,6 @@ from drafter_service.config import DrafterConfig
 from drafter_service.flashmap_dit import FlashMapDiT, greedy_summary, jump, noise_factor
 from drafter_service.flashmap_proposer import (ContextTooLong, FlashMapProposer, SlotsExhausted, draw_noise,
                                                request_generator)
-from drafter_service.flow_time import time_grid
 from drafter_service.oracle import OracleProposer
 from flashmap.types import ProposeRequest
 from flashmap.checkpoint import CheckpointError
@@ -76,8 +75,9 @@ def test_config_json_round_trip(flashmap):
     assert DrafterConfig.from_json(cfg.to_json()) == cfg
     assert cfg.feature_layers == [1] and cfg.feature_dim == 64 and cfg.vocab_size == 512
     d = DrafterConfig()
+    # The paper's architecture; noise per slot, not the paper's shared draw (see DrafterConfig.shared_noise).
     assert (d.dim, d.n_blocks, d.n_heads, d.block_size, d.draft_steps, d.shared_noise, d.slot_loss_decay) == \
-        (2048, 6, 16, 16, 1, True, 7.0)
+        (2048, 6, 16, 16, 1, False, 7.0)
     with pytest.raises(ValueError, match="unknown"):
         DrafterConfig.from_dict({**cfg.to_dict(), "bogus": 1})
     with pytest.raises(ValueError, match="kind"):
@@ -322,6 +322,15 @@ def test_noise_factor_small_vocabulary_and_low_rank(V, H, rank):
     torch.testing.assert_close(F.T @ F, E.T @ E, rtol=1e-4, atol=1e-3)
 
 
+def test_proposer_drafts_with_the_noise_the_drafter_was_trained_on(flashmap):
+    assert FlashMapProposer(flashmap, n_slots=1, max_context=8).shared_noise == flashmap.cfg.shared_noise
+    flashmap.cfg.shared_noise = not flashmap.cfg.shared_noise
+    try:
+        assert FlashMapProposer(flashmap, n_slots=1, max_context=8).shared_noise == flashmap.cfg.shared_noise
+    finally:
+        flashmap.cfg.shared_noise = not flashmap.cfg.shared_noise
+
+
 def test_shared_noise_switch_changes_drafts(flashmap):
     shared = FlashMapProposer(flashmap, n_slots=1, max_context=8, shared_noise=True)
     indep = FlashMapProposer(flashmap, n_slots=1, max_context=8, shared_noise=False)
@@ -349,11 +358,11 @@ def test_step_schedule(flashmap, targets, monkeypatch):
     calls.clear()
     prop.set_steps(2)
     prop.propose(req)
-    u = round(float(time_grid(2, 512)[1]), 6)
+    u = round(float(flashmap.time_grid(2)[1]), 6)  # the drafter's own time map
     assert calls == [(0.0, u), (u, 1.0)]
     calls.clear()
     prop.propose(req, steps=4)
-    g = [round(float(x), 6) for x in time_grid(4, 512)[:-1]]
+    g = [round(float(x), 6) for x in flashmap.time_grid(4)[:-1]]
     assert calls == [(a, a) for a in g]
     calls.clear()
     prop.propose([ProposeRequest("x", 3, steps=1), ProposeRequest("y", 3)])  # override: two groups

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from drafter_service.flow_time import correct_decode_prob, t_of_tau, tau_of_t, time_grid
+from drafter_service.flow_time import (check_knots, correct_decode_prob, embedded_decode_prob, embedded_time_knots,
+                                       map_tau_of_t, map_time_grid, t_of_tau, tau_of_t, time_grid)
 
 VOCABS = [2, 512, 151936]
 
@@ -64,3 +65,98 @@ def test_time_grid(steps):
         assert g[1] == pytest.approx(t_of_tau(0.5, V))
     with pytest.raises(ValueError):
         time_grid(0, V)
+
+
+# ----------------------------------------------------------------------------- embedded map
+
+def _bayes_accuracy_direct(E: torch.Tensor, t: float, n: int, seed: int) -> float:
+    """Accuracy of the Bayes decoder of y from y_t = (1-t) eps @ E + t E_y, simulated in
+    vocabulary space (eps ~ N(0, I_V)) and decoded with the Gaussian likelihood directly."""
+    g = torch.Generator().manual_seed(seed)
+    E = E.double()
+    V = E.shape[0]
+    y = torch.randint(0, V, (n,), generator=g)
+    yt = (1 - t) * torch.randn(n, V, generator=g, dtype=torch.float64) @ E + t * E[y]
+    G_inv = torch.linalg.pinv(E.T @ E)
+    score = t * yt @ G_inv @ E.T - 0.5 * t * t * ((E @ G_inv) * E).sum(-1)  # log-likelihood up to a constant
+    return float((score.argmax(-1) == y).double().mean())
+
+
+def test_embedded_map_with_identity_embedding_is_the_vocab_map():
+    """E = I: y_t is x_t, the Bayes decoder is the argmax, P_E is the analytic P."""
+    V = 32
+    t = np.array([0.2, 0.4, 0.55, 0.7])
+    p_e = embedded_decode_prob(t, torch.eye(V), samples=40000)
+    p = correct_decode_prob(t, V)
+    assert np.all(np.abs(p_e - p) < 4 * np.sqrt(p * (1 - p) / 40000) + 1e-3)
+
+
+@pytest.mark.parametrize("t", [0.8, 0.9])
+def test_critical_snr_matches_a_direct_bayes_decoder(t):
+    E = torch.randn(128, 16, generator=torch.Generator().manual_seed(3)) * torch.linspace(0.2, 3, 16)
+    n = 20000
+    p_e = float(embedded_decode_prob(np.array(t), E, samples=n, seed=1))
+    p_direct = _bayes_accuracy_direct(E, t, n, seed=2)
+    assert abs(p_e - p_direct) < 4 * np.sqrt(p_direct * (1 - p_direct) / n) * 1.5 + 2e-3
+
+
+def test_embedding_squeezes_the_state():
+    """V >> H: at the vocab map's tau = 0.9 the embedded state is far less readable, and the
+    embedded map puts tau = 0.9 much later in t."""
+    V, H = 1024, 32
+    E = torch.randn(V, H, generator=torch.Generator().manual_seed(0))
+    t90 = t_of_tau(0.9, V)
+    assert float(embedded_decode_prob(np.array(t90), E, samples=4096)) < 0.3
+    t_k, tau_k = embedded_time_knots(E, samples=4096)
+    check_knots(t_k, tau_k)
+    assert np.interp(0.9, tau_k, t_k) > t90 + 0.05
+    assert t_k[0] == 0.0 and t_k[-1] == 1.0 and tau_k[0] == 0.0 and tau_k[-1] == 1.0
+
+
+def test_config_time_maps_and_legacy_configs():
+    from drafter_service.config import DrafterConfig
+
+    base = dict(vocab_size=256, target_hidden_size=16, target_num_layers=4, feature_layers=[1])
+    E = torch.randn(256, 16, generator=torch.Generator().manual_seed(0))
+    t_k, tau_k = embedded_time_knots(E, samples=2048)
+    cfg = DrafterConfig(**base, time_table_t=t_k, time_table_tau=tau_k).validate()
+    back = DrafterConfig.from_json(cfg.to_json())
+    assert back.time_map == "embedded" and back.time_table_t == t_k  # stored, not recomputed
+    g = map_time_grid(4, back)
+    np.testing.assert_allclose(map_tau_of_t(g, back), np.linspace(0, 1, 5), atol=1e-9)
+    old = {k: v for k, v in cfg.to_dict().items() if k not in ("time_map", "state_input", "time_table_t",
+                                                               "time_table_tau", "time_map_samples")}
+    legacy = DrafterConfig.from_dict(old)  # a config.json written before the embedded map
+    assert legacy.time_map == "vocab" and legacy.state_input == "rms"
+    np.testing.assert_allclose(map_time_grid(3, legacy), time_grid(3, 256))
+    with pytest.raises(ValueError):
+        DrafterConfig(**base, time_table_t=[0.0, 0.5, 1.0], time_table_tau=[0.0, 0.7, 0.6, 1.0]).validate()
+
+
+def test_drafter_measures_its_map_and_whitens_its_state():
+    from drafter_service.config import DrafterConfig
+    from drafter_service.flashmap_dit import FlashMapDiT
+
+    V, H = 512, 32
+    E = torch.randn(V, H, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.1, 2.0, H)
+    cfg = DrafterConfig(dim=32, n_blocks=1, n_heads=2, time_freq_dim=16, vocab_size=V, target_hidden_size=H,
+                        target_num_layers=4, feature_layers=[1], time_map_samples=2048)
+    model = FlashMapDiT(cfg, E, E)
+    assert len(model.cfg.time_table_t) > 2  # measured on E when it was attached
+    check_knots(model.cfg.time_table_t, model.cfg.time_table_tau)
+    np.testing.assert_allclose(model.time_grid(2)[1], np.interp(0.5, model.cfg.time_table_tau, model.cfg.time_table_t))
+    noise = torch.randn(20000, V, generator=torch.Generator().manual_seed(1)) @ E  # eps @ E
+    w = model.read_state(noise)
+    np.testing.assert_allclose(torch.cov(w.T).numpy(), np.eye(H), atol=0.06)  # isotropic
+
+
+def test_committed_drafters_keep_their_time_map():
+    """Checkpoints made before the embedded map load with the vocab map and the rms input."""
+    from pathlib import Path
+
+    from drafter_service.checkpoint import load_drafter
+
+    root = Path(__file__).resolve().parents[1] / "checkpoints"
+    model = load_drafter(root / "demo-flashmap", root / "demo-target")
+    assert model.cfg.time_map == "vocab" and model.cfg.state_input == "rms"
+    np.testing.assert_allclose(model.time_grid(2), time_grid(2, model.cfg.vocab_size))

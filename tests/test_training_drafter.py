@@ -220,7 +220,8 @@ def test_zero_length_jump_loss_vanishes_for_student_equal_teacher(world):
 
 
 def test_jump_sampling_fractions():
-    cfg = td.DrafterConfig(vocab_size=512, target_hidden_size=64, target_num_layers=4, feature_layers=[1])
+    cfg = td.DrafterConfig(vocab_size=512, target_hidden_size=64, target_num_layers=4, feature_layers=[1],
+                           time_map="vocab")  # a bare config: no embedding to measure the embedded map on
     s, u, t, zero = td.sample_jumps(20000, 512, cfg, torch.Generator().manual_seed(0), "cpu")
     full = (s == 0) & (t == 1)
     assert abs(zero.float().mean().item() - 0.5) < 0.02
@@ -335,3 +336,23 @@ def test_cli_stages_resume_and_checkpoint(world, tmp_path):
 
     # one-line errors
     assert td.main(["--stage", "distill", "--out", str(tmp_path / "x"), "--steps", "1", *common]) == 2
+
+
+def test_distillation_loss_is_not_zero_for_a_student_that_ignores_its_inputs(world):
+    """A student whose output depends on neither the state nor (s, t) is self-consistent, so
+    its semigroup term vanishes; the zero-length jumps still tie it to a teacher that reads
+    its state, so the loss does not."""
+    target, data, _, _ = world
+    teacher = randomize(init_drafter(target, seed=0, **TINY)).eval()
+    student = randomize(init_drafter(target, seed=0, **TINY)).eval()
+    with torch.no_grad():
+        student.state_in.weight.zero_()  # ignores x
+        for m in student.time_embed:
+            if isinstance(m, torch.nn.Linear):
+                m.weight.zero_()  # ignores (s, t): the adaLN input is a constant
+    b = a_batch(data)
+    with torch.no_grad():
+        _, stats = td.distill_loss(student, teacher, student, b, torch.Generator().manual_seed(0))
+        _, self_stats = td.distill_loss(student, student, student, b, torch.Generator().manual_seed(0))
+    assert self_stats["loss"] < 1e-6  # it is consistent with itself ...
+    assert stats["zero"] > 1e-2 and stats["loss"] > 1e-3  # ... but not the teacher

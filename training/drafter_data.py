@@ -46,7 +46,8 @@ FORMAT = "flashmap-drafter-data"
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 # Settings that must agree between a run and the run that resumes it.
 _RESUME_KEYS = ("format", "target_vocab_size", "feature_layers", "feature_dim", "embed_hash", "chunk_size",
-                "n_prompts", "max_new_tokens", "temperature", "seed", "feature_dtype", "prompts_hash")
+                "n_prompts", "max_new_tokens", "temperature", "seed", "feature_dtype", "prompts_hash",
+                "samples_per_prompt")
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -229,9 +230,16 @@ def read_meta(data_dir: str | Path) -> dict:
 
 def build(engine, prompts: list[list[int]], out_dir: str | Path, *, max_new_tokens: int = 256,
           temperature: float = 0.0, seed: int = 0, chunk_size: int = 64, feature_dtype: str = "bfloat16",
-          target_dir: str | Path | None = None, progress: bool = True) -> list[Path]:
+          target_dir: str | Path | None = None, progress: bool = True, samples_per_prompt: int = 1) -> list[Path]:
     """Generate responses and features for all prompts into out_dir; returns the shard paths.
-    Chunks whose shard exists are skipped."""
+    Chunks whose shard exists are skipped. samples_per_prompt > 1 (with temperature > 0):
+    each prompt answered that many times (consecutive sequences, each seeded by its own
+    index), so the data hold several continuations of one context: multimodal blocks."""
+    if samples_per_prompt < 1:
+        raise ValueError("samples_per_prompt must be >= 1")
+    if samples_per_prompt > 1 and temperature == 0:
+        raise ValueError("several samples per prompt need temperature > 0 (greedy answers are all the same)")
+    prompts = [p for p in prompts for _ in range(samples_per_prompt)]
     from tqdm import tqdm
 
     if feature_dtype not in DTYPES:
@@ -250,10 +258,11 @@ def build(engine, prompts: list[list[int]], out_dir: str | Path, *, max_new_toke
                 feature_layers=engine.feature_layers, feature_dim=engine.feature_dim, embed_hash=embed_hash,
                 chunk_size=chunk_size, n_prompts=len(prompts), max_new_tokens=max_new_tokens,
                 temperature=float(temperature), seed=seed, feature_dtype=feature_dtype,
-                prompts_hash=_prompts_hash(prompts))
+                prompts_hash=_prompts_hash(prompts), samples_per_prompt=samples_per_prompt)
     meta_path = out_dir / META_FILE
     if meta_path.is_file():
         old = json.loads(meta_path.read_text())
+        old.setdefault("samples_per_prompt", 1)  # written before the option existed
         diff = [k for k in _RESUME_KEYS if old.get(k) != meta[k]]
         if diff:
             raise ValueError(f"{out_dir} holds data made with other settings ({', '.join(diff)}); "
@@ -285,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy responses")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--samples-per-prompt", type=int, default=1,
+                    help="answers per prompt (temperature > 0): several continuations of one context")
     ap.add_argument("--chunk-size", type=int, default=64,
                     help="prompts per shard (Qwen3-8B: 5 x 4096 features = 40 KB per token in bf16)")
     ap.add_argument("--limit", type=int, default=0, help="use only the first N prompts (0 = all)")
@@ -305,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
                               dtype=DTYPES[args.dtype])
         paths = build(engine, prompts, args.out, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                       seed=args.seed, chunk_size=args.chunk_size, feature_dtype=args.feature_dtype,
-                      target_dir=args.target)
+                      target_dir=args.target, samples_per_prompt=args.samples_per_prompt)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

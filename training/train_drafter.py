@@ -8,10 +8,13 @@ Many anchors of one sequence share one encoded context (`CrossContext.select`).
 
 Stages (DESIGN.md, "The method in one page"):
 
-- flow: tau ~ U(0, 1) mapped to t by `flow_time.t_of_tau`; x_t = (1-t)*eps + t*onehot with
+- flow: tau ~ U(0, 1) mapped to t by the drafter's time map (flow_time; new drafters: the
+  embedded map, measured on what the network can read); x_t = (1-t)*eps + t*onehot with
   ONE noise draw [V] shared by the K slots; the model is called on the diagonal (s = t)
   and trained with the cross-entropy of its clean-block logits, slot k (1-based)
-  weighted exp(-(k-1)/slot_loss_decay).
+  weighted exp(-(k-1)/slot_loss_decay). At every save the flow check (`flow_check`) logs
+  the denoiser's accuracy against tau and writes OUT/flow_summary.json; it warns when
+  the denoiser does not improve with tau (a model that ignores its state is no flow).
 - distill: the student starts from the trained flow model, which stays frozen as the
   teacher. Per block a jump (s, t): a share `zero_jump_fraction` of the blocks are
   zero-length jumps (s = t) whose output distribution must match the frozen teacher
@@ -41,11 +44,12 @@ from __future__ import annotations
 import argparse
 import copy
 import csv
+import json
 import math
 import sys
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -56,7 +60,7 @@ from torch import Tensor
 from drafter_service.checkpoint import init_drafter, load_drafter, save_drafter
 from drafter_service.config import DrafterConfig
 from drafter_service.flashmap_dit import CrossContext, FlashMapDiT, jump
-from drafter_service.flow_time import t_of_tau
+from drafter_service.flow_time import map_t_of_tau
 from training.drafter_data import Shard, list_shards, read_meta, shard_index
 
 STAGES = ("flow", "distill", "dflash")
@@ -111,6 +115,12 @@ class TrainConfig(ConfigDict):
     # flow: start from a trained DFlash-style drafter of the same backbone (warm_start_from_dflash);
     # dflash: continue one. "" = the DiT init. Not in the paper: a CPU-budget choice, reported.
     init_from: str = ""
+    # Flow stage's check (flow_check): batches of blocks it runs on at every save (0 = off), the
+    # data they come from ("" = the training data, another seed) and an optional DFlash-style
+    # drafter whose per-slot accuracy is shown beside the denoiser's.
+    check_batches: int = 4
+    check_data: str = ""
+    check_prior: str = ""
     # Drafter architecture for flow / dflash (distill copies the teacher's): DrafterConfig fields.
     arch: dict = field(default_factory=lambda: dict(dim=2048, n_blocks=6, n_heads=16, block_size=16))
 
@@ -265,12 +275,12 @@ def weighted_kl(p: Tensor, logits: Tensor, mask: Tensor, w: Tensor) -> Tensor:
 
 
 def sample_times(n: int, vocab_size: int, cfg: DrafterConfig, gen: torch.Generator, device) -> Tensor:
-    """[n] flow times t = t_of_tau(tau), tau ~ U(0, 1)."""
+    """[n] flow times t = t_of_tau(tau) under cfg's time map, tau ~ U(0, 1)."""
     tau = torch.rand(n, generator=gen, device=device, dtype=torch.float64)
     if cfg.pure_noise_fraction > 0:
         pure = torch.rand(n, generator=gen, device=device, dtype=torch.float64) < cfg.pure_noise_fraction
         tau = torch.where(pure, torch.zeros_like(tau), tau)
-    return t_of_tau(tau, vocab_size, cfg.time_table_size, cfg.gauss_hermite_nodes).float()
+    return map_t_of_tau(tau, cfg).float()
 
 
 def noisy_state(target: Tensor, t: Tensor, vocab_size: int, gen: torch.Generator, shared: bool = True) -> Tensor:
@@ -332,7 +342,7 @@ def sample_jumps(n: int, vocab_size: int, cfg: DrafterConfig, gen: torch.Generat
     tau_s = torch.where(full, torch.zeros_like(tau_s), tau_s)
     tau_t = torch.where(full, torch.ones_like(tau_t), tau_t)
     tau_u = 0.5 * (tau_s + tau_t)
-    tm = lambda x: t_of_tau(x, vocab_size, cfg.time_table_size, cfg.gauss_hermite_nodes).float()  # noqa: E731
+    tm = lambda x: map_t_of_tau(x, cfg).float()  # noqa: E731
     s, u, t = tm(tau_s), tm(tau_u), tm(tau_t)
     t = torch.where(zero, s, t)  # exactly s = t
     return s, u, t, zero
@@ -390,6 +400,11 @@ def distill_loss(student: FlashMapDiT, teacher: FlashMapDiT, ema: FlashMapDiT, b
 ARCH_FIELDS = ("dim", "n_blocks", "n_heads", "block_size", "mlp_ratio", "time_freq_dim", "qk_norm")
 
 
+def _field_default(cls, name: str):
+    f = cls.__dataclass_fields__[name]
+    return f.default_factory() if f.default is MISSING else f.default
+
+
 def warm_start_from_dflash(src: FlashMapDiT, **config_overrides) -> FlashMapDiT:
     """A flashmap drafter that computes exactly what the DFlash-style `src` computes at the
     1-jump conditioning (s, t) = (0, 1), whatever its input state.
@@ -404,7 +419,11 @@ def warm_start_from_dflash(src: FlashMapDiT, **config_overrides) -> FlashMapDiT:
     bad = sorted(set(config_overrides) & set(ARCH_FIELDS))
     if bad:
         raise ValueError(f"the architecture comes from the --init-from drafter; do not set {bad}")
-    cfg = replace(src.cfg, kind="flashmap", **config_overrides)
+    # A new flow drafter reads its state and keeps time as new drafters do, whatever the source
+    # checkpoint's config says (a dflash config from before these fields carries the legacy values).
+    new = {f: _field_default(DrafterConfig, f)
+           for f in ("time_map", "state_input", "shared_noise", "time_map_candidates")}
+    cfg = replace(src.cfg, kind="flashmap", time_table_t=[], time_table_tau=[], **{**new, **config_overrides})
     model = FlashMapDiT(cfg).to(src.pos_embed.device, src.pos_embed.dtype)
     model.set_target(src.embed, src.lm_head)
     state = {k: v for k, v in src.state_dict().items() if k != "mask_embed"}
@@ -500,31 +519,61 @@ def train(tcfg: TrainConfig, *, target: str | Path, data: str | Path, out: str |
     else:
         kind = "dflash" if tcfg.stage == "dflash" else "flashmap"
         model = init_drafter(target, seed=tcfg.seed, device=device, kind=kind, **tcfg.arch).train()
+    _check_data(read_meta(data), model.cfg)
+    stream = SequenceStream(data, seed=tcfg.seed, max_len=tcfg.max_len)
+    seqs_per_step = max(1, -(-tcfg.batch_size // tcfg.anchors_per_seq))
+    K = model.cfg.block_size
+
+    def batch_fn(step: int) -> Batch:
+        rng = np.random.default_rng([tcfg.seed, step, 1])
+        return make_batch(stream.take(step * seqs_per_step, seqs_per_step), K, tcfg.anchors_per_seq,
+                          tcfg.max_len, rng).to(device)
+
+    check_batches = prior = None
+    if tcfg.stage == "flow" and tcfg.check_batches > 0:
+        if tcfg.check_data:
+            _check_data(read_meta(tcfg.check_data), model.cfg)
+        check_batches = flow_check_batches(tcfg.check_data or data, tcfg, K, device)
+        if tcfg.check_prior:
+            prior = load_drafter(tcfg.check_prior, target, device=device).eval()
+    return run_stage(model, tcfg, batch_fn, out=out, teacher=teacher_model, resume=resume, device=device,
+                     progress=progress, check_batches=check_batches, check_prior=prior)
+
+
+def flow_check_batches(data: str | Path, tcfg: TrainConfig, block_size: int, device) -> list[Batch]:
+    """The fixed blocks the flow stage's check runs on: tcfg.check_batches batches of a stream
+    with another seed over `data` (tcfg.check_data: held-out data; else the training data)."""
+    stream = SequenceStream(data, seed=tcfg.seed + 7919, max_len=tcfg.max_len)
+    n = max(1, -(-tcfg.batch_size // tcfg.anchors_per_seq))
+    rng = np.random.default_rng([tcfg.seed, 7919])
+    return [make_batch(stream.take(i * n, n), block_size, tcfg.anchors_per_seq, tcfg.max_len, rng).to(device)
+            for i in range(tcfg.check_batches)]
+
+
+def run_stage(model: FlashMapDiT, tcfg: TrainConfig, batch_fn, *, out: str | Path,
+              teacher: FlashMapDiT | None = None, resume: bool = False, device: str = "cpu", progress: bool = True,
+              check_batches: list[Batch] | None = None, check_prior: FlashMapDiT | None = None) -> FlashMapDiT:
+    """Train `model` for one stage (tcfg.stage) on batch_fn(step) -> Batch; distill: `teacher`
+    is the frozen flow model (model starts as its copy). Flow stage with check_batches: at
+    every save the denoiser's accuracy against tau on those blocks is logged and written to
+    OUT/flow_summary.json, with a warning when it does not improve with tau (`flow_check`)."""
     model.embed.requires_grad_(False)
     model.lm_head.requires_grad_(False)
-    _check_data(read_meta(data), model.cfg)
-
     ema = None
     if tcfg.stage == "distill":
         ema = copy.deepcopy(model).requires_grad_(False).eval() if tcfg.ema_decay > 0 else model
 
     cols = ["step", "lr", "loss"] + (["zero", "semigroup"] if tcfg.stage == "distill" else []) + ["elapsed_s"]
-    stream = SequenceStream(data, seed=tcfg.seed, max_len=tcfg.max_len)
-    seqs_per_step = max(1, -(-tcfg.batch_size // tcfg.anchors_per_seq))
-    K = model.cfg.block_size
 
-    def batch_fn(step: int) -> tuple[Batch, torch.Generator]:
-        rng = np.random.default_rng([tcfg.seed, step, 1])
-        batch = make_batch(stream.take(step * seqs_per_step, seqs_per_step), K, tcfg.anchors_per_seq,
-                           tcfg.max_len, rng).to(device)
-        return batch, _step_generator(tcfg.seed, step, device)
+    def batch_gen(step: int) -> tuple[Batch, torch.Generator]:
+        return batch_fn(step), _step_generator(tcfg.seed, step, device)
 
     def loss_fn(batch_gen: tuple[Batch, torch.Generator]) -> tuple[Tensor, dict]:
         if tcfg.stage == "flow":
             return flow_loss(model, *batch_gen)
         if tcfg.stage == "dflash":
             return dflash_loss(model, *batch_gen)
-        return distill_loss(model, teacher_model, ema, *batch_gen)
+        return distill_loss(model, teacher, ema, *batch_gen)
 
     own_ema = ema if ema is not None and ema is not model else None
 
@@ -533,16 +582,57 @@ def train(tcfg: TrainConfig, *, target: str | Path, data: str | Path, out: str |
             for pe, pm in zip(own_ema.parameters(), model.parameters()):
                 pe.lerp_(pm, 1 - tcfg.ema_decay)
 
+    on_save = None
+    if tcfg.stage == "flow" and check_batches:
+        on_save = lambda step: flow_check(model, check_batches, step, Path(out), prior=check_prior)  # noqa: E731
     return run_training(model, tcfg, stage=tcfg.stage, out=out, resume=resume, device=device, progress=progress,
-                        cols=cols, batch_fn=batch_fn, loss_fn=loss_fn, extra_modules={"ema": own_ema},
-                        after_step=ema_update if own_ema is not None else None,
+                        cols=cols, batch_fn=batch_gen, loss_fn=loss_fn, extra_modules={"ema": own_ema},
+                        after_step=ema_update if own_ema is not None else None, on_save=on_save,
                         postfix=lambda stats, lr: dict(loss=f"{stats['loss']:.4f}", lr=f"{lr:.2e}"))
+
+
+FLOW_SUMMARY = "flow_summary.json"
+
+
+def flow_check(model: FlashMapDiT, batches: list[Batch], step: int, out: Path,
+               prior: FlashMapDiT | None = None) -> dict:
+    """The flow stage's gate: the denoiser's accuracy against tau on `batches`
+    (flow_diagnostics.denoiser_curve), logged, and OUT/flow_summary.json rewritten with it
+    and its history; a WARNING line when the denoiser does not improve with tau."""
+    from training import flow_diagnostics as fd
+
+    was = model.training
+    model.eval()
+    try:
+        curve = fd.denoiser_curve(model, batches, prior=prior)
+    finally:
+        model.train(was)
+    ok = fd.reads_state(curve)
+    path = out / FLOW_SUMMARY
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    history = [h for h in old.get("history", []) if h["step"] < step]
+    history.append(dict(step=step, acc_tau0=fd.accuracy_at(curve, 0.0), acc_tau09=fd.accuracy_at(curve, 0.9),
+                        reads_state=ok))
+    summary = dict(step=step, reads_state=ok, margin=fd.READS_STATE_MARGIN, time_map=model.cfg.time_map,
+                   state_input=model.cfg.state_input, shared_noise=model.cfg.shared_noise, curve=curve,
+                   history=history)
+    if not ok:
+        summary["warning"] = ("the denoiser does not improve with tau: it does not read its noisy state, so "
+                              "this is not a flow (per-slot marginals at best); do not distil it")
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    tmp.replace(path)
+    print(f"\nflow check, step {step}:\n{fd.format_curve(curve)}", flush=True)
+    if not ok:
+        print(f"WARNING: step {step}: {summary['warning']} (accuracy {fd.accuracy_at(curve, 0.0):.3f} at tau = 0, "
+              f"{fd.accuracy_at(curve, 0.9):.3f} at tau = 0.9; {path})", file=sys.stderr, flush=True)
+    return summary
 
 
 def run_training(model: torch.nn.Module, tcfg, *, stage: str, out: str | Path, resume: bool, device: str,
                  progress: bool, cols: list[str], batch_fn, loss_fn, extra_modules: dict | None = None,
                  after_step=None, postfix=None, plot_cols: list[str] | None = None,
-                 stage_name: str | None = None) -> torch.nn.Module:
+                 stage_name: str | None = None, on_save=None) -> torch.nn.Module:
     """The training loop every drafter shares (this module's stages, train_eagle).
 
     AdamW with `_param_groups` and the `lr_factor` schedule; resume from OUT/train_state.pt
@@ -552,7 +642,7 @@ def run_training(model: torch.nn.Module, tcfg, *, stage: str, out: str | Path, r
     autocast when tcfg.amp on CUDA, gradient clipping, after_step() after the optimizer
     step; every save_every steps the drafter checkpoint (save_drafter), train_state.pt
     (model, optimizer, scheduler, step, train config, and extra_modules' state dicts: None
-    for a None module) and loss.png (plot_cols). Returns the model in eval mode."""
+    for a None module) and loss.png (plot_cols), then on_save(step). Returns the model in eval mode."""
     from tqdm import tqdm
 
     out = Path(out)
@@ -593,6 +683,8 @@ def run_training(model: torch.nn.Module, tcfg, *, stage: str, out: str | Path, r
                     **{name: None if m is None else m.state_dict() for name, m in extra_modules.items()}}, tmp)
         tmp.replace(state_path)
         plot_losses(csv_path, out / PNG_FILE, plot_cols)
+        if on_save is not None:
+            on_save(step)
 
     t0 = time.perf_counter()
     csv_f = open(csv_path, "a", newline="")
@@ -675,12 +767,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-heads", type=int)
     ap.add_argument("--block-size", type=int)
     ap.add_argument("--pure-noise-fraction", type=float, help="flow: share of blocks at tau = 0 (paper: 0)")
+    ap.add_argument("--time-map", choices=("embedded", "vocab"),
+                    help="flow: tau <-> t map (default embedded: measured on what the embedded state tells)")
+    ap.add_argument("--time-map-candidates", type=int, nargs="+",
+                    help="flow, embedded map: the readers tau averages over, tokens each chooses between (0 = all V)")
+    ap.add_argument("--state-input", choices=("whiten", "rms"), help="flow: how the network reads the embedded state")
+    ap.add_argument("--noise", choices=("slot", "shared"),
+                    help="flow: an independent noise draw per slot (default) or one draw shared by the K slots")
+    ap.add_argument("--check-data", help="flow: held-out drafter data for the flow check (default: training data)")
+    ap.add_argument("--check-prior", help="flow: a DFlash-style drafter shown beside the denoiser in the flow check")
+    ap.add_argument("--check-batches", type=int, help="flow: batches of the flow check at every save (0 = off)")
     ap.add_argument("--init-from", help="flow: start from a DFlash-style drafter (warm start, not the paper's) or train "
                                         "a flow-stage drafter on; dflash: train a DFlash-style drafter on")
     args = ap.parse_args(argv)
 
+    if args.noise is not None:
+        args.shared_noise = args.noise == "shared"
+    else:
+        args.shared_noise = None
     cfg = config_from_args(TrainConfig.for_stage(args.stage, small=args.small), args,
-                           ("anchors_per_seq", "ema_decay", "init_from"), ("dim", "n_blocks", "n_heads", "block_size", "pure_noise_fraction"))
+                           ("anchors_per_seq", "ema_decay", "init_from", "check_data", "check_prior", "check_batches"),
+                           ("dim", "n_blocks", "n_heads", "block_size", "pure_noise_fraction", "time_map", "state_input",
+                            "shared_noise", "time_map_candidates"))
     try:
         train(cfg, target=args.target, data=args.data, out=args.out, teacher=args.teacher, resume=args.resume,
               device=args.device, progress=not args.no_progress)
