@@ -8,15 +8,16 @@ decode step) that maximises the batch's expected committed tokens per second:
 - E[accepted | L] = sum_{k<=L} prod_{j<=k} a_j, with a_j the request's conditional
   acceptance of slot j (SpecStats: accepted / verified per slot), shrunk towards a global
   prior (every request's counts, per greedy / sampling) so new requests start informed.
-- verify_cost(T) = c0 + c1 * T for T query tokens in the round (prefill rows included) and
+- verify_cost(T) = c0 + c1 * T for T padded query tokens in the round (rows x the longest
+  row, prefill rows included) and
   draft_cost(B) = d0 + d1 * B for B drafting requests: least-squares fits with forgetting
   over the rounds measured, so the model follows the device and the load.
 
-The search is Dinkelbach's: for a throughput guess lam, each request extends its draft
-while the next slot's expected acceptance exceeds lam * c1 (the acceptance of slot k is
-non-increasing in k, so this is a prefix); lam is then the throughput of that choice;
-repeat until it settles, and keep the better of that and no speculation at all. Exactness
-never depends on the choice: any prefix of a draft is a valid proposal.
+The verify pads every row to the longest ([B, max_len]), so T counts padded tokens and the
+requests that draft share one length M: the search tries every M in 1..K and, for each, the
+b requests that gain most (the others skip the draft call), and keeps the best of those and
+no speculation at all. Exactness never depends on the choice: any prefix of a draft is a
+valid proposal.
 
 A request left without a draft for `probe_every` rounds drafts a whole block, so its
 acceptance estimate and the draft cost stay current and speculation can come back.
@@ -108,19 +109,21 @@ class SpeculationController:
         # A seeded sampling request keeps its whole draft: which tokens it samples depends on the
         # draft lengths, and a seed must give the same text every time.
         pinned = {s.seq_id for s in seqs if s.params.seed is not None and not s.params.greedy}
-        fixed_tokens = sum(0 if s.prefilled else len(s.tokens) - 1 for s in seqs)  # prefill rows' extra tokens
+        prefill_len = max((len(s.tokens) for s in seqs if not s.prefilled), default=0)
         if self.verify_cost.n < self.cfg.min_rounds_measured or not any(caps.values()):
             choice = dict(caps)
         else:
-            choice = self._search(seqs, caps, fixed_tokens)
+            choice = self._search(seqs, caps, prefill_len)
         # Probes: a request that has gone without a draft for a while drafts a whole block, so its
         # acceptance estimate (and the draft cost) stays current and speculation can come back.
-        idle = {}
+        # The batch is padded to the probe's length anyway, so every request drafts in that round.
+        idle, probe = {}, False
         for i, cap in caps.items():
             if cap and not choice[i]:
                 idle[i] = self.idle.get(i, 0) + 1
-                if idle[i] >= self.cfg.probe_every:
-                    choice[i], idle[i] = cap, 0
+                probe |= idle[i] >= self.cfg.probe_every
+        if probe:
+            choice, idle = dict(caps), {}
         self.idle = idle
         for i in pinned:
             choice[i] = caps[i]
@@ -129,41 +132,38 @@ class SpeculationController:
         self.last_plan = choice
         return choice
 
-    def _search(self, seqs: list[Sequence], caps: dict[int, int], fixed_tokens: int) -> dict[int, int]:
+    def _search(self, seqs: list[Sequence], caps: dict[int, int], prefill_len: int) -> dict[int, int]:
+        """The best plan "the b requests that gain most draft min(cap, M)" over M and b.
+
+        A verify pads every row to the longest one ([B, max_len]: the eager pass and the graph
+        buckets alike), so the round costs c0 + c1 * n * max(prefill_len, M + 1) whatever the
+        shorter rows ask for: the requests that draft share one length M, and one that drafts
+        less saves nothing but its part of the draft call."""
         n = len(seqs)
         c0, c1 = self.verify_cost.coef
-        gains = {s.seq_id: np.cumprod(self.acceptance(s))[:caps[s.seq_id]] for s in seqs}  # slot k's expected acceptance
-
-        def throughput(choice: dict[int, int]) -> float:
-            T = n + fixed_tokens + sum(choice.values())
-            B = sum(1 for v in choice.values() if v)
-            committed = n + sum(float(np.sum(gains[i][:L])) for i, L in choice.items())
-            cost = c0 + c1 * T + (self.draft_cost(B) if B else 0.0)
-            return committed / max(cost, 1e-12)
-
-        off = {i: 0 for i in caps}
-        best, best_thr = off, throughput(off)
-        lam = best_thr
-        for _ in range(8):
-            choice = {i: int(np.sum(g >= lam * c1)) for i, g in gains.items()}
-            thr = throughput(choice)
-            if thr > best_thr:
-                best, best_thr = choice, thr
-            if abs(thr - lam) <= 1e-6 * max(lam, 1e-12):
-                break
-            lam = thr
-        # A request whose gain does not pay its share of the draft call drafts nothing.
-        for i in [i for i, L in best.items() if L]:
-            trial = {**best, i: 0}
-            thr = throughput(trial)
-            if thr > best_thr:
-                best, best_thr = trial, thr
-        return best
+        d0, d1 = self.draft_cost.coef
+        ids = [s.seq_id for s in seqs]
+        # [n, K + 1] expected accepted tokens of each request at draft lengths 0..K (capped).
+        gain = np.stack([self.expected_gain(self.acceptance(s)) for s in seqs])
+        cap = np.array([caps[i] for i in ids])
+        best_m, best_b, best_thr, order_at = 0, 0, n / (c0 + c1 * n * max(prefill_len, 1)), None
+        for m in range(1, self.block_size + 1):
+            g = gain[np.arange(n), np.minimum(cap, m)]  # [n]
+            order = np.argsort(-g, kind="stable")
+            b = np.arange(1, n + 1)
+            committed = n + np.cumsum(g[order])  # the top-b requests draft
+            cost = c0 + c1 * n * max(prefill_len, m + 1) + d0 + d1 * b
+            thr = committed / np.maximum(cost, 1e-12)
+            k = int(np.argmax(thr))
+            if thr[k] > best_thr and g[order[k]] > 0:
+                best_m, best_b, best_thr, order_at = m, k + 1, float(thr[k]), order
+        drafting = set() if order_at is None else {ids[j] for j in order_at[:best_b]}
+        return {i: min(caps[i], best_m) if i in drafting else 0 for i in ids}
 
     # -- learning ----------------------------------------------------------------
     def observe(self, query_tokens: int, verify_s: float, drafting: int, draft_s: float,
                 rounds: list[tuple[bool, int, int]]) -> None:
-        """One round's measurements: the verify call's query tokens and seconds, the number of
+        """One round's measurements: the verify call's padded query tokens and seconds, the number of
         drafting requests and the draft call's seconds, and per drafted request (greedy,
         drafted, accepted)."""
         if verify_s > 0:

@@ -68,10 +68,20 @@ def test_no_speculation_when_verify_cost_per_token_exceeds_the_gain():
 
 def test_length_between_follows_the_per_slot_acceptance():
     c = _controller(verify=(0.010, 2e-4), draft=(0.002, 1e-4))
-    short, long_ = _seqs(1, acceptance=0.5)[0], _seqs(1, acceptance=0.97)[0]
-    long_.seq_id = 1
-    plan = c.plan([short, long_])
-    assert 0 < plan[0] < plan[1] <= K
+    lengths = [max(c.plan(_seqs(2, acceptance=a)).values()) for a in (0.5, 0.8, 0.97)]
+    assert 0 < lengths[0] < lengths[1] <= lengths[2] <= K
+
+
+def test_drafting_requests_share_one_length():
+    """The verify pads rows to the longest, so a request that drafts less than the others
+    pays as much: the requests that draft get one length (their caps permitting), and one
+    whose acceptance does not pay its part of the draft call drafts nothing."""
+    c = _controller(verify=(0.010, 2e-4), draft=(0.002, 0.004))
+    seqs = _seqs(3, acceptance=0.95) + _seqs(1, acceptance=0.05)
+    seqs[-1].seq_id = 3
+    plan = c.plan(seqs)
+    assert len({plan[i] for i in range(3)}) == 1 and plan[0] > 0
+    assert plan[3] == 0
 
 
 def test_probe_turns_speculation_back_on():
