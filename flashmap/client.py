@@ -167,7 +167,30 @@ def _channel_args(api_key: str | None, tls: bool | str | None):
     return md, grpc.ssl_channel_credentials(root_certificates=roots)
 
 
-class Client:
+class _SyncChannel:
+    """A blocking gRPC channel: unary calls with errors translated, closed by `with`."""
+
+    channel: grpc.Channel
+    _md: tuple | None
+    timeout: float | None = None
+
+    def _unary(self, rpc, req):
+        try:
+            return rpc(req, timeout=self.timeout or 30.0, metadata=self._md)
+        except grpc.RpcError as e:
+            raise _translate(e) from None
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class Client(_SyncChannel):
     def __init__(self, url: str = "127.0.0.1:50051", timeout: float | None = None, api_key: str | None = None,
                  tls: bool | str | None = None):
         self._md, creds = _channel_args(api_key, tls)
@@ -197,22 +220,6 @@ class Client:
 
     def health(self) -> serving_pb2.HealthResponse:
         return self._unary(self.stub.Health, serving_pb2.HealthRequest())
-
-    def _unary(self, rpc, req):
-        try:
-            return rpc(req, timeout=self.timeout or 30.0, metadata=self._md)
-        except grpc.RpcError as e:
-            raise _translate(e) from None
-
-    def close(self) -> None:
-        self.channel.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
 
 class AsyncClient:
     def __init__(self, url: str = "127.0.0.1:50051", timeout: float | None = None, api_key: str | None = None,
@@ -253,7 +260,7 @@ class AsyncClient:
         await self.close()
 
 
-class DrafterAdmin:
+class DrafterAdmin(_SyncChannel):
     """Run-time control of the drafter service: the step count (1 or 2 jumps, or N) and its state."""
 
     def __init__(self, url: str = "127.0.0.1:50052", token: str | None = None):
@@ -265,25 +272,11 @@ class DrafterAdmin:
         self._md = ((DRAFTER_TOKEN_HEADER, token),) if token else None
 
     def get_steps(self) -> int:
-        return self._call(self.stub.GetSteps, drafter_pb2.GetStepsRequest()).steps
+        return self._unary(self.stub.GetSteps, drafter_pb2.GetStepsRequest()).steps
 
     def set_steps(self, steps: int) -> int:
-        return self._call(self.stub.SetSteps, drafter_pb2.SetStepsRequest(steps=steps)).steps
+        return self._unary(self.stub.SetSteps, drafter_pb2.SetStepsRequest(steps=steps)).steps
 
     def stats(self) -> drafter_pb2.StatsResponse:
-        return self._call(self.stub.Stats, drafter_pb2.StatsRequest())
+        return self._unary(self.stub.Stats, drafter_pb2.StatsRequest())
 
-    def _call(self, rpc, req):
-        try:
-            return rpc(req, timeout=30.0, metadata=self._md)
-        except grpc.RpcError as e:
-            raise _translate(e) from None
-
-    def close(self) -> None:
-        self.channel.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
