@@ -44,6 +44,7 @@ class StackConfig:
     n_slots: int = 8
     max_seq_len: int = 1024
     max_queue: int = 256
+    max_queue_delay_us: int | None = None  # Triton's sequence-batcher wait for a fuller batch (None: config.pbtxt)
     draft_timeout_s: float = 2.0
     drafter_idle_timeout_s: float = 300.0
     tree_blocks: int = 1  # > 1: greedy requests verify that many blocks as a tree
@@ -103,7 +104,7 @@ class Stack:
         self.triton = start_triton(
             c.target_dir, host=c.host, http_port=c.triton_http_port, grpc_port=c.triton_grpc_port,
             metrics_port=c.triton_metrics_port, n_slots=c.n_slots, max_seq_len=c.max_seq_len,
-            log_path=str(self._log("triton")), key=c.target_key,
+            max_queue_delay_us=c.max_queue_delay_us, log_path=str(self._log("triton")), key=c.target_key,
         )
 
     def start_drafter(self, wait: bool = True) -> None:
