@@ -12,6 +12,7 @@ Numpy only.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import numpy as np
@@ -162,6 +163,126 @@ def parse_verify_outputs(get: Callable[[str], np.ndarray]) -> tuple[VerifyResult
         residual=get("RESIDUAL")[0].astype(np.int64, copy=False),
         features=get("FEATURES")[0].astype(np.float32, copy=False),  # FP16 on the wire is allowed
     ), int(best.reshape(-1)[0]) if best is not None and best.size else 0
+
+
+# ----------------------------------------------------------------------------- packed rounds
+# One Triton request can carry a whole round: every row's tensors (the per-row dicts above)
+# packed into one bytes tensor ROWS, with the row's sequence id and START / END flags; the
+# answer is one bytes tensor ROWS_OUT, per row the output tensors or an error. One request per
+# round means one execute() and one forward, however the rows arrive.
+#
+# Format (little-endian): b"FMR1", u32 rows; per row u16 entries; per entry u8 name length,
+# name (ASCII), u8 dtype code, u8 ndim, ndim x u32 dims, then the raw data.
+
+_MAGIC = b"FMR1"
+_DTYPES = [np.dtype(t).newbyteorder("<") for t in ("int64", "int32", "float32", "float16", "uint64", "bool", "uint8")]
+_CODE = {d: i for i, d in enumerate(_DTYPES)}
+_MAX_NDIM = 4
+ROW_FLAG_START, ROW_FLAG_END = 1, 2
+# Per-row errors in ROWS_OUT (Triton's codes for the same failure of a one-row request).
+ROW_INVALID, ROW_UNAVAILABLE, ROW_INTERNAL = 1, 2, 3
+
+
+def pack_arrays(rows: list[dict[str, np.ndarray]]) -> bytes:
+    parts = [_MAGIC, np.uint32(len(rows)).tobytes()]
+    for row in rows:
+        parts.append(np.uint16(len(row)).tobytes())
+        for name, a in row.items():
+            a = np.ascontiguousarray(a)
+            dt = a.dtype.newbyteorder("<")
+            if dt not in _CODE or a.ndim > _MAX_NDIM:
+                raise InvalidRequest(f"{name}: cannot pack {a.dtype} with {a.ndim} dims")
+            key = name.encode("ascii")
+            parts += [bytes([len(key)]), key, bytes([_CODE[dt], a.ndim]), np.asarray(a.shape, "<u4").tobytes(),
+                      a.astype(dt, copy=False).tobytes()]
+    return b"".join(parts)
+
+
+def unpack_arrays(blob: bytes, names: frozenset[str] | set[str]) -> list[dict[str, np.ndarray]]:
+    """Inverse of pack_arrays; InvalidRequest for anything malformed or a name not in `names`."""
+    buf = memoryview(blob)
+    pos = 0
+
+    def take(n: int) -> memoryview:
+        nonlocal pos
+        if n < 0 or pos + n > len(buf):
+            raise InvalidRequest("ROWS: truncated")
+        pos += n
+        return buf[pos - n:pos]
+
+    if bytes(take(4)) != _MAGIC:
+        raise InvalidRequest("ROWS: not a packed round")
+    rows = []
+    for _ in range(int(np.frombuffer(take(4), "<u4")[0])):
+        row = {}
+        for _ in range(int(np.frombuffer(take(2), "<u2")[0])):
+            name = bytes(take(take(1)[0])).decode("ascii", "replace")
+            code, ndim = take(2)
+            if name not in names or code >= len(_DTYPES) or ndim > _MAX_NDIM:
+                raise InvalidRequest(f"ROWS: unexpected entry {name!r}")
+            shape = tuple(int(d) for d in np.frombuffer(take(4 * ndim), "<u4"))
+            dt = _DTYPES[code]
+            row[name] = np.frombuffer(take(math.prod(shape) * dt.itemsize), dt).reshape(shape).copy()
+        rows.append(row)
+    if pos != len(buf):
+        raise InvalidRequest("ROWS: trailing bytes")
+    return rows
+
+
+ROW_INPUTS = frozenset({"CORRID", "FLAGS", "TOKENS", "START_POS", "SUPPORT_IDS", "TEMPERATURE", "TOP_K", "TOP_P",
+                        "ROUND_SEED", "BRANCHES"})
+ROW_OUTPUTS = frozenset(VERIFY_OUTPUTS) | {"ERROR", "CODE"}
+
+
+def packed_round(items: list[tuple[int, bool, bool, VerifyRow | None, list[np.ndarray]]]
+                 ) -> tuple[bytes, dict[int, InvalidRequest]]:
+    """ROWS for (sequence id, start, end, row or None for a release, branches) per row, and the
+    rows left out because they do not fit the tensor types (index -> their error)."""
+    rows, bad = [], {}
+    for k, (corrid, start, end, row, branches) in enumerate(items):
+        try:
+            d = {"CORRID": np.array([corrid], np.uint64),
+                 "FLAGS": np.array([ROW_FLAG_START * bool(start) | ROW_FLAG_END * bool(end)], np.int32)}
+            d.update(release_inputs() if row is None else verify_inputs(row, branches))
+        except InvalidRequest as e:
+            bad[k] = e
+            continue
+        rows.append(d)
+    return pack_arrays(rows), bad
+
+
+def parse_packed_round(blob: bytes) -> list[tuple[int, bool, bool, Callable[[str], np.ndarray | None]]]:
+    """(sequence id, start, end, get) per row of ROWS; get(name) reads the row's tensors as
+    parse_verify_inputs expects them."""
+    out = []
+    for d in unpack_arrays(blob, ROW_INPUTS):
+        corrid, flags = d.pop("CORRID", None), d.pop("FLAGS", None)
+        if corrid is None or corrid.size != 1 or flags is None or flags.size != 1:
+            raise InvalidRequest("ROWS: every row needs one CORRID and one FLAGS value")
+        f = int(flags.reshape(-1)[0])
+        out.append((int(corrid.reshape(-1)[0]), bool(f & ROW_FLAG_START), bool(f & ROW_FLAG_END), d.get))
+    return out
+
+
+def packed_outputs(rows: list[dict[str, np.ndarray] | tuple[int, str]]) -> bytes:
+    """ROWS_OUT: per row its output tensors (verify_outputs / empty_outputs) or (error code, message)."""
+    return pack_arrays([r if isinstance(r, dict) else
+                        {"CODE": np.array([r[0]], np.int32), "ERROR": np.frombuffer(r[1].encode(), np.uint8)}
+                        for r in rows])
+
+
+def parse_packed_outputs(blob: bytes) -> list[tuple[VerifyResult, int] | tuple[int, str] | None]:
+    """Per row of ROWS_OUT: (VerifyResult, winning block), (error code, message), or None for
+    an answered release."""
+    out = []
+    for d in unpack_arrays(blob, ROW_OUTPUTS):
+        if "CODE" in d:
+            out.append((int(d["CODE"].reshape(-1)[0]), d["ERROR"].tobytes().decode("utf-8", "replace")))
+        elif d["ARGMAX"].size == 0:
+            out.append(None)
+        else:
+            out.append(parse_verify_outputs(d.get))
+    return out
 
 
 # ----------------------------------------------------------------------------- public API

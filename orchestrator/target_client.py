@@ -5,15 +5,16 @@ decoded by flashmap.wire, the same codec the model uses.
 
     client = TargetClient("127.0.0.1:8001")
     info = await client.info()                      # vocab size, feature layers, slots, eos ids ...
-    res, best = await client.verify(seq_id, row, start=True)   # first round of a sequence: START
-    res, best = await client.verify(seq_id, row, start=False)  # later rounds
+    out = await client.verify_rows([(seq_id, row, [], True, False), ...])  # a round: one request
+    res, best = await client.verify(seq_id, row, start=True)   # one row: a request of its own
     await client.release(seq_id)                    # finish / cancel: frees the KV slot
 
 The correlation id of a sequence is seq_id (> 0); row.slot is ignored (the server maps
-correlation ids to KV slots). Verify calls of different sequences issued concurrently
-(asyncio.gather) reach the model together: Triton's sequence batcher hands them to one
-execute(), which runs one forward pass. `TritonTarget` is the round loop's Target
-(flashmap.rounds) on top of the client.
+correlation ids to KV slots). `verify_rows` sends a packed round (flashmap.wire): every row
+in one request, verified in one forward. `verify` / `release` are one-row requests in
+Triton's sequence batcher (a sequence is either packed or one-row: Triton only knows the
+sequences it saw START for). `TritonTarget` is the round loop's Target (flashmap.rounds) on
+top of the client; it sends packed rounds.
 
 Errors: InvalidRequest (bad input; Triton INVALID_ARGUMENT, with the model's message),
 TargetUnavailable (cannot connect, not ready, no free KV slot, deadline), TargetError
@@ -178,6 +179,26 @@ class TargetClient:
         r = await self._infer(inputs, wire.VERIFY_OUTPUTS, seq_id, start=start, end=end)
         return wire.parse_verify_outputs(r.as_numpy)
 
+    async def verify_rows(self, items: list[tuple[int, VerifyRow | None, list[np.ndarray], bool, bool]]) -> list:
+        """A whole round in one request (a packed round, flashmap.wire): per item (seq_id, row or
+        None for a release, branches, start, end) -> (VerifyResult, best), None for a release,
+        or the exception a one-row request would have raised. A failure of the request itself
+        raises."""
+        for seq_id, *_ in items:
+            _check_seq_id(seq_id)
+        blob, bad = wire.packed_round([(seq_id, start, end, row, branches)
+                                       for seq_id, row, branches, start, end in items])
+        out = []
+        if len(bad) < len(items):
+            corrid = _INFO_CORRID_BASE + random.getrandbits(60)  # a one-request sequence of its own
+            r = await self._infer([_input("ROWS", np.array([[blob]], np.object_))], ["ROWS_OUT"], corrid,
+                                  start=True, end=True)
+            out = wire.parse_packed_outputs(r.as_numpy("ROWS_OUT").reshape(-1)[0])
+            if len(out) != len(items) - len(bad):
+                raise TargetError(f"target at {self.url}: {len(out)} answers for {len(items) - len(bad)} rows")
+        answers = iter(out)
+        return [bad[k] if k in bad else _row_answer(next(answers)) for k in range(len(items))]
+
     async def release(self, seq_id: int) -> None:
         """End sequence seq_id and free its KV slot (finish or cancel). Idempotent."""
         _check_seq_id(seq_id)
@@ -206,6 +227,15 @@ class TargetClient:
             raise _map_error(e, self.url) from None
 
 
+_ROW_ERRORS = {wire.ROW_INVALID: InvalidRequest, wire.ROW_UNAVAILABLE: TargetUnavailable,
+               wire.ROW_INTERNAL: TargetError}
+
+
+def _row_answer(o):
+    """A packed round's answer for one row: (result, best), None (released), or the exception."""
+    return _ROW_ERRORS[o[0]](o[1]) if isinstance(o, tuple) and isinstance(o[0], int) else o
+
+
 def _check_seq_id(seq_id: int) -> None:
     if not isinstance(seq_id, (int, np.integer)) or not 0 < int(seq_id) < _INFO_CORRID_BASE:
         raise InvalidRequest(f"seq_id must be an integer in [1, 2^62), got {seq_id!r}")
@@ -213,9 +243,9 @@ def _check_seq_id(seq_id: int) -> None:
 
 def _input(name: str, array: np.ndarray) -> InferInput:
     datatype = {np.dtype(np.int64): "INT64", np.dtype(np.int32): "INT32", np.dtype(np.float32): "FP32",
-                np.dtype(np.bool_): "BOOL"}[array.dtype]
+                np.dtype(np.bool_): "BOOL", np.dtype(np.object_): "BYTES"}[array.dtype]
     t = InferInput(name, list(array.shape), datatype)
-    t.set_data_from_numpy(np.ascontiguousarray(array))
+    t.set_data_from_numpy(array if array.dtype == np.object_ else np.ascontiguousarray(array))
     return t
 
 
@@ -232,23 +262,39 @@ def _map_error(e: InferenceServerException, url: str) -> Exception:
 
 
 class TritonTarget:
-    """The round loop's Target (flashmap.rounds) over a TargetClient: one concurrent verify
-    call per row, which Triton's sequence batcher runs as one forward. row.slot is the
-    sequence's correlation id; its first verify carries START."""
+    """The round loop's Target (flashmap.rounds) over a TargetClient: a round is one packed
+    request (every row, one forward). row.slot is the sequence's correlation id; its first
+    row carries START."""
 
     def __init__(self, client: TargetClient, max_seq_len: int):
         self.client = client
         self.max_seq_len = max_seq_len
         self.started: set[int] = set()  # correlation ids holding a KV slot
+        self._releasing: set[asyncio.Task] = set()
 
     async def verify(self, rows: list[VerifyRow], branches: list[list[np.ndarray]]) -> list:
-        first = [r.slot not in self.started for r in rows]
+        # A new sequence may need the slot a finished one is handing back: let release tasks
+        # created just before this round start (one loop turn), then wait for them.
+        await asyncio.sleep(0)
+        if self._releasing:
+            await asyncio.wait(set(self._releasing))
+        items = [(r.slot, r, b, r.slot not in self.started, False) for r, b in zip(rows, branches)]
         self.started.update(r.slot for r in rows)
-        return await asyncio.gather(
-            *[self.client.verify_tree(r.slot, r, b, start=s) for r, s, b in zip(rows, first, branches)],
-            return_exceptions=True)
+        try:
+            return await self.client.verify_rows(items)
+        except (InvalidRequest, TargetUnavailable, TargetError) as e:  # the request failed: every row did
+            return [e] * len(rows)
 
     async def release(self, corrid: int) -> None:
         if corrid in self.started:
             self.started.discard(corrid)
-            await self.client.release(corrid)
+            task = asyncio.ensure_future(self._release(corrid))
+            self._releasing.add(task)
+            task.add_done_callback(self._releasing.discard)
+            await task
+
+    async def _release(self, corrid: int) -> None:
+        (out,) = await self.client.verify_rows([(corrid, None, [], False, True)])
+        # A sequence already gone (the idle timeout) has nothing left to free.
+        if isinstance(out, Exception) and not (isinstance(out, InvalidRequest) and "unknown sequence" in str(out)):
+            raise out

@@ -12,6 +12,7 @@ Skipped when no tritonserver is available (e.g. the 'triton' extra is not instal
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 import re
 import time
 
@@ -183,6 +184,11 @@ def test_results_equal_inprocess_engine(server, engine):
         return got
 
     got = run(body, server)
+    _assert_same_results(expected, got)
+    assert active(server) == 0
+
+
+def _assert_same_results(expected, got):
     for i, (exp_round, got_round) in enumerate(zip(expected, got)):
         for s, exp in exp_round.items():
             g, where = got_round[s], f"round {i} seq {s}"
@@ -196,6 +202,35 @@ def test_results_equal_inprocess_engine(server, engine):
     # The sampled round really sampled something (not the T=0 placeholders).
     last = got[-1][1]
     assert last.support_probs.shape == (3, 2) and (last.residual >= 0).any()
+
+
+def test_packed_rounds_equal_inprocess_engine_one_forward_each(server, engine):
+    """A round as one packed request: the same results as the engine, one forward per round,
+    a bad row refused alone, releases in the same form."""
+    rounds, expected = _script(engine, np.random.default_rng(1))
+    before = metric(server, "flashmap_target_verify_batches_total")
+
+    async def body(c):
+        got = []
+        for i, rows in enumerate(rounds):
+            items = [(s, row, [], i == 0, False) for s, row in rows.items()]
+            if i == 2:  # a row for a sequence never started, and one past its sequence's end
+                bad = replace(rows[1], start_pos=rows[1].start_pos + 5)
+                items += [(999, rows[1], [], False, False), (1, bad, [], False, False)]
+            out = await c.verify_rows(items)
+            if i == 2:
+                assert isinstance(out[2], InvalidRequest) and "unknown sequence" in str(out[2])
+                assert isinstance(out[3], InvalidRequest) and "START_POS" in str(out[3])
+                out = out[:2]
+            got.append({s: res for s, (res, best) in zip(rows, out)})
+        assert active(server) == 2
+        released = await c.verify_rows([(s, None, [], False, True) for s in rounds[0]] + [(999, None, [], False, True)])
+        assert released[:2] == [None, None] and isinstance(released[2], InvalidRequest)
+        return got
+
+    got = run(body, server)
+    _assert_same_results(expected, got)
+    assert metric(server, "flashmap_target_verify_batches_total") - before == len(rounds)
     assert active(server) == 0
 
 

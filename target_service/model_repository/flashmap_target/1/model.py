@@ -18,8 +18,16 @@ decoded by flashmap.wire on both sides):
        FEATURES FP32|FP16 [L, F], BEST INT64 [1] (the winning block; 0 = TOKENS' own), INFO_JSON BYTES [1]
 A row with BRANCHES is verified on its own (TargetEngine.verify_tree), the others in one forward.
 
-Errors: engine InvalidRequest -> that request alone gets TritonError(INVALID_ARG, message);
-no free slot -> UNAVAILABLE; anything else -> INTERNAL for the requests of that forward.
+Packed rounds: a request with ROWS BYTES [1] (flashmap.wire.packed_round) carries many rows,
+each with its own sequence id and START / END flags and the tensors above; it is sent as a
+one-request sequence (START and END on a throw-away correlation id) and answered with
+ROWS_OUT BYTES [1], per row the outputs above or an error (code and message). Its rows are
+admitted exactly as one-row requests are and share the execute's forward, so a round is one
+request and one forward however many sequences it has.
+
+Errors: engine InvalidRequest -> that row alone gets TritonError(INVALID_ARG, message) (in a
+packed round: its error entry); no free slot -> UNAVAILABLE; anything else -> INTERNAL for the
+rows of that forward.
 
 Configuration: config.pbtxt parameters (model_dir, max_seq_len, device, dtype, feature_layers),
 each overridden by the environment ($FLASHMAP_TARGET_DIR, $FLASHMAP_TARGET_MAX_SEQ_LEN, ...).
@@ -223,52 +231,33 @@ class TritonPythonModel:
             return self._execute(requests)
 
     def _execute(self, requests):
+        """Every row of every request (a one-row request, or each row of a packed round) is
+        admitted on its own; the admitted rows without branches share one forward."""
         now = time.monotonic()
         self._reap_idle(now)
         responses = [None] * len(requests)
-        rows, pending = [], []  # pending: (request index, corrid, end)
-        trees = []  # (request index, corrid, end, row, branches): verified one by one
+        packed: dict[int, list] = {}  # request index -> outcome per row of its ROWS
+        outcome = {}  # (request index, row index or None) -> ("ok", result, best) | ("released",) | error
+        rows, trees = [], []  # (key, corrid, end, row[, branches])
         for i, request in enumerate(requests):
             try:
+                blob = pb_utils.get_input_tensor_by_name(request, "ROWS")
+                if blob is not None:
+                    items = wire.parse_packed_round(_single_bytes(blob.as_numpy()))
+                    packed[i] = [None] * len(items)
+                    for j, (corrid, start, end, get) in enumerate(items):
+                        try:
+                            row, branches = wire.parse_verify_inputs(get)
+                            self._admit((i, j), corrid, start, end, row, branches, now, outcome, rows, trees)
+                        except InvalidRequest as e:
+                            outcome[(i, j)] = (wire.ROW_INVALID, str(e))
+                    continue
                 kind, corrid, start, end, row, branches = self._parse(request)
                 if kind == "info":
                     out = np.array([[self.info_bytes]], dtype=np.object_)
                     responses[i] = pb_utils.InferenceResponse([pb_utils.Tensor("INFO_JSON", out)])
                     continue
-                if row is None:
-                    if not end:
-                        raise InvalidRequest("TOKENS is empty (send END without tokens to release the sequence)")
-                    # Release / cancel of a sequence this model holds; no other id is acknowledged.
-                    if not self._release(corrid):
-                        raise InvalidRequest("unknown sequence")
-                    responses[i] = self._empty_response()
-                    continue
-                if start:
-                    self._release(corrid)  # a restarted sequence gets a fresh slot
-                    slot = self._allocate(now)
-                    if slot is None:
-                        responses[i] = _error(
-                            f"no free KV slot (all {self.engine.n_slots} in use)", pb_utils.TritonError.UNAVAILABLE
-                        )
-                        continue
-                    self.slots[corrid] = slot
-                elif corrid not in self.slots:
-                    raise InvalidRequest(
-                        f"unknown sequence (never started, ended, or idle for more than {self.idle_timeout_s:g}s); "
-                        f"send START"
-                    )
-                lo, hi = self.next_pos.get(corrid, (0, 0))
-                if not lo <= row.start_pos <= hi:
-                    raise InvalidRequest("START_POS does not continue this sequence")
-                n = len(row.tokens)
-                self.next_pos[corrid] = (row.start_pos + n - row.num_draft, row.start_pos + n)
-                self.last_use[corrid] = now
-                row.slot = self.slots[corrid]
-                if branches:
-                    trees.append((i, corrid, end, row, branches))
-                    continue
-                rows.append(row)
-                pending.append((i, corrid, end))
+                self._admit((i, None), corrid, start, end, row, branches, now, outcome, rows, trees)
             except InvalidRequest as e:
                 responses[i] = _error(str(e), pb_utils.TritonError.INVALID_ARG)
             except Exception as e:
@@ -276,55 +265,102 @@ class TritonPythonModel:
                 responses[i] = _error(f"internal error: {type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL)
 
         if rows:
-            results = self._verify(rows)
+            results = self._verify([r for _, _, _, r in rows])
             self.m_batches.increment(1)
             self.m_rows.increment(len(rows))
             self.m_batch.set(len(rows))
-            for (i, corrid, end), result in zip(pending, results):
-                responses[i] = result if isinstance(result, pb_utils.InferenceResponse) else self._response(result)
+            for (key, corrid, end, _), result in zip(rows, results):
+                outcome[key] = result
                 if end:
                     self._release(corrid)
-        for i, corrid, end, row, branches in trees:
-            responses[i] = self._verify_tree(row, branches)
+        for key, corrid, end, row, branches in trees:
+            outcome[key] = self._verify_tree(row, branches)
             self.m_batches.increment(1)
             self.m_rows.increment(1)
             if end:
                 self._release(corrid)
         self._update_active()
+        for (i, j), o in outcome.items():
+            if j is None:
+                responses[i] = self._one_row_response(o)
+            else:
+                packed[i][j] = o
+        for i, outs in packed.items():
+            blob = wire.packed_outputs([self._row_outputs(o) for o in outs])
+            responses[i] = pb_utils.InferenceResponse([pb_utils.Tensor("ROWS_OUT", np.array([[blob]], np.object_))])
         # Triton needs one response per request; none is left empty above, but never crash on it.
         return [r if r is not None else _error("no response", pb_utils.TritonError.INTERNAL) for r in responses]
 
+    def _admit(self, key, corrid, start, end, row, branches, now, outcome, rows, trees) -> None:
+        """One row of a sequence: its release, or its slot and START_POS checked and the row
+        queued for this execute's forward. Raises InvalidRequest."""
+        if row is None:
+            if not end:
+                raise InvalidRequest("TOKENS is empty (send END without tokens to release the sequence)")
+            # Release / cancel of a sequence this model holds; no other id is acknowledged.
+            if not self._release(corrid):
+                raise InvalidRequest("unknown sequence")
+            outcome[key] = ("released",)
+            return
+        if start:
+            self._release(corrid)  # a restarted sequence gets a fresh slot
+            slot = self._allocate(now)
+            if slot is None:
+                outcome[key] = (wire.ROW_UNAVAILABLE, f"no free KV slot (all {self.engine.n_slots} in use)")
+                return
+            self.slots[corrid] = slot
+        elif corrid not in self.slots:
+            raise InvalidRequest(
+                f"unknown sequence (never started, ended, or idle for more than {self.idle_timeout_s:g}s); send START"
+            )
+        lo, hi = self.next_pos.get(corrid, (0, 0))
+        if not lo <= row.start_pos <= hi:
+            raise InvalidRequest("START_POS does not continue this sequence")
+        n = len(row.tokens)
+        self.next_pos[corrid] = (row.start_pos + n - row.num_draft, row.start_pos + n)
+        self.last_use[corrid] = now
+        row.slot = self.slots[corrid]
+        if branches:
+            trees.append((key, corrid, end, row, branches))
+        else:
+            rows.append((key, corrid, end, row))
+
     def _verify(self, rows):
-        """One forward for all rows; if the engine rejects the batch, find the bad rows alone."""
+        """One forward for all rows; if the engine rejects the batch, find the bad rows alone.
+        Per row ("ok", result, 0) or (error code, message)."""
         try:
-            return self.engine.verify(rows)
+            return [("ok", r, 0) for r in self.engine.verify(rows)]
         except InvalidRequest as e:
             if len(rows) == 1:
-                return [_error(str(e), pb_utils.TritonError.INVALID_ARG)]
+                return [(wire.ROW_INVALID, str(e))]
         except Exception as e:
             pb_utils.Logger.log_error("flashmap_target verify: " + traceback.format_exc())
-            return [_error(f"internal error: {type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL)] * len(rows)
+            return [(wire.ROW_INTERNAL, f"internal error: {type(e).__name__}: {e}")] * len(rows)
         # Rare path (a bad request in a batch): verify one by one so the others still succeed.
-        out = []
-        for row in rows:
-            try:
-                out.append(self.engine.verify([row])[0])
-            except InvalidRequest as e:
-                out.append(_error(str(e), pb_utils.TritonError.INVALID_ARG))
-            except Exception as e:
-                pb_utils.Logger.log_error("flashmap_target verify: " + traceback.format_exc())
-                out.append(_error(f"internal error: {type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL))
-        return out
+        return [self._verify([row])[0] for row in rows]
 
     def _verify_tree(self, row, branches):
         try:
             result, best = self.engine.verify_tree(row, branches)
-            return self._response(result, best)
+            return ("ok", result, best)
         except InvalidRequest as e:
-            return _error(str(e), pb_utils.TritonError.INVALID_ARG)
+            return (wire.ROW_INVALID, str(e))
         except Exception as e:
             pb_utils.Logger.log_error("flashmap_target verify_tree: " + traceback.format_exc())
-            return _error(f"internal error: {type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL)
+            return (wire.ROW_INTERNAL, f"internal error: {type(e).__name__}: {e}")
+
+    def _row_outputs(self, o):
+        if o[0] == "ok":
+            return wire.verify_outputs(o[1], o[2], self.features_np_dtype)
+        if o[0] == "released":
+            return wire.empty_outputs(self.engine.feature_dim, self.features_np_dtype)
+        return (o[0], re.sub(r"^row \d+: ", "", o[1]))
+
+    def _one_row_response(self, o):
+        out = self._row_outputs(o)
+        if isinstance(out, dict):
+            return pb_utils.InferenceResponse([pb_utils.Tensor(n, a) for n, a in out.items()])
+        return _error(out[1], _triton_code(out[0]))
 
     def _parse(self, request):
         """-> (kind, corrid, start, end, VerifyRow | None, branches); raises InvalidRequest."""
@@ -342,15 +378,6 @@ class TritonPythonModel:
         row, branches = wire.parse_verify_inputs(get)
         return "verify", corrid, start, end, row, branches
 
-    def _response(self, r, best: int = 0):
-        tensors = wire.verify_outputs(r, best, self.features_np_dtype)
-        return pb_utils.InferenceResponse([pb_utils.Tensor(name, a) for name, a in tensors.items()])
-
-    def _empty_response(self):
-        # Release / no-op answers: zero-size outputs of the declared ranks.
-        tensors = wire.empty_outputs(self.engine.feature_dim, self.features_np_dtype)
-        return pb_utils.InferenceResponse([pb_utils.Tensor(n, a) for n, a in tensors.items()])
-
     def finalize(self):
         self._stop.set()
         self._reaper.join(timeout=5)
@@ -360,6 +387,20 @@ class TritonPythonModel:
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _triton_code(row_code: int):
+    # pb_utils.TritonError exists only once the stub runs the model, not at import.
+    e = pb_utils.TritonError
+    return {wire.ROW_INVALID: e.INVALID_ARG, wire.ROW_UNAVAILABLE: e.UNAVAILABLE}.get(row_code, e.INTERNAL)
+
+
+def _single_bytes(a) -> bytes:
+    a = np.asarray(a).reshape(-1)
+    if a.size != 1:
+        raise InvalidRequest(f"ROWS: expected one bytes value, got {a.size}")
+    v = a[0]
+    return v if isinstance(v, bytes) else bytes(v)
 
 
 def _error(message: str, code) -> "pb_utils.InferenceResponse":
