@@ -20,7 +20,8 @@ no speculation at all. Exactness never depends on the choice: any prefix of a dr
 valid proposal.
 
 A request left without a draft for `probe_every` rounds drafts a whole block, so its
-acceptance estimate and the draft cost stay current and speculation can come back.
+acceptance estimate and the draft cost stay current and speculation can come back; each
+probe that leaves speculation off doubles that interval (up to `max_probe_every`).
 Numpy only.
 """
 
@@ -66,7 +67,8 @@ class ControllerConfig:
     prior_acceptance: float = 0.6  # per-slot acceptance assumed before any round is seen
     prior_rounds: float = 4.0  # ... with the weight of this many rounds
     forget: float = 0.98  # cost fits: weight of a round measured n rounds ago is forget**n
-    probe_every: int = 8  # a request left without a draft this many rounds in a row drafts a full block
+    probe_every: int = 8  # a request left without a draft this many rounds in a row drafts a full block ...
+    max_probe_every: int = 128  # ... and after each probe that does not turn speculation on, twice as many
     min_rounds_measured: int = 4  # before this many verify measurements, speculate fully
 
 
@@ -84,6 +86,8 @@ class SpeculationController:
         self.verify_cost = OnlineLinear((1e-2, 1e-4), c.forget, prior_weight=1e-3)
         self.draft_cost = OnlineLinear((1e-2, 1e-4), c.forget, prior_weight=1e-3)
         self.idle: dict[int, int] = {}  # seq_id -> rounds in a row it could have drafted and did not
+        self.probe_every = self.cfg.probe_every
+        self._probed = False  # the last round was a probe
         self.last_plan: dict[int, int] = {}
 
     # -- estimates ---------------------------------------------------------------
@@ -117,14 +121,18 @@ class SpeculationController:
         # Probes: a request that has gone without a draft for a while drafts a whole block, so its
         # acceptance estimate (and the draft cost) stays current and speculation can come back.
         # The batch is padded to the probe's length anyway, so every request drafts in that round.
+        # A probe costs a full verify: while they keep finding speculation off, they get rarer.
+        if self._probed:
+            off = not any(choice.values())
+            self.probe_every = min(2 * self.probe_every, self.cfg.max_probe_every) if off else self.cfg.probe_every
         idle, probe = {}, False
         for i, cap in caps.items():
             if cap and not choice[i]:
                 idle[i] = self.idle.get(i, 0) + 1
-                probe |= idle[i] >= self.cfg.probe_every
+                probe |= idle[i] >= self.probe_every
         if probe:
             choice, idle = dict(caps), {}
-        self.idle = idle
+        self.idle, self._probed = idle, probe
         for i in pinned:
             choice[i] = caps[i]
         for s in seqs:

@@ -2,8 +2,8 @@
 
 One scheduler loop serves every active request. Each iteration is one round for all
 of them: one batched call to the drafter (a DraftRequest carrying every sequence
-that can draft), then concurrent verify calls to Triton that its sequence batcher
-runs as one forward, then rejection sampling and streaming per request. Requests
+that can draft), then one packed verify request to Triton carrying every row (one
+forward), then rejection sampling and streaming per request. Requests
 beyond the target's KV slots wait in a queue; past `max_queue` they are refused with
 RESOURCE_EXHAUSTED. A drafter that is down or late costs speed, not correctness: the
 round runs without drafts (autoregressive) and is counted. The OpenAI-compatible HTTP API

@@ -1,4 +1,4 @@
-"""Triton Python-backend model: the FlashMap target (TargetEngine) behind Triton's sequence batcher.
+"""Triton Python-backend model: the FlashMap target (TargetEngine), one KV slot per sequence.
 
 Each Triton sequence (correlation id) owns one KV slot of the engine:
 - a request with START allocates a slot for its correlation id (replacing any it had);
