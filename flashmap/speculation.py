@@ -170,11 +170,12 @@ class SpeculationController:
 
     # -- learning ----------------------------------------------------------------
     def observe(self, query_tokens: int, verify_s: float, drafting: int, draft_s: float,
-                rounds: list[tuple[bool, int, int]]) -> None:
+                rounds: list[tuple[bool, int, int]], prefill: bool = False) -> None:
         """One round's measurements: the verify call's padded query tokens and seconds, the number of
         drafting requests and the draft call's seconds, and per drafted request (greedy,
-        drafted, accepted)."""
-        if verify_s > 0:
+        drafted, accepted). prefill: the round had a prompt row, whose attention over the whole
+        prompt is not what a decode round's tokens cost: the verify fit leaves it out."""
+        if verify_s > 0 and not prefill:
             self.verify_cost.add(query_tokens, verify_s)
         if drafting and draft_s > 0:
             self.draft_cost.add(drafting, draft_s)
