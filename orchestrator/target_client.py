@@ -101,9 +101,12 @@ class TargetClient:
             from tritonclient.grpc.aio import InferenceServerClient
 
             # Reconnect to a restarted server within a second, not gRPC's default back-off (up to 2 min).
+            # channel_args replace tritonclient's defaults, so its unlimited message sizes are
+            # restated: a packed round's features (all rows, prompts included) pass 4 MiB.
             self._client = InferenceServerClient(self.url, channel_args=[
                 ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
-                ("grpc.max_reconnect_backoff_ms", 1000)])
+                ("grpc.max_reconnect_backoff_ms", 1000), ("grpc.max_send_message_length", 2**31 - 1),
+                ("grpc.max_receive_message_length", 2**31 - 1)])
         return self._client
 
     async def close(self) -> None:
