@@ -21,7 +21,8 @@ valid proposal.
 
 A request left without a draft for `probe_every` rounds drafts a whole block, so its
 acceptance estimate and the draft cost stay current and speculation can come back; each
-probe that leaves speculation off doubles that interval (up to `max_probe_every`).
+probe doubles that request's interval (up to `max_probe_every`) until the search lets it
+draft again.
 Numpy only.
 """
 
@@ -68,7 +69,7 @@ class ControllerConfig:
     prior_rounds: float = 4.0  # ... with the weight of this many rounds
     forget: float = 0.98  # cost fits: weight of a round measured n rounds ago is forget**n
     probe_every: int = 8  # a request left without a draft this many rounds in a row drafts a full block ...
-    max_probe_every: int = 128  # ... and after each probe that does not turn speculation on, twice as many
+    max_probe_every: int = 64  # ... and after each such probe, twice as many
     min_rounds_measured: int = 4  # before this many verify measurements, speculate fully
 
 
@@ -86,8 +87,7 @@ class SpeculationController:
         self.verify_cost = OnlineLinear((1e-2, 1e-4), c.forget, prior_weight=1e-3)
         self.draft_cost = OnlineLinear((1e-2, 1e-4), c.forget, prior_weight=1e-3)
         self.idle: dict[int, int] = {}  # seq_id -> rounds in a row it could have drafted and did not
-        self.probe_every = self.cfg.probe_every
-        self._probed = False  # the last round was a probe
+        self.probe_every: dict[int, int] = {}  # seq_id -> rounds without a draft before its next probe
         self.last_plan: dict[int, int] = {}
 
     # -- estimates ---------------------------------------------------------------
@@ -121,18 +121,21 @@ class SpeculationController:
         # Probes: a request that has gone without a draft for a while drafts a whole block, so its
         # acceptance estimate (and the draft cost) stays current and speculation can come back.
         # The batch is padded to the probe's length anyway, so every request drafts in that round.
-        # A probe costs a full verify: while they keep finding speculation off, they get rarer.
-        if self._probed:
-            off = not any(choice.values())
-            self.probe_every = min(2 * self.probe_every, self.cfg.max_probe_every) if off else self.cfg.probe_every
-        idle, probe = {}, False
+        # A probe costs a full verify: while a request's probes keep finding speculation off for
+        # it, they get rarer; a request the search lets draft starts over.
+        every = {i: (self.cfg.probe_every if choice[i] else self.probe_every.get(i, self.cfg.probe_every))
+                 for i in caps}
+        idle, probing = {}, []
         for i, cap in caps.items():
             if cap and not choice[i]:
                 idle[i] = self.idle.get(i, 0) + 1
-                probe |= idle[i] >= self.probe_every
-        if probe:
+                if idle[i] >= every[i]:
+                    probing.append(i)
+        for i in probing:
+            every[i] = min(2 * every[i], self.cfg.max_probe_every)
+        if probing:
             choice, idle = dict(caps), {}
-        self.idle, self._probed = idle, probe
+        self.idle, self.probe_every = idle, every
         for i in pinned:
             choice[i] = caps[i]
         for s in seqs:

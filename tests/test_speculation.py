@@ -86,7 +86,7 @@ def test_drafting_requests_share_one_length():
 
 def test_probe_turns_speculation_back_on():
     c = _controller(verify=(0.001, 0.004), draft=(0.003, 0.001))
-    c.cfg.probe_every = c.probe_every = 3
+    c.cfg.probe_every = 3
     seqs = _seqs(2, acceptance=0.3)
     plans = [set(c.plan(seqs).values()) for _ in range(22)]
     assert set().union(*plans) == {0, K}
