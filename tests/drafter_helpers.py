@@ -1,5 +1,6 @@
 """Helpers shared by the drafter test files."""
 
+import numpy as np
 import torch
 
 
@@ -12,3 +13,19 @@ def randomize(model, seed: int = 0):
             for p in (blk.adaln.weight, blk.adaln.bias):
                 p.copy_(0.3 * torch.randn(p.shape, generator=g))
     return model
+
+
+def distilled_world(root, n_prompts: int, max_new_tokens: int):
+    """(target dir, data dir, engine, prompts): a random tiny Qwen3 target and its answers to
+    n_prompts random prompts as drafter training data (training.drafter_data, 4 per shard)."""
+    from target_service.engine import TargetEngine
+    from target_service.random_checkpoint import make_random_qwen3
+    from training import drafter_data as dd
+
+    target = make_random_qwen3(root / "target", with_tokenizer=False)
+    engine = TargetEngine(target, n_slots=4, max_seq_len=96)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 500, size=int(rng.integers(3, 9))).tolist() for _ in range(n_prompts)]
+    data = root / "data"
+    dd.build(engine, prompts, data, max_new_tokens=max_new_tokens, chunk_size=4, target_dir=target, progress=False)
+    return target, data, engine, prompts

@@ -14,23 +14,15 @@ from flashmap.types import Draft, SamplingParams, VerifyRow
 from training import drafter_data as dd
 from training import flow_diagnostics as fd
 from training import train_drafter as td
-from drafter_helpers import randomize
+from drafter_helpers import distilled_world, randomize
 
 TINY = dict(dim=64, n_blocks=1, n_heads=4, block_size=16, time_freq_dim=32, time_map_samples=2048)
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    from target_service.engine import TargetEngine
-    from target_service.random_checkpoint import make_random_qwen3
-
     root = tmp_path_factory.mktemp("flow_diag")
-    target = make_random_qwen3(root / "target", with_tokenizer=False)
-    engine = TargetEngine(target, n_slots=4, max_seq_len=96)
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, 500, size=int(rng.integers(3, 9))).tolist() for _ in range(4)]
-    data = root / "data"
-    dd.build(engine, prompts, data, max_new_tokens=30, chunk_size=4, target_dir=target, progress=False)
+    target, data, engine, prompts = distilled_world(root, n_prompts=4, max_new_tokens=30)
     prompt_file = root / "prompts.jsonl"
     prompt_file.write_text("".join(f'{{"domain": "d{i % 2}", "prompt_ids": {p}}}\n' for i, p in enumerate(prompts)))
     return target, data, engine, prompt_file

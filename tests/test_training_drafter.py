@@ -18,25 +18,15 @@ from drafter_service.flashmap_proposer import FlashMapProposer
 from flashmap.types import ProposeRequest
 from training import drafter_data as dd
 from training import train_drafter as td
-from drafter_helpers import randomize
+from drafter_helpers import distilled_world, randomize
 
 TINY = dict(dim=64, n_blocks=1, n_heads=4, block_size=16, time_freq_dim=32)
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    """(target dir, data dir, engine) with a few self-distilled sequences in 2 shards."""
-    from target_service.engine import TargetEngine
-    from target_service.random_checkpoint import make_random_qwen3
-
-    root = tmp_path_factory.mktemp("train_drafter")
-    target = make_random_qwen3(root / "target", with_tokenizer=False)
-    engine = TargetEngine(target, n_slots=4, max_seq_len=96)
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, 500, size=int(rng.integers(3, 9))).tolist() for _ in range(6)]
-    data = root / "data"
-    dd.build(engine, prompts, data, max_new_tokens=20, chunk_size=4, target_dir=target, progress=False)
-    return target, data, engine, prompts
+    """(target dir, data dir, engine, prompts) with a few self-distilled sequences in 2 shards."""
+    return distilled_world(tmp_path_factory.mktemp("train_drafter"), n_prompts=6, max_new_tokens=20)
 
 
 def a_batch(data, n_seqs=3, anchors=4, seed=0):
