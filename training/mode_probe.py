@@ -184,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tau0", action="append", default=[], help="NAME=DIR: the denoiser at pure noise")
     ap.add_argument("--dflash", help="the DFlash-style prior for --tau0; the reference of paired differences")
     ap.add_argument("--baseline", help="variant name the paired differences are taken against")
+    ap.add_argument("--pair", action="append", default=[], help="A:B: also the paired difference gamma(A) - gamma(B)")
     ap.add_argument("--selection", action="store_true")
     ap.add_argument("--max-anchors", type=int)
     ap.add_argument("--verify", action="store_true", help="score against the target's argmax (slower)")
@@ -231,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             base = runs[args.baseline]
             row["vs_baseline"] = paired_bootstrap(g, base.gamma(), seq)
             row["agree_baseline"] = float(np.mean([np.mean(a == b) for a, b in zip(d.tokens, base.tokens)]))
+        row["per_anchor"] = dict(seq=seq.tolist(), gamma=g.tolist())
         res["variants"][v.name] = row
         print(v.name, f"gamma {row['gamma']['mean']:.3f} [{row['gamma']['lo']:.3f}, {row['gamma']['hi']:.3f}]",
               f"slot_acc {row['slot_acc']:.3f}", "expected" if d.expected else "",
@@ -238,6 +240,12 @@ def main(argv: list[str] | None = None) -> int:
               f"vs {args.baseline} {row['vs_baseline']['mean']:+.3f} [{row['vs_baseline']['lo']:+.3f}, "
               f"{row['vs_baseline']['hi']:+.3f}] agree {row['agree_baseline']:.3f}" if "vs_baseline" in row else "",
               flush=True)
+    res["pairs"] = {}
+    for pair in args.pair:
+        a, _, b = pair.partition(":")
+        seq = np.array(runs[a].seq)
+        res["pairs"][pair] = d = paired_bootstrap(runs[a].gamma(), runs[b].gamma(), seq)
+        print(f"{a} - {b}: {d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     res["command"] = "python -m training.mode_probe " + " ".join(argv if argv is not None else sys.argv[1:])
