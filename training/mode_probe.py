@@ -13,7 +13,9 @@ there is little joint structure to gain in exchange. This module measures that s
   --verify flag checks it with the target). `sample`: draft by sampling each slot from the
   full softmax (T = 1, all V tokens), still scored against the T = 0 reference; for a
   DFlash-style drafter it also gives the expected accepted length of independent per-slot
-  sampling, 1 + sum_k prod_{j<=k} q_j(y_j). `estimate=argmax` / `scale=S`: the
+  sampling, 1 + sum_k prod_{j<=k} q_j(y_j). `avg=M`: the per-slot argmax of the last
+  evaluation's softmax averaged over M noise draws (a mode-seeking probe, M x the cost; not a
+  proposer option). `estimate=argmax` / `scale=S`: the
   FlashMapProposer's mode-seeking greedy drafting (greedy_estimate / greedy_noise_scale).
 - `--tau0 NAME=DIR`: the denoiser at pure noise (tau = 0) on held-out blocks: per-slot
   accuracy of one noise draw, of the logits averaged over 16 draws, of the mean probability
@@ -47,6 +49,7 @@ class Variant:
     estimate: str = "soft"
     scale: float = 1.0
     sample: bool = False
+    avg: int = 1  # > 1: the per-slot argmax of the softmax averaged over this many noise draws
 
 
 def _variant(text: str) -> Variant:
@@ -62,6 +65,8 @@ def _variant(text: str) -> Variant:
             v.scale = float(val)
         elif k == "sample":
             v.sample = True
+        elif k == "avg":
+            v.avg = int(val)
         else:
             raise argparse.ArgumentTypeError(f"unknown variant option {p!r}")
     return v
@@ -84,6 +89,17 @@ def _anchors(s, K: int, max_anchors: int | None) -> list[int]:
     if max_anchors and len(a) > max_anchors:
         a = [a[int(i)] for i in np.linspace(0, len(a) - 1, max_anchors).round()]
     return a
+
+
+def _averaged(blocks, V: int):
+    """A greedy Draft: per slot the argmax of the mean over blocks of their full-support q."""
+    from flashmap.types import Draft
+
+    K = len(blocks[0].tokens)
+    q = np.zeros((K, V))
+    for b in blocks:
+        np.add.at(q, (np.arange(K)[:, None].repeat(b.support_ids.shape[1], 1), b.support_ids), b.support_probs)
+    return Draft.greedy(q.argmax(1))
 
 
 @torch.no_grad()
@@ -110,10 +126,13 @@ def draft_all(proposer, seqs, v: Variant, max_anchors: int | None, seed: int = 0
                     if a > have[i]:
                         proposer.extend(names[i], s.tokens[have[i]:a], s.features[have[i]:a])
                         have[i] = a
-                    reqs.append(ProposeRequest(names[i], int(s.tokens[a]), temperature=1.0 if v.sample else 0.0,
+                    reqs.append(ProposeRequest(names[i], int(s.tokens[a]), temperature=1.0 if v.sample or v.avg > 1 else 0.0,
                                                top_m=V, seed=int(np.random.SeedSequence(
                                                    [seed, s.index, a]).generate_state(1)[0])))
-                drafts = proposer.propose(reqs, v.steps)
+                if v.avg > 1:  # mean of the full softmax over v.avg independent draws, then its argmax
+                    drafts = [_averaged(blocks, V) for blocks in proposer.propose_blocks(reqs, v.steps, n_blocks=v.avg)]
+                else:
+                    drafts = proposer.propose(reqs, v.steps)
                 if engine is not None:
                     rows = [VerifyRow(slots[i], 0, group[i].tokens[:anchors[i][r] + 1].tolist() + d.tokens.tolist(),
                                       SamplingParams(temperature=0.0), support_ids=d.tokens[:, None])
