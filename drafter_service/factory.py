@@ -30,15 +30,19 @@ def load_model(drafter: str | Path, target_dir: str | Path, device: str = "cpu")
 
 
 def make_proposer(model, device: str = "cpu", n_slots: int = 8, max_context: int = 4096, steps: int = 1,
-                  min_confidence: float = 0.0, shared_noise: bool = True, compile: bool = False) -> Proposer:
+                  min_confidence: float = 0.0, shared_noise: bool | None = None, compile: bool = False,
+                  greedy_estimate: str = "soft", greedy_noise_scale: float = 1.0) -> Proposer:
     """A proposer around a loaded drafter network (several proposers may share one model).
     min_confidence / shared_noise: FlashMapProposer's draft cut and shuffle-test switch (the
-    EAGLE-style chain has neither); compile: the proposer's enable_compile for `steps`."""
+    EAGLE-style chain has neither; shared_noise None: the noise the drafter was trained on);
+    greedy_estimate / greedy_noise_scale: its mode-seeking drafting of T = 0 rows;
+    compile: the proposer's enable_compile for `steps`."""
     if isinstance(model, eagle.EagleDrafter):
         proposer = eagle.EagleProposer(model, n_slots=n_slots, max_context=max_context, device=device)
     else:
         proposer = FlashMapProposer(model, n_slots=n_slots, max_context=max_context, device=device, steps=steps,
-                                    shared_noise=shared_noise, min_confidence=min_confidence)
+                                    shared_noise=shared_noise, min_confidence=min_confidence,
+                                    greedy_estimate=greedy_estimate, greedy_noise_scale=greedy_noise_scale)
     if compile:
         proposer.enable_compile(steps=(steps,))
     return proposer
@@ -46,7 +50,8 @@ def make_proposer(model, device: str = "cpu", n_slots: int = 8, max_context: int
 
 def load_proposer(drafter: str | Path, target_dir: str | Path, device: str = "cpu", n_slots: int = 8,
                   max_context: int = 4096, steps: int = 1, min_confidence: float = 0.0,
-                  compile: bool = False) -> Proposer:
+                  compile: bool = False, greedy_estimate: str = "soft", greedy_noise_scale: float = 1.0) -> Proposer:
     """`make_proposer` over `load_model`: a proposer from a checkpoint directory or "init"."""
     return make_proposer(load_model(drafter, target_dir, device), device=device, n_slots=n_slots,
-                         max_context=max_context, steps=steps, min_confidence=min_confidence, compile=compile)
+                         max_context=max_context, steps=steps, min_confidence=min_confidence, compile=compile,
+                         greedy_estimate=greedy_estimate, greedy_noise_scale=greedy_noise_scale)

@@ -24,12 +24,23 @@ Philox offsets by the device's size) and torch versions. On the CPU both come fr
 generator, as before. At temperature T > 0 slot k proposes x_k ~ q_k = softmax(logits/T)
 restricted to its top-m tokens and renormalised; the support sent to the target is those
 m ids with their q (DESIGN.md, exact speculative sampling).
+
+Greedy rows (temperature 0) may draft mode-seeking instead of sampling the flow
+(`greedy_estimate`, `greedy_noise_scale`): at T = 0 the target accepts a slot only when it
+is the target's argmax, and a flow that samples its joint is right in slot k with about the
+probability it gives the right token, while a per-slot argmax is right whenever that token
+is the mode. greedy_estimate = "argmax" moves the state between steps towards the one-hot
+argmax of the denoiser instead of its softmax (every intermediate state is then a noised
+one-hot block, as in training); greedy_noise_scale < 1 starts from scaled-down noise.
+Neither touches rows with T > 0: their proposal q is what the flow samples and is sent.
+The argmax estimate drafts eagerly (CUDA graphs capture the softmax flow only).
 Not thread-safe: the gRPC server serialises calls.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -82,9 +93,21 @@ class FlashMapProposer(SlotCacheProposer):
     COMPILED = {"_evaluate": ("evaluate", True), "_evaluate_greedy": ("evaluate_greedy", True),
                 "_encode": ("encode_context", False)}
 
+    GREEDY_ESTIMATES = ("soft", "argmax")
+
     def __init__(self, model: FlashMapDiT, n_slots: int = 64, max_context: int = 4096, device: str = "cpu",
-                 steps: int = 1, shared_noise: bool | None = None, min_confidence: float = 0.0):
+                 steps: int = 1, shared_noise: bool | None = None, min_confidence: float = 0.0,
+                 greedy_estimate: Literal["soft", "argmax"] = "soft", greedy_noise_scale: float = 1.0):
         super().__init__(model, n_slots, max_context, device, cache_layers=model.cfg.n_blocks)
+        if greedy_estimate not in self.GREEDY_ESTIMATES:
+            raise ValueError(f"greedy_estimate must be one of {self.GREEDY_ESTIMATES}, got {greedy_estimate!r}")
+        if not 0.0 <= greedy_noise_scale <= 1.0:
+            raise ValueError(f"greedy_noise_scale must be in [0, 1], got {greedy_noise_scale}")
+        # Temperature-0 rows only (module docstring): the clean-block estimate between flow
+        # steps ("soft": softmax of the denoiser, the flow; "argmax": its one-hot argmax) and
+        # the scale of the initial noise (1: the flow's own noise).
+        self.greedy_estimate = greedy_estimate
+        self.greedy_noise_scale = float(greedy_noise_scale)
         if shared_noise is None:  # draft with the noise the drafter was trained on
             shared_noise = model.cfg.shared_noise
         if not 0.0 <= min_confidence < 1.0:
@@ -213,19 +236,26 @@ class FlashMapProposer(SlotCacheProposer):
                 y = (z @ F)[:, None].expand(-1, K, -1)  # [B, K, H]
             else:
                 y = torch.stack(noise).to(self.device, F.dtype) @ F  # [B, K, H]
+            greedy = torch.tensor([r.temperature == 0 for r in rows], device=self.device)  # [B]
+            if self.greedy_noise_scale != 1.0 and bool(greedy.any()):
+                scale = torch.where(greedy, self.greedy_noise_scale, 1.0).to(y.dtype)
+                y = y * scale[:, None, None]
+            hard = greedy if self.greedy_estimate == "argmax" and bool(greedy.any()) and steps > 1 else None
             logits, summary = None, None
-            if self.graphs is not None:
+            if self.graphs is not None and hard is None:
                 logits = self.graphs.run(y, anchor, [r.slot for r in rows], [r.length for r in rows], steps)
             if logits is None:
                 ctx = self._context([r.slot for r in rows], [r.length for r in rows])
-                logits, *summary = self._integrate(y, anchor, ctx, steps, summary=True)
+                logits, *summary = self._integrate(y, anchor, ctx, steps, summary=True, hard=hard)
         return self._sample(logits, rows, summary)
 
     def _integrate(self, y: Tensor, anchor: Tensor, ctx: CrossContext, steps: int,
-                   times: list[Tensor] | None = None, summary: bool = False):
+                   times: list[Tensor] | None = None, summary: bool = False, hard: Tensor | None = None):
         """Run the flow from the embedded noise y_0 [B, K, H] to t = 1; returns the last
         evaluation's logits [B, K, V] (summary=True: (logits, ids, prob), `greedy_summary`).
-        times: the grid as [B] device tensors (CUDA graphs); default: host floats."""
+        times: the grid as [B] device tensors (CUDA graphs); default: host floats.
+        hard [B] bool: rows whose clean-block estimate between steps is the one-hot argmax of
+        the denoiser instead of its softmax (mode-seeking greedy drafting)."""
         if steps not in self._grids:
             self._grids[steps] = [float(g) for g in self.model.time_grid(steps)]  # the drafter's own time map
         grid = self._grids[steps]
@@ -238,7 +268,10 @@ class FlashMapProposer(SlotCacheProposer):
             out = self._network(y, a, a if euler else b, anchor, ctx, greedy=summary and last)
             if not last:  # the last update would give x_1 = pi: the logits already say it
                 E = self.model.embed
-                y = jump(y, out.softmax(-1).to(E.dtype) @ E, a, b)  # y_b = X_{a,b}(x_a) @ E
+                clean = out.softmax(-1).to(E.dtype) @ E  # [B, K, H]: pi @ E
+                if hard is not None:  # one-hot argmax: the row of E of each slot's argmax
+                    clean = torch.where(hard[:, None, None], E[out.argmax(-1)], clean)
+                y = jump(y, clean, a, b)  # y_b = X_{a,b}(x_a) @ E
         return out
 
     def _sample(self, logits: Tensor, rows: list[_Row], summary: list[Tensor] | None = None) -> list[Draft]:

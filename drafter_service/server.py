@@ -292,6 +292,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=int(env("FLASHMAP_DRAFT_STEPS", "1")))
     ap.add_argument("--min-confidence", type=float, default=float(env("FLASHMAP_DRAFT_MIN_CONFIDENCE", "0")),
                     help="cut greedy drafts before the first slot whose token has a lower drafter probability (0: off)")
+    ap.add_argument("--greedy-estimate", choices=("soft", "argmax"), default=env("FLASHMAP_GREEDY_ESTIMATE", "soft"),
+                    help="T = 0 requests: clean-block estimate between flow steps (argmax: mode-seeking drafting)")
+    ap.add_argument("--greedy-noise-scale", type=float, default=float(env("FLASHMAP_GREEDY_NOISE_SCALE", "1")),
+                    help="T = 0 requests: scale of the initial flow noise (1: the flow's own)")
     ap.add_argument("--n-slots", type=int, default=64)
     ap.add_argument("--max-context", type=int, default=4096)
     ap.add_argument("--idle-timeout-s", type=float, default=300.0)
@@ -309,7 +313,8 @@ def main(argv: list[str] | None = None) -> None:
     if not token and a.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("no %s: any client that reaches %s:%d can drive this drafter", DRAFTER_TOKEN_ENV, a.host, a.port)
     proposer = load_proposer(a.drafter, a.target_dir, device=a.device, n_slots=a.n_slots, max_context=a.max_context,
-                             steps=a.steps, min_confidence=a.min_confidence)
+                             steps=a.steps, min_confidence=a.min_confidence, greedy_estimate=a.greedy_estimate,
+                             greedy_noise_scale=a.greedy_noise_scale)
     if a.device.startswith("cuda") and a.cuda_graphs:
         steps = tuple(sorted({1, 2, a.steps}))
         report = proposer.enable_graphs(steps=steps)  # logs capture time and memory

@@ -268,6 +268,34 @@ def test_min_confidence_cuts_greedy_drafts_only(model):
         FlashMapProposer(model, n_slots=1, max_context=8, min_confidence=1.0)
 
 
+def test_mode_seeking_greedy_drafting_leaves_sampled_rows_exact(flashmap):
+    """greedy_estimate = "argmax" / greedy_noise_scale change T = 0 rows only: a sampled row's
+    proposal (tokens, support, q) is the flow's, whatever else is in the batch."""
+    base = FlashMapProposer(flashmap, n_slots=4, max_context=32)
+    mode = FlashMapProposer(flashmap, n_slots=4, max_context=32, greedy_estimate="argmax", greedy_noise_scale=0.5)
+    for p in (base, mode):
+        fill(p, {"a": 9, "b": 4, "c": 1})
+    reqs = requests_mix()
+    for steps in (1, 2, 4):
+        want, got = base.propose(reqs, steps), mode.propose(reqs, steps)
+        for d, w, r in zip(got, want, reqs):
+            if r.temperature > 0:
+                assert same(d, w)
+            else:
+                assert d.tokens.shape == (16,) and np.all(d.support_probs == 1)
+        # a greedy row drafted alone equals the same row in the mixed batch
+        assert same(mode.propose(reqs[:1], steps)[0], got[0])
+    # with the noise scaled to 0 every draw gives the same greedy block
+    zero = FlashMapProposer(flashmap, n_slots=2, max_context=32, greedy_estimate="argmax", greedy_noise_scale=0.0)
+    fill(zero, {"a": 9})
+    blocks = zero.propose([ProposeRequest("a", 11, seed=s) for s in range(3)], 4)
+    assert all(np.array_equal(b.tokens, blocks[0].tokens) for b in blocks)
+    with pytest.raises(ValueError, match="greedy_estimate"):
+        FlashMapProposer(flashmap, n_slots=1, max_context=8, greedy_estimate="mode")
+    with pytest.raises(ValueError, match="greedy_noise_scale"):
+        FlashMapProposer(flashmap, n_slots=1, max_context=8, greedy_noise_scale=2.0)
+
+
 def test_seeds(flashmap):
     prop = FlashMapProposer(flashmap, n_slots=2, max_context=16)
     fill(prop, {"s": 5})

@@ -78,7 +78,7 @@ class Method:
     checkpoint: str
     kind: str  # flashmap | dflash | eagle
     steps: int = 1
-    shared_noise: bool = True
+    shared_noise: bool | None = None  # None: the noise the drafter was trained on (its config); False: a draw per slot
     tree_blocks: int = 1  # > 1: that many blocks from independent noise verified as a tree (T = 0 only)
     min_confidence: float = 0.0  # > 0: greedy drafts cut before the first less sure slot (T = 0 only)
 
@@ -452,7 +452,7 @@ def write_plots(out_dir: Path, data: dict, methods: list[Method], domains: list[
         for m in methods:
             pc = pooled_conditional(cells, m.name, domains, t, K)
             if pc is not None:
-                ax.plot(range(1, K + 1), pc, "o-" if m.shared_noise else "x--", ms=3, label=m.label)
+                ax.plot(range(1, K + 1), pc, "o-" if m.shared_noise is not False else "x--", ms=3, label=m.label)
         ax.set_xlabel("slot k")
         ax.set_ylabel("P(slot k accepted | slots < k accepted)")
         ax.set_xticks(range(1, K + 1))

@@ -425,6 +425,8 @@ class DrafterSpec:
     name: str
     path: str
     steps: tuple[int, ...] = (1,)
+    greedy_estimate: str = "soft"  # FlashMapProposer's drafting of T = 0 rows ("argmax": mode-seeking)
+    greedy_noise_scale: float = 1.0
 
 
 def diagnose(target: str | Path, data: str | Path, prompts: str | Path, drafters: list[DrafterSpec],
@@ -452,8 +454,10 @@ def diagnose(target: str | Path, data: str | Path, prompts: str | Path, drafters
     runs: dict = {}
     for name, m in [("dflash", base)] * (base is not None) + list(models.items()):
         K = m.cfg.block_size
-        steps = (1,) if m.cfg.kind == "dflash" else next(d.steps for d in drafters if d.name == name)
-        prop = FlashMapProposer(m, n_slots=16, max_context=engine.max_seq_len, device=device)
+        spec = next((d for d in drafters if d.name == name), DrafterSpec(name, ""))
+        steps = (1,) if m.cfg.kind == "dflash" else spec.steps
+        prop = FlashMapProposer(m, n_slots=16, max_context=engine.max_seq_len, device=device,
+                                greedy_estimate=spec.greedy_estimate, greedy_noise_scale=spec.greedy_noise_scale)
         for T in temperatures:
             for n in steps:
                 runs[(name, n, T)] = offline_acceptance(engine, prop, seqs, temperature=T, steps=n,
@@ -509,12 +513,14 @@ def report_markdown(res: dict) -> str:
 
 
 def _spec(text: str) -> DrafterSpec:
-    """NAME=DIR[:STEPS,...] -> DrafterSpec."""
+    """NAME=DIR[:STEPS,...[:ESTIMATE[:NOISE_SCALE]]] -> DrafterSpec (ESTIMATE, NOISE_SCALE: the
+    proposer's greedy_estimate / greedy_noise_scale for T = 0 drafts)."""
     name, _, rest = text.partition("=")
-    path, _, steps = rest.partition(":")
-    if not name or not path:
-        raise argparse.ArgumentTypeError(f"expected NAME=DIR[:STEPS,...], got {text!r}")
-    return DrafterSpec(name, path, tuple(int(x) for x in steps.split(",")) if steps else (1,))
+    path, *more = rest.split(":")
+    if not name or not path or len(more) > 3:
+        raise argparse.ArgumentTypeError(f"expected NAME=DIR[:STEPS,...[:ESTIMATE[:NOISE_SCALE]]], got {text!r}")
+    steps = tuple(int(x) for x in more[0].split(",")) if more and more[0] else (1,)
+    return DrafterSpec(name, path, steps, *(more[1:2] or ["soft"]), *[float(x) for x in more[2:3]])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -522,7 +528,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", required=True)
     ap.add_argument("--data", help="training.drafter_data output for --prompts (held-out answers)")
     ap.add_argument("--prompts", default="training/data/heldout_prompts.jsonl")
-    ap.add_argument("--drafter", type=_spec, action="append", default=[], help="NAME=DIR[:STEPS,...] (repeatable)")
+    ap.add_argument("--drafter", type=_spec, action="append", default=[],
+                    help="NAME=DIR[:STEPS,...[:ESTIMATE[:NOISE_SCALE]]] (repeatable; ESTIMATE soft|argmax and "
+                         "NOISE_SCALE: how T = 0 blocks are drafted, FlashMapProposer greedy_estimate / "
+                         "greedy_noise_scale)")
     ap.add_argument("--dflash", help="DFlash-style checkpoint: the baseline, prior and agreement reference")
     ap.add_argument("--temperature", type=float, action="append", help="repeatable (default 0)")
     ap.add_argument("--max-anchors", type=int, help="at most this many anchors per sequence")
