@@ -313,6 +313,41 @@ def _alpha(res, draft: Draft, temperature: float) -> np.ndarray:
     return np.minimum(1.0, p / np.maximum(proposal_prob(draft), 1e-12))
 
 
+def spread_anchors(s: HeldoutSequence, block_size: int, max_anchors: int | None) -> list[int]:
+    """The sequence's anchors, at most max_anchors of them spread evenly."""
+    a = list(s.anchors(block_size))
+    if max_anchors and len(a) > max_anchors:
+        a = [a[int(i)] for i in np.linspace(0, len(a) - 1, max_anchors).round()]
+    return a
+
+
+def anchor_rounds(proposer, group: list[HeldoutSequence], anchors: list[list[int]], temperature: float, top_m: int,
+                  seed: int, prefix: str = "h"):
+    """Walk a group of held-out sequences anchor by anchor: per round r yields (r, live, requests),
+    live the indices into group that still have an anchor and one ProposeRequest each, the
+    proposer's context extended up to that anchor. Seeds depend on (seed, sequence, anchor)
+    only, so two drafters see the same draws. The sequences leave the proposer at the end."""
+    from flashmap.types import ProposeRequest
+
+    names = [f"{prefix}{s.index}" for s in group]
+    have = [0] * len(group)  # context positions given to the proposer so far
+    try:
+        for r in range(max(len(a) for a in anchors)):
+            live = [i for i, a in enumerate(anchors) if r < len(a)]
+            reqs = []
+            for i in live:
+                s, a = group[i], anchors[i][r]
+                if a > have[i]:
+                    proposer.extend(names[i], s.tokens[have[i]:a], s.features[have[i]:a])
+                    have[i] = a
+                reqs.append(ProposeRequest(names[i], int(s.tokens[a]), temperature=float(temperature), top_m=top_m,
+                                           seed=int(np.random.SeedSequence([seed, s.index, a]).generate_state(1)[0])))
+            yield r, live, reqs
+    finally:
+        for n in names:
+            proposer.release(n)
+
+
 @torch.no_grad()
 def offline_acceptance(engine, proposer, seqs: list[HeldoutSequence], *, temperature: float = 0.0, steps: int = 1,
                        top_m: int = 4, shuffles: bool = True, max_anchors: int | None = None, seed: int = 0,
@@ -328,8 +363,6 @@ def offline_acceptance(engine, proposer, seqs: list[HeldoutSequence], *, tempera
     from flashmap.types import SamplingParams, VerifyRow
     from tqdm import tqdm
 
-    from flashmap.types import ProposeRequest
-
     K = proposer.block_size
     n_par = min(engine.n_slots, proposer.n_slots)
     params = SamplingParams(temperature=float(temperature))
@@ -338,28 +371,11 @@ def offline_acceptance(engine, proposer, seqs: list[HeldoutSequence], *, tempera
     bar = tqdm(total=len(seqs), disable=not progress, desc="anchors")
     for g0 in range(0, len(seqs), n_par):
         group = seqs[g0:g0 + n_par]
-        anchors = []
-        for s in group:
-            a = list(s.anchors(K))
-            if max_anchors and len(a) > max_anchors:
-                a = [a[int(i)] for i in np.linspace(0, len(a) - 1, max_anchors).round()]
-            anchors.append(a)
+        anchors = [spread_anchors(s, K, max_anchors) for s in group]
         slots = [engine.allocate() for _ in group]
-        names = [f"h{s.index}" for s in group]
-        have = [0] * len(group)  # context positions given to the proposer so far
         ref_kv = [0] * len(group)  # leading positions of the engine's cache that hold reference tokens
         try:
-            for r in range(max(len(a) for a in anchors)):
-                live = [i for i, a in enumerate(anchors) if r < len(a)]
-                reqs = []
-                for i in live:
-                    s, a = group[i], anchors[i][r]
-                    if a > have[i]:
-                        proposer.extend(names[i], s.tokens[have[i]:a], s.features[have[i]:a])
-                        have[i] = a
-                    reqs.append(ProposeRequest(names[i], int(s.tokens[a]), temperature=float(temperature),
-                                               top_m=top_m, seed=int(np.random.SeedSequence(
-                                                   [seed, s.index, a]).generate_state(1)[0])))
+            for r, live, reqs in anchor_rounds(proposer, group, anchors, temperature, top_m, seed):
                 if shuffles and getattr(proposer.model.cfg, "kind", "") == "flashmap":
                     variants = draft_variants(proposer, reqs, steps)
                 else:  # drafts that ignore the noise: every variant is the same block
@@ -385,8 +401,6 @@ def offline_acceptance(engine, proposer, seqs: list[HeldoutSequence], *, tempera
         finally:
             for sl in slots:
                 engine.release(sl)
-            for n in names:
-                proposer.release(n)
         bar.update(len(group))
     bar.close()
     out.seq = np.array(seq_ids, np.int64)

@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from training import flow_diagnostics as fd
 from training.flow_diagnostics import (SELECTION, heldout_batches, heldout_sequences, paired_bootstrap)
 
 
@@ -84,13 +85,6 @@ class Drafted:
         return np.array([1.0 + np.cumprod(h.astype(np.float64)).sum() for h in self.hits])
 
 
-def _anchors(s, K: int, max_anchors: int | None) -> list[int]:
-    a = list(s.anchors(K))
-    if max_anchors and len(a) > max_anchors:
-        a = [a[int(i)] for i in np.linspace(0, len(a) - 1, max_anchors).round()]
-    return a
-
-
 def _averaged(blocks, V: int):
     """A greedy Draft: per slot the argmax of the mean over blocks of their full-support q."""
     from flashmap.types import Draft
@@ -106,29 +100,18 @@ def _averaged(blocks, V: int):
 def draft_all(proposer, seqs, v: Variant, max_anchors: int | None, seed: int = 0, engine=None) -> Drafted:
     """Draft at every anchor (seeds as in flow_diagnostics.offline_acceptance) and score the
     block against the reference continuation; with `engine`, against the target's argmax."""
-    from flashmap.types import ProposeRequest, SamplingParams, VerifyRow
+    from flashmap.types import SamplingParams, VerifyRow
 
     K, V = proposer.block_size, proposer.vocab_size
     out = Drafted()
     n_par = proposer.n_slots if engine is None else min(proposer.n_slots, engine.n_slots)
     for g0 in range(0, len(seqs), n_par):
         group = seqs[g0:g0 + n_par]
-        anchors = [_anchors(s, K, max_anchors) for s in group]
-        names = [f"p{s.index}" for s in group]
-        have = [0] * len(group)
+        anchors = [fd.spread_anchors(s, K, max_anchors) for s in group]
         slots = [engine.allocate() for _ in group] if engine is not None else []
         try:
-            for r in range(max(len(a) for a in anchors)):
-                live = [i for i, a in enumerate(anchors) if r < len(a)]
-                reqs = []
-                for i in live:
-                    s, a = group[i], anchors[i][r]
-                    if a > have[i]:
-                        proposer.extend(names[i], s.tokens[have[i]:a], s.features[have[i]:a])
-                        have[i] = a
-                    reqs.append(ProposeRequest(names[i], int(s.tokens[a]), temperature=1.0 if v.sample or v.avg > 1 else 0.0,
-                                               top_m=V, seed=int(np.random.SeedSequence(
-                                                   [seed, s.index, a]).generate_state(1)[0])))
+            for r, live, reqs in fd.anchor_rounds(proposer, group, anchors, 1.0 if v.sample or v.avg > 1 else 0.0,
+                                                  V, seed, prefix="p"):
                 if v.avg > 1:  # mean of the full softmax over v.avg independent draws, then its argmax
                     drafts = [_averaged(blocks, V) for blocks in proposer.propose_blocks(reqs, v.steps, n_blocks=v.avg)]
                 else:
@@ -154,8 +137,6 @@ def draft_all(proposer, seqs, v: Variant, max_anchors: int | None, seed: int = 0
         finally:
             for sl in slots:
                 engine.release(sl)
-            for n in names:
-                proposer.release(n)
     return out
 
 
