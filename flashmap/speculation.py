@@ -19,10 +19,10 @@ b requests that gain most (the others skip the draft call), and keeps the best o
 no speculation at all. Exactness never depends on the choice: any prefix of a draft is a
 valid proposal.
 
-A request left without a draft for `probe_every` rounds drafts a whole block, so its
-acceptance estimate and the draft cost stay current and speculation can come back; each
-probe doubles that request's interval (up to `max_probe_every`) until the search lets it
-draft again.
+While speculation is off, every `probe_every` rounds one request (the one longest without a
+draft) drafts a short block, so the acceptance of the first slots and the draft cost stay
+current and speculation can come back; each probe doubles the interval (up to
+`max_probe_every`) until the search lets a round draft again.
 Numpy only.
 """
 
@@ -68,9 +68,10 @@ class ControllerConfig:
     prior_acceptance: float = 0.6  # per-slot acceptance assumed before any round is seen
     prior_rounds: float = 4.0  # ... with the weight of this many rounds
     forget: float = 0.98  # cost fits: weight of a round measured n rounds ago is forget**n
-    probe_every: int = 8  # a request left without a draft this many rounds in a row drafts a full block ...
+    probe_every: int = 8  # after this many rounds without speculation one request drafts a short block ...
     max_probe_every: int = 64  # ... and after each such probe, twice as many
-    min_rounds_measured: int = 4  # before this many verify measurements, speculate fully
+    probe_tokens: int = 4  # the length of a probe's draft (and of the first measurements')
+    min_rounds_measured: int = 2  # decode rounds measured (alternately plain and short drafts) before choosing
 
 
 @dataclass
@@ -87,7 +88,8 @@ class SpeculationController:
         self.verify_cost = OnlineLinear((1e-2, 1e-4), c.forget, prior_weight=1e-3)
         self.draft_cost = OnlineLinear((1e-2, 1e-4), c.forget, prior_weight=1e-3)
         self.idle: dict[int, int] = {}  # seq_id -> rounds in a row it could have drafted and did not
-        self.probe_every: dict[int, int] = {}  # seq_id -> rounds without a draft before its next probe
+        self.probe_every = self.cfg.probe_every  # rounds without speculation before the next probe
+        self.since_probe = 0
         self.last_plan: dict[int, int] = {}
 
     # -- estimates ---------------------------------------------------------------
@@ -114,28 +116,31 @@ class SpeculationController:
         # draft lengths, and a seed must give the same text every time.
         pinned = {s.seq_id for s in seqs if s.params.seed is not None and not s.params.greedy}
         prefill_len = max((len(s.tokens) for s in seqs if not s.prefilled), default=0)
-        if self.verify_cost.n < self.cfg.min_rounds_measured or not any(caps.values()):
+        short = {i: min(cap, self.cfg.probe_tokens) for i, cap in caps.items()}
+        if not any(caps.values()):
             choice = dict(caps)
+        elif self.verify_cost.n < self.cfg.min_rounds_measured:
+            # Measure the verify at two lengths (a plain step, then a short draft) before choosing.
+            choice = short if self.verify_cost.n % 2 else {i: 0 for i in caps}
         else:
             choice = self._search(seqs, caps, prefill_len)
-        # Probes: a request that has gone without a draft for a while drafts a whole block, so its
-        # acceptance estimate (and the draft cost) stays current and speculation can come back.
-        # The batch is padded to the probe's length anyway, so every request drafts in that round.
-        # A probe costs a full verify: while a request's probes keep finding speculation off for
-        # it, they get rarer; a request the search lets draft starts over.
-        every = {i: (self.cfg.probe_every if choice[i] else self.probe_every.get(i, self.cfg.probe_every))
-                 for i in caps}
-        idle, probing = {}, []
-        for i, cap in caps.items():
-            if cap and not choice[i]:
-                idle[i] = self.idle.get(i, 0) + 1
-                if idle[i] >= every[i]:
-                    probing.append(i)
-        for i in probing:
-            every[i] = min(2 * every[i], self.cfg.max_probe_every)
-        if probing:
-            choice, idle = dict(caps), {}
-        self.idle, self.probe_every = idle, every
+        # Probes: while speculation is off, every `probe_every` rounds the request that has gone
+        # longest without a draft drafts a short block, so the acceptance of the first slots (and
+        # the draft cost) stays current and speculation can come back. One request: a probe pads
+        # every row of the verify to its length and adds to the draft call. Probes that keep
+        # finding speculation off come rarer; a round the search lets draft starts over.
+        idle = {i: self.idle.get(i, 0) + 1 for i, cap in caps.items() if cap and not choice[i]}
+        if any(choice.values()):
+            self.probe_every, self.since_probe = self.cfg.probe_every, 0
+        elif idle:
+            self.since_probe += 1
+            if self.since_probe >= self.probe_every:
+                i = max(idle, key=lambda j: (idle[j], -j))
+                choice[i] = short[i]
+                del idle[i]
+                self.probe_every = min(2 * self.probe_every, self.cfg.max_probe_every)
+                self.since_probe = 0
+        self.idle = idle
         for i in pinned:
             choice[i] = caps[i]
         for s in seqs:
