@@ -19,10 +19,10 @@ b requests that gain most (the others skip the draft call), and keeps the best o
 no speculation at all. Exactness never depends on the choice: any prefix of a draft is a
 valid proposal.
 
-While speculation is off, every `probe_every` rounds one request (the one longest without a
-draft) drafts a short block, so the acceptance of the first slots and the draft cost stay
-current and speculation can come back; each probe doubles the interval (up to
-`max_probe_every`) until the search lets a round draft again.
+The first decode round probes. While speculation is off, every `probe_every` rounds one request (the one longest without a
+draft) drafts its whole block, so the per-slot acceptance and the draft cost stay current
+and speculation can come back; each probe doubles the interval (up to `max_probe_every`)
+until the search lets a round draft again.
 Numpy only.
 """
 
@@ -68,10 +68,8 @@ class ControllerConfig:
     prior_acceptance: float = 0.6  # per-slot acceptance assumed before any round is seen
     prior_rounds: float = 4.0  # ... with the weight of this many rounds
     forget: float = 0.98  # cost fits: weight of a round measured n rounds ago is forget**n
-    probe_every: int = 8  # after this many rounds without speculation one request drafts a short block ...
+    probe_every: int = 8  # after this many rounds without speculation one request drafts its block ...
     max_probe_every: int = 64  # ... and after each such probe, twice as many
-    probe_tokens: int = 4  # the length of a probe's draft (and of the first measurements')
-    min_rounds_measured: int = 2  # decode rounds measured (alternately plain and short drafts) before choosing
 
 
 @dataclass
@@ -116,31 +114,29 @@ class SpeculationController:
         # draft lengths, and a seed must give the same text every time.
         pinned = {s.seq_id for s in seqs if s.params.seed is not None and not s.params.greedy}
         prefill_len = max((len(s.tokens) for s in seqs if not s.prefilled), default=0)
-        short = {i: min(cap, self.cfg.probe_tokens) for i, cap in caps.items()}
+        idle = {i: self.idle.get(i, 0) + 1 for i, cap in caps.items() if cap}
         if not any(caps.values()):
             choice = dict(caps)
-        elif self.verify_cost.n < self.cfg.min_rounds_measured:
-            # Measure the verify at two lengths (a plain step, then a short draft) before choosing.
-            choice = short if self.verify_cost.n % 2 else {i: 0 for i in caps}
+        elif self.verify_cost.n == 0:  # nothing measured yet: the first decode round probes
+            choice = {i: 0 for i in caps}
+            self.since_probe = self.probe_every
         else:
             choice = self._search(seqs, caps, prefill_len)
         # Probes: while speculation is off, every `probe_every` rounds the request that has gone
-        # longest without a draft drafts a short block, so the acceptance of the first slots (and
-        # the draft cost) stays current and speculation can come back. One request: a probe pads
-        # every row of the verify to its length and adds to the draft call. Probes that keep
-        # finding speculation off come rarer; a round the search lets draft starts over.
-        idle = {i: self.idle.get(i, 0) + 1 for i, cap in caps.items() if cap and not choice[i]}
+        # longest without a draft drafts its whole block, so the per-slot acceptance (and the draft
+        # cost) stays current and speculation can come back. One request: a probe pads every row
+        # of the verify to its length and adds to the draft call. Probes that keep finding
+        # speculation off come rarer; a round the search lets draft starts over.
         if any(choice.values()):
             self.probe_every, self.since_probe = self.cfg.probe_every, 0
         elif idle:
             self.since_probe += 1
             if self.since_probe >= self.probe_every:
                 i = max(idle, key=lambda j: (idle[j], -j))
-                choice[i] = short[i]
-                del idle[i]
+                choice[i] = caps[i]
                 self.probe_every = min(2 * self.probe_every, self.cfg.max_probe_every)
                 self.since_probe = 0
-        self.idle = idle
+        self.idle = {i: n for i, n in idle.items() if not choice[i]}
         for i in pinned:
             choice[i] = caps[i]
         for s in seqs:

@@ -30,8 +30,10 @@ VOCAB = 512
 
 @pytest.fixture(scope="module")
 def stack(target_dir, tmp_path_factory):
+    # speculation="full": per-request draft settings are checked on drafted rounds (the untrained
+    # drafter would make the speculation controller turn drafting off).
     cfg = StackConfig.on_free_ports(target_dir=str(target_dir), n_slots=2, max_queue=1, max_seq_len=1024,
-                                    log_dir=str(tmp_path_factory.mktemp("logs-openai")))
+                                    speculation="full", log_dir=str(tmp_path_factory.mktemp("logs-openai")))
     with Stack(cfg) as st:
         yield st
 

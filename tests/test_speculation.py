@@ -89,8 +89,8 @@ def test_probe_turns_speculation_back_on():
     c.cfg.probe_every = c.probe_every = 3
     seqs = _seqs(2, acceptance=0.3)
     plans = [c.plan(seqs) for _ in range(22)]
-    assert {v for p in plans for v in p.values()} == {0, c.cfg.probe_tokens}
-    assert all(sum(1 for v in p.values() if v) <= 1 for p in plans)  # one short probe per round
+    assert {v for p in plans for v in p.values()} == {0, K}
+    assert all(sum(1 for v in p.values() if v) <= 1 for p in plans)  # one probe per round
     # A probe after 3 rounds without speculation, then 2x rarer each time, the request longest
     # without a draft first.
     probes = [[r for r, p in enumerate(plans) if p[s.seq_id]] for s in seqs]

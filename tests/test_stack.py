@@ -462,8 +462,10 @@ def small_stack(target_dir, ref, tmp_path_factory):
     refs = [p + out for p, out in zip(ORACLE_PROMPTS, ref(ORACLE_PROMPTS, ORACLE_MAX_NEW))]
     refs_path = tmp_path_factory.mktemp("oracle") / "refs.json"
     refs_path.write_text(json.dumps(refs))
+    # speculation="full": the counters are checked on drafted rounds (the earlier tests' prompts,
+    # which the oracle does not know, teach the speculation controller to stop drafting).
     cfg = StackConfig.on_free_ports(target_dir=str(target_dir), drafter="oracle", n_slots=2, max_queue=4, max_seq_len=1024,
-                                    log_dir=str(tmp_path_factory.mktemp("logs-small")))
+                                    speculation="full", log_dir=str(tmp_path_factory.mktemp("logs-small")))
     with OracleStack(cfg, refs_path) as st:
         yield st
 
