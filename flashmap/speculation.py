@@ -88,7 +88,6 @@ class SpeculationController:
         self.idle: dict[int, int] = {}  # seq_id -> rounds in a row it could have drafted and did not
         self.probe_every = self.cfg.probe_every  # rounds without speculation before the next probe
         self.since_probe = 0
-        self.last_plan: dict[int, int] = {}
 
     # -- estimates ---------------------------------------------------------------
     def acceptance(self, s: Sequence) -> np.ndarray:
@@ -141,7 +140,6 @@ class SpeculationController:
             choice[i] = caps[i]
         for s in seqs:
             s.draft_limit = choice[s.seq_id]
-        self.last_plan = choice
         return choice
 
     def _search(self, seqs: list[Sequence], caps: dict[int, int], prefill_len: int) -> dict[int, int]:
