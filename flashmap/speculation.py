@@ -9,14 +9,16 @@ decode step) that maximises the batch's expected committed tokens per second:
   acceptance of slot j (SpecStats: accepted / verified per slot), shrunk towards a global
   prior (every request's counts, per greedy / sampling) so new requests start informed.
 - verify_cost(T) = c0 + c1 * T for T padded query tokens in the round (rows x the longest
-  row, prefill rows included) and
+  row of each forward pass, prefill rows included, a second pass charged `pass_tokens`:
+  flashmap.passes) and
   draft_cost(B) = d0 + d1 * B for B drafting requests: least-squares fits with forgetting
   over the rounds measured, so the model follows the device and the load.
 
-The verify pads every row to the longest ([B, max_len]), so T counts padded tokens and the
-requests that draft share one length M: the search tries every M in 1..K and, for each, the
-b requests that gain most (the others skip the draft call), and keeps the best of those and
-no speculation at all. Exactness never depends on the choice: any prefix of a draft is a
+A forward pass pads every row to the longest ([B, max_len]), so the requests that draft
+share one length M; a target that splits its rows into two passes (flashmap.passes) lets
+the others verify one token each for the price of a second pass. The search tries every M
+in 1..K and, for each, the b requests that gain most (the others skip the draft call), and
+keeps the best of those and no speculation at all. Exactness never depends on the choice: any prefix of a draft is a
 valid proposal.
 
 The first decode round probes. While speculation is off, every `probe_every` rounds one request (the one longest without a
@@ -70,6 +72,7 @@ class ControllerConfig:
     forget: float = 0.98  # cost fits: weight of a round measured n rounds ago is forget**n
     probe_every: int = 8  # after this many rounds without speculation one request drafts its block ...
     max_probe_every: int = 64  # ... and after each such probe, twice as many
+    pass_tokens: float | None = None  # the target's price of a second forward pass (flashmap.passes); None: one pass
 
 
 @dataclass
@@ -145,10 +148,12 @@ class SpeculationController:
     def _search(self, seqs: list[Sequence], caps: dict[int, int], prefill_len: int) -> dict[int, int]:
         """The best plan "the b requests that gain most draft min(cap, M)" over M and b.
 
-        A verify pads every row to the longest one ([B, max_len]: the eager pass and the graph
-        buckets alike), so the round costs c0 + c1 * n * max(prefill_len, M + 1) whatever the
+        A pass pads every row to the longest one ([B, max_len]: the eager pass and the graph
+        buckets alike), so one pass costs c0 + c1 * n * max(prefill_len, M + 1) whatever the
         shorter rows ask for: the requests that draft share one length M, and one that drafts
-        less saves nothing but its part of the draft call."""
+        less saves nothing but its part of the draft call. A target that splits (pass_tokens)
+        verifies the n - b others in a pass of their own: b (M + 1) + n - b + pass_tokens
+        tokens, when that is cheaper (decode rounds; a prefill row keeps one pass)."""
         n = len(seqs)
         c0, c1 = self.verify_cost.coef
         d0, d1 = self.draft_cost.coef
@@ -162,7 +167,10 @@ class SpeculationController:
             order = np.argsort(-g, kind="stable")
             b = np.arange(1, n + 1)
             committed = n + np.cumsum(g[order])  # the top-b requests draft
-            cost = c0 + c1 * n * max(prefill_len, m + 1) + d0 + d1 * b
+            tokens = np.full(n, n * max(prefill_len, m + 1), np.float64)
+            if self.cfg.pass_tokens is not None and not prefill_len:
+                tokens = np.minimum(tokens, b * (m + 1) + (n - b) + np.where(b < n, self.cfg.pass_tokens, 0.0))
+            cost = c0 + c1 * tokens + d0 + d1 * b
             thr = committed / np.maximum(cost, 1e-12)
             k = int(np.argmax(thr))
             if thr[k] > best_thr and g[order[k]] > 0:

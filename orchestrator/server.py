@@ -168,7 +168,8 @@ class Orchestrator:
             await self.drafter.ensure_connected()
         self.metrics = OrchestratorMetrics(block_size=self._block_size())
         if self.cfg.speculation == "auto" and self.drafter is not None:
-            self.controller = SpeculationController(self._block_size())
+            self.controller = SpeculationController(self._block_size(),
+                                                    ControllerConfig(pass_tokens=self.info.pass_tokens))
         self.metrics.drafter_steps.labels(drafter=self._drafter_name()).set(self.drafter.steps if self.drafter else 0)
         # Export the counters that alerts divide by at 0 from the start: a series that first
         # appears at its first increment has no rate() for that increment.

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from flashmap.passes import DEFAULT_PASS_TOKENS, pass_groups
 from flashmap.types import InvalidRequest, SamplingParams, VerifyResult, VerifyRow, feature_layers_for
 from target_service.kernels import self_check
 from target_service.qwen3 import Qwen3, Qwen3Config
@@ -90,6 +91,9 @@ class TargetEngine:
         w = model.lm_head.weight
         self._device, self._dtype = w.device, w.dtype
         self.graphs = None  # TargetGraphs after enable_graphs()
+        # Eager verifies split their rows into two passes when padding costs more than a pass
+        # (flashmap.passes); on a GPU padding is nearly free, so never.
+        self.pass_tokens: float | None = DEFAULT_PASS_TOKENS if w.device.type == "cpu" else None
         self.kernel_check: dict = {}  # the fused kernels' self-check on this device (kernels.self_check)
         if w.device.type == "cuda":
             self.kernel_check = self_check(model.ops, dtype=w.dtype, device=w.device, n_heads=c.num_attention_heads,
@@ -195,7 +199,8 @@ class TargetEngine:
 
     # -- verify ----------------------------------------------------------------------
     def verify(self, rows: list[VerifyRow]) -> list[VerifyResult]:
-        """One forward pass for all rows; see the module docstring. Validates every row
+        """One forward pass for all rows (two when padding the short rows to the longest costs
+        more than a pass: flashmap.passes); see the module docstring. Validates every row
         before touching any cache. A batch that fits a captured bucket (enable_graphs) runs
         in its graph; others (prefill, odd shapes) run eagerly. In batch-invariant mode the
         rows that fit run in the graph and the others in a second, eager pass."""
@@ -223,7 +228,9 @@ class TargetEngine:
                         for i, r in zip(part, self._verify_graph(sub, k) if k else self._verify_eager(sub)):
                             out[i] = r
                 else:
-                    out = self._verify_eager(rows)
+                    for part in pass_groups(lengths, self.pass_tokens):
+                        for i, r in zip(part, self._verify_eager([rows[i] for i in part])):
+                            out[i] = r
         except BaseException:
             # The cache may be half written from start_pos on: keep only what is intact.
             for r in rows:

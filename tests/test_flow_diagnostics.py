@@ -121,3 +121,20 @@ def test_offline_acceptance_matches_a_fresh_target_pass(world):
     # T = 1: acceptance probabilities, so gamma is anywhere in [1, K + 1]
     res1 = fd.offline_acceptance(engine, prop, seqs[:1], temperature=1.0, steps=1, max_anchors=2, shuffles=False)
     assert all(1.0 <= g <= 17.0 for g in res1.gamma["shared"])
+    # averaged: the mean over all K runs and their K cyclic shuffles, one value per anchor
+    avg = fd.offline_acceptance(engine, prop, seqs[:1], temperature=0.0, steps=1, max_anchors=2, averaged=True)
+    assert set(avg.gamma) == {"shared", "perm", "slot_noise", "shared_avg", "perm_avg"}
+    assert all(len(v) == len(avg.seq) for v in avg.gamma.values())
+    assert all(1.0 <= g <= 17.0 for v in ("shared_avg", "perm_avg") for g in avg.gamma[v])
+
+
+def test_cyclic_shuffles_take_every_slot_from_another_run():
+    K = 4
+    blocks = [Draft(np.full(K, j, np.int64), np.full((K, 1), j, np.int64), np.ones((K, 1), np.float32))
+              for j in range(K)]
+    shuffles = fd.cyclic_shuffles(blocks)
+    assert len(shuffles) == K
+    for j, s in enumerate(shuffles):
+        assert s.tokens.tolist() == [(k + j) % K for k in range(K)]  # slot k from run (k + j) mod K
+    # over the K shuffles every slot sees every run once: no run's slot is over-counted
+    assert sorted(int(s.tokens[0]) for s in shuffles) == list(range(K))

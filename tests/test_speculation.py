@@ -34,9 +34,10 @@ def _seqs(n: int, acceptance: float, rounds: int = 50) -> list[Sequence]:
     return out
 
 
-def _controller(verify: tuple[float, float], draft: tuple[float, float]) -> SpeculationController:
+def _controller(verify: tuple[float, float], draft: tuple[float, float],
+                pass_tokens: float | None = None) -> SpeculationController:
     """A controller whose cost fits have seen rounds of verify_s = v0 + v1 * tokens, draft_s = d0 + d1 * batch."""
-    c = SpeculationController(K, ControllerConfig(probe_every=10**9))  # no probes unless a test wants them
+    c = SpeculationController(K, ControllerConfig(probe_every=10**9, pass_tokens=pass_tokens))  # no probes
     for t in (1, 4, 16, 64, 256):
         c.verify_cost.add(t, verify[0] + verify[1] * t)
     for b in (1, 2, 8, 16):
@@ -49,6 +50,21 @@ def test_online_linear_recovers_a_cost_line():
     for x in range(1, 40):
         f.add(x, 0.003 + 0.0002 * x)
     assert f.coef == pytest.approx((0.003, 0.0002), rel=1e-3)
+
+
+def test_a_target_that_splits_passes_lets_the_best_requests_draft_alone():
+    """Two requests that accept nearly everything among fourteen that accept nothing, on a
+    compute-bound target: padded to one pass, every row would pay for their 17 tokens and
+    speculation is off; a target that verifies the others in a second, cheap pass lets those
+    two draft (most of) their block."""
+    seqs = _seqs(2, acceptance=0.99) + _seqs(14, acceptance=0.02)
+    for i, s in enumerate(seqs):
+        s.seq_id = i
+    one_pass = _controller(verify=(0.004, 1e-4), draft=(0.001, 1e-5))
+    assert set(one_pass.plan(seqs).values()) == {0}
+    split = _controller(verify=(0.004, 1e-4), draft=(0.001, 1e-5), pass_tokens=5)
+    plan = split.plan(seqs)
+    assert {i for i, n in plan.items() if n} == {0, 1} and plan[0] == plan[1] >= K // 2
 
 
 def test_full_block_when_acceptance_is_high_and_verify_is_cheap():

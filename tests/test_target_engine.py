@@ -194,6 +194,46 @@ def test_batched_verify_equals_each_row_alone(engine, model, hf_models):
         assert rel_err(all_layer_features(engine, batched[s])[:, 1], ref) < 1e-4
 
 
+@pytest.mark.parametrize("pass_tokens", [None, 0.0, 1e9])
+def test_split_verify_equals_one_pass(model, pass_tokens):
+    """One long row among short ones: two passes (short rows, then the long one) give what one
+    padded pass gives; pass_tokens None / huge never split."""
+    from flashmap.passes import pass_groups
+
+    lengths = [1, 1, 17, 1]
+    results, passes = {}, {}
+    for mode in ("one", "split"):
+        eng = fresh_engine(model, n_slots=4)
+        eng.pass_tokens = None if mode == "one" else pass_tokens
+        calls = []
+        eager = eng._verify_eager
+        eng._verify_eager = lambda rows, _e=eager: calls.append(len(rows)) or _e(rows)
+        hist = [row(eng.allocate(), 0, seq(12 + s, 20 + s)) for s in range(4)]
+        eng.verify(hist)
+        calls.clear()
+        results[mode] = eng.verify([row(h.slot, len(h.tokens), seq(n, 30 + i), k=n - 1)
+                                    for i, (h, n) in enumerate(zip(hist, lengths))])
+        passes[mode] = list(calls)
+    assert passes["one"] == [4]
+    assert passes["split"] == ([3, 1] if pass_tokens == 0.0 else [4])
+    assert [len(g) for g in pass_groups(lengths, pass_tokens)] == passes["split"]
+    for a, b in zip(results["one"], results["split"]):
+        np.testing.assert_array_equal(a.argmax, b.argmax)
+        assert rel_err(a.features, b.features) < 1e-5
+
+
+def test_pass_groups_and_their_cost():
+    from flashmap.passes import pass_groups, query_tokens
+
+    assert pass_groups([1] * 15 + [17], 32) == [list(range(15)), [15]]  # 15 + 17 + 32 < 16 x 17
+    assert query_tokens([1] * 15 + [17], 32) == 15 + 17 + 32
+    assert pass_groups([1] * 15 + [17], None) == [list(range(16))]
+    assert query_tokens([1] * 15 + [17], None) == 16 * 17
+    assert pass_groups([1, 1, 17], 32) == [[0, 1, 2]]  # saving 32 tokens does not pay for a pass
+    assert pass_groups([5] * 8, 0) == [list(range(8))]  # equal rows: nothing to save
+    assert pass_groups([9, 1, 17, 1], 0) == [[1, 3], [0, 2]]  # 2 x 1 + 2 x 17 beats 3 x 9 + 17
+
+
 def test_rollback_then_reverify_equals_fresh_run(engine, model):
     tokens = seq(40, 8)
     slot = engine.allocate()

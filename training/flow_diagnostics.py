@@ -182,6 +182,15 @@ class DraftVariants:
     perm: Draft  # slot k from an independent shared-noise run k
     other: Draft  # a second, independent shared-noise draw
     slot_noise: Draft | None = None  # one pass with an independent draw per slot
+    runs: list[Draft] | None = None  # the K independent shared-noise runs behind perm
+
+
+def cyclic_shuffles(blocks: list[Draft]) -> list[Draft]:
+    """The K permutation shuffles j = 0..K-1 that take slot k from run (k + j) mod K: each is a
+    valid shuffle (every slot from another independent run), and together with the K runs
+    themselves they estimate Delta with the draws' own noise averaged out (Rao-Blackwell)."""
+    K = len(blocks[0].tokens)
+    return [permutation_shuffle(blocks[j:K] + blocks[:j]) for j in range(K)]
 
 
 def permutation_shuffle(blocks: list[Draft]) -> Draft:
@@ -213,7 +222,7 @@ def draft_variants(proposer, requests: list, steps: int, slot_noise: bool = True
             indep = proposer.propose(requests, steps)
         finally:
             proposer.shared_noise = was
-    return [DraftVariants(r[0], permutation_shuffle(r), r[1], s) for r, s in zip(runs, indep)]
+    return [DraftVariants(r[0], permutation_shuffle(r), r[1], s, list(r)) for r, s in zip(runs, indep)]
 
 
 def acceptance(alpha: np.ndarray) -> float:
@@ -351,7 +360,7 @@ def anchor_rounds(proposer, group: list[HeldoutSequence], anchors: list[list[int
 @torch.no_grad()
 def offline_acceptance(engine, proposer, seqs: list[HeldoutSequence], *, temperature: float = 0.0, steps: int = 1,
                        top_m: int = 4, shuffles: bool = True, max_anchors: int | None = None, seed: int = 0,
-                       progress: bool = False) -> AnchorDrafts:
+                       progress: bool = False, averaged: bool = False) -> AnchorDrafts:
     """Draft a block at every anchor of seqs with `proposer` (the serving FlashMapProposer or
     any SlotCacheProposer; context = the target's features of the reference tokens before the
     anchor) and verify it with the target `engine` (TargetEngine): alpha_k = [d_k = argmax]
@@ -359,7 +368,10 @@ def offline_acceptance(engine, proposer, seqs: list[HeldoutSequence], *, tempera
     `shuffles`): "shared" (what serving drafts), "perm" (permutation shuffle), "slot_noise"
     (per-slot noise); gamma per variant is 1 + sum_k prod_{j<=k} alpha_j. Seeds depend on
     (seed, sequence, anchor) only, so two drafters see the same draws. max_anchors: at most
-    this many anchors per sequence, spread evenly."""
+    this many anchors per sequence, spread evenly. averaged (with shuffles): also "shared_avg"
+    and "perm_avg", gamma averaged over all K shared-noise runs and over their K cyclic
+    shuffles (2K more verifies per anchor, no more drafting): the same Delta in expectation,
+    without the noise of one draw per anchor."""
     from flashmap.types import SamplingParams, VerifyRow
     from tqdm import tqdm
 
@@ -381,16 +393,22 @@ def offline_acceptance(engine, proposer, seqs: list[HeldoutSequence], *, tempera
                 else:  # drafts that ignore the noise: every variant is the same block
                     variants = [DraftVariants(d, d, d, d) for d in proposer.propose(reqs, steps)]
                 kinds = ("shared", "perm", "slot_noise") if shuffles else ("shared",)
-                for kind in kinds:
+                blocks = {k: [getattr(v, k) for v in variants] for k in kinds}
+                if averaged and shuffles and variants[0].runs is not None:
+                    cyc = [cyclic_shuffles(v.runs) for v in variants]
+                    for j in range(K):  # every run, and every cyclic shuffle of the runs
+                        blocks[f"run{j}"] = [v.runs[j] for v in variants]
+                        blocks[f"cyc{j}"] = [c[j] for c in cyc]
+                for kind, ds in blocks.items():
                     rows = []
-                    for i, v in zip(live, variants):
-                        s, a, d = group[i], anchors[i][r], getattr(v, kind)
+                    for i, d in zip(live, ds):
+                        s, a = group[i], anchors[i][r]
                         start = min(a, ref_kv[i])  # the cache past it holds drafts of an earlier anchor
                         rows.append(VerifyRow(slots[i], start, np.concatenate([s.tokens[start:a + 1], d.tokens]),
                                               params, support_ids=d.support_ids))
                     res = engine.verify(rows)
-                    for i, v, rr in zip(live, variants, res):
-                        gam.setdefault(kind, []).append(acceptance(_alpha(rr, getattr(v, kind), temperature)))
+                    for d, rr in zip(ds, res):
+                        gam.setdefault(kind, []).append(acceptance(_alpha(rr, d, temperature)))
                 for i in live:
                     ref_kv[i] = anchors[i][r] + 1  # the anchor is reference; the positions after it, drafts
                 for i, v in zip(live, variants):
@@ -404,7 +422,10 @@ def offline_acceptance(engine, proposer, seqs: list[HeldoutSequence], *, tempera
         bar.update(len(group))
     bar.close()
     out.seq = np.array(seq_ids, np.int64)
-    out.gamma = {k: np.array(v) for k, v in gam.items()}
+    out.gamma = {k: np.array(v) for k, v in gam.items() if not k.startswith(("run", "cyc"))}
+    if "run0" in gam:
+        out.gamma["shared_avg"] = np.mean([gam[f"run{j}"] for j in range(K)], 0)
+        out.gamma["perm_avg"] = np.mean([gam[f"cyc{j}"] for j in range(K)], 0)
     out.changed = np.array(changed)
     return out
 
@@ -446,14 +467,16 @@ class DrafterSpec:
 def diagnose(target: str | Path, data: str | Path, prompts: str | Path, drafters: list[DrafterSpec],
              dflash: str | Path | None = None, temperatures: tuple[float, ...] = (0.0,), *,
              max_anchors: int | None = None, domains: tuple[str, ...] | None = None, curve: bool = True,
-             device: str = "cpu", progress: bool = False, seed: int = 0, selection: bool = False) -> dict:
+             device: str = "cpu", progress: bool = False, seed: int = 0, selection: bool = False,
+             averaged: bool = False) -> dict:
     """Everything this module measures, on the held-out anchors of `data` (training.drafter_data
     run on `prompts` with the target; the selection prompts are left out): per FlashMap
     drafter its denoiser curve (with the DFlash-style drafter as the prior), and per drafter,
     step count and temperature the offline acceptance (shared noise, permutation and per-slot
     shuffles, by domain), the share of slots a second draw changes, agreement with the
     DFlash-style drafter and paired bootstrap differences against it. selection: measure on
-    the selection prompts (11-26 of each domain) instead, to choose settings."""
+    the selection prompts (11-26 of each domain) instead, to choose settings. averaged: Delta
+    also from all K runs and their K cyclic shuffles (offline_acceptance)."""
     from drafter_service.checkpoint import load_drafter
     from drafter_service.flashmap_proposer import FlashMapProposer
     from target_service.engine import TargetEngine
@@ -475,7 +498,8 @@ def diagnose(target: str | Path, data: str | Path, prompts: str | Path, drafters
         for T in temperatures:
             for n in steps:
                 runs[(name, n, T)] = offline_acceptance(engine, prop, seqs, temperature=T, steps=n,
-                                                        max_anchors=max_anchors, seed=seed, progress=progress)
+                                                        max_anchors=max_anchors, seed=seed, progress=progress,
+                                                        averaged=averaged)
         if curve and m.cfg.kind == "flashmap":
             res["curves"][name] = denoiser_curve(m, heldout_batches(seqs, K, seed=seed), prior=base)
     for (name, n, T), a in runs.items():
@@ -489,6 +513,10 @@ def diagnose(target: str | Path, data: str | Path, prompts: str | Path, drafters
                 if v in a.gamma:
                     row[f"delta_{v}_{d}"] = paired_bootstrap(a.gamma["shared"][sel], a.gamma[v][sel], a.seq[sel],
                                                              seed=seed)
+            if "perm_avg" in a.gamma:
+                row[f"gamma_avg_{d}"] = paired_bootstrap(a.gamma["shared_avg"][sel], clusters=a.seq[sel], seed=seed)
+                row[f"delta_perm_avg_{d}"] = paired_bootstrap(a.gamma["shared_avg"][sel], a.gamma["perm_avg"][sel],
+                                                              a.seq[sel], seed=seed)
             ref = runs.get(("dflash", 1, T))
             if ref is not None and name != "dflash":
                 row[f"vs_dflash_{d}"] = paired_bootstrap(a.gamma["shared"][sel], ref.gamma["shared"][sel],
@@ -513,14 +541,22 @@ def report_markdown(res: dict) -> str:
     if rows:
         doms = sorted({k[len("gamma_"):] for r in rows for k in r if k.startswith("gamma_")} - {"all"}) + ["all"]
         lines += ["| drafter | steps | T | " + " | ".join(f"gamma {d}" for d in doms)
-                  + " | Delta perm (all) | Delta per-slot noise (all) | vs DFlash (all) | slots a new draw changes "
-                    "| agrees with DFlash |", "|---|---:|---:|" + "---:|" * (len(doms) + 5)]
+                  + " | Delta perm (all) | Delta perm, K draws averaged (all) | Delta per-slot noise (all) "
+                    "| vs DFlash (all) | slots a new draw changes | agrees with DFlash |",
+                  "|---|---:|---:|" + "---:|" * (len(doms) + 6)]
         for r in rows:
             cell = lambda k: _ci(r[k]) if k in r else "-"  # noqa: E731
             lines.append(f"| {r['drafter']} | {r['steps']} | {r['temperature']:g} | "
                          + " | ".join(cell(f"gamma_{d}") for d in doms)
-                         + f" | {cell('delta_perm_all')} | {cell('delta_slot_noise_all')} | {cell('vs_dflash_all')} "
+                         + f" | {cell('delta_perm_all')} | {cell('delta_perm_avg_all')} | {cell('delta_slot_noise_all')} "
+                           f"| {cell('vs_dflash_all')} "
                            f"| {r['noise_changes']:.3f} | {r.get('agree_dflash', float('nan')):.3f} |")
+        avg = [r for r in rows if "delta_perm_avg_all" in r]
+        if avg:
+            lines += ["", "Delta perm per domain (K draws averaged):", "",
+                      "| drafter | steps | T | " + " | ".join(doms) + " |", "|---|---:|---:|" + "---:|" * len(doms)]
+            lines += [f"| {r['drafter']} | {r['steps']} | {r['temperature']:g} | "
+                      + " | ".join(_ci(r[f"delta_perm_avg_{d}"]) for d in doms) + " |" for r in avg]
         lines += ["", f"{rows[0]['anchors']} held-out anchors per row ({res['n_sequences']} sequences); 95% "
                       "intervals from a bootstrap over sequences, paired where two rows are compared.", ""]
     return "\n".join(lines)
@@ -555,6 +591,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the selection prompts (11-26 of each domain) instead of the held-out rest")
     ap.add_argument("--time-maps", action="store_true",
                     help="only print where the vocabulary map puts tau and what the embedded state tells there")
+    ap.add_argument("--averaged", action="store_true",
+                    help="Delta also averaged over all K shared-noise runs and their K cyclic shuffles "
+                         "(2K more target verifies per anchor)")
     ap.add_argument("--out", help="JSON result (a .md table beside it)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
@@ -574,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
         res = diagnose(args.target, args.data, args.prompts, args.drafter, args.dflash,
                        tuple(args.temperature or [0.0]), max_anchors=args.max_anchors,
                        domains=tuple(args.domain) if args.domain else None, curve=not args.no_curve,
-                       device=args.device, progress=True, selection=args.selection)
+                       device=args.device, progress=True, selection=args.selection, averaged=args.averaged)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
