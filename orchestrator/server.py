@@ -36,7 +36,7 @@ from flashmap.grpc_serving import TokenAuth, add_service, run, serve_grpc
 from flashmap.logs import fields, setup_logging
 from flashmap.rounds import speculative_round
 from flashmap.sequence import Sequence
-from flashmap.speculation import SpeculationController
+from flashmap.speculation import ControllerConfig, SpeculationController
 from flashmap.tokenizer import IncrementalDecoder
 from flashmap.types import BLOCK_SIZE, GenerationRequest, InvalidRequest, SamplingParams, SpecStats
 from flashmap.v1 import serving_pb2, serving_pb2_grpc
