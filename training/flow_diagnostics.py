@@ -514,7 +514,7 @@ def diagnose(target: str | Path, data: str | Path, prompts: str | Path, drafters
                     row[f"delta_{v}_{d}"] = paired_bootstrap(a.gamma["shared"][sel], a.gamma[v][sel], a.seq[sel],
                                                              seed=seed)
             if "perm_avg" in a.gamma:
-                row[f"gamma_avg_{d}"] = paired_bootstrap(a.gamma["shared_avg"][sel], clusters=a.seq[sel], seed=seed)
+                row[f"avg_gamma_{d}"] = paired_bootstrap(a.gamma["shared_avg"][sel], clusters=a.seq[sel], seed=seed)
                 row[f"delta_perm_avg_{d}"] = paired_bootstrap(a.gamma["shared_avg"][sel], a.gamma["perm_avg"][sel],
                                                               a.seq[sel], seed=seed)
             ref = runs.get(("dflash", 1, T))
