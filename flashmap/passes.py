@@ -6,8 +6,8 @@ then the long ones) cost 15 + 17 tokens plus the fixed cost of a second pass. Th
 engine splits when that is cheaper; the speculation controller prices its plans with the
 same rule, so both agree on what a round costs.
 
-`pass_tokens` is the fixed cost of one extra pass, in query tokens (on the 2-core CPU demo
-a pass costs about 30 tokens' worth of compute); None = never split (CUDA graphs, where
+`pass_tokens` is the fixed cost of one extra pass, in query tokens (on the 2-core CPU VM the
+demo target's pass costs about 60 tokens' worth of compute: `python -m bench.verify_passes`); None = never split (CUDA graphs, where
 padding is nearly free and a second pass is a second launch).
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-DEFAULT_PASS_TOKENS = 32.0  # CPU: fixed cost of a forward pass ~ 30 query tokens (bench.verify_passes)
+DEFAULT_PASS_TOKENS = 60.0  # CPU: 13.2 ms + 0.22 ms per token, 61 tokens (bench.verify_passes, quiet 2-core VM)
 
 
 def pass_groups(lengths: Sequence[int], pass_tokens: float | None) -> list[list[int]]:

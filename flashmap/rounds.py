@@ -145,7 +145,8 @@ async def speculative_round(seqs: list[Sequence], target: Target, drafter: Draft
         new, accepted = s.commit(row, draft, result)
         out.sequences.append(SequenceRound(s, new, prefill, row.num_draft, accepted, fallback))
     if controller is not None:
-        controller.observe(query_tokens([len(r.tokens) for r in rows], controller.cfg.pass_tokens), out.verify_s, len(ask), out.draft_s,
+        tokens = query_tokens([len(r.tokens) for r in rows], controller.cfg.pass_tokens)
+        controller.observe(tokens, out.verify_s, len(ask), out.draft_s,
                            [(r.seq.params.greedy, r.drafted, r.accepted) for r in out.sequences],
                            prefill=any(r.prefill for r in out.sequences))
     return out

@@ -18,8 +18,8 @@ A forward pass pads every row to the longest ([B, max_len]), so the requests tha
 share one length M; a target that splits its rows into two passes (flashmap.passes) lets
 the others verify one token each for the price of a second pass. The search tries every M
 in 1..K and, for each, the b requests that gain most (the others skip the draft call), and
-keeps the best of those and no speculation at all. Exactness never depends on the choice: any prefix of a draft is a
-valid proposal.
+keeps the best of those and no speculation at all. Exactness never depends on the choice:
+any prefix of a draft is a valid proposal.
 
 The first decode round probes. While speculation is off, every `probe_every` rounds one request (the one longest without a
 draft) drafts its whole block, so the per-slot acceptance and the draft cost stay current

@@ -16,6 +16,7 @@ import torch
 
 from flashmap.types import InvalidRequest, SamplingParams, VerifyRow, feature_layers_for
 from flashmap.checkpoint import CheckpointError
+from flashmap.passes import pass_groups, query_tokens
 from target_service.engine import NoFreeSlot, TargetEngine
 from target_service.qwen3 import Qwen3, Qwen3Config
 from target_service.random_checkpoint import make_random_qwen3
@@ -198,8 +199,6 @@ def test_batched_verify_equals_each_row_alone(engine, model, hf_models):
 def test_split_verify_equals_one_pass(model, pass_tokens):
     """One long row among short ones: two passes (short rows, then the long one) give what one
     padded pass gives; pass_tokens None / huge never split."""
-    from flashmap.passes import pass_groups
-
     lengths = [1, 1, 17, 1]
     results, passes = {}, {}
     for mode in ("one", "split"):
@@ -223,8 +222,6 @@ def test_split_verify_equals_one_pass(model, pass_tokens):
 
 
 def test_pass_groups_and_their_cost():
-    from flashmap.passes import pass_groups, query_tokens
-
     assert pass_groups([1] * 15 + [17], 32) == [list(range(15)), [15]]  # 15 + 17 + 32 < 16 x 17
     assert query_tokens([1] * 15 + [17], 32) == 15 + 17 + 32
     assert pass_groups([1] * 15 + [17], None) == [list(range(16))]

@@ -370,7 +370,7 @@ def offline_acceptance(engine, proposer, seqs: list[HeldoutSequence], *, tempera
     (seed, sequence, anchor) only, so two drafters see the same draws. max_anchors: at most
     this many anchors per sequence, spread evenly. averaged (with shuffles): also "shared_avg"
     and "perm_avg", gamma averaged over all K shared-noise runs and over their K cyclic
-    shuffles (2K more verifies per anchor, no more drafting): the same Delta in expectation,
+    shuffles (2K - 2 more verifies per anchor, no more drafting): the same Delta in expectation,
     without the noise of one draw per anchor."""
     from flashmap.types import SamplingParams, VerifyRow
     from tqdm import tqdm
@@ -396,7 +396,7 @@ def offline_acceptance(engine, proposer, seqs: list[HeldoutSequence], *, tempera
                 blocks = {k: [getattr(v, k) for v in variants] for k in kinds}
                 if averaged and shuffles and variants[0].runs is not None:
                     cyc = [cyclic_shuffles(v.runs) for v in variants]
-                    for j in range(K):  # every run, and every cyclic shuffle of the runs
+                    for j in range(1, K):  # run 0 is "shared" and its shuffle 0 is "perm", verified above
                         blocks[f"run{j}"] = [v.runs[j] for v in variants]
                         blocks[f"cyc{j}"] = [c[j] for c in cyc]
                 for kind, ds in blocks.items():
@@ -423,9 +423,9 @@ def offline_acceptance(engine, proposer, seqs: list[HeldoutSequence], *, tempera
     bar.close()
     out.seq = np.array(seq_ids, np.int64)
     out.gamma = {k: np.array(v) for k, v in gam.items() if not k.startswith(("run", "cyc"))}
-    if "run0" in gam:
-        out.gamma["shared_avg"] = np.mean([gam[f"run{j}"] for j in range(K)], 0)
-        out.gamma["perm_avg"] = np.mean([gam[f"cyc{j}"] for j in range(K)], 0)
+    if "run1" in gam:
+        out.gamma["shared_avg"] = np.mean([gam["shared"]] + [gam[f"run{j}"] for j in range(1, K)], 0)
+        out.gamma["perm_avg"] = np.mean([gam["perm"]] + [gam[f"cyc{j}"] for j in range(1, K)], 0)
     out.changed = np.array(changed)
     return out
 
@@ -593,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="only print where the vocabulary map puts tau and what the embedded state tells there")
     ap.add_argument("--averaged", action="store_true",
                     help="Delta also averaged over all K shared-noise runs and their K cyclic shuffles "
-                         "(2K more target verifies per anchor)")
+                         "(2K - 2 more target verifies per anchor)")
     ap.add_argument("--out", help="JSON result (a .md table beside it)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
