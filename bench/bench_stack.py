@@ -4,6 +4,8 @@ For each prompt set (held-out text prompts of the demo domains, random token ids
 concurrency, in one script:
 
 - in-process: the target alone (batched) and fixed-K speculation (flashmap.inprocess);
+- the target alone through Triton: the round loop calling Triton directly, no orchestrator
+  (the ceiling of the stack with speculation off);
 - through the stack (Triton + drafter + orchestrator): speculation off (every request
   max_draft_tokens = 0), fixed K (orchestrator --speculation full) and the goodput
   controller (--speculation auto, the default).
@@ -20,7 +22,9 @@ target alone.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime
+import random
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -32,8 +36,11 @@ from drafter_service.factory import load_proposer
 from flashmap.client import Client, DrafterAdmin
 from flashmap.inprocess import decode
 from flashmap.metrics import scrape, totals
+from flashmap.rounds import speculative_round
+from flashmap.sequence import Sequence
 from flashmap.types import GenerationRequest
 from flashmap_cli.stack import Stack, StackConfig, default_checkpoints
+from orchestrator.target_client import TargetClient, TritonTarget
 from target_service.engine import TargetEngine
 from training.evaluate import DEFAULT_PROMPTS, machine, read_domain_prompts
 
@@ -71,6 +78,28 @@ def inprocess(engine, proposer, prompts, max_new, concurrency) -> tuple[list, fl
         outs += decode(engine, [GenerationRequest(p, max_new) for p in prompts[i:i + concurrency]], proposer)
     dt = time.perf_counter() - t0
     return [o.token_ids for o in outs], sum(len(o.token_ids) for o in outs) / dt
+
+
+def triton_alone(cfg: StackConfig, prompts, max_new, concurrency) -> tuple[list, float]:
+    """(outputs, tokens/s) of the target alone through Triton: the round loop calls Triton
+    directly (no orchestrator, no drafter, no client streams), `concurrency` sequences at a
+    time. The ceiling of the stack with speculation off."""
+
+    async def run():
+        target = TritonTarget(TargetClient(f"{cfg.host}:{cfg.triton_grpc_port}", key=cfg.target_key), cfg.max_seq_len)
+        outs, base = [], random.getrandbits(40) + 1
+        t0 = time.perf_counter()
+        for i in range(0, len(prompts), concurrency):
+            seqs = [Sequence(base + i + j, GenerationRequest(p, max_new), handle=base + i + j)
+                    for j, p in enumerate(prompts[i:i + concurrency])]
+            while live := [s for s in seqs if not s.finished]:
+                await speculative_round(live, target)
+            for s in seqs:
+                await target.release(s.handle)
+            outs += [s.generated for s in seqs]
+        return outs, sum(len(o) for o in outs) / (time.perf_counter() - t0)
+
+    return asyncio.run(run())
 
 
 def _scrape_all(cfg: StackConfig) -> dict[str, float]:
@@ -156,17 +185,19 @@ def main(argv=None):
             for c in levels:
                 ar_ids, ar = inprocess(engine, None, prompts, a.max_new_tokens, c)
                 ip_ids, ip = inprocess(engine, proposer, prompts, a.max_new_tokens, c)
+                tr_ids, tr = triton_alone(cfg, prompts, a.max_new_tokens, c)
                 off = through_stack(cfg, prompts, a.max_new_tokens, c, spec_off=True)
                 stack.restart_orchestrator(speculation="full")
                 full = through_stack(cfg, prompts, a.max_new_tokens, c)
                 stack.restart_orchestrator(speculation="auto")
                 through_stack(cfg, prompts[:c], 8, c)  # the controller's first measurements
                 auto = through_stack(cfg, prompts, a.max_new_tokens, c)
-                for what, ids in (("in-process speculation", ip_ids), ("stack, off", off["outputs"]),
+                for what, ids in (("in-process speculation", ip_ids), ("Triton alone", tr_ids),
+                                  ("stack, off", off["outputs"]),
                                   ("stack, full", full["outputs"]), ("stack, auto", auto["outputs"])):
                     assert ids == ar_ids, f"{what}: output differs from the target alone ({name}, concurrency {c})"
-                rows.append((name, c, ar, ip, off, full, auto))
-                print(f"{name} c={c}: target alone {ar:.0f} tok/s, in-process spec {ip:.0f}, stack off "
+                rows.append((name, c, ar, ip, tr, off, full, auto))
+                print(f"{name} c={c}: target alone {ar:.0f} tok/s, in-process spec {ip:.0f}, Triton alone {tr:.0f}, stack off "
                       f"{off['tok_s']:.0f} / full {full['tok_s']:.0f} / auto {auto['tok_s']:.0f} (mean draft "
                       f"{auto['mean_draft_len']:.1f}, off rounds {auto['off_rounds']:.0f})", flush=True)
         with DrafterAdmin(cfg.drafter_url, token=cfg.drafter_token) as admin:
@@ -177,14 +208,14 @@ def main(argv=None):
     date = datetime.date.today().isoformat()
     lines = [
         "# Stack benchmark (CPU)", "",
-        "| prompts | concurrency | target alone (in-process) | fixed-K spec (in-process) | stack, speculation off | "
-        "stack, fixed K | stack, auto | auto / max(off, full) | auto / target alone | mean draft length (auto) | "
-        "rounds without speculation (auto) | gamma (auto) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| prompts | concurrency | target alone (in-process) | fixed-K spec (in-process) | target alone through "
+        "Triton | stack, speculation off | stack, fixed K | stack, auto | auto / max(off, full) | auto / target alone "
+        "| mean draft length (auto) | rounds without speculation (auto) | gamma (auto) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for name, c, ar, ip, off, full, auto in rows:
+    for name, c, ar, ip, tr, off, full, auto in rows:
         best = max(off["tok_s"], full["tok_s"])
-        lines.append(f"| {name} | {c} | {ar:.0f} | {ip:.0f} | {off['tok_s']:.0f} | {full['tok_s']:.0f} | "
+        lines.append(f"| {name} | {c} | {ar:.0f} | {ip:.0f} | {tr:.0f} | {off['tok_s']:.0f} | {full['tok_s']:.0f} | "
                      f"{auto['tok_s']:.0f} | {auto['tok_s'] / best:.2f} | {auto['tok_s'] / ar:.2f} | "
                      f"{auto['mean_draft_len']:.1f} | {auto['off_rounds']:.0f} / {auto['rounds']:.0f} | {auto['gamma']:.2f} |")
     lines += [
@@ -196,7 +227,7 @@ def main(argv=None):
         "and inside them the drafter's forward and Triton's queue wait and model execution per request:", "",
         "| prompts | mode | draft call | drafter forward | verify call | Triton queue | Triton model | whole round |",
         "|---|---|---:|---:|---:|---:|---:|---:|"]
-    for name, c, ar, ip, off, full, auto in rows:
+    for name, c, ar, ip, tr, off, full, auto in rows:
         if c == levels[0]:
             for mode, r in (("off", off), ("full", full), ("auto", auto)):
                 lines.append(f"| {name} | {mode} | {r['draft_ms']:.2f} | {r['drafter_forward_ms']:.2f} | "

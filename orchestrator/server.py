@@ -148,6 +148,7 @@ class Orchestrator:
         self._loop_task: asyncio.Task | None = None
         self._health_task: asyncio.Task | None = None
         self._releases: set[asyncio.Task] = set()  # slots being freed on the target and the drafter
+        self._outbox: list[tuple[_Active, list[int] | None]] = []  # pieces and ends not yet on their streams
         self.health = health.aio.HealthServicer()  # the gRPC health the server exports (flipped by _set_target_ok)
         self.target_ok = True
         self._last_target_ok = time.monotonic()
@@ -306,20 +307,38 @@ class Orchestrator:
     async def _scheduler(self) -> None:
         while True:
             try:
-                await self._admit_and_reap()
+                if await self._admit_and_reap():
+                    await asyncio.sleep(0)  # the releases just created start (TritonTarget.verify waits for them)
                 if not self.active:
+                    self._flush()
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                await self._round()
+                # The last round's tokens reach their streams once this round's first call
+                # (draft or verify) is on the wire: the task's first step runs before the
+                # flush, and the flush queues the stream handlers behind the call's send, so
+                # the clients' chunks are written while the target computes.
+                this_round = asyncio.ensure_future(self._round())
+                asyncio.get_running_loop().call_soon(self._flush)
+                await this_round
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - the loop must survive any single bad round
                 log.exception("scheduler round failed")
+                self._flush()
                 await asyncio.sleep(0.05)
 
-    async def _admit_and_reap(self) -> None:
+    def _flush(self) -> None:
+        """Hand the held pieces and ends to their streams, in the order they were made."""
+        out, self._outbox = self._outbox, []
+        for a, item in out:
+            a.queue.put_nowait(item)
+
+    async def _admit_and_reap(self) -> bool:
+        """Fail requests past their deadline, free finished ones, admit waiting ones. True when
+        a release was started."""
         name = self.info.model_name
+        released = False
         now = time.monotonic()
         for a in [*self.waiting, *self.active.values()]:
             if a.deadline is not None and now > a.deadline:
@@ -332,11 +351,13 @@ class Orchestrator:
         for sid, a in list(self.active.items()):
             if a.seq.finished:
                 await self._release(sid, a)
+                released = True
         while self.waiting and len(self.active) < self.max_concurrent:
             a = self.waiting.popleft()
             self.active[a.seq.seq_id] = a
         self.metrics.active_requests.labels(model=name).set(len(self.active))
         self.metrics.queued_requests.labels(model=name).set(len(self.waiting))
+        return released
 
     async def _release(self, sid: int, a: _Active) -> None:
         """Free the request's slots on both sides, in the background: a stalled part must not
@@ -358,7 +379,7 @@ class Orchestrator:
     def _finish(self, a: _Active, reason: str) -> None:
         """The request holds nothing any more: its stream ends (Orchestrator.stream counts it)."""
         self.by_request.pop(a.request_id, None)
-        a.queue.put_nowait(None)
+        self._outbox.append((a, None))
 
     async def _round(self) -> None:
         t_round = time.perf_counter()
@@ -488,7 +509,7 @@ class Orchestrator:
                 self.metrics.itl.labels(model=name).observe(per_token)
         a.t_last = now
         self.metrics.generated_tokens.labels(model=name).inc(len(new))
-        a.queue.put_nowait(new)
+        self._outbox.append((a, new))
 
 
 class FlashMapServicer(serving_pb2_grpc.FlashMapServicer):

@@ -277,9 +277,8 @@ class TritonTarget:
         self._releasing: set[asyncio.Task] = set()
 
     async def verify(self, rows: list[VerifyRow], branches: list[list[np.ndarray]]) -> list:
-        # A new sequence may need the slot a finished one is handing back: let release tasks
-        # created just before this round start (one loop turn), then wait for them.
-        await asyncio.sleep(0)
+        # A new sequence may need the slot a finished one is handing back: wait for the
+        # releases under way (the caller lets the ones it just created start first).
         if self._releasing:
             await asyncio.wait(set(self._releasing))
         items = [(r.slot, r, b, r.slot not in self.started, False) for r, b in zip(rows, branches)]
