@@ -220,8 +220,8 @@ def main(argv=None):
                      f"{auto['mean_draft_len']:.1f} | {auto['off_rounds']:.0f} / {auto['rounds']:.0f} | {auto['gamma']:.2f} |")
     lines += [
         "", f"Tokens/s, greedy, {a.max_new_tokens} new tokens per request, {n} prompts per set; every output equals "
-        f"the target alone's (checked). Command: `python -m bench.bench_stack --concurrency {a.concurrency} "
-        f"--max-new-tokens {a.max_new_tokens}`. Date: {date}. Machine: {machine()}; {threads} torch threads per "
+        f"the target alone's (checked). Command: `OMP_NUM_THREADS={threads} python -m bench.bench_stack --concurrency "
+        f"{a.concurrency} --max-new-tokens {a.max_new_tokens} --threads {threads}`. Date: {date}. Machine: {machine()}; {threads} torch threads per "
         f"service. Target `{os.path.relpath(target)}`, drafter `{drafter}`.", *[f"Note: {x}" for x in notes], "",
         "Per round at concurrency 1 (ms, stack): the orchestrator's draft and verify calls and whole round, "
         "and inside them the drafter's forward and Triton's queue wait and model execution per request:", "",

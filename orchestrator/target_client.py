@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -183,11 +184,12 @@ class TargetClient:
         r = await self._infer(inputs, wire.VERIFY_OUTPUTS, seq_id, start=start, end=end)
         return wire.parse_verify_outputs(r.as_numpy)
 
-    async def verify_rows(self, items: list[tuple[int, VerifyRow | None, list[np.ndarray], bool, bool]]) -> list:
+    async def verify_rows(self, items: list[tuple[int, VerifyRow | None, list[np.ndarray], bool, bool]],
+                          timeout_s: float | None = None) -> list:
         """A whole round in one request (a packed round, flashmap.wire): per item (seq_id, row or
         None for a release, branches, start, end) -> (VerifyResult, best), None for a release,
         or the exception a one-row request would have raised. A failure of the request itself
-        raises."""
+        raises. timeout_s: this call's deadline (default: the client's)."""
         for seq_id, *_ in items:
             _check_seq_id(seq_id)
         blob, bad = wire.packed_round([(seq_id, start, end, row, branches)
@@ -196,7 +198,7 @@ class TargetClient:
         if len(bad) < len(items):
             corrid = _INFO_CORRID_BASE + random.getrandbits(60)  # a one-request sequence of its own
             r = await self._infer([_input("ROWS", np.array([[blob]], np.object_))], ["ROWS_OUT"], corrid,
-                                  start=True, end=True)
+                                  start=True, end=True, timeout_s=timeout_s)
             out = wire.parse_packed_outputs(r.as_numpy("ROWS_OUT").reshape(-1)[0])
             if len(out) != len(items) - len(bad):
                 raise TargetError(f"target at {self.url}: {len(out)} answers for {len(items) - len(bad)} rows")
@@ -278,13 +280,17 @@ class TritonTarget:
 
     async def verify(self, rows: list[VerifyRow], branches: list[list[np.ndarray]]) -> list:
         # A new sequence may need the slot a finished one is handing back: wait for the
-        # releases under way (the caller lets the ones it just created start first).
+        # releases under way (the caller lets the ones it just created start first). The wait
+        # counts against the verify's deadline: a hung target fails the round within one timeout.
+        budget = self.client.timeout_s
+        t0 = time.monotonic()
         if self._releasing:
-            await asyncio.wait(set(self._releasing))
+            await asyncio.wait(set(self._releasing), timeout=budget)
         items = [(r.slot, r, b, r.slot not in self.started, False) for r, b in zip(rows, branches)]
         self.started.update(r.slot for r in rows)
         try:
-            return await self.client.verify_rows(items)
+            return await self.client.verify_rows(
+                items, None if budget is None else max(budget - (time.monotonic() - t0), 1e-3))
         except (InvalidRequest, TargetUnavailable, TargetError) as e:  # the request failed: every row did
             return [e] * len(rows)
 
