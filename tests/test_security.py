@@ -68,3 +68,43 @@ def test_paused_triton_ends_requests_within_the_bound(stack):
 def test_killed_triton_stub_is_seen_and_repaired(stack, ref):
     r = probes.probe_stub_killed(stack, ref)
     assert r["triton_restarts"] >= 1
+
+
+def test_message_limits_refuse_before_parsing():
+    """Over max_message_bytes but within the transport limit: refused by add_service without
+    parsing (RESOURCE_EXHAUSTED naming the limit); over the transport limit: gRPC's own
+    refusal (RESOURCE_EXHAUSTED); under the limit: served."""
+    import asyncio
+
+    import grpc
+
+    from flashmap.grpc_serving import add_service
+    from flashmap.v1 import serving_pb2, serving_pb2_grpc
+
+    class Echo(serving_pb2_grpc.FlashMapServicer):
+        async def Generate(self, request, context):
+            yield serving_pb2.GenerateResponse(request_id=str(len(request.text)))
+
+    def call(port, size):
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            try:
+                stub = serving_pb2_grpc.FlashMapStub(ch)
+                return "".join(r.request_id for r in stub.Generate(serving_pb2.GenerateRequest(text="x" * size),
+                                                                   timeout=10))
+            except grpc.RpcError as e:
+                return e.code(), e.details()
+
+    async def main():
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 40_000)])
+        add_service(server, Echo(), serving_pb2.DESCRIPTOR.services_by_name["FlashMap"], max_message_bytes=10_000)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            return [await asyncio.to_thread(call, port, n) for n in (5_000, 20_000, 80_000)]
+        finally:
+            await server.stop(None)
+
+    small, middle, large = asyncio.run(main())
+    assert small == "5000"
+    assert middle[0] == grpc.StatusCode.RESOURCE_EXHAUSTED and "more than the limit of 10000" in middle[1]
+    assert large[0] == grpc.StatusCode.RESOURCE_EXHAUSTED

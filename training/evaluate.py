@@ -149,11 +149,23 @@ def build_methods(args) -> tuple[list[Method], list[str]]:
         for indep, base in SHUFFLE.items():
             if base in by_name:
                 b = by_name[base]
+                if b.kind == "flashmap" and not _trained_shared(b.checkpoint):
+                    # Its own draws are per slot already: the pair would be the same run twice.
+                    notes.append(f"{b.label}: no per-slot shuffle row, its noise is a draw per slot already "
+                                 "(config shared_noise = false); its joint structure is the permutation-shuffle "
+                                 "Delta of `python -m training.flow_diagnostics` (K shared-noise runs, slot k "
+                                 "from run k)")
+                    continue
                 methods.append(Method(indep, f"{b.label}, independent noise per slot", b.checkpoint, b.kind, b.steps,
                                       shared_noise=False))
     if not methods:
         raise ValueError("give at least one drafter checkpoint (--flashmap, --teacher, --dflash, --eagle)")
     return methods, notes
+
+
+def _trained_shared(checkpoint: str) -> bool:
+    """Whether a FlashMap checkpoint was trained (and drafts) with one noise draw shared by its K slots."""
+    return bool(json.loads((Path(checkpoint) / "config.json").read_text()).get("shared_noise", False))
 
 
 # ----------------------------------------------------------------------------- measuring
