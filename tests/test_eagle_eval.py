@@ -198,7 +198,7 @@ def test_eval_end_to_end_and_resume(world, tmp_path):
 
     _, target, _ = world
     small = dict(dim=64, n_blocks=1, n_heads=4, time_freq_dim=32)
-    save_drafter(init_drafter(target, seed=0, **small), tmp_path / "fm")
+    save_drafter(init_drafter(target, seed=0, shared_noise=True, **small), tmp_path / "fm")  # has a shuffle pair
     save_drafter(init_drafter(target, seed=1, kind="dflash", **small), tmp_path / "df")
     save_eagle(init_eagle(target, seed=0, **TINY), tmp_path / "eg")
     rng = np.random.default_rng(3)

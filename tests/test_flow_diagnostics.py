@@ -138,3 +138,30 @@ def test_cyclic_shuffles_take_every_slot_from_another_run():
         assert s.tokens.tolist() == [(k + j) % K for k in range(K)]  # slot k from run (k + j) mod K
     # over the K shuffles every slot sees every run once: no run's slot is over-counted
     assert sorted(int(s.tokens[0]) for s in shuffles) == list(range(K))
+
+
+def test_eval_writes_the_flow_diagnostics(world, tmp_path):
+    """`flashmap eval --flow-data`: the timed eval, then the flow diagnostics of its FlashMap
+    checkpoints beside eval.md (linked from it); a drafter whose noise is per slot already
+    gets no per-slot shuffle pair, and the report says why."""
+    import json
+
+    from drafter_service.checkpoint import save_drafter
+    from training import evaluate as ev
+
+    target, data, _, prompts = world
+    save_drafter(randomize(init_drafter(target, seed=0, **TINY)), tmp_path / "fm")
+    save_drafter(randomize(init_drafter(target, seed=1, kind="dflash", **TINY)), tmp_path / "df")
+    out = tmp_path / "results"
+    argv = ["--target", str(target), "--flashmap", str(tmp_path / "fm"), "--dflash", str(tmp_path / "df"),
+            "--prompts", str(prompts), "--max-prompts", "1", "--max-new-tokens", "8", "--teacher-steps", "3",
+            "--temperatures", "0", "--out-dir", str(out), "--no-progress", "--threads", "1",
+            "--flow-data", str(data), "--flow-anchors", "2"]
+    assert ev.main(argv) == 0
+    report = (out / "eval.md").read_text()
+    assert "`flow_diagnostics.md`" in report and "no per-slot shuffle row" in report
+    cells = json.loads((out / "eval_cells.json").read_text())["cells"]
+    assert not any(k.startswith("flashmap-1-indep") for k in cells) and "dflash-indep|d0|T=0" in cells
+    diag = json.loads((out / "flow_diagnostics.json").read_text())
+    text = (out / "flow_diagnostics.md").read_text()
+    assert "teacher" in text and "map" in text and diag

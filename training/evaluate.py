@@ -638,11 +638,19 @@ def main(argv: list[str] | None = None, prog: str = "python -m training.evaluate
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--flow-data", help="training.drafter_data output of held-out prompts (the target's answers at "
+                    "--flow-temperature): also write the flow diagnostics of the FlashMap checkpoints "
+                    "(training.flow_diagnostics: denoiser against tau, shuffle Deltas with K draws averaged, "
+                    "how often a new draw changes the block, agreement with --dflash) to OUT_DIR/flow_diagnostics.md")
+    ap.add_argument("--flow-temperature", type=float, default=0.0)
+    ap.add_argument("--flow-anchors", type=int, default=12, help="flow diagnostics: anchors per held-out sequence")
     args = ap.parse_args(argv)
     if args.teacher_steps < 3:
         ap.error("--teacher-steps must be >= 3 (1 and 2 are the flow-map rows)")
     if args.max_new_tokens < 1 or args.max_prompts < 0 or args.repeats < 1:
         ap.error("--max-new-tokens and --repeats must be >= 1, --max-prompts >= 0")
+    if args.flow_data and not (args.flashmap or args.teacher):
+        ap.error("--flow-data needs --flashmap or --teacher")
     command = " ".join([prog, *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
     threads = torch.get_num_threads()
     if args.threads:
@@ -655,7 +663,32 @@ def main(argv: list[str] | None = None, prog: str = "python -m training.evaluate
     finally:
         torch.set_num_threads(threads)
     print(f"report: {report}")
+    if args.flow_data:
+        return flow_diagnostics_of(args, Path(report))
     return 0
+
+
+def flow_diagnostics_of(args, report: Path) -> int:
+    """The eval's FlashMap checkpoints through training.flow_diagnostics on --flow-data; the
+    result goes beside eval.md, which links it."""
+    from training import flow_diagnostics
+
+    argv = ["--target", args.target, "--data", args.flow_data, "--prompts", args.prompts,
+            "--temperature", f"{args.flow_temperature:g}", "--max-anchors", str(args.flow_anchors), "--averaged",
+            "--threads", str(args.threads or torch.get_num_threads()), "--device", args.device,
+            "--out", str(report.parent / "flow_diagnostics.json")]
+    if args.teacher or args.flashmap:
+        argv += ["--drafter", f"teacher={args.teacher or args.flashmap}:{args.teacher_steps}"]
+    if args.flashmap:
+        argv += ["--drafter", f"map={args.flashmap}:1,2"]
+    if args.dflash:
+        argv += ["--dflash", args.dflash]
+    rc = flow_diagnostics.main(argv)
+    if rc == 0:
+        with report.open("a") as f:
+            f.write("\nFlow diagnostics of the FlashMap checkpoints (denoiser against tau, shuffle Deltas, how often a "
+                    "new draw changes the block, agreement with the DFlash-style drafter): `flow_diagnostics.md`.\n")
+    return rc
 
 
 if __name__ == "__main__":
