@@ -24,8 +24,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import random
 import os
+import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path

@@ -587,8 +587,8 @@ async def serve(cfg: OrchestratorConfig, ready: asyncio.Event | None = None, sto
             "orchestrator", lambda server: add_service(server, FlashMapServicer(orch), service, cfg.max_message_bytes),
             [SERVICE_NAME], cfg.host, cfg.port, cfg.metrics_port, registry=orch.metrics.registry, ready=ready,
             stop=stop, max_message_bytes=cfg.max_message_bytes, interceptors=auth,
-            transport_bytes=min(4 * cfg.max_message_bytes, 2**31 - 1),  # up to 4x refused fast (serve_grpc) tls=cfg.tls, reflection_on=cfg.reflection,
-            health_servicer=orch.health,
+            transport_bytes=min(4 * cfg.max_message_bytes, 2**31 - 1),  # up to 4x refused fast (serve_grpc)
+            tls=cfg.tls, reflection_on=cfg.reflection, health_servicer=orch.health,
         )
     finally:
         if http is not None:

@@ -108,3 +108,51 @@ def test_message_limits_refuse_before_parsing():
     assert small == "5000"
     assert middle[0] == grpc.StatusCode.RESOURCE_EXHAUSTED and "more than the limit of 10000" in middle[1]
     assert large[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_orchestrator_serves_tls_and_reflection_when_asked(stack, tmp_path):
+    """--tls-cert / --tls-key and --reflection reach the public port: a TLS client that trusts
+    the certificate gets health and the reflection service's list (with the API key)."""
+    import shutil
+    import subprocess
+    import time
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    from flashmap.grpc_serving import free_ports
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    port, metrics = free_ports(2)
+    c = stack.cfg
+    proc = stack._spawn("orchestrator-tls", [
+        "orchestrator.server", "--host", c.host, "--port", str(port), "--metrics-port", str(metrics), "--http-port", "0",
+        "--target-url", f"{c.host}:{c.triton_grpc_port}", "--drafter-url", "", "--tokenizer-dir", c.target_dir,
+        "--tls-cert", str(cert), "--tls-key", str(key), "--reflection"])
+    try:
+        creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+        with grpc.secure_channel(f"127.0.0.1:{port}", creds) as ch:
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2).status
+                    if status == health_pb2.HealthCheckResponse.SERVING:
+                        break
+                except grpc.RpcError:
+                    pass
+                assert proc.poll() is None and time.monotonic() < deadline, "the TLS orchestrator did not come up"
+                time.sleep(0.5)
+            reply = next(reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10,
+                metadata=(("authorization", f"Bearer {c.api_key}"),)))
+            names = [s.name for s in reply.list_services_response.service]
+            assert "flashmap.v1.FlashMap" in names, names
+    finally:
+        proc.terminate()
+        proc.wait(30)

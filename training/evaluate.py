@@ -61,6 +61,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from flashmap.checkpoint import read_config
+
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PROMPTS = REPO / "training" / "data" / "heldout_prompts.jsonl"
 DEFAULT_OUT = REPO / "docs" / "results"
@@ -165,7 +167,7 @@ def build_methods(args) -> tuple[list[Method], list[str]]:
 
 def _trained_shared(checkpoint: str) -> bool:
     """Whether a FlashMap checkpoint was trained (and drafts) with one noise draw shared by its K slots."""
-    return bool(json.loads((Path(checkpoint) / "config.json").read_text()).get("shared_noise", False))
+    return bool(read_config(checkpoint).get("shared_noise", False))
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -486,7 +488,6 @@ def evaluate(args, command: str) -> Path:
     from tqdm import tqdm
 
     from drafter_service.checkpoint import checkpoint_kind
-    from flashmap.checkpoint import read_config
     from target_service.engine import TargetEngine
 
     methods, notes = build_methods(args)
@@ -677,8 +678,7 @@ def flow_diagnostics_of(args, report: Path) -> int:
             "--temperature", f"{args.flow_temperature:g}", "--max-anchors", str(args.flow_anchors), "--averaged",
             "--threads", str(args.threads or torch.get_num_threads()), "--device", args.device,
             "--out", str(report.parent / "flow_diagnostics.json")]
-    if args.teacher or args.flashmap:
-        argv += ["--drafter", f"teacher={args.teacher or args.flashmap}:{args.teacher_steps}"]
+    argv += ["--drafter", f"teacher={args.teacher or args.flashmap}:{args.teacher_steps}"]  # main checked one is given
     if args.flashmap:
         argv += ["--drafter", f"map={args.flashmap}:1,2"]
     if args.dflash:
