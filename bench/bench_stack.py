@@ -8,7 +8,8 @@ concurrency, in one script:
   (the ceiling of the stack with speculation off);
 - through the stack (Triton + drafter + orchestrator): speculation off (every request
   max_draft_tokens = 0), fixed K (orchestrator --speculation full) and the goodput
-  controller (--speculation auto, the default).
+  controller (--speculation auto, the default); each `repeats` times, alternated, because
+  the VM's speed drifts by a third within minutes and one run per mode cannot tell 5% apart.
 
 Tokens/s of each, the ratios the issue asks for, the controller's decisions (mean draft
 length, rounds with speculation off) from the orchestrator's metrics, the per-round split at
@@ -16,7 +17,7 @@ concurrency 1, and each service's peak memory. Greedy; every output is checked a
 target alone.
 
   python -m bench.bench_stack [--target DIR] [--drafter DIR|init] [--max-new-tokens 48] \\
-      [--concurrency 1,4,16,32] [--threads N]
+      [--concurrency 1,4,16,32] [--threads N] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -144,6 +145,40 @@ def through_stack(cfg: StackConfig, prompts, max_new, concurrency, spec_off: boo
     }
 
 
+def stack_modes(stack: Stack, prompts, max_new, concurrency, repeats: int) -> dict[str, list[dict]]:
+    """Each stack mode `repeats` times, in the order off, full, auto and then reversed, so that
+    the VM's drifting speed (+-30% within minutes) falls on all three alike. Speculation off is
+    the controller's orchestrator with max_draft_tokens = 0 per request; a switch between full
+    and auto restarts the orchestrator (auto then gets a short warm-up, its first measurements)."""
+    runs = {"off": [], "full": [], "auto": []}
+    for rep in range(repeats):
+        for mode in ("off", "full", "auto") if rep % 2 == 0 else ("auto", "full", "off"):
+            wanted = "full" if mode == "full" else "auto"
+            if stack.cfg.speculation != wanted:
+                stack.restart_orchestrator(speculation=wanted)
+                if wanted == "auto":
+                    through_stack(stack.cfg, prompts[:concurrency], 8, concurrency)
+            runs[mode].append(through_stack(stack.cfg, prompts, max_new, concurrency, spec_off=mode == "off"))
+    return runs
+
+
+def merge(runs: list[dict]) -> dict:
+    """Repeats of one mode as one: tokens/s and per-round times averaged, counts summed."""
+    out = dict(runs[0])
+    for k in ("tok_s", "gamma", "draft_ms", "verify_ms", "round_ms", "drafter_forward_ms", "triton_queue_ms",
+              "triton_compute_ms", "mean_draft_len"):
+        out[k] = float(np.mean([r[k] for r in runs]))
+    for k in ("off_rounds", "rounds", "fallback"):
+        out[k] = sum(r[k] for r in runs)
+    return out
+
+
+def ratio_range(runs: dict[str, list[dict]]) -> str:
+    """auto / max(off, full) within each repeat: the spread the drift leaves in the headline ratio."""
+    r = [a["tok_s"] / max(o["tok_s"], f["tok_s"]) for o, f, a in zip(runs["off"], runs["full"], runs["auto"])]
+    return f"{min(r):.2f}-{max(r):.2f}" if len(r) > 1 else f"{r[0]:.2f}"
+
+
 def prompt_sets(target: str, vocab: int, n: int) -> dict[str, list[list[int]]]:
     rng = np.random.default_rng(0)
     sets = {"random ids": [rng.integers(3, vocab, size=int(rng.integers(8, 32))).tolist() for _ in range(n)]}
@@ -163,6 +198,7 @@ def main(argv=None):
     ap.add_argument("--concurrency", default="1,4,16,32")
     ap.add_argument("--prompts", type=int, default=0, help="prompts per set (default: 2 x the largest concurrency)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per service (default: the machine's cores)")
+    ap.add_argument("--repeats", type=int, default=2, help="runs of each stack mode, alternated (default 2)")
     ap.add_argument("--out", type=Path, default=OUT / "bench_stack.md")
     a = ap.parse_args(argv)
     threads = a.threads or os.cpu_count() or 1
@@ -186,20 +222,17 @@ def main(argv=None):
                 ar_ids, ar = inprocess(engine, None, prompts, a.max_new_tokens, c)
                 ip_ids, ip = inprocess(engine, proposer, prompts, a.max_new_tokens, c)
                 tr_ids, tr = triton_alone(cfg, prompts, a.max_new_tokens, c)
-                off = through_stack(cfg, prompts, a.max_new_tokens, c, spec_off=True)
-                stack.restart_orchestrator(speculation="full")
-                full = through_stack(cfg, prompts, a.max_new_tokens, c)
-                stack.restart_orchestrator(speculation="auto")
-                through_stack(cfg, prompts[:c], 8, c)  # the controller's first measurements
-                auto = through_stack(cfg, prompts, a.max_new_tokens, c)
+                runs = stack_modes(stack, prompts, a.max_new_tokens, c, a.repeats)
                 for what, ids in (("in-process speculation", ip_ids), ("Triton alone", tr_ids),
-                                  ("stack, off", off["outputs"]),
-                                  ("stack, full", full["outputs"]), ("stack, auto", auto["outputs"])):
+                                  *((f"stack, {m}", r["outputs"]) for m, rs in runs.items() for r in rs)):
                     assert ids == ar_ids, f"{what}: output differs from the target alone ({name}, concurrency {c})"
+                off, full, auto = (merge(runs[m]) for m in ("off", "full", "auto"))
+                auto["ratio_range"] = ratio_range(runs)
                 rows.append((name, c, ar, ip, tr, off, full, auto))
                 print(f"{name} c={c}: target alone {ar:.0f} tok/s, in-process spec {ip:.0f}, Triton alone {tr:.0f}, stack off "
                       f"{off['tok_s']:.0f} / full {full['tok_s']:.0f} / auto {auto['tok_s']:.0f} (mean draft "
-                      f"{auto['mean_draft_len']:.1f}, off rounds {auto['off_rounds']:.0f})", flush=True)
+                      f"{auto['mean_draft_len']:.1f}, off rounds {auto['off_rounds']:.0f}; auto / best per repeat "
+                      f"{auto['ratio_range']})", flush=True)
         with DrafterAdmin(cfg.drafter_url, token=cfg.drafter_token) as admin:
             stats = admin.stats()
         mem = {"triton (server + Python stub)": peak_rss_mb(stack.triton.process.pid),
@@ -209,19 +242,21 @@ def main(argv=None):
     lines = [
         "# Stack benchmark (CPU)", "",
         "| prompts | concurrency | target alone (in-process) | fixed-K spec (in-process) | target alone through "
-        "Triton | stack, speculation off | stack, fixed K | stack, auto | auto / max(off, full) | auto / target alone "
-        "| mean draft length (auto) | rounds without speculation (auto) | gamma (auto) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "Triton | stack, speculation off | stack, fixed K | stack, auto | auto / max(off, full) | ... per repeat "
+        "| auto / target alone | mean draft length (auto) | rounds without speculation (auto) | gamma (auto) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, c, ar, ip, tr, off, full, auto in rows:
         best = max(off["tok_s"], full["tok_s"])
         lines.append(f"| {name} | {c} | {ar:.0f} | {ip:.0f} | {tr:.0f} | {off['tok_s']:.0f} | {full['tok_s']:.0f} | "
-                     f"{auto['tok_s']:.0f} | {auto['tok_s'] / best:.2f} | {auto['tok_s'] / ar:.2f} | "
+                     f"{auto['tok_s']:.0f} | {auto['tok_s'] / best:.2f} | {auto['ratio_range']} | {auto['tok_s'] / ar:.2f} | "
                      f"{auto['mean_draft_len']:.1f} | {auto['off_rounds']:.0f} / {auto['rounds']:.0f} | {auto['gamma']:.2f} |")
     lines += [
         "", f"Tokens/s, greedy, {a.max_new_tokens} new tokens per request, {n} prompts per set; every output equals "
-        f"the target alone's (checked). Command: `OMP_NUM_THREADS={threads} python -m bench.bench_stack --concurrency "
-        f"{a.concurrency} --max-new-tokens {a.max_new_tokens} --threads {threads}`. Date: {date}. Machine: {machine()}; {threads} torch threads per "
+        f"the target alone's (checked). Stack modes: the mean of {a.repeats} runs each, alternated (off, full, auto, "
+        f"then reversed); 'per repeat' is auto / max(off, full) within each repeat. Command: `OMP_NUM_THREADS={threads} "
+        f"python -m bench.bench_stack --concurrency {a.concurrency} --max-new-tokens {a.max_new_tokens} --threads "
+        f"{threads} --repeats {a.repeats}`. Date: {date}. Machine: {machine()}; {threads} torch threads per "
         f"service. Target `{os.path.relpath(target)}`, drafter `{drafter}`.", *[f"Note: {x}" for x in notes], "",
         "Per round at concurrency 1 (ms, stack): the orchestrator's draft and verify calls and whole round, "
         "and inside them the drafter's forward and Triton's queue wait and model execution per request:", "",
