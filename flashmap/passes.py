@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 DEFAULT_PASS_TOKENS = 60.0  # CPU: 13.2 ms + 0.22 ms per token, 61 tokens (bench.verify_passes, quiet 2-core VM)
 
 
@@ -24,21 +26,37 @@ def pass_groups(lengths: Sequence[int], pass_tokens: float | None) -> list[list[
     n = len(lengths)
     if pass_tokens is None or n < 2:
         return [list(range(n))]
+    values, counts = np.unique(np.asarray(lengths), return_counts=True)
+    g = int(best_split(values, counts[:, None], pass_tokens)[1][0])
+    if g < 0:
+        return [list(range(n))]
     order = sorted(range(n), key=lambda i: lengths[i])
-    longest = lengths[order[-1]]
-    best_j, best = 0, n * longest
-    for j in range(1, n):  # rows order[:j] in the first pass, the rest in the second
-        if lengths[order[j - 1]] == longest:
-            break
-        cost = j * lengths[order[j - 1]] + (n - j) * longest + pass_tokens
-        if cost < best:
-            best_j, best = j, cost
-    return [order[:best_j], order[best_j:]] if best_j else [list(range(n))]
+    j = int(counts[:g + 1].sum())  # the rows up to length values[g] go first
+    return [order[:j], order[j:]]
 
 
 def query_tokens(lengths: Sequence[int], pass_tokens: float | None) -> float:
     """What a verify of rows with these lengths costs, in padded query tokens (plus pass_tokens
     for a second pass): the x of the controller's verify-cost fit."""
-    groups = pass_groups(lengths, pass_tokens)
-    return (sum(len(g) * max(lengths[i] for i in g) for g in groups)
-            + (len(groups) - 1) * (pass_tokens or 0.0))
+    values, counts = np.unique(np.asarray(lengths), return_counts=True)
+    return float(best_split(values, counts[:, None], pass_tokens)[0][0])
+
+
+def best_split(values: np.ndarray, counts: np.ndarray, pass_tokens: float | None) -> tuple[np.ndarray, np.ndarray]:
+    """The grouping rule, for many row sets at once. Rows are given as length groups:
+    values [G] ascending, counts [G, P] rows of each length in each of P row sets (0 allowed).
+    Returns (padded query tokens [P], split [P]): the rows up to length values[split] form the
+    first pass, or split = -1 for one pass. A split point inside a group of equal lengths is
+    never the best one (moving it to the group's end only removes padding)."""
+    values = np.asarray(values, np.float64)[:, None]  # [G, 1]
+    counts = np.asarray(counts, np.float64)  # [G, P]
+    n = counts.sum(0)  # [P]
+    longest = np.where(counts > 0, values, 0.0).max(0)  # [P]
+    one = n * longest
+    if pass_tokens is None:
+        return one, np.full(one.shape, -1)
+    first = np.cumsum(counts, 0)  # [G, P] rows in the first pass when it ends after group g
+    two = np.where((values < longest) & (counts > 0), first * values + (n - first) * longest + pass_tokens, np.inf)
+    g = two.argmin(0)  # [P]
+    best = two[g, np.arange(two.shape[1])]
+    return np.minimum(one, best), np.where(best < one, g, -1)

@@ -8,6 +8,7 @@ import pytest
 
 from drafter_service.oracle import OracleProposer
 from flashmap.inprocess import decode
+from flashmap.passes import pass_groups, query_tokens
 from flashmap.sequence import Sequence
 from flashmap.speculation import ControllerConfig, OnlineLinear, SpeculationController
 from flashmap.types import GenerationRequest, SamplingParams
@@ -80,6 +81,39 @@ def test_no_speculation_when_verify_cost_per_token_exceeds_the_gain():
     seqs = _seqs(16, acceptance=0.3)
     assert set(c.plan(seqs).values()) == {0}
     assert all(s.draft_budget() == 0 for s in seqs)
+
+
+def test_a_long_prompt_beside_decode_rows_does_not_make_drafting_free():
+    """A round with a 200-token prompt: padded to one pass, the decode rows' drafts would ride
+    on the prompt's padding for free. The engine puts the prompt in a pass of its own
+    (flashmap.passes), and the controller prices each plan by that rule: drafts that do not
+    pay in a decode round do not pay beside the prompt either, and good ones still do."""
+    c = _controller(verify=(0.010, 2e-5), draft=(0.003, 5e-4), pass_tokens=20)
+    prompt = Sequence(99, GenerationRequest(list(range(3, 203)), max_new_tokens=10), K)
+    poor, good = _seqs(8, acceptance=0.05), _seqs(8, acceptance=0.97)
+    assert set(c.plan(poor).values()) == set(c.plan(poor + [prompt]).values()) == {0}
+    assert set(c.plan(good).values()) == {K}
+    assert {v for i, v in c.plan(good + [prompt]).items() if i != 99} == {K}
+    # The price of a plan is what the engine's grouping charges for its rows.
+    for m, b in ((0, 0), (3, 5), (K, 8)):
+        rows = [200] + [m + 1] * b + [1] * (8 - b)
+        assert c._plan_tokens([200], 8, np.array([max(m, 1)]), np.array([b]))[0, 0] == query_tokens(rows, 20)
+
+
+def test_pass_cost_rule_matches_a_search_over_every_split():
+    """query_tokens (the grouping rule, a split at each group of equal lengths) against
+    trying every split of the sorted rows."""
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        lengths = rng.integers(1, 40, int(rng.integers(1, 12))).tolist()
+        pass_tokens = float(rng.choice([0.0, 5.0, 60.0]))
+        srt = sorted(lengths)
+        n = len(srt)
+        best = min([n * srt[-1]] + [j * srt[j - 1] + (n - j) * srt[-1] + pass_tokens for j in range(1, n)])
+        assert query_tokens(lengths, pass_tokens) == best
+        groups = pass_groups(lengths, pass_tokens)
+        cost = sum(len(g) * max(lengths[i] for i in g) for g in groups) + (len(groups) - 1) * pass_tokens
+        assert cost == best and sorted(i for g in groups for i in g) == list(range(n))
 
 
 def test_length_between_follows_the_per_slot_acceptance():
