@@ -25,7 +25,6 @@ from typing import Protocol
 
 import numpy as np
 
-from flashmap.passes import query_tokens
 from flashmap.sequence import Sequence
 from flashmap.speculation import SpeculationController
 from flashmap.types import Draft, VerifyRow
@@ -145,7 +144,7 @@ async def speculative_round(seqs: list[Sequence], target: Target, drafter: Draft
         new, accepted = s.commit(row, draft, result)
         out.sequences.append(SequenceRound(s, new, prefill, row.num_draft, accepted, fallback))
     if controller is not None:
-        tokens = query_tokens([len(r.tokens) for r in rows], controller.cfg.pass_tokens)
+        tokens = controller.verify_tokens([len(r.tokens) for r in rows])
         controller.observe(tokens, out.verify_s, len(ask), out.draft_s,
                            [(r.seq.params.greedy, r.drafted, r.accepted) for r in out.sequences],
                            prefill=any(r.prefill for r in out.sequences))

@@ -8,20 +8,19 @@ decode step) that maximises the batch's expected committed tokens per second:
 - E[accepted | L] = sum_{k<=L} prod_{j<=k} a_j, with a_j the request's conditional
   acceptance of slot j (SpecStats: accepted / verified per slot), shrunk towards a global
   prior (every request's counts, per greedy / sampling) so new requests start informed.
-- verify_cost(T) = c0 + c1 * T for T padded query tokens in the round (rows x the longest
-  row of each forward pass, prefill rows included, a second pass charged `pass_tokens`:
-  flashmap.passes) and
-  draft_cost(B) = d0 + d1 * B for B drafting requests: least-squares fits with forgetting
-  over the rounds measured, so the model follows the device and the load.
+- verify_cost(T) = c0 + c1 * T for T query tokens in the round, counted as the target runs
+  them (`verify_tokens`): packed (the eager engine, target_service.packing), the rows'
+  total length; padded (CUDA graphs), rows x the longest row. Prefill rows count too.
+  draft_cost(B) = d0 + d1 * B for B drafting requests. Both are least-squares fits with
+  forgetting over the rounds measured, so the model follows the device and the load.
 
-A forward pass pads every row to the longest ([B, max_len]), so the requests that draft
-share one length M; a target that splits its rows into two passes (flashmap.passes) lets
-the others, and a long prompt beside them, run in a pass of their own. Every plan is priced
-with the engine's own grouping rule (flashmap.passes.best_split), prefill rows included.
-The search tries every M in 1..K and, for each, the b requests that gain most (the others
-skip the draft call), all at once in numpy (0.5-1.3 ms per round for 4-32 requests, 2-core VM), and
-keeps the best of those and no speculation at all. Exactness never depends on the choice:
-any prefix of a draft is a valid proposal.
+On a packed target each drafted token costs its own verify time, so every request gets its
+own length: Dinkelbach's iteration over the rate (`_search_packed`, exact, a few numpy
+steps). On a padded target every row pays for the longest, so the drafting requests share
+one length M: the search tries every M in 1..K and, for each, the b requests that gain most
+(`_search_shared`, all K x n plans at once). Either keeps its plan only when it beats no
+speculation at all. Exactness never depends on the choice: any prefix of a draft is a valid
+proposal.
 
 The first decode round probes. While speculation is off, every `probe_every` rounds one request (the one longest without a
 draft) drafts its whole block, so the per-slot acceptance and the draft cost stay current
@@ -36,7 +35,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from flashmap.passes import best_split
 from flashmap.sequence import Sequence
 from flashmap.types import BLOCK_SIZE
 
@@ -75,7 +73,7 @@ class ControllerConfig:
     forget: float = 0.98  # cost fits: weight of a round measured n rounds ago is forget**n
     probe_every: int = 8  # after this many rounds without speculation one request drafts its block ...
     max_probe_every: int = 64  # ... and after each such probe, twice as many
-    pass_tokens: float | None = None  # the target's price of a second forward pass (flashmap.passes); None: one pass
+    packed: bool = True  # the target runs a verify packed (cost ~ total tokens); False: padded to the longest row
 
 
 @dataclass
@@ -150,24 +148,52 @@ class SpeculationController:
         return choice
 
     def _search(self, seqs: list[Sequence], caps: dict[int, int]) -> dict[int, int]:
-        """The best plan "the b requests that gain most draft min(cap, M)" over M and b.
-
-        A pass pads every row to the longest one ([B, max_len]: the eager pass and the graph
-        buckets alike), so the requests that draft share one length M, and one that drafts less
-        saves nothing but its part of the draft call. A target that splits its rows into two
-        passes (pass_tokens) does so by the rule of flashmap.passes, prefill rows included: each
-        plan is priced as the engine will run it (`_plan_tokens`). All K x n plans at once."""
-        n, K = len(seqs), self.block_size
-        c0, c1 = self.verify_cost.coef
-        d0, d1 = self.draft_cost.coef
         dec = [s for s in seqs if s.prefilled]
         prompts = [len(s.tokens) for s in seqs if not s.prefilled]  # prefill rows: their whole prompt
-        nd = len(dec)
-        none = {s.seq_id: 0 for s in seqs}
-        if not nd:
-            return none
+        if not dec:
+            return {s.seq_id: 0 for s in seqs}
         gain = self.expected_gain(self.acceptance(dec))  # [nd, K + 1]
         cap = np.array([caps[s.seq_id] for s in dec], np.int64)
+        search = self._search_packed if self.cfg.packed else self._search_shared
+        lengths = search(len(seqs), prompts, gain, cap)
+        chosen = {s.seq_id: int(m) for s, m in zip(dec, lengths)}
+        return {s.seq_id: chosen.get(s.seq_id, 0) for s in seqs}
+
+    def _search_packed(self, n: int, prompts: list[int], gain: np.ndarray, cap: np.ndarray) -> np.ndarray:
+        """[nd] lengths maximising committed tokens per second when each drafted token costs
+        its own verify time (packed). For a rate lam, each request independently maximises
+        gain(L) - lam * (c1 * L + d1 * [L > 0]); Dinkelbach's iteration (lam = the plan's
+        rate, repeat) reaches the best ratio in a few steps. The draft call's fixed d0 is
+        paid once if anyone drafts, so the plan is kept only if it beats no speculation."""
+        c0, c1 = self.verify_cost.coef
+        d0, d1 = self.draft_cost.coef
+        nd, K = gain.shape[0], self.block_size
+        L = np.arange(K + 1)
+        price = c1 * L + d1 * (L > 0)  # [K + 1] marginal seconds of drafting L tokens
+        allowed = L[None, :] <= cap[:, None]  # [nd, K + 1]
+        base = c0 + c1 * (sum(prompts) + nd)  # the round without drafts
+        lam = best = n / base
+        plan = np.zeros(nd, np.int64)
+        for _ in range(32):
+            choice = np.where(allowed, gain - lam * price, -np.inf).argmax(1)  # [nd], the shortest on ties
+            if not choice.any():
+                break
+            rate = (n + gain[np.arange(nd), choice].sum()) / (base + d0 + price[choice].sum())
+            if rate <= lam * (1 + 1e-9):
+                break
+            lam = rate
+            if rate > best:
+                best, plan = rate, choice
+        return plan
+
+    def _search_shared(self, n: int, prompts: list[int], gain: np.ndarray, cap: np.ndarray) -> np.ndarray:
+        """[nd] lengths of the best plan "the b requests that gain most draft min(cap, M)" over
+        M and b, for a padded target: every row pays for the longest, so the requests that
+        draft share one length M, and one that drafts less saves only its part of the draft
+        call. Each plan is priced by `_plan_tokens`; all K x nd plans at once."""
+        c0, c1 = self.verify_cost.coef
+        d0, d1 = self.draft_cost.coef
+        nd, K = gain.shape[0], self.block_size
         m = np.arange(1, K + 1)
         g = np.take_along_axis(gain, np.minimum(cap[:, None], m[None, :]), axis=1).T  # [K, nd] gain at length m
         order = np.argsort(-g, axis=1, kind="stable")  # [K, nd] best requests first
@@ -179,22 +205,24 @@ class SpeculationController:
         k = int(np.argmax(thr))  # the first best: the shortest M, the fewest requests
         mi, bi = divmod(k, nd)
         base = self._plan_tokens(prompts, nd, m[:1], np.zeros(1, np.int64))[0, 0]  # nobody drafts
-        if not thr[mi, bi] > n / (c0 + c1 * base):
-            return none
-        drafting = {dec[j].seq_id for j in order[mi, :bi + 1]}
-        return {s.seq_id: min(caps[s.seq_id], mi + 1) if s.seq_id in drafting else 0 for s in seqs}
+        lengths = np.zeros(nd, np.int64)
+        if thr[mi, bi] > n / (c0 + c1 * base):
+            top = order[mi, :bi + 1]
+            lengths[top] = np.minimum(cap[top], mi + 1)
+        return lengths
 
     def _plan_tokens(self, prompts: list[int], nd: int, m: np.ndarray, b: np.ndarray) -> np.ndarray:
-        """[len(m), len(b)] padded query tokens of a verify with these prefill rows and nd
-        decode rows, b of them drafting m tokens (rows of m + 1) and the others rows of 1."""
-        values = np.array(sorted({1, *(m + 1).tolist(), *prompts}))
+        """[len(m), len(b)] query tokens of a verify with these prefill rows and nd decode rows,
+        b of them drafting m tokens (rows of m + 1) and the others rows of 1."""
         mm, bb = np.meshgrid(m, b, indexing="ij")  # [M, B]
-        counts = np.zeros((len(values), mm.size))
-        col = np.arange(mm.size)
-        counts[0] = nd - bb.ravel()  # values[0] == 1; m + 1 >= 2 never shares its row
-        counts[np.searchsorted(values, mm.ravel() + 1), col] += bb.ravel()
-        np.add.at(counts, np.searchsorted(values, prompts), 1)  # one row of counts per prompt
-        return best_split(values, counts, self.cfg.pass_tokens)[0].reshape(mm.shape)
+        if self.cfg.packed:
+            return sum(prompts) + nd + bb * mm
+        longest = np.maximum(np.where(bb > 0, mm + 1, 1), max(prompts, default=1))
+        return (len(prompts) + nd) * longest
+
+    def verify_tokens(self, lengths: list[int]) -> int:
+        """The x of the verify-cost fit for a verify of rows with these lengths."""
+        return sum(lengths) if self.cfg.packed else len(lengths) * max(lengths, default=0)
 
     # -- learning ----------------------------------------------------------------
     def observe(self, query_tokens: int, verify_s: float, drafting: int, draft_s: float,

@@ -170,7 +170,7 @@ class Orchestrator:
         self.metrics = OrchestratorMetrics(block_size=self._block_size())
         if self.cfg.speculation == "auto" and self.drafter is not None:
             self.controller = SpeculationController(self._block_size(),
-                                                    ControllerConfig(pass_tokens=self.info.pass_tokens))
+                                                    ControllerConfig(packed=self.info.packed_verify))
         self.metrics.drafter_steps.labels(drafter=self._drafter_name()).set(self.drafter.steps if self.drafter else 0)
         # Export the counters that alerts divide by at 0 from the start: a series that first
         # appears at its first increment has no rate() for that increment.

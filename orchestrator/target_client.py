@@ -74,7 +74,7 @@ class TargetInfo:
     dtype: str = ""
     model_dir: str = ""
     triton_model: str = DEFAULT_MODEL
-    pass_tokens: float | None = None  # the engine splits a verify into two passes (flashmap.passes); None: never
+    packed_verify: bool = True  # a verify costs its rows' total tokens (target_service.packing); False: padded (CUDA graphs)
     extra: dict = field(default_factory=dict)  # keys this client does not know yet
 
     @classmethod

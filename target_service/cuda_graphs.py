@@ -4,7 +4,7 @@ Why: eagerly, a Qwen3-8B step on an H200 is launch-bound (docs/results/gpu_h200.
 of GPU work behind 75 ms of CPU). Captured once per shape and replayed, a step costs one
 launch from the host (the gpt-fast / SGLang approach).
 
-What is captured is `qwen3.forward_step`, the model's only forward, over static buffers:
+What is captured is `qwen3.padded_step` (the model's one forward over a [b, q] block), over static buffers:
 tokens and positions [b, q] (position -1 = padding) and slots [b]. A batch of B rows of at
 most L tokens runs in the graph of the smallest buckets b >= B, q >= L; padding rows and
 columns write their K/V to the slots' scratch position and are never read. Logits of all
@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from target_service.qwen3 import Qwen3, forward_step
+from target_service.qwen3 import Qwen3, padded_step
 
 log = logging.getLogger("flashmap.target.graphs")
 
@@ -113,8 +113,8 @@ class TargetGraphs:
         pos = st.positions.clamp_min(0)  # RoPE and attention bound of padding: position 0
         write_pos = torch.where(valid, st.positions, self.model.max_seq_len)  # padding -> scratch
         window = self.model.max_seq_len if kv_len is None else kv_len
-        logits, features = forward_step(self.model, st.tokens, pos, st.slots, write_pos, pos, None, None,
-                                        self.feature_layers, window)
+        logits, features = padded_step(self.model, st.tokens, pos, st.slots, write_pos, pos, None, None,
+                                       self.feature_layers, window)
         return logits, logits.argmax(-1), features
 
     # ------------------------------------------------------------------ capture

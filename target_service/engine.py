@@ -26,10 +26,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flashmap.passes import DEFAULT_PASS_TOKENS, pass_groups
 from flashmap.types import InvalidRequest, SamplingParams, VerifyResult, VerifyRow, feature_layers_for
 from target_service.kernels import self_check
-from target_service.qwen3 import Qwen3, Qwen3Config
+from target_service.packing import GROUP_TOKENS, pack
+from target_service.qwen3 import Qwen3, Qwen3Config, forward_step
 from target_service.verification import argmax_ids, verification_stats
 
 DEFAULT_MAX_SEQ_LEN = 4096
@@ -91,9 +91,7 @@ class TargetEngine:
         w = model.lm_head.weight
         self._device, self._dtype = w.device, w.dtype
         self.graphs = None  # TargetGraphs after enable_graphs()
-        # Eager verifies split their rows into two passes when padding costs more than a pass
-        # (flashmap.passes); on a GPU padding is nearly free, so never.
-        self.pass_tokens: float | None = DEFAULT_PASS_TOKENS if w.device.type == "cpu" else None
+        self.group_tokens = GROUP_TOKENS  # eager verifies: rows grouped for attention (target_service.packing)
         self.kernel_check: dict = {}  # the fused kernels' self-check on this device (kernels.self_check)
         if w.device.type == "cuda":
             self.kernel_check = self_check(model.ops, dtype=w.dtype, device=w.device, n_heads=c.num_attention_heads,
@@ -152,6 +150,12 @@ class TargetEngine:
         return self.model.max_seq_len
 
     @property
+    def packed_verify(self) -> bool:
+        """True: a decode round costs about its rows' total tokens (eager, packed); False: it
+        runs in a CUDA graph padded to [batch bucket, longest row]. The controller prices plans so."""
+        return self.graphs is None
+
+    @property
     def n_slots(self) -> int:
         return len(self._allocated)
 
@@ -199,11 +203,11 @@ class TargetEngine:
 
     # -- verify ----------------------------------------------------------------------
     def verify(self, rows: list[VerifyRow]) -> list[VerifyResult]:
-        """One forward pass for all rows (two when padding the short rows to the longest costs
-        more than a pass: flashmap.passes); see the module docstring. Validates every row
+        """One forward pass for all rows; see the module docstring. Validates every row
         before touching any cache. A batch that fits a captured bucket (enable_graphs) runs
-        in its graph; others (prefill, odd shapes) run eagerly. In batch-invariant mode the
-        rows that fit run in the graph and the others in a second, eager pass."""
+        in its graph, padded; others (prefill, odd shapes, every batch without graphs) run
+        eagerly, packed (target_service.packing). In batch-invariant mode the rows that fit
+        run in the graph and the others in a second, eager pass."""
         if not rows:
             return []
         rows = self._validate(rows)
@@ -228,9 +232,7 @@ class TargetEngine:
                         for i, r in zip(part, self._verify_graph(sub, k) if k else self._verify_eager(sub)):
                             out[i] = r
                 else:
-                    for part in pass_groups(lengths, self.pass_tokens):
-                        for i, r in zip(part, self._verify_eager([rows[i] for i in part])):
-                            out[i] = r
+                    out = self._verify_eager(rows)
         except BaseException:
             # The cache may be half written from start_pos on: keep only what is intact.
             for r in rows:
@@ -241,12 +243,11 @@ class TargetEngine:
         return out
 
     def _verify_eager(self, rows: list[VerifyRow]) -> list[VerifyResult]:
-        lengths = [len(r.tokens) for r in rows]
-        batch = [torch.as_tensor(a, device=self._device) for a in _pack(rows, max(lengths))]
-        kv_len = max(r.start_pos + n for r, n in zip(rows, lengths))
-        logits, features = self.model(*batch, self._feature_layers, kv_len)
+        p = pack(rows, self._device, self.group_tokens)
+        logits, features = forward_step(self.model, p.tokens, p.positions, p.write_slot, p.positions, p.groups,
+                                        p.logit_rows, None, self._feature_layers)
         stats = verification_stats(logits, rows)
-        feats = np.split(features.cpu().numpy(), np.cumsum(lengths)[:-1])
+        feats = np.split(features.cpu().numpy(), np.cumsum(p.lengths)[:-1])
         return [VerifyResult(*s, features=f) for s, f in zip(stats, feats)]
 
     def _verify_graph(self, rows: list[VerifyRow], key) -> list[VerifyResult]:

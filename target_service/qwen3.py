@@ -10,7 +10,8 @@ keeps Hugging Face parameter names, so any HF Qwen3 checkpoint loads as is.
 Qwen3 specifics: RMSNorm over head_dim on q and k (before RoPE), no attention
 bias, SwiGLU MLP, optional tied embeddings, GQA with head_dim free of hidden/heads.
 
-Shapes: B rows, L tokens per row (padded), M = B * L, S = attended cache length, H heads,
+Shapes: B rows, L tokens per row (padded), M flat tokens (B * L padded, or the rows' real
+tokens back to back: target_service.packing), S = attended cache length, H heads,
 KV kv-heads, D head_dim, E hidden size, V vocabulary, N = selected positions.
 """
 
@@ -210,64 +211,86 @@ def _views_of(fused: Tensor, ws: list[Tensor]) -> bool:
     return start == fused.shape[0]
 
 
+@dataclass
+class AttnGroup:
+    """Rows whose queries attend in one call, padded to [b, L]: query (r, l) reads its slot
+    slots[r] up to cache index q_limit[r, l] (or the explicit mask). gather [b * L] maps each
+    padded query to its token in the flat batch (a padding query repeats a real one and is
+    dropped again); keep [n] are the real queries among the b * L and dest [n] their flat
+    indices. gather None: the flat batch is this [b, L] block itself (the padded forward)."""
+
+    slots: Tensor  # [b] int64
+    q_limit: Tensor  # [b, L] int64
+    kv_len: int  # cache positions the torch attention reads (>= max(q_limit) + 1)
+    gather: Tensor | None = None  # [b * L] int64
+    keep: Tensor | None = None  # [n] int64, None: all b * L
+    dest: Tensor | None = None  # [n] int64
+    mask: Tensor | None = None  # [b, 1, L, kv_len] bool (tree verification) instead of the causal q_limit rule
+
+
 def attention(
     attn: Attention,
     ops: TorchOps,
-    x: Tensor,  # [M, E] (M = B * L), already normed
+    x: Tensor,  # [M, E], already normed
     cos: Tensor,  # [T, D] fp32 RoPE tables
     sin: Tensor,
     rope_pos: Tensor,  # [M] position of each token in its sequence
-    slots: Tensor,  # [B]
     write_slot: Tensor,  # [M] cache slot each token's K/V go to
     write_pos: Tensor,  # [M] cache index (padding: the scratch position)
-    q_limit: Tensor,  # [B, L] last cache index each query sees
-    kv_len: int,  # cache positions the torch attention reads (>= max(q_limit) + 1)
-    mask: Tensor | None,  # [B, 1, L, kv_len] explicit mask (tree verification) or None: causal
+    groups: list[AttnGroup],
 ) -> Tensor:
-    B, L = q_limit.shape
+    M = x.shape[0]
+    H, D = attn.n_heads, attn.head_dim
     qkv = F.linear(x, attn.wqkv)  # [M, (H + 2 KV) D]
     cache = attn.kv_cache
     q = ops.qk_norm_rope_write(qkv, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, cos, sin, rope_pos,
                                cache.k, cache.v, write_slot, write_pos, attn.n_heads, attn.n_kv)  # [M, H, D]
-    out = ops.attention(q.view(B, L, attn.n_heads, attn.head_dim), cache.k, cache.v, slots, q_limit, kv_len, mask)
-    return F.linear(out.view(B * L, -1), attn.o_proj.weight)  # [M, E]
+    out = None
+    for g in groups:
+        b, L = g.q_limit.shape
+        qg = q if g.gather is None else q.index_select(0, g.gather)  # [b * L, H, D]
+        og = ops.attention(qg.view(b, L, H, D), cache.k, cache.v, g.slots, g.q_limit, g.kv_len, g.mask)
+        og = og.reshape(b * L, H * D)
+        if g.gather is None:
+            out = og
+            continue
+        if out is None:
+            out = og.new_empty(M, H * D)
+        out.index_copy_(0, g.dest, og if g.keep is None else og.index_select(0, g.keep))
+    return F.linear(out, attn.o_proj.weight)  # [M, E]
 
 
 def forward_step(
     model: "Qwen3",
-    tokens: Tensor,  # [B, L] int64
-    rope_pos: Tensor,  # [B, L] int64 position in the sequence (RoPE); padding: any valid index
-    slots: Tensor,  # [B] int64
-    write_pos: Tensor,  # [B, L] int64 cache index K/V are written at; padding: model.max_seq_len (scratch)
-    q_limit: Tensor,  # [B, L] int64 last cache index each query attends to; padding: 0
-    logit_rows: Tensor | None,  # [N] flat indices (b * L + l) that need logits; None: all B * L
-    feature_rows: Tensor | None,  # [M'] flat indices that need features; None: all B * L
+    tokens: Tensor,  # [M] int64, the batch's tokens back to back (padding: any valid id)
+    rope_pos: Tensor,  # [M] int64 position in the sequence (RoPE); padding: any valid index
+    write_slot: Tensor,  # [M] int64 cache slot of each token
+    write_pos: Tensor,  # [M] int64 cache index K/V are written at; padding: model.max_seq_len (scratch)
+    groups: list[AttnGroup],  # every real query in exactly one group
+    logit_rows: Tensor | None,  # [N] indices into M that need logits; None: all M
+    feature_rows: Tensor | None,  # [M'] indices that need features; None: all M
     feature_layers: tuple[int, ...],
-    kv_len: int,  # cache positions the torch attention reads (ignored by the fused kernel)
-    attn_mask: Tensor | None = None,  # [B, 1, L, kv_len] bool, instead of the causal q_limit rule
 ) -> tuple[Tensor, Tensor]:
-    """The one forward of the target, with static shapes: every entry of [B, L] is computed and
-    written (padding to the scratch position), nothing depends on host values but kv_len.
+    """The one forward of the target. Projections, MLP and LM head run over the M flat
+    tokens; attention runs per group of rows (AttnGroup). Two layouts use it:
+    - padded (CUDA graphs, Qwen3.forward): M = B * L with one group over the whole [B, L]
+      block; static shapes, every entry computed and written (padding to the scratch
+      position), nothing depends on host values but kv_len;
+    - packed (the engine's eager verify, target_service.packing): M = the rows' real
+      tokens, and rows grouped by length for attention, so no linear layer pays for padding.
     A query sees its slot's cache up to q_limit: entries beyond the row's start position are
     stale (rolled back) or written by this very pass, and the causal bound hides the stale
     ones; padding queries see position 0 only, which keeps their softmax finite.
-    The eager path (Qwen3.forward) and the CUDA-graph path (target_service.cuda_graphs) both
-    run it. Returns logits [N, V] fp32 and features [M', F] fp32 (F = len(feature_layers) * E).
+    Returns logits [N, V] fp32 and features [M', F] fp32 (F = len(feature_layers) * E).
     Feature layer l is the output of decoder layer l, i.e. HF hidden_states[l+1] (for the
     last layer HF reports the final-normed state, and so does this)."""
     c, ops, layers = model.config, model.ops, model.model.layers
-    B, L = tokens.shape
     n = len(layers)
-    rope_flat = rope_pos.reshape(-1)
-    write_slot = slots[:, None].expand(B, L).reshape(-1)  # [M]
-    write_flat = write_pos.reshape(-1)
-
-    residual = model.model.embed_tokens(tokens).view(B * L, -1)  # [M, E]
+    residual = model.model.embed_tokens(tokens)  # [M, E]
     x = ops.rms_norm(residual, layers[0].input_layernorm.weight, c.rms_norm_eps)
     captured: dict[int, Tensor] = {}
     for i, layer in enumerate(layers):
-        a = attention(layer.self_attn, ops, x, model.rope_cos, model.rope_sin, rope_flat, slots, write_slot,
-                      write_flat, q_limit, kv_len, attn_mask)
+        a = attention(layer.self_attn, ops, x, model.rope_cos, model.rope_sin, rope_pos, write_slot, write_pos, groups)
         residual, x = ops.add_rms_norm(a, residual, layer.post_attention_layernorm.weight, c.rms_norm_eps)
         m = F.linear(ops.silu_mul(F.linear(x, layer.mlp.w_gate_up)), layer.mlp.down_proj.weight)  # [M, E]
         norm = layers[i + 1].input_layernorm if i + 1 < n else model.model.norm
@@ -280,8 +303,28 @@ def forward_step(
         fpick = (lambda t: t) if feature_rows is None else (lambda t: t.index_select(0, feature_rows))
         features = torch.cat([fpick(captured[l]) for l in feature_layers], dim=-1).float()  # [M', F]
     else:
-        features = x.new_zeros((B * L if feature_rows is None else len(feature_rows), 0), dtype=torch.float32)
+        features = x.new_zeros((len(tokens) if feature_rows is None else len(feature_rows), 0), dtype=torch.float32)
     return logits, features
+
+
+def padded_step(
+    model: "Qwen3",
+    tokens: Tensor,  # [B, L] int64
+    rope_pos: Tensor,  # [B, L] int64; padding: any valid index
+    slots: Tensor,  # [B] int64
+    write_pos: Tensor,  # [B, L] int64; padding: model.max_seq_len (scratch)
+    q_limit: Tensor,  # [B, L] int64 last cache index each query attends to; padding: 0
+    logit_rows: Tensor | None,  # [N] flat indices (b * L + l); None: all B * L
+    feature_rows: Tensor | None,
+    feature_layers: tuple[int, ...],
+    kv_len: int,
+    attn_mask: Tensor | None = None,  # [B, 1, L, kv_len] bool
+) -> tuple[Tensor, Tensor]:
+    """forward_step over a [B, L] block with static shapes (CUDA graphs, Qwen3.forward)."""
+    B, L = tokens.shape
+    write_slot = slots[:, None].expand(B, L).reshape(-1)  # [M]
+    return forward_step(model, tokens.reshape(-1), rope_pos.reshape(-1), write_slot, write_pos.reshape(-1),
+                        [AttnGroup(slots, q_limit, kv_len, mask=attn_mask)], logit_rows, feature_rows, feature_layers)
 
 
 class Qwen3(nn.Module):
@@ -354,8 +397,8 @@ class Qwen3(nn.Module):
         cache_positions: Tensor | None = None,  # [B, L] where K/V are written; default: positions
         attn_mask: Tensor | None = None,  # [B, 1, L, kv_len] bool; default: causal over positions
     ) -> tuple[Tensor, Tensor]:
-        """One pass over rows that each continue their own slot (`forward_step` with the
-        index lists taken from the masks).
+        """One padded pass over rows that each continue their own slot (`padded_step` with
+        the index lists taken from the masks).
 
         Writes K/V of the valid tokens at (slot, position) and returns
         logits [N, V] fp32 for the logits_mask positions (row-major order) and
@@ -375,5 +418,5 @@ class Qwen3(nn.Module):
         rope_pos = torch.where(valid, positions, 0)
         logit_rows = logits_mask.reshape(-1).nonzero()[:, 0]
         feature_rows = valid.reshape(-1).nonzero()[:, 0]
-        return forward_step(self, tokens, rope_pos, slots, write_pos, q_limit, logit_rows, feature_rows,
-                            tuple(feature_layers), kv_len, attn_mask)
+        return padded_step(self, tokens, rope_pos, slots, write_pos, q_limit, logit_rows, feature_rows,
+                           tuple(feature_layers), kv_len, attn_mask)

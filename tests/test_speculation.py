@@ -8,7 +8,6 @@ import pytest
 
 from drafter_service.oracle import OracleProposer
 from flashmap.inprocess import decode
-from flashmap.passes import pass_groups, query_tokens
 from flashmap.sequence import Sequence
 from flashmap.speculation import ControllerConfig, OnlineLinear, SpeculationController
 from flashmap.types import GenerationRequest, SamplingParams
@@ -35,10 +34,9 @@ def _seqs(n: int, acceptance: float, rounds: int = 50) -> list[Sequence]:
     return out
 
 
-def _controller(verify: tuple[float, float], draft: tuple[float, float],
-                pass_tokens: float | None = None) -> SpeculationController:
+def _controller(verify: tuple[float, float], draft: tuple[float, float], packed: bool = True) -> SpeculationController:
     """A controller whose cost fits have seen rounds of verify_s = v0 + v1 * tokens, draft_s = d0 + d1 * batch."""
-    c = SpeculationController(K, ControllerConfig(probe_every=10**9, pass_tokens=pass_tokens))  # no probes
+    c = SpeculationController(K, ControllerConfig(probe_every=10**9, packed=packed))  # no probes
     for t in (1, 4, 16, 64, 256):
         c.verify_cost.add(t, verify[0] + verify[1] * t)
     for b in (1, 2, 8, 16):
@@ -53,19 +51,19 @@ def test_online_linear_recovers_a_cost_line():
     assert f.coef == pytest.approx((0.003, 0.0002), rel=1e-3)
 
 
-def test_a_target_that_splits_passes_lets_the_best_requests_draft_alone():
+def test_a_packed_target_lets_the_best_requests_draft_alone():
     """Two requests that accept nearly everything among fourteen that accept nothing, on a
     compute-bound target: padded to one pass, every row would pay for their 17 tokens and
-    speculation is off; a target that verifies the others in a second, cheap pass lets those
-    two draft (most of) their block."""
+    speculation is off; a packed target (target_service.packing) charges only their own
+    tokens, so those two draft (most of) their block."""
     seqs = _seqs(2, acceptance=0.99) + _seqs(14, acceptance=0.02)
     for i, s in enumerate(seqs):
         s.seq_id = i
-    one_pass = _controller(verify=(0.004, 1e-4), draft=(0.001, 1e-5))
-    assert set(one_pass.plan(seqs).values()) == {0}
-    split = _controller(verify=(0.004, 1e-4), draft=(0.001, 1e-5), pass_tokens=5)
-    plan = split.plan(seqs)
-    assert {i for i, n in plan.items() if n} == {0, 1} and plan[0] == plan[1] >= K // 2
+    padded = _controller(verify=(0.004, 1e-4), draft=(0.001, 1e-5), packed=False)
+    assert set(padded.plan(seqs).values()) == {0}
+    packed = _controller(verify=(0.004, 1e-4), draft=(0.001, 1e-5))
+    plan = packed.plan(seqs)
+    assert {i for i, n in plan.items() if n} == {0, 1} and min(plan[0], plan[1]) >= K // 2
 
 
 def test_full_block_when_acceptance_is_high_and_verify_is_cheap():
@@ -85,35 +83,25 @@ def test_no_speculation_when_verify_cost_per_token_exceeds_the_gain():
 
 def test_a_long_prompt_beside_decode_rows_does_not_make_drafting_free():
     """A round with a 200-token prompt: padded to one pass, the decode rows' drafts would ride
-    on the prompt's padding for free. The engine puts the prompt in a pass of its own
-    (flashmap.passes), and the controller prices each plan by that rule: drafts that do not
-    pay in a decode round do not pay beside the prompt either, and good ones still do."""
-    c = _controller(verify=(0.010, 2e-5), draft=(0.003, 5e-4), pass_tokens=20)
+    on the prompt's padding for free. The engine packs the rows (target_service.packing), and
+    the controller prices each plan so: drafts that do not pay in a decode round do not pay
+    beside the prompt either, and good ones still do."""
+    c = _controller(verify=(0.010, 2e-5), draft=(0.003, 5e-4))
     prompt = Sequence(99, GenerationRequest(list(range(3, 203)), max_new_tokens=10), K)
     poor, good = _seqs(8, acceptance=0.05), _seqs(8, acceptance=0.97)
     assert set(c.plan(poor).values()) == set(c.plan(poor + [prompt]).values()) == {0}
     assert set(c.plan(good).values()) == {K}
     assert {v for i, v in c.plan(good + [prompt]).items() if i != 99} == {K}
-    # The price of a plan is what the engine's grouping charges for its rows.
-    for m, b in ((0, 0), (3, 5), (K, 8)):
-        rows = [200] + [m + 1] * b + [1] * (8 - b)
-        assert c._plan_tokens([200], 8, np.array([max(m, 1)]), np.array([b]))[0, 0] == query_tokens(rows, 20)
 
 
-def test_pass_cost_rule_matches_a_search_over_every_split():
-    """query_tokens (the grouping rule, a split at each group of equal lengths) against
-    trying every split of the sorted rows."""
-    rng = np.random.default_rng(0)
-    for _ in range(300):
-        lengths = rng.integers(1, 40, int(rng.integers(1, 12))).tolist()
-        pass_tokens = float(rng.choice([0.0, 5.0, 60.0]))
-        srt = sorted(lengths)
-        n = len(srt)
-        best = min([n * srt[-1]] + [j * srt[j - 1] + (n - j) * srt[-1] + pass_tokens for j in range(1, n)])
-        assert query_tokens(lengths, pass_tokens) == best
-        groups = pass_groups(lengths, pass_tokens)
-        cost = sum(len(g) * max(lengths[i] for i in g) for g in groups) + (len(groups) - 1) * pass_tokens
-        assert cost == best and sorted(i for g in groups for i in g) == list(range(n))
+@pytest.mark.parametrize("packed", [True, False])
+def test_plan_price_is_what_the_round_is_charged(packed):
+    """The search prices a plan with the count the cost fit is fed after the round."""
+    c = _controller(verify=(0.010, 2e-5), draft=(0.003, 5e-4), packed=packed)
+    for prompts in ([], [200], [30, 7]):
+        for m, b in ((0, 0), (3, 5), (K, 8), (1, 1)):
+            rows = prompts + [m + 1] * b + [1] * (8 - b)
+            assert c._plan_tokens(prompts, 8, np.array([max(m, 1)]), np.array([b]))[0, 0] == c.verify_tokens(rows)
 
 
 def test_length_between_follows_the_per_slot_acceptance():
@@ -122,16 +110,41 @@ def test_length_between_follows_the_per_slot_acceptance():
     assert 0 < lengths[0] < lengths[1] <= lengths[2] <= K
 
 
-def test_drafting_requests_share_one_length():
+def test_on_a_padded_target_drafting_requests_share_one_length():
     """The verify pads rows to the longest, so a request that drafts less than the others
     pays as much: the requests that draft get one length (their caps permitting), and one
     whose acceptance does not pay its part of the draft call drafts nothing."""
-    c = _controller(verify=(0.010, 2e-4), draft=(0.002, 0.004))
+    c = _controller(verify=(0.010, 2e-4), draft=(0.002, 0.004), packed=False)
     seqs = _seqs(3, acceptance=0.95) + _seqs(1, acceptance=0.05)
     seqs[-1].seq_id = 3
     plan = c.plan(seqs)
     assert len({plan[i] for i in range(3)}) == 1 and plan[0] > 0
     assert plan[3] == 0
+
+
+def test_on_a_packed_target_each_request_gets_its_best_length():
+    """Each drafted token costs its own verify time: the plan is the best of every plan of
+    per-request lengths (brute force over all of them), longer for requests that accept more."""
+    import itertools
+
+    for verify, draft in (((0.010, 2e-4), (0.002, 0.004)), ((0.004, 1e-3), (0.001, 1e-4)), ((0.01, 1e-5), (0.003, 1e-3))):
+        c = _controller(verify=verify, draft=draft)
+        seqs = _seqs(1, acceptance=0.97) + _seqs(1, acceptance=0.8) + _seqs(1, acceptance=0.4)
+        for i, s in enumerate(seqs):
+            s.seq_id = i
+        plan = c.plan(seqs)
+        gain = c.expected_gain(c.acceptance(seqs))
+        (c0, c1), (d0, d1) = c.verify_cost.coef, c.draft_cost.coef
+
+        def rate(ls):
+            drafting = sum(1 for x in ls if x)
+            cost = c0 + c1 * (3 + sum(ls)) + (d0 + d1 * drafting if drafting else 0.0)
+            return (3 + sum(gain[i, x] for i, x in enumerate(ls))) / cost
+
+        best = max(itertools.product(range(K + 1), repeat=3), key=rate)
+        assert rate([plan[i] for i in range(3)]) == pytest.approx(rate(best), rel=1e-9)
+        assert plan[0] >= plan[1] >= plan[2]
+    assert plan[0] > plan[2]  # cheap tokens, dear draft calls: the lengths differ
 
 
 def test_probe_turns_speculation_back_on():

@@ -9,6 +9,7 @@ cannot hinge on float rounding (DESIGN.md, "Floating point").
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 import pytest
@@ -16,8 +17,8 @@ import torch
 
 from flashmap.types import InvalidRequest, SamplingParams, VerifyRow, feature_layers_for
 from flashmap.checkpoint import CheckpointError
-from flashmap.passes import pass_groups, query_tokens
-from target_service.engine import NoFreeSlot, TargetEngine
+from target_service.engine import NoFreeSlot, TargetEngine, _pack
+from target_service.packing import GROUP_TOKENS, length_groups
 from target_service.qwen3 import Qwen3, Qwen3Config
 from target_service.random_checkpoint import make_random_qwen3
 from target_service.verification import argmax_ids, process_logits, verification_stats
@@ -195,40 +196,62 @@ def test_batched_verify_equals_each_row_alone(engine, model, hf_models):
         assert rel_err(all_layer_features(engine, batched[s])[:, 1], ref) < 1e-4
 
 
-@pytest.mark.parametrize("pass_tokens", [None, 0.0, 1e9])
-def test_split_verify_equals_one_pass(model, pass_tokens):
-    """One long row among short ones: two passes (short rows, then the long one) give what one
-    padded pass gives; pass_tokens None / huge never split."""
-    lengths = [1, 1, 17, 1]
-    results, passes = {}, {}
-    for mode in ("one", "split"):
-        eng = fresh_engine(model, n_slots=4)
-        eng.pass_tokens = None if mode == "one" else pass_tokens
-        calls = []
-        eager = eng._verify_eager
-        eng._verify_eager = lambda rows, _e=eager: calls.append(len(rows)) or _e(rows)
+@pytest.mark.parametrize("group_tokens", [0.0, GROUP_TOKENS, 1e9])
+def test_packed_verify_equals_one_padded_pass(model, group_tokens):
+    """A prompt, verify rows of several lengths and decode rows, packed back to back with
+    attention per length group (every length its own group / the default rule / one group),
+    give what one padded pass over [B, longest] gives: the same argmax, features and logits."""
+    lengths = [1, 9, 17, 1, 30]
+    runs = {}
+    for mode in ("padded", "packed"):
+        eng = fresh_engine(model, n_slots=5)
+        eng.group_tokens = group_tokens
         hist = [row(eng.allocate(), 0, seq(12 + s, 20 + s)) for s in range(4)]
         eng.verify(hist)
-        calls.clear()
-        results[mode] = eng.verify([row(h.slot, len(h.tokens), seq(n, 30 + i), k=n - 1)
-                                    for i, (h, n) in enumerate(zip(hist, lengths))])
-        passes[mode] = list(calls)
-    assert passes["one"] == [4]
-    assert passes["split"] == ([3, 1] if pass_tokens == 0.0 else [4])
-    assert [len(g) for g in pass_groups(lengths, pass_tokens)] == passes["split"]
-    for a, b in zip(results["one"], results["split"]):
-        np.testing.assert_array_equal(a.argmax, b.argmax)
-        assert rel_err(a.features, b.features) < 1e-5
+        rows = [row(h.slot, len(h.tokens), seq(n, 30 + i), k=min(n - 1, 16)) for i, (h, n) in enumerate(zip(hist, lengths))]
+        rows.append(row(eng.allocate(), 0, seq(lengths[-1], 40), k=0))  # a prefill beside them
+        if mode == "packed":
+            runs[mode] = eng.verify(rows)
+            continue
+        with torch.inference_mode():
+            batch = [torch.as_tensor(a) for a in _pack(rows, max(len(r.tokens) for r in rows))]
+            logits, features = eng.model(*batch, eng._feature_layers, max(r.start_pos + len(r.tokens) for r in rows))
+        runs[mode] = (logits, np.split(features.numpy(), np.cumsum([len(r.tokens) for r in rows])[:-1]))
+    groups = length_groups([len(r.tokens) for r in rows], group_tokens)
+    assert len(groups) == {0.0: 4, 1e9: 1}.get(group_tokens, len(groups))
+    logits, feats = runs["padded"]
+    start = 0
+    for r, got, f in zip(rows, runs["packed"], feats):
+        n = r.num_draft + 1
+        np.testing.assert_array_equal(got.argmax, logits[start:start + n].argmax(-1).numpy())
+        assert rel_err(got.features, f) < 1e-5
+        start += n
 
 
-def test_pass_groups_and_their_cost():
-    assert pass_groups([1] * 15 + [17], 32) == [list(range(15)), [15]]  # 15 + 17 + 32 < 16 x 17
-    assert query_tokens([1] * 15 + [17], 32) == 15 + 17 + 32
-    assert pass_groups([1] * 15 + [17], None) == [list(range(16))]
-    assert query_tokens([1] * 15 + [17], None) == 16 * 17
-    assert pass_groups([1, 1, 17], 32) == [[0, 1, 2]]  # saving 32 tokens does not pay for a pass
-    assert pass_groups([5] * 8, 0) == [list(range(8))]  # equal rows: nothing to save
-    assert pass_groups([9, 1, 17, 1], 0) == [[1, 3], [0, 2]]  # 2 x 1 + 2 x 17 beats 3 x 9 + 17
+def test_length_groups_minimise_padding_plus_group_cost():
+    """The dynamic programme against every partition of the sorted lengths into runs."""
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        lengths = rng.choice([1, 1, 1, 2, 5, 9, 17, 40], size=int(rng.integers(1, 9))).tolist()
+        gt = float(rng.choice([0.0, 3.0, 8.0, 60.0]))
+        values = sorted(set(lengths))
+        count = {v: lengths.count(v) for v in values}
+
+        def cost(cuts):  # cuts: ends of runs over values
+            total, a = 0.0, 0
+            for b in cuts:
+                total += sum(count[v] for v in values[a:b]) * values[b - 1] + gt
+                a = b
+            return total
+
+        G = len(values)
+        best = min(cost([*inner, G]) for k in range(G) for inner in itertools.combinations(range(1, G), k))
+        groups = length_groups(lengths, gt)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+        assert sum(len(g) * max(lengths[i] for i in g) + gt for g in groups) == pytest.approx(best)
+        assert all(max(lengths[i] for i in g) < min(lengths[i] for i in h) for g, h in zip(groups, groups[1:]))
+    assert length_groups([1] * 15 + [17], 8) == [list(range(15)), [15]]
+    assert length_groups([5] * 8, 0) == [list(range(8))]  # equal rows: one group
 
 
 def test_rollback_then_reverify_equals_fresh_run(engine, model):

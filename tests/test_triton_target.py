@@ -138,7 +138,7 @@ def test_info_matches_engine(server, engine, checkpoint):
     assert info.eos_token_ids == engine.eos_token_ids
     assert info.n_slots == N_SLOTS and info.idle_timeout_s == IDLE_S and info.max_seq_len == MAX_SEQ_LEN
     assert info.hidden_size == engine.hidden_size and info.num_layers == engine.num_layers
-    assert info.pass_tokens == engine.pass_tokens  # the controller prices verifies as the engine runs them
+    assert info.packed_verify == engine.packed_verify  # the controller prices verifies as the engine runs them
 
 
 def _script(engine, rng):

@@ -133,7 +133,7 @@ class TritonPythonModel:
             "features_dtype": np.dtype(self.features_np_dtype).name,
             "max_seq_len": int(e.max_seq_len),
             "n_slots": int(e.n_slots),
-            "pass_tokens": e.pass_tokens,  # how a verify splits its rows (flashmap.passes)
+            "packed_verify": e.packed_verify,  # how the controller prices a verify (flashmap.speculation)
             "eos_token_ids": [int(x) for x in e.eos_token_ids],
             "kv_bytes_per_token": int(e.kv_bytes_per_token),
             "idle_timeout_s": self.idle_timeout_s,
