@@ -292,10 +292,21 @@ def parse_packed_round(blob: bytes) -> list[tuple[int, bool, bool, Callable[[str
 
 
 def packed_outputs(rows: list[dict[str, np.ndarray] | tuple[int, str]]) -> bytes:
-    """ROWS_OUT: per row its output tensors (verify_outputs / empty_outputs) or (error code, message)."""
-    return pack_arrays([r if isinstance(r, dict) else
-                        {"CODE": np.array([r[0]], np.int32), "ERROR": np.frombuffer(r[1].encode(), np.uint8)}
-                        for r in rows])
+    """ROWS_OUT: per row its output tensors (verify_outputs / empty_outputs) or (error code,
+    message). A greedy row's empty sampling outputs and a BEST of 0 are left out
+    (parse_packed_outputs restores them)."""
+    out = []
+    for r in rows:
+        if not isinstance(r, dict):
+            out.append({"CODE": np.array([r[0]], np.int32), "ERROR": np.frombuffer(r[1].encode(), np.uint8)})
+            continue
+        r = dict(r)
+        if r["SUPPORT_PROBS"].shape == (1, 0, 1) and r["COMPLEMENT"].size == 0 and (r["RESIDUAL"] == -1).all():
+            del r["SUPPORT_PROBS"], r["COMPLEMENT"], r["RESIDUAL"]
+        if r["BEST"].size == 1 and r["BEST"].item() == 0:
+            del r["BEST"]
+        out.append(r)
+    return pack_arrays(out)
 
 
 def parse_packed_outputs(blob: bytes) -> list[tuple[VerifyResult, int] | tuple[int, str] | None]:
@@ -305,10 +316,17 @@ def parse_packed_outputs(blob: bytes) -> list[tuple[VerifyResult, int] | tuple[i
     for d in unpack_arrays(blob, ROW_OUTPUTS):
         if "CODE" in d:
             out.append((int(d["CODE"].reshape(-1)[0]), d["ERROR"].tobytes().decode("utf-8", "replace")))
-        elif d["ARGMAX"].size == 0:
+            continue
+        argmax = d.get("ARGMAX")
+        if argmax is None or "FEATURES" not in d:
+            raise InvalidRequest("ROWS_OUT: a row without ARGMAX or FEATURES")
+        if argmax.size == 0:
             out.append(None)
-        else:
-            out.append(parse_verify_outputs(d.get))
+            continue
+        d.setdefault("SUPPORT_PROBS", np.zeros((1, 0, 1), np.float32))
+        d.setdefault("COMPLEMENT", np.zeros((1, 0), np.float32))
+        d.setdefault("RESIDUAL", np.full((1, argmax.shape[-1]), -1, np.int64))
+        out.append(parse_verify_outputs(d.get))
     return out
 
 

@@ -59,3 +59,25 @@ def test_every_truncation_and_corruption_is_refused_cleanly():
                 wire.parse_verify_inputs(get)
         except InvalidRequest:
             pass
+
+
+def test_packed_outputs_parse_back_to_their_results():
+    from flashmap.types import VerifyResult
+
+    rng = np.random.default_rng(2)
+    feats = lambda n: rng.random((n, 8)).astype(np.float32)  # noqa: E731
+    greedy = VerifyResult(np.array([5, 6, 7]), np.zeros((0, 1), np.float32), np.zeros(0, np.float32),
+                          np.full(3, -1), features=feats(3))
+    sampled = VerifyResult(np.array([1, 2]), rng.random((1, 3)).astype(np.float32), np.array([0.25], np.float32),
+                           np.array([9, 4]), features=feats(2))
+    rows = [wire.verify_outputs(greedy, 0), wire.verify_outputs(sampled, 0), wire.verify_outputs(greedy, 2),
+            wire.empty_outputs(8), (wire.ROW_INVALID, "bad row")]
+    out = wire.parse_packed_outputs(wire.packed_outputs(rows))
+    for (got, best), (want, want_best) in zip(out[:3], [(greedy, 0), (sampled, 0), (greedy, 2)]):
+        assert best == want_best
+        for name in ("argmax", "support_probs", "complement", "residual", "features"):
+            a, b = getattr(got, name), np.asarray(getattr(want, name))
+            assert a.shape == b.shape and np.array_equal(a, b), name
+    assert out[3] is None and out[4] == (wire.ROW_INVALID, "bad row")
+    with pytest.raises(InvalidRequest):
+        wire.parse_packed_outputs(wire.pack_arrays([{"BEST": np.zeros((1, 1), np.int64)}]))
