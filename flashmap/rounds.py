@@ -95,6 +95,7 @@ async def speculative_round(seqs: list[Sequence], target: Target, drafter: Draft
     """One draft + verify + commit for every sequence in `seqs` (none finished). controller:
     chooses each sequence's draft length from measured costs (None: the whole block)."""
     out = RoundResult([])
+    t_round = time.perf_counter()
     if controller is not None and drafter is not None:
         out.plan = controller.plan(seqs)
     wanted = [s for s in seqs if s.draft_budget() > 0] if drafter is not None else []
@@ -145,7 +146,8 @@ async def speculative_round(seqs: list[Sequence], target: Target, drafter: Draft
         out.sequences.append(SequenceRound(s, new, prefill, row.num_draft, accepted, fallback))
     if controller is not None:
         tokens = controller.verify_tokens([len(r.tokens) for r in rows])
-        controller.observe(tokens, out.verify_s, len(ask), out.draft_s,
+        rest_s = time.perf_counter() - t_round - out.draft_s  # the verify call and the round's own work
+        controller.observe(len(rows), tokens, rest_s, len(ask), out.draft_s,
                            [(r.seq.params.greedy, r.drafted, r.accepted) for r in out.sequences],
                            prefill=any(r.prefill for r in out.sequences))
     return out

@@ -35,10 +35,12 @@ def _seqs(n: int, acceptance: float, rounds: int = 50) -> list[Sequence]:
 
 
 def _controller(verify: tuple[float, float], draft: tuple[float, float], packed: bool = True) -> SpeculationController:
-    """A controller whose cost fits have seen rounds of verify_s = v0 + v1 * tokens, draft_s = d0 + d1 * batch."""
+    """A controller whose cost fits have seen rounds of verify_s = v0 + v1 * tokens (rows and
+    drafted tokens alike), draft_s = d0 + d1 * batch."""
     c = SpeculationController(K, ControllerConfig(probe_every=10**9, packed=packed))  # no probes
-    for t in (1, 4, 16, 64, 256):
-        c.verify_cost.add(t, verify[0] + verify[1] * t)
+    for rows in (1, 4, 16):
+        for extra in (0, 3, 16, 64, 240):
+            c.verify_cost.add((rows, extra), verify[0] + verify[1] * (rows + extra))
     for b in (1, 2, 8, 16):
         c.draft_cost.add(b, draft[0] + draft[1] * b)
     return c
@@ -49,6 +51,23 @@ def test_online_linear_recovers_a_cost_line():
     for x in range(1, 40):
         f.add(x, 0.003 + 0.0002 * x)
     assert f.coef == pytest.approx((0.003, 0.0002), rel=1e-3)
+
+
+def test_cost_fit_keeps_the_token_price_while_speculation_is_off():
+    """Rows and drafted tokens are fitted apart. After rounds that drafted, hundreds of rounds
+    without drafts (the token direction does not vary) leave the token price where the
+    drafted rounds put it, instead of letting the per-row cost or noise take it over."""
+    rng = np.random.default_rng(0)
+    f = OnlineLinear((1e-2, 1e-4, 1e-4))
+    cost = lambda rows, extra: 0.004 + 4e-4 * rows + 1.4e-4 * extra  # noqa: E731
+    for _ in range(40):
+        rows, extra = int(rng.integers(2, 17)), int(rng.integers(0, 60))
+        f.add((rows, extra), cost(rows, extra))
+    for _ in range(300):
+        rows = int(rng.integers(14, 17))
+        f.add((rows, 0), cost(rows, 0) * (1 + 0.05 * rng.standard_normal()))
+    c0, c_row, c_tok = f.coef
+    assert c_tok == pytest.approx(1.4e-4, rel=0.1) and c_row == pytest.approx(4e-4, rel=0.3)
 
 
 def test_a_packed_target_lets_the_best_requests_draft_alone():
@@ -134,11 +153,11 @@ def test_on_a_packed_target_each_request_gets_its_best_length():
             s.seq_id = i
         plan = c.plan(seqs)
         gain = c.expected_gain(c.acceptance(seqs))
-        (c0, c1), (d0, d1) = c.verify_cost.coef, c.draft_cost.coef
+        d0, d1 = c.draft_cost.coef
 
         def rate(ls):
             drafting = sum(1 for x in ls if x)
-            cost = c0 + c1 * (3 + sum(ls)) + (d0 + d1 * drafting if drafting else 0.0)
+            cost = c._verify_s(3, 3 + sum(ls)) + (d0 + d1 * drafting if drafting else 0.0)
             return (3 + sum(gain[i, x] for i, x in enumerate(ls))) / cost
 
         best = max(itertools.product(range(K + 1), repeat=3), key=rate)
@@ -150,6 +169,7 @@ def test_on_a_packed_target_each_request_gets_its_best_length():
 def test_probe_turns_speculation_back_on():
     c = _controller(verify=(0.001, 0.004), draft=(0.003, 0.001))
     c.cfg.probe_every = c.probe_every = 3
+    c.cfg.probe_budget = None  # the schedule alone
     seqs = _seqs(2, acceptance=0.3)
     plans = [c.plan(seqs) for _ in range(22)]
     assert {v for p in plans for v in p.values()} == {0, K}
@@ -196,3 +216,56 @@ def test_switching_speculation_on_and_off_mid_request_is_exact(tiny):
     out = decode(tiny, reqs(), OracleProposer(refs, K, tiny.vocab_size, error_rate=0.1, seed=2),
                  controller=SpeculationController(K))
     assert [r.token_ids for r in out] == alone
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_a_plan_must_beat_no_speculation_by_the_margin(packed):
+    """The margin is the throughput a plan must promise beyond no speculation: the same plan
+    that is taken at margin 0 is refused once the margin exceeds what it promises."""
+    c = _controller(verify=(0.010, 2e-4), draft=(0.002, 1e-4), packed=packed)
+    seqs = _seqs(4, acceptance=0.8)
+    c.cfg.margin = 0.0
+    plan = c.plan(seqs)
+    assert any(plan.values())
+    gain = c.expected_gain(c.acceptance(seqs))
+    d0, d1 = c.draft_cost.coef
+    lengths = [plan[s.seq_id] for s in seqs]
+    tokens = c.verify_tokens([m + 1 for m in lengths])
+    promised = (4 + sum(gain[i, m] for i, m in enumerate(lengths))) / (c._verify_s(4, tokens) + d0 + d1 * sum(map(bool, lengths)))
+    over = promised / (4 / c._verify_s(4, 4)) - 1
+    c.cfg.margin = over * 0.9
+    assert c.plan(seqs) == plan
+    c.cfg.margin = over * 1.1
+    assert not any(c.plan(seqs).values())
+
+
+def test_probes_stay_within_their_share_of_the_time():
+    """With speculation off and probes due every round, the probes' estimated cost stays within
+    probe_budget of the rounds' measured time."""
+    c = _controller(verify=(0.004, 1e-3), draft=(0.003, 0.001))
+    c.cfg.probe_every = c.probe_every = c.cfg.max_probe_every = 1
+    seqs = _seqs(4, acceptance=0.1)
+    probes, spent = 0, 0.0
+    for _ in range(400):
+        plan = c.plan(seqs)
+        drafted = sum(1 for v in plan.values() if v)
+        probes += drafted
+        round_s = 0.008 + (0.004 + 0.016 if drafted else 0.0)
+        spent += round_s
+        c.observe(4, 4 + sum(plan.values()), round_s, drafted, 0.004 if drafted else 0.0, [])
+    d0, d1 = c.draft_cost.coef
+    per_probe = d0 + d1 + c.verify_cost.coef[2] * K
+    assert probes >= 3 and probes * per_probe <= c.cfg.probe_budget * spent + 3 * per_probe
+
+
+def test_a_negative_weight_is_refitted_not_clipped():
+    """Rounds of nearly one row count where fewer rows happened to be slower: the unconstrained
+    row weight is negative; fixed at 0, the intercept is refitted, and the prediction at the
+    usual row count stays what was measured."""
+    f = OnlineLinear((1e-2, 1e-4, 1e-4))
+    for i in range(200):
+        rows = 4 if i % 10 else 3
+        f.add((rows, 0 if i % 5 else 16), (0.0092 if rows == 4 else 0.0110) + (0.003 if i % 5 == 0 else 0.0))
+    c0, c_row, c_tok = f.coef
+    assert min(c0, c_row, c_tok) >= 0
+    assert f((4, 0)) == pytest.approx(0.0092, rel=0.1)
