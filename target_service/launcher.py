@@ -165,6 +165,7 @@ def model_env(
     device: str | None = None,
     dtype: str | None = None,
     feature_layers: list[int] | None = None,
+    cuda_graphs: bool | None = None,
 ) -> dict[str, str]:
     """Model settings as the environment variables model.py reads (None: not set)."""
     env = {
@@ -173,6 +174,7 @@ def model_env(
         "FLASHMAP_TARGET_DEVICE": device,
         "FLASHMAP_TARGET_DTYPE": dtype,
         "FLASHMAP_TARGET_FEATURE_LAYERS": None if feature_layers is None else ",".join(map(str, feature_layers)),
+        "FLASHMAP_TARGET_CUDA_GRAPHS": None if cuda_graphs is None else str(bool(cuda_graphs)).lower(),
     }
     return {k: v for k, v in env.items() if v is not None}
 

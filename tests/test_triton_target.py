@@ -123,6 +123,8 @@ def test_write_model_repository_sets_serving_values(tmp_path):
     env = launcher.model_env(tmp_path, max_seq_len=99, dtype="float32", feature_layers=[1, 2])
     assert env == {"FLASHMAP_TARGET_DIR": str(tmp_path.resolve()), "FLASHMAP_TARGET_MAX_SEQ_LEN": "99",
                    "FLASHMAP_TARGET_DTYPE": "float32", "FLASHMAP_TARGET_FEATURE_LAYERS": "1,2"}
+    assert launcher.model_env(cuda_graphs=False) == {"FLASHMAP_TARGET_CUDA_GRAPHS": "false"}
+    assert 'key: "cuda_graphs"     value: { string_value: "auto" }' in cfg  # graphs wherever the device is CUDA
 
 
 # --------------------------------------------------------------------------- server
@@ -139,6 +141,7 @@ def test_info_matches_engine(server, engine, checkpoint):
     assert info.n_slots == N_SLOTS and info.idle_timeout_s == IDLE_S and info.max_seq_len == MAX_SEQ_LEN
     assert info.hidden_size == engine.hidden_size and info.num_layers == engine.num_layers
     assert info.packed_verify == engine.packed_verify  # the controller prices verifies as the engine runs them
+    assert info.extra["cuda_graphs"] is False  # CPU: eager
 
 
 def _script(engine, rng):

@@ -76,6 +76,7 @@ ENV_OVERRIDES = {
     "device": "FLASHMAP_TARGET_DEVICE",
     "dtype": "FLASHMAP_TARGET_DTYPE",
     "feature_layers": "FLASHMAP_TARGET_FEATURE_LAYERS",
+    "cuda_graphs": "FLASHMAP_TARGET_CUDA_GRAPHS",
 }
 
 
@@ -100,6 +101,11 @@ class TritonPythonModel:
         if dtype_name not in dtypes:
             raise ValueError(f"flashmap_target: dtype must be auto or one of {sorted(dtypes)}, got {dtype_name!r}")
         dtype = dtypes[dtype_name]
+        graphs = (params.get("cuda_graphs", "auto") or "auto").lower()
+        if graphs not in ("auto", "true", "false"):
+            raise ValueError(f"flashmap_target: cuda_graphs must be auto, true or false, got {graphs!r}")
+        if graphs == "true" and not device.startswith("cuda"):
+            raise ValueError(f"flashmap_target: cuda_graphs=true needs a CUDA device, the model runs on {device}")
         max_seq_len = int(params["max_seq_len"]) if params.get("max_seq_len") else None
         layers = params.get("feature_layers", "")
         feature_layers = [int(x) for x in layers.split(",")] if layers.strip() else None
@@ -119,6 +125,7 @@ class TritonPythonModel:
             device=device,
             dtype=dtype,
             feature_layers=feature_layers,
+            cuda_graphs=graphs != "false" and device.startswith("cuda"),
         )
         e = self.engine
         self.info = {
@@ -134,6 +141,7 @@ class TritonPythonModel:
             "max_seq_len": int(e.max_seq_len),
             "n_slots": int(e.n_slots),
             "packed_verify": e.packed_verify,  # how the controller prices a verify (flashmap.speculation)
+            "cuda_graphs": e.graphs is not None,
             "eos_token_ids": [int(x) for x in e.eos_token_ids],
             "kv_bytes_per_token": int(e.kv_bytes_per_token),
             "idle_timeout_s": self.idle_timeout_s,
