@@ -93,7 +93,11 @@ class ControllerConfig:
     forget: float = 0.98  # cost fits: weight of a round measured n rounds ago is forget**n
     probe_every: int = 8  # after this many rounds without speculation one request drafts its block ...
     max_probe_every: int = 64  # ... and after each such probe, twice as many
-    probe_budget: float | None = 0.02  # probes may take at most this share of the time (None: no limit)
+    probe_budget: float | None = 0.05  # probes may take at most this share of the time (None: no limit)
+    # While the search finds nothing worth drafting and what it depends on is unchanged (the
+    # requests, any acceptance observed), it runs again only every this many rounds: the cost
+    # fits drift slowly, and the search cost ~0.3 ms per round on the 2-core VM (3% at c = 4).
+    recheck_every: int = 8
     packed: bool = True  # the target runs a verify packed (cost ~ total tokens); False: padded to the longest row
     margin: float = 0.03  # a plan must promise this much more throughput than no speculation
 
@@ -116,6 +120,8 @@ class SpeculationController:
         self.probe_every = self.cfg.probe_every  # rounds without speculation before the next probe
         self.since_probe = 0
         self.probe_credit = 0.0  # seconds of probing earned (probe_budget x the rounds' time)
+        self.drafted_rounds = 0  # rounds observed with drafts (acceptance news)
+        self._nothing = (None, 0)  # (what the last search that found nothing saw, rounds since)
 
     # -- estimates ---------------------------------------------------------------
     def acceptance(self, seqs: list[Sequence]) -> np.ndarray:
@@ -153,7 +159,13 @@ class SpeculationController:
             choice = {i: 0 for i in caps}
             self.since_probe = self.probe_every
         else:
-            choice = self._search(seqs, caps)
+            key = (self.drafted_rounds, tuple((s.seq_id, s.prefilled) for s in seqs))
+            seen, age = self._nothing
+            if key == seen and age + 1 < self.cfg.recheck_every:
+                choice, self._nothing = {i: 0 for i in caps}, (key, age + 1)
+            else:
+                choice = self._search(seqs, caps)
+                self._nothing = (key, 0) if not any(choice.values()) else (None, 0)
         # Probes: while speculation is off, every `probe_every` rounds the request that has gone
         # longest without a draft drafts its whole block, so the per-slot acceptance (and the draft
         # cost) stays current and speculation can come back. One request: a probe pads every row
@@ -283,6 +295,7 @@ class SpeculationController:
             self.verify_cost.add((rows, query_tokens - rows), rest_s)
         if drafting and draft_s > 0:
             self.draft_cost.add(drafting, draft_s)
+        self.drafted_rounds += any(drafted for _, drafted, _ in rounds)
         for greedy, drafted, accepted in rounds:
             if drafted:
                 ver, acc = self.global_counts[greedy]

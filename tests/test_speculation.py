@@ -269,3 +269,20 @@ def test_a_negative_weight_is_refitted_not_clipped():
     c0, c_row, c_tok = f.coef
     assert min(c0, c_row, c_tok) >= 0
     assert f((4, 0)) == pytest.approx(0.0092, rel=0.1)
+
+
+def test_a_search_that_found_nothing_is_rerun_only_when_something_changed():
+    """Speculation off: the search runs every recheck_every rounds, and at once after a round
+    with drafts (new acceptance) or when the requests change."""
+    c = _controller(verify=(0.001, 0.004), draft=(0.003, 0.001))
+    calls = []
+    search = c._search
+    c._search = lambda seqs, caps: calls.append(len(seqs)) or search(seqs, caps)
+    seqs = _seqs(4, acceptance=0.3)
+    for _ in range(16):
+        assert not any(c.plan(seqs).values())
+    assert len(calls) == 16 // c.cfg.recheck_every
+    c.observe(4, 20, 0.01, 1, 0.005, [(True, 16, 2)])  # a probe's round
+    c.plan(seqs)
+    c.plan(seqs[:3])  # a request left
+    assert len(calls) == 16 // c.cfg.recheck_every + 2
