@@ -244,6 +244,7 @@ def test_probes_stay_within_their_share_of_the_time():
     probe_budget of the rounds' measured time."""
     c = _controller(verify=(0.004, 1e-3), draft=(0.003, 0.001))
     c.cfg.probe_every = c.probe_every = c.cfg.max_probe_every = 1
+    c.cfg.probe_budget = 0.02
     seqs = _seqs(4, acceptance=0.1)
     probes, spent = 0, 0.0
     for _ in range(400):
