@@ -224,7 +224,7 @@ class SpeculationController:
         price = c_tok * L + d1 * (L > 0)  # [K + 1] marginal seconds of drafting L tokens
         allowed = L[None, :] <= cap[:, None]  # [nd, K + 1]
         base = self._verify_s(n, sum(prompts) + nd)  # the round without drafts
-        lam = best = (1 + self.cfg.margin) * n / base
+        lam = (1 + self.cfg.margin) * n / base  # the rate to beat
         plan = np.zeros(nd, np.int64)
         for _ in range(32):
             choice = np.where(allowed, gain - lam * price, -np.inf).argmax(1)  # [nd], the shortest on ties
@@ -233,9 +233,7 @@ class SpeculationController:
             rate = (n + gain[np.arange(nd), choice].sum()) / (base + d0 + price[choice].sum())
             if rate <= lam * (1 + 1e-9):
                 break
-            lam = rate
-            if rate > best:
-                best, plan = rate, choice
+            lam, plan = rate, choice
         return plan
 
     def _search_shared(self, n: int, prompts: list[int], gain: np.ndarray, cap: np.ndarray) -> np.ndarray:

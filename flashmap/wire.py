@@ -177,7 +177,7 @@ def parse_verify_outputs(get: Callable[[str], np.ndarray]) -> tuple[VerifyResult
 
 _MAGIC = b"FMR1"
 _DTYPES = [np.dtype(t).newbyteorder("<") for t in ("int64", "int32", "float32", "float16", "uint64", "bool", "uint8")]
-_CODE = {d: i for i, d in enumerate(_DTYPES)} | {d.newbyteorder("="): i for i, d in enumerate(_DTYPES)}
+_CODE = {d: i for i, d in enumerate(_DTYPES)}
 _MAX_NDIM = 4
 _U32, _U16 = struct.Struct("<I"), struct.Struct("<H")
 ROW_FLAG_START, ROW_FLAG_END = 1, 2
@@ -191,7 +191,9 @@ def pack_arrays(rows: list[dict[str, np.ndarray]]) -> bytes:
         parts.append(_U16.pack(len(row)))
         for name, a in row.items():
             a = np.ascontiguousarray(a)
-            code = _CODE.get(a.dtype, _CODE.get(a.dtype.newbyteorder("<")))
+            code = _CODE.get(a.dtype)  # native order equals "<" on little-endian hosts
+            if code is None:
+                code = _CODE.get(a.dtype.newbyteorder("<"))
             if code is None or a.ndim > _MAX_NDIM:
                 raise InvalidRequest(f"{name}: cannot pack {a.dtype} with {a.ndim} dims")
             key = name.encode("ascii")

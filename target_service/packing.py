@@ -36,7 +36,7 @@ def length_groups(lengths: Sequence[int], group_tokens: float = GROUP_TOKENS) ->
     lengths = np.asarray(lengths, np.int64)
     if len(lengths) == 0:
         return []
-    values, inverse, counts = np.unique(lengths, return_inverse=True, return_counts=True)
+    values, counts = np.unique(lengths, return_counts=True)
     G = len(values)
     rows_before = np.concatenate([[0], np.cumsum(counts)])  # [G + 1]
     best = np.zeros(G + 1)  # best[j]: cost of the first j lengths
@@ -49,8 +49,8 @@ def length_groups(lengths: Sequence[int], group_tokens: float = GROUP_TOKENS) ->
     while j > 0:
         bounds.append((start[j], j))
         j = start[j]
-    order = np.argsort(lengths, kind="stable")
-    return [[int(i) for i in order if a <= inverse[i] < b] for a, b in reversed(bounds)]
+    order = np.argsort(lengths, kind="stable")  # the rows of lengths a..b-1 are one slice of it
+    return [order[rows_before[a]:rows_before[b]].tolist() for a, b in reversed(bounds)]
 
 
 @dataclass
