@@ -11,13 +11,16 @@ concurrency, in one script:
   controller (--speculation auto, the default); each `repeats` times, alternated, because
   the VM's speed drifts by a third within minutes and one run per mode cannot tell 5% apart.
 
+Rounds without drafts decode `--decode-steps` tokens per request in one call everywhere (the
+in-process target alone too), so every ratio compares like with like.
+
 Tokens/s of each, the ratios the issue asks for, the controller's decisions (mean draft
 length, rounds with speculation off) from the orchestrator's metrics, the per-round split at
 concurrency 1, and each service's peak memory. Greedy; every output is checked against the
 target alone.
 
   python -m bench.bench_stack [--target DIR] [--drafter DIR|init] [--max-new-tokens 48] \\
-      [--concurrency 1,4,16,32] [--threads N] [--repeats 2]
+      [--concurrency 1,4,16,32] [--threads N] [--repeats 2] [--decode-steps 4]
 """
 
 from __future__ import annotations
@@ -71,12 +74,13 @@ def peak_rss_mb(pid: int) -> float:
     return total / 1024
 
 
-def inprocess(engine, proposer, prompts, max_new, concurrency) -> tuple[list, float]:
+def inprocess(engine, proposer, prompts, max_new, concurrency, decode_steps: int = 1) -> tuple[list, float]:
     """(outputs, tokens/s) with `concurrency` requests batched at a time."""
     t0 = time.perf_counter()
     outs = []
     for i in range(0, len(prompts), concurrency):
-        outs += decode(engine, [GenerationRequest(p, max_new) for p in prompts[i:i + concurrency]], proposer)
+        outs += decode(engine, [GenerationRequest(p, max_new) for p in prompts[i:i + concurrency]], proposer,
+                       decode_steps=decode_steps)
     dt = time.perf_counter() - t0
     return [o.token_ids for o in outs], sum(len(o.token_ids) for o in outs) / dt
 
@@ -94,7 +98,7 @@ def triton_alone(cfg: StackConfig, prompts, max_new, concurrency) -> tuple[list,
             seqs = [Sequence(base + i + j, GenerationRequest(p, max_new), handle=base + i + j)
                     for j, p in enumerate(prompts[i:i + concurrency])]
             while live := [s for s in seqs if not s.finished]:
-                await speculative_round(live, target)
+                await speculative_round(live, target, decode_steps=cfg.decode_steps)
             for s in seqs:
                 await target.release(s.handle)
             outs += [s.generated for s in seqs]
@@ -199,6 +203,8 @@ def main(argv=None):
     ap.add_argument("--prompts", type=int, default=0, help="prompts per set (default: 2 x the largest concurrency)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per service (default: the machine's cores)")
     ap.add_argument("--repeats", type=int, default=2, help="runs of each stack mode, alternated (default 2)")
+    ap.add_argument("--decode-steps", type=int, default=StackConfig.decode_steps,
+                    help="tokens per request of a round without drafts, for the target alone and the stack alike")
     ap.add_argument("--out", type=Path, default=OUT / "bench_stack.md")
     a = ap.parse_args(argv)
     threads = a.threads or os.cpu_count() or 1
@@ -212,14 +218,14 @@ def main(argv=None):
     proposer = load_proposer(drafter, target, n_slots=max(levels), max_context=engine.max_seq_len)
     sets = prompt_sets(target, engine.vocab_size, n)
     cfg = StackConfig.on_free_ports(target_dir=target, drafter=drafter, n_slots=max(levels), max_seq_len=512,
-                                    speculation="auto")
+                                    speculation="auto", decode_steps=a.decode_steps)
     rows = []
     with Stack(cfg) as stack:
         for name, prompts in sets.items():
             through_stack(cfg, prompts[:2], 8, 1)  # warm-up
             decode(engine, [GenerationRequest(prompts[0], 8)], proposer)
             for c in levels:
-                ar_ids, ar = inprocess(engine, None, prompts, a.max_new_tokens, c)
+                ar_ids, ar = inprocess(engine, None, prompts, a.max_new_tokens, c, a.decode_steps)
                 ip_ids, ip = inprocess(engine, proposer, prompts, a.max_new_tokens, c)
                 tr_ids, tr = triton_alone(cfg, prompts, a.max_new_tokens, c)
                 runs = stack_modes(stack, prompts, a.max_new_tokens, c, a.repeats)
@@ -256,7 +262,8 @@ def main(argv=None):
         f"the target alone's (checked). Stack modes: the mean of {a.repeats} runs each, alternated (off, full, auto, "
         f"then reversed); 'per repeat' is auto / max(off, full) within each repeat. Command: `OMP_NUM_THREADS={threads} "
         f"python -m bench.bench_stack --concurrency {a.concurrency} --max-new-tokens {a.max_new_tokens} --threads "
-        f"{threads} --repeats {a.repeats}`. Date: {date}. Machine: {machine()}; {threads} torch threads per "
+        f"{threads} --repeats {a.repeats} --decode-steps {a.decode_steps}`; rounds without drafts decode "
+        f"{a.decode_steps} tokens per request in one call, in process and through the stack alike. Date: {date}. Machine: {machine()}; {threads} torch threads per "
         f"service. Target `{os.path.relpath(target)}`, drafter `{drafter}`.", *[f"Note: {x}" for x in notes], "",
         "Per round at concurrency 1 (ms, stack): the orchestrator's draft and verify calls and whole round, "
         "and inside them the drafter's forward and Triton's queue wait and model execution per request:", "",

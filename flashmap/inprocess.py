@@ -81,13 +81,14 @@ class LocalTarget:
 
 
 def decode(engine, requests: list[GenerationRequest], proposer=None, steps: int = 1,
-           tree_blocks: int = 1, controller=None) -> list[GenerationResult]:
+           tree_blocks: int = 1, controller=None, decode_steps: int = 1) -> list[GenerationResult]:
     """Decode all requests to completion; results come back in request order.
 
     tree_blocks > 1 (greedy requests): each round drafts that many blocks from independent
     noise and verifies them as a tree (TargetEngine.verify_tree); the sequence commits the
     branch the target accepts furthest. controller: a flashmap.speculation.SpeculationController
-    choosing each round's draft lengths (None: the whole block every round)."""
+    choosing each round's draft lengths (None: the whole block every round). decode_steps:
+    tokens per request of a round without drafts, in one engine call (flashmap.rounds)."""
     for r in requests:
         r.validate(engine.vocab_size, engine.max_seq_len)
     if tree_blocks > 1:
@@ -106,7 +107,7 @@ def decode(engine, requests: list[GenerationRequest], proposer=None, steps: int 
         while waiting and engine.free_slots > 0:
             i, req = waiting.popleft()
             active[i] = Sequence(i, req, block, handle=engine.allocate())
-        run_local(speculative_round(list(active.values()), target, drafter, tree_blocks, controller))
+        run_local(speculative_round(list(active.values()), target, drafter, tree_blocks, controller, decode_steps))
         for i, s in list(active.items()):
             if s.finished:
                 engine.release(s.handle)

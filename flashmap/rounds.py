@@ -8,7 +8,8 @@ both call `speculative_round`; they differ only in what they plug in:
 
 A round: every sequence that can draft asks the drafter for a block (or `tree_blocks`
 blocks from independent noise, greedy requests only); sequences without a block decode
-one token autoregressively, which keeps the output exact. Then one verify call covers
+one token autoregressively, which keeps the output exact (when nobody drafts, up to
+`decode_steps` tokens each in the same call: VerifyRow.next_seeds). Then one verify call covers
 every sequence (a prefill next to drafted rows); a row with several blocks is verified as
 a tree and commits its best branch as if that branch alone had been verified. Rejection
 sampling commits the accepted tokens plus one (Sequence.commit).
@@ -80,6 +81,7 @@ class RoundResult:
     draft_s: float = 0.0
     verify_s: float = 0.0
     steps: int = 0  # step count of this round's blocks (0: none drafted)
+    decode_steps: int = 1  # most tokens a row without a draft decoded in the verify call
     plan: dict[int, int] | None = None  # the controller's draft length per sequence id (None: no controller)
 
 
@@ -91,9 +93,11 @@ def _tree_fits(row: VerifyRow, n_branches: int, max_seq_len: int) -> bool:
 
 
 async def speculative_round(seqs: list[Sequence], target: Target, drafter: Drafter | None = None,
-                            tree_blocks: int = 1, controller: SpeculationController | None = None) -> RoundResult:
+                            tree_blocks: int = 1, controller: SpeculationController | None = None,
+                            decode_steps: int = 1) -> RoundResult:
     """One draft + verify + commit for every sequence in `seqs` (none finished). controller:
-    chooses each sequence's draft length from measured costs (None: the whole block)."""
+    chooses each sequence's draft length from measured costs (None: the whole block).
+    decode_steps: tokens per row of a round without drafts (one verify call for all of them)."""
     out = RoundResult([])
     t_round = time.perf_counter()
     if controller is not None and drafter is not None:
@@ -108,13 +112,17 @@ async def speculative_round(seqs: list[Sequence], target: Target, drafter: Draft
         batch = await drafter.draft(ask, [tree_blocks if s.params.greedy else 1 for s in ask])
         out.draft_s = time.perf_counter() - t0
 
-    rows, drafts, branches = [], [], []
+    rows, drafts, branches, picked = [], [], [], []
     for s in seqs:
         blocks = batch.blocks.get(s.seq_id, [])
         n = min([s.draft_budget()] + [len(b.tokens) for b in blocks])  # a tree's branches share K
-        draft = blocks[0].truncate(n) if blocks else None
-        row = s.verify_row(draft)
-        more = [b.tokens[:n] for b in blocks[1:]]
+        picked.append((blocks[0].truncate(n) if blocks else None, [b.tokens[:n] for b in blocks[1:]]))
+    # A round where nobody drafts and no prompt is new decodes up to `decode_steps` tokens per
+    # row in its one verify call; a prompt's first token is not held back for it.
+    if all(d is None or len(d.tokens) == 0 for d, _ in picked) and all(s.prefilled for s in seqs):
+        out.decode_steps = decode_steps
+    for s, (draft, more) in zip(seqs, picked):
+        row = s.verify_row(draft, out.decode_steps)
         rows.append(row)
         drafts.append(draft)
         branches.append(more if _tree_fits(row, len(more), target.max_seq_len) else [])
@@ -149,7 +157,8 @@ async def speculative_round(seqs: list[Sequence], target: Target, drafter: Draft
         rest_s = time.perf_counter() - t_round - out.draft_s  # the verify call and the round's own work
         controller.observe(len(rows), tokens, rest_s, len(ask), out.draft_s,
                            [(r.seq.params.greedy, r.drafted, r.accepted) for r in out.sequences],
-                           prefill=any(r.prefill for r in out.sequences))
+                           prefill=any(r.prefill for r in out.sequences),
+                           decode_steps=max(r.steps for r in rows))
     return out
 
 

@@ -95,18 +95,21 @@ class Sequence:
         self.pending_context.clear()
 
     # -- one round -------------------------------------------------------------
-    def verify_row(self, draft: Draft | None) -> VerifyRow:
-        """The target input of this round: the prompt at prefill, else [anchor, d_1..d_K]."""
+    def verify_row(self, draft: Draft | None, steps: int = 1) -> VerifyRow:
+        """The target input of this round: the prompt at prefill, else [anchor, d_1..d_K].
+        Without a draft the row decodes up to `steps` tokens (within max_new_tokens), with
+        the round seeds that as many one-step rounds would draw, so the text is the same."""
         round_seed = int(self.rng.integers(2**62))
-        if not self.prefilled:
-            return VerifyRow(self.handle, 0, np.asarray(self.tokens, np.int64), self.params, round_seed=round_seed)
-        if draft is None or len(draft.tokens) == 0:
-            support = np.zeros((0, 1), np.int64)
-            toks = np.asarray([self.anchor], np.int64)
-        else:
-            support = draft.support_ids
+        if draft is not None and len(draft.tokens):
             toks = np.concatenate([[self.anchor], draft.tokens]).astype(np.int64)
-        return VerifyRow(self.handle, len(self.tokens) - 1, toks, self.params, support, round_seed)
+            return VerifyRow(self.handle, len(self.tokens) - 1, toks, self.params, draft.support_ids, round_seed)
+        steps = max(1, min(steps, self.request.max_new_tokens - len(self.generated)))
+        next_seeds = self.rng.integers(2**62, size=steps - 1).astype(np.int64)
+        if not self.prefilled:
+            return VerifyRow(self.handle, 0, np.asarray(self.tokens, np.int64), self.params, round_seed=round_seed,
+                             next_seeds=next_seeds)
+        return VerifyRow(self.handle, len(self.tokens) - 1, np.asarray([self.anchor], np.int64), self.params,
+                         np.zeros((0, 1), np.int64), round_seed, next_seeds)
 
     def commit(self, row: VerifyRow, draft: Draft | None, result: VerifyResult) -> tuple[list[int], int]:
         """Apply rejection sampling to a verify result; (newly committed tokens, drafts accepted).
@@ -114,19 +117,22 @@ class Sequence:
         if self.finished:
             return [], 0
         k = row.num_draft
-        if k == 0:
-            new, n_acc = [int(result.argmax[-1] if self.params.greedy else result.residual[-1])], 0
+        if k == 0:  # one token per step: the argmax (T = 0) or the target's own sample
+            new, n_acc = [int(t) for t in (result.argmax if self.params.greedy else result.residual)[-row.steps:]], 0
         elif self.params.greedy:
             new, n_acc = greedy_verify(draft.tokens, result.argmax)
         else:
             new, n_acc = sample_verify(draft, result, self.rng)
-        # Positions now in the target's cache and final: the row's tokens up to the last accepted.
+        # Positions now in the target's cache and final: the row's tokens up to the last accepted
+        # (and every token a multi-step row decoded but the last).
+        decoded = new[:-1] if k == 0 else []
         n_ctx = len(row.tokens) - k + n_acc
-        self.pending_context.append((row.tokens[:n_ctx], result.features[:n_ctx]))
-        if self.prefilled:
+        self.pending_context.append((np.concatenate([row.tokens[:n_ctx], np.asarray(decoded, np.int64)]),
+                                     result.features[:n_ctx + len(decoded)]))
+        for _ in range(1 + len(decoded) - (not self.prefilled)):  # a multi-step row: one round per step
             self.stats.record_round(k, n_acc)
-            if k and draft is not None and draft.steps:
-                self.stats.draft_steps = draft.steps
+        if k and draft is not None and draft.steps:
+            self.stats.draft_steps = draft.steps
         self.prefilled = True
         return self._append(new), n_acc
 

@@ -8,6 +8,9 @@ decode step) that maximises the batch's expected committed tokens per second:
 - E[accepted | L] = sum_{k<=L} prod_{j<=k} a_j, with a_j the request's conditional
   acceptance of slot j (SpecStats: accepted / verified per slot), shrunk towards a global
   prior (every request's counts, per greedy / sampling) so new requests start informed.
+- No speculation is worth n / verify_cost(n, n) tokens per second, or with `decode_steps` > 1
+  (a round without drafts decodes that many tokens per row in one verify call, flashmap.rounds)
+  n * decode_steps / plain_cost(n), fitted on such rounds: the rate any plan must beat.
 - verify_cost(n, T) = c0 + c_row * n + c_tok * (T - n): the round's seconds outside the draft
   call (the verify call, planning, commits) for n rows and T query tokens counted as the
   target runs them (`verify_tokens`): packed (the eager engine, target_service.packing), the
@@ -100,6 +103,7 @@ class ControllerConfig:
     recheck_every: int = 8
     packed: bool = True  # the target runs a verify packed (cost ~ total tokens); False: padded to the longest row
     margin: float = 0.0  # a plan must promise this much more throughput than no speculation
+    decode_steps: int = 1  # tokens per row of a round without drafts or prompts (flashmap.rounds)
 
 
 @dataclass
@@ -116,6 +120,8 @@ class SpeculationController:
         # The round's seconds outside the draft call: c0 + c_row * rows + c_tok * (query tokens - rows).
         self.verify_cost = OnlineLinear((1e-2, 1e-4, 1e-4), c.forget, prior_weight=1e-3)
         self.draft_cost = OnlineLinear((1e-2, 1e-4), c.forget, prior_weight=1e-3)
+        # The seconds of a round without drafts decoding decode_steps tokens per row: plain + rows.
+        self.plain_cost = OnlineLinear((1e-2, 1e-4), c.forget, prior_weight=1e-3)
         self.idle: dict[int, int] = {}  # seq_id -> rounds in a row it could have drafted and did not
         self.probe_every = self.cfg.probe_every  # rounds without speculation before the next probe
         self.since_probe = 0
@@ -223,8 +229,8 @@ class SpeculationController:
         L = np.arange(K + 1)
         price = c_tok * L + d1 * (L > 0)  # [K + 1] marginal seconds of drafting L tokens
         allowed = L[None, :] <= cap[:, None]  # [nd, K + 1]
-        base = self._verify_s(n, sum(prompts) + nd)  # the round without drafts
-        lam = (1 + self.cfg.margin) * n / base  # the rate to beat
+        base = self._verify_s(n, sum(prompts) + nd)  # one verify without drafts
+        lam = (1 + self.cfg.margin) * self._plain_rate(n, base, prompts)  # the rate to beat
         plan = np.zeros(nd, np.int64)
         for _ in range(32):
             choice = np.where(allowed, gain - lam * price, -np.inf).argmax(1)  # [nd], the shortest on ties
@@ -255,7 +261,7 @@ class SpeculationController:
         mi, bi = divmod(k, nd)
         base = self._plan_tokens(prompts, nd, m[:1], np.zeros(1, np.int64))[0, 0]  # nobody drafts
         lengths = np.zeros(nd, np.int64)
-        if thr[mi, bi] > (1 + self.cfg.margin) * n / self._verify_s(n, base):
+        if thr[mi, bi] > (1 + self.cfg.margin) * self._plain_rate(n, self._verify_s(n, base), prompts):
             top = order[mi, :bi + 1]
             lengths[top] = np.minimum(cap[top], mi + 1)
         return lengths
@@ -269,6 +275,16 @@ class SpeculationController:
         longest = np.maximum(np.where(bb > 0, mm + 1, 1), max(prompts, default=1))
         return (len(prompts) + nd) * longest
 
+    def _plain_rate(self, n: int, verify_s: float, prompts: list[int]) -> float:
+        """Tokens per second of this round without drafts: one verify of `verify_s` seconds, or
+        with decode_steps > 1 and no prompt, decode_steps tokens per row in the time the plain
+        fit measured (until it has a round: as if the extra steps were free, so the first
+        round without drafts runs them and measures)."""
+        S = self.cfg.decode_steps
+        if S == 1 or prompts:
+            return n / verify_s
+        return n * S / (self.plain_cost(n) if self.plain_cost.n else verify_s)
+
     def _verify_s(self, rows: int, tokens):
         """The verify fit at `rows` rows and `tokens` query tokens (scalar or array)."""
         c0, c_row, c_tok = self.verify_cost.coef
@@ -280,16 +296,20 @@ class SpeculationController:
 
     # -- learning ----------------------------------------------------------------
     def observe(self, rows: int, query_tokens: int, rest_s: float, drafting: int, draft_s: float,
-                rounds: list[tuple[bool, int, int]], prefill: bool = False) -> None:
+                rounds: list[tuple[bool, int, int]], prefill: bool = False, decode_steps: int = 1) -> None:
         """One round's measurements: its rows, query tokens (`verify_tokens`) and seconds outside
         the draft call, the number of drafting requests and the draft call's seconds, and per
         drafted request (greedy, drafted, accepted). prefill: the round had a prompt row, whose
         attention over the whole prompt is not what a decode round's tokens cost: the verify
-        fit leaves it out."""
+        fit leaves it out. decode_steps > 1: a round without drafts that decoded that many
+        tokens per row (at most): the plain fit takes it when that is the configured count."""
         if self.cfg.probe_budget is not None:  # at most a few probes' worth saved up
             cap = 3 * (sum(self.draft_cost.coef) + self.verify_cost.coef[2] * self.block_size)
             self.probe_credit = min(self.probe_credit + self.cfg.probe_budget * (rest_s + draft_s), cap)
-        if rest_s > 0 and not prefill:
+        if decode_steps > 1:
+            if rest_s > 0 and not prefill and decode_steps == self.cfg.decode_steps:
+                self.plain_cost.add(rows, rest_s)
+        elif rest_s > 0 and not prefill:
             self.verify_cost.add((rows, query_tokens - rows), rest_s)
         if drafting and draft_s > 0:
             self.draft_cost.add(drafting, draft_s)

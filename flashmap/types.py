@@ -15,6 +15,7 @@ import numpy as np
 
 
 BLOCK_SIZE = 16  # draft tokens per block (K): the paper's, and every drafter's default
+MAX_DECODE_STEPS = 64  # tokens one verify row may decode (VerifyRow.next_seeds): bounds one call's time
 
 
 class InvalidRequest(ValueError):
@@ -147,6 +148,12 @@ class VerifyRow:
     KV cache is truncated to start_pos. Statistics are returned for the last K+1
     positions, where K = len(support_ids): rows 0..K-1 check draft tokens
     tokens[L-K:], row K is the bonus position.
+
+    next_seeds (rows without drafts only): the target decodes len(next_seeds) more tokens
+    after this row in the same call, step j fed the token step j - 1 produced (argmax at
+    T = 0, the residual sample otherwise) and seeded by next_seeds[j], exactly as that many
+    more one-token rows with these round seeds would (multi-step decoding: one call, one
+    round trip, for `steps` tokens).
     """
 
     slot: int
@@ -155,15 +162,23 @@ class VerifyRow:
     params: SamplingParams
     support_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 1), np.int64))  # [K, S], -1 = padding
     round_seed: int = 0  # seeds the target's residual / bonus samples for this row
+    next_seeds: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [steps - 1] int64
 
     @property
     def num_draft(self) -> int:
         return int(self.support_ids.shape[0])
 
+    @property
+    def steps(self) -> int:
+        """Tokens this row decodes: 1 + len(next_seeds)."""
+        return 1 + len(self.next_seeds)
+
 
 @dataclass
 class VerifyResult:
-    """Per-position verification statistics (DESIGN.md, exact sampling protocol)."""
+    """Per-position verification statistics (DESIGN.md, exact sampling protocol). A row of
+    `steps` > 1 (no drafts) gets argmax and residual [steps], one per decoded token, and
+    features [L + steps - 1, F] (its tokens, then every decoded token but the last)."""
 
     argmax: np.ndarray  # [K+1] int64, target argmax after the anchor and each draft token
     support_probs: np.ndarray  # [K, S] float32, p_k(s) for s in S_k (0 for padding); empty at T=0

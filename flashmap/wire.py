@@ -77,6 +77,8 @@ def verify_inputs(row: VerifyRow, branches: list[np.ndarray] = ()) -> dict[str, 
             "TOP_P": np.array([[p.top_p]], np.float32),
             "ROUND_SEED": np.array([[row.round_seed]], np.int64),
         }
+        if len(row.next_seeds):
+            out["NEXT_SEEDS"] = np.asarray(row.next_seeds, np.int64).reshape(1, -1)
         if len(branches):
             out["BRANCHES"] = np.stack([np.asarray(b, np.int64) for b in branches])[None]  # [1, n, K]
     except (OverflowError, ValueError, TypeError) as e:
@@ -125,6 +127,9 @@ def parse_verify_inputs(get: Callable[[str], np.ndarray | None]) -> tuple[Verify
     ).validate()
     row = VerifyRow(slot=-1, start_pos=int(scalar(get, "START_POS", 0)), tokens=tokens, params=params,
                     support_ids=support, round_seed=int(scalar(get, "ROUND_SEED", 0)))
+    seeds = _unbatch(get, "NEXT_SEEDS", 1, np.int64)
+    if seeds is not None:
+        row.next_seeds = seeds
     branches = _unbatch(get, "BRANCHES", 2, np.int64)
     return row, ([] if branches is None else list(branches))
 
@@ -244,7 +249,7 @@ def unpack_arrays(blob: bytes, names: frozenset[str] | set[str]) -> list[dict[st
 
 
 ROW_INPUTS = frozenset({"CORRID", "FLAGS", "TOKENS", "START_POS", "SUPPORT_IDS", "TEMPERATURE", "TOP_K", "TOP_P",
-                        "ROUND_SEED", "BRANCHES"})
+                        "ROUND_SEED", "NEXT_SEEDS", "BRANCHES"})
 ROW_OUTPUTS = frozenset(VERIFY_OUTPUTS) | {"ERROR", "CODE"}
 
 

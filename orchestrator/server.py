@@ -38,7 +38,7 @@ from flashmap.rounds import speculative_round
 from flashmap.sequence import Sequence
 from flashmap.speculation import ControllerConfig, SpeculationController
 from flashmap.tokenizer import IncrementalDecoder
-from flashmap.types import BLOCK_SIZE, GenerationRequest, InvalidRequest, SamplingParams, SpecStats
+from flashmap.types import BLOCK_SIZE, MAX_DECODE_STEPS, GenerationRequest, InvalidRequest, SamplingParams, SpecStats
 from flashmap.v1 import serving_pb2, serving_pb2_grpc
 from flashmap.wire import stats_to_proto
 from orchestrator.drafter_client import DrafterClient, ServiceDrafter
@@ -64,6 +64,9 @@ class OrchestratorConfig:
     top_m: int = 4  # drafter support size at temperature > 0
     tree_blocks: int = 1  # > 1: greedy requests draft that many blocks from independent noise, verified as a tree
     speculation: str = "auto"  # auto: draft lengths from measured costs (flashmap.speculation); full: always K
+    # A round where nobody drafts decodes this many tokens per request in its one verify call
+    # (flashmap.rounds): the call's fixed cost (gRPC, Triton, this loop) is paid once for them.
+    decode_steps: int = 4
     # Trust boundaries (DESIGN.md): secrets come from the environment (flashmap.auth), "" = none.
     api_key: str = ""  # clients must send authorization: Bearer <api_key> (gRPC Health and grpc.health stay open)
     target_key: str = ""  # Triton's restricted-protocol key
@@ -169,8 +172,8 @@ class Orchestrator:
             await self.drafter.ensure_connected()
         self.metrics = OrchestratorMetrics(block_size=self._block_size())
         if self.cfg.speculation == "auto" and self.drafter is not None:
-            self.controller = SpeculationController(self._block_size(),
-                                                    ControllerConfig(packed=self.info.packed_verify))
+            self.controller = SpeculationController(self._block_size(), ControllerConfig(
+                packed=self.info.packed_verify, decode_steps=self.cfg.decode_steps))
         self.metrics.drafter_steps.labels(drafter=self._drafter_name()).set(self.drafter.steps if self.drafter else 0)
         # Export the counters that alerts divide by at 0 from the start: a series that first
         # appears at its first increment has no rate() for that increment.
@@ -385,7 +388,7 @@ class Orchestrator:
         t_round = time.perf_counter()
         acts = list(self.active.values())
         res = await speculative_round([a.seq for a in acts], self.target_port, self.drafter_port, self.cfg.tree_blocks,
-                                      self.controller)
+                                      self.controller, self.cfg.decode_steps)
         name = self.info.model_name
         decoding = [r for r in res.sequences if not r.prefill and r.error is None]
         for r in decoding:
@@ -616,6 +619,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="greedy requests: verify this many drafted blocks as a tree (1 = one block)")
     ap.add_argument("--speculation", choices=("auto", "full"), default=env("FLASHMAP_SPECULATION", "auto"),
                     help="auto: each round's draft lengths from measured acceptance and costs; full: always the whole block")
+    ap.add_argument("--decode-steps", type=int, default=int(env("FLASHMAP_DECODE_STEPS", "4")),
+                    help="tokens per request of a round without drafts, decoded in one call to the target")
     ap.add_argument("--tls-cert", default=env("FLASHMAP_TLS_CERT"), help="PEM certificate chain: serve TLS")
     ap.add_argument("--tls-key", default=env("FLASHMAP_TLS_KEY"), help="PEM private key of --tls-cert")
     ap.add_argument("--reflection", action="store_true", help="serve gRPC reflection (off: less to probe)")
@@ -627,6 +632,8 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     if a.tree_blocks < 1:
         ap.error(f"--tree-blocks must be >= 1, got {a.tree_blocks}")
+    if not 1 <= a.decode_steps <= MAX_DECODE_STEPS:
+        ap.error(f"--decode-steps must be in 1..{MAX_DECODE_STEPS}, got {a.decode_steps}")
     if bool(a.tls_cert) != bool(a.tls_key):
         ap.error("--tls-cert and --tls-key go together")
     setup_logging(a.log_level)
@@ -634,7 +641,7 @@ def main(argv: list[str] | None = None) -> None:
         host=a.host, port=a.port, metrics_port=a.metrics_port, http_port=a.http_port, target_url=a.target_url, drafter_url=a.drafter_url,
         tokenizer_dir=a.tokenizer_dir, max_concurrent=a.max_concurrent, max_queue=a.max_queue,
         draft_timeout_s=a.draft_timeout_s, tree_blocks=a.tree_blocks, speculation=a.speculation,
-        api_key=read_secret(API_KEY_ENV), target_key=read_secret(TARGET_KEY_ENV),
+        decode_steps=a.decode_steps, api_key=read_secret(API_KEY_ENV), target_key=read_secret(TARGET_KEY_ENV),
         drafter_token=read_secret(DRAFTER_TOKEN_ENV), tls=(a.tls_cert, a.tls_key) if a.tls_cert else None,
         reflection=a.reflection, max_message_bytes=a.max_message_bytes, max_prompt_bytes=a.max_prompt_bytes,
         target_timeout_s=a.target_timeout_s,

@@ -7,7 +7,9 @@ tokens at start_pos .. start_pos+L-1 of its slot; starting before the slot's cur
 length rolls the sequence back for free (positions past start_pos are masked until
 overwritten). The result per row is the verification statistics of its last K+1
 positions (target_service.verification) and the feature-layer hidden states of all
-its positions, which the drafter conditions on.
+its positions, which the drafter conditions on. A row with next_seeds decodes that many
+more tokens in the same call (multi-step decoding), each step an ordinary one-token
+forward, so the call returns what as many separate calls would.
 
 On a GPU, `enable_graphs` (or `cuda_graphs=True`) runs every batch that fits a (batch,
 query length) bucket as one CUDA-graph replay of the same forward (target_service.cuda_graphs);
@@ -26,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flashmap.types import InvalidRequest, SamplingParams, VerifyResult, VerifyRow, feature_layers_for
+from flashmap.types import MAX_DECODE_STEPS, InvalidRequest, SamplingParams, VerifyResult, VerifyRow, feature_layers_for
 from target_service.kernels import self_check
 from target_service.packing import GROUP_TOKENS, pack
 from target_service.qwen3 import Qwen3, Qwen3Config, forward_step
@@ -203,7 +205,8 @@ class TargetEngine:
 
     # -- verify ----------------------------------------------------------------------
     def verify(self, rows: list[VerifyRow]) -> list[VerifyResult]:
-        """One forward pass for all rows; see the module docstring. Validates every row
+        """One forward pass for all rows, and one more per further step of the rows with
+        next_seeds (the steps of all such rows batched); see the module docstring. Validates every row
         before touching any cache. A batch that fits a captured bucket (enable_graphs) runs
         in its graph, padded; others (prefill, odd shapes, every batch without graphs) run
         eagerly, packed (target_service.packing). In batch-invariant mode the rows that fit
@@ -211,6 +214,32 @@ class TargetEngine:
         if not rows:
             return []
         rows = self._validate(rows)
+        out = self._forward(rows)
+        more = [i for i, r in enumerate(rows) if len(r.next_seeds)]
+        return self._decode_more(rows, out, more) if more else out
+
+    def _decode_more(self, rows: list[VerifyRow], out: list[VerifyResult], more: list[int]) -> list[VerifyResult]:
+        """The further steps of the rows in `more` (next_seeds): each step one forward of those
+        rows, one token each, fed the token the step before produced (argmax at T = 0, the
+        residual sample otherwise); the results are joined per row (VerifyResult)."""
+        parts = {i: [out[i]] for i in more}
+        for j in range(max(len(rows[i].next_seeds) for i in more)):
+            live = [i for i in more if j < len(rows[i].next_seeds)]
+            step = []
+            for i in live:
+                r, last = rows[i], parts[i][-1]
+                token = last.argmax[-1] if r.params.greedy else last.residual[-1]
+                step.append(VerifyRow(r.slot, self._length[r.slot], np.array([token], np.int64), r.params,
+                                      round_seed=int(r.next_seeds[j])))
+            for i, res in zip(live, self._forward(step)):
+                parts[i].append(res)
+        for i, p in parts.items():
+            out[i] = VerifyResult(np.concatenate([x.argmax for x in p]), p[0].support_probs, p[0].complement,
+                                  np.concatenate([x.residual for x in p]), np.concatenate([x.features for x in p]))
+        return out
+
+    def _forward(self, rows: list[VerifyRow]) -> list[VerifyResult]:
+        """One forward pass for validated rows (next_seeds aside)."""
         lengths = [len(r.tokens) for r in rows]
         kv_len = max(r.start_pos + n for r, n in zip(rows, lengths))
         out: list[VerifyResult | None] = [None] * len(rows)
@@ -273,6 +302,8 @@ class TargetEngine:
         positions, leaving the cache exactly as after `verify` of that branch alone. Returns
         (that branch's VerifyResult, its index)."""
         (row,) = self._validate([row])
+        if len(row.next_seeds):
+            raise InvalidRequest("tree verification decodes one step: next_seeds must be empty")
         if not row.params.greedy:
             raise InvalidRequest("tree verification is greedy-only (temperature 0)")
         K, n = row.num_draft, len(row.tokens)
@@ -359,7 +390,19 @@ class TargetEngine:
             except InvalidRequest as e:
                 raise InvalidRequest(f"{where}{e}") from None
             sup = self._validate_support(r.support_ids, n, where)
-            out.append(dataclasses.replace(r, tokens=t.astype(np.int64, copy=False), support_ids=sup))
+            seeds = np.asarray(r.next_seeds)
+            if seeds.ndim != 1 or not (np.issubdtype(seeds.dtype, np.integer) or seeds.size == 0):
+                raise InvalidRequest(f"{where}next_seeds must be a 1-D integer array, got shape {seeds.shape}")
+            if seeds.size:
+                if sup.shape[0]:
+                    raise InvalidRequest(f"{where}a row with drafts decodes one step: next_seeds must be empty")
+                if seeds.size >= MAX_DECODE_STEPS:
+                    raise InvalidRequest(f"{where}{seeds.size + 1} decode steps; at most {MAX_DECODE_STEPS}")
+                if start + n + seeds.size > self.max_seq_len:
+                    raise InvalidRequest(f"{where}start_pos + len(tokens) + len(next_seeds) = {start + n + seeds.size}"
+                                         f" > max_seq_len {self.max_seq_len}")
+            out.append(dataclasses.replace(r, tokens=t.astype(np.int64, copy=False), support_ids=sup,
+                                           next_seeds=seeds.astype(np.int64, copy=False)))
         return out
 
     def _validate_support(self, sup: np.ndarray, n_tokens: int, where: str) -> np.ndarray:

@@ -25,6 +25,7 @@ from scipy.stats import chisquare
 from drafter_service.oracle import OracleProposer
 from drafter_service.factory import load_proposer
 from flashmap.inprocess import decode
+from flashmap.speculation import ControllerConfig, SpeculationController
 from flashmap.types import SamplingParams
 from flashmap.types import GenerationRequest
 from target_service.engine import TargetEngine
@@ -90,6 +91,22 @@ def test_untrained_drafter_is_lossless(target, steps):
     out = decode(engine, _requests(prompts), proposer, steps=steps)
     assert [r.token_ids for r in out] == reference
     assert all(r.stats.drafts > 0 for r in out)
+
+
+def test_multi_step_decoding_is_lossless(target):
+    """Rounds without drafts decoding several tokens per call (alone, and between drafted
+    rounds as the goodput controller switches) give the reference text; a seeded sampling
+    request gives the same text as with one token per call."""
+    path, engine, prompts, reference = target.path, target.engine, target.prompts, target.reference
+    assert [r.token_ids for r in decode(engine, _requests(prompts), decode_steps=5)] == reference
+    proposer = load_proposer("init", str(path), n_slots=N_PROMPTS, max_context=engine.max_seq_len)
+    out = decode(engine, _requests(prompts), proposer, controller=SpeculationController(
+        proposer.block_size, ControllerConfig(decode_steps=4)), decode_steps=4)
+    assert [r.token_ids for r in out] == reference
+    sampled = lambda: [GenerationRequest(p, MAX_NEW, SamplingParams(0.8, top_k=20, seed=i))  # noqa: E731
+                       for i, p in enumerate(prompts)]
+    one = decode(engine, sampled())
+    assert [r.token_ids for r in decode(engine, sampled(), decode_steps=3)] == [r.token_ids for r in one]
 
 
 def test_oracle_full_accept_and_rejection_at_every_slot(target):
@@ -170,26 +187,28 @@ def _exact_first3(model_dir, prompt, params: SamplingParams):
     return joint.reshape(-1).numpy()
 
 
-@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_k=5, top_p=0.9)], ids=["T1", "T0.7-k5-p0.9"])
-def test_first_three_tokens_follow_the_target(tmp_path, params):
-    path = make_random_qwen3(tmp_path / "tiny-vocab", vocab_size=V_TINY, hidden_size=32, intermediate_size=64,
+def _tiny_vocab_target(tmp_path):
+    return make_random_qwen3(tmp_path / "tiny-vocab", vocab_size=V_TINY, hidden_size=32, intermediate_size=64,
                              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, with_tokenizer=False,
                              seed=3, init_std=0.3)
-    prompt = [1, 5, 2]
-    exact = _exact_first3(path, prompt, params)
-    engine = TargetEngine(path, n_slots=BATCH)
-    torch.manual_seed(0)  # the fresh drafter's weights: the statistical test is then reproducible
-    proposer = load_proposer("init", str(path), n_slots=BATCH, max_context=64)
+
+
+def _first3_counts(engine, prompt, params, seed0: int, **decode_kw) -> tuple[np.ndarray, int]:
+    """Counts of the first 3 tokens over N_SAMPLES seeded requests, and drafts accepted."""
     counts = np.zeros(V_TINY**3)
     accepted = 0
     for b in range(N_SAMPLES // BATCH):
-        reqs = [GenerationRequest(prompt, 3, SamplingParams(params.temperature, params.top_k, params.top_p, seed=b * BATCH + i))
-                for i in range(BATCH)]
-        for r in decode(engine, reqs, proposer):
+        reqs = [GenerationRequest(prompt, 3, SamplingParams(params.temperature, params.top_k, params.top_p,
+                                                            seed=seed0 + b * BATCH + i)) for i in range(BATCH)]
+        for r in decode(engine, reqs, **decode_kw):
             t1, t2, t3 = r.token_ids
             counts[(t1 * V_TINY + t2) * V_TINY + t3] += 1
             accepted += r.stats.accepted
-    assert accepted > 0, "no draft token was ever accepted: the test would not exercise acceptance"
+    return counts, accepted
+
+
+def _assert_follows(counts: np.ndarray, exact: np.ndarray) -> None:
+    """Chi-square of the counts against the exact law (bins under 5 expected pooled)."""
     expected = exact * N_SAMPLES
     big = expected >= 5
     obs = np.append(counts[big], counts[~big].sum())
@@ -198,3 +217,25 @@ def test_first_three_tokens_follow_the_target(tmp_path, params):
         obs, exp = obs[:-1], exp[:-1]
     assert counts[exact == 0].sum() == 0, "sampled a sequence the target gives probability 0"
     assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_k=5, top_p=0.9)], ids=["T1", "T0.7-k5-p0.9"])
+def test_first_three_tokens_follow_the_target(tmp_path, params):
+    path = _tiny_vocab_target(tmp_path)
+    prompt = [1, 5, 2]
+    exact = _exact_first3(path, prompt, params)
+    engine = TargetEngine(path, n_slots=BATCH)
+    torch.manual_seed(0)  # the fresh drafter's weights: the statistical test is then reproducible
+    proposer = load_proposer("init", str(path), n_slots=BATCH, max_context=64)
+    counts, accepted = _first3_counts(engine, prompt, params, 0, proposer=proposer)
+    assert accepted > 0, "no draft token was ever accepted: the test would not exercise acceptance"
+    _assert_follows(counts, exact)
+
+
+def test_multi_step_samples_follow_the_target(tmp_path):
+    """The target alone decoding tokens 2 and 3 in one call (decode_steps) samples the target's law."""
+    path = _tiny_vocab_target(tmp_path)
+    params = SamplingParams(1.0)
+    engine = TargetEngine(path, n_slots=BATCH)
+    counts, _ = _first3_counts(engine, [1, 5, 2], params, 10**6, decode_steps=2)
+    _assert_follows(counts, _exact_first3(path, [1, 5, 2], params))

@@ -100,6 +100,30 @@ def test_no_speculation_when_verify_cost_per_token_exceeds_the_gain():
     assert all(s.draft_budget() == 0 for s in seqs)
 
 
+def test_multi_step_plain_rounds_raise_the_rate_a_plan_must_beat():
+    """decode_steps = 8: a round without drafts decodes 8 tokens per call. Where a verify's
+    fixed cost dominates, moderate acceptance beats one-token rounds but not 8-token rounds
+    that cost what the plain fit measured; a high acceptance still drafts, and plain rounds
+    measured as slow bring speculation back."""
+    seqs = _seqs(4, acceptance=0.6)
+    assert all(_controller(verify=(0.010, 1e-4), draft=(0.002, 1e-4)).plan(seqs).values())
+    c = _controller(verify=(0.010, 1e-4), draft=(0.002, 1e-4))
+    c.cfg.decode_steps = 8
+    assert set(c.plan(seqs).values()) == {0}  # nothing measured: the extra steps look free, so it runs them
+    for _ in range(20):  # measured: the call's 10 ms once, then 1.5 ms a step
+        c.observe(4, 4, 0.010 + 0.0004 + 7 * 0.0015, 0, 0.0, [], decode_steps=8)
+    c.observe(4, 4, 0.5, 0, 0.0, [], decode_steps=3)  # a shorter round (requests near their end): not fitted
+    assert c.plain_cost.n == 20 and c.verify_cost.n == 15
+    assert set(c.plan(seqs).values()) == {0}
+    good = _seqs(4, acceptance=0.98)
+    for s in good:
+        s.seq_id += 100  # other requests (the search reruns)
+    assert min(c.plan(good).values()) >= K // 2
+    for _ in range(200):  # plain rounds as slow as 8 one-token verifies
+        c.observe(4, 4, 8 * 0.0104, 0, 0.0, [], decode_steps=8)
+    assert all(c.plan(seqs).values())
+
+
 def test_a_long_prompt_beside_decode_rows_does_not_make_drafting_free():
     """A round with a 200-token prompt: padded to one pass, the decode rows' drafts would ride
     on the prompt's padding for free. The engine packs the rows (target_service.packing), and
@@ -109,7 +133,7 @@ def test_a_long_prompt_beside_decode_rows_does_not_make_drafting_free():
     prompt = Sequence(99, GenerationRequest(list(range(3, 203)), max_new_tokens=10), K)
     poor, good = _seqs(8, acceptance=0.05), _seqs(8, acceptance=0.97)
     assert set(c.plan(poor).values()) == set(c.plan(poor + [prompt]).values()) == {0}
-    assert set(c.plan(good).values()) == {K}
+    assert min(c.plan(good).values()) >= K // 2
     assert {v for i, v in c.plan(good + [prompt]).items() if i != 99} == {K}
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from flashmap.types import InvalidRequest, SamplingParams, VerifyRow, feature_layers_for
+from flashmap.types import MAX_DECODE_STEPS, InvalidRequest, SamplingParams, VerifyRow, feature_layers_for
 from flashmap.checkpoint import CheckpointError
 from target_service.engine import NoFreeSlot, TargetEngine, _pack
 from target_service.packing import GROUP_TOKENS, length_groups
@@ -271,6 +271,46 @@ def test_rollback_then_reverify_equals_fresh_run(engine, model):
     assert rel_err(res.features, ref.features[25:]) < 1e-5
 
 
+def test_next_seeds_decode_as_separate_one_token_calls(engine):
+    """A row with next_seeds returns what as many one-token verifies would: a greedy prompt
+    decoding 4 tokens and a sampling decode row 3, beside a drafted row that decodes one."""
+    sampled = SamplingParams(temperature=0.9, top_k=50)
+    prompt, other = seq(12, 20), seq(9, 21)
+
+    def start():
+        a, b, c = engine.allocate(), engine.allocate(), engine.allocate()
+        engine.verify([row(b, 0, other, params=sampled), row(c, 0, seq(7, 22))])
+        return a, b, c
+
+    a, b, c = start()
+    multi = engine.verify([
+        dataclasses.replace(row(a, 0, prompt), round_seed=1, next_seeds=np.array([2, 3, 4])),
+        dataclasses.replace(row(b, 9, [int(other[-1])], params=sampled), round_seed=11, next_seeds=np.array([12, 13])),
+        row(c, 7, seq(4, 23), k=3)])
+    lengths = [engine.length(s) for s in (a, b, c)]
+    for s in (a, b, c):
+        engine.release(s)
+
+    a, b, c = start()
+    ref_a = [engine.verify([dataclasses.replace(row(a, 0, prompt), round_seed=1)])[0]]
+    ref_b = [engine.verify([dataclasses.replace(row(b, 9, [int(other[-1])], params=sampled), round_seed=11)])[0]]
+    ref_c = engine.verify([row(c, 7, seq(4, 23), k=3)])[0]
+    for seed in (2, 3, 4):
+        ref_a.append(engine.verify([dataclasses.replace(row(a, engine.length(a), [int(ref_a[-1].argmax[-1])]),
+                                                        round_seed=seed)])[0])
+    for seed in (12, 13):
+        ref_b.append(engine.verify([dataclasses.replace(row(b, engine.length(b), [int(ref_b[-1].residual[-1])],
+                                                            params=sampled), round_seed=seed)])[0])
+    assert lengths == [engine.length(s) for s in (a, b, c)] == [15, 12, 11]
+    for got, ref in ((multi[0], ref_a), (multi[1], ref_b)):
+        np.testing.assert_array_equal(got.argmax, np.concatenate([r.argmax for r in ref]))
+        np.testing.assert_array_equal(got.residual, np.concatenate([r.residual for r in ref]))
+        assert rel_err(got.features, np.concatenate([r.features for r in ref])) < 1e-5
+    assert len(multi[0].argmax) == 4 and multi[0].features.shape[0] == 12 + 3
+    assert (multi[1].residual >= 0).all() and multi[1].features.shape[0] == 1 + 2
+    np.testing.assert_array_equal(multi[2].argmax, ref_c.argmax)
+
+
 def test_tree_verify_equals_verifying_the_winning_branch_alone(model):
     prompt, K = seq(30, 12), 6
     ref = fresh_engine(model)
@@ -451,6 +491,10 @@ def test_invalid_requests(engine):
         dict(support_ids=np.array([[V]])),
         dict(params=SamplingParams(temperature=-1.0)),
         dict(params=SamplingParams(top_p=0.0)),
+        dict(tokens=np.array([1, 2]), support_ids=np.array([[2]]), next_seeds=np.array([5])),  # drafts: one step
+        dict(start_pos=10, tokens=np.zeros(100, np.int64), next_seeds=np.arange(19)),  # 10 + 100 + 19 > 128
+        dict(next_seeds=np.arange(MAX_DECODE_STEPS)),
+        dict(next_seeds=np.zeros((2, 2), np.int64)),
     ]
     lengths = (engine.length(a), engine.length(b))
     for change in bad:

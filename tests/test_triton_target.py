@@ -198,6 +198,7 @@ def test_results_equal_inprocess_engine(server, engine):
 
     got = run(body, server)
     _assert_same_results(expected, got)
+    _assert_sampled(got)
     settled_active(server, 0)
 
 
@@ -212,7 +213,10 @@ def _assert_same_results(expected, got):
             np.testing.assert_allclose(g.complement, exp.complement, rtol=1e-4, atol=1e-6, err_msg=where)
             assert g.features.dtype == np.float32 and g.features.shape == exp.features.shape, where
             np.testing.assert_allclose(g.features, exp.features, rtol=1e-4, atol=1e-4, err_msg=where)
-    # The sampled round really sampled something (not the T=0 placeholders).
+
+
+def _assert_sampled(got):
+    """_script's sampled round really sampled something (not the T=0 placeholders)."""
     last = got[-1][1]
     assert last.support_probs.shape == (3, 2) and (last.residual >= 0).any()
 
@@ -243,8 +247,41 @@ def test_packed_rounds_equal_inprocess_engine_one_forward_each(server, engine):
 
     got = run(body, server)
     _assert_same_results(expected, got)
+    _assert_sampled(got)
     settled(server, "flashmap_target_verify_batches_total", before + len(rounds))
     settled_active(server, 0)
+
+
+def test_multi_step_rows_equal_the_engine_and_continue_where_they_end(server, engine):
+    """A row with NEXT_SEEDS (greedy prompt + 3 steps beside a sampled decode row + 2) gives
+    what the engine gives; the sequence then continues at its last decoded token only."""
+    rng = np.random.default_rng(3)
+    sampled = SamplingParams(temperature=0.9, top_k=30)
+    prompts = {21: rng.integers(3, 500, 9), 22: rng.integers(3, 500, 5)}
+    first = {21: VerifyRow(-1, 0, prompts[21], GREEDY, round_seed=4, next_seeds=np.array([5, 6, 7])),
+             22: VerifyRow(-1, 0, prompts[22], sampled, round_seed=8)}
+    before = metric(server, "flashmap_target_verify_rows_total")
+    slots = {s: engine.allocate() for s in prompts}
+    exp1 = engine.verify([replace(r, slot=slots[s]) for s, r in first.items()])
+    second = {21: VerifyRow(-1, 12, exp1[0].argmax[-1:], GREEDY),
+              22: VerifyRow(-1, 5, exp1[1].residual[-1:], sampled, round_seed=9, next_seeds=np.array([10, 11]))}
+    exp2 = engine.verify([replace(r, slot=slots[s]) for s, r in second.items()])
+    for s in slots.values():
+        engine.release(s)
+
+    async def body(c):
+        got1 = await c.verify_rows([(s, r, [], True, False) for s, r in first.items()])
+        bad = await c.verify_rows([(21, replace(second[21], start_pos=11), [], False, False)])
+        got2 = await c.verify_rows([(s, r, [], False, True) for s, r in second.items()])
+        return got1, bad, got2
+
+    got1, bad, got2 = run(body, server)
+    assert isinstance(bad[0], InvalidRequest) and "START_POS" in str(bad[0])
+    _assert_same_results([dict(zip(first, exp1)), dict(zip(second, exp2))],
+                         [{s: res for s, (res, _) in zip(first, got1)}, {s: res for s, (res, _) in zip(second, got2)}])
+    assert len(got1[0][0].argmax) == 4 and len(got2[1][0].residual) == 3
+    settled_active(server, 0)
+    settled(server, "flashmap_target_verify_rows_total", before + 4)  # a row, however many steps, counts once
 
 
 def test_concurrent_sequences_share_forward_passes(server):
