@@ -20,7 +20,7 @@ concurrency 1, and each service's peak memory. Greedy; every output is checked a
 target alone.
 
   python -m bench.bench_stack [--target DIR] [--drafter DIR|init] [--max-new-tokens 48] \\
-      [--concurrency 1,4,16,32] [--threads N] [--repeats 2] [--decode-steps 4]
+      [--concurrency 1,4,16,32] [--threads N] [--repeats 2] [--decode-steps 8]
 """
 
 from __future__ import annotations

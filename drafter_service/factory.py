@@ -14,6 +14,7 @@ from drafter_service.checkpoint import checkpoint_kind, init_drafter, load_draft
 from drafter_service.flashmap_proposer import FlashMapProposer
 from drafter_service.proposer import Proposer
 from flashmap.checkpoint import read_config
+from flashmap.host_memory import keep_freed_memory
 
 
 def load_model(drafter: str | Path, target_dir: str | Path, device: str = "cpu"):
@@ -37,6 +38,8 @@ def make_proposer(model, device: str = "cpu", n_slots: int = 8, max_context: int
     EAGLE-style chain has neither; shared_noise None: the noise the drafter was trained on);
     greedy_estimate / greedy_noise_scale: its mode-seeking drafting of T = 0 rows;
     compile: the proposer's enable_compile for `steps`."""
+    if str(device).startswith("cpu"):
+        keep_freed_memory()  # the cache gathers stay mapped (flashmap.host_memory)
     if isinstance(model, eagle.EagleDrafter):
         proposer = eagle.EagleProposer(model, n_slots=n_slots, max_context=max_context, device=device)
     else:

@@ -16,6 +16,7 @@ import numpy as np
 
 BLOCK_SIZE = 16  # draft tokens per block (K): the paper's, and every drafter's default
 MAX_DECODE_STEPS = 64  # tokens one verify row may decode (VerifyRow.next_seeds): bounds one call's time
+DECODE_STEPS = 8  # tokens per request of a serving round without drafts (orchestrator --decode-steps)
 
 
 class InvalidRequest(ValueError):

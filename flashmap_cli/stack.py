@@ -21,6 +21,7 @@ from pathlib import Path
 from flashmap.auth import (API_KEY_ENV, DRAFTER_TOKEN_ENV, DRAFTER_TOKEN_LOCAL, TARGET_KEY_ENV, new_secret,
                            read_secret, write_local_secret)
 from flashmap.grpc_serving import free_ports, wait_grpc_health
+from flashmap.types import DECODE_STEPS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_TARGET = REPO_ROOT / "checkpoints" / "demo-target"
@@ -49,7 +50,7 @@ class StackConfig:
     drafter_idle_timeout_s: float = 300.0
     tree_blocks: int = 1  # > 1: greedy requests verify that many blocks as a tree
     speculation: str = "auto"  # auto: draft lengths from measured costs; full: the whole block every round
-    decode_steps: int = 4  # tokens per request of a round without drafts (the orchestrator's --decode-steps)
+    decode_steps: int = DECODE_STEPS  # tokens per request of a round without drafts (the orchestrator's --decode-steps)
     # Secrets between the parts (flashmap.auth): fresh random ones unless given.
     target_key: str = field(default_factory=new_secret)
     drafter_token: str = field(default_factory=new_secret)

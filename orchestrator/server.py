@@ -38,7 +38,7 @@ from flashmap.rounds import speculative_round
 from flashmap.sequence import Sequence
 from flashmap.speculation import ControllerConfig, SpeculationController
 from flashmap.tokenizer import IncrementalDecoder
-from flashmap.types import BLOCK_SIZE, MAX_DECODE_STEPS, GenerationRequest, InvalidRequest, SamplingParams, SpecStats
+from flashmap.types import BLOCK_SIZE, DECODE_STEPS, MAX_DECODE_STEPS, GenerationRequest, InvalidRequest, SamplingParams, SpecStats
 from flashmap.v1 import serving_pb2, serving_pb2_grpc
 from flashmap.wire import stats_to_proto
 from orchestrator.drafter_client import DrafterClient, ServiceDrafter
@@ -66,7 +66,7 @@ class OrchestratorConfig:
     speculation: str = "auto"  # auto: draft lengths from measured costs (flashmap.speculation); full: always K
     # A round where nobody drafts decodes this many tokens per request in its one verify call
     # (flashmap.rounds): the call's fixed cost (gRPC, Triton, this loop) is paid once for them.
-    decode_steps: int = 4
+    decode_steps: int = DECODE_STEPS
     # Trust boundaries (DESIGN.md): secrets come from the environment (flashmap.auth), "" = none.
     api_key: str = ""  # clients must send authorization: Bearer <api_key> (gRPC Health and grpc.health stay open)
     target_key: str = ""  # Triton's restricted-protocol key
@@ -619,7 +619,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="greedy requests: verify this many drafted blocks as a tree (1 = one block)")
     ap.add_argument("--speculation", choices=("auto", "full"), default=env("FLASHMAP_SPECULATION", "auto"),
                     help="auto: each round's draft lengths from measured acceptance and costs; full: always the whole block")
-    ap.add_argument("--decode-steps", type=int, default=int(env("FLASHMAP_DECODE_STEPS", "4")),
+    ap.add_argument("--decode-steps", type=int, default=int(env("FLASHMAP_DECODE_STEPS", str(DECODE_STEPS))),
                     help="tokens per request of a round without drafts, decoded in one call to the target")
     ap.add_argument("--tls-cert", default=env("FLASHMAP_TLS_CERT"), help="PEM certificate chain: serve TLS")
     ap.add_argument("--tls-key", default=env("FLASHMAP_TLS_KEY"), help="PEM private key of --tls-cert")

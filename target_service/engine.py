@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from flashmap.host_memory import keep_freed_memory
 from flashmap.types import MAX_DECODE_STEPS, InvalidRequest, SamplingParams, VerifyResult, VerifyRow, feature_layers_for
 from target_service.kernels import self_check
 from target_service.packing import GROUP_TOKENS, pack
@@ -92,6 +93,8 @@ class TargetEngine:
         self._length = [0] * n_slots
         w = model.lm_head.weight
         self._device, self._dtype = w.device, w.dtype
+        if w.device.type == "cpu":
+            keep_freed_memory()  # the step's buffers stay mapped (flashmap.host_memory)
         self.graphs = None  # TargetGraphs after enable_graphs()
         self.group_tokens = GROUP_TOKENS  # eager verifies: rows grouped for attention (target_service.packing)
         self.kernel_check: dict = {}  # the fused kernels' self-check on this device (kernels.self_check)
