@@ -343,28 +343,32 @@ def target_section(dev, smoke: bool, guard: Guard, report: dict) -> dict:
         engine.verify(rows)
     sync(dev)
 
-    def row_sets(b: int, L: int, params=G, width: int = 1, sets: int = 4):
+    def row_sets(b: int, L: int, params=G, width: int = 1, sets: int = 4, more: int = 0):
         out = []
         for _ in range(sets):  # rotate token ids between repetitions
             rows = []
             for slot in range(b):
                 tok = rng.integers(0, c.vocab_size, L).astype(np.int64)
                 sup = (tok[1:, None] + np.arange(width)) % c.vocab_size if L > 1 else np.zeros((0, width), np.int64)
-                rows.append(VerifyRow(slot, ctx, tok, params, sup, int(rng.integers(1 << 30))))
+                rows.append(VerifyRow(slot, ctx, tok, params, sup, int(rng.integers(1 << 30)),
+                                      rng.integers(1 << 30, size=more)))
             out.append(rows)
         return out
 
     def bench(label: str):
         lat = {}
         for b in BATCHES:
-            for name, L, params, width in (("step", 1, G, 1), ("verify17", K + 1, G, 1),
-                                           ("verify17_T1_S4", K + 1, SamplingParams(1.0), 4)):
+            # decode8: one call decoding 8 tokens per row (VerifyRow.next_seeds, the serving
+            # rounds without drafts), against 8 steps.
+            for name, L, params, width, more in (("step", 1, G, 1, 0), ("verify17", K + 1, G, 1, 0),
+                                                 ("verify17_T1_S4", K + 1, SamplingParams(1.0), 4, 0),
+                                                 ("decode8", 1, G, 1, 7)):
                 if name == "verify17_T1_S4" and b == 4:
                     continue
                 if not guard.fits(20):
                     say(f"  time guard: {label} stops at batch {b}")
                     return lat
-                sets = row_sets(b, L, params, width)
+                sets = row_sets(b, L, params, width, more=more)
                 it = iter(range(10**9))
                 r = timed(lambda: engine.verify(sets[next(it) % len(sets)]), dev,
                           reps if label == "graph" else max(3, reps // 2), guard=guard)
@@ -599,7 +603,7 @@ def summary(report: dict) -> list[str]:
         lines.append(f"target 8B bf16 ctx {t.get('context')}: weights {t.get('weight_bytes', 0) / 1e9:.2f} GB, "
                      f"floor {floor} ms, ops {t.get('ops')}, graph vs eager {t.get('graph_vs_eager_b4_verify17')}")
         lines.append(f"{'batch':>5} | {'step graph':>10} {'replay':>7} {'eager':>7} | {'verify17 g':>10} {'replay':>7} "
-                     f"{'eager':>7} | {'T=1,S=4':>7} | step/floor  v/step")
+                     f"{'eager':>7} | {'T=1,S=4':>7} | {'decode8/8':>9} | step/floor  v/step")
         for b in BATCHES:
             st, vr = g.get(f"step b={b}", {}).get("ms"), g.get(f"verify17 b={b}", {}).get("ms")
             f = lambda v: f"{v:7.2f}" if isinstance(v, (int, float)) else f"{'-':>7}"  # noqa: E731
@@ -607,7 +611,8 @@ def summary(report: dict) -> list[str]:
             vs = f"{vr / st:7.2f}" if st and vr else f"{'-':>7}"
             lines.append(f"{b:>5} | {f(st):>10} {f(rp.get(f'b={b} q=1'))} {f(ea.get(f'step b={b}', {}).get('ms'))} | "
                          f"{f(vr):>10} {f(rp.get(f'b={b} q=17'))} {f(ea.get(f'verify17 b={b}', {}).get('ms'))} | "
-                         f"{f(g.get(f'verify17_T1_S4 b={b}', {}).get('ms'))} | {ratio}  {vs}")
+                         f"{f(g.get(f'verify17_T1_S4 b={b}', {}).get('ms'))} | "
+                         f"{f((g.get(f'decode8 b={b}', {}).get('ms') or float('nan')) / 8):>9} | {ratio}  {vs}")
     for key, parts in (t.get("parts") or {}).items():
         if isinstance(parts, dict) and "error" not in parts:
             lines.append(f"parts {key} (ms/step, each in a graph): " + "  ".join(
