@@ -5,10 +5,11 @@ each row's cache, [B, KV, S, D], one position longer every step). glibc's malloc
 allocation above its mmap threshold with a fresh mmap and, by default, moves that threshold up
 only to the largest size freed so far, so a buffer that grows by one position per step is a new
 mapping every step, and the heap's top is trimmed whenever enough is free: every step then
-page-faults its buffers in again. With 16 rows at 320 positions the demo target's step took
-twice as long inside Triton's model process (8,700 minor faults per step), and 25-40% longer in
-one process. Fixed thresholds (what PyTorch's CPU tuning guides get from jemalloc or tcmalloc)
-keep the pages: 0 faults per step in the same run (`bench/triton_overhead.py`-style loop).
+page-faults its buffers in again. The demo target at 16 rows and 270-320 positions took 8,700
+minor faults per step, in one process and inside Triton's model alike, and 43 ms per step in one
+process (57 ms per call through Triton); with the thresholds fixed, 0 faults and 20 ms (25 ms)
+in the same script (a decode loop beside Triton, 2-core VM). jemalloc or tcmalloc, which
+PyTorch's CPU tuning guides preload, avoid it the same way.
 
 Numpy only (ctypes); a no-op where the C library is not glibc.
 """

@@ -60,6 +60,9 @@ def orchestrator_metrics(block_size: int = BLOCK_SIZE) -> tuple[Metric, ...]:
           "decode step: the speculation controller chose none, or no draft came)", ("model",), tuple(range(0, block_size + 1))),
         M("flashmap_speculation_off_rounds", "counter", "Rounds in which the controller verified no draft for "
           "any request (speculation off)", ("model",)),
+        M("flashmap_decode_steps", "histogram", "Tokens per request decoded in one call by a round without drafts "
+          "(--decode-steps; fewer near a request's end, 1 in a round with a new prompt)", ("model",),
+          (1, 2, 4, 8, 16, 32, 64)),
         M("flashmap_draft_latency_seconds", "histogram", "Drafter call latency", SPEC, LATENCY_BUCKETS),
         M("flashmap_verify_latency_seconds", "histogram", "Target verify latency", ("model",), LATENCY_BUCKETS),
         M("flashmap_round_latency_seconds", "histogram", "Whole round latency (draft + verify + commit)", SPEC,

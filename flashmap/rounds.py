@@ -119,15 +119,15 @@ async def speculative_round(seqs: list[Sequence], target: Target, drafter: Draft
         picked.append((blocks[0].truncate(n) if blocks else None, [b.tokens[:n] for b in blocks[1:]]))
     # A round where nobody drafts and no prompt is new decodes up to `decode_steps` tokens per
     # row in its one verify call; a prompt's first token is not held back for it.
-    if all(d is None or len(d.tokens) == 0 for d, _ in picked) and all(s.prefilled for s in seqs):
-        out.decode_steps = decode_steps
+    plain = all(d is None or len(d.tokens) == 0 for d, _ in picked) and all(s.prefilled for s in seqs)
     for s, (draft, more) in zip(seqs, picked):
-        row = s.verify_row(draft, out.decode_steps)
+        row = s.verify_row(draft, decode_steps if plain else 1)
         rows.append(row)
         drafts.append(draft)
         branches.append(more if _tree_fits(row, len(more), target.max_seq_len) else [])
         if draft is not None and draft.steps:
             out.steps = draft.steps
+    out.decode_steps = max(r.steps for r in rows)
     t0 = time.perf_counter()
     results = await target.verify(rows, branches)
     out.verify_s = time.perf_counter() - t0
@@ -158,7 +158,7 @@ async def speculative_round(seqs: list[Sequence], target: Target, drafter: Draft
         controller.observe(len(rows), tokens, rest_s, len(ask), out.draft_s,
                            [(r.seq.params.greedy, r.drafted, r.accepted) for r in out.sequences],
                            prefill=any(r.prefill for r in out.sequences),
-                           decode_steps=max(r.steps for r in rows))
+                           decode_steps=out.decode_steps)
     return out
 
 

@@ -183,6 +183,7 @@ class Orchestrator:
             self.metrics.requests.labels(model=self.info.model_name, status=status)
         self.metrics.draft_length.labels(model=self.info.model_name)
         self.metrics.speculation_off_rounds.labels(model=self.info.model_name)
+        self.metrics.decode_steps.labels(model=self.info.model_name)
         self.max_concurrent = self.cfg.max_concurrent or self.info.n_slots
         self._loop_task = asyncio.create_task(self._scheduler())
         self._health_task = asyncio.create_task(self._health_loop())
@@ -395,6 +396,8 @@ class Orchestrator:
             self.metrics.draft_length.labels(model=name).observe(r.drafted)
         if res.plan is not None and decoding and not any(res.plan.values()):
             self.metrics.speculation_off_rounds.labels(model=name).inc()
+        if decoding and not any(r.drafted for r in decoding):
+            self.metrics.decode_steps.labels(model=name).observe(res.decode_steps)
         if self.drafter is not None:
             self.metrics.drafter_steps.labels(drafter=self._drafter_name()).set(self.drafter.steps)
             if res.draft_s:  # one observation per drafter call (a call drafts the whole batch)

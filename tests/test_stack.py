@@ -357,6 +357,20 @@ class TestMainStack:
         assert re.search(r'^flashmap_num_drafts_total\{(?=.*model=")(?=.*drafter=")(?=.*steps=").*\}', text, re.M)
         assert re.search(r'^flashmap_requests_total\{.*status="length".*\} [1-9]', text, re.M)
 
+    @pytest.mark.timeout(60)
+    def test_rounds_without_drafts_decode_several_tokens_per_call(self, stack, client, ref):
+        """Speculation off for a request: after its prompt's round, each round decodes
+        --decode-steps (8) tokens in one call to Triton; the text is the target's."""
+        p = _prompts(1, seed=81, lo=5, hi=5)[0]
+        (exp,) = ref([p], 17)
+        orch0, tri0 = _samples(stack.cfg.metrics_port), _samples(stack.cfg.triton_metrics_port)
+        ids, final = _stream(client, prompt_ids=p, max_new_tokens=17, ignore_eos=True, max_draft_tokens=0)
+        assert ids == exp and final.stats.rounds == 16 and final.stats.drafts == 0
+        orch1, tri1 = _samples(stack.cfg.metrics_port), _samples(stack.cfg.triton_metrics_port)
+        d = lambda a, b, name: _total(b, name) - _total(a, name)  # noqa: E731
+        assert d(orch0, orch1, "flashmap_decode_steps_count") == 2 and d(orch0, orch1, "flashmap_decode_steps_sum") == 16
+        assert d(tri0, tri1, "nv_inference_exec_count") <= 4  # prompt, 2 x 8 tokens, the release
+
     @pytest.mark.timeout(150)
     def test_drafter_killed_mid_stream_then_restarted(self, stack, client, admin, ref):
         prompts = _prompts(4, seed=71, lo=3, hi=20)
@@ -404,8 +418,10 @@ def test_late_drafter_falls_back_exactly_and_is_released(target_dir, ref, tmp_pa
     prompts = _prompts(3, seed=101, lo=3, hi=12)
     max_new = 16
     expected = ref(prompts, max_new)
+    # speculation="full": every round wants a draft (the controller would soon stop asking a drafter
+    # that never answers in time, and then no round would fall back).
     cfg = StackConfig.on_free_ports(target_dir=str(target_dir), n_slots=4, max_seq_len=1024, draft_timeout_s=1e-4,
-                                    log_dir=str(tmp_path))
+                                    speculation="full", log_dir=str(tmp_path))
     with Stack(cfg) as st, Client(cfg.url, timeout=120) as c:
         admin = DrafterAdmin(cfg.drafter_url, token=cfg.drafter_token)
         try:
