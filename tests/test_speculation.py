@@ -311,3 +311,23 @@ def test_a_search_that_found_nothing_is_rerun_only_when_something_changed():
     c.plan(seqs)
     c.plan(seqs[:3])  # a request left
     assert len(calls) == 16 // c.cfg.recheck_every + 2
+
+
+def test_multi_step_rounds_give_the_drafter_the_same_context(tiny):
+    """What a sequence holds for the drafter (context tokens and the target's features) after
+    rounds of 5 tokens per call equals what one-token rounds give: the decoded tokens line up
+    with the features of the steps that took them as input."""
+    from flashmap.inprocess import LocalTarget
+    from flashmap.rounds import run_local, speculative_round
+
+    contexts = {}
+    for steps in (1, 5):
+        seq = Sequence(1, GenerationRequest([3, 4, 5, 6, 7], 13, SamplingParams()), K, handle=tiny.allocate())
+        while not seq.finished:
+            run_local(speculative_round([seq], LocalTarget(tiny), decode_steps=steps))
+        tiny.release(seq.handle)
+        contexts[steps] = (seq.generated, seq.context_for_drafter())
+    (gen1, (start1, ids1, f1)), (gen5, (start5, ids5, f5)) = contexts[1], contexts[5]
+    assert gen1 == gen5 and start1 == start5 == 0
+    assert ids5.tolist() == ids1.tolist() == [3, 4, 5, 6, 7] + gen1[:-1]
+    np.testing.assert_allclose(f5, f1, rtol=1e-5, atol=1e-5)
