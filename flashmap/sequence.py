@@ -118,7 +118,7 @@ class Sequence:
             return [], 0
         k = row.num_draft
         if k == 0:  # one token per step: the argmax (T = 0) or the target's own sample
-            new, n_acc = [int(t) for t in (result.argmax if self.params.greedy else result.residual)[-row.steps:]], 0
+            new, n_acc = [int(t) for t in result.decoded(self.params.greedy)[-row.steps:]], 0
         elif self.params.greedy:
             new, n_acc = greedy_verify(draft.tokens, result.argmax)
         else:

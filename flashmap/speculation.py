@@ -194,12 +194,15 @@ class SpeculationController:
             s.draft_limit = choice[s.seq_id]
         return choice
 
+    def _probe_s(self) -> float:
+        """What a probe costs: about one drafting request's call and K verified tokens."""
+        return sum(self.draft_cost.coef) + self.verify_cost.coef[2] * self.block_size
+
     def _may_probe(self) -> bool:
-        """Within the budget: a probe costs about one drafting request's call and K tokens."""
+        """Within the budget (probe_budget)."""
         if self.cfg.probe_budget is None:
             return True
-        d0, d1 = self.draft_cost.coef
-        cost = d0 + d1 + self.verify_cost.coef[2] * self.block_size
+        cost = self._probe_s()
         if self.probe_credit < cost:
             return False
         self.probe_credit -= cost
@@ -304,8 +307,7 @@ class SpeculationController:
         fit leaves it out. decode_steps > 1: a round without drafts that decoded that many
         tokens per row (at most): the plain fit takes it when that is the configured count."""
         if self.cfg.probe_budget is not None:  # at most a few probes' worth saved up
-            cap = 3 * (sum(self.draft_cost.coef) + self.verify_cost.coef[2] * self.block_size)
-            self.probe_credit = min(self.probe_credit + self.cfg.probe_budget * (rest_s + draft_s), cap)
+            self.probe_credit = min(self.probe_credit + self.cfg.probe_budget * (rest_s + draft_s), 3 * self._probe_s())
         if decode_steps > 1:
             if rest_s > 0 and not prefill and decode_steps == self.cfg.decode_steps:
                 self.plain_cost.add(rows, rest_s)

@@ -187,6 +187,11 @@ class VerifyResult:
     residual: np.ndarray  # [K+1] int64, y_k ~ p_k outside S_k (row K: bonus ~ p_{K+1}); -1 if none
     features: np.ndarray  # [L, F] float32, feature-layer hidden states of every input position
 
+    def decoded(self, greedy: bool) -> np.ndarray:
+        """The target's own next token after each bonus position: its argmax at T = 0, its
+        sample otherwise (what a row without drafts commits, one per step)."""
+        return self.argmax if greedy else self.residual
+
 
 @dataclass
 class ProposeRequest:

@@ -38,7 +38,8 @@ from flashmap.rounds import speculative_round
 from flashmap.sequence import Sequence
 from flashmap.speculation import ControllerConfig, SpeculationController
 from flashmap.tokenizer import IncrementalDecoder
-from flashmap.types import BLOCK_SIZE, DECODE_STEPS, MAX_DECODE_STEPS, GenerationRequest, InvalidRequest, SamplingParams, SpecStats
+from flashmap.types import (BLOCK_SIZE, DECODE_STEPS, MAX_DECODE_STEPS, GenerationRequest, InvalidRequest,
+                            SamplingParams, SpecStats)
 from flashmap.v1 import serving_pb2, serving_pb2_grpc
 from flashmap.wire import stats_to_proto
 from orchestrator.drafter_client import DrafterClient, ServiceDrafter

@@ -231,7 +231,7 @@ class TargetEngine:
             step = []
             for i in live:
                 r, last = rows[i], parts[i][-1]
-                token = last.argmax[-1] if r.params.greedy else last.residual[-1]
+                token = last.decoded(r.params.greedy)[-1]
                 step.append(VerifyRow(r.slot, self._length[r.slot], np.array([token], np.int64), r.params,
                                       round_seed=int(r.next_seeds[j])))
             for i, res in zip(live, self._forward(step)):
