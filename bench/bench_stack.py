@@ -8,8 +8,11 @@ concurrency, in one script:
   (the ceiling of the stack with speculation off);
 - through the stack (Triton + drafter + orchestrator): speculation off (every request
   max_draft_tokens = 0), fixed K (orchestrator --speculation full) and the goodput
-  controller (--speculation auto, the default); each `repeats` times, alternated, because
-  the VM's speed drifts by a third within minutes and one run per mode cannot tell 5% apart.
+  controller (--speculation auto, the default).
+
+The target alone (in process and through Triton) and the three stack modes run `repeats`
+times each, alternated, because the VM's speed drifts by a third within minutes and one run
+per mode cannot tell 5% apart.
 
 Rounds without drafts decode `--decode-steps` tokens per request in one call everywhere (the
 in-process target alone too), so every ratio compares like with like.
@@ -149,14 +152,28 @@ def through_stack(cfg: StackConfig, prompts, max_new, concurrency, spec_off: boo
     }
 
 
-def stack_modes(stack: Stack, prompts, max_new, concurrency, repeats: int) -> dict[str, list[dict]]:
-    """Each stack mode `repeats` times, in the order off, full, auto and then reversed, so that
-    the VM's drifting speed (+-30% within minutes) falls on all three alike. Speculation off is
-    the controller's orchestrator with max_draft_tokens = 0 per request; a switch between full
-    and auto restarts the orchestrator (auto then gets a short warm-up, its first measurements)."""
-    runs = {"off": [], "full": [], "auto": []}
+MODES = ("target", "triton", "off", "full", "auto")
+
+
+def alternated(stack: Stack, engine, prompts, max_new, concurrency, repeats: int, decode_steps: int
+               ) -> dict[str, list[dict]]:
+    """Each mode `repeats` times, in the order of MODES and then reversed, so that the VM's
+    drifting speed (+-30% within minutes) falls on all alike: the in-process target alone
+    ("target"), the target alone through Triton ("triton"), and the stack with speculation off,
+    fixed K ("full") and the controller ("auto"). Speculation off is the controller's
+    orchestrator with max_draft_tokens = 0 per request; a switch between full and auto restarts
+    the orchestrator (auto then gets a short warm-up, its first measurements)."""
+    runs = {m: [] for m in MODES}
     for rep in range(repeats):
-        for mode in ("off", "full", "auto") if rep % 2 == 0 else ("auto", "full", "off"):
+        for mode in MODES if rep % 2 == 0 else MODES[::-1]:
+            if mode == "target":
+                ids, tok_s = inprocess(engine, None, prompts, max_new, concurrency, decode_steps)
+                runs[mode].append({"outputs": ids, "tok_s": tok_s})
+                continue
+            if mode == "triton":
+                ids, tok_s = triton_alone(stack.cfg, prompts, max_new, concurrency)
+                runs[mode].append({"outputs": ids, "tok_s": tok_s})
+                continue
             wanted = "full" if mode == "full" else "auto"
             if stack.cfg.speculation != wanted:
                 stack.restart_orchestrator(speculation=wanted)
@@ -177,9 +194,12 @@ def merge(runs: list[dict]) -> dict:
     return out
 
 
-def ratio_range(runs: dict[str, list[dict]]) -> str:
-    """auto / max(off, full) within each repeat: the spread the drift leaves in the headline ratio."""
-    r = [a["tok_s"] / max(o["tok_s"], f["tok_s"]) for o, f, a in zip(runs["off"], runs["full"], runs["auto"])]
+def ratio_range(runs: dict[str, list[dict]], baseline: str = "best") -> str:
+    """auto / max(off, full) (baseline "best") or auto / another mode within each repeat: the
+    spread the drift leaves in a headline ratio."""
+    base = [max(o["tok_s"], f["tok_s"]) for o, f in zip(runs["off"], runs["full"])] if baseline == "best" else \
+        [r["tok_s"] for r in runs[baseline]]
+    r = [a["tok_s"] / b for a, b in zip(runs["auto"], base)]
     return f"{min(r):.2f}-{max(r):.2f}" if len(r) > 1 else f"{r[0]:.2f}"
 
 
@@ -225,20 +245,21 @@ def main(argv=None):
             through_stack(cfg, prompts[:2], 8, 1)  # warm-up
             decode(engine, [GenerationRequest(prompts[0], 8)], proposer)
             for c in levels:
-                ar_ids, ar = inprocess(engine, None, prompts, a.max_new_tokens, c, a.decode_steps)
                 ip_ids, ip = inprocess(engine, proposer, prompts, a.max_new_tokens, c)
-                tr_ids, tr = triton_alone(cfg, prompts, a.max_new_tokens, c)
-                runs = stack_modes(stack, prompts, a.max_new_tokens, c, a.repeats)
-                for what, ids in (("in-process speculation", ip_ids), ("Triton alone", tr_ids),
-                                  *((f"stack, {m}", r["outputs"]) for m, rs in runs.items() for r in rs)):
+                runs = alternated(stack, engine, prompts, a.max_new_tokens, c, a.repeats, a.decode_steps)
+                ar_ids = runs["target"][0]["outputs"]
+                for what, ids in (("in-process speculation", ip_ids),
+                                  *((m, r["outputs"]) for m, rs in runs.items() for r in rs)):
                     assert ids == ar_ids, f"{what}: output differs from the target alone ({name}, concurrency {c})"
+                ar, tr = (float(np.mean([r["tok_s"] for r in runs[m]])) for m in ("target", "triton"))
                 off, full, auto = (merge(runs[m]) for m in ("off", "full", "auto"))
                 auto["ratio_range"] = ratio_range(runs)
+                auto["target_range"] = ratio_range(runs, "target")
                 rows.append((name, c, ar, ip, tr, off, full, auto))
                 print(f"{name} c={c}: target alone {ar:.0f} tok/s, in-process spec {ip:.0f}, Triton alone {tr:.0f}, stack off "
                       f"{off['tok_s']:.0f} / full {full['tok_s']:.0f} / auto {auto['tok_s']:.0f} (mean draft "
                       f"{auto['mean_draft_len']:.1f}, off rounds {auto['off_rounds']:.0f}; auto / best per repeat "
-                      f"{auto['ratio_range']})", flush=True)
+                      f"{auto['ratio_range']}; auto / target alone per repeat {auto['target_range']})", flush=True)
         with DrafterAdmin(cfg.drafter_url, token=cfg.drafter_token) as admin:
             stats = admin.stats()
         mem = {"triton (server + Python stub)": peak_rss_mb(stack.triton.process.pid),
@@ -249,18 +270,20 @@ def main(argv=None):
         "# Stack benchmark (CPU)", "",
         "| prompts | concurrency | target alone (in-process) | fixed-K spec (in-process) | target alone through "
         "Triton | stack, speculation off | stack, fixed K | stack, auto | auto / max(off, full) | ... per repeat "
-        "| auto / target alone | mean draft length (auto) | rounds without speculation (auto) | gamma (auto) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| auto / target alone | ... per repeat | mean draft length (auto) | rounds without speculation (auto) | gamma (auto) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, c, ar, ip, tr, off, full, auto in rows:
         best = max(off["tok_s"], full["tok_s"])
         lines.append(f"| {name} | {c} | {ar:.0f} | {ip:.0f} | {tr:.0f} | {off['tok_s']:.0f} | {full['tok_s']:.0f} | "
                      f"{auto['tok_s']:.0f} | {auto['tok_s'] / best:.2f} | {auto['ratio_range']} | {auto['tok_s'] / ar:.2f} | "
+                     f"{auto['target_range']} | "
                      f"{auto['mean_draft_len']:.1f} | {auto['off_rounds']:.0f} / {auto['rounds']:.0f} | {auto['gamma']:.2f} |")
     lines += [
         "", f"Tokens/s, greedy, {a.max_new_tokens} new tokens per request, {n} prompts per set; every output equals "
-        f"the target alone's (checked). Stack modes: the mean of {a.repeats} runs each, alternated (off, full, auto, "
-        f"then reversed); 'per repeat' is auto / max(off, full) within each repeat. Command: `OMP_NUM_THREADS={threads} "
+        f"the target alone's (checked). The target alone (in process and through Triton) and the stack modes: the "
+        f"mean of {a.repeats} runs each, alternated (target, Triton, off, full, auto, then reversed); 'per repeat' is "
+        f"the ratio within each repeat; fixed-K speculation in process: one run. Command: `OMP_NUM_THREADS={threads} "
         f"python -m bench.bench_stack --concurrency {a.concurrency} --max-new-tokens {a.max_new_tokens} --threads "
         f"{threads} --repeats {a.repeats} --decode-steps {a.decode_steps}`; rounds without drafts decode "
         f"{a.decode_steps} tokens per request in one call, in process and through the stack alike. Date: {date}. Machine: {machine()}; {threads} torch threads per "

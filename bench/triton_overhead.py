@@ -1,10 +1,11 @@
 """Where a plain decode step through Triton goes, against the same engine in one process.
 
-    python -m bench.triton_overhead [--target DIR] [--blocks 8] [--steps 40] [--rows 1]
+    python -m bench.triton_overhead [--target DIR] [--blocks 8] [--steps 40] [--rows 1] [--decode-steps 1]
 
 Starts Triton alone (no drafter, no orchestrator) and a TargetEngine in this process, then
 alternates blocks of `steps` decode steps of `rows` sequences: the local
-`TargetEngine.verify`, then the same through Triton (one packed request per step). Blocks
+`TargetEngine.verify`, then the same through Triton (one packed request per call; a call
+decodes `decode-steps` tokens per row, VerifyRow.next_seeds). Blocks
 alternate so that the VM's drifting speed hits both sides alike. Per block: the local
 verify, the client's call, and Triton's model execution (`compute_infer`, from its metrics),
 medians in ms, and the ratio of Triton's model execution to the local verify.
@@ -27,7 +28,8 @@ from orchestrator.target_client import TargetClient
 from target_service.engine import TargetEngine
 
 
-async def _measure(cfg: StackConfig, engine: TargetEngine, blocks: int, steps: int, rows: int) -> dict[str, list]:
+async def _measure(cfg: StackConfig, engine: TargetEngine, blocks: int, steps: int, rows: int,
+                   decode_steps: int) -> dict[str, list]:
     client = TargetClient(f"{cfg.host}:{cfg.triton_grpc_port}", key=cfg.target_key)
     metrics = f"http://{cfg.host}:{cfg.triton_metrics_port}/metrics"
     params, prompt = SamplingParams(), np.arange(3, 23)
@@ -37,22 +39,24 @@ async def _measure(cfg: StackConfig, engine: TargetEngine, blocks: int, steps: i
     engine.verify([VerifyRow(s, 0, prompt, params) for s in slots])
     remote = [len(prompt), [int(r[0].argmax[-1]) for r in first]]  # next position, last token per row
     local = [len(prompt), [5] * rows]
+    more = np.zeros(decode_steps - 1, np.int64)  # greedy: the further steps' seeds are unused
     out: dict[str, list] = {"local verify": [], "Triton call": [], "Triton model": []}
     for _ in range(blocks):
         times = []
         for _ in range(steps):
             t0 = time.perf_counter()
-            res = engine.verify([VerifyRow(s, local[0], np.array([t]), params) for s, t in zip(slots, local[1])])
+            res = engine.verify([VerifyRow(s, local[0], np.array([t]), params, next_seeds=more)
+                                 for s, t in zip(slots, local[1])])
             times.append(time.perf_counter() - t0)
-            local = [local[0] + 1, [int(r.argmax[-1]) for r in res]]
+            local = [local[0] + decode_steps, [int(r.argmax[-1]) for r in res]]
         out["local verify"].append(np.median(times))
         before, times = totals(scrape(metrics, 10)), []
         for _ in range(steps):
             t0 = time.perf_counter()
-            res = await client.verify_rows([(i, VerifyRow(i, remote[0], np.array([t]), params), [], False, False)
-                                            for i, t in zip(ids, remote[1])])
+            res = await client.verify_rows([(i, VerifyRow(i, remote[0], np.array([t]), params, next_seeds=more),
+                                             [], False, False) for i, t in zip(ids, remote[1])])
             times.append(time.perf_counter() - t0)
-            remote = [remote[0] + 1, [int(r[0].argmax[-1]) for r in res]]
+            remote = [remote[0] + decode_steps, [int(r[0].argmax[-1]) for r in res]]
         after = totals(scrape(metrics, 10))
         n = after["nv_inference_exec_count"] - before["nv_inference_exec_count"]
         out["Triton call"].append(np.median(times))
@@ -67,16 +71,17 @@ def main(argv=None) -> int:
     ap.add_argument("--blocks", type=int, default=8)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--decode-steps", type=int, default=1, help="tokens per row in one call")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     target, _, _ = default_checkpoints(a.target, "init")
-    max_seq_len = 32 + a.blocks * a.steps
+    max_seq_len = 32 + a.blocks * a.steps * a.decode_steps
     cfg = StackConfig.on_free_ports(target_dir=target, drafter="init", n_slots=a.rows, max_seq_len=max_seq_len,
                                     with_drafter=False)
     engine = TargetEngine(target, n_slots=a.rows, max_seq_len=max_seq_len)
     with Stack(cfg):
-        out = asyncio.run(_measure(cfg, engine, a.blocks, a.steps, a.rows))
-    print(f"{a.rows} row(s), medians of {a.steps} steps per block, ms:")
+        out = asyncio.run(_measure(cfg, engine, a.blocks, a.steps, a.rows, a.decode_steps))
+    print(f"{a.rows} row(s), {a.decode_steps} token(s) per call, medians of {a.steps} calls per block, ms:")
     for name, v in out.items():
         print(f"  {name:13s} " + " ".join(f"{x * 1e3:6.2f}" for x in v))
     ratio = np.array(out["Triton model"]) / np.array(out["local verify"])

@@ -69,7 +69,9 @@ class LocalTarget:
         self.engine = engine
         self.max_seq_len = engine.max_seq_len
 
-    async def verify(self, rows: list[VerifyRow], branches: list[list[np.ndarray]]) -> list:
+    async def verify(self, rows: list[VerifyRow], branches: list[list[np.ndarray]],
+                     last: list[bool] | None = None) -> list:
+        # `last` is not used: freeing a local slot costs nothing, decode() frees it when the request ends.
         out: list = [None] * len(rows)
         flat = [i for i, b in enumerate(branches) if not b]
         for i, res in zip(flat, self.engine.verify([rows[i] for i in flat]) if flat else []):

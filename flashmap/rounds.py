@@ -8,11 +8,12 @@ both call `speculative_round`; they differ only in what they plug in:
 
 A round: every sequence that can draft asks the drafter for a block (or `tree_blocks`
 blocks from independent noise, greedy requests only); sequences without a block decode
-one token autoregressively, which keeps the output exact (when nobody drafts, up to
-`decode_steps` tokens each in the same call: VerifyRow.next_seeds). Then one verify call covers
-every sequence (a prefill next to drafted rows); a row with several blocks is verified as
-a tree and commits its best branch as if that branch alone had been verified. Rejection
-sampling commits the accepted tokens plus one (Sequence.commit).
+one token autoregressively, which keeps the output exact (when nobody drafts, or only the
+controller's probe does, up to `decode_steps` tokens each in the same call:
+VerifyRow.next_seeds). Then one verify call covers every sequence (a prefill next to
+drafted rows); a row with several blocks is verified as a tree and commits its best branch
+as if that branch alone had been verified. Rejection sampling commits the accepted tokens
+plus one (Sequence.commit).
 
 The protocols are async so the remote clients can await the network; the local ones
 never suspend, so `run_local` drives a round without an event loop.
@@ -56,10 +57,13 @@ class Drafter(Protocol):
 class Target(Protocol):
     max_seq_len: int
 
-    async def verify(self, rows: list[VerifyRow], branches: list[list[np.ndarray]]) -> list:
+    async def verify(self, rows: list[VerifyRow], branches: list[list[np.ndarray]],
+                     last: list[bool] | None = None) -> list:
         """One verify for every row: per row (VerifyResult, index of the winning block) or the
         exception that failed it. branches[i] non-empty: more blocks after row i's anchor,
-        verified as a tree (index 0 = the row's own block)."""
+        verified as a tree (index 0 = the row's own block). last[i]: this verify surely ends
+        row i's sequence (Sequence.ends_with), so the target may free it in the same call;
+        `release` stays safe to call afterwards."""
 
 
 @dataclass
@@ -117,11 +121,13 @@ async def speculative_round(seqs: list[Sequence], target: Target, drafter: Draft
         blocks = batch.blocks.get(s.seq_id, [])
         n = min([s.draft_budget()] + [len(b.tokens) for b in blocks])  # a tree's branches share K
         picked.append((blocks[0].truncate(n) if blocks else None, [b.tokens[:n] for b in blocks[1:]]))
-    # A round where nobody drafts and no prompt is new decodes up to `decode_steps` tokens per
-    # row in its one verify call; a prompt's first token is not held back for it.
-    plain = all(d is None or len(d.tokens) == 0 for d, _ in picked) and all(s.prefilled for s in seqs)
+    # A round without a new prompt (whose first token is not held back) decodes up to
+    # `decode_steps` tokens per row without a draft in its one verify call, when nobody drafts
+    # or the only drafting is the controller's probe (the others do not wait for it).
+    plain = all(d is None or len(d.tokens) == 0 for d, _ in picked)
+    multi = all(s.prefilled for s in seqs) and (plain or (out.plan is not None and controller.probing))
     for s, (draft, more) in zip(seqs, picked):
-        row = s.verify_row(draft, decode_steps if plain else 1)
+        row = s.verify_row(draft, decode_steps if multi else 1)
         rows.append(row)
         drafts.append(draft)
         branches.append(more if _tree_fits(row, len(more), target.max_seq_len) else [])
@@ -129,7 +135,7 @@ async def speculative_round(seqs: list[Sequence], target: Target, drafter: Draft
             out.steps = draft.steps
     out.decode_steps = max(r.steps for r in rows)
     t0 = time.perf_counter()
-    results = await target.verify(rows, branches)
+    results = await target.verify(rows, branches, [s.ends_with(r) for s, r in zip(seqs, rows)])
     out.verify_s = time.perf_counter() - t0
 
     for s, row, draft, more, res in zip(seqs, rows, drafts, branches, results):

@@ -111,6 +111,14 @@ class Sequence:
         return VerifyRow(self.handle, len(self.tokens) - 1, np.asarray([self.anchor], np.int64), self.params,
                          np.zeros((0, 1), np.int64), round_seed, next_seeds)
 
+    def ends_with(self, row: VerifyRow) -> bool:
+        """Whether committing this row's verify surely ends the sequence: it commits at least
+        one token (a drafted row) or exactly `row.steps` (a row without drafts), and those
+        reach max_new_tokens whatever the target answers. The target may then free the
+        sequence in the same call (TritonTarget: END on the row, no release call after)."""
+        least = row.steps if row.num_draft == 0 else 1
+        return len(self.generated) + least >= self.request.max_new_tokens
+
     def commit(self, row: VerifyRow, draft: Draft | None, result: VerifyResult) -> tuple[list[int], int]:
         """Apply rejection sampling to a verify result; (newly committed tokens, drafts accepted).
         A sequence that ended while the round ran (aborted, cancelled) commits nothing."""

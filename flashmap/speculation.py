@@ -34,6 +34,11 @@ and speculation can come back; each probe doubles the interval (up to `max_probe
 until the search lets a round draft again; `probe_budget` can cap the share of the time all
 probes take (a probe costs about one drafting request's call and K tokens; a 2-5% cap slowed
 the return of speculation on held-out text at c = 1, so by default only the schedule bounds them).
+With decode_steps > 1 a probe is a mixed round (`probing`): the other requests still decode
+decode_steps tokens each, so a probe costs about what the probing request gives up, not
+decode_steps - 1 tokens of every request. A mixed round's seconds fit neither cost model;
+the first probe and every `verify_probe_every`-th one are one-token rounds that measure the
+verify cost at the current load.
 Numpy only.
 """
 
@@ -97,6 +102,7 @@ class ControllerConfig:
     probe_every: int = 8  # after this many rounds without speculation one request drafts its block ...
     max_probe_every: int = 64  # ... and after each such probe, twice as many
     probe_budget: float | None = None  # probes may take at most this share of the time (None: the schedule alone)
+    verify_probe_every: int = 4  # with decode_steps > 1: every n-th probe is a one-token round (measures the verify cost)
     # While the search finds nothing worth drafting and what it depends on is unchanged (the
     # requests, any acceptance observed), it runs again only every this many rounds: the cost
     # fits drift slowly, and the search cost ~0.3 ms per round on the 2-core VM (3% at c = 4).
@@ -127,6 +133,8 @@ class SpeculationController:
         self.since_probe = 0
         self.probe_credit = 0.0  # seconds of probing earned (probe_budget x the rounds' time)
         self.drafted_rounds = 0  # rounds observed with drafts (acceptance news)
+        self.probes = 0  # probes planned
+        self.probing = False  # this round's only drafting is a probe the others need not wait for
         self._nothing = (None, 0)  # (what the last search that found nothing saw, rounds since)
 
     # -- estimates ---------------------------------------------------------------
@@ -154,6 +162,7 @@ class SpeculationController:
         """Set each sequence's draft_limit for this round; returns seq_id -> chosen length."""
         for s in seqs:
             s.draft_limit = None
+        self.probing = False
         caps = {s.seq_id: (s.draft_budget() if not s.drafter_lost else 0) for s in seqs}
         # A seeded sampling request keeps its whole draft: which tokens it samples depends on the
         # draft lengths, and a seed must give the same text every time.
@@ -187,6 +196,8 @@ class SpeculationController:
                 choice[i] = caps[i]
                 self.probe_every = min(2 * self.probe_every, self.cfg.max_probe_every)
                 self.since_probe = 0
+                self.probing = not first and self.probes % self.cfg.verify_probe_every != 0
+                self.probes += 1
         self.idle = {i: n for i, n in idle.items() if not choice[i]}
         for i in pinned:
             choice[i] = caps[i]
@@ -305,11 +316,13 @@ class SpeculationController:
         drafted request (greedy, drafted, accepted). prefill: the round had a prompt row, whose
         attention over the whole prompt is not what a decode round's tokens cost: the verify
         fit leaves it out. decode_steps > 1: a round without drafts that decoded that many
-        tokens per row (at most): the plain fit takes it when that is the configured count."""
+        tokens per row (at most): the plain fit takes it when that is the configured count;
+        with drafts as well (a mixed probe round) neither fit does."""
         if self.cfg.probe_budget is not None:  # at most a few probes' worth saved up
             self.probe_credit = min(self.probe_credit + self.cfg.probe_budget * (rest_s + draft_s), 3 * self._probe_s())
         if decode_steps > 1:
-            if rest_s > 0 and not prefill and decode_steps == self.cfg.decode_steps:
+            mixed = any(drafted for _, drafted, _ in rounds)
+            if rest_s > 0 and not prefill and not mixed and decode_steps == self.cfg.decode_steps:
                 self.plain_cost.add(rows, rest_s)
         elif rest_s > 0 and not prefill:
             self.verify_cost.add((rows, query_tokens - rows), rest_s)

@@ -278,7 +278,8 @@ class TritonTarget:
         self.started: set[int] = set()  # correlation ids holding a KV slot
         self._releasing: set[asyncio.Task] = set()
 
-    async def verify(self, rows: list[VerifyRow], branches: list[list[np.ndarray]]) -> list:
+    async def verify(self, rows: list[VerifyRow], branches: list[list[np.ndarray]],
+                     last: list[bool] | None = None) -> list:
         # A new sequence may need the slot a finished one is handing back: wait for the
         # releases under way (the caller lets the ones it just created start first). The wait
         # counts against the verify's deadline: a hung target fails the round within one timeout.
@@ -286,13 +287,19 @@ class TritonTarget:
         t0 = time.monotonic()
         if self._releasing:
             await asyncio.wait(set(self._releasing), timeout=budget)
-        items = [(r.slot, r, b, r.slot not in self.started, False) for r, b in zip(rows, branches)]
+        last = last or [False] * len(rows)
+        items = [(r.slot, r, b, r.slot not in self.started, end) for r, b, end in zip(rows, branches, last)]
         self.started.update(r.slot for r in rows)
         try:
-            return await self.client.verify_rows(
+            out = await self.client.verify_rows(
                 items, None if budget is None else max(budget - (time.monotonic() - t0), 1e-3))
         except (InvalidRequest, TargetUnavailable, TargetError) as e:  # the request failed: every row did
             return [e] * len(rows)
+        # A row sent with END that succeeded freed its slot on the server: the sequence's
+        # release() has nothing left to send. A failed one may still hold it: release() frees it.
+        self.started.difference_update(r.slot for r, end, o in zip(rows, last, out)
+                                       if end and not isinstance(o, BaseException))
+        return out
 
     async def release(self, corrid: int) -> None:
         if corrid in self.started:

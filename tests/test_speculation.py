@@ -331,3 +331,52 @@ def test_multi_step_rounds_give_the_drafter_the_same_context(tiny):
     assert gen1 == gen5 and start1 == start5 == 0
     assert ids5.tolist() == ids1.tolist() == [3, 4, 5, 6, 7] + gen1[:-1]
     np.testing.assert_allclose(f5, f1, rtol=1e-5, atol=1e-5)
+
+
+def test_probes_beside_multi_step_rounds_let_the_others_decode_on():
+    """decode_steps = 8: after the first, most probes are mixed rounds (`probing`: the others
+    decode 8 tokens each) whose seconds fit neither cost model; every verify_probe_every-th
+    probe is a one-token round that measures the verify cost."""
+    c = _controller(verify=(0.010, 1e-3), draft=(0.002, 1e-4))
+    c.cfg.decode_steps, c.cfg.verify_probe_every = 8, 3
+    c.cfg.probe_every = c.cfg.max_probe_every = c.probe_every = 2
+    seqs = _seqs(4, acceptance=0.2)
+    kinds = []
+    for _ in range(16):
+        plan = c.plan(seqs)
+        if any(plan.values()):
+            kinds.append("mixed" if c.probing else "one-token")
+        else:
+            assert not c.probing
+    assert kinds == ["one-token", "mixed", "mixed"] * 2 + ["one-token", "mixed"]
+    fits = (c.verify_cost.n, c.plain_cost.n, c.draft_cost.n)
+    c.observe(4, 4 + K, 0.2, 1, 0.003, [(True, K, 2)], decode_steps=8)  # a mixed round
+    assert (c.verify_cost.n, c.plain_cost.n, c.draft_cost.n) == (fits[0], fits[1], fits[2] + 1)
+    assert c.drafted_rounds == 1  # its acceptance counts
+
+
+def test_mixed_probe_rounds_are_exact(tiny):
+    """The real controller with 8 tokens per call, probing often: probe rounds verify one
+    request's draft beside the others' 8-token rows in one call, and every T = 0 output equals
+    the target alone's."""
+    prompts = [[3, 4, 5, 6], [7, 8], [9, 10, 11, 12, 13], [14]]
+    reqs = lambda: [GenerationRequest(p, 40, SamplingParams()) for p in prompts]  # noqa: E731
+    alone = [r.token_ids for r in decode(tiny, reqs())]
+    calls = []
+    verify = tiny.verify
+
+    def recording(rows):
+        calls.append([(r.num_draft, r.steps) for r in rows])
+        return verify(rows)
+
+    tiny.verify = recording
+    try:
+        ctl = SpeculationController(K, ControllerConfig(decode_steps=8, probe_every=2, max_probe_every=2,
+                                                        verify_probe_every=2))
+        oracle = OracleProposer([p + a for p, a in zip(prompts, alone)], K, tiny.vocab_size, error_rate=0.9, seed=3)
+        out = decode(tiny, reqs(), oracle, controller=ctl, decode_steps=8)
+    finally:
+        del tiny.verify
+    assert [r.token_ids for r in out] == alone
+    mixed = [c for c in calls if any(k for k, _ in c) and any(s > 1 for _, s in c)]
+    assert mixed and all(sum(1 for k, _ in c if k) == 1 for c in mixed)  # one probing request beside 8-token rows

@@ -344,6 +344,40 @@ def test_end_and_release_free_the_slot(server):
     run(body, server)
 
 
+def test_a_sequences_last_round_frees_its_slot_without_a_release_call(server):
+    """The round loop over TritonTarget: the verify that surely ends a sequence (max_new_tokens
+    reached whatever the target answers) carries END, so the slot is free before release(),
+    which then sends nothing. A row that fails with END keeps its slot for release()."""
+    from flashmap.rounds import speculative_round
+    from flashmap.sequence import Sequence
+    from flashmap.types import GenerationRequest
+    from orchestrator.target_client import TritonTarget
+
+    async def body(c):
+        target = TritonTarget(c, MAX_SEQ_LEN)
+        seqs = [Sequence(301 + i, GenerationRequest(np.arange(3, 10 + i), n), handle=301 + i)
+                for i, n in enumerate((1, 5, 12))]
+        while live := [s for s in seqs if not s.finished]:
+            await speculative_round(live, target, decode_steps=4)
+        assert [len(s.generated) for s in seqs] == [1, 5, 12]
+        settled_active(server, 0)
+        calls = metric(server, "nv_inference_count")
+        for s in seqs:
+            await target.release(s.handle)
+        assert metric(server, "nv_inference_count") == calls  # nothing left to free
+
+        s = Sequence(310, GenerationRequest(np.arange(3, 9), 2), handle=310)
+        await speculative_round([s], target)
+        row = replace(s.verify_row(None), start_pos=99)  # past the sequence's end: refused
+        (out,) = await target.verify([row], [[]], [True])
+        assert isinstance(out, InvalidRequest)
+        settled_active(server, 1)
+        await target.release(310)
+        settled_active(server, 0)
+
+    run(body, server)
+
+
 def test_idle_timeout_frees_the_slot(server):
     freed_before = metric(server, "flashmap_target_idle_released_total")
 
