@@ -23,7 +23,7 @@ concurrency 1, and each service's peak memory. Greedy; every output is checked a
 target alone.
 
   python -m bench.bench_stack [--target DIR] [--drafter DIR|init] [--max-new-tokens 48] \\
-      [--concurrency 1,4,16,32] [--threads N] [--repeats 2] [--decode-steps 8]
+      [--concurrency 1,4,16,32] [--threads N] [--repeats 2] [--decode-steps 8] [--no-pipeline]
 """
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ def inprocess(engine, proposer, prompts, max_new, concurrency, decode_steps: int
 def triton_alone(cfg: StackConfig, prompts, max_new, concurrency) -> tuple[list, float]:
     """(outputs, tokens/s) of the target alone through Triton: the round loop calls Triton
     directly (no orchestrator, no drafter, no client streams), `concurrency` sequences at a
-    time. The ceiling of the stack with speculation off."""
+    time, each round sent ahead as the orchestrator sends it (cfg.pipeline). The ceiling of
+    the stack with speculation off."""
 
     async def run():
         target = TritonTarget(TargetClient(f"{cfg.host}:{cfg.triton_grpc_port}", key=cfg.target_key), cfg.max_seq_len)
@@ -100,8 +101,10 @@ def triton_alone(cfg: StackConfig, prompts, max_new, concurrency) -> tuple[list,
         for i in range(0, len(prompts), concurrency):
             seqs = [Sequence(base + i + j, GenerationRequest(p, max_new), handle=base + i + j)
                     for j, p in enumerate(prompts[i:i + concurrency])]
+            ahead = None
             while live := [s for s in seqs if not s.finished]:
-                await speculative_round(live, target, decode_steps=cfg.decode_steps)
+                ahead = (await speculative_round(live, target, decode_steps=cfg.decode_steps, ahead=ahead,
+                                                 send_ahead=cfg.pipeline)).ahead
             for s in seqs:
                 await target.release(s.handle)
             outs += [s.generated for s in seqs]
@@ -225,6 +228,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=2, help="runs of each stack mode, alternated (default 2)")
     ap.add_argument("--decode-steps", type=int, default=StackConfig.decode_steps,
                     help="tokens per request of a round without drafts, for the target alone and the stack alike")
+    ap.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=True,
+                    help="the orchestrator queues the next round without drafts while one runs (its --pipeline)")
     ap.add_argument("--out", type=Path, default=OUT / "bench_stack.md")
     a = ap.parse_args(argv)
     threads = a.threads or os.cpu_count() or 1
@@ -238,7 +243,7 @@ def main(argv=None):
     proposer = load_proposer(drafter, target, n_slots=max(levels), max_context=engine.max_seq_len)
     sets = prompt_sets(target, engine.vocab_size, n)
     cfg = StackConfig.on_free_ports(target_dir=target, drafter=drafter, n_slots=max(levels), max_seq_len=512,
-                                    speculation="auto", decode_steps=a.decode_steps)
+                                    speculation="auto", decode_steps=a.decode_steps, pipeline=a.pipeline)
     rows = []
     with Stack(cfg) as stack:
         for name, prompts in sets.items():
@@ -285,8 +290,10 @@ def main(argv=None):
         f"mean of {a.repeats} runs each, alternated (target, Triton, off, full, auto, then reversed); 'per repeat' is "
         f"the ratio within each repeat; fixed-K speculation in process: one run. Command: `OMP_NUM_THREADS={threads} "
         f"python -m bench.bench_stack --concurrency {a.concurrency} --max-new-tokens {a.max_new_tokens} --threads "
-        f"{threads} --repeats {a.repeats} --decode-steps {a.decode_steps}`; rounds without drafts decode "
-        f"{a.decode_steps} tokens per request in one call, in process and through the stack alike. Date: {date}. Machine: {machine()}; {threads} torch threads per "
+        f"{threads} --repeats {a.repeats} --decode-steps {a.decode_steps}{'' if a.pipeline else ' --no-pipeline'}`; "
+        f"rounds without drafts decode "
+        f"{a.decode_steps} tokens per request in one call, in process and through the stack alike; the orchestrator "
+        f"{'queues the next such round at Triton while one runs (--pipeline)' if a.pipeline else 'sends a round once the one before has answered (--no-pipeline)'}. Date: {date}. Machine: {machine()}; {threads} torch threads per "
         f"service. Target `{os.path.relpath(target)}`, drafter `{drafter}`.", *[f"Note: {x}" for x in notes], "",
         "Per round at concurrency 1 (ms, stack): the orchestrator's draft and verify calls and whole round, "
         "and inside them the drafter's forward and Triton's queue wait and model execution per request:", "",

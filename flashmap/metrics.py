@@ -63,6 +63,8 @@ def orchestrator_metrics(block_size: int = BLOCK_SIZE) -> tuple[Metric, ...]:
         M("flashmap_decode_steps", "histogram", "Tokens per request decoded in one call by a round without drafts "
           "(--decode-steps; fewer near a request's end, 1 in a round with a new prompt)", ("model",),
           (1, 2, 4, 8, 16, 32, 64)),
+        M("flashmap_rounds_ahead", "counter", "Rounds sent to the target before the round they follow had "
+          "answered (--pipeline: queued at Triton while the round before runs)", ("model",)),
         M("flashmap_draft_latency_seconds", "histogram", "Drafter call latency", SPEC, LATENCY_BUCKETS),
         M("flashmap_verify_latency_seconds", "histogram", "Target verify latency", ("model",), LATENCY_BUCKETS),
         M("flashmap_round_latency_seconds", "histogram", "Whole round latency (draft + verify + commit)", SPEC,

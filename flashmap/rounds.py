@@ -15,12 +15,19 @@ drafted rows); a row with several blocks is verified as a tree and commits its b
 as if that branch alone had been verified. Rejection sampling commits the accepted tokens
 plus one (Sequence.commit).
 
+Pipelining (the orchestrator's --pipeline): a round without drafts or prompts may send the
+next round before its own answer arrives (`Ahead`, `send_ahead`), when that one would draft
+nothing either. Its rows are Sequence.follow_row: the token [FOLLOW_TOKEN], which the target
+replaces with the last token it decoded for the sequence, and the seeds the next round would
+draw, so the target runs the rounds back to back and the text does not change.
+
 The protocols are async so the remote clients can await the network; the local ones
 never suspend, so `run_local` drives a round without an event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -29,7 +36,7 @@ import numpy as np
 
 from flashmap.sequence import Sequence
 from flashmap.speculation import SpeculationController
-from flashmap.types import Draft, VerifyRow
+from flashmap.types import FOLLOW_REFUSED, Draft, InvalidRequest, VerifyRow
 
 
 @dataclass
@@ -87,6 +94,7 @@ class RoundResult:
     steps: int = 0  # step count of this round's blocks (0: none drafted)
     decode_steps: int = 1  # most tokens a row without a draft decoded in the verify call
     plan: dict[int, int] | None = None  # the controller's draft length per sequence id (None: no controller)
+    ahead: "Ahead | None" = None  # the next round, already sent (send_ahead)
 
 
 def _tree_fits(row: VerifyRow, n_branches: int, max_seq_len: int) -> bool:
@@ -96,49 +104,74 @@ def _tree_fits(row: VerifyRow, n_branches: int, max_seq_len: int) -> bool:
         row.start_pos + len(row.tokens) + row.num_draft * n_branches <= max_seq_len
 
 
+@dataclass
+class Ahead:
+    """A round without drafts sent before the round it follows has answered (pipelining): one
+    Sequence.follow_row per sequence that round could not end, fed by the target with the last
+    token it decoded, so the target starts it the moment it finishes the round before.
+    `speculative_round(..., ahead=...)` completes it."""
+
+    seqs: list[Sequence]
+    rows: list[VerifyRow]
+    call: asyncio.Future  # the verify, a task: in flight
+    plan: dict[int, int] | None = None
+    since: float = 0.0  # perf_counter when the round before it answered (its round's cost starts there)
+
+
 async def speculative_round(seqs: list[Sequence], target: Target, drafter: Drafter | None = None,
                             tree_blocks: int = 1, controller: SpeculationController | None = None,
-                            decode_steps: int = 1) -> RoundResult:
+                            decode_steps: int = 1, ahead: Ahead | None = None,
+                            send_ahead: bool = False) -> RoundResult:
     """One draft + verify + commit for every sequence in `seqs` (none finished). controller:
     chooses each sequence's draft length from measured costs (None: the whole block).
-    decode_steps: tokens per row of a round without drafts (one verify call for all of them)."""
+    decode_steps: tokens per row of a round without drafts (one verify call for all of them).
+    ahead: this round was sent ahead (`seqs` is then ahead.seqs; the finished ones commit
+    nothing). send_ahead: if this round drafts nothing and has no prompt (the controller
+    plans a sequence's drafts from its state after its prompt), and the next would draft
+    nothing either, send the next round now (RoundResult.ahead), for the sequences this one
+    cannot end."""
     out = RoundResult([])
-    t_round = time.perf_counter()
-    if controller is not None and drafter is not None:
-        out.plan = controller.plan(seqs)
-    wanted = [s for s in seqs if s.draft_budget() > 0] if drafter is not None else []
-    ask = [s for s in wanted if not s.drafter_lost]
-    asked = {s.seq_id for s in ask}
-    lost = {s.seq_id for s in wanted if s.drafter_lost}
-    batch = DraftBatch()
-    if ask:
-        t0 = time.perf_counter()
-        batch = await drafter.draft(ask, [tree_blocks if s.params.greedy else 1 for s in ask])
-        out.draft_s = time.perf_counter() - t0
-
-    rows, drafts, branches, picked = [], [], [], []
-    for s in seqs:
-        blocks = batch.blocks.get(s.seq_id, [])
-        n = min([s.draft_budget()] + [len(b.tokens) for b in blocks])  # a tree's branches share K
-        picked.append((blocks[0].truncate(n) if blocks else None, [b.tokens[:n] for b in blocks[1:]]))
-    # A round without a new prompt (whose first token is not held back) decodes up to
-    # `decode_steps` tokens per row without a draft in its one verify call, when nobody drafts
-    # or the only drafting is the controller's probe (the others do not wait for it).
-    plain = all(d is None or len(d.tokens) == 0 for d, _ in picked)
-    multi = all(s.prefilled for s in seqs) and (plain or (out.plan is not None and controller.probing))
-    for s, (draft, more) in zip(seqs, picked):
-        row = s.verify_row(draft, decode_steps if multi else 1)
-        rows.append(row)
-        drafts.append(draft)
-        branches.append(more if _tree_fits(row, len(more), target.max_seq_len) else [])
+    t_round = time.perf_counter() if ahead is None else ahead.since
+    batch, asked, lost, gone = DraftBatch(), set(), set(), set()
+    if ahead is not None:
+        seqs, rows, out.plan = ahead.seqs, ahead.rows, ahead.plan
+        gone = {s.seq_id for s in seqs if s.finished}  # ended after this round was sent: not part of it
+        drafts, branches = [None] * len(rows), [[] for _ in rows]
+        call = ahead.call
+    else:
+        if controller is not None and drafter is not None:
+            out.plan = controller.plan(seqs)
+        wanted = [s for s in seqs if s.draft_budget() > 0] if drafter is not None else []
+        ask = [s for s in wanted if not s.drafter_lost]
+        asked = {s.seq_id for s in ask}
+        lost = {s.seq_id for s in wanted if s.drafter_lost}
+        if ask:
+            t0 = time.perf_counter()
+            batch = await drafter.draft(ask, [tree_blocks if s.params.greedy else 1 for s in ask])
+            out.draft_s = time.perf_counter() - t0
+        rows, drafts, branches = _rows(seqs, batch, target, decode_steps,
+                                       probing=out.plan is not None and controller.probing)
+        # A coroutine, not a task: awaited below, it goes out before any round sent ahead (a
+        # task, started when this one first waits), and a local round needs no event loop.
+        call = target.verify(rows, branches, [s.ends_with(r) for s, r in zip(seqs, rows)])
+    for row, draft in zip(rows, drafts):
         if draft is not None and draft.steps:
             out.steps = draft.steps
     out.decode_steps = max(r.steps for r in rows)
-    t0 = time.perf_counter()
-    results = await target.verify(rows, branches, [s.ends_with(r) for s, r in zip(seqs, rows)])
-    out.verify_s = time.perf_counter() - t0
+    if send_ahead and not any(r.num_draft for r in rows) and all(s.prefilled for s in seqs):
+        out.ahead = _send_ahead(seqs, rows, target, drafter, controller, decode_steps)
+    t0 = time.perf_counter() if ahead is None else ahead.since
+    results = await call
+    if ahead is not None:
+        rows, results = await _followed(seqs, rows, results, target)
+    now = time.perf_counter()
+    out.verify_s = now - t0
+    if out.ahead is not None:
+        out.ahead.since = now
 
     for s, row, draft, more, res in zip(seqs, rows, drafts, branches, results):
+        if s.seq_id in gone:
+            continue
         s.stats.draft_s += out.draft_s if s.seq_id in asked else 0.0
         s.stats.verify_s += out.verify_s
         prefill = not s.prefilled
@@ -161,11 +194,79 @@ async def speculative_round(seqs: list[Sequence], target: Target, drafter: Draft
     if controller is not None:
         tokens = controller.verify_tokens([len(r.tokens) for r in rows])
         rest_s = time.perf_counter() - t_round - out.draft_s  # the verify call and the round's own work
-        controller.observe(len(rows), tokens, rest_s, len(ask), out.draft_s,
+        controller.observe(len(rows), tokens, rest_s, len(asked), out.draft_s,
                            [(r.seq.params.greedy, r.drafted, r.accepted) for r in out.sequences],
                            prefill=any(r.prefill for r in out.sequences),
                            decode_steps=out.decode_steps)
     return out
+
+
+def _rows(seqs: list[Sequence], batch: DraftBatch, target: Target, decode_steps: int, probing: bool):
+    """Each sequence's verify row, draft (or None) and tree branches for this round."""
+    rows, drafts, branches, picked = [], [], [], []
+    for s in seqs:
+        blocks = batch.blocks.get(s.seq_id, [])
+        n = min([s.draft_budget()] + [len(b.tokens) for b in blocks])  # a tree's branches share K
+        picked.append((blocks[0].truncate(n) if blocks else None, [b.tokens[:n] for b in blocks[1:]]))
+    # A round without a new prompt (whose first token is not held back) decodes up to
+    # `decode_steps` tokens per row without a draft in its one verify call, when nobody drafts
+    # or the only drafting is the controller's probe (the others do not wait for it).
+    plain = all(d is None or len(d.tokens) == 0 for d, _ in picked)
+    multi = all(s.prefilled for s in seqs) and (plain or probing)
+    for s, (draft, more) in zip(seqs, picked):
+        row = s.verify_row(draft, decode_steps if multi else 1)
+        rows.append(row)
+        drafts.append(draft)
+        branches.append(more if _tree_fits(row, len(more), target.max_seq_len) else [])
+    return rows, drafts, branches
+
+
+def _send_ahead(seqs: list[Sequence], rows: list[VerifyRow], target: Target, drafter: Drafter | None,
+                controller: SpeculationController | None, decode_steps: int) -> Ahead | None:
+    """The next round, sent now, when it drafts nothing either: a follow_row for every sequence
+    this round (rows without drafts, in flight) cannot end. None when it would draft, or when
+    every sequence ends here."""
+    pairs = [(s, r) for s, r in zip(seqs, rows) if not s.finished and not s.ends_with(r)]
+    if not pairs:
+        return None
+    nxt = [s for s, _ in pairs]
+    plan = None
+    if drafter is not None:
+        if controller is None:
+            if any(s.wants_draft() for s in nxt):
+                return None
+        elif any(controller.peek(nxt).values()):
+            return None
+        else:
+            plan = controller.plan(nxt)
+    follow = [s.follow_row(r, decode_steps) for s, r in pairs]
+    last = [s.ends_with(f, ahead=r.steps) for (s, r), f in zip(pairs, follow)]
+    return Ahead(nxt, follow, asyncio.ensure_future(target.verify(follow, [[] for _ in follow], last)), plan)
+
+
+async def _followed(seqs: list[Sequence], rows: list[VerifyRow], results: list, target: Target
+                    ) -> tuple[list[VerifyRow], list]:
+    """An ahead round's rows with their real token (Sequence.followed) and its results. A
+    continuation the target refused because it came before the round it follows (calls may
+    overtake each other) is verified again, now with its token (the same seeds: the same text)."""
+    rows, results = list(rows), list(results)
+    again = []
+    for i, (s, res) in enumerate(zip(seqs, results)):
+        if s.finished:
+            continue
+        try:
+            rows[i] = s.followed(rows[i])
+        except ValueError as e:  # never commit a step the target did not take after this sequence's last
+            results[i] = e
+            continue
+        if isinstance(res, InvalidRequest) and str(res).startswith(FOLLOW_REFUSED):
+            again.append(i)
+    if again:
+        redo = await target.verify([rows[i] for i in again], [[] for _ in again],
+                                   [seqs[i].ends_with(rows[i]) for i in again])
+        for i, res in zip(again, redo):
+            results[i] = res
+    return rows, results
 
 
 def run_local(coro):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from flashmap.rejection_sampler import greedy_verify, sample_verify
-from flashmap.types import BLOCK_SIZE, Draft, GenerationRequest, SpecStats, VerifyResult, VerifyRow
+from flashmap.types import BLOCK_SIZE, FOLLOW_TOKEN, Draft, GenerationRequest, SpecStats, VerifyResult, VerifyRow
 
 
 class Sequence:
@@ -99,25 +99,48 @@ class Sequence:
         """The target input of this round: the prompt at prefill, else [anchor, d_1..d_K].
         Without a draft the row decodes up to `steps` tokens (within max_new_tokens), with
         the round seeds that as many one-step rounds would draw, so the text is the same."""
-        round_seed = int(self.rng.integers(2**62))
         if draft is not None and len(draft.tokens):
+            round_seed = int(self.rng.integers(2**62))
             toks = np.concatenate([[self.anchor], draft.tokens]).astype(np.int64)
             return VerifyRow(self.handle, len(self.tokens) - 1, toks, self.params, draft.support_ids, round_seed)
-        steps = max(1, min(steps, self.request.max_new_tokens - len(self.generated)))
-        next_seeds = self.rng.integers(2**62, size=steps - 1).astype(np.int64)
         if not self.prefilled:
-            return VerifyRow(self.handle, 0, np.asarray(self.tokens, np.int64), self.params, round_seed=round_seed,
-                             next_seeds=next_seeds)
-        return VerifyRow(self.handle, len(self.tokens) - 1, np.asarray([self.anchor], np.int64), self.params,
+            return self._plain_row(0, self.tokens, steps, 0)
+        return self._plain_row(len(self.tokens) - 1, [self.anchor], steps, 0)
+
+    def follow_row(self, prev: VerifyRow, steps: int) -> VerifyRow:
+        """The row of the round after `prev` (this sequence's row without drafts, sent and not
+        committed yet), to send before prev answers: its tokens are [FOLLOW_TOKEN] (the target
+        feeds the last token prev decoded) and its seeds are the ones verify_row would draw
+        after prev's commit. Before committing its result, `followed` sets the real token."""
+        return self._plain_row(prev.start_pos + len(prev.tokens) + len(prev.next_seeds), [FOLLOW_TOKEN], steps,
+                               prev.steps)
+
+    def followed(self, row: VerifyRow) -> VerifyRow:
+        """A follow_row once the row before it is committed: its token is the anchor.
+        ValueError if that commit did not end where the row starts (a broken pipeline)."""
+        if row.start_pos != len(self.tokens) - 1:
+            raise ValueError(f"a continuation at position {row.start_pos} after a commit that ends at "
+                             f"{len(self.tokens) - 1}")
+        return VerifyRow(row.slot, row.start_pos, np.asarray([self.anchor], np.int64), row.params, row.support_ids,
+                         row.round_seed, row.next_seeds)
+
+    def _plain_row(self, start_pos: int, tokens, steps: int, ahead: int) -> VerifyRow:
+        """A row without drafts decoding up to `steps` tokens within max_new_tokens, `ahead`
+        tokens being committed before it."""
+        round_seed = int(self.rng.integers(2**62))
+        steps = max(1, min(steps, self.request.max_new_tokens - len(self.generated) - ahead))
+        next_seeds = self.rng.integers(2**62, size=steps - 1).astype(np.int64)
+        return VerifyRow(self.handle, start_pos, np.asarray(tokens, np.int64), self.params,
                          np.zeros((0, 1), np.int64), round_seed, next_seeds)
 
-    def ends_with(self, row: VerifyRow) -> bool:
+    def ends_with(self, row: VerifyRow, ahead: int = 0) -> bool:
         """Whether committing this row's verify surely ends the sequence: it commits at least
         one token (a drafted row) or exactly `row.steps` (a row without drafts), and those
-        reach max_new_tokens whatever the target answers. The target may then free the
-        sequence in the same call (TritonTarget: END on the row, no release call after)."""
+        reach max_new_tokens whatever the target answers (`ahead`: tokens committed before it,
+        for a follow_row). The target may then free the sequence in the same call
+        (TritonTarget: END on the row, no release call after)."""
         least = row.steps if row.num_draft == 0 else 1
-        return len(self.generated) + least >= self.request.max_new_tokens
+        return len(self.generated) + ahead + least >= self.request.max_new_tokens
 
     def commit(self, row: VerifyRow, draft: Draft | None, result: VerifyResult) -> tuple[list[int], int]:
         """Apply rejection sampling to a verify result; (newly committed tokens, drafts accepted).

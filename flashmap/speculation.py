@@ -205,6 +205,20 @@ class SpeculationController:
             s.draft_limit = choice[s.seq_id]
         return choice
 
+    def peek(self, seqs: list[Sequence]) -> dict[int, int]:
+        """The plan `plan(seqs)` would make now, without making it (the probe schedule, the
+        search's memo and the sequences' draft limits stay as they are)."""
+        state = (self.probe_every, self.since_probe, self.probe_credit, self._nothing, self.idle, self.probing,
+                 self.probes)
+        limits = [s.draft_limit for s in seqs]
+        try:
+            return self.plan(seqs)
+        finally:
+            (self.probe_every, self.since_probe, self.probe_credit, self._nothing, self.idle, self.probing,
+             self.probes) = state
+            for s, limit in zip(seqs, limits):
+                s.draft_limit = limit
+
     def _probe_s(self) -> float:
         """What a probe costs: about one drafting request's call and K verified tokens."""
         return sum(self.draft_cost.coef) + self.verify_cost.coef[2] * self.block_size

@@ -51,6 +51,7 @@ class StackConfig:
     tree_blocks: int = 1  # > 1: greedy requests verify that many blocks as a tree
     speculation: str = "auto"  # auto: draft lengths from measured costs; full: the whole block every round
     decode_steps: int = DECODE_STEPS  # tokens per request of a round without drafts (the orchestrator's --decode-steps)
+    pipeline: bool = True  # the orchestrator's --pipeline: the next round without drafts queued while one runs
     # Secrets between the parts (flashmap.auth): fresh random ones unless given.
     target_key: str = field(default_factory=new_secret)
     drafter_token: str = field(default_factory=new_secret)
@@ -134,6 +135,7 @@ class Stack:
             "--http-port", str(c.http_port), "--target-url", f"{c.host}:{c.triton_grpc_port}", "--drafter-url", c.drafter_url if c.with_drafter else "",
             "--tokenizer-dir", c.target_dir, "--max-queue", str(c.max_queue), "--draft-timeout-s", str(c.draft_timeout_s),
             "--tree-blocks", str(c.tree_blocks), "--speculation", c.speculation, "--decode-steps", str(c.decode_steps),
+            "--pipeline" if c.pipeline else "--no-pipeline",
             "--target-timeout-s", str(c.target_timeout_s),
         ])
         wait_grpc_health(c.url, 300, self.orch_proc, self._log("orchestrator"))

@@ -34,7 +34,7 @@ from flashmap.auth import (API_KEY_ENV, API_KEY_HEADER, DRAFTER_TOKEN_ENV, TARGE
                            read_secret)
 from flashmap.grpc_serving import TokenAuth, add_service, run, serve_grpc
 from flashmap.logs import fields, setup_logging
-from flashmap.rounds import speculative_round
+from flashmap.rounds import Ahead, speculative_round
 from flashmap.sequence import Sequence
 from flashmap.speculation import ControllerConfig, SpeculationController
 from flashmap.tokenizer import IncrementalDecoder
@@ -68,6 +68,10 @@ class OrchestratorConfig:
     # A round where nobody drafts decodes this many tokens per request in its one verify call
     # (flashmap.rounds): the call's fixed cost (gRPC, Triton, this loop) is paid once for them.
     decode_steps: int = DECODE_STEPS
+    # While a round without drafts runs, the next one (if it drafts nothing either and no request
+    # waits) is already queued at Triton (flashmap.rounds.Ahead): the target goes from one to
+    # the next without waiting for this loop, the network and Triton's request path between them.
+    pipeline: bool = True
     # Trust boundaries (DESIGN.md): secrets come from the environment (flashmap.auth), "" = none.
     api_key: str = ""  # clients must send authorization: Bearer <api_key> (gRPC Health and grpc.health stay open)
     target_key: str = ""  # Triton's restricted-protocol key
@@ -184,6 +188,7 @@ class Orchestrator:
             self.metrics.requests.labels(model=self.info.model_name, status=status)
         self.metrics.draft_length.labels(model=self.info.model_name)
         self.metrics.speculation_off_rounds.labels(model=self.info.model_name)
+        self.metrics.rounds_ahead.labels(model=self.info.model_name)
         self.metrics.decode_steps.labels(model=self.info.model_name)
         self.max_concurrent = self.cfg.max_concurrent or self.info.n_slots
         self._loop_task = asyncio.create_task(self._scheduler())
@@ -310,10 +315,13 @@ class Orchestrator:
 
     # -- scheduling ----------------------------------------------------------------
     async def _scheduler(self) -> None:
+        ahead: Ahead | None = None  # the next round, already sent
         while True:
             try:
                 if await self._admit_and_reap():
                     await asyncio.sleep(0)  # the releases just created start (TritonTarget.verify waits for them)
+                if ahead is not None and all(s.finished for s in ahead.seqs):
+                    ahead = None  # nothing left to commit (releases wait for its call)
                 if not self.active:
                     self._flush()
                     self._wake.clear()
@@ -323,13 +331,14 @@ class Orchestrator:
                 # (draft or verify) is on the wire: the task's first step runs before the
                 # flush, and the flush queues the stream handlers behind the call's send, so
                 # the clients' chunks are written while the target computes.
-                this_round = asyncio.ensure_future(self._round())
+                this_round = asyncio.ensure_future(self._round(ahead))
                 asyncio.get_running_loop().call_soon(self._flush)
-                await this_round
+                ahead = await this_round
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - the loop must survive any single bad round
                 log.exception("scheduler round failed")
+                ahead = None
                 self._flush()
                 await asyncio.sleep(0.05)
 
@@ -386,11 +395,16 @@ class Orchestrator:
         self.by_request.pop(a.request_id, None)
         self._outbox.append((a, None))
 
-    async def _round(self) -> None:
+    async def _round(self, ahead: Ahead | None) -> Ahead | None:
+        """One round: of every active request, or the round sent ahead (its requests; one that
+        ended since commits nothing). Returns the next round if this one sent it ahead: only
+        when no request waits and this round has every active one, so a new request waits at
+        most for the round in flight."""
         t_round = time.perf_counter()
-        acts = list(self.active.values())
-        res = await speculative_round([a.seq for a in acts], self.target_port, self.drafter_port, self.cfg.tree_blocks,
-                                      self.controller, self.cfg.decode_steps)
+        seqs = ahead.seqs if ahead is not None else [a.seq for a in self.active.values()]
+        send = self.cfg.pipeline and not self.waiting and set(self.active) <= {s.seq_id for s in seqs}
+        res = await speculative_round(seqs, self.target_port, self.drafter_port, self.cfg.tree_blocks,
+                                      self.controller, self.cfg.decode_steps, ahead=ahead, send_ahead=send)
         name = self.info.model_name
         decoding = [r for r in res.sequences if not r.prefill and r.error is None]
         for r in decoding:
@@ -399,12 +413,14 @@ class Orchestrator:
             self.metrics.speculation_off_rounds.labels(model=name).inc()
         if decoding and not any(r.drafted for r in decoding):
             self.metrics.decode_steps.labels(model=name).observe(res.decode_steps)
+        if res.ahead is not None:
+            self.metrics.rounds_ahead.labels(model=name).inc()
         if self.drafter is not None:
             self.metrics.drafter_steps.labels(drafter=self._drafter_name()).set(self.drafter.steps)
             if res.draft_s:  # one observation per drafter call (a call drafts the whole batch)
                 self.metrics.draft_latency.labels(**self._labels(res.steps or self.drafter.steps)).observe(res.draft_s)
         self.metrics.verify_latency.labels(model=name).observe(res.verify_s)
-        self.metrics.verify_batch_size.labels(model=name).observe(len(acts))
+        self.metrics.verify_batch_size.labels(model=name).observe(len(res.sequences))
         target_failure = next((r.error for r in res.sequences if r.error is not None
                                and not isinstance(r.error, (InvalidRequest, ValueError))), None)
         if target_failure is not None:
@@ -412,10 +428,11 @@ class Orchestrator:
         elif any(not r.error for r in res.sequences):
             await self._set_target_ok(True)
         now = time.perf_counter()
-        for a, r in zip(acts, res.sequences):
+        for r in res.sequences:
+            a = self.active.get(r.seq.seq_id)
             if r.fallback:
                 self.metrics.fallback_rounds.labels(model=name, reason=r.fallback).inc()
-            if r.error is not None:
+            if r.error is not None or a is None:
                 continue
             if r.prefill:
                 self.metrics.prompt_tokens.labels(model=name).inc(a.seq.n_prompt)
@@ -423,6 +440,7 @@ class Orchestrator:
                 self.metrics.record_round(self._labels(self._steps_of(a)), r.drafted, r.accepted)
             self._emit(a, r.new_tokens, now)
         self.metrics.round_latency.labels(**self._labels(self.drafter.steps if self.drafter else 0)).observe(time.perf_counter() - t_round)
+        return res.ahead
 
     async def stream(self, gen: GenerationRequest, stops: list[str] = (),
                      deadline: float | None = None) -> AsyncIterator["Piece | Outcome"]:
@@ -625,6 +643,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="auto: each round's draft lengths from measured acceptance and costs; full: always the whole block")
     ap.add_argument("--decode-steps", type=int, default=int(env("FLASHMAP_DECODE_STEPS", str(DECODE_STEPS))),
                     help="tokens per request of a round without drafts, decoded in one call to the target")
+    ap.add_argument("--pipeline", action=argparse.BooleanOptionalAction,
+                    default=env("FLASHMAP_PIPELINE", "1") not in ("0", "false", "no"),
+                    help="queue the next round without drafts at Triton while one runs (default on)")
     ap.add_argument("--tls-cert", default=env("FLASHMAP_TLS_CERT"), help="PEM certificate chain: serve TLS")
     ap.add_argument("--tls-key", default=env("FLASHMAP_TLS_KEY"), help="PEM private key of --tls-cert")
     ap.add_argument("--reflection", action="store_true", help="serve gRPC reflection (off: less to probe)")
@@ -645,7 +666,7 @@ def main(argv: list[str] | None = None) -> None:
         host=a.host, port=a.port, metrics_port=a.metrics_port, http_port=a.http_port, target_url=a.target_url, drafter_url=a.drafter_url,
         tokenizer_dir=a.tokenizer_dir, max_concurrent=a.max_concurrent, max_queue=a.max_queue,
         draft_timeout_s=a.draft_timeout_s, tree_blocks=a.tree_blocks, speculation=a.speculation,
-        decode_steps=a.decode_steps, api_key=read_secret(API_KEY_ENV), target_key=read_secret(TARGET_KEY_ENV),
+        decode_steps=a.decode_steps, pipeline=a.pipeline, api_key=read_secret(API_KEY_ENV), target_key=read_secret(TARGET_KEY_ENV),
         drafter_token=read_secret(DRAFTER_TOKEN_ENV), tls=(a.tls_cert, a.tls_key) if a.tls_cert else None,
         reflection=a.reflection, max_message_bytes=a.max_message_bytes, max_prompt_bytes=a.max_prompt_bytes,
         target_timeout_s=a.target_timeout_s,

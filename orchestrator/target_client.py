@@ -270,13 +270,16 @@ def _map_error(e: InferenceServerException, url: str) -> Exception:
 class TritonTarget:
     """The round loop's Target (flashmap.rounds) over a TargetClient: a round is one packed
     request (every row, one forward). row.slot is the sequence's correlation id; its first
-    row carries START."""
+    row carries START. Two rounds may be in flight (flashmap.rounds.Ahead); a release waits
+    for the verifies in flight, which may hold a row of its sequence."""
 
     def __init__(self, client: TargetClient, max_seq_len: int):
         self.client = client
         self.max_seq_len = max_seq_len
         self.started: set[int] = set()  # correlation ids holding a KV slot
         self._releasing: set[asyncio.Task] = set()
+        self._verifying: set[asyncio.Future] = set()
+        self._order = asyncio.Lock()  # verifies go out in the order they are made (an Ahead follows its round)
 
     async def verify(self, rows: list[VerifyRow], branches: list[list[np.ndarray]],
                      last: list[bool] | None = None) -> list:
@@ -285,14 +288,19 @@ class TritonTarget:
         # counts against the verify's deadline: a hung target fails the round within one timeout.
         budget = self.client.timeout_s
         t0 = time.monotonic()
-        if self._releasing:
-            await asyncio.wait(set(self._releasing), timeout=budget)
-        last = last or [False] * len(rows)
-        items = [(r.slot, r, b, r.slot not in self.started, end) for r, b, end in zip(rows, branches, last)]
-        self.started.update(r.slot for r in rows)
+        async with self._order:
+            if self._releasing and any(r.slot not in self.started for r in rows):
+                await asyncio.wait(set(self._releasing), timeout=budget)
+            last = last or [False] * len(rows)
+            items = [(r.slot, r, b, r.slot not in self.started, end) for r, b, end in zip(rows, branches, last)]
+            self.started.update(r.slot for r in rows)
+            call = asyncio.ensure_future(self.client.verify_rows(
+                items, None if budget is None else max(budget - (time.monotonic() - t0), 1e-3)))
+            self._verifying.add(call)
+            call.add_done_callback(self._verifying.discard)
+            await asyncio.sleep(0)  # the call's first step starts the request before the next verify's
         try:
-            out = await self.client.verify_rows(
-                items, None if budget is None else max(budget - (time.monotonic() - t0), 1e-3))
+            out = await call
         except (InvalidRequest, TargetUnavailable, TargetError) as e:  # the request failed: every row did
             return [e] * len(rows)
         # A row sent with END that succeeded freed its slot on the server: the sequence's
@@ -310,6 +318,8 @@ class TritonTarget:
             await task
 
     async def _release(self, corrid: int) -> None:
+        if self._verifying:
+            await asyncio.wait(set(self._verifying), timeout=self.client.timeout_s)
         (out,) = await self.client.verify_rows([(corrid, None, [], False, True)])
         # A sequence already gone (the idle timeout) has nothing left to free.
         if isinstance(out, Exception) and not (isinstance(out, InvalidRequest) and "unknown sequence" in str(out)):

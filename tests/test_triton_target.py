@@ -284,6 +284,104 @@ def test_multi_step_rows_equal_the_engine_and_continue_where_they_end(server, en
     settled(server, "flashmap_target_verify_rows_total", before + 4)  # a row, however many steps, counts once
 
 
+def test_continuation_rows_follow_the_last_decoded_token_in_order(server, engine):
+    """TOKENS [FOLLOW_TOKEN]: fed the last token the sequence's previous row without drafts
+    decoded. A continuation in the same packed request as the row it follows (and a release
+    after both) runs after it, one forward each; the results equal the engine fed the real
+    tokens. A continuation after a drafted row, or at another position, is refused with
+    FOLLOW_REFUSED and changes nothing."""
+    from flashmap.types import FOLLOW_REFUSED, FOLLOW_TOKEN
+
+    sampled = SamplingParams(temperature=0.9, top_k=30)
+    prompt = np.arange(3, 12)
+    first = VerifyRow(-1, 0, prompt, sampled, round_seed=3, next_seeds=np.array([4, 5]))
+    follow = VerifyRow(-1, 11, np.array([FOLLOW_TOKEN]), sampled, round_seed=6, next_seeds=np.array([7]))
+    slot = engine.allocate()
+    exp1 = engine.verify([replace(first, slot=slot)])[0]
+    exp2 = engine.verify([replace(follow, slot=slot, tokens=exp1.residual[-1:])])[0]
+    exp3 = engine.verify([VerifyRow(slot, 13, np.array([int(exp2.residual[-1]), 7]), GREEDY,
+                                    support_ids=np.array([[7]]))])[0]
+    engine.release(slot)
+    batches = metric(server, "flashmap_target_verify_batches_total")
+
+    async def body(c):
+        got = await c.verify_rows([(41, first, [], True, False), (41, follow, [], False, False)])
+        drafted = VerifyRow(-1, 13, np.array([int(got[1][0].residual[-1]), 7]), GREEDY, support_ids=np.array([[7]]))
+        third = await c.verify_rows([(41, drafted, [], False, False)])
+        refused = await c.verify_rows([(41, replace(follow, start_pos=15), [], False, False),
+                                       (42, replace(follow, start_pos=0), [], True, False)])
+        released = await c.verify_rows([(41, None, [], False, True)])
+        return got, third, refused, released
+
+    got, third, refused, released = run(body, server)
+    _assert_same_results([{1: exp1, 2: exp2, 3: exp3}], [{1: got[0][0], 2: got[1][0], 3: third[0][0]}])
+    assert all(isinstance(r, InvalidRequest) and str(r).startswith(FOLLOW_REFUSED) for r in refused), refused
+    assert released == [None]
+    settled(server, "flashmap_target_verify_batches_total", batches + 3)  # the row, its continuation, the drafted row
+    settled_active(server, 0)
+
+
+def test_pipelined_rounds_give_the_text_of_one_token_rounds(server, engine):
+    """The round loop over TritonTarget sending each round without drafts ahead (the next one
+    queued while it runs): greedy, seeded sampling and a stop token that ends a request while
+    its next round is in flight give the text of one-token rounds in process (a round with a
+    prompt sends none ahead). When the round ahead overtakes the one it follows (here: that
+    one held back 50 ms), the target refuses the continuation and the loop sends it again with
+    its token."""
+    from flashmap.inprocess import decode
+    from flashmap.rounds import speculative_round
+    from flashmap.sequence import Sequence
+    from flashmap.types import FOLLOW_REFUSED, GenerationRequest
+    from orchestrator.target_client import TritonTarget
+
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(3, 500, n).tolist() for n in (6, 9, 4)]
+    greedy_text = decode(engine, [GenerationRequest(prompts[2], 30)])[0].token_ids
+    requests = lambda: [GenerationRequest(prompts[0], 13),  # noqa: E731
+                        GenerationRequest(prompts[1], 20, SamplingParams(temperature=0.9, top_k=50, seed=11)),
+                        GenerationRequest(prompts[2], 30, stop_token_ids=(greedy_text[9],))]
+    expected = [r.token_ids for r in decode(engine, requests())]
+    assert len(expected[2]) < 30  # the stop token ended it
+
+    def overtaken(c):
+        """The client's second request (the first round after the prompts', which sends the
+        next round ahead) held back, so the round sent ahead of it arrives first."""
+        send, calls = c.verify_rows, []
+
+        async def verify_rows(items, timeout_s=None):
+            calls.append(1)
+            if len(calls) == 2:
+                await asyncio.sleep(0.05)
+            out = await send(items, timeout_s)
+            refused.extend(o for o in out if isinstance(o, InvalidRequest) and str(o).startswith(FOLLOW_REFUSED))
+            return out
+
+        c.verify_rows = verify_rows
+        return c
+
+    async def body(c, wrap):
+        target = TritonTarget(wrap(c), MAX_SEQ_LEN)
+        seqs = [Sequence(500 + i, r, handle=500 + i) for i, r in enumerate(requests())]
+        ahead, sent = None, 0
+        while live := [s for s in seqs if not s.finished]:
+            if ahead is not None and all(s.finished for s in ahead.seqs):
+                ahead = None
+            res = await speculative_round(live, target, decode_steps=4, ahead=ahead, send_ahead=True)
+            ahead, sent = res.ahead, sent + (res.ahead is not None)
+            assert all(r.error is None for r in res.sequences), res.sequences
+        for s in seqs:
+            await target.release(s.handle)
+        return [s.generated for s in seqs], sent
+
+    refused = []
+    for wrap in (lambda c: c, overtaken):
+        got, sent = run(lambda c: body(c, wrap), server)
+        assert got == expected
+        assert sent >= 4
+    assert len(refused) == 3  # the three continuations that came first, each sent again
+    settled_active(server, 0)
+
+
 def test_concurrent_sequences_share_forward_passes(server):
     rng = np.random.default_rng(2)
     before = {n: metric(server, n) for n in (

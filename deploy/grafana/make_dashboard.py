@@ -176,13 +176,17 @@ def build() -> dict:
     L.add(timeseries("Speculation control", "What the goodput controller chose: the mean draft length it "
                      "verified per request and round (0 = a plain decode step), the share of rounds in "
                      "which it verified no draft at all (speculation off: drafting does not pay at this load), "
-                     "and the tokens per request such rounds decoded in one call (--decode-steps).", [
+                     "the tokens per request such rounds decoded in one call (--decode-steps), and the "
+                     "share of rounds queued at the target before the round they follow had answered "
+                     "(--pipeline).", [
         target(f"{rate('flashmap_draft_length_sum', MODEL)} / {rate('flashmap_draft_length_count', MODEL)}",
                "mean draft length", ""),
         target(f"{rate('flashmap_speculation_off_rounds_total', MODEL)} / "
                f"{rate('flashmap_round_latency_seconds_count', SPEC)}", "rounds with speculation off", ""),
         target(f"{rate('flashmap_decode_steps_sum', MODEL)} / {rate('flashmap_decode_steps_count', MODEL)}",
                "tokens per call without drafts", ""),
+        target(f"{rate('flashmap_rounds_ahead_total', MODEL)} / "
+               f"{rate('flashmap_round_latency_seconds_count', SPEC)}", "rounds sent ahead", ""),
     ], min_=0), w=24, h=8)
 
     # ---- Throughput and latency ----------------------------------------------------------

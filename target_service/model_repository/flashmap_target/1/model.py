@@ -18,6 +18,10 @@ decoded by flashmap.wire on both sides):
   out: ARGMAX INT64 [K+1], SUPPORT_PROBS FP32 [K, S], COMPLEMENT FP32 [K], RESIDUAL INT64 [K+1],
        FEATURES FP32|FP16 [L, F] (with NEXT_SEEDS: ARGMAX and RESIDUAL [steps], FEATURES [L + steps - 1, F]), BEST INT64 [1] (the winning block; 0 = TOKENS' own), INFO_JSON BYTES [1]
 A row with BRANCHES is verified on its own (TargetEngine.verify_tree), the others in one forward.
+A row whose TOKENS are [-1] (flashmap.types.FOLLOW_TOKEN, a continuation) is fed the last
+token its sequence's previous verify decoded: that verify had no drafts and ended where this
+row's START_POS is, else INVALID_ARGUMENT. Rows of one sequence in one execute() (a round and
+its continuation, a verify and a release) run in the order they came, each its own forward.
 
 Packed rounds: a request with ROWS BYTES [1] (flashmap.wire.packed_round) carries many rows,
 each with its own sequence id and START / END flags and the tensors above; it is sent as a
@@ -60,7 +64,7 @@ try:  # a clear message beats a bare ModuleNotFoundError in the server log
 
     from flashmap import wire
     from flashmap.metrics import TARGET_MODEL
-    from flashmap.types import InvalidRequest
+    from flashmap.types import FOLLOW_REFUSED, FOLLOW_TOKEN, InvalidRequest
     from target_service import engine as engine_module
 except ImportError as e:  # pragma: no cover - only in a misconfigured server
     raise ImportError(
@@ -157,6 +161,9 @@ class TritonPythonModel:
         # positions its sequence did not commit.
         self.next_pos: dict[int, tuple[int, int]] = {}
         self.last_use: dict[int, float] = {}  # correlation id -> time.monotonic() of last request
+        # correlation id -> (position, token): the last token a row without drafts decoded,
+        # not yet in the cache; what a continuation row (TOKENS [FOLLOW_TOKEN]) is fed.
+        self.follow: dict[int, tuple[int, int]] = {}
         # The reaper thread and execute() both touch the engine's slots: one lock for both.
         self.lock = threading.Lock()
         self._init_metrics()
@@ -187,6 +194,7 @@ class TritonPythonModel:
         slot = self.slots.pop(corrid, None)
         self.last_use.pop(corrid, None)
         self.next_pos.pop(corrid, None)
+        self.follow.pop(corrid, None)
         if slot is None:
             return False
         self.engine.release(slot)
@@ -245,6 +253,14 @@ class TritonPythonModel:
         packed: dict[int, list] = {}  # request index -> outcome per row of its ROWS
         outcome = {}  # (request index, row index or None) -> ("ok", result, best) | ("released",) | error
         rows, trees = [], []  # (key, corrid, end, row[, branches])
+
+        def admit(key, corrid, start, end, row, branches):
+            if any(corrid == r[1] for r in (*rows, *trees)):  # this sequence's earlier row runs first
+                self._forward(rows, trees, outcome)
+                rows.clear()
+                trees.clear()
+            self._admit(key, corrid, start, end, row, branches, now, outcome, rows, trees)
+
         for i, request in enumerate(requests):
             try:
                 blob = pb_utils.get_input_tensor_by_name(request, "ROWS")
@@ -254,7 +270,7 @@ class TritonPythonModel:
                     for j, (corrid, start, end, get) in enumerate(items):
                         try:
                             row, branches = wire.parse_verify_inputs(get)
-                            self._admit((i, j), corrid, start, end, row, branches, now, outcome, rows, trees)
+                            admit((i, j), corrid, start, end, row, branches)
                         except InvalidRequest as e:
                             outcome[(i, j)] = (wire.ROW_INVALID, str(e))
                     continue
@@ -263,28 +279,14 @@ class TritonPythonModel:
                     out = np.array([[self.info_bytes]], dtype=np.object_)
                     responses[i] = pb_utils.InferenceResponse([pb_utils.Tensor("INFO_JSON", out)])
                     continue
-                self._admit((i, None), corrid, start, end, row, branches, now, outcome, rows, trees)
+                admit((i, None), corrid, start, end, row, branches)
             except InvalidRequest as e:
                 responses[i] = _error(str(e), pb_utils.TritonError.INVALID_ARG)
             except Exception as e:
                 pb_utils.Logger.log_error("flashmap_target: " + traceback.format_exc())
                 responses[i] = _error(f"internal error: {type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL)
 
-        if rows:
-            results = self._verify([r for _, _, _, r in rows])
-            self.metrics.inc("flashmap_target_verify_batches_total")
-            self.metrics.inc("flashmap_target_verify_rows_total", len(rows))
-            self.metrics.set("flashmap_target_batch_size", len(rows))
-            for (key, corrid, end, _), result in zip(rows, results):
-                outcome[key] = result
-                if end:
-                    self._release(corrid)
-        for key, corrid, end, row, branches in trees:
-            outcome[key] = self._verify_tree(row, branches)
-            self.metrics.inc("flashmap_target_verify_batches_total")
-            self.metrics.inc("flashmap_target_verify_rows_total")
-            if end:
-                self._release(corrid)
+        self._forward(rows, trees, outcome)
         self._update_active()
         for (i, j), o in outcome.items():
             if j is None:
@@ -297,6 +299,30 @@ class TritonPythonModel:
         # Triton needs one response per request; none is left empty above, but never crash on it.
         return [r if r is not None else _error("no response", pb_utils.TritonError.INTERNAL) for r in responses]
 
+    def _forward(self, rows, trees, outcome) -> None:
+        """Verify the admitted rows (one forward) and trees; their outcomes into `outcome`."""
+        if rows:
+            results = self._verify([r for _, _, _, r in rows])
+            self.metrics.inc("flashmap_target_verify_batches_total")
+            self.metrics.inc("flashmap_target_verify_rows_total", len(rows))
+            self.metrics.set("flashmap_target_batch_size", len(rows))
+            for (key, corrid, end, row), result in zip(rows, results):
+                outcome[key] = result
+                if result[0] == "ok" and row.num_draft == 0:  # what a continuation of it is fed
+                    decoded = result[1].decoded(row.params.greedy)
+                    self.follow[corrid] = (row.start_pos + len(row.tokens) + len(row.next_seeds), int(decoded[-1]))
+                else:
+                    self.follow.pop(corrid, None)
+                if end:
+                    self._release(corrid)
+        for key, corrid, end, row, branches in trees:
+            outcome[key] = self._verify_tree(row, branches)
+            self.follow.pop(corrid, None)
+            self.metrics.inc("flashmap_target_verify_batches_total")
+            self.metrics.inc("flashmap_target_verify_rows_total")
+            if end:
+                self._release(corrid)
+
     def _admit(self, key, corrid, start, end, row, branches, now, outcome, rows, trees) -> None:
         """One row of a sequence: its release, or its slot and START_POS checked and the row
         queued for this execute's forward. Raises InvalidRequest."""
@@ -308,6 +334,12 @@ class TritonPythonModel:
                 raise InvalidRequest("unknown sequence")
             outcome[key] = ("released",)
             return
+        if len(row.tokens) == 1 and row.tokens[0] == FOLLOW_TOKEN:
+            pos, token = self.follow.get(corrid, (None, 0))
+            if start or branches or row.num_draft or pos != row.start_pos:
+                raise InvalidRequest(FOLLOW_REFUSED + " a verify of its sequence without drafts that ended at "
+                                     "its START_POS, with no drafts of its own")
+            row.tokens = np.array([token], np.int64)
         if start:
             self._release(corrid)  # a restarted sequence gets a fresh slot
             slot = self._allocate(now)
