@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from flashmap.sequence import Sequence
-from flashmap.types import Draft, GenerationRequest, VerifyResult
+from flashmap.types import Draft, GenerationRequest, SamplingParams, VerifyResult
 
 
 def _prefilled(max_new: int) -> Sequence:
-    s = Sequence(1, GenerationRequest(np.arange(3, 9), max_new))
+    s = Sequence(1, GenerationRequest(np.arange(3, 9), max_new, SamplingParams(seed=1)))  # seeded: same draws
     row = s.verify_row(None)
     s.commit(row, None, VerifyResult(np.array([7]), np.zeros((0, 1), np.float32), np.zeros(0, np.float32),
                                      np.array([7]), np.zeros((6, 4), np.float32)))
@@ -28,3 +29,25 @@ def test_ends_with_counts_the_tokens_a_row_commits_at_least():
     for max_new, ends in ((1, True), (2, False)):  # a prompt's row commits one token
         fresh = Sequence(2, GenerationRequest(np.arange(3, 9), max_new))
         assert fresh.ends_with(fresh.verify_row(None)) == ends
+
+
+def test_a_follow_row_is_the_next_round_row_sent_early():
+    """follow_row before a row's commit = verify_row after it: same position, steps and seeds
+    (the text of a pipelined round is the text of the next round); `followed` gives it the
+    anchor, and refuses a commit that ended elsewhere."""
+    early, late = _prefilled(12), _prefilled(12)  # 1 generated
+    first_early, first_late = early.verify_row(None, steps=4), late.verify_row(None, steps=4)
+    follow = early.follow_row(first_early, 8)
+    assert follow.tokens.tolist() == [-1] and follow.steps == 7  # 12 - 1 - 4 left
+    assert early.ends_with(follow, ahead=first_early.steps)
+    result = VerifyResult(np.array([5, 6, 7, 8]), np.zeros((0, 1), np.float32), np.zeros(0, np.float32),
+                          np.full(4, -1), np.zeros((4, 4), np.float32))
+    early.commit(first_early, None, result)
+    late.commit(first_late, None, result)
+    nxt = late.verify_row(None, steps=8)
+    fixed = early.followed(follow)
+    assert (fixed.start_pos, fixed.tokens.tolist(), fixed.round_seed, fixed.next_seeds.tolist()) == \
+        (nxt.start_pos, nxt.tokens.tolist(), nxt.round_seed, nxt.next_seeds.tolist())
+    early.tokens.pop()  # a commit that ended one token short
+    with pytest.raises(ValueError, match="continuation"):
+        early.followed(follow)

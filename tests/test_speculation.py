@@ -380,3 +380,17 @@ def test_mixed_probe_rounds_are_exact(tiny):
     assert [r.token_ids for r in out] == alone
     mixed = [c for c in calls if any(k for k, _ in c) and any(s > 1 for _, s in c)]
     assert mixed and all(sum(1 for k, _ in c if k) == 1 for c in mixed)  # one probing request beside 8-token rows
+
+
+def test_peek_is_the_plan_without_making_it():
+    """peek returns what plan would choose (here a probe) and leaves the schedule, the search
+    memo and the draft limits as they were; plan then makes that choice."""
+    c = _controller(verify=(0.010, 1e-3), draft=(0.002, 1e-4))
+    c.cfg.probe_every = c.probe_every = 2
+    seqs = _seqs(3, acceptance=0.2)
+    assert not any(c.plan(seqs).values())
+    state = (c.since_probe, c.probe_every, c.probes, c._nothing, dict(c.idle), [s.draft_limit for s in seqs])
+    peeked = c.peek(seqs)
+    assert any(peeked.values())  # the probe is due
+    assert (c.since_probe, c.probe_every, c.probes, c._nothing, c.idle, [s.draft_limit for s in seqs]) == state
+    assert c.plan(seqs) == peeked
