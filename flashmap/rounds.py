@@ -126,10 +126,8 @@ async def speculative_round(seqs: list[Sequence], target: Target, drafter: Draft
     chooses each sequence's draft length from measured costs (None: the whole block).
     decode_steps: tokens per row of a round without drafts (one verify call for all of them).
     ahead: this round was sent ahead (`seqs` is then ahead.seqs; the finished ones commit
-    nothing). send_ahead: if this round drafts nothing and has no prompt (the controller
-    plans a sequence's drafts from its state after its prompt), and the next would draft
-    nothing either, send the next round now (RoundResult.ahead), for the sequences this one
-    cannot end."""
+    nothing). send_ahead: if this round drafts nothing and the next would draft nothing either,
+    send the next round now (RoundResult.ahead), for the sequences this one cannot end."""
     out = RoundResult([])
     t_round = time.perf_counter() if ahead is None else ahead.since
     batch, asked, lost, gone = DraftBatch(), set(), set(), set()
@@ -158,7 +156,7 @@ async def speculative_round(seqs: list[Sequence], target: Target, drafter: Draft
         if draft is not None and draft.steps:
             out.steps = draft.steps
     out.decode_steps = max(r.steps for r in rows)
-    if send_ahead and not any(r.num_draft for r in rows) and all(s.prefilled for s in seqs):
+    if send_ahead and not any(r.num_draft for r in rows):
         out.ahead = _send_ahead(seqs, rows, target, drafter, controller, decode_steps)
     t0 = time.perf_counter() if ahead is None else ahead.since
     results = await call
@@ -232,13 +230,20 @@ def _send_ahead(seqs: list[Sequence], rows: list[VerifyRow], target: Target, dra
     nxt = [s for s, _ in pairs]
     plan = None
     if drafter is not None:
-        if controller is None:
-            if any(s.wants_draft() for s in nxt):
+        fresh = [s for s in nxt if not s.prefilled]
+        for s in fresh:  # the next round is planned as after this one commits their prompts
+            s.prefilled = True
+        try:
+            if controller is None:
+                if any(s.wants_draft() for s in nxt):
+                    return None
+            elif any(controller.peek(nxt).values()):
                 return None
-        elif any(controller.peek(nxt).values()):
-            return None
-        else:
-            plan = controller.plan(nxt)
+            else:
+                plan = controller.plan(nxt)
+        finally:
+            for s in fresh:
+                s.prefilled = False
     follow = [s.follow_row(r, decode_steps) for s, r in pairs]
     last = [s.ends_with(f, ahead=r.steps) for (s, r), f in zip(pairs, follow)]
     return Ahead(nxt, follow, asyncio.ensure_future(target.verify(follow, [[] for _ in follow], last)), plan)

@@ -324,10 +324,9 @@ def test_continuation_rows_follow_the_last_decoded_token_in_order(server, engine
 def test_pipelined_rounds_give_the_text_of_one_token_rounds(server, engine):
     """The round loop over TritonTarget sending each round without drafts ahead (the next one
     queued while it runs): greedy, seeded sampling and a stop token that ends a request while
-    its next round is in flight give the text of one-token rounds in process (a round with a
-    prompt sends none ahead). When the round ahead overtakes the one it follows (here: that
-    one held back 50 ms), the target refuses the continuation and the loop sends it again with
-    its token."""
+    its next round is in flight give the text of one-token rounds in process. When the round
+    ahead overtakes the one it follows (here: that one held back 50 ms), the target refuses
+    the continuation and the loop sends it again with its token."""
     from flashmap.inprocess import decode
     from flashmap.rounds import speculative_round
     from flashmap.sequence import Sequence
@@ -344,13 +343,13 @@ def test_pipelined_rounds_give_the_text_of_one_token_rounds(server, engine):
     assert len(expected[2]) < 30  # the stop token ended it
 
     def overtaken(c):
-        """The client's second request (the first round after the prompts', which sends the
-        next round ahead) held back, so the round sent ahead of it arrives first."""
+        """The client's first request (the prompts' round, which sends the next one ahead) held
+        back, so the round sent ahead of it arrives first."""
         send, calls = c.verify_rows, []
 
         async def verify_rows(items, timeout_s=None):
             calls.append(1)
-            if len(calls) == 2:
+            if len(calls) == 1:
                 await asyncio.sleep(0.05)
             out = await send(items, timeout_s)
             refused.extend(o for o in out if isinstance(o, InvalidRequest) and str(o).startswith(FOLLOW_REFUSED))
