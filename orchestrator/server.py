@@ -397,14 +397,25 @@ class Orchestrator:
 
     async def _round(self, ahead: Ahead | None) -> Ahead | None:
         """One round: of every active request, or the round sent ahead (its requests; one that
-        ended since commits nothing). Returns the next round if this one sent it ahead: only
-        when no request waits and this round has every active one, so a new request waits at
-        most for the round in flight."""
+        ended since commits nothing) and, beside it, the prompts of the requests admitted since
+        it was sent, so they wait for no more than the round in flight. Returns the next round
+        if this one sent it ahead: only when no request waits or is new."""
         t_round = time.perf_counter()
         seqs = ahead.seqs if ahead is not None else [a.seq for a in self.active.values()]
-        send = self.cfg.pipeline and not self.waiting and set(self.active) <= {s.seq_id for s in seqs}
-        res = await speculative_round(seqs, self.target_port, self.drafter_port, self.cfg.tree_blocks,
-                                      self.controller, self.cfg.decode_steps, ahead=ahead, send_ahead=send)
+        ids = {s.seq_id for s in seqs}
+        fresh = [a.seq for sid, a in self.active.items() if sid not in ids]
+        send = self.cfg.pipeline and not self.waiting and not fresh
+        rounds = [speculative_round(seqs, self.target_port, self.drafter_port, self.cfg.tree_blocks,
+                                    self.controller, self.cfg.decode_steps, ahead=ahead, send_ahead=send)]
+        if fresh:  # prompts only: nothing to draft or plan yet, their call queues behind the one in flight
+            rounds.append(speculative_round(fresh, self.target_port))
+        results = await asyncio.gather(*rounds)
+        for res in results:
+            await self._account(res, t_round)
+        return results[0].ahead
+
+    async def _account(self, res, t_round: float) -> None:
+        """A finished round's metrics, the target's health, and its tokens to their streams."""
         name = self.info.model_name
         decoding = [r for r in res.sequences if not r.prefill and r.error is None]
         for r in decoding:
@@ -440,7 +451,6 @@ class Orchestrator:
                 self.metrics.record_round(self._labels(self._steps_of(a)), r.drafted, r.accepted)
             self._emit(a, r.new_tokens, now)
         self.metrics.round_latency.labels(**self._labels(self.drafter.steps if self.drafter else 0)).observe(time.perf_counter() - t_round)
-        return res.ahead
 
     async def stream(self, gen: GenerationRequest, stops: list[str] = (),
                      deadline: float | None = None) -> AsyncIterator["Piece | Outcome"]:
