@@ -271,14 +271,14 @@ class TritonTarget:
     """The round loop's Target (flashmap.rounds) over a TargetClient: a round is one packed
     request (every row, one forward). row.slot is the sequence's correlation id; its first
     row carries START. Two rounds may be in flight (flashmap.rounds.Ahead); a release waits
-    for the verifies in flight, which may hold a row of its sequence."""
+    for the verifies in flight that hold a row of its sequence."""
 
     def __init__(self, client: TargetClient, max_seq_len: int):
         self.client = client
         self.max_seq_len = max_seq_len
         self.started: set[int] = set()  # correlation ids holding a KV slot
         self._releasing: set[asyncio.Task] = set()
-        self._verifying: set[asyncio.Future] = set()
+        self._verifying: dict[int, set[asyncio.Future]] = {}  # correlation id -> its verifies in flight
         self._order = asyncio.Lock()  # verifies go out in the order they are made (an Ahead follows its round)
 
     async def verify(self, rows: list[VerifyRow], branches: list[list[np.ndarray]],
@@ -296,8 +296,9 @@ class TritonTarget:
             self.started.update(r.slot for r in rows)
             call = asyncio.ensure_future(self.client.verify_rows(
                 items, None if budget is None else max(budget - (time.monotonic() - t0), 1e-3)))
-            self._verifying.add(call)
-            call.add_done_callback(self._verifying.discard)
+            for r in rows:
+                self._verifying.setdefault(r.slot, set()).add(call)
+            call.add_done_callback(lambda c, ids=[r.slot for r in rows]: self._verified(c, ids))
             await asyncio.sleep(0)  # the call's first step starts the request before the next verify's
         try:
             out = await call
@@ -309,6 +310,14 @@ class TritonTarget:
                                        if end and not isinstance(o, BaseException))
         return out
 
+    def _verified(self, call: asyncio.Future, corrids: list[int]) -> None:
+        for corrid in corrids:
+            calls = self._verifying.get(corrid)
+            if calls is not None:
+                calls.discard(call)
+                if not calls:
+                    del self._verifying[corrid]
+
     async def release(self, corrid: int) -> None:
         if corrid in self.started:
             self.started.discard(corrid)
@@ -318,8 +327,8 @@ class TritonTarget:
             await task
 
     async def _release(self, corrid: int) -> None:
-        if self._verifying:
-            await asyncio.wait(set(self._verifying), timeout=self.client.timeout_s)
+        if self._verifying.get(corrid):
+            await asyncio.wait(set(self._verifying[corrid]), timeout=self.client.timeout_s)
         (out,) = await self.client.verify_rows([(corrid, None, [], False, True)])
         # A sequence already gone (the idle timeout) has nothing left to free.
         if isinstance(out, Exception) and not (isinstance(out, InvalidRequest) and "unknown sequence" in str(out)):
