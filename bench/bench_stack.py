@@ -167,14 +167,12 @@ def alternated(stack: Stack, engine, prompts, max_new, concurrency, repeats: int
     orchestrator with max_draft_tokens = 0 per request; a switch between full and auto restarts
     the orchestrator (auto then gets a short warm-up, its first measurements)."""
     runs = {m: [] for m in MODES}
+    baselines = {"target": lambda: inprocess(engine, None, prompts, max_new, concurrency, decode_steps),
+                 "triton": lambda: triton_alone(stack.cfg, prompts, max_new, concurrency)}
     for rep in range(repeats):
         for mode in MODES if rep % 2 == 0 else MODES[::-1]:
-            if mode == "target":
-                ids, tok_s = inprocess(engine, None, prompts, max_new, concurrency, decode_steps)
-                runs[mode].append({"outputs": ids, "tok_s": tok_s})
-                continue
-            if mode == "triton":
-                ids, tok_s = triton_alone(stack.cfg, prompts, max_new, concurrency)
+            if mode in baselines:
+                ids, tok_s = baselines[mode]()
                 runs[mode].append({"outputs": ids, "tok_s": tok_s})
                 continue
             wanted = "full" if mode == "full" else "auto"
@@ -225,7 +223,7 @@ def main(argv=None):
     ap.add_argument("--concurrency", default="1,4,16,32")
     ap.add_argument("--prompts", type=int, default=0, help="prompts per set (default: 2 x the largest concurrency)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per service (default: the machine's cores)")
-    ap.add_argument("--repeats", type=int, default=2, help="runs of each stack mode, alternated (default 2)")
+    ap.add_argument("--repeats", type=int, default=2, help="runs of each mode, alternated (default 2)")
     ap.add_argument("--decode-steps", type=int, default=StackConfig.decode_steps,
                     help="tokens per request of a round without drafts, for the target alone and the stack alike")
     ap.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=True,

@@ -205,17 +205,19 @@ class SpeculationController:
             s.draft_limit = choice[s.seq_id]
         return choice
 
+    # What plan() changes besides the sequences' draft limits (each attribute is reassigned, never mutated).
+    _PLAN_STATE = ("probe_every", "since_probe", "probe_credit", "_nothing", "idle", "probing", "probes")
+
     def peek(self, seqs: list[Sequence]) -> dict[int, int]:
         """The plan `plan(seqs)` would make now, without making it (the probe schedule, the
         search's memo and the sequences' draft limits stay as they are)."""
-        state = (self.probe_every, self.since_probe, self.probe_credit, self._nothing, self.idle, self.probing,
-                 self.probes)
+        state = {k: getattr(self, k) for k in self._PLAN_STATE}
         limits = [s.draft_limit for s in seqs]
         try:
             return self.plan(seqs)
         finally:
-            (self.probe_every, self.since_probe, self.probe_credit, self._nothing, self.idle, self.probing,
-             self.probes) = state
+            for k, v in state.items():
+                setattr(self, k, v)
             for s, limit in zip(seqs, limits):
                 s.draft_limit = limit
 

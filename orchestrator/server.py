@@ -69,8 +69,8 @@ class OrchestratorConfig:
     # (flashmap.rounds): the call's fixed cost (gRPC, Triton, this loop) is paid once for them.
     decode_steps: int = DECODE_STEPS
     # While a round without drafts runs, the next one (if it drafts nothing either and no request
-    # waits) is already queued at Triton (flashmap.rounds.Ahead): the target goes from one to
-    # the next without waiting for this loop, the network and Triton's request path between them.
+    # is waiting or new) is already queued at Triton (flashmap.rounds.Ahead): the target goes from
+    # one to the next without waiting for this loop, the network and Triton's request path between them.
     pipeline: bool = True
     # Trust boundaries (DESIGN.md): secrets come from the environment (flashmap.auth), "" = none.
     api_key: str = ""  # clients must send authorization: Bearer <api_key> (gRPC Health and grpc.health stay open)

@@ -253,12 +253,15 @@ class TritonPythonModel:
         packed: dict[int, list] = {}  # request index -> outcome per row of its ROWS
         outcome = {}  # (request index, row index or None) -> ("ok", result, best) | ("released",) | error
         rows, trees = [], []  # (key, corrid, end, row[, branches])
+        queued: set[int] = set()  # correlation ids with a row in rows or trees
 
         def admit(key, corrid, start, end, row, branches):
-            if any(corrid == r[1] for r in (*rows, *trees)):  # this sequence's earlier row runs first
+            if corrid in queued:  # this sequence's earlier row runs first
                 self._forward(rows, trees, outcome)
                 rows.clear()
                 trees.clear()
+                queued.clear()
+            queued.add(corrid)
             self._admit(key, corrid, start, end, row, branches, now, outcome, rows, trees)
 
         for i, request in enumerate(requests):
