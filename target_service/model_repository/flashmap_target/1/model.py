@@ -475,13 +475,25 @@ class _MetricPusher:
         with self._lock:
             counts, self._counts = self._counts, {}
             gauges, self._gauges = self._gauges, {}
-        for name, n in counts.items():
-            if n:
-                self._metrics[name].increment(n)
-        for name, v in gauges.items():
-            if self._shown.get(name) != v:
-                self._metrics[name].set(v)
-                self._shown[name] = v
+        try:
+            while counts:
+                name, n = next(iter(counts.items()))
+                if n:
+                    self._metrics[name].increment(n)
+                del counts[name]
+            for name, v in list(gauges.items()):
+                if self._shown.get(name) != v:
+                    self._metrics[name].set(v)
+                    self._shown[name] = v
+                del gauges[name]
+        finally:  # what a failed update did not push goes with the next flush, not lost
+            with self._lock:
+                for name, n in counts.items():
+                    self._counts[name] = self._counts.get(name, 0) + n
+                for name, v in gauges.items():
+                    self._gauges.setdefault(name, v)
+            if counts or gauges:
+                self._wake.set()
 
     def close(self) -> None:
         self._stop.set()
