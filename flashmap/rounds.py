@@ -148,7 +148,7 @@ async def speculative_round(seqs: list[Sequence], target: Target, drafter: Draft
             batch = await drafter.draft(ask, [tree_blocks if s.params.greedy else 1 for s in ask])
             out.draft_s = time.perf_counter() - t0
         rows, drafts, branches = _rows(seqs, batch, target, decode_steps,
-                                       probing=out.plan is not None and controller.probing)
+                                       probing=out.plan is not None and controller.probing, drafter=drafter is not None)
         # A coroutine, not a task: awaited below, it goes out before any round sent ahead (a
         # task, started when this one first waits), and a local round needs no event loop.
         call = target.verify(rows, branches, [s.ends_with(r) for s, r in zip(seqs, rows)])
@@ -199,7 +199,7 @@ async def speculative_round(seqs: list[Sequence], target: Target, drafter: Draft
     return out
 
 
-def _rows(seqs: list[Sequence], batch: DraftBatch, target: Target, decode_steps: int, probing: bool):
+def _rows(seqs: list[Sequence], batch: DraftBatch, target: Target, decode_steps: int, probing: bool, drafter: bool):
     """Each sequence's verify row, draft (or None) and tree branches for this round."""
     rows, drafts, branches, picked = [], [], [], []
     for s in seqs:
@@ -212,7 +212,7 @@ def _rows(seqs: list[Sequence], batch: DraftBatch, target: Target, decode_steps:
     plain = all(d is None or len(d.tokens) == 0 for d, _ in picked)
     multi = all(s.prefilled for s in seqs) and (plain or probing)
     for s, (draft, more) in zip(seqs, picked):
-        row = s.verify_row(draft, decode_steps if multi else 1)
+        row = s.verify_row(draft, decode_steps if multi else 1, drafter)
         rows.append(row)
         drafts.append(draft)
         branches.append(more if _tree_fits(row, len(more), target.max_seq_len) else [])

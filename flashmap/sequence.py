@@ -70,6 +70,12 @@ class Sequence:
         """Would draft this round if the drafter answers (False when its context is lost)."""
         return self.draft_budget() > 0 and not self.drafter_lost
 
+    def may_draft(self) -> bool:
+        """Can draft in some later round (with a drafter): not when speculation is off for the
+        request or the drafter lost its context. A sequence that never drafts needs no
+        features from the target."""
+        return self.request.max_draft_tokens != 0 and not self.drafter_lost
+
     def draft_seed(self) -> int:
         return int(self.rng.integers(2**62))
 
@@ -95,17 +101,19 @@ class Sequence:
         self.pending_context.clear()
 
     # -- one round -------------------------------------------------------------
-    def verify_row(self, draft: Draft | None, steps: int = 1) -> VerifyRow:
+    def verify_row(self, draft: Draft | None, steps: int = 1, drafter: bool = True) -> VerifyRow:
         """The target input of this round: the prompt at prefill, else [anchor, d_1..d_K].
         Without a draft the row decodes up to `steps` tokens (within max_new_tokens), with
-        the round seeds that as many one-step rounds would draw, so the text is the same."""
+        the round seeds that as many one-step rounds would draw, so the text is the same.
+        drafter False (the round loop has none): the row asks for no features."""
         if draft is not None and len(draft.tokens):
             round_seed = int(self.rng.integers(2**62))
             toks = np.concatenate([[self.anchor], draft.tokens]).astype(np.int64)
             return VerifyRow(self.handle, len(self.tokens) - 1, toks, self.params, draft.support_ids, round_seed)
+        features = drafter and self.may_draft()
         if not self.prefilled:
-            return self._plain_row(0, self.tokens, steps, 0)
-        return self._plain_row(len(self.tokens) - 1, [self.anchor], steps, 0)
+            return self._plain_row(0, self.tokens, steps, 0, features)
+        return self._plain_row(len(self.tokens) - 1, [self.anchor], steps, 0, features)
 
     def follow_row(self, prev: VerifyRow, steps: int) -> VerifyRow:
         """The row of the round after `prev` (this sequence's row without drafts, sent and not
@@ -113,7 +121,7 @@ class Sequence:
         feeds the last token prev decoded) and its seeds are the ones verify_row would draw
         after prev's commit. Before committing its result, `followed` sets the real token."""
         return self._plain_row(prev.start_pos + len(prev.tokens) + len(prev.next_seeds), [FOLLOW_TOKEN], steps,
-                               prev.steps)
+                               prev.steps, prev.features)
 
     def followed(self, row: VerifyRow) -> VerifyRow:
         """A follow_row once the row before it is committed: its token is the anchor.
@@ -122,16 +130,16 @@ class Sequence:
             raise ValueError(f"a continuation at position {row.start_pos} after a commit that ends at "
                              f"{len(self.tokens) - 1}")
         return VerifyRow(row.slot, row.start_pos, np.asarray([self.anchor], np.int64), row.params, row.support_ids,
-                         row.round_seed, row.next_seeds)
+                         row.round_seed, row.next_seeds, row.features)
 
-    def _plain_row(self, start_pos: int, tokens, steps: int, ahead: int) -> VerifyRow:
+    def _plain_row(self, start_pos: int, tokens, steps: int, ahead: int, features: bool) -> VerifyRow:
         """A row without drafts decoding up to `steps` tokens within max_new_tokens, `ahead`
         tokens being committed before it."""
         round_seed = int(self.rng.integers(2**62))
         steps = max(1, min(steps, self.request.max_new_tokens - len(self.generated) - ahead))
         next_seeds = self.rng.integers(2**62, size=steps - 1).astype(np.int64)
         return VerifyRow(self.handle, start_pos, np.asarray(tokens, np.int64), self.params,
-                         np.zeros((0, 1), np.int64), round_seed, next_seeds)
+                         np.zeros((0, 1), np.int64), round_seed, next_seeds, features)
 
     def ends_with(self, row: VerifyRow, ahead: int = 0) -> bool:
         """Whether committing this row's verify surely ends the sequence: it commits at least
@@ -158,8 +166,9 @@ class Sequence:
         # (and every token a multi-step row decoded but the last).
         decoded = new[:-1] if k == 0 else []
         n_ctx = len(row.tokens) - k + n_acc
-        self.pending_context.append((np.concatenate([row.tokens[:n_ctx], np.asarray(decoded, np.int64)]),
-                                     result.features[:n_ctx + len(decoded)]))
+        if row.features:  # a row without features belongs to a sequence that never drafts
+            self.pending_context.append((np.concatenate([row.tokens[:n_ctx], np.asarray(decoded, np.int64)]),
+                                         result.features[:n_ctx + len(decoded)]))
         for _ in range(1 + len(decoded) - (not self.prefilled)):  # a multi-step row: one round per step
             self.stats.record_round(k, n_acc)
         if k and draft is not None and draft.steps:

@@ -161,6 +161,10 @@ class VerifyRow:
     T = 0, the residual sample otherwise) and seeded by next_seeds[j], exactly as that many
     more one-token rows with these round seeds would (multi-step decoding: one call, one
     round trip, for `steps` tokens).
+
+    features False: the result's features are empty ([0, F]): a row of a sequence that will
+    never draft (no drafter, speculation off for the request, the drafter's context lost)
+    needs none, and the target skips gathering, copying and sending them.
     """
 
     slot: int
@@ -170,6 +174,7 @@ class VerifyRow:
     support_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 1), np.int64))  # [K, S], -1 = padding
     round_seed: int = 0  # seeds the target's residual / bonus samples for this row
     next_seeds: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [steps - 1] int64
+    features: bool = True
 
     @property
     def num_draft(self) -> int:

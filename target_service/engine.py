@@ -233,7 +233,7 @@ class TargetEngine:
                 r, last = rows[i], parts[i][-1]
                 token = last.decoded(r.params.greedy)[-1]
                 step.append(VerifyRow(r.slot, self._length[r.slot], np.array([token], np.int64), r.params,
-                                      round_seed=int(r.next_seeds[j])))
+                                      round_seed=int(r.next_seeds[j]), features=r.features))
             for i, res in zip(live, self._forward(step)):
                 parts[i].append(res)
         for i, p in parts.items():
@@ -277,9 +277,10 @@ class TargetEngine:
     def _verify_eager(self, rows: list[VerifyRow]) -> list[VerifyResult]:
         p = pack(rows, self._device, self.group_tokens)
         logits, features = forward_step(self.model, p.tokens, p.positions, p.write_slot, p.positions, p.groups,
-                                        p.logit_rows, None, self._feature_layers)
+                                        p.logit_rows, p.feature_rows, self._feature_layers)
         stats = verification_stats(logits, rows)
-        feats = np.split(features.cpu().numpy(), np.cumsum(p.lengths)[:-1])
+        n_feats = p.lengths if p.feature_lengths is None else p.feature_lengths
+        feats = np.split(features.cpu().numpy(), np.cumsum(n_feats)[:-1])
         return [VerifyResult(*s, features=f) for s, f in zip(stats, feats)]
 
     def _verify_graph(self, rows: list[VerifyRow], key) -> list[VerifyResult]:
@@ -291,7 +292,8 @@ class TargetEngine:
         logits, argmax, feats = self.graphs.run(key, tokens, positions, slots)
         starts = [i * q + len(r.tokens) - r.num_draft - 1 for i, r in enumerate(rows)]
         stats = verification_stats(logits, rows, argmax=argmax, starts=starts)
-        return [VerifyResult(*s, features=feats[i * q:i * q + len(r.tokens)]) for i, (s, r) in enumerate(zip(stats, rows))]
+        return [VerifyResult(*s, features=feats[i * q:i * q + (len(r.tokens) if r.features else 0)])
+                for i, (s, r) in enumerate(zip(stats, rows))]
 
     def verify_tree(self, row: VerifyRow, branches: list[np.ndarray]) -> tuple[VerifyResult, int]:
         """Greedy (T = 0) verification of several draft blocks after one anchor, in one pass.

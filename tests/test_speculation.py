@@ -313,6 +313,20 @@ def test_a_search_that_found_nothing_is_rerun_only_when_something_changed():
     assert len(calls) == 16 // c.cfg.recheck_every + 2
 
 
+class _SilentDrafter:
+    """A drafter that drafts nothing and keeps no context (the sequences keep it pending)."""
+
+    block_size = K
+
+    async def draft(self, seqs, n_blocks):
+        from flashmap.rounds import DraftBatch
+
+        return DraftBatch()
+
+    async def release(self, seqs):
+        pass
+
+
 def test_multi_step_rounds_give_the_drafter_the_same_context(tiny):
     """What a sequence holds for the drafter (context tokens and the target's features) after
     rounds of 5 tokens per call equals what one-token rounds give: the decoded tokens line up
@@ -324,7 +338,7 @@ def test_multi_step_rounds_give_the_drafter_the_same_context(tiny):
     for steps in (1, 5):
         seq = Sequence(1, GenerationRequest([3, 4, 5, 6, 7], 13, SamplingParams()), K, handle=tiny.allocate())
         while not seq.finished:
-            run_local(speculative_round([seq], LocalTarget(tiny), decode_steps=steps))
+            run_local(speculative_round([seq], LocalTarget(tiny), _SilentDrafter(), decode_steps=steps))
         tiny.release(seq.handle)
         contexts[steps] = (seq.generated, seq.context_for_drafter())
     (gen1, (start1, ids1, f1)), (gen5, (start5, ids5, f5)) = contexts[1], contexts[5]
@@ -394,3 +408,37 @@ def test_peek_is_the_plan_without_making_it():
     assert any(peeked.values())  # the probe is due
     assert (c.since_probe, c.probe_every, c.probes, c._nothing, c.idle, [s.draft_limit for s in seqs]) == state
     assert c.plan(seqs) == peeked
+
+
+def test_sequences_that_never_draft_ask_for_no_features(tiny):
+    """Without a drafter, with speculation off for the request, or once the drafter lost its
+    context, a sequence's rows ask the target for no features (empty in the result) and it
+    keeps no context for a drafter; the text is the same as with features."""
+    from flashmap.inprocess import LocalTarget
+    from flashmap.rounds import run_local, speculative_round
+
+    rows = []
+
+    class Recording(LocalTarget):
+        async def verify(self, rs, branches, last=None):
+            out = await super().verify(rs, branches, last)
+            rows.extend((r.features, res[0].features.shape[0], len(r.tokens) + len(r.next_seeds)) for r, res in zip(rs, out))
+            return out
+
+    def run(drafter, max_draft, lose=False):
+        rows.clear()
+        seq = Sequence(1, GenerationRequest([3, 4, 5, 6, 7], 13, SamplingParams(), max_draft_tokens=max_draft), K,
+                       handle=tiny.allocate())
+        if lose:
+            seq.lose_drafter()
+        while not seq.finished:
+            run_local(speculative_round([seq], Recording(tiny), drafter, decode_steps=4))
+        tiny.release(seq.handle)
+        return seq.generated, seq.context_for_drafter(), list(rows)
+
+    text, ctx, with_features = run(_SilentDrafter(), None)
+    assert ctx is not None and all(f and n == m for f, n, m in with_features)  # [L + steps - 1, F]
+    for drafter, max_draft, lose in ((None, None, False), (_SilentDrafter(), 0, False), (_SilentDrafter(), None, True)):
+        got, ctx, seen = run(drafter, max_draft, lose)
+        assert got == text and ctx is None
+        assert seen and all(not f and n == 0 for f, n, _ in seen)

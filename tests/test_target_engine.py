@@ -311,6 +311,36 @@ def test_next_seeds_decode_as_separate_one_token_calls(engine):
     np.testing.assert_array_equal(multi[2].argmax, ref_c.argmax)
 
 
+def test_rows_without_features_get_the_same_statistics_and_no_features(engine):
+    """features=False rows (sequences that never draft) beside rows with features, in one
+    packed verify and through further steps: the same argmax, residuals and, for the rows that
+    want them, features as a verify where every row returns features; the others get [0, F]."""
+    sampled = SamplingParams(temperature=0.9, top_k=50)
+
+    def run(features: bool):
+        a, b, c = engine.allocate(), engine.allocate(), engine.allocate()
+        first = engine.verify([dataclasses.replace(row(a, 0, seq(12, 30)), features=features),
+                               row(b, 0, seq(9, 31), params=sampled), row(c, 0, seq(7, 32))])
+        second = engine.verify([
+            dataclasses.replace(row(a, 12, [int(first[0].argmax[-1])]), round_seed=5, next_seeds=np.array([6, 7]),
+                                features=features),
+            dataclasses.replace(row(b, 9, [int(first[1].residual[-1])], params=sampled), round_seed=8,
+                                next_seeds=np.array([9])),
+            row(c, 7, seq(4, 33), k=3)])
+        for s in (a, b, c):
+            engine.release(s)
+        return first + second
+
+    full, lean = run(True), run(False)
+    for i, (f, g) in enumerate(zip(full, lean)):
+        np.testing.assert_array_equal(f.argmax, g.argmax)
+        np.testing.assert_array_equal(f.residual, g.residual)
+        if i % 3 == 0:  # row a
+            assert g.features.shape == (0, f.features.shape[1]) and f.features.shape[0] > 0
+        else:
+            np.testing.assert_array_equal(f.features, g.features)
+
+
 def test_tree_verify_equals_verifying_the_winning_branch_alone(model):
     prompt, K = seq(30, 12), 6
     ref = fresh_engine(model)

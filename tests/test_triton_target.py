@@ -198,7 +198,8 @@ def _script(engine, rng):
 
     Computed before touching the server so the Triton calls run back to back (the idle
     timeout is short). Round 2 rolls back (start_pos before the end of the cache), round 3
-    samples at T > 0 with a support of 2 and top-k / top-p.
+    samples at T > 0 with a support of 2 and top-k / top-p. Sequence 2's last rounds ask for
+    no features.
     """
     sampled = SamplingParams(temperature=0.8, top_k=40, top_p=0.95)
     slots = {1: engine.allocate(), 2: engine.allocate()}
@@ -224,7 +225,8 @@ def _script(engine, rng):
                 support[1, 1] = -1
                 params, seed = sampled, 1000 + s
             tokens = np.concatenate([[anchor], drafts])
-            nxt[s] = VerifyRow(slots[s], start, tokens, params, support_ids=support, round_seed=seed)
+            nxt[s] = VerifyRow(slots[s], start, tokens, params, support_ids=support, round_seed=seed,
+                               features=not (s == 2 and r >= 2))  # NO_FEATURES: a sequence that never drafts
             length[s] = start + len(tokens)
         rows = nxt
     for s in slots.values():
@@ -248,6 +250,7 @@ def test_results_equal_inprocess_engine(server, engine):
     got = run(body, server)
     _assert_same_results(expected, got)
     _assert_sampled(got)
+    assert got[-1][2].features.shape[0] == 0 < got[-1][1].features.shape[0]
     settled_active(server, 0)
 
 

@@ -13,7 +13,7 @@ from flashmap.types import InvalidRequest, SamplingParams, VerifyRow
 def _round():
     rng = np.random.default_rng(0)
     greedy = VerifyRow(-1, 40, rng.integers(0, 500, 1), SamplingParams(), support_ids=np.zeros((0, 1), np.int64),
-                       next_seeds=rng.integers(0, 2**62, 7))
+                       next_seeds=rng.integers(0, 2**62, 7), features=False)
     drafted = VerifyRow(-1, 12, rng.integers(0, 500, 17), SamplingParams(), support_ids=rng.integers(0, 500, (16, 1)))
     sampled = VerifyRow(-1, 7, rng.integers(0, 500, 5), SamplingParams(temperature=0.7, top_k=20, top_p=0.9),
                         support_ids=rng.integers(0, 500, (4, 3)), round_seed=123456789)
@@ -38,6 +38,7 @@ def test_a_packed_round_parses_back_to_its_rows():
         np.testing.assert_array_equal(got.support_ids, row.support_ids)
         assert (got.start_pos, got.round_seed) == (row.start_pos, row.round_seed)
         assert got.next_seeds.tolist() == row.next_seeds.tolist()
+        assert got.features == row.features
         assert got.params.temperature == pytest.approx(row.params.temperature)
         assert (got.params.top_k, got.params.top_p) == pytest.approx((row.params.top_k, row.params.top_p))
         assert [b.tolist() for b in got_branches] == [b.tolist() for b in branches]

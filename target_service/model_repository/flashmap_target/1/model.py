@@ -14,7 +14,8 @@ decoded by flashmap.wire on both sides):
   in:  TOKENS INT64 [L], START_POS INT64 [1], SUPPORT_IDS INT64 [K, S] (-1 padded, K may be 0),
        TEMPERATURE FP32 [1], TOP_K INT32 [1], TOP_P FP32 [1], ROUND_SEED INT64 [1], INFO BOOL [1],
        BRANCHES INT64 [n, K] (tree verification at T = 0: more blocks after the same anchor),
-       NEXT_SEEDS INT64 [steps - 1] (K = 0: decode that many more tokens in this call)
+       NEXT_SEEDS INT64 [steps - 1] (K = 0: decode that many more tokens in this call),
+       NO_FEATURES BOOL [1] (true: FEATURES [0, F]; a sequence that never drafts needs none)
   out: ARGMAX INT64 [K+1], SUPPORT_PROBS FP32 [K, S], COMPLEMENT FP32 [K], RESIDUAL INT64 [K+1],
        FEATURES FP32|FP16 [L, F] (with NEXT_SEEDS: ARGMAX and RESIDUAL [steps], FEATURES [L + steps - 1, F]), BEST INT64 [1] (the winning block; 0 = TOKENS' own), INFO_JSON BYTES [1]
 A row with BRANCHES is verified on its own (TargetEngine.verify_tree), the others in one forward.
