@@ -28,6 +28,12 @@ speculation at all (by `margin`, 0 by default: on held-out text the drafted roun
 more acceptance than the estimate promised, not less). Exactness never depends on the choice:
 any prefix of a draft is a valid proposal.
 
+A plan lets at most `explore_factor` times as many requests draft as the largest draft call
+measured so far (probes measure one): draft_cost is a line fitted to the batch sizes seen,
+and far beyond them it can say anything (fitted on probes alone, d1 came out 0, and the first
+plans had 30 of 31 requests draft at the price of one: 2 rounds of 3-4x the predicted time).
+Each round that drafts more widens what the next may try, so the fit grows with the batches.
+
 The first decode round probes. While speculation is off, every `probe_every` rounds one request (the one longest without a
 draft) drafts its whole block, so the per-slot acceptance and the draft cost stay current
 and speculation can come back; each probe doubles the interval (up to `max_probe_every`)
@@ -109,6 +115,7 @@ class ControllerConfig:
     recheck_every: int = 8
     packed: bool = True  # the target runs a verify packed (cost ~ total tokens); False: padded to the longest row
     margin: float = 0.0  # a plan must promise this much more throughput than no speculation
+    explore_factor: int = 2  # a plan drafts for at most this many times the most requests a measured draft call had
     decode_steps: int = 1  # tokens per row of a round without drafts or prompts (flashmap.rounds)
 
 
@@ -136,6 +143,7 @@ class SpeculationController:
         self.probes = 0  # probes planned
         self.probing = False  # this round's only drafting is a probe the others need not wait for
         self._nothing = (None, 0)  # (what the last search that found nothing saw, rounds since)
+        self.most_drafting = 0  # the most drafting requests of a draft call measured
 
     # -- estimates ---------------------------------------------------------------
     def acceptance(self, seqs: list[Sequence]) -> np.ndarray:
@@ -243,16 +251,19 @@ class SpeculationController:
         gain = self.expected_gain(self.acceptance(dec))  # [nd, K + 1]
         cap = np.array([caps[s.seq_id] for s in dec], np.int64)
         search = self._search_packed if self.cfg.packed else self._search_shared
-        lengths = search(len(seqs), prompts, gain, cap)
+        most = max(1, self.cfg.explore_factor * self.most_drafting)
+        lengths = search(len(seqs), prompts, gain, cap, most)
         chosen = {s.seq_id: int(m) for s, m in zip(dec, lengths)}
         return {s.seq_id: chosen.get(s.seq_id, 0) for s in seqs}
 
-    def _search_packed(self, n: int, prompts: list[int], gain: np.ndarray, cap: np.ndarray) -> np.ndarray:
+    def _search_packed(self, n: int, prompts: list[int], gain: np.ndarray, cap: np.ndarray,
+                       most: int) -> np.ndarray:
         """[nd] lengths maximising committed tokens per second when each drafted token costs
-        its own verify time (packed). For a rate lam, each request independently maximises
-        gain(L) - lam * (c_tok * L + d1 * [L > 0]); Dinkelbach's iteration (lam = the plan's
-        rate, repeat) reaches the best ratio in a few steps. The draft call's fixed d0 is
-        paid once if anyone drafts, so the plan is kept only if it beats no speculation."""
+        its own verify time (packed), at most `most` requests drafting. For a rate lam, each
+        request maximises gain(L) - lam * (c_tok * L + d1 * [L > 0]) and the `most` best of
+        those that gain keep theirs; Dinkelbach's iteration (lam = the plan's rate, repeat)
+        reaches the best ratio in a few steps. The draft call's fixed d0 is paid once if
+        anyone drafts, so the plan is kept only if it beats no speculation."""
         c0, c_row, c_tok = self.verify_cost.coef
         d0, d1 = self.draft_cost.coef
         nd, K = gain.shape[0], self.block_size
@@ -263,20 +274,25 @@ class SpeculationController:
         lam = (1 + self.cfg.margin) * self._plain_rate(n, base, prompts)  # the rate to beat
         plan = np.zeros(nd, np.int64)
         for _ in range(32):
-            choice = np.where(allowed, gain - lam * price, -np.inf).argmax(1)  # [nd], the shortest on ties
+            value = np.where(allowed, gain - lam * price, -np.inf)  # [nd, K + 1]
+            choice = value.argmax(1)  # [nd], the shortest on ties
             if not choice.any():
                 break
+            if np.count_nonzero(choice) > most:  # keep the `most` that gain most at this rate
+                net = value[np.arange(nd), choice] - value[:, 0]
+                choice[np.argsort(-net, kind="stable")[most:]] = 0
             rate = (n + gain[np.arange(nd), choice].sum()) / (base + d0 + price[choice].sum())
             if rate <= lam * (1 + 1e-9):
                 break
             lam, plan = rate, choice
         return plan
 
-    def _search_shared(self, n: int, prompts: list[int], gain: np.ndarray, cap: np.ndarray) -> np.ndarray:
+    def _search_shared(self, n: int, prompts: list[int], gain: np.ndarray, cap: np.ndarray,
+                       most: int) -> np.ndarray:
         """[nd] lengths of the best plan "the b requests that gain most draft min(cap, M)" over
-        M and b, for a padded target: every row pays for the longest, so the requests that
-        draft share one length M, and one that drafts less saves only its part of the draft
-        call. Each plan is priced by `_plan_tokens`; all K x nd plans at once."""
+        M and b <= most, for a padded target: every row pays for the longest, so the requests
+        that draft share one length M, and one that drafts less saves only its part of the
+        draft call. Each plan is priced by `_plan_tokens`; all K x nd plans at once."""
         d0, d1 = self.draft_cost.coef
         nd, K = gain.shape[0], self.block_size
         m = np.arange(1, K + 1)
@@ -286,7 +302,7 @@ class SpeculationController:
         committed = n + np.cumsum(g_sorted, axis=1)  # [K, nd] the top-b requests draft
         b = np.arange(1, nd + 1)
         cost = self._verify_s(n, self._plan_tokens(prompts, nd, m, b)) + d0 + d1 * b[None, :]  # [K, nd]
-        thr = np.where(g_sorted > 0, committed / np.maximum(cost, 1e-12), -np.inf)
+        thr = np.where((g_sorted > 0) & (b[None, :] <= most), committed / np.maximum(cost, 1e-12), -np.inf)
         k = int(np.argmax(thr))  # the first best: the shortest M, the fewest requests
         mi, bi = divmod(k, nd)
         base = self._plan_tokens(prompts, nd, m[:1], np.zeros(1, np.int64))[0, 0]  # nobody drafts
@@ -309,11 +325,20 @@ class SpeculationController:
         """Tokens per second of this round without drafts: one verify of `verify_s` seconds, or
         with decode_steps > 1 and no prompt, decode_steps tokens per row in the time the plain
         fit measured (until it has a round: as if the extra steps were free, so the first
-        round without drafts runs them and measures)."""
+        round without drafts runs them and measures). A round of S steps costs at most S
+        one-token verifies (the same forwards, one call instead of S): the bound keeps a plain
+        fit that has not seen this many rows from pricing plain rounds out (one round of one
+        row put 290 ms on 16 rows that took 100, and the plans drafted, so no plain round came
+        to correct it); a plain round chosen is measured."""
         S = self.cfg.decode_steps
         if S == 1 or prompts:
-            return n / verify_s
-        return n * S / (self.plain_cost(n) if self.plain_cost.n else verify_s)
+            return n / max(verify_s, 1e-9)
+        if not self.plain_cost.n:
+            return n * S / max(verify_s, 1e-9)
+        plain = self.plain_cost(n)
+        if verify_s > 0:  # a verify fit from rounds of one row count can say 0 here: no bound then
+            plain = min(plain, S * verify_s)
+        return n * S / max(plain, 1e-9)
 
     def _verify_s(self, rows: int, tokens):
         """The verify fit at `rows` rows and `tokens` query tokens (scalar or array)."""
@@ -344,6 +369,7 @@ class SpeculationController:
             self.verify_cost.add((rows, query_tokens - rows), rest_s)
         if drafting and draft_s > 0:
             self.draft_cost.add(drafting, draft_s)
+            self.most_drafting = max(self.most_drafting, drafting)
         self.drafted_rounds += any(drafted for _, drafted, _ in rounds)
         for greedy, drafted, accepted in rounds:
             if drafted:

@@ -43,6 +43,7 @@ def _controller(verify: tuple[float, float], draft: tuple[float, float], packed:
             c.verify_cost.add((rows, extra), verify[0] + verify[1] * (rows + extra))
     for b in (1, 2, 8, 16):
         c.draft_cost.add(b, draft[0] + draft[1] * b)
+    c.most_drafting = 16  # the draft calls those were
     return c
 
 
@@ -90,6 +91,60 @@ def test_full_block_when_acceptance_is_high_and_verify_is_cheap():
     seqs = _seqs(4, acceptance=0.95)
     assert set(c.plan(seqs).values()) == {K}
     assert all(s.draft_budget() == K for s in seqs)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_plans_draft_for_at_most_twice_the_requests_a_measured_draft_call_had(packed):
+    """A draft-cost fit that has only seen probes (one request per call: how the cost grows
+    with the batch is unknown) does not let a whole batch draft at its guess: a plan drafts
+    for at most explore_factor x the most requests measured, and each wider call measured lets
+    the next plans go wider."""
+    c = _controller(verify=(0.010, 1e-6), draft=(0.001, 1e-5), packed=packed)
+    c.draft_cost, c.most_drafting = type(c.draft_cost)((1e-2, 1e-4), c.cfg.forget, prior_weight=1e-3), 0
+    for _ in range(4):
+        c.observe(1, 17, 0.011, 1, 0.012, [(True, K, K)])  # probes: one request per draft call
+    assert c.most_drafting == 1
+    seqs = _seqs(12, acceptance=0.95)
+    widths = []
+    for _ in range(4):
+        plan = c.plan(seqs)
+        widths.append(sum(1 for v in plan.values() if v))
+        c.observe(12, 12 + widths[-1] * K, 0.011, widths[-1], 0.012 + 0.001 * widths[-1],
+                  [(True, K, K)] * widths[-1] + [(True, 0, 0)] * (12 - widths[-1]))
+    assert widths == [2, 4, 8, 12]
+
+
+def test_a_plain_fit_from_one_small_round_does_not_price_plain_rounds_out():
+    """With decode_steps = 8, a plain fit that has seen one round of one row (43 ms) says
+    nothing about 16 rows; its line put them at 290 ms, so drafting looked better than plain
+    rounds that take ~100 ms and none ran to correct it. A round of S steps costs at most S
+    one-token verifies: with that bound the controller keeps the 8-step rounds."""
+    c = SpeculationController(K, ControllerConfig(probe_every=10**9, decode_steps=8, recheck_every=1))
+    for rows, extra in ((1, 16), (16, 0), (16, 3), (16, 16)):
+        c.verify_cost.add((rows, extra), 0.010 + 0.0005 * rows + 0.0002 * extra)
+    for b in (1, 2, 4, 8):
+        c.draft_cost.add(b, 0.008 + 0.0013 * b)
+    c.most_drafting = 8
+    seqs = _seqs(16, acceptance=0.5)
+    c.plain_cost.add(1, 0.043)
+    assert c.plain_cost(16) > 8 * c._verify_s(16, 16)  # the one-point line's guess
+    assert not any(c.plan(seqs).values())
+    assert any(c.plan(_seqs(16, acceptance=0.95)).values())  # where drafting pays, it still drafts
+
+
+@pytest.mark.parametrize("decode_steps", [1, 8])
+def test_a_verify_fit_that_says_zero_for_plain_rows_does_not_break_the_plan(decode_steps):
+    """Rounds of one row count only (4 rows, with and without drafted tokens) leave the row
+    cost unidentified; the fit can put it all on the drafted tokens and price a verify
+    without drafts at 0 s. plan() still chooses (no division by zero)."""
+    c = SpeculationController(K, ControllerConfig(probe_every=10**9, decode_steps=decode_steps))
+    # The fit's state in a run of test_mixed_probe_rounds_are_exact (two rounds, 4 rows each).
+    c.verify_cost.A = np.array([[1.98, 7.92, 47.68], [7.92, 31.68, 190.72], [47.68, 190.72, 1274.88]])
+    c.verify_cost.b, c.verify_cost.n = np.array([0.005823288, 0.023293153, 0.158694597]), 2
+    c.plain_cost.add(4, 0.02)
+    c.draft_cost.add(1, 0.003)
+    assert c._verify_s(4, 4) == 0.0
+    assert set(c.plan(_seqs(4, acceptance=0.5)).values()) <= set(range(K + 1))
 
 
 def test_no_speculation_when_verify_cost_per_token_exceeds_the_gain():
