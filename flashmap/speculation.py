@@ -30,8 +30,8 @@ any prefix of a draft is a valid proposal.
 
 A plan lets at most `explore_factor` times as many requests draft as the largest draft call
 measured so far (probes measure one): draft_cost is a line fitted to the batch sizes seen,
-and far beyond them it can say anything (fitted on probes alone, d1 came out 0, and the first
-plans had 30 of 31 requests draft at the price of one: 2 rounds of 3-4x the predicted time).
+and far beyond them it can say anything (fitted on probes alone it priced a call for 30
+requests like one for one, and the first plans had 30 of 31 requests draft).
 Each round that drafts more widens what the next may try, so the fit grows with the batches.
 
 The first decode round probes. While speculation is off, every `probe_every` rounds one request (the one longest without a
@@ -279,7 +279,7 @@ class SpeculationController:
             if not choice.any():
                 break
             if np.count_nonzero(choice) > most:  # keep the `most` that gain most at this rate
-                net = value[np.arange(nd), choice] - value[:, 0]
+                net = value[np.arange(nd), choice]  # over not drafting, which is worth 0
                 choice[np.argsort(-net, kind="stable")[most:]] = 0
             rate = (n + gain[np.arange(nd), choice].sum()) / (base + d0 + price[choice].sum())
             if rate <= lam * (1 + 1e-9):
@@ -333,11 +333,9 @@ class SpeculationController:
         S = self.cfg.decode_steps
         if S == 1 or prompts:
             return n / max(verify_s, 1e-9)
-        if not self.plain_cost.n:
-            return n * S / max(verify_s, 1e-9)
-        plain = self.plain_cost(n)
-        if verify_s > 0:  # a verify fit from rounds of one row count can say 0 here: no bound then
-            plain = min(plain, S * verify_s)
+        plain = verify_s
+        if self.plain_cost.n:  # a verify fit from rounds of one row count can say 0 here: no bound then
+            plain = min(self.plain_cost(n), S * verify_s) if verify_s > 0 else self.plain_cost(n)
         return n * S / max(plain, 1e-9)
 
     def _verify_s(self, rows: int, tokens):

@@ -279,8 +279,7 @@ class TargetEngine:
         logits, features = forward_step(self.model, p.tokens, p.positions, p.write_slot, p.positions, p.groups,
                                         p.logit_rows, p.feature_rows, self._feature_layers)
         stats = verification_stats(logits, rows)
-        n_feats = p.lengths if p.feature_lengths is None else p.feature_lengths
-        feats = np.split(features.cpu().numpy(), np.cumsum(n_feats)[:-1])
+        feats = np.split(features.cpu().numpy(), np.cumsum(p.feature_lengths)[:-1])
         return [VerifyResult(*s, features=f) for s, f in zip(stats, feats)]
 
     def _verify_graph(self, rows: list[VerifyRow], key) -> list[VerifyResult]:

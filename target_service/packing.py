@@ -63,8 +63,8 @@ class Packed:
     groups: list[AttnGroup]
     logit_rows: Tensor  # [N] indices into T of each row's last K+1 tokens, rows in order
     lengths: np.ndarray  # [B] tokens per row
-    feature_rows: Tensor | None = None  # [M'] flat indices of the rows that want features; None: all
-    feature_lengths: np.ndarray | None = None  # [B] features per row (0 for a row without); None: lengths
+    feature_lengths: np.ndarray  # [B] features per row: its length, 0 for a row without (VerifyRow.features)
+    feature_rows: Tensor | None  # [M'] flat indices of the tokens that get features; None: all
 
 
 def _ranges(firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -97,7 +97,6 @@ def pack(rows: list[VerifyRow], device: torch.device, group_tokens: float = GROU
         groups.append(AttnGroup(dev(slots[part]), dev(q_limit), int(q_limit.max()) + 1, gather=dev(flat),
                                 keep=None if keep is None else dev(keep), dest=dev(flat if keep is None else flat[keep])))
     want = np.array([r.features for r in rows], np.bool_)  # [B]
-    if want.all():
-        return Packed(dev(tokens), dev(positions), dev(np.repeat(slots, lengths)), groups, dev(logit_rows), lengths)
+    feature_rows = None if want.all() else dev(_ranges(starts[want], lengths[want]))
     return Packed(dev(tokens), dev(positions), dev(np.repeat(slots, lengths)), groups, dev(logit_rows), lengths,
-                  dev(_ranges(starts[want], lengths[want])), np.where(want, lengths, 0))
+                  np.where(want, lengths, 0), feature_rows)

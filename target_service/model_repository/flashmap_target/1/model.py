@@ -477,8 +477,7 @@ class _MetricPusher:
             counts, self._counts = self._counts, {}
             gauges, self._gauges = self._gauges, {}
         try:
-            while counts:
-                name, n = next(iter(counts.items()))
+            for name, n in list(counts.items()):
                 if n:
                     self._metrics[name].increment(n)
                 del counts[name]
