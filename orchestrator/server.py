@@ -68,9 +68,10 @@ class OrchestratorConfig:
     # A round where nobody drafts decodes this many tokens per request in its one verify call
     # (flashmap.rounds): the call's fixed cost (gRPC, Triton, this loop) is paid once for them.
     decode_steps: int = DECODE_STEPS
-    # While a round without drafts runs, the next one (if it drafts nothing either and no request
-    # is waiting or new) is already queued at Triton (flashmap.rounds.Ahead): the target goes from
-    # one to the next without waiting for this loop, the network and Triton's request path between them.
+    # While a round without drafts runs, the next one (if it drafts nothing either, no request is
+    # waiting or new, and it is not a new prompt's round with slots free) is already queued at
+    # Triton (flashmap.rounds.Ahead): the target goes from one to the next without waiting for
+    # this loop, the network and Triton's request path between them.
     pipeline: bool = True
     # Trust boundaries (DESIGN.md): secrets come from the environment (flashmap.auth), "" = none.
     api_key: str = ""  # clients must send authorization: Bearer <api_key> (gRPC Health and grpc.health stay open)
@@ -404,7 +405,11 @@ class Orchestrator:
         seqs = ahead.seqs if ahead is not None else [a.seq for a in self.active.values()]
         ids = {s.seq_id for s in seqs}
         fresh = [a.seq for sid, a in self.active.items() if sid not in ids]
-        send = self.cfg.pipeline and not self.waiting and not fresh
+        # A new prompt with slots free: requests arrive in bursts. A round sent ahead now would
+        # run this prompt's sequence alone while the ones arriving meanwhile prefill in a call
+        # of their own (a forward more), and it would end a round before them.
+        burst = len(self.active) < self.max_concurrent and not all(s.prefilled for s in seqs)
+        send = self.cfg.pipeline and not self.waiting and not fresh and not burst
         rounds = [speculative_round(seqs, self.target_port, self.drafter_port, self.cfg.tree_blocks,
                                     self.controller, self.cfg.decode_steps, ahead=ahead, send_ahead=send)]
         if fresh:  # prompts only: nothing to draft or plan yet, their call queues behind the one in flight

@@ -435,6 +435,65 @@ def test_pipelined_rounds_give_the_text_of_one_token_rounds(server, engine):
     settled_active(server, 0)
 
 
+def test_requests_arriving_during_a_prompt_round_join_the_next_round(server, engine):
+    """The orchestrator's scheduler: a new prompt with slots free does not send the next round
+    ahead, so requests that arrive while it runs (held here until two more are queued) join
+    the next round: one call for every sequence, the first one's next step beside the others'
+    prompts, then rounds of `decode_steps` for all. With every slot taken (max_concurrent 1)
+    the prompt round sends the next one ahead. The text is the target alone's either way."""
+    from flashmap.inprocess import decode
+    from flashmap.types import GenerationRequest
+    from orchestrator.server import Orchestrator, OrchestratorConfig, Piece
+
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 500, n).tolist() for n in (7, 5, 9)]
+    expected = [r.token_ids for r in decode(engine, [GenerationRequest(p, 10) for p in prompts])]
+
+    async def serve(n, max_concurrent):
+        orch = Orchestrator(OrchestratorConfig(target_url=server.grpc_url, drafter_url="", metrics_port=0,
+                                               max_concurrent=max_concurrent, decode_steps=4))
+        await orch.start()
+        calls, gate, send = [], asyncio.Event(), orch.target.verify_rows
+
+        async def verify_rows(items, timeout_s=None):  # the first call is held until the gate opens
+            calls.append([(corrid, row.steps) for corrid, row, *_ in items])
+            if len(calls) == 1:
+                await gate.wait()
+            return await send(items, timeout_s)
+
+        orch.target.verify_rows = verify_rows
+
+        async def generate(prompt):
+            gen = orch.make_request(token_ids=prompt, max_new_tokens=10, ignore_eos=True)
+            return [t for item in [x async for x in orch.stream(gen)] if isinstance(item, Piece)
+                    for t in item.token_ids]
+
+        try:
+            tasks = [asyncio.create_task(generate(prompts[0]))]
+            while not calls:
+                await asyncio.sleep(0.01)
+            tasks += [asyncio.create_task(generate(p)) for p in prompts[1:n]]
+            while len(orch.waiting) < n - 1 or len(calls) < (2 if n == 1 else 1):
+                await asyncio.sleep(0.01)
+            sent_before_answer = len(calls)
+            gate.set()
+            return await asyncio.gather(*tasks), calls, sent_before_answer
+        finally:
+            await orch.stop()
+
+    texts, calls, sent = asyncio.run(serve(3, 0))
+    assert texts == expected
+    assert sent == 1  # nothing sent ahead of the first prompt's round
+    first = calls[0][0][0]
+    assert calls[1][0] == (first, 1) and len(calls[1]) == 3 and all(st == 1 for _, st in calls[1])
+    assert all(len(c) == 3 and all(st == 4 for _, st in c) for c in calls[2:4]), calls
+
+    texts, calls, sent = asyncio.run(serve(1, 1))
+    assert texts == expected[:1]
+    assert sent == 2 and calls[1][0][1] == 4  # the next round went out while the prompt's ran
+    settled_active(server, 0)
+
+
 def test_concurrent_sequences_share_forward_passes(server):
     rng = np.random.default_rng(2)
     before = {n: metric(server, n) for n in (
