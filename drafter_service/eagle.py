@@ -280,7 +280,7 @@ class EagleProposer(SlotCacheProposer):
 
     def _write(self, slot: int, start: int, token_ids: np.ndarray, features: np.ndarray) -> None:
         m = len(token_ids)
-        self.g_cache[slot, start:start + m] = self.model.features_in(torch.from_numpy(features).to(self.device))
+        self.g_cache[slot, start:start + m] = self.model.features_in(torch.from_numpy(features).to(self.device).float())
         # Finalize positions p0..p1: each needs the token at p + 1, now known.
         p0, p1 = max(start - 1, 0), start + m - 2
         self.slots.lengths[slot] = start + m

@@ -131,7 +131,7 @@ class FlashMapProposer(SlotCacheProposer):
     # ------------------------------------------------------------------ sequences
     def _write(self, slot: int, start: int, token_ids: np.ndarray, features: np.ndarray) -> None:
         m = len(token_ids)
-        feats = torch.from_numpy(features).to(self.device)[None]  # [1, m, F]
+        feats = torch.from_numpy(features).to(self.device).float()[None]  # [1, m, F]
         pos = torch.arange(start, start + m, device=self.device)[None]  # [1, m]
         for i, (k, v) in enumerate(self._encode(feats, pos)):  # [1, h, m, d]
             self.k_cache[i, slot, :, start:start + m] = k[0]

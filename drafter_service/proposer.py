@@ -26,7 +26,7 @@ class Proposer(abc.ABC):
 
     @abc.abstractmethod
     def extend(self, seq_id: str, token_ids: np.ndarray, features: np.ndarray) -> None:
-        """Append committed positions: token_ids [m] int64, features [m, F] float32."""
+        """Append committed positions: token_ids [m] int64, features [m, F] float32 or float16."""
 
     @abc.abstractmethod
     def propose(self, requests: list[ProposeRequest], steps: int | None = None) -> list[Draft]:

@@ -125,7 +125,9 @@ class SlotCacheProposer(Proposer):
 
     @torch.inference_mode()
     def extend(self, seq_id: str, token_ids: np.ndarray, features: np.ndarray) -> None:
-        features = np.asarray(features, np.float32)
+        features = np.asarray(features)
+        if features.dtype != np.float16:  # float16 stays: _write casts it with torch, on the device
+            features = features.astype(np.float32, copy=False)
         token_ids = np.asarray(token_ids, np.int64).reshape(-1)
         m = len(token_ids)
         if features.shape != (m, self.cfg.feature_dim):
@@ -174,4 +176,4 @@ class SlotCacheProposer(Proposer):
     @abc.abstractmethod
     def _write(self, slot: int, start: int, token_ids: np.ndarray, features: np.ndarray) -> None:
         """Cache the m >= 1 new positions start..start+m-1 of `slot` (token_ids [m] int64,
-        features [m, F] float32) and set the slot's length to start + m (inference mode)."""
+        features [m, F] float32 or float16) and set the slot's length to start + m (inference mode)."""

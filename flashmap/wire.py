@@ -25,16 +25,19 @@ from flashmap.v1 import drafter_pb2, serving_pb2
 
 
 def features_to_tensor(features: np.ndarray) -> drafter_pb2.Tensor:
-    f = np.ascontiguousarray(features, dtype=np.float32)
-    return drafter_pb2.Tensor(shape=list(f.shape), dtype="float32", data=f.tobytes())
+    """float16 features travel as float16 (half the bytes; the drafter casts them with torch),
+    anything else as float32."""
+    dtype = np.float16 if features.dtype == np.float16 else np.float32
+    f = np.ascontiguousarray(features, dtype=np.dtype(dtype).newbyteorder("<"))
+    return drafter_pb2.Tensor(shape=list(f.shape), dtype=np.dtype(dtype).name, data=f.tobytes())
 
 
 def tensor_to_features(t: drafter_pb2.Tensor) -> np.ndarray:
-    """[m, F] float32; ValueError for a dtype or size that does not fit."""
+    """[m, F] float32 or float16, as sent; ValueError for a dtype or size that does not fit."""
     if t.dtype not in ("float32", "float16"):
         raise ValueError(f"unsupported feature dtype {t.dtype!r}")
     arr = np.frombuffer(t.data, dtype=np.dtype(t.dtype).newbyteorder("<"))
-    return arr.reshape(tuple(t.shape)).astype(np.float32)
+    return arr.reshape(tuple(t.shape)).astype(t.dtype)  # a writable copy in native byte order
 
 
 def draft_to_block(seq_id: str, blocks: list[Draft]) -> drafter_pb2.Block:
@@ -170,7 +173,7 @@ def parse_verify_outputs(get: Callable[[str], np.ndarray]) -> tuple[VerifyResult
         support_probs=get("SUPPORT_PROBS")[0].astype(np.float32, copy=False),
         complement=get("COMPLEMENT")[0].astype(np.float32, copy=False),
         residual=get("RESIDUAL")[0].astype(np.int64, copy=False),
-        features=get("FEATURES")[0].astype(np.float32, copy=False),  # FP16 on the wire is allowed
+        features=get("FEATURES")[0],  # float32 or float16, as the model is configured: passed on as it is
     ), int(best.reshape(-1)[0]) if best is not None and best.size else 0
 
 

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from target_service.qwen3 import Qwen3, padded_step
+from target_service.qwen3 import Qwen3, cast_features, padded_step
 
 log = logging.getLogger("flashmap.target.graphs")
 
@@ -69,11 +69,13 @@ class _Static:
 class TargetGraphs:
     def __init__(self, model: Qwen3, feature_layers: tuple[int, ...], n_slots: int,
                  batch_buckets: tuple[int, ...] | None = None, query_buckets: tuple[int, ...] | None = None,
-                 context_buckets: tuple[int, ...] | None = None, mode: str = "cuda", batch_invariant: bool = False):
+                 context_buckets: tuple[int, ...] | None = None, mode: str = "cuda", batch_invariant: bool = False,
+                 features_dtype: torch.dtype = torch.float32):
         if mode not in ("cuda", "static"):
             raise ValueError(f"mode must be 'cuda' or 'static', got {mode!r}")
         self.model, self.mode, self.batch_invariant = model, mode, batch_invariant
         self.feature_layers = tuple(feature_layers)
+        self.features_dtype = features_dtype  # of the features run() hands back
         self.device = model.lm_head.weight.device
         T = model.max_seq_len
         bb = tuple(sorted({b for b in (batch_buckets or BATCH_BUCKETS) if 1 <= b <= n_slots})) or (n_slots,)
@@ -182,10 +184,10 @@ class TargetGraphs:
         if self.device.type == "cuda":
             # Fresh pinned buffers: the results handed out are views of them and outlive this call.
             a_host = torch.empty(n, dtype=torch.long, pin_memory=True)
-            f_host = torch.empty(n, features.shape[1], dtype=torch.float32, pin_memory=True)
+            f_host = torch.empty(n, features.shape[1], dtype=self.features_dtype, pin_memory=True)
             a_host.copy_(argmax[:n], non_blocking=True)
-            f_host.copy_(features[:n], non_blocking=True)
+            f_host.copy_(cast_features(features[:n], self.features_dtype), non_blocking=True)  # cast on the device
             torch.cuda.current_stream(self.device).synchronize()
         else:
-            a_host, f_host = argmax[:n].clone(), features[:n].clone()
+            a_host, f_host = argmax[:n].clone(), cast_features(features[:n], self.features_dtype).clone()
         return logits, a_host.numpy(), f_host.numpy()

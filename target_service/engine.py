@@ -32,7 +32,7 @@ from flashmap.host_memory import keep_freed_memory
 from flashmap.types import MAX_DECODE_STEPS, InvalidRequest, SamplingParams, VerifyResult, VerifyRow, feature_layers_for
 from target_service.kernels import self_check
 from target_service.packing import GROUP_TOKENS, pack
-from target_service.qwen3 import Qwen3, Qwen3Config, forward_step
+from target_service.qwen3 import Qwen3, Qwen3Config, cast_features, forward_step
 from target_service.verification import argmax_ids, verification_stats
 
 DEFAULT_MAX_SEQ_LEN = 4096
@@ -52,12 +52,14 @@ class TargetEngine:
         dtype: torch.dtype = torch.float32,
         feature_layers: list[int] | None = None,
         cuda_graphs: bool = False,
+        features_dtype: torch.dtype = torch.float32,
     ):
         """cuda_graphs=True (on a CUDA device): capture decode / verify graphs for the default
-        buckets at start-up (`enable_graphs` for other buckets or the batch-invariant mode)."""
+        buckets at start-up (`enable_graphs` for other buckets or the batch-invariant mode).
+        features_dtype: of the features handed back (float16 halves what travels to the drafter)."""
         model = Qwen3.from_pretrained(model_dir, device=device, dtype=dtype)
         eos = list(model.config.eos_token_id) + _generation_eos(Path(model_dir))
-        self._setup(model, n_slots, max_seq_len, feature_layers, eos, cuda_graphs)
+        self._setup(model, n_slots, max_seq_len, feature_layers, eos, cuda_graphs, features_dtype)
 
     @classmethod
     def from_model(
@@ -69,14 +71,16 @@ class TargetEngine:
         feature_layers: list[int] | None = None,
         eos_token_ids: list[int] | None = None,
         cuda_graphs: bool = False,
+        features_dtype: torch.dtype = torch.float32,
     ) -> "TargetEngine":
         """An engine around an already loaded model (its caches are replaced)."""
         engine = cls.__new__(cls)
         eos = list(model.config.eos_token_id) if eos_token_ids is None else list(eos_token_ids)
-        engine._setup(model, n_slots, max_seq_len, feature_layers, eos, cuda_graphs)
+        engine._setup(model, n_slots, max_seq_len, feature_layers, eos, cuda_graphs, features_dtype)
         return engine
 
-    def _setup(self, model: Qwen3, n_slots, max_seq_len, feature_layers, eos: list[int], cuda_graphs=False) -> None:
+    def _setup(self, model: Qwen3, n_slots, max_seq_len, feature_layers, eos: list[int], cuda_graphs=False,
+               features_dtype: torch.dtype = torch.float32) -> None:
         c = model.config
         if max_seq_len is None:
             max_seq_len = min(c.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
@@ -93,6 +97,9 @@ class TargetEngine:
         self._length = [0] * n_slots
         w = model.lm_head.weight
         self._device, self._dtype = w.device, w.dtype
+        # Cast by torch where the features are made (on the device before a GPU's copy): numpy's
+        # float16 casts cost ~6x torch's.
+        self.features_dtype = features_dtype
         if w.device.type == "cpu":
             keep_freed_memory()  # the step's buffers stay mapped (flashmap.host_memory)
         self.graphs = None  # TargetGraphs after enable_graphs()
@@ -117,7 +124,8 @@ class TargetEngine:
 
         self.graphs = None
         graphs = TargetGraphs(self.model, self._feature_layers, self.n_slots, batch_buckets, query_buckets,
-                              context_buckets, mode=mode, batch_invariant=batch_invariant)
+                              context_buckets, mode=mode, batch_invariant=batch_invariant,
+                              features_dtype=self.features_dtype)
         report = graphs.capture()
         self.graphs = graphs
         return report
@@ -279,7 +287,7 @@ class TargetEngine:
         logits, features = forward_step(self.model, p.tokens, p.positions, p.write_slot, p.positions, p.groups,
                                         p.logit_rows, p.feature_rows, self._feature_layers)
         stats = verification_stats(logits, rows)
-        feats = np.split(features.cpu().numpy(), np.cumsum(p.feature_lengths)[:-1])
+        feats = np.split(cast_features(features, self.features_dtype).cpu().numpy(), np.cumsum(p.feature_lengths)[:-1])
         return [VerifyResult(*s, features=f) for s, f in zip(stats, feats)]
 
     def _verify_graph(self, rows: list[VerifyRow], key) -> list[VerifyResult]:
@@ -347,7 +355,7 @@ class TargetEngine:
         argmax = [np.concatenate([top[:1], top[1 + i * K:1 + (i + 1) * K]]) for i in range(len(drafts))]
         accepted = [int(np.cumprod(d == a[:K]).sum()) for d, a in zip(drafts, argmax)]
         best = int(np.argmax(accepted))
-        feats = features.cpu().numpy()
+        feats = cast_features(features, self.features_dtype).cpu().numpy()
         keep = np.concatenate([np.arange(n - K), n + (best - 1) * K + np.arange(K)]) if best else np.arange(n)
         if best:  # move the winner's K/V to the row's draft positions
             src = torch.as_tensor(row.start_pos + keep[n - K:], device=dev)

@@ -260,6 +260,14 @@ def attention(
     return F.linear(out, attn.o_proj.weight)  # [M, E]
 
 
+def cast_features(features: Tensor, dtype: torch.dtype) -> Tensor:
+    """Features in the dtype they leave the engine in. float16 saturates at its range: a
+    hidden-state outlier past 65504 must reach the drafter large, not inf."""
+    if dtype == torch.float16:
+        features = features.clamp(-65504.0, 65504.0)
+    return features.to(dtype)
+
+
 def forward_step(
     model: "Qwen3",
     tokens: Tensor,  # [M] int64, the batch's tokens back to back (padding: any valid id)

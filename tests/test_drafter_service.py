@@ -31,8 +31,10 @@ def _save(kind, target, path):
     return save_drafter(init_drafter(target, seed=0, kind=kind, dim=64, n_blocks=1, n_heads=4), path)
 
 
-@pytest.mark.parametrize("kind", ["flashmap", "dflash", "eagle"])
-def test_service_serves_saved_checkpoint(kind, target, tmp_path):
+# float16 features (a target whose FEATURES are TYPE_FP16) travel as float16 and draft what
+# the same values in float32 draft.
+@pytest.mark.parametrize("kind,dtype", [("flashmap", np.float32), ("dflash", np.float16), ("eagle", np.float16)])
+def test_service_serves_saved_checkpoint(kind, dtype, target, tmp_path):
     ckpt = _save(kind, target, tmp_path / kind)
     port = free_port()
     log = tmp_path / "drafter.log"
@@ -43,16 +45,18 @@ def test_service_serves_saved_checkpoint(kind, target, tmp_path):
     try:
         wait_grpc_health(f"127.0.0.1:{port}", 120, proc, log)
         rng = np.random.default_rng(0)
-        ids, feats = rng.integers(0, 512, 9), rng.standard_normal((9, 64)).astype(np.float32)
+        ids, feats = rng.integers(0, 512, 9), rng.standard_normal((9, 64)).astype(dtype)
+        sent = features_to_tensor(feats)
+        assert sent.dtype == np.dtype(dtype).name and len(sent.data) == feats.nbytes
         seq = drafter_pb2.SequenceDraft(seq_id="a", context_start=0, new_token_ids=ids.tolist(),
-                                        new_features=features_to_tensor(feats), anchor=5, seed=3)
+                                        new_features=sent, anchor=5, seed=3)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = drafter_pb2_grpc.DrafterStub(ch)
             (resp,) = list(stub.Draft(iter([drafter_pb2.DraftRequest(call_id=7, sequences=[seq])]), timeout=60))
             stats = stub.Stats(drafter_pb2.StatsRequest(), timeout=10)
         assert resp.call_id == 7 and not resp.blocks[0].error, resp.blocks[0].error
         local = load_proposer(str(ckpt), str(target), n_slots=1, max_context=64)
-        local.extend("a", ids, feats)
+        local.extend("a", ids, feats.astype(np.float32))
         (expect,) = local.propose([ProposeRequest("a", anchor=5, seed=3)], local.steps)
         np.testing.assert_array_equal(block_to_drafts(resp.blocks[0])[0].tokens, expect.tokens)
         assert stats.active_sequences == 1 and stats.context_tokens == 9

@@ -24,7 +24,7 @@ import torch
 
 from flashmap.types import SamplingParams, VerifyRow
 from target_service.engine import TargetEngine
-from target_service.qwen3 import Qwen3
+from target_service.qwen3 import Qwen3, cast_features
 from target_service.random_checkpoint import make_random_qwen3
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,9 +45,10 @@ def ckpt_small(tmp_path_factory):
 
 
 def engine(ckpt, graphs: str | None = None, dtype=torch.float32, n_slots=4, max_seq_len=96, feature_layers=(0, 1, 3),
-           **kw) -> TargetEngine:
+           features_dtype=torch.float32, **kw) -> TargetEngine:
     eng = TargetEngine.from_model(Qwen3.from_pretrained(ckpt, dtype=dtype), n_slots=n_slots, max_seq_len=max_seq_len,
-                                  feature_layers=None if feature_layers is None else list(feature_layers))
+                                  feature_layers=None if feature_layers is None else list(feature_layers),
+                                  features_dtype=features_dtype)
     if graphs:
         eng.enable_graphs(mode="static", **kw)
         calls = []
@@ -138,6 +139,25 @@ def test_multi_step_rows_run_every_step_through_the_graphs(ckpt):
     assert [len(r.argmax) for r in graph] == [4, 3, 1]
     assert [len(r.features) for r in graph] == [4, 0, 1]
     assert eng.graph_calls == [(4, 1, 40), (2, 1, 40), (2, 1, 40), (1, 1, 40)]  # the prefill ran eagerly
+
+
+def test_float16_features_are_the_float32_ones_cast(ckpt):
+    """features_dtype=float16 (Triton's FEATURES configured TYPE_FP16): the eager path hands back
+    exactly torch's cast of its float32 features, the graph path the same to its rounding;
+    argmax and residuals do not change."""
+    want = script(engine(ckpt))
+    eager = script(engine(ckpt, features_dtype=torch.float16))
+    graph = script(engine(ckpt, "static", features_dtype=torch.float16, batch_buckets=(1, 2, 4),
+                          query_buckets=(1, 4, 8, 17), context_buckets=(40,)))
+    for i, (e, g, w) in enumerate(zip(eager, graph, want)):
+        assert e.features.dtype == g.features.dtype == np.float16 and e.features.shape == w.features.shape
+        np.testing.assert_array_equal(e.features, torch.from_numpy(w.features).half().numpy(), err_msg=f"result {i}")
+        np.testing.assert_allclose(g.features.astype(np.float32), w.features, rtol=2e-3, atol=1e-3, err_msg=f"result {i}")
+        for r in (e, g):
+            np.testing.assert_array_equal(r.argmax, w.argmax, err_msg=f"result {i}")
+            np.testing.assert_array_equal(r.residual, w.residual, err_msg=f"result {i}")
+    # An outlier past float16's range saturates rather than becoming inf.
+    assert cast_features(torch.tensor([1e6, -1e6, 3.0]), torch.float16).tolist() == [65504.0, -65504.0, 3.0]
 
 
 def test_bucket_selection(ckpt):

@@ -254,7 +254,7 @@ def test_results_equal_inprocess_engine(server, engine):
     settled_active(server, 0)
 
 
-def _assert_same_results(expected, got):
+def _assert_same_results(expected, got, features_dtype=np.float32):
     for i, (exp_round, got_round) in enumerate(zip(expected, got)):
         for s, exp in exp_round.items():
             g, where = got_round[s], f"round {i} seq {s}"
@@ -263,8 +263,9 @@ def _assert_same_results(expected, got):
             assert g.support_probs.shape == exp.support_probs.shape, where
             np.testing.assert_allclose(g.support_probs, exp.support_probs, rtol=1e-4, atol=1e-6, err_msg=where)
             np.testing.assert_allclose(g.complement, exp.complement, rtol=1e-4, atol=1e-6, err_msg=where)
-            assert g.features.dtype == np.float32 and g.features.shape == exp.features.shape, where
-            np.testing.assert_allclose(g.features, exp.features, rtol=1e-4, atol=1e-4, err_msg=where)
+            assert g.features.dtype == features_dtype and g.features.shape == exp.features.shape, where
+            tol = 1e-4 if features_dtype == np.float32 else 2e-3  # float16: 11 bits of mantissa
+            np.testing.assert_allclose(g.features.astype(np.float32), exp.features, rtol=tol, atol=tol, err_msg=where)
 
 
 def _assert_sampled(got):
@@ -433,6 +434,30 @@ def test_pipelined_rounds_give_the_text_of_one_token_rounds(server, engine):
     # flight may reach Triton in either order, and a later round is refused (and resent) too.
     assert len(refused) >= 3
     settled_active(server, 0)
+
+
+def test_float16_features_come_back_as_float16(checkpoint, engine, tmp_path):
+    """A server whose FEATURES are TYPE_FP16 (launcher --features-dtype float16): packed rounds
+    give the engine's results with the features in float16, which the client keeps (the
+    drafter casts them)."""
+    grpc_port, http_port, metrics_port = free_ports(3)
+    handle = launcher.start_triton(
+        checkpoint, grpc_port=grpc_port, http_port=http_port, metrics_port=metrics_port, n_slots=2,
+        max_seq_len=MAX_SEQ_LEN, device="cpu", dtype="float32", features_dtype="float16",
+        log_path=tmp_path / "tritonserver.log", ready_timeout_s=180)
+    try:
+        rounds, expected = _script(engine, np.random.default_rng(4))
+
+        async def body(c):
+            got = []
+            for i, rows in enumerate(rounds):
+                out = await c.verify_rows([(s, row, [], i == 0, i == len(rounds) - 1) for s, row in rows.items()])
+                got.append({s: res for s, (res, best) in zip(rows, out)})
+            return got
+
+        _assert_same_results(expected, run(body, handle), features_dtype=np.float16)
+    finally:
+        assert handle.stop() == 0, launcher.log_tail(tmp_path / "tritonserver.log")
 
 
 def test_requests_arriving_during_a_prompt_round_join_the_next_round(server, engine):

@@ -132,6 +132,7 @@ class TritonPythonModel:
             dtype=dtype,
             feature_layers=feature_layers,
             cuda_graphs=graphs != "false" and device.startswith("cuda"),
+            features_dtype=torch.float16 if self.features_np_dtype == np.float16 else torch.float32,
         )
         e = self.engine
         self.info = {
