@@ -167,8 +167,9 @@ def alternated(stack: Stack, engine, prompts, max_new, concurrency, repeats: int
     ("target"), the target alone through Triton ("triton"), and the stack with speculation off,
     fixed K ("full") and the controller ("auto"). Speculation off is the controller's
     orchestrator with max_draft_tokens = 0 per request; a switch between full and auto restarts
-    the orchestrator (auto then gets a short warm-up, its first measurements)."""
-    runs = {m: [] for m in MODES}
+    the orchestrator. After a restart into auto, one pass over the prompts is its start-up (the
+    controller's first measurements), kept apart as "auto_first"; "auto" is measured after it."""
+    runs = {m: [] for m in (*MODES, "auto_first")}
     baselines = {"target": lambda: inprocess(engine, None, prompts, max_new, concurrency, decode_steps),
                  "triton": lambda: triton_alone(stack.cfg, prompts, max_new, concurrency)}
     for rep in range(repeats):
@@ -181,7 +182,7 @@ def alternated(stack: Stack, engine, prompts, max_new, concurrency, repeats: int
             if stack.cfg.speculation != wanted:
                 stack.restart_orchestrator(speculation=wanted)
                 if wanted == "auto":
-                    through_stack(stack.cfg, prompts[:concurrency], 8, concurrency)
+                    runs["auto_first"].append(through_stack(stack.cfg, prompts, max_new, concurrency))
             runs[mode].append(through_stack(stack.cfg, prompts, max_new, concurrency, spec_off=mode == "off"))
     return runs
 
@@ -256,10 +257,11 @@ def main(argv=None):
                 for what, ids in (("in-process speculation", ip_ids),
                                   *((m, r["outputs"]) for m, rs in runs.items() for r in rs)):
                     assert ids == ar_ids, f"{what}: output differs from the target alone ({name}, concurrency {c})"
-                ar, tr = (float(np.mean([r["tok_s"] for r in runs[m]])) for m in ("target", "triton"))
+                ar, tr, first = (float(np.mean([r["tok_s"] for r in runs[m]])) for m in ("target", "triton", "auto_first"))
                 off, full, auto = (merge(runs[m]) for m in ("off", "full", "auto"))
                 auto["ratio_range"] = ratio_range(runs)
                 auto["target_range"] = ratio_range(runs, "target")
+                auto["first"] = first
                 rows.append((name, c, ar, ip, tr, off, full, auto))
                 print(f"{name} c={c}: target alone {ar:.0f} tok/s, in-process spec {ip:.0f}, Triton alone {tr:.0f}, stack off "
                       f"{off['tok_s']:.0f} / full {full['tok_s']:.0f} / auto {auto['tok_s']:.0f} (mean draft "
@@ -274,21 +276,24 @@ def main(argv=None):
     lines = [
         "# Stack benchmark (CPU)", "",
         "| prompts | concurrency | target alone (in-process) | fixed-K spec (in-process) | target alone through "
-        "Triton | stack, speculation off | stack, fixed K | stack, auto | auto / max(off, full) | ... per repeat "
+        "Triton | stack, speculation off | stack, fixed K | stack, auto | auto, first pass after a start | "
+        "auto / max(off, full) | ... per repeat "
         "| auto / target alone | ... per repeat | mean draft length (auto) | rounds without speculation (auto) | gamma (auto) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, c, ar, ip, tr, off, full, auto in rows:
         best = max(off["tok_s"], full["tok_s"])
         lines.append(f"| {name} | {c} | {ar:.0f} | {ip:.0f} | {tr:.0f} | {off['tok_s']:.0f} | {full['tok_s']:.0f} | "
-                     f"{auto['tok_s']:.0f} | {auto['tok_s'] / best:.2f} | {auto['ratio_range']} | {auto['tok_s'] / ar:.2f} | "
+                     f"{auto['tok_s']:.0f} | {auto['first']:.0f} | {auto['tok_s'] / best:.2f} | {auto['ratio_range']} | {auto['tok_s'] / ar:.2f} | "
                      f"{auto['target_range']} | "
                      f"{auto['mean_draft_len']:.1f} | {auto['off_rounds']:.0f} / {auto['rounds']:.0f} | {auto['gamma']:.2f} |")
     lines += [
         "", f"Tokens/s, greedy, {a.max_new_tokens} new tokens per request, {n} prompts per set; every output equals "
         f"the target alone's (checked). The target alone (in process and through Triton) and the stack modes: the "
         f"mean of {a.repeats} runs each, alternated (target, Triton, off, full, auto, then reversed); 'per repeat' is "
-        f"the ratio within each repeat; fixed-K speculation in process: one run. Command: `OMP_NUM_THREADS={threads} "
+        f"the ratio within each repeat; fixed-K speculation in process: one run. After each restart of the "
+        f"orchestrator into auto, one pass over the prompts runs first (its start-up: 'first pass', the mean of "
+        f"those passes). Command: `OMP_NUM_THREADS={threads} "
         f"python -m bench.bench_stack --concurrency {a.concurrency} --max-new-tokens {a.max_new_tokens} --threads "
         f"{threads} --repeats {a.repeats} --decode-steps {a.decode_steps}{'' if a.pipeline else ' --no-pipeline'}`; "
         f"rounds without drafts decode "
