@@ -333,9 +333,9 @@ class SpeculationController:
         S = self.cfg.decode_steps
         if S == 1 or prompts:
             return n / max(verify_s, 1e-9)
-        plain = verify_s
-        if self.plain_cost.n:  # a verify fit from rounds of one row count can say 0 here: no bound then
-            plain = min(self.plain_cost(n), S * verify_s) if verify_s > 0 else self.plain_cost(n)
+        plain = self.plain_cost(n) if self.plain_cost.n else verify_s
+        if verify_s > 0:  # a verify fit from rounds of one row count can say 0 here: no bound then
+            plain = min(plain, S * verify_s)
         return n * S / max(plain, 1e-9)
 
     def _verify_s(self, rows: int, tokens):

@@ -40,19 +40,23 @@ def checkpoint(tmp_path_factory):
     return make_random_qwen3(tmp_path_factory.mktemp("target") / "qwen3", max_position_embeddings=256)
 
 
-@pytest.fixture(scope="module")
-def server(checkpoint, tmp_path_factory):
+def _start(checkpoint, log: Path, **kw):
+    """A tritonserver with the target model on free loopback ports (CPU, float32); the test
+    skips where no tritonserver is installed."""
     try:
         launcher.find_tritonserver()
     except launcher.TritonStartError as e:
         pytest.skip(str(e))
     grpc_port, http_port, metrics_port = free_ports(3)
+    return launcher.start_triton(checkpoint, grpc_port=grpc_port, http_port=http_port, metrics_port=metrics_port,
+                                 max_seq_len=MAX_SEQ_LEN, device="cpu", dtype="float32", log_path=log,
+                                 ready_timeout_s=180, **kw)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
     log = tmp_path_factory.mktemp("triton") / "tritonserver.log"
-    handle = launcher.start_triton(
-        checkpoint, grpc_port=grpc_port, http_port=http_port, metrics_port=metrics_port,
-        n_slots=N_SLOTS, idle_timeout_s=IDLE_S, max_seq_len=MAX_SEQ_LEN, device="cpu", dtype="float32", log_path=log,
-        ready_timeout_s=180,
-    )
+    handle = _start(checkpoint, log, n_slots=N_SLOTS, idle_timeout_s=IDLE_S)
     yield handle
     code = handle.stop()
     assert code == 0, f"tritonserver exit code {code}:\n{launcher.log_tail(log)}"
@@ -451,11 +455,7 @@ def test_float16_features_come_back_as_float16(checkpoint, engine, tmp_path):
     """A server whose FEATURES are TYPE_FP16 (launcher --features-dtype float16): packed rounds
     give the engine's results with the features in float16, which the client keeps (the
     drafter casts them)."""
-    grpc_port, http_port, metrics_port = free_ports(3)
-    handle = launcher.start_triton(
-        checkpoint, grpc_port=grpc_port, http_port=http_port, metrics_port=metrics_port, n_slots=2,
-        max_seq_len=MAX_SEQ_LEN, device="cpu", dtype="float32", features_dtype="float16",
-        log_path=tmp_path / "tritonserver.log", ready_timeout_s=180)
+    handle = _start(checkpoint, tmp_path / "tritonserver.log", n_slots=2, features_dtype="float16")
     try:
         rounds, expected = _script(engine, np.random.default_rng(4))
 
