@@ -108,7 +108,9 @@ def triton_alone(cfg: StackConfig, prompts, max_new, concurrency) -> tuple[list,
             for s in seqs:
                 await target.release(s.handle)
             outs += [s.generated for s in seqs]
-        return outs, sum(len(o) for o in outs) / (time.perf_counter() - t0)
+        tok_s = sum(len(o) for o in outs) / (time.perf_counter() - t0)
+        await target.client.close()
+        return outs, tok_s
 
     return asyncio.run(run())
 
@@ -139,18 +141,18 @@ def through_stack(cfg: StackConfig, prompts, max_new, concurrency, spec_off: boo
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     rounds = max(d.get("flashmap_round_latency_seconds_count", 0.0), 1.0)
     drafts = sum(o.stats.drafts for o in outs)
-    verifies = max(d.get("nv_inference_exec_count", 0.0), 1.0)  # Triton executions (one per verify forward)
+    batches = max(d.get("flashmap_target_batches_total", 0.0), 1.0)  # batches the model ran (one per verify forward)
     return {
         "outputs": [o.token_ids for o in outs], "tok_s": sum(len(o.token_ids) for o in outs) / dt,
         "gamma": 1 + sum(o.stats.accepted for o in outs) / drafts if drafts else 1.0,
         "draft_ms": 1e3 * d.get("flashmap_draft_latency_seconds_sum", 0.0) / rounds,
         "verify_ms": 1e3 * d.get("flashmap_verify_latency_seconds_sum", 0.0) / rounds,
         "round_ms": 1e3 * d.get("flashmap_round_latency_seconds_sum", 0.0) / rounds,
-        # Inside the parts, per round: the drafter's forward, Triton's queue and model execution
-        # (the Python backend's stub and the engine), per request of a verify.
+        # Inside the parts: the drafter's forward per round; per batch the target model ran, its
+        # wait behind the batch before it and its run (engine and answers; flashmap_target_batch_*).
         "drafter_forward_ms": 1e3 * d.get("flashmap_drafter_forward_latency_seconds_sum", 0.0) / rounds,
-        "triton_queue_ms": 1e-3 * d.get("nv_inference_queue_duration_us", 0.0) / verifies,
-        "triton_compute_ms": 1e-3 * d.get("nv_inference_compute_infer_duration_us", 0.0) / verifies,
+        "triton_queue_ms": 1e3 * d.get("flashmap_target_batch_wait_seconds_total", 0.0) / batches,
+        "triton_compute_ms": 1e3 * d.get("flashmap_target_batch_run_seconds_total", 0.0) / batches,
         "mean_draft_len": d.get("flashmap_draft_length_sum", 0.0) / max(d.get("flashmap_draft_length_count", 0.0), 1),
         "off_rounds": d.get("flashmap_speculation_off_rounds_total", 0.0), "rounds": rounds,
         "fallback": sum(o.stats.fallback_rounds for o in outs),
@@ -301,8 +303,9 @@ def main(argv=None):
         f"{'queues the next such round at Triton while one runs (--pipeline)' if a.pipeline else 'sends a round once the one before has answered (--no-pipeline)'}. Date: {date}. Machine: {machine()}; {threads} torch threads per "
         f"service. Target `{os.path.relpath(target)}`, drafter `{drafter}`.", *[f"Note: {x}" for x in notes], "",
         "Per round at concurrency 1 (ms, stack): the orchestrator's draft and verify calls and whole round, "
-        "and inside them the drafter's forward and Triton's queue wait and model execution per request:", "",
-        "| prompts | mode | draft call | drafter forward | verify call | Triton queue | Triton model | whole round |",
+        "and inside them the drafter's forward and, per batch the target model ran, its wait behind the batch "
+        "before it and its run:", "",
+        "| prompts | mode | draft call | drafter forward | verify call | target model wait | target model run | whole round |",
         "|---|---|---:|---:|---:|---:|---:|---:|"]
     for name, c, ar, ip, tr, off, full, auto in rows:
         if c == levels[0]:

@@ -129,23 +129,21 @@ def health_status(url: str) -> str:
 # ----------------------------------------------------------------------------- Triton
 
 def _triton_infer(stack: Stack, key: str | None, corrid: int, tokens: list[int], start_pos: int, start: bool,
-                  end: bool = False) -> grpc.StatusCode | None:
-    """One raw verify request to Triton as an attacker would send it; its status (None = OK)."""
-    import tritonclient.grpc as tc
-    from tritonclient.utils import InferenceServerException
+                  end: bool = False) -> str | None:
+    """One raw verify request to Triton as an attacker would send it (on the model's gRPC
+    stream); what refused it (None = OK)."""
+    from flashmap.triton_stream import StreamBroken, StreamError, call_once, infer_request
 
-    c = tc.InferenceServerClient(f"{stack.cfg.host}:{stack.cfg.triton_grpc_port}")
-    inputs = [tc.InferInput("TOKENS", [1, len(tokens)], "INT64"), tc.InferInput("START_POS", [1, 1], "INT64")]
-    inputs[0].set_data_from_numpy(np.asarray([tokens], np.int64))
-    inputs[1].set_data_from_numpy(np.asarray([[start_pos]], np.int64))
+    inputs = {"TOKENS": np.asarray([tokens], np.int64), "START_POS": np.asarray([[start_pos]], np.int64)}
+    request = infer_request("flashmap_target", inputs, [], corrid, start, end)
     try:
-        c.infer("flashmap_target", inputs, sequence_id=corrid, sequence_start=start, sequence_end=end,
-                headers={TARGET_KEY_GRPC_HEADER: key} if key else None, client_timeout=20)
+        call_once(f"{stack.cfg.host}:{stack.cfg.triton_grpc_port}", request,
+                  ((TARGET_KEY_GRPC_HEADER, key),) if key else (), timeout_s=20)
         return None
-    except InferenceServerException as e:
-        return e.status() or e.message()
-    finally:
-        c.close()
+    except StreamBroken as e:
+        return e.status.name if e.status is not None else str(e)
+    except StreamError as e:
+        return str(e)
 
 
 def probe_triton(stack: Stack, ref: Reference) -> dict:

@@ -7,8 +7,9 @@ alternates blocks of `steps` decode steps of `rows` sequences: the local
 `TargetEngine.verify`, then the same through Triton (one packed request per call; a call
 decodes `decode-steps` tokens per row, VerifyRow.next_seeds). Blocks
 alternate so that the VM's drifting speed hits both sides alike. Per block: the local
-verify, the client's call, and Triton's model execution (`compute_infer`, from its metrics),
-medians in ms, and the ratio of Triton's model execution to the local verify.
+verify, the client's call, and the model's run of a batch inside Triton
+(`flashmap_target_batch_run_seconds_total`, from Triton's metrics), medians in ms, and the
+ratio of the model's run to the local verify.
 """
 
 from __future__ import annotations
@@ -58,10 +59,10 @@ async def _measure(cfg: StackConfig, engine: TargetEngine, blocks: int, steps: i
             times.append(time.perf_counter() - t0)
             remote = [remote[0] + decode_steps, [int(r[0].argmax[-1]) for r in res]]
         after = totals(scrape(metrics, 10))
-        n = after["nv_inference_exec_count"] - before["nv_inference_exec_count"]
+        n = after["flashmap_target_batches_total"] - before["flashmap_target_batches_total"]
         out["Triton call"].append(np.median(times))
-        out["Triton model"].append((after["nv_inference_compute_infer_duration_us"]
-                                    - before["nv_inference_compute_infer_duration_us"]) / n / 1e6)
+        out["Triton model"].append((after["flashmap_target_batch_run_seconds_total"]
+                                    - before["flashmap_target_batch_run_seconds_total"]) / n)
     return out
 
 

@@ -2,15 +2,15 @@
 
     python healthcheck.py grpc 127.0.0.1:50051 [service]   # standard grpc.health.v1 Check
     python healthcheck.py http http://127.0.0.1:8000/v2/health/ready
-    python healthcheck.py triton http://127.0.0.1:8000      # a real request through the model
+    python healthcheck.py triton 127.0.0.1:8001             # a real request through the model
 
-The triton mode sends an INFO request through the FlashMap target model with the key in
-$FLASHMAP_TARGET_KEY (target_service.launcher.probe): Triton's own readiness stays green
-when the model's Python stub has died, this does not.
+The triton mode sends an INFO request through the FlashMap target model on Triton's gRPC
+stream, with the key in $FLASHMAP_TARGET_KEY (target_service.launcher.probe): Triton's own
+readiness stays green when the model's Python stub has died, this does not.
 
 Why a script: the slim images carry neither curl nor grpc_health_probe, and a Python one-liner in
-docker-compose.yml would be unreadable. The http mode uses only the standard library, so it also
-runs inside NVIDIA's Triton image.
+docker-compose.yml would be unreadable. The http mode uses only the standard library; the triton
+mode needs grpcio and tritonclient, which the Triton image carries (deploy/requirements/triton.txt).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     h = sub.add_parser("http")
     h.add_argument("url")
     t = sub.add_parser("triton")
-    t.add_argument("url", help="Triton's HTTP address, e.g. http://127.0.0.1:8000")
+    t.add_argument("url", help="Triton's gRPC address, e.g. 127.0.0.1:8001")
     args = p.parse_args(argv)
 
     if args.mode == "grpc":

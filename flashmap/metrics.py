@@ -107,6 +107,12 @@ TARGET_MODEL = (
     Metric("flashmap_target_verify_batches_total", "counter", "Verify forward passes", ("model",)),
     Metric("flashmap_target_verify_rows_total", "counter", "Sequences verified (sum of batch sizes)", ("model",)),
     Metric("flashmap_target_idle_released_total", "counter", "Slots freed by the idle timeout", ("model",)),
+    # The model is decoupled: Triton's compute time is only the hand-over, these are the work.
+    Metric("flashmap_target_batches_total", "counter", "Batches Triton handed to the model", ("model",)),
+    Metric("flashmap_target_batch_wait_seconds_total", "counter",
+           "Seconds batches waited in the model for the one before them", ("model",)),
+    Metric("flashmap_target_batch_run_seconds_total", "counter",
+           "Seconds the model spent running batches (verify forwards and their answers)", ("model",)),
 )
 
 # Triton's own per-model metrics (port 8002), from prometheus-cpp: counters carry no _total

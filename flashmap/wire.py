@@ -194,6 +194,21 @@ _U32, _U16 = struct.Struct("<I"), struct.Struct("<H")
 ROW_FLAG_START, ROW_FLAG_END = 1, 2
 # Per-row errors in ROWS_OUT (Triton's codes for the same failure of a one-row request).
 ROW_INVALID, ROW_UNAVAILABLE, ROW_INTERNAL = 1, 2, 3
+_ERROR_NAMES = {ROW_INVALID: "INVALID_ARGUMENT", ROW_UNAVAILABLE: "UNAVAILABLE", ROW_INTERNAL: "INTERNAL"}
+
+
+def tag_error(code: int, message: str) -> str:
+    """A request's error message that names its row code: Triton's gRPC stream (the model is
+    decoupled) answers an error with its message alone."""
+    return f"[{_ERROR_NAMES.get(code, 'INTERNAL')}] {message}"
+
+
+def split_error(message: str) -> tuple[int | None, str]:
+    """(row code, message) of a `tag_error` message; (None, message) for any other (Triton's own)."""
+    for code, name in _ERROR_NAMES.items():
+        if message.startswith(f"[{name}] "):
+            return code, message[len(name) + 3:]
+    return None, message
 
 
 def pack_arrays(rows: list[dict[str, np.ndarray]]) -> bytes:

@@ -201,7 +201,7 @@ class Supervisor:
                 out["triton"] = f"tritonserver exited with code {st.triton.process.returncode}"
             elif time.monotonic() >= self._next_probe:
                 self._next_probe = time.monotonic() + self.probe_interval_s
-                ok, detail = probe(st.triton.http_url, st.cfg.target_key)
+                ok, detail = probe(st.triton.grpc_url, st.cfg.target_key)
                 self._failed_probes = 0 if ok else self._failed_probes + 1
                 if self._failed_probes >= self.probe_failures:
                     out["triton"] = f"the model failed {self._failed_probes} probes in a row ({detail})"

@@ -204,6 +204,7 @@ class Orchestrator:
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self.drafter:
             await self.drafter.close()
+        await self.target.close()
 
     # -- health ------------------------------------------------------------------
     async def _set_target_ok(self, ok: bool, why: str = "") -> None:

@@ -1,7 +1,8 @@
 """Orchestrator-side async client of the Triton-hosted target (model "flashmap_target").
 
-numpy + tritonclient.grpc.aio only: the orchestrator has no torch. Tensors are encoded and
-decoded by flashmap.wire, the same codec the model uses.
+numpy + grpc + tritonclient only: the orchestrator has no torch. Tensors are encoded and
+decoded by flashmap.wire, the same codec the model uses. The model is decoupled: every request
+goes on one gRPC stream (flashmap.triton_stream), matched to its answer by id.
 
     client = TargetClient("127.0.0.1:8001")
     info = await client.info()                      # vocab size, feature layers, slots, eos ids ...
@@ -29,12 +30,13 @@ import random
 import time
 from dataclasses import dataclass, field, fields
 
+import grpc
 import numpy as np
-from tritonclient.grpc import InferInput, InferRequestedOutput
 from tritonclient.utils import InferenceServerException
 
 from flashmap import wire
 from flashmap.auth import TARGET_KEY_GRPC_HEADER
+from flashmap.triton_stream import CHANNEL_OPTIONS, StreamBroken, StreamError, TritonStream, infer_request
 from flashmap.types import InvalidRequest, VerifyResult, VerifyRow
 
 DEFAULT_MODEL = "flashmap_target"
@@ -95,6 +97,7 @@ class TargetClient:
         self.timeout_s = timeout_s
         self._headers = {TARGET_KEY_GRPC_HEADER: key} if key else None
         self._client = None
+        self._stream: TritonStream | None = None
         self._info: TargetInfo | None = None
 
     def _grpc(self):
@@ -102,19 +105,16 @@ class TargetClient:
         if self._client is None:
             from tritonclient.grpc.aio import InferenceServerClient
 
-            # Reconnect to a restarted server within a second, not gRPC's default back-off (up to 2 min).
-            # channel_args replace tritonclient's defaults, so its unlimited message sizes are
-            # restated: a packed round's features (all rows, prompts included) pass 4 MiB.
-            self._client = InferenceServerClient(self.url, channel_args=[
-                ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
-                ("grpc.max_reconnect_backoff_ms", 1000), ("grpc.max_send_message_length", 2**31 - 1),
-                ("grpc.max_receive_message_length", 2**31 - 1)])
+            self._client = InferenceServerClient(self.url, channel_args=CHANNEL_OPTIONS)
         return self._client
 
     async def close(self) -> None:
         if self._client is not None:
             client, self._client = self._client, None
             await client.close()
+        if self._stream is not None:
+            stream, self._stream = self._stream, None
+            await stream.close()
 
     async def __aenter__(self) -> "TargetClient":
         return self
@@ -159,7 +159,7 @@ class TargetClient:
         """
         if self._info is None or refresh:
             corrid = _INFO_CORRID_BASE + random.getrandbits(60)
-            inputs = [_input("TOKENS", np.zeros((1, 0), np.int64)), _input("INFO", np.ones((1, 1), np.bool_))]
+            inputs = {"TOKENS": np.zeros((1, 0), np.int64), "INFO": np.ones((1, 1), np.bool_)}
             result = await self._infer(inputs, ["INFO_JSON"], corrid, start=True, end=True, timeout_s=timeout_s)
             raw = result.as_numpy("INFO_JSON").reshape(-1)[0]
             self._info = TargetInfo.from_dict(json.loads(raw.decode() if isinstance(raw, bytes) else raw))
@@ -180,8 +180,7 @@ class TargetClient:
         """`verify` with more draft blocks after the row's anchor, verified as a tree (T = 0):
         (the winning block's result, its index; 0 = the row's own block)."""
         _check_seq_id(seq_id)
-        inputs = [_input(n, a) for n, a in wire.verify_inputs(row, branches).items()]
-        r = await self._infer(inputs, wire.VERIFY_OUTPUTS, seq_id, start=start, end=end)
+        r = await self._infer(wire.verify_inputs(row, branches), wire.VERIFY_OUTPUTS, seq_id, start=start, end=end)
         return wire.parse_verify_outputs(r.as_numpy)
 
     async def verify_rows(self, items: list[tuple[int, VerifyRow | None, list[np.ndarray], bool, bool]],
@@ -197,7 +196,7 @@ class TargetClient:
         out = []
         if len(bad) < len(items):
             corrid = _INFO_CORRID_BASE + random.getrandbits(60)  # a one-request sequence of its own
-            r = await self._infer([_input("ROWS", np.array([[blob]], np.object_))], ["ROWS_OUT"], corrid,
+            r = await self._infer({"ROWS": np.array([[blob]], np.object_)}, ["ROWS_OUT"], corrid,
                                   start=True, end=True, timeout_s=timeout_s)
             out = wire.parse_packed_outputs(r.as_numpy("ROWS_OUT").reshape(-1)[0])
             if len(out) != len(items) - len(bad):
@@ -208,28 +207,25 @@ class TargetClient:
     async def release(self, seq_id: int) -> None:
         """End sequence seq_id and free its KV slot (finish or cancel). Idempotent."""
         _check_seq_id(seq_id)
-        inputs = [_input(n, a) for n, a in wire.release_inputs().items()]
         try:
-            await self._infer(inputs, wire.VERIFY_OUTPUTS, seq_id, start=False, end=True)
+            await self._infer(wire.release_inputs(), wire.VERIFY_OUTPUTS, seq_id, start=False, end=True)
         except InvalidRequest as e:
             # Triton (no START) or the model (unknown sequence) refuse END for a sequence that is
             # gone (ended, or dropped after the idle timeout): then there is nothing left to free.
             if "START" not in str(e) and "unknown sequence" not in str(e):
                 raise
 
-    async def _infer(self, inputs, outputs, corrid: int, *, start: bool, end: bool, timeout_s: float | None = None):
+    async def _infer(self, inputs: dict[str, np.ndarray], outputs: list[str], corrid: int, *, start: bool, end: bool,
+                     timeout_s: float | None = None):
+        """One request on the client's stream (the model is decoupled: flashmap.triton_stream)."""
+        if self._stream is None:
+            self._stream = TritonStream(self.url, tuple((self._headers or {}).items()))
+        timeout_s = timeout_s or self.timeout_s
         try:
-            return await self._grpc().infer(
-                self.model,
-                inputs,
-                outputs=[InferRequestedOutput(n) for n in outputs],
-                sequence_id=int(corrid),
-                sequence_start=bool(start),
-                sequence_end=bool(end),
-                client_timeout=timeout_s or self.timeout_s,
-                headers=self._headers,
-            )
-        except InferenceServerException as e:
+            return await self._stream.call(infer_request(self.model, inputs, outputs, corrid, start, end), timeout_s)
+        except asyncio.TimeoutError:
+            raise TargetTimeout(f"target at {self.url}: no answer within the deadline ({timeout_s:g}s)") from None
+        except (StreamError, StreamBroken) as e:
             raise _map_error(e, self.url) from None
 
 
@@ -247,24 +243,25 @@ def _check_seq_id(seq_id: int) -> None:
         raise InvalidRequest(f"seq_id must be an integer in [1, 2^62), got {seq_id!r}")
 
 
-def _input(name: str, array: np.ndarray) -> InferInput:
-    datatype = {np.dtype(np.int64): "INT64", np.dtype(np.int32): "INT32", np.dtype(np.float32): "FP32",
-                np.dtype(np.bool_): "BOOL", np.dtype(np.object_): "BYTES"}[array.dtype]
-    t = InferInput(name, list(array.shape), datatype)
-    t.set_data_from_numpy(array if array.dtype == np.object_ else np.ascontiguousarray(array))
-    return t
+# Triton's own answers (no row code) that mean "not now" rather than "bad request".
+_UNAVAILABLE_WORDS = ("unknown model", "not found", "not ready", "unavailable", "not healthy", "stub")
 
 
-def _map_error(e: InferenceServerException, url: str) -> Exception:
-    status = str(e.status() or "")
-    message = e.message() or str(e)
-    if status.endswith("INVALID_ARGUMENT"):
+def _map_error(e: StreamError | StreamBroken, url: str) -> Exception:
+    message = str(e)
+    if isinstance(e, StreamBroken):
+        if e.status == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return TargetTimeout(f"target at {url}: no answer within the deadline ({message})")
+        if e.status in (None, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+            return TargetUnavailable(message)
+        if e.status == grpc.StatusCode.INVALID_ARGUMENT:
+            return InvalidRequest(message)
+        return TargetError(message)
+    if e.code is None:  # Triton's own: a request it refused, or a model it cannot run now
+        if any(w in message.lower() for w in _UNAVAILABLE_WORDS):
+            return TargetUnavailable(f"target at {url}: {message}")
         return InvalidRequest(message)
-    if status.endswith("DEADLINE_EXCEEDED") or "deadline exceeded" in message.lower():
-        return TargetTimeout(f"target at {url}: no answer within the deadline ({message})")
-    if status.endswith(("UNAVAILABLE", "CANCELLED")) or "failed to connect" in message.lower():
-        return TargetUnavailable(f"target at {url}: {message}")
-    return TargetError(f"target at {url}: {status or 'error'}: {message}")
+    return _ROW_ERRORS.get(e.code, TargetError)(message)
 
 
 class TritonTarget:

@@ -411,26 +411,22 @@ def _start_failure(handle: TritonHandle, what: str) -> TritonStartError:
     )
 
 
-def probe(http_url: str, key: str = "", timeout_s: float = 5.0, model: str = MODEL_NAME) -> tuple[bool, str]:
-    """A real request through the model (an INFO round trip over Triton's HTTP API, standard
-    library only): (ok, detail). Triton's own readiness says nothing about a dead
-    Python-backend stub; this does."""
-    import json
+def probe(grpc_url: str, key: str = "", timeout_s: float = 5.0, model: str = MODEL_NAME) -> tuple[bool, str]:
+    """A real request through the model (an INFO round trip on Triton's gRPC stream): (ok,
+    detail). Triton's own readiness says nothing about a dead Python-backend stub; this does."""
     import random
 
-    body = {"inputs": [{"name": "TOKENS", "shape": [1, 1], "datatype": "INT64", "data": [0]},
-                       {"name": "INFO", "shape": [1, 1], "datatype": "BOOL", "data": [True]}],
-            "outputs": [{"name": "INFO_JSON"}],
-            "parameters": {"sequence_id": random.getrandbits(62) | 1 << 62, "sequence_start": True,
-                           "sequence_end": True}}
-    req = urllib.request.Request(f"{http_url}/v2/models/{model}/infer", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", **({TARGET_KEY_HEADER: key} if key else {})})
+    import numpy as np
+
+    from flashmap.auth import TARGET_KEY_GRPC_HEADER
+    from flashmap.triton_stream import StreamBroken, StreamError, call_once, infer_request
+
+    request = infer_request(model, {"TOKENS": np.zeros((1, 0), np.int64), "INFO": np.ones((1, 1), np.bool_)},
+                            ["INFO_JSON"], random.getrandbits(62) | 1 << 62, start=True, end=True)
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            return r.status == 200, f"HTTP {r.status}"
-    except urllib.error.HTTPError as e:
-        return False, f"HTTP {e.code}: {e.read()[:200]!r}"
-    except (urllib.error.URLError, OSError) as e:
+        call_once(grpc_url, request, ((TARGET_KEY_GRPC_HEADER, key),) if key else (), timeout_s)
+        return True, "INFO answered"
+    except (StreamError, StreamBroken) as e:
         return False, str(e)
 
 
@@ -522,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
         while handle.alive():
             time.sleep(0.5)
             if args.watchdog_s > 0 and time.monotonic() >= next_probe:
-                ok, detail = probe(handle.http_url, read_secret(TARGET_KEY_ENV))
+                ok, detail = probe(handle.grpc_url, read_secret(TARGET_KEY_ENV))
                 failed = 0 if ok else failed + 1
                 next_probe = time.monotonic() + args.watchdog_s
                 if failed >= 3:

@@ -680,3 +680,43 @@ def test_unreachable_server_is_target_unavailable():
                 await c.verify(1, VerifyRow(-1, 0, np.array([1]), GREEDY), start=True)
 
     asyncio.run(body())
+
+
+def test_the_model_answers_on_its_grpc_stream_only(server):
+    """The model is decoupled: Triton hands it the next batch while one computes, and it
+    answers on the gRPC stream. The health probe (launcher.probe) is an INFO request there;
+    unary infer is refused."""
+    import tritonclient.grpc as tc
+    from tritonclient.utils import InferenceServerException
+
+    assert launcher.probe(server.grpc_url) == (True, "INFO answered")
+    ok, detail = launcher.probe(f"127.0.0.1:{free_ports(1)[0]}", timeout_s=2)
+    assert not ok and "UNAVAILABLE" in detail
+    c = tc.InferenceServerClient(server.grpc_url)
+    try:
+        t = tc.InferInput("INFO", [1, 1], "BOOL")
+        t.set_data_from_numpy(np.ones((1, 1), np.bool_))
+        with pytest.raises(InferenceServerException, match="decoupled"):
+            c.infer("flashmap_target", [t], sequence_id=(1 << 62) + 5, sequence_start=True, sequence_end=True)
+    finally:
+        c.close()
+
+
+def test_a_timed_out_call_leaves_the_stream_to_the_next(server):
+    """A call past its deadline raises TargetTimeout; its late answer is dropped, not taken for
+    the next call's, and the stream serves on."""
+    from orchestrator.target_client import TargetTimeout
+
+    async def body(c):
+        want = await c.info(refresh=True)
+        row = VerifyRow(-1, 0, np.arange(3, 40), GREEDY)
+        with pytest.raises(TargetTimeout):
+            await c.verify_rows([(501, row, [], True, True)], timeout_s=1e-4)
+        out = await asyncio.gather(*[c.info(refresh=True) for _ in range(3)],
+                                   c.verify_rows([(502, row, [], True, True)]))
+        assert out[:3] == [want] * 3
+        (res, _best), = out[3]
+        assert res.argmax.shape == (1,)
+
+    run(body, server)
+    settled_active(server, 0)

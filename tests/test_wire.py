@@ -84,3 +84,9 @@ def test_packed_outputs_parse_back_to_their_results():
     assert out[3] is None and out[4] == (wire.ROW_INVALID, "bad row")
     with pytest.raises(InvalidRequest):
         wire.parse_packed_outputs(wire.pack_arrays([{"BEST": np.zeros((1, 1), np.int64)}]))
+
+
+def test_error_messages_carry_their_row_code():
+    for code in (wire.ROW_INVALID, wire.ROW_UNAVAILABLE, wire.ROW_INTERNAL):
+        assert wire.split_error(wire.tag_error(code, "START_POS does not continue")) == (code, "START_POS does not continue")
+    assert wire.split_error("must specify the START flag") == (None, "must specify the START flag")

@@ -31,9 +31,16 @@ ROWS_OUT BYTES [1], per row the outputs above or an error (code and message). It
 admitted exactly as one-row requests are and share the execute's forward, so a round is one
 request and one forward however many sequences it has.
 
+Decoupled (config.pbtxt): execute() queues the batch and returns, so Triton hands over the next
+batch (a round sent ahead) while this one computes. One worker thread runs the batches in the
+order they came and answers each request on its response sender (one final response per
+request). Clients use Triton's gRPC stream (ModelStreamInfer; flashmap.triton_stream): unary
+infer and HTTP infer are refused for a decoupled model.
+
 Errors: engine InvalidRequest -> that row alone gets TritonError(INVALID_ARG, message) (in a
 packed round: its error entry); no free slot -> UNAVAILABLE; anything else -> INTERNAL for the
-rows of that forward.
+rows of that forward. A stream carries the message but not the code, so the message leads
+with the code's name (flashmap.wire.tag_error: "[INVALID_ARGUMENT] ...").
 
 Configuration: config.pbtxt parameters (model_dir, max_seq_len, device, dtype, feature_layers),
 each overridden by the environment ($FLASHMAP_TARGET_DIR, $FLASHMAP_TARGET_MAX_SEQ_LEN, ...).
@@ -44,7 +51,10 @@ that Python's site directory does it (deploy/Dockerfile.triton).
 
 Metrics (Triton's /metrics): flashmap_target_active_sequences, flashmap_target_slots,
 flashmap_target_batch_size (rows in the last forward), flashmap_target_verify_batches_total,
-flashmap_target_verify_rows_total, flashmap_target_idle_released_total; pushed by a thread
+flashmap_target_verify_rows_total, flashmap_target_idle_released_total, and per batch handed
+to execute() flashmap_target_batches_total, flashmap_target_batch_wait_seconds_total (behind the
+batch before it) and flashmap_target_batch_run_seconds_total (Triton's own compute time is only
+the hand-over of a decoupled model's batch); pushed by a thread
 within about 50 ms of the forward that changed them, not on the request path (_MetricPusher).
 """
 
@@ -52,6 +62,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import threading
 import time
@@ -172,6 +183,10 @@ class TritonPythonModel:
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="flashmap-idle-reaper", daemon=True)
         self._reaper.start()
+        # Decoupled: execute() queues, the worker runs the batches in order and answers them.
+        self._jobs = queue.SimpleQueue()
+        self._worker = threading.Thread(target=self._work_loop, name="flashmap-worker", daemon=True)
+        self._worker.start()
         pb_utils.Logger.log_info(f"flashmap_target ready: {self.info}")
 
     # ------------------------------------------------------------------ metrics
@@ -243,8 +258,30 @@ class TritonPythonModel:
     # ------------------------------------------------------------------ requests
 
     def execute(self, requests):
-        with self.lock:
-            return self._execute(requests)
+        self._jobs.put((requests, time.perf_counter()))
+        return None  # decoupled: the worker answers each request
+
+    def _work_loop(self):
+        # Answers go out from this thread, before the next batch: a second Python thread sending
+        # them while the next forward ran slowed that forward by more than it saved (GIL).
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        while (job := self._jobs.get()) is not None:
+            requests, t_queued = job
+            t0 = time.perf_counter()
+            try:
+                with self.lock:
+                    responses = self._execute(requests)
+            except Exception as e:  # never leave a request unanswered
+                pb_utils.Logger.log_error("flashmap_target: " + traceback.format_exc())
+                responses = [_error(f"internal error: {type(e).__name__}: {e}", wire.ROW_INTERNAL)] * len(requests)
+            for request, response in zip(requests, responses):
+                try:
+                    request.get_response_sender().send(response, flags=final)
+                except Exception:  # a client gone away must not stop the others' answers
+                    pb_utils.Logger.log_error("flashmap_target send: " + traceback.format_exc())
+            self.metrics.inc("flashmap_target_batches_total")
+            self.metrics.inc("flashmap_target_batch_wait_seconds_total", t0 - t_queued)
+            self.metrics.inc("flashmap_target_batch_run_seconds_total", time.perf_counter() - t0)
 
     def _execute(self, requests):
         """Every row of every request (a one-row request, or each row of a packed round) is
@@ -286,10 +323,10 @@ class TritonPythonModel:
                     continue
                 admit((i, None), corrid, start, end, row, branches)
             except InvalidRequest as e:
-                responses[i] = _error(str(e), pb_utils.TritonError.INVALID_ARG)
+                responses[i] = _error(str(e), wire.ROW_INVALID)
             except Exception as e:
                 pb_utils.Logger.log_error("flashmap_target: " + traceback.format_exc())
-                responses[i] = _error(f"internal error: {type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL)
+                responses[i] = _error(f"internal error: {type(e).__name__}: {e}", wire.ROW_INTERNAL)
 
         self._forward(rows, trees, outcome)
         self._update_active()
@@ -302,7 +339,7 @@ class TritonPythonModel:
             blob = wire.packed_outputs([self._row_outputs(o) for o in outs])
             responses[i] = pb_utils.InferenceResponse([pb_utils.Tensor("ROWS_OUT", np.array([[blob]], np.object_))])
         # Triton needs one response per request; none is left empty above, but never crash on it.
-        return [r if r is not None else _error("no response", pb_utils.TritonError.INTERNAL) for r in responses]
+        return [r if r is not None else _error("no response", wire.ROW_INTERNAL) for r in responses]
 
     def _forward(self, rows, trees, outcome) -> None:
         """Verify the admitted rows (one forward) and trees; their outcomes into `outcome`."""
@@ -403,7 +440,7 @@ class TritonPythonModel:
         out = self._row_outputs(o)
         if isinstance(out, dict):
             return pb_utils.InferenceResponse([pb_utils.Tensor(n, a) for n, a in out.items()])
-        return _error(out[1], _triton_code(out[0]))
+        return _error(out[1], out[0])
 
     def _parse(self, request):
         """-> (kind, corrid, start, end, VerifyRow | None, branches); raises InvalidRequest."""
@@ -422,6 +459,8 @@ class TritonPythonModel:
         return "verify", corrid, start, end, row, branches
 
     def finalize(self):
+        self._jobs.put(None)  # the worker answers what is queued first
+        self._worker.join(timeout=30)
         self._stop.set()
         self._reaper.join(timeout=5)
         self.metrics.close()
@@ -517,8 +556,9 @@ def _single_bytes(a) -> bytes:
     return v if isinstance(v, bytes) else bytes(v)
 
 
-def _error(message: str, code) -> "pb_utils.InferenceResponse":
-    # Each response answers one row: the engine's "row N: " prefix would only confuse.
-    message = re.sub(r"^row \d+: ", "", message)
-    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message, code))
+def _error(message: str, row_code: int) -> "pb_utils.InferenceResponse":
+    # Each response answers one row: the engine's "row N: " prefix would only confuse. A gRPC
+    # stream carries an error's message but not its code: the message leads with it (wire.tag_error).
+    message = wire.tag_error(row_code, re.sub(r"^row \d+: ", "", message))
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message, _triton_code(row_code)))
 
