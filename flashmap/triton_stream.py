@@ -5,10 +5,10 @@ it the next batch while one computes, and it answers every request on the stream
 A decoupled model takes no unary ModelInfer, so every caller speaks the stream:
 
     stream = TritonStream(url, metadata)             # one bidirectional call, many requests
-    resp = await stream.call(infer_request("flashmap_target", inputs, ["ROWS_OUT"], corrid=7,
-                                           start=True, end=True), timeout_s=30)
-    arrays = outputs(resp)                           # name -> numpy array
-    resp = call_once(url, request, metadata)         # one request, blocking (health probes)
+    res = await stream.call(infer_request("flashmap_target", inputs, ["ROWS_OUT"], corrid=7,
+                                          start=True, end=True), timeout_s=30)
+    res.as_numpy("ROWS_OUT")                         # tritonclient's InferResult
+    res = call_once(url, request, metadata)          # one request, blocking (health probes)
 
 Requests are matched to answers by their id. An answer that failed carries its message only
 (no status code): `StreamError.code` is the model's row code when the message names one
@@ -54,10 +54,10 @@ class StreamBroken(Exception):
 
 
 def infer_request(model: str, inputs: dict[str, np.ndarray], outputs: list[str], corrid: int = 0,
-                  start: bool = False, end: bool = False, request_id: str = "") -> service_pb2.ModelInferRequest:
+                  start: bool = False, end: bool = False) -> service_pb2.ModelInferRequest:
     """A ModelInferRequest of named arrays (object arrays as BYTES), in Triton's sequence
-    `corrid` (0: none) with its START / END flags."""
-    req = service_pb2.ModelInferRequest(model_name=model, id=request_id)
+    `corrid` (0: none) with its START / END flags; `TritonStream.call` gives it its id."""
+    req = service_pb2.ModelInferRequest(model_name=model)
     for name, a in inputs.items():
         t = req.inputs.add()
         t.name, t.datatype = name, np_to_triton_dtype(a.dtype)

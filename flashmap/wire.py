@@ -96,6 +96,11 @@ def release_inputs() -> dict[str, np.ndarray]:
     return {"TOKENS": np.zeros((1, 0), np.int64)}
 
 
+def info_inputs() -> dict[str, np.ndarray]:
+    """A request for the model's INFO_JSON (send it as a sequence of its own, START and END)."""
+    return {**release_inputs(), "INFO": np.ones((1, 1), np.bool_)}
+
+
 def _unbatch(get: Callable[[str], np.ndarray | None], name: str, ndim: int, dtype) -> np.ndarray | None:
     a = get(name)
     if a is None:

@@ -159,8 +159,8 @@ class TargetClient:
         """
         if self._info is None or refresh:
             corrid = _INFO_CORRID_BASE + random.getrandbits(60)
-            inputs = {"TOKENS": np.zeros((1, 0), np.int64), "INFO": np.ones((1, 1), np.bool_)}
-            result = await self._infer(inputs, ["INFO_JSON"], corrid, start=True, end=True, timeout_s=timeout_s)
+            result = await self._infer(wire.info_inputs(), ["INFO_JSON"], corrid, start=True, end=True,
+                                       timeout_s=timeout_s)
             raw = result.as_numpy("INFO_JSON").reshape(-1)[0]
             self._info = TargetInfo.from_dict(json.loads(raw.decode() if isinstance(raw, bytes) else raw))
         return self._info

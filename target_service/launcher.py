@@ -416,13 +416,12 @@ def probe(grpc_url: str, key: str = "", timeout_s: float = 5.0, model: str = MOD
     detail). Triton's own readiness says nothing about a dead Python-backend stub; this does."""
     import random
 
-    import numpy as np
-
+    from flashmap import wire
     from flashmap.auth import TARGET_KEY_GRPC_HEADER
     from flashmap.triton_stream import StreamBroken, StreamError, call_once, infer_request
 
-    request = infer_request(model, {"TOKENS": np.zeros((1, 0), np.int64), "INFO": np.ones((1, 1), np.bool_)},
-                            ["INFO_JSON"], random.getrandbits(62) | 1 << 62, start=True, end=True)
+    request = infer_request(model, wire.info_inputs(), ["INFO_JSON"], random.getrandbits(62) | 1 << 62,
+                            start=True, end=True)
     try:
         call_once(grpc_url, request, ((TARGET_KEY_GRPC_HEADER, key),) if key else (), timeout_s)
         return True, "INFO answered"
