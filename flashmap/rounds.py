@@ -244,7 +244,7 @@ def _send_ahead(seqs: list[Sequence], rows: list[VerifyRow], target: Target, dra
         finally:
             for s in fresh:
                 s.prefilled = False
-    follow = [s.follow_row(r, decode_steps) for s, r in pairs]
+    follow = [s.follow_row(r, decode_steps, drafter is not None) for s, r in pairs]
     last = [s.ends_with(f, ahead=r.steps) for (s, r), f in zip(pairs, follow)]
     return Ahead(nxt, follow, asyncio.ensure_future(target.verify(follow, [[] for _ in follow], last)), plan)
 

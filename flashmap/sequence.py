@@ -5,6 +5,10 @@ KV cache holds every committed token except the newest one, the anchor, which si
 position len(tokens) - 1 and is written by the next verify. The drafter's context is
 every position strictly before the anchor; committed positions the drafter has not
 acknowledged yet wait in `pending_context` (a lost answer is resent from `drafter_seen`).
+While the speculation controller keeps a sequence from drafting it may let its rows go
+without features (`lazy_features`); the context then has a gap (`context_gap`), and the
+sequence drafts again only after a row has fetched the kept features from the target
+(VerifyRow.features_from).
 With no draft a round is one autoregressive step (the bonus token is the next token),
 so the autoregressive baseline and the drafter-down fallback run through the same code.
 
@@ -14,6 +18,8 @@ Numpy only.
 from __future__ import annotations
 
 import numpy as np
+
+from dataclasses import replace
 
 from flashmap.rejection_sampler import greedy_verify, sample_verify
 from flashmap.types import BLOCK_SIZE, FOLLOW_TOKEN, Draft, GenerationRequest, SpecStats, VerifyResult, VerifyRow
@@ -38,6 +44,8 @@ class Sequence:
         self.drafter_seen = 0  # context positions the drafter has acknowledged
         self.drafter_lost = False  # the drafter lost this sequence's context: autoregressive from now on
         self.draft_limit: int | None = None  # this round's draft length, set by the speculation controller
+        self.lazy_features = False  # this round's rows go without features (set by the speculation controller)
+        self._gap: int | None = None  # first position a committed row without features left out (context_gap)
         self._stop = set(request.stop_token_ids)
 
     # -- state -----------------------------------------------------------------
@@ -53,10 +61,12 @@ class Sequence:
     def anchor(self) -> int:
         return self.tokens[-1]
 
-    def draft_budget(self) -> int:
+    def draft_budget(self, context: bool = True) -> int:
         """Most draft tokens this round may carry: within max_new_tokens, the request's
-        max_draft_tokens and the controller's choice for this round (draft_limit)."""
-        if not self.prefilled or self.finished:
+        max_draft_tokens and the controller's choice for this round (draft_limit); 0 while
+        the drafter's context has a gap, unless `context` is False (what the sequence could
+        draft once it has caught up)."""
+        if not self.prefilled or self.finished or (context and self.context_gap() is not None):
             return 0
         left = self.request.max_new_tokens - len(self.generated) - 1
         caps = [self.block_size, left]
@@ -75,6 +85,16 @@ class Sequence:
         request or the drafter lost its context. A sequence that never drafts needs no
         features from the target."""
         return self.request.max_draft_tokens != 0 and not self.drafter_lost
+
+    @property
+    def features_known(self) -> int:
+        """Context positions whose features the drafter holds or `pending_context` has."""
+        return self.drafter_seen + sum(len(c[0]) for c in self.pending_context)
+
+    def context_gap(self) -> int | None:
+        """The first cached position whose features neither the drafter nor pending_context
+        has (committed rows that went without features), or None when the context is whole."""
+        return self._gap if self.may_draft() else None
 
     def draft_seed(self) -> int:
         return int(self.rng.integers(2**62))
@@ -110,18 +130,23 @@ class Sequence:
             round_seed = int(self.rng.integers(2**62))
             toks = np.concatenate([[self.anchor], draft.tokens]).astype(np.int64)
             return VerifyRow(self.handle, len(self.tokens) - 1, toks, self.params, draft.support_ids, round_seed)
-        features = drafter and self.may_draft()
+        features = drafter and self.may_draft() and not self.lazy_features
         if not self.prefilled:
             return self._plain_row(0, self.tokens, steps, 0, features)
-        return self._plain_row(len(self.tokens) - 1, [self.anchor], steps, 0, features)
+        gap = self.context_gap() if features else None
+        return self._plain_row(len(self.tokens) - 1, [self.anchor], steps, 0, features, -1 if gap is None else gap)
 
-    def follow_row(self, prev: VerifyRow, steps: int) -> VerifyRow:
+    def follow_row(self, prev: VerifyRow, steps: int, drafter: bool = True) -> VerifyRow:
         """The row of the round after `prev` (this sequence's row without drafts, sent and not
         committed yet), to send before prev answers: its tokens are [FOLLOW_TOKEN] (the target
         feeds the last token prev decoded) and its seeds are the ones verify_row would draw
-        after prev's commit. Before committing its result, `followed` sets the real token."""
-        return self._plain_row(prev.start_pos + len(prev.tokens) + len(prev.next_seeds), [FOLLOW_TOKEN], steps,
-                               prev.steps, prev.features)
+        after prev's commit. Before committing its result, `followed` sets the real token.
+        After a prev without features, a row with features fetches everything from the first
+        position the context lacks (the target runs prev first)."""
+        features = drafter and self.may_draft() and not self.lazy_features
+        start = prev.start_pos + len(prev.tokens) + len(prev.next_seeds)
+        since = self.features_known if features and not prev.features else -1
+        return self._plain_row(start, [FOLLOW_TOKEN], steps, prev.steps, features, since)
 
     def followed(self, row: VerifyRow) -> VerifyRow:
         """A follow_row once the row before it is committed: its token is the anchor.
@@ -129,17 +154,17 @@ class Sequence:
         if row.start_pos != len(self.tokens) - 1:
             raise ValueError(f"a continuation at position {row.start_pos} after a commit that ends at "
                              f"{len(self.tokens) - 1}")
-        return VerifyRow(row.slot, row.start_pos, np.asarray([self.anchor], np.int64), row.params, row.support_ids,
-                         row.round_seed, row.next_seeds, row.features)
+        return replace(row, tokens=np.asarray([self.anchor], np.int64))
 
-    def _plain_row(self, start_pos: int, tokens, steps: int, ahead: int, features: bool) -> VerifyRow:
+    def _plain_row(self, start_pos: int, tokens, steps: int, ahead: int, features: bool,
+                   features_from: int = -1) -> VerifyRow:
         """A row without drafts decoding up to `steps` tokens within max_new_tokens, `ahead`
         tokens being committed before it."""
         round_seed = int(self.rng.integers(2**62))
         steps = max(1, min(steps, self.request.max_new_tokens - len(self.generated) - ahead))
         next_seeds = self.rng.integers(2**62, size=steps - 1).astype(np.int64)
         return VerifyRow(self.handle, start_pos, np.asarray(tokens, np.int64), self.params,
-                         np.zeros((0, 1), np.int64), round_seed, next_seeds, features)
+                         np.zeros((0, 1), np.int64), round_seed, next_seeds, features, features_from)
 
     def ends_with(self, row: VerifyRow, ahead: int = 0) -> bool:
         """Whether committing this row's verify surely ends the sequence: it commits at least
@@ -166,9 +191,17 @@ class Sequence:
         # (and every token a multi-step row decoded but the last).
         decoded = new[:-1] if k == 0 else []
         n_ctx = len(row.tokens) - k + n_acc
-        if row.features:  # a row without features belongs to a sequence that never drafts
-            self.pending_context.append((np.concatenate([row.tokens[:n_ctx], np.asarray(decoded, np.int64)]),
-                                         result.features[:n_ctx + len(decoded)]))
+        if row.features and not self.drafter_lost:  # rows without features: see context_gap
+            since = row.features_from if 0 <= row.features_from < row.start_pos else row.start_pos
+            if since != self.features_known:  # features that would not continue the context: never draft on them
+                self.lose_drafter()
+            else:
+                before = np.asarray(self.tokens[since:row.start_pos], np.int64)  # fetched with the row
+                self.pending_context.append((np.concatenate([before, row.tokens[:n_ctx], np.asarray(decoded, np.int64)]),
+                                             result.features[:len(before) + n_ctx + len(decoded)]))
+                self._gap = None
+        elif not row.features and self._gap is None:
+            self._gap = self.features_known
         for _ in range(1 + len(decoded) - (not self.prefilled)):  # a multi-step row: one round per step
             self.stats.record_round(k, n_acc)
         if k and draft is not None and draft.steps:

@@ -45,6 +45,12 @@ decode_steps tokens each, so a probe costs about what the probing request gives 
 decode_steps - 1 tokens of every request. A mixed round's seconds fit neither cost model;
 the first probe and every `verify_probe_every`-th one are one-token rounds that measure the
 verify cost at the current load.
+
+With `lazy_features` (a target that keeps every position's features, TargetEngine), a round
+in which the search lets nobody draft sends no features for anyone but a probe: the drafter
+needs them only when drafting resumes. A request chosen to draft (or probe) whose context
+has a gap (Sequence.context_gap) catches up instead: its row fetches the missing features
+and it drafts from the next round on; a probe waits for it without counting.
 Numpy only.
 """
 
@@ -117,6 +123,7 @@ class ControllerConfig:
     margin: float = 0.0  # a plan must promise this much more throughput than no speculation
     explore_factor: int = 2  # a plan drafts for at most this many times the most requests a measured draft call had
     decode_steps: int = 1  # tokens per row of a round without drafts or prompts (flashmap.rounds)
+    lazy_features: bool = False  # rows without drafts send no features while speculation is off (see above)
 
 
 @dataclass
@@ -171,7 +178,9 @@ class SpeculationController:
         for s in seqs:
             s.draft_limit = None
         self.probing = False
-        caps = {s.seq_id: (s.draft_budget() if not s.drafter_lost else 0) for s in seqs}
+        caps = {s.seq_id: (s.draft_budget(context=False) if not s.drafter_lost else 0) for s in seqs}
+        gaps = {s.seq_id for s in seqs if s.context_gap() is not None}
+        catch_up: set[int] = set()  # chosen to draft, but their context has a gap: their rows fetch it
         # A seeded sampling request keeps its whole draft: which tokens it samples depends on the
         # draft lengths, and a seed must give the same text every time.
         pinned = {s.seq_id for s in seqs if s.params.seed is not None and not s.params.greedy}
@@ -194,23 +203,33 @@ class SpeculationController:
         # cost) stays current and speculation can come back. One request: a probe pads every row
         # of the verify to its length and adds to the draft call. Probes that keep finding
         # speculation off come rarer; a round the search lets draft starts over.
-        if any(choice.values()):
+        speculating = any(choice.values())
+        if speculating:
             self.probe_every, self.since_probe = self.cfg.probe_every, 0
         elif idle:
             self.since_probe += 1
             first = self.verify_cost.n == 0
-            if self.since_probe >= self.probe_every and (first or self._may_probe()):
-                i = max(idle, key=lambda j: (idle[j], -j))
+            probe = max(idle, key=lambda j: (idle[j], -j))
+            if self.since_probe >= self.probe_every and probe in gaps:
+                catch_up.add(probe)  # it probes once its context is whole; the schedule waits
+            elif self.since_probe >= self.probe_every and (first or self._may_probe()):
+                i = probe
                 choice[i] = caps[i]
                 self.probe_every = min(2 * self.probe_every, self.cfg.max_probe_every)
                 self.since_probe = 0
                 self.probing = not first and self.probes % self.cfg.verify_probe_every != 0
                 self.probes += 1
-        self.idle = {i: n for i, n in idle.items() if not choice[i]}
         for i in pinned:
             choice[i] = caps[i]
+        for i in gaps:
+            if choice[i]:
+                choice[i] = 0
+                catch_up.add(i)
+        self.idle = {i: n for i, n in idle.items() if not choice[i]}
+        lazy = self.cfg.lazy_features and not speculating
         for s in seqs:
             s.draft_limit = choice[s.seq_id]
+            s.lazy_features = lazy and s.seq_id not in catch_up and s.seq_id not in pinned
         return choice
 
     # What plan() changes besides the sequences' draft limits (each attribute is reassigned, never mutated).
@@ -220,14 +239,14 @@ class SpeculationController:
         """The plan `plan(seqs)` would make now, without making it (the probe schedule, the
         search's memo and the sequences' draft limits stay as they are)."""
         state = {k: getattr(self, k) for k in self._PLAN_STATE}
-        limits = [s.draft_limit for s in seqs]
+        limits = [(s.draft_limit, s.lazy_features) for s in seqs]
         try:
             return self.plan(seqs)
         finally:
             for k, v in state.items():
                 setattr(self, k, v)
-            for s, limit in zip(seqs, limits):
-                s.draft_limit = limit
+            for s, (limit, lazy) in zip(seqs, limits):
+                s.draft_limit, s.lazy_features = limit, lazy
 
     def _probe_s(self) -> float:
         """What a probe costs: about one drafting request's call and K verified tokens."""

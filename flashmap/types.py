@@ -163,8 +163,13 @@ class VerifyRow:
     round trip, for `steps` tokens).
 
     features False: the result's features are empty ([0, F]): a row of a sequence that will
-    never draft (no drafter, speculation off for the request, the drafter's context lost)
-    needs none, and the target skips gathering, copying and sending them.
+    never draft (no drafter, speculation off for the request, the drafter's context lost), or
+    that does not draft for now, needs none, and the target skips copying and sending them.
+
+    features_from >= 0 (a target that keeps every position's features, TargetEngine
+    feature_store): the result's features start at this earlier position of the sequence
+    ([start_pos - features_from + L + steps - 1, F]), so a sequence whose rows went without
+    features catches its drafter's context up in one row.
     """
 
     slot: int
@@ -175,6 +180,7 @@ class VerifyRow:
     round_seed: int = 0  # seeds the target's residual / bonus samples for this row
     next_seeds: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [steps - 1] int64
     features: bool = True
+    features_from: int = -1  # -1: features of this row's own positions only
 
     @property
     def num_draft(self) -> int:

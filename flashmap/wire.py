@@ -84,6 +84,8 @@ def verify_inputs(row: VerifyRow, branches: list[np.ndarray] = ()) -> dict[str, 
             out["NEXT_SEEDS"] = np.asarray(row.next_seeds, np.int64).reshape(1, -1)
         if not row.features:
             out["NO_FEATURES"] = np.ones((1, 1), np.bool_)
+        if row.features_from >= 0:
+            out["FEATURES_FROM"] = np.array([[row.features_from]], np.int64)
         if len(branches):
             out["BRANCHES"] = np.stack([np.asarray(b, np.int64) for b in branches])[None]  # [1, n, K]
     except (OverflowError, ValueError, TypeError) as e:
@@ -137,7 +139,8 @@ def parse_verify_inputs(get: Callable[[str], np.ndarray | None]) -> tuple[Verify
     ).validate()
     row = VerifyRow(slot=-1, start_pos=int(scalar(get, "START_POS", 0)), tokens=tokens, params=params,
                     support_ids=support, round_seed=int(scalar(get, "ROUND_SEED", 0)),
-                    features=not bool(scalar(get, "NO_FEATURES", False)))
+                    features=not bool(scalar(get, "NO_FEATURES", False)),
+                    features_from=int(scalar(get, "FEATURES_FROM", -1)))
     seeds = _unbatch(get, "NEXT_SEEDS", 1, np.int64)
     if seeds is not None:
         row.next_seeds = seeds
@@ -275,7 +278,7 @@ def unpack_arrays(blob: bytes, names: frozenset[str] | set[str]) -> list[dict[st
 
 
 ROW_INPUTS = frozenset({"CORRID", "FLAGS", "TOKENS", "START_POS", "SUPPORT_IDS", "TEMPERATURE", "TOP_K", "TOP_P",
-                        "ROUND_SEED", "NEXT_SEEDS", "NO_FEATURES", "BRANCHES"})
+                        "ROUND_SEED", "NEXT_SEEDS", "NO_FEATURES", "FEATURES_FROM", "BRANCHES"})
 ROW_OUTPUTS = frozenset(VERIFY_OUTPUTS) | {"ERROR", "CODE"}
 
 

@@ -179,7 +179,8 @@ class Orchestrator:
         self.metrics = OrchestratorMetrics(block_size=self._block_size())
         if self.cfg.speculation == "auto" and self.drafter is not None:
             self.controller = SpeculationController(self._block_size(), ControllerConfig(
-                packed=self.info.packed_verify, decode_steps=self.cfg.decode_steps))
+                packed=self.info.packed_verify, decode_steps=self.cfg.decode_steps,
+                lazy_features=self.info.feature_bytes_per_token > 0))
         self.metrics.drafter_steps.labels(drafter=self._drafter_name()).set(self.drafter.steps if self.drafter else 0)
         # Export the counters that alerts divide by at 0 from the start: a series that first
         # appears at its first increment has no rate() for that increment.

@@ -70,6 +70,7 @@ class TargetInfo:
     n_slots: int
     eos_token_ids: list[int]
     kv_bytes_per_token: int = 0
+    feature_bytes_per_token: int = 0  # > 0: the target keeps every position's features (VerifyRow.features_from)
     idle_timeout_s: float = 0.0
     features_dtype: str = "float32"
     device: str = ""

@@ -11,6 +11,12 @@ its positions, which the drafter conditions on. A row with next_seeds decodes th
 more tokens in the same call (multi-step decoding), each step an ordinary one-token
 forward, so the call returns what as many separate calls would.
 
+The engine keeps every cached position's features in host memory (`feature_bytes_per_token`
+per position, pages committed as they are written): a row without features
+(VerifyRow.features False) sends none, and a later row of the sequence asks for them from
+an earlier position (VerifyRow.features_from), so a sequence that stops drafting stops
+shipping features and gets them back in one row when it drafts again.
+
 On a GPU, `enable_graphs` (or `cuda_graphs=True`) runs every batch that fits a (batch,
 query length) bucket as one CUDA-graph replay of the same forward (target_service.cuda_graphs);
 prefill and odd shapes run eagerly. Only the argmax, the features and, for sampling rows,
@@ -92,6 +98,9 @@ class TargetEngine:
         model.setup_caches(n_slots, max_seq_len)
         self.model = model
         self._feature_layers = tuple(layers)
+        # Every cached position's features (rows without features, features_from); zeros: untouched pages stay unmapped.
+        self._features = np.zeros((n_slots, max_seq_len, len(layers) * c.hidden_size),
+                                  np.float16 if features_dtype == torch.float16 else np.float32)
         self._eos = list(dict.fromkeys(eos))  # dedupe, keep order
         self._allocated = [False] * n_slots
         self._length = [0] * n_slots
@@ -182,6 +191,11 @@ class TargetEngine:
         return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self._dtype.itemsize
 
     @property
+    def feature_bytes_per_token(self) -> int:
+        """Host memory the kept features take per cached position."""
+        return self._features.shape[-1] * self._features.itemsize
+
+    @property
     def free_slots(self) -> int:
         return self._allocated.count(False)
 
@@ -227,7 +241,17 @@ class TargetEngine:
         rows = self._validate(rows)
         out = self._forward(rows)
         more = [i for i, r in enumerate(rows) if len(r.next_seeds)]
-        return self._decode_more(rows, out, more) if more else out
+        out = self._decode_more(rows, out, more) if more else out
+        for i, r in enumerate(rows):
+            if 0 <= r.features_from < r.start_pos:  # the kept features before the row
+                kept = self._features[r.slot, r.features_from:r.start_pos]
+                out[i] = dataclasses.replace(out[i], features=np.concatenate([kept, out[i].features]))
+        return out
+
+    def _keep_features(self, rows: list[VerifyRow], feats: list[np.ndarray]) -> None:
+        """Keep each row's features ([len(tokens), F]) at its positions."""
+        for r, f in zip(rows, feats):
+            self._features[r.slot, r.start_pos:r.start_pos + len(f)] = f
 
     def _decode_more(self, rows: list[VerifyRow], out: list[VerifyResult], more: list[int]) -> list[VerifyResult]:
         """The further steps of the rows in `more` (next_seeds): each step one forward of those
@@ -285,10 +309,11 @@ class TargetEngine:
     def _verify_eager(self, rows: list[VerifyRow]) -> list[VerifyResult]:
         p = pack(rows, self._device, self.group_tokens)
         logits, features = forward_step(self.model, p.tokens, p.positions, p.write_slot, p.positions, p.groups,
-                                        p.logit_rows, p.feature_rows, self._feature_layers)
+                                        p.logit_rows, None, self._feature_layers)
         stats = verification_stats(logits, rows)
-        feats = np.split(cast_features(features, self.features_dtype).cpu().numpy(), np.cumsum(p.feature_lengths)[:-1])
-        return [VerifyResult(*s, features=f) for s, f in zip(stats, feats)]
+        feats = np.split(cast_features(features, self.features_dtype).cpu().numpy(), np.cumsum(p.lengths)[:-1])
+        self._keep_features(rows, feats)
+        return [VerifyResult(*s, features=f if r.features else f[:0]) for s, f, r in zip(stats, feats, rows)]
 
     def _verify_graph(self, rows: list[VerifyRow], key) -> list[VerifyResult]:
         """The same pass through a graph bucket: logits stay on the device (statistics of
@@ -299,8 +324,9 @@ class TargetEngine:
         logits, argmax, feats = self.graphs.run(key, tokens, positions, slots)
         starts = [i * q + len(r.tokens) - r.num_draft - 1 for i, r in enumerate(rows)]
         stats = verification_stats(logits, rows, argmax=argmax, starts=starts)
-        return [VerifyResult(*s, features=feats[i * q:i * q + (len(r.tokens) if r.features else 0)])
-                for i, (s, r) in enumerate(zip(stats, rows))]
+        own = [feats[i * q:i * q + len(r.tokens)] for i, r in enumerate(rows)]
+        self._keep_features(rows, own)
+        return [VerifyResult(*s, features=f if r.features else f[:0]) for s, f, r in zip(stats, own, rows)]
 
     def verify_tree(self, row: VerifyRow, branches: list[np.ndarray]) -> tuple[VerifyResult, int]:
         """Greedy (T = 0) verification of several draft blocks after one anchor, in one pass.
@@ -365,6 +391,7 @@ class TargetEngine:
                 c.k[row.slot, :, dst] = c.k[row.slot, :, src]
                 c.v[row.slot, :, dst] = c.v[row.slot, :, src]
         self._length[row.slot] = row.start_pos + n
+        self._keep_features([row], [feats[keep]])
         S = row.support_ids.shape[1]
         result = VerifyResult(argmax[best], np.zeros((0, S), np.float32), np.zeros(0, np.float32),
                               np.full(K + 1, -1, np.int64), features=feats[keep])
@@ -413,6 +440,10 @@ class TargetEngine:
                 if start + n + seeds.size > self.max_seq_len:
                     raise InvalidRequest(f"{where}start_pos + len(tokens) + len(next_seeds) = {start + n + seeds.size}"
                                          f" > max_seq_len {self.max_seq_len}")
+            ff = r.features_from
+            if not isinstance(ff, (int, np.integer)) or not -1 <= ff <= start or (ff >= 0 and not r.features):
+                raise InvalidRequest(f"{where}features_from {ff!r}: -1, or a position in [0, start_pos {start}] "
+                                     "of a row with features")
             out.append(dataclasses.replace(r, tokens=t.astype(np.int64, copy=False), support_ids=sup,
                                            next_seeds=seeds.astype(np.int64, copy=False)))
         return out

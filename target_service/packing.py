@@ -63,8 +63,6 @@ class Packed:
     groups: list[AttnGroup]
     logit_rows: Tensor  # [N] indices into T of each row's last K+1 tokens, rows in order
     lengths: np.ndarray  # [B] tokens per row
-    feature_lengths: np.ndarray  # [B] features per row: its length, 0 for a row without (VerifyRow.features)
-    feature_rows: Tensor | None  # [M'] flat indices of the tokens that get features; None: all
 
 
 def _ranges(firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -96,7 +94,4 @@ def pack(rows: list[VerifyRow], device: torch.device, group_tokens: float = GROU
         keep = None if valid.all() else np.flatnonzero(valid)
         groups.append(AttnGroup(dev(slots[part]), dev(q_limit), int(q_limit.max()) + 1, gather=dev(flat),
                                 keep=None if keep is None else dev(keep), dest=dev(flat if keep is None else flat[keep])))
-    want = np.array([r.features for r in rows], np.bool_)  # [B]
-    feature_rows = None if want.all() else dev(_ranges(starts[want], lengths[want]))
-    return Packed(dev(tokens), dev(positions), dev(np.repeat(slots, lengths)), groups, dev(logit_rows), lengths,
-                  np.where(want, lengths, 0), feature_rows)
+    return Packed(dev(tokens), dev(positions), dev(np.repeat(slots, lengths)), groups, dev(logit_rows), lengths)

@@ -109,6 +109,22 @@ def test_multi_step_decoding_is_lossless(target):
     assert [r.token_ids for r in decode(engine, sampled(), decode_steps=3)] == [r.token_ids for r in one]
 
 
+def test_rows_without_features_while_speculation_is_off_are_lossless(target, monkeypatch):
+    """With lazy_features the controller's rounds without drafts send no features; a request
+    chosen to draft again first fetches them (features_from) and then drafts. The text is the
+    reference's, and the drafter's context is whole whenever it drafts."""
+    path, engine, prompts, reference = target.path, target.engine, target.prompts, target.reference
+    proposer = load_proposer("init", str(path), n_slots=N_PROMPTS, max_context=engine.max_seq_len)
+    rows, verify = [], engine.verify
+    monkeypatch.setattr(engine, "verify", lambda batch: rows.extend(batch) or verify(batch))
+    controller = SpeculationController(proposer.block_size, ControllerConfig(decode_steps=4, lazy_features=True))
+    out = decode(engine, _requests(prompts), proposer, controller=controller, decode_steps=4)
+    assert [r.token_ids for r in out] == reference
+    assert any(not r.features for r in rows if r.start_pos > 0), "no round went without features"
+    assert any(r.features_from >= 0 for r in rows), "no row fetched the features it went without"
+    assert sum(r.stats.drafts for r in out) > 0
+
+
 def test_oracle_full_accept_and_rejection_at_every_slot(target):
     path, engine, prompts, reference = target.path, target.engine, target.prompts, target.reference
     # The 16 error slots are split over the three configs (every slot is covered once).

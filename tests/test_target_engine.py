@@ -341,6 +341,40 @@ def test_rows_without_features_get_the_same_statistics_and_no_features(engine):
             np.testing.assert_array_equal(f.features, g.features)
 
 
+def test_a_row_fetches_the_features_earlier_rows_went_without(engine, model):
+    """Rows without features (a prefill, a multi-step decode, a tree verify's winner) leave
+    their features in the engine; a later row with features_from gets every position's
+    features from there on, equal to what rows with features returned."""
+    prompt = seq(14, 40)
+
+    def run(features: bool):
+        a = engine.allocate()
+        out = [engine.verify([dataclasses.replace(row(a, 0, prompt), features=features)])[0]]
+        out.append(engine.verify([dataclasses.replace(row(a, 14, [int(out[0].argmax[-1])]), next_seeds=np.array([1, 2]),
+                                                      features=features)])[0])
+        draft = np.concatenate([[int(out[1].argmax[-1])], seq(3, 41)])
+        res, _ = engine.verify_tree(row(a, 17, draft, k=3), [seq(3, 42), seq(3, 43)])
+        out.append(res)
+        last = engine.verify([dataclasses.replace(row(a, 21, [int(res.argmax[-1])]), features_from=0 if not features
+                                                  else -1)])[0]
+        engine.release(a)
+        return out, last
+
+    (full, full_last), (lean, lean_last) = run(True), run(False)
+    assert lean[0].features.shape[0] == lean[1].features.shape[0] == 0
+    # The tree's winner is kept at the row's positions; a tree row always returns its features.
+    expected = np.concatenate([full[0].features, full[1].features, full[2].features, full_last.features])
+    assert lean_last.features.shape == expected.shape == (22, engine.feature_dim)
+    assert rel_err(lean_last.features, expected) < 1e-5
+    a = engine.allocate()
+    engine.verify([row(a, 0, prompt)])
+    for bad in (dataclasses.replace(row(a, 14, [5]), features_from=15),
+                dataclasses.replace(row(a, 14, [5]), features_from=3, features=False)):
+        with pytest.raises(InvalidRequest, match="features_from"):
+            engine.verify([bad])
+    engine.release(a)
+
+
 def test_tree_verify_equals_verifying_the_winning_branch_alone(model):
     prompt, K = seq(30, 12), 6
     ref = fresh_engine(model)

@@ -15,9 +15,10 @@ decoded by flashmap.wire on both sides):
        TEMPERATURE FP32 [1], TOP_K INT32 [1], TOP_P FP32 [1], ROUND_SEED INT64 [1], INFO BOOL [1],
        BRANCHES INT64 [n, K] (tree verification at T = 0: more blocks after the same anchor),
        NEXT_SEEDS INT64 [steps - 1] (K = 0: decode that many more tokens in this call),
-       NO_FEATURES BOOL [1] (true: FEATURES [0, F]; a sequence that never drafts needs none)
+       NO_FEATURES BOOL [1] (true: FEATURES [0, F]; a sequence that does not draft needs none),
+       FEATURES_FROM INT64 [1] (FEATURES start at this earlier position: the engine keeps them)
   out: ARGMAX INT64 [K+1], SUPPORT_PROBS FP32 [K, S], COMPLEMENT FP32 [K], RESIDUAL INT64 [K+1],
-       FEATURES FP32|FP16 [L, F] (with NEXT_SEEDS: ARGMAX and RESIDUAL [steps], FEATURES [L + steps - 1, F]), BEST INT64 [1] (the winning block; 0 = TOKENS' own), INFO_JSON BYTES [1]
+       FEATURES FP32|FP16 [L, F] (with FEATURES_FROM p: [START_POS - p + L, F]; with NEXT_SEEDS: ARGMAX and RESIDUAL [steps], FEATURES [L + steps - 1, F]), BEST INT64 [1] (the winning block; 0 = TOKENS' own), INFO_JSON BYTES [1]
 A row with BRANCHES is verified on its own (TargetEngine.verify_tree), the others in one forward.
 A row whose TOKENS are [-1] (flashmap.types.FOLLOW_TOKEN, a continuation) is fed the last
 token its sequence's previous verify decoded: that verify had no drafts and ended where this
@@ -162,6 +163,7 @@ class TritonPythonModel:
             "cuda_graphs": e.graphs is not None,
             "eos_token_ids": [int(x) for x in e.eos_token_ids],
             "kv_bytes_per_token": int(e.kv_bytes_per_token),
+            "feature_bytes_per_token": int(e.feature_bytes_per_token),  # kept features (VerifyRow.features_from)
             "idle_timeout_s": self.idle_timeout_s,
             "device": str(device),
             "dtype": dtype_name,
