@@ -17,9 +17,9 @@ Numpy only.
 
 from __future__ import annotations
 
-import numpy as np
-
 from dataclasses import replace
+
+import numpy as np
 
 from flashmap.rejection_sampler import greedy_verify, sample_verify
 from flashmap.types import BLOCK_SIZE, FOLLOW_TOKEN, Draft, GenerationRequest, SpecStats, VerifyResult, VerifyRow
@@ -96,6 +96,10 @@ class Sequence:
         has (committed rows that went without features), or None when the context is whole."""
         return self._gap if self.may_draft() else None
 
+    def _sends_features(self, drafter: bool) -> bool:
+        """Whether this round's row without a draft asks the target for features."""
+        return drafter and self.may_draft() and not self.lazy_features
+
     def draft_seed(self) -> int:
         return int(self.rng.integers(2**62))
 
@@ -130,7 +134,7 @@ class Sequence:
             round_seed = int(self.rng.integers(2**62))
             toks = np.concatenate([[self.anchor], draft.tokens]).astype(np.int64)
             return VerifyRow(self.handle, len(self.tokens) - 1, toks, self.params, draft.support_ids, round_seed)
-        features = drafter and self.may_draft() and not self.lazy_features
+        features = self._sends_features(drafter)
         if not self.prefilled:
             return self._plain_row(0, self.tokens, steps, 0, features)
         gap = self.context_gap() if features else None
@@ -143,7 +147,7 @@ class Sequence:
         after prev's commit. Before committing its result, `followed` sets the real token.
         After a prev without features, a row with features fetches everything from the first
         position the context lacks (the target runs prev first)."""
-        features = drafter and self.may_draft() and not self.lazy_features
+        features = self._sends_features(drafter)
         start = prev.start_pos + len(prev.tokens) + len(prev.next_seeds)
         since = self.features_known if features and not prev.features else -1
         return self._plain_row(start, [FOLLOW_TOKEN], steps, prev.steps, features, since)
