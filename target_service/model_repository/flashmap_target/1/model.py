@@ -56,7 +56,8 @@ flashmap_target_verify_rows_total, flashmap_target_idle_released_total, and per 
 to execute() flashmap_target_batches_total, flashmap_target_batch_wait_seconds_total (behind the
 batch before it) and flashmap_target_batch_run_seconds_total (Triton's own compute time is only
 the hand-over of a decoupled model's batch); pushed by a thread
-within about 50 ms of the forward that changed them, not on the request path (_MetricPusher).
+within about 50 ms of the forward that changed them, not on the request path, and read back
+about a second later to repair an update Triton did not apply (_MetricPusher).
 """
 
 from __future__ import annotations
@@ -254,6 +255,7 @@ class TritonPythonModel:
             try:
                 with self.lock:
                     self._reap_idle(time.monotonic())
+                self.metrics.watch()
             except Exception:  # never let the reaper die silently
                 pb_utils.Logger.log_error("flashmap_target reaper: " + traceback.format_exc())
 
@@ -264,26 +266,31 @@ class TritonPythonModel:
         return None  # decoupled: the worker answers each request
 
     def _work_loop(self):
+        while (job := self._jobs.get()) is not None:
+            try:
+                self._run_job(*job)
+            except BaseException:  # the worker outlives any one batch: later requests are served
+                pb_utils.Logger.log_error("flashmap_target worker: " + traceback.format_exc())
+
+    def _run_job(self, requests, t_queued: float) -> None:
         # Answers go out from this thread, before the next batch: a second Python thread sending
         # them while the next forward ran slowed that forward by more than it saved (GIL).
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        while (job := self._jobs.get()) is not None:
-            requests, t_queued = job
-            t0 = time.perf_counter()
+        t0 = time.perf_counter()
+        try:
+            with self.lock:
+                responses = self._execute(requests)
+        except Exception as e:  # never leave a request unanswered
+            pb_utils.Logger.log_error("flashmap_target: " + traceback.format_exc())
+            responses = [_error(f"internal error: {type(e).__name__}: {e}", wire.ROW_INTERNAL)] * len(requests)
+        for request, response in zip(requests, responses):
             try:
-                with self.lock:
-                    responses = self._execute(requests)
-            except Exception as e:  # never leave a request unanswered
-                pb_utils.Logger.log_error("flashmap_target: " + traceback.format_exc())
-                responses = [_error(f"internal error: {type(e).__name__}: {e}", wire.ROW_INTERNAL)] * len(requests)
-            for request, response in zip(requests, responses):
-                try:
-                    request.get_response_sender().send(response, flags=final)
-                except Exception:  # a client gone away must not stop the others' answers
-                    pb_utils.Logger.log_error("flashmap_target send: " + traceback.format_exc())
-            self.metrics.inc("flashmap_target_batches_total")
-            self.metrics.inc("flashmap_target_batch_wait_seconds_total", t0 - t_queued)
-            self.metrics.inc("flashmap_target_batch_run_seconds_total", time.perf_counter() - t0)
+                request.get_response_sender().send(response, flags=final)
+            except Exception:  # a client gone away must not stop the others' answers
+                pb_utils.Logger.log_error("flashmap_target send: " + traceback.format_exc())
+        self.metrics.inc("flashmap_target_batches_total")
+        self.metrics.inc("flashmap_target_batch_wait_seconds_total", t0 - t_queued)
+        self.metrics.inc("flashmap_target_batch_run_seconds_total", time.perf_counter() - t0)
 
     def _execute(self, requests):
         """Every row of every request (a one-row request, or each row of a packed round) is
@@ -481,61 +488,93 @@ class _MetricPusher:
     (about 0.18 ms on a 2-core CPU host, and a gauge's set holds the GIL meanwhile): the five
     updates of a forward, made inside execute(), delayed every response by about 0.9 ms.
     execute() records counts and gauge values here; a thread pushes them once the response
-    is on its way: `interval_s` after the first change, coalesced (a gauge only when it changed)."""
+    is on its way: `interval_s` after the first change, coalesced (a gauge only when it changed).
 
-    def __init__(self, metrics: dict, interval_s: float = 0.05):
+    What Triton shows is checked too: `check_s` after a change the thread reads every metric
+    back and pushes what is missing (a counter's increments this process made and Triton does
+    not show, a gauge's last value), logging the difference. Three full test-suite runs saw a
+    counter stand below its count for good with no error raised; a lost update is now repaired
+    and named in the log. A push that has not returned after `stall_s` is logged by `watch()`."""
+
+    def __init__(self, metrics: dict, interval_s: float = 0.05, check_s: float = 1.0, stall_s: float = 5.0):
         self._metrics = metrics  # name -> pb_utils Metric
-        self._counts: dict[str, float] = {}  # name -> increment not pushed yet
-        self._gauges: dict[str, float] = {}  # name -> value to set
-        self._shown: dict[str, float] = {}  # name -> value Triton shows
+        self._kind = {}  # name -> "counter" | "gauge", from the first update
+        self._want: dict[str, float] = {}  # counter: every increment made; gauge: the last value
+        self._shown: dict[str, float] = {}  # what Triton shows as far as this process knows
         self._lock = threading.Lock()
         self._wake, self._stop = threading.Event(), threading.Event()
-        self._interval_s = interval_s
+        self._interval_s, self._check_s, self._stall_s = interval_s, check_s, stall_s
+        self._check_due: float | None = None  # time.monotonic() of the next read-back
+        self._pushing: tuple[str, float] | None = None  # (metric, since) while an update is in flight
+        self._stall_logged = False
         self._thread = threading.Thread(target=self._loop, name="flashmap-metrics", daemon=True)
         self._thread.start()
 
     def inc(self, name: str, n: float = 1) -> None:
-        with self._lock:
-            self._counts[name] = self._counts.get(name, 0) + n
-        self._wake.set()
+        self._record(name, "counter", n)
 
     def set(self, name: str, value: float) -> None:
+        self._record(name, "gauge", value)
+
+    def _record(self, name: str, kind: str, v: float) -> None:
         with self._lock:
-            self._gauges[name] = value
+            self._kind[name] = kind
+            self._want[name] = self._want.get(name, 0.0) + v if kind == "counter" else v
+            if self._check_due is None:
+                self._check_due = time.monotonic() + self._check_s
         self._wake.set()
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self._wake.wait()
+            due = self._check_due
+            self._wake.wait(None if due is None else max(0.0, due - time.monotonic()))
             self._stop.wait(self._interval_s)  # the response that woke us goes out first
             self._wake.clear()
             try:
-                self.flush()
+                due = self._check_due
+                self.flush(check=due is not None and time.monotonic() >= due)
             except Exception:  # a metric must never take the model down
                 pb_utils.Logger.log_error("flashmap_target metrics: " + traceback.format_exc())
+                self._wake.set()  # what failed goes with the next flush
 
-    def flush(self) -> None:
-        with self._lock:
-            counts, self._counts = self._counts, {}
-            gauges, self._gauges = self._gauges, {}
-        try:
-            for name, n in list(counts.items()):
-                if n:
-                    self._metrics[name].increment(n)
-                del counts[name]
-            for name, v in list(gauges.items()):
-                if self._shown.get(name) != v:
-                    self._metrics[name].set(v)
-                    self._shown[name] = v
-                del gauges[name]
-        finally:  # what a failed update did not push goes with the next flush, not lost
+    def flush(self, check: bool = False) -> None:
+        """Push what changed since the last push; with `check`, first read every metric back."""
+        if check:
             with self._lock:
-                for name, n in counts.items():
-                    self._counts[name] = self._counts.get(name, 0) + n
-                for name, v in gauges.items():
-                    self._gauges.setdefault(name, v)
-            if counts or gauges:
-                self._wake.set()
+                self._check_due = None
+            for name in list(self._want):
+                shown = self._push_call(name, "read", lambda m: m.value())
+                if name in self._shown and abs(shown - self._shown[name]) > 1e-9 * max(1.0, abs(shown)):
+                    pb_utils.Logger.log_warn(f"flashmap_target metrics: {name} showed {shown}, "
+                                             f"expected {self._shown[name]}; repaired")
+                self._shown[name] = shown
+        with self._lock:
+            want, kind = dict(self._want), dict(self._kind)
+        for name, v in want.items():
+            shown = self._shown.get(name, 0.0)
+            if v == shown:
+                continue
+            if kind[name] == "counter":
+                self._push_call(name, "increment", lambda m: m.increment(v - shown))
+            else:
+                self._push_call(name, "set", lambda m: m.set(v))
+            self._shown[name] = v
+
+    def _push_call(self, name: str, what: str, call):
+        self._pushing = (f"{what} {name}", time.monotonic())
+        try:
+            return call(self._metrics[name])
+        finally:
+            self._pushing = None
+
+    def watch(self) -> None:
+        """Log (once) an update that has been in flight longer than `stall_s`: a hung push
+        would otherwise only show as metrics that stop moving."""
+        pushing = self._pushing
+        if pushing and time.monotonic() - pushing[1] > self._stall_s and not self._stall_logged:
+            self._stall_logged = True
+            pb_utils.Logger.log_error(f"flashmap_target metrics: {pushing[0]} has not returned "
+                                      f"after {time.monotonic() - pushing[1]:.0f} s")
 
     def close(self) -> None:
         self._stop.set()
