@@ -22,8 +22,12 @@ length, rounds with speculation off) from the orchestrator's metrics, the per-ro
 concurrency 1, and each service's peak memory. Greedy; every output is checked against the
 target alone.
 
+Each finished cell (prompt set x concurrency) is saved beside the report (`--out` with .json):
+a stopped run started again with the same settings resumes at the next cell (`--fresh`: all
+cells again). The report ends with a plot of the two ratios (`--out` with .png).
+
   python -m bench.bench_stack [--target DIR] [--drafter DIR|init] [--max-new-tokens 48] \\
-      [--concurrency 1,4,16,32] [--threads N] [--repeats 2] [--decode-steps 8] [--no-pipeline]
+      [--concurrency 1,4,16,32] [--threads N] [--repeats 2] [--decode-steps 8] [--no-pipeline] [--fresh]
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import json
 import os
 import random
 import time
@@ -200,13 +205,30 @@ def merge(runs: list[dict]) -> dict:
     return out
 
 
-def ratio_range(runs: dict[str, list[dict]], baseline: str = "best") -> str:
-    """auto / max(off, full) (baseline "best") or auto / another mode within each repeat: the
-    spread the drift leaves in a headline ratio."""
+def paired_ratios(runs: dict[str, list[dict]], baseline: str = "best") -> list[float]:
+    """auto / max(off, full) (baseline "best") or auto / another mode, within each repeat: the
+    modes of one repeat ran minutes apart, so the VM's drift cancels in the ratio."""
     base = [max(o["tok_s"], f["tok_s"]) for o, f in zip(runs["off"], runs["full"])] if baseline == "best" else \
         [r["tok_s"] for r in runs[baseline]]
-    r = [a["tok_s"] / b for a, b in zip(runs["auto"], base)]
-    return f"{min(r):.2f}-{max(r):.2f}" if len(r) > 1 else f"{r[0]:.2f}"
+    return [a["tok_s"] / b for a, b in zip(runs["auto"], base)]
+
+
+def ratio_ci(ratios: list[float]) -> tuple[float, float, float]:
+    """(geometric mean, 95% interval) of paired ratios: Student's t on their logs, so a
+    ratio and its inverse get mirrored intervals. One ratio gives no interval (nan)."""
+    from scipy.stats import t as student_t
+
+    logs = np.log(np.asarray(ratios, float))
+    m = float(logs.mean())
+    if len(logs) < 2:
+        return float(np.exp(m)), float("nan"), float("nan")
+    half = float(student_t.ppf(0.975, len(logs) - 1) * logs.std(ddof=1) / np.sqrt(len(logs)))
+    return float(np.exp(m)), float(np.exp(m - half)), float(np.exp(m + half))
+
+
+def fmt_ci(ci: tuple[float, float, float]) -> str:
+    g, lo, hi = ci
+    return f"{g:.2f}" if np.isnan(lo) else f"{g:.2f} [{lo:.2f}, {hi:.2f}]"
 
 
 def prompt_sets(target: str, vocab: int, n: int) -> dict[str, list[list[int]]]:
@@ -218,6 +240,76 @@ def prompt_sets(target: str, vocab: int, n: int) -> dict[str, list[list[int]]]:
     except (OSError, ValueError):  # a target without a tokenizer
         pass
     return sets
+
+
+def run_cells(cfg: StackConfig, sets: dict, todo: list[tuple[str, int]], cells: dict, engine, proposer, a,
+              save) -> None:
+    """Run the cells in `todo` (prompt set, concurrency) on one stack, each into `cells` and
+    saved (`save()`) as it finishes; then the services' peak memory and what the drafter holds
+    after the run into cells["run"]."""
+    with Stack(cfg) as stack:
+        for name, prompts in sets.items():
+            levels = [c for n, c in todo if n == name]
+            if levels:
+                through_stack(cfg, prompts[:2], 8, 1)  # warm-up
+                decode(engine, [GenerationRequest(prompts[0], 8)], proposer)
+            for c in levels:
+                ip_ids, ip = inprocess(engine, proposer, prompts, a.max_new_tokens, c)
+                runs = alternated(stack, engine, prompts, a.max_new_tokens, c, a.repeats, a.decode_steps)
+                ar_ids = runs["target"][0]["outputs"]
+                for what, ids in (("in-process speculation", ip_ids),
+                                  *((m, r["outputs"]) for m, rs in runs.items() for r in rs)):
+                    assert ids == ar_ids, f"{what}: output differs from the target alone ({name}, concurrency {c})"
+                cell = {m: float(np.mean([r["tok_s"] for r in runs[m]])) for m in ("target", "triton", "auto_first")}
+                cell |= {m: {k: v for k, v in merge(runs[m]).items() if k != "outputs"} for m in ("off", "full", "auto")}
+                cell |= {"in_process_spec": ip, "vs_best": paired_ratios(runs), "vs_target": paired_ratios(runs, "target")}
+                cells[f"{name}|{c}"] = cell
+                save()
+                auto = cell["auto"]
+                print(f"{name} c={c}: target alone {cell['target']:.0f} tok/s, in-process spec {ip:.0f}, Triton alone "
+                      f"{cell['triton']:.0f}, stack off {cell['off']['tok_s']:.0f} / full {cell['full']['tok_s']:.0f} / "
+                      f"auto {auto['tok_s']:.0f} (mean draft {auto['mean_draft_len']:.1f}, off rounds "
+                      f"{auto['off_rounds']:.0f}; auto / best {fmt_ci(ratio_ci(cell['vs_best']))}; auto / target "
+                      f"alone {fmt_ci(ratio_ci(cell['vs_target']))})", flush=True)
+        with DrafterAdmin(cfg.drafter_url, token=cfg.drafter_token) as admin:
+            held = admin.stats().active_sequences
+        cells["run"] = {"memory_mb": {"triton (server + Python stub)": peak_rss_mb(stack.triton.process.pid),
+                                      "drafter": peak_rss_mb(stack.drafter_proc.pid),
+                                      "orchestrator": peak_rss_mb(stack.orch_proc.pid)},
+                        "drafter_sequences_held": held}
+        save()
+
+
+def write_plot(path: Path, rows: list[tuple[str, int, dict]]) -> Path:
+    """Per prompt set, auto / max(off, full) and auto / target alone per concurrency, with the
+    95% intervals and the acceptance bars (0.95 and 0.9)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(r[0] for r in rows))
+    fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4), squeeze=False, sharey=True)
+    for ax, name in zip(axes[0], names):
+        cs = [c for n, c, _ in rows if n == name]
+        x = np.arange(len(cs))
+        for j, (key, label) in enumerate((("vs_best", "auto / max(off, full)"), ("vs_target", "auto / target alone"))):
+            cis = [ratio_ci(cell[key]) for n, _, cell in rows if n == name]
+            g = np.array([ci[0] for ci in cis])
+            err = np.nan_to_num(np.array([[ci[0] - ci[1], ci[2] - ci[0]] for ci in cis]).T)
+            ax.errorbar(x + (j - 0.5) * 0.2, g, yerr=err, fmt="o", capsize=4, label=label)
+        for y, style in ((1.0, "-"), (0.95, "--"), (0.9, ":")):
+            ax.axhline(y, color="gray", lw=0.8, ls=style)
+        ax.set_xticks(x, [str(c) for c in cs])
+        ax.set_xlabel("concurrency")
+        ax.set_ylim(0.5, 1.5)  # an interval past the frame is cut there
+        ax.set_title(name)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][0].set_ylabel("tokens/s ratio (geometric mean, 95% CI)")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def main(argv=None):
@@ -234,6 +326,7 @@ def main(argv=None):
     ap.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=True,
                     help="the orchestrator queues the next round without drafts while one runs (its --pipeline)")
     ap.add_argument("--out", type=Path, default=OUT / "bench_stack.md")
+    ap.add_argument("--fresh", action="store_true", help="ignore the finished cells saved beside --out")
     a = ap.parse_args(argv)
     threads = a.threads or os.cpu_count() or 1
     os.environ["OMP_NUM_THREADS"] = str(threads)  # the services run one after the other within a round
@@ -247,53 +340,43 @@ def main(argv=None):
     sets = prompt_sets(target, engine.vocab_size, n)
     cfg = StackConfig.on_free_ports(target_dir=target, drafter=drafter, n_slots=max(levels), max_seq_len=512,
                                     speculation="auto", decode_steps=a.decode_steps, pipeline=a.pipeline)
-    rows = []
-    with Stack(cfg) as stack:
-        for name, prompts in sets.items():
-            through_stack(cfg, prompts[:2], 8, 1)  # warm-up
-            decode(engine, [GenerationRequest(prompts[0], 8)], proposer)
-            for c in levels:
-                ip_ids, ip = inprocess(engine, proposer, prompts, a.max_new_tokens, c)
-                runs = alternated(stack, engine, prompts, a.max_new_tokens, c, a.repeats, a.decode_steps)
-                ar_ids = runs["target"][0]["outputs"]
-                for what, ids in (("in-process speculation", ip_ids),
-                                  *((m, r["outputs"]) for m, rs in runs.items() for r in rs)):
-                    assert ids == ar_ids, f"{what}: output differs from the target alone ({name}, concurrency {c})"
-                ar, tr, first = (float(np.mean([r["tok_s"] for r in runs[m]])) for m in ("target", "triton", "auto_first"))
-                off, full, auto = (merge(runs[m]) for m in ("off", "full", "auto"))
-                auto["ratio_range"] = ratio_range(runs)
-                auto["target_range"] = ratio_range(runs, "target")
-                auto["first"] = first
-                rows.append((name, c, ar, ip, tr, off, full, auto))
-                print(f"{name} c={c}: target alone {ar:.0f} tok/s, in-process spec {ip:.0f}, Triton alone {tr:.0f}, stack off "
-                      f"{off['tok_s']:.0f} / full {full['tok_s']:.0f} / auto {auto['tok_s']:.0f} (mean draft "
-                      f"{auto['mean_draft_len']:.1f}, off rounds {auto['off_rounds']:.0f}; auto / best per repeat "
-                      f"{auto['ratio_range']}; auto / target alone per repeat {auto['target_range']})", flush=True)
-        with DrafterAdmin(cfg.drafter_url, token=cfg.drafter_token) as admin:
-            stats = admin.stats()
-        mem = {"triton (server + Python stub)": peak_rss_mb(stack.triton.process.pid),
-               "drafter": peak_rss_mb(stack.drafter_proc.pid), "orchestrator": peak_rss_mb(stack.orch_proc.pid)}
+    # Finished cells go to a JSON file beside the report, so a run that is stopped resumes at
+    # the next cell (with the same settings; another setting starts afresh).
+    settings = {"target": str(target), "drafter": str(drafter), "max_new_tokens": a.max_new_tokens, "prompts": n,
+                "threads": threads, "repeats": a.repeats, "decode_steps": a.decode_steps, "pipeline": a.pipeline}
+    cells_path = a.out.with_suffix(".json")
+    saved = json.loads(cells_path.read_text()) if cells_path.exists() and not a.fresh else {}
+    cells = saved.get("cells", {}) if saved.get("settings") == settings else {}
+    todo = [(name, c) for name in sets for c in levels if f"{name}|{c}" not in cells]
+    print(f"{len(sets) * len(levels) - len(todo)} cells from {cells_path}, {len(todo)} to run", flush=True)
+    cells_path.parent.mkdir(parents=True, exist_ok=True)
+    if todo:
+        run_cells(cfg, sets, todo, cells, engine, proposer, a, lambda: cells_path.write_text(
+            json.dumps({"settings": settings, "cells": cells}, indent=1)))
+    rows = [(name, c, cells[f"{name}|{c}"]) for name in sets for c in levels]
+    plot = write_plot(a.out.with_suffix(".png"), rows)
 
     date = datetime.date.today().isoformat()
     lines = [
         "# Stack benchmark (CPU)", "",
         "| prompts | concurrency | target alone (in-process) | fixed-K spec (in-process) | target alone through "
         "Triton | stack, speculation off | stack, fixed K | stack, auto | auto, first pass after a start | "
-        "auto / max(off, full) | ... per repeat "
-        "| auto / target alone | ... per repeat | mean draft length (auto) | rounds without speculation (auto) | gamma (auto) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "auto / max(off, full) [95% CI] | auto / target alone [95% CI] | mean draft length (auto) | "
+        "rounds without speculation (auto) | gamma (auto) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for name, c, ar, ip, tr, off, full, auto in rows:
-        best = max(off["tok_s"], full["tok_s"])
-        lines.append(f"| {name} | {c} | {ar:.0f} | {ip:.0f} | {tr:.0f} | {off['tok_s']:.0f} | {full['tok_s']:.0f} | "
-                     f"{auto['tok_s']:.0f} | {auto['first']:.0f} | {auto['tok_s'] / best:.2f} | {auto['ratio_range']} | {auto['tok_s'] / ar:.2f} | "
-                     f"{auto['target_range']} | "
+    for name, c, cell in rows:
+        off, full, auto = cell["off"], cell["full"], cell["auto"]
+        lines.append(f"| {name} | {c} | {cell['target']:.0f} | {cell['in_process_spec']:.0f} | {cell['triton']:.0f} | "
+                     f"{off['tok_s']:.0f} | {full['tok_s']:.0f} | {auto['tok_s']:.0f} | {cell['auto_first']:.0f} | "
+                     f"{fmt_ci(ratio_ci(cell['vs_best']))} | {fmt_ci(ratio_ci(cell['vs_target']))} | "
                      f"{auto['mean_draft_len']:.1f} | {auto['off_rounds']:.0f} / {auto['rounds']:.0f} | {auto['gamma']:.2f} |")
     lines += [
         "", f"Tokens/s, greedy, {a.max_new_tokens} new tokens per request, {n} prompts per set; every output equals "
         f"the target alone's (checked). The target alone (in process and through Triton) and the stack modes: the "
-        f"mean of {a.repeats} runs each, alternated (target, Triton, off, full, auto, then reversed); 'per repeat' is "
-        f"the ratio within each repeat; fixed-K speculation in process: one run. After each restart of the "
+        f"mean of {a.repeats} runs each, alternated (target, Triton, off, full, auto, then reversed); the ratios are "
+        f"the geometric mean of the ratio within each repeat, with a 95% interval (Student's t on the logs; "
+        f"'best' is the faster of off and full in that repeat); fixed-K speculation in process: one run. After each restart of the "
         f"orchestrator into auto, one pass over the prompts runs first (its start-up: 'first pass', the mean of "
         f"those passes). Command: `OMP_NUM_THREADS={threads} "
         f"python -m bench.bench_stack --concurrency {a.concurrency} --max-new-tokens {a.max_new_tokens} --threads "
@@ -307,15 +390,18 @@ def main(argv=None):
         "before it and its run:", "",
         "| prompts | mode | draft call | drafter forward | verify call | target model wait | target model run | whole round |",
         "|---|---|---:|---:|---:|---:|---:|---:|"]
-    for name, c, ar, ip, tr, off, full, auto in rows:
+    for name, c, cell in rows:
         if c == levels[0]:
-            for mode, r in (("off", off), ("full", full), ("auto", auto)):
+            for mode in ("off", "full", "auto"):
+                r = cell[mode]
                 lines.append(f"| {name} | {mode} | {r['draft_ms']:.2f} | {r['drafter_forward_ms']:.2f} | "
                              f"{r['verify_ms']:.2f} | {r['triton_queue_ms']:.2f} | {r['triton_compute_ms']:.2f} | "
                              f"{r['round_ms']:.2f} |")
-    lines += ["", "Peak resident memory (VmHWM, MB): " + ", ".join(f"{k} {v:.0f}" for k, v in mem.items()) + ".",
+    run = cells.get("run", {"memory_mb": {}, "drafter_sequences_held": "?"})  # absent: stopped after the last cell
+    lines += ["", f"![auto against the better fixed policy and the target alone]({plot.name})", "",
+              "Peak resident memory (VmHWM, MB): " + ", ".join(f"{k} {v:.0f}" for k, v in run["memory_mb"].items()) + ".",
               f"Target KV cache {engine.kv_bytes_per_token} bytes per context token; drafter cross-attention "
-              f"cache {proposer.bytes_per_context_token}; drafter after the run: {stats.active_sequences} "
+              f"cache {proposer.bytes_per_context_token}; drafter after the run: {run['drafter_sequences_held']} "
               f"sequences held."]
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text("\n".join(lines) + "\n")

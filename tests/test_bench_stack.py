@@ -1,0 +1,40 @@
+"""bench.bench_stack: the paired-ratio interval, and a tiny run on the committed demo checkpoints
+(a real stack) that writes its report, its cells and its plot, then resumes from the cells."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench import bench_stack
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_ratio_interval_is_a_t_interval_on_the_logs():
+    g, lo, hi = bench_stack.ratio_ci([1.0, 1.0, 1.0])
+    assert (g, lo, hi) == pytest.approx((1.0, 1.0, 1.0))
+    g, lo, hi = bench_stack.ratio_ci([0.5, 2.0])
+    assert g == pytest.approx(1.0) and lo * hi == pytest.approx(1.0)  # mirrored in log space
+    half = 12.706 * np.std(np.log([0.5, 2.0]), ddof=1) / np.sqrt(2)  # t(0.975, 1 d.o.f.)
+    assert hi == pytest.approx(np.exp(half), rel=1e-3)
+    g, lo, hi = bench_stack.ratio_ci([0.9, 0.95, 1.0, 0.92])
+    assert lo < g < hi and g == pytest.approx(np.exp(np.mean(np.log([0.9, 0.95, 1.0, 0.92]))))
+    assert np.isnan(bench_stack.ratio_ci([1.1])[1])
+    assert bench_stack.fmt_ci((0.97, 0.9, 1.05)) == "0.97 [0.90, 1.05]"
+
+
+@pytest.mark.skipif(not (REPO / "checkpoints" / "demo-flashmap" / "model.safetensors").is_file(),
+                    reason="demo checkpoints not present")
+def test_a_tiny_run_reports_and_resumes(tmp_path, capsys):
+    out = tmp_path / "bench.md"
+    argv = ["--concurrency", "1,2", "--max-new-tokens", "4", "--repeats", "2", "--prompts", "2", "--threads", "1",
+            "--out", str(out)]
+    bench_stack.main(argv)
+    text = out.read_text()
+    assert "| random ids | 2 |" in text and "| held-out text | 1 |" in text
+    assert out.with_suffix(".png").stat().st_size > 0 and out.with_suffix(".json").is_file()
+    capsys.readouterr()
+    bench_stack.main(argv)  # every cell saved: no stack starts, the same table comes back
+    assert "4 cells from" in capsys.readouterr().out
+    assert out.read_text().split("\n\n")[1] == text.split("\n\n")[1]
