@@ -159,10 +159,12 @@ class TargetGraphs:
     # ------------------------------------------------------------------ run
     @torch.inference_mode()
     def run(self, key: tuple[int, int, int | None], tokens: np.ndarray, positions: np.ndarray,
-            slots: np.ndarray) -> tuple[Tensor, np.ndarray, np.ndarray]:
+            slots: np.ndarray) -> tuple[Tensor, np.ndarray, Tensor]:
         """One pass of B <= b rows: tokens, positions [B, q'] (q' <= q, position -1 = padding),
-        slots [B]. Returns the device logits [b*q, V] (valid until the next run), and on the host
-        the argmax [B*q] and features [B*q, F] (row r's position j at r*q + j)."""
+        slots [B]. Returns the device logits [b*q, V], the argmax [B*q] on the host and the
+        features [B*q, F] on the device, in features_dtype (row r's position j at r*q + j; the
+        engine keeps them there and copies off what a row asks for). The device tensors are
+        valid until the next run."""
         st = self.graphs[key]
         b, q, c = key
         B, L = tokens.shape
@@ -182,12 +184,10 @@ class TargetGraphs:
             logits, argmax, features = self._step(st, c)
         n = B * q
         if self.device.type == "cuda":
-            # Fresh pinned buffers: the results handed out are views of them and outlive this call.
+            # A fresh pinned buffer: the argmax handed out is a view of it and outlives this call.
             a_host = torch.empty(n, dtype=torch.long, pin_memory=True)
-            f_host = torch.empty(n, features.shape[1], dtype=self.features_dtype, pin_memory=True)
             a_host.copy_(argmax[:n], non_blocking=True)
-            f_host.copy_(cast_features(features[:n], self.features_dtype), non_blocking=True)  # cast on the device
             torch.cuda.current_stream(self.device).synchronize()
         else:
-            a_host, f_host = argmax[:n].clone(), cast_features(features[:n], self.features_dtype).clone()
-        return logits, a_host.numpy(), f_host.numpy()
+            a_host = argmax[:n].clone()
+        return logits, a_host.numpy(), cast_features(features[:n], self.features_dtype)

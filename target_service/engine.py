@@ -11,16 +11,17 @@ its positions, which the drafter conditions on. A row with next_seeds decodes th
 more tokens in the same call (multi-step decoding), each step an ordinary one-token
 forward, so the call returns what as many separate calls would.
 
-The engine keeps every cached position's features in host memory (`feature_bytes_per_token`
-per position, pages committed as they are written): a row without features
+The engine keeps every cached position's features on its device (`feature_bytes_per_token`
+per position; on the host, pages committed as they are written): a row without features
 (VerifyRow.features False) sends none, and a later row of the sequence asks for them from
 an earlier position (VerifyRow.features_from), so a sequence that stops drafting stops
-shipping features and gets them back in one row when it drafts again.
+shipping features and gets them back in one row when it drafts again. Only the features a
+row asks for leave the device.
 
 On a GPU, `enable_graphs` (or `cuda_graphs=True`) runs every batch that fits a (batch,
 query length) bucket as one CUDA-graph replay of the same forward (target_service.cuda_graphs);
-prefill and odd shapes run eagerly. Only the argmax, the features and, for sampling rows,
-the O(K * S) statistics come back to the host.
+prefill and odd shapes run eagerly. Only the argmax, the features rows ask for and, for
+sampling rows, the O(K * S) statistics come back to the host.
 
 Not thread-safe: callers (the Triton model) serialise calls.
 """
@@ -98,9 +99,13 @@ class TargetEngine:
         model.setup_caches(n_slots, max_seq_len)
         self.model = model
         self._feature_layers = tuple(layers)
-        # Every cached position's features (rows without features, features_from); zeros: untouched pages stay unmapped.
-        self._features = np.zeros((n_slots, max_seq_len, len(layers) * c.hidden_size),
-                                  np.float16 if features_dtype == torch.float16 else np.float32)
+        # Every cached position's features (rows without features, features_from), [slots, positions, F].
+        shape, dev = (n_slots, max_seq_len, len(layers) * c.hidden_size), model.lm_head.weight.device
+        if dev.type == "cpu":  # numpy's zeros leave untouched pages unmapped; torch's would write them all
+            self._features = torch.from_numpy(np.zeros(shape, np.float16 if features_dtype == torch.float16
+                                                       else np.float32))
+        else:
+            self._features = torch.zeros(shape, dtype=features_dtype, device=dev)
         self._eos = list(dict.fromkeys(eos))  # dedupe, keep order
         self._allocated = [False] * n_slots
         self._length = [0] * n_slots
@@ -192,8 +197,8 @@ class TargetEngine:
 
     @property
     def feature_bytes_per_token(self) -> int:
-        """Host memory the kept features take per cached position."""
-        return self._features.shape[-1] * self._features.itemsize
+        """Memory the kept features take per cached position (on the engine's device)."""
+        return self._features.shape[-1] * self._features.element_size()
 
     @property
     def free_slots(self) -> int:
@@ -244,14 +249,25 @@ class TargetEngine:
         out = self._decode_more(rows, out, more) if more else out
         for i, r in enumerate(rows):
             if 0 <= r.features_from < r.start_pos:  # the kept features before the row
-                kept = self._features[r.slot, r.features_from:r.start_pos]
+                kept = self._features[r.slot, r.features_from:r.start_pos].cpu().numpy()
                 out[i] = dataclasses.replace(out[i], features=np.concatenate([kept, out[i].features]))
         return out
 
-    def _keep_features(self, rows: list[VerifyRow], feats: list[np.ndarray]) -> None:
-        """Keep each row's features ([len(tokens), F]) at its positions."""
-        for r, f in zip(rows, feats):
-            self._features[r.slot, r.start_pos:r.start_pos + len(f)] = f
+    def _keep_features(self, rows: list[VerifyRow], features: torch.Tensor, src: list[np.ndarray]) -> list[np.ndarray]:
+        """Keep each row's features, rows src[i] of `features` ([T, F] on the device, in
+        features_dtype), at its positions (one scatter for all rows); returns each row's
+        features on the host, [len(src[i]), F], or none ([0, F]) for a row that does not ask."""
+        dev = features.device
+        slot = np.concatenate([np.full(len(i), r.slot) for r, i in zip(rows, src)])
+        pos = np.concatenate([r.start_pos + np.arange(len(i)) for r, i in zip(rows, src)])
+        self._features[torch.as_tensor(slot, device=dev), torch.as_tensor(pos, device=dev)] = \
+            features[torch.as_tensor(np.concatenate(src), device=dev)]
+        asked = [i for r, i in zip(rows, src) if r.features]
+        host = np.zeros((0, features.shape[1]), torch.empty(0, dtype=features.dtype).numpy().dtype)
+        if asked:  # one copy off the device for every row that asks
+            host = features[torch.as_tensor(np.concatenate(asked), device=dev)].cpu().numpy()
+        parts = iter(np.split(host, np.cumsum([len(i) for i in asked])[:-1]))
+        return [next(parts) if r.features else host[:0] for r in rows]
 
     def _decode_more(self, rows: list[VerifyRow], out: list[VerifyResult], more: list[int]) -> list[VerifyResult]:
         """The further steps of the rows in `more` (next_seeds): each step one forward of those
@@ -311,9 +327,10 @@ class TargetEngine:
         logits, features = forward_step(self.model, p.tokens, p.positions, p.write_slot, p.positions, p.groups,
                                         p.logit_rows, None, self._feature_layers)
         stats = verification_stats(logits, rows)
-        feats = np.split(cast_features(features, self.features_dtype).cpu().numpy(), np.cumsum(p.lengths)[:-1])
-        self._keep_features(rows, feats)
-        return [VerifyResult(*s, features=f if r.features else f[:0]) for s, f, r in zip(stats, feats, rows)]
+        starts = np.concatenate([[0], np.cumsum(p.lengths)[:-1]])
+        feats = self._keep_features(rows, cast_features(features, self.features_dtype),
+                                    [s + np.arange(n) for s, n in zip(starts, p.lengths)])
+        return [VerifyResult(*s, features=f) for s, f in zip(stats, feats)]
 
     def _verify_graph(self, rows: list[VerifyRow], key) -> list[VerifyResult]:
         """The same pass through a graph bucket: logits stay on the device (statistics of
@@ -324,9 +341,8 @@ class TargetEngine:
         logits, argmax, feats = self.graphs.run(key, tokens, positions, slots)
         starts = [i * q + len(r.tokens) - r.num_draft - 1 for i, r in enumerate(rows)]
         stats = verification_stats(logits, rows, argmax=argmax, starts=starts)
-        own = [feats[i * q:i * q + len(r.tokens)] for i, r in enumerate(rows)]
-        self._keep_features(rows, own)
-        return [VerifyResult(*s, features=f if r.features else f[:0]) for s, f, r in zip(stats, own, rows)]
+        own = self._keep_features(rows, feats, [i * q + np.arange(len(r.tokens)) for i, r in enumerate(rows)])
+        return [VerifyResult(*s, features=f) for s, f in zip(stats, own)]
 
     def verify_tree(self, row: VerifyRow, branches: list[np.ndarray]) -> tuple[VerifyResult, int]:
         """Greedy (T = 0) verification of several draft blocks after one anchor, in one pass.
@@ -381,7 +397,6 @@ class TargetEngine:
         argmax = [np.concatenate([top[:1], top[1 + i * K:1 + (i + 1) * K]]) for i in range(len(drafts))]
         accepted = [int(np.cumprod(d == a[:K]).sum()) for d, a in zip(drafts, argmax)]
         best = int(np.argmax(accepted))
-        feats = cast_features(features, self.features_dtype).cpu().numpy()
         keep = np.concatenate([np.arange(n - K), n + (best - 1) * K + np.arange(K)]) if best else np.arange(n)
         if best:  # move the winner's K/V to the row's draft positions
             src = torch.as_tensor(row.start_pos + keep[n - K:], device=dev)
@@ -391,10 +406,10 @@ class TargetEngine:
                 c.k[row.slot, :, dst] = c.k[row.slot, :, src]
                 c.v[row.slot, :, dst] = c.v[row.slot, :, src]
         self._length[row.slot] = row.start_pos + n
-        self._keep_features([row], [feats[keep]])
+        (feats,) = self._keep_features([row], cast_features(features, self.features_dtype).reshape(total, -1), [keep])
         S = row.support_ids.shape[1]
         result = VerifyResult(argmax[best], np.zeros((0, S), np.float32), np.zeros(0, np.float32),
-                              np.full(K + 1, -1, np.int64), features=feats[keep])
+                              np.full(K + 1, -1, np.int64), features=feats)
         return result, best
 
     def _validate(self, rows: list[VerifyRow]) -> list[VerifyRow]:

@@ -141,6 +141,28 @@ def test_multi_step_rows_run_every_step_through_the_graphs(ckpt):
     assert eng.graph_calls == [(4, 1, 40), (2, 1, 40), (2, 1, 40), (1, 1, 40)]  # the prefill ran eagerly
 
 
+@pytest.mark.parametrize("graphs", [None, "static"])
+def test_only_the_features_a_row_asks_for_leave_the_engine(ckpt, graphs):
+    """In one batch (eager, packed; or one graph bucket, padded) a row without features gets
+    none while the rows beside it get theirs; the engine keeps them all, and the next row of
+    that sequence fetches them (features_from), equal to what a row with features returned."""
+    def run(eng, lean: bool):
+        for _ in range(3):
+            eng.allocate()
+        eng.verify([row(0, 0, toks(12, 31)), row(1, 0, toks(9, 32)), row(2, 0, toks(7, 33))])
+        batch = eng.verify([row(0, 12, toks(4, 34), k=3), dataclasses.replace(row(1, 9, toks(4, 35), k=3), features=not lean),
+                            row(2, 7, toks(1, 36))])
+        fetch = eng.verify([dataclasses.replace(row(1, 13, toks(1, 37)), features_from=9 if lean else -1)])[0]
+        return batch, fetch
+
+    kw = dict(batch_buckets=(1, 2, 4), query_buckets=(1, 4), context_buckets=(40,)) if graphs else {}
+    (full, full_next), (lean, lean_next) = run(engine(ckpt, graphs, **kw), False), run(engine(ckpt, graphs, **kw), True)
+    assert [len(r.features) for r in lean] == [4, 0, 1]
+    for a, b in ((lean[0], full[0]), (lean[2], full[2])):
+        np.testing.assert_array_equal(a.features, b.features)
+    np.testing.assert_array_equal(lean_next.features, np.concatenate([full[1].features, full_next.features]))
+
+
 def test_float16_features_are_the_float32_ones_cast(ckpt):
     """features_dtype=float16 (Triton's FEATURES configured TYPE_FP16): the eager path hands back
     exactly torch's cast of its float32 features, the graph path the same to its rounding;
