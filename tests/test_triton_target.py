@@ -103,10 +103,9 @@ def wait_for(cond, timeout_s: float, what: str) -> None:
 
 
 def settled(server, name: str, want: float, timeout_s: float = 20.0) -> None:
-    """The model pushes its metrics off the request path, about 50 ms after a change, and reads
-    them back about a second later to repair an update Triton did not apply (longer on a loaded
-    host): wait for it. A failure carries the server log's tail, where a repaired or stalled
-    push is named."""
+    """The model pushes its metrics off the request path, about 50 ms after a change (longer on
+    a loaded host): wait for it. A failure carries the server log's tail, where a push that
+    did not return is named."""
     try:
         wait_for(lambda: metric(server, name) == want, timeout_s, f"{name} == {want}")
     except AssertionError as e:
@@ -138,18 +137,19 @@ def test_write_model_repository_sets_serving_values(tmp_path):
     assert 'key: "cuda_graphs"     value: { string_value: "auto" }' in cfg  # graphs wherever the device is CUDA
 
 
-def test_metric_pusher_repairs_updates_triton_did_not_apply(monkeypatch):
-    """A custom-metric update is an IPC call to the server: one that raises is pushed again with
-    the next flush, and one that returned but did not change what Triton shows (a lost update)
-    is found when the metrics are read back and repaired; the newest gauge value wins. A push
-    that does not return is named in the log."""
+def test_side_channel_sends_metrics_and_logs_and_keeps_what_a_failed_call_did_not_send(monkeypatch, capsys):
+    """Metric updates and log lines are IPC calls to the server, made by the side channel's
+    thread: a call that raises leaves what it did not send for the next flush (a counter never
+    loses increments, the newest gauge value wins, logs keep their order); a call that does
+    not return is reported on stderr, and close() then sends nothing more."""
     import importlib.util
     import sys
     import types
 
     logged = []
     fake = types.ModuleType("triton_python_backend_utils")
-    fake.Logger = types.SimpleNamespace(log_error=logged.append, log_warn=logged.append)
+    fake.Logger = types.SimpleNamespace(log_info=lambda m: logged.append(("info", m)),
+                                        log_error=lambda m: logged.append(("error", m)))
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake)
     path = Path(launcher.__file__).parent / "model_repository" / "flashmap_target" / "1" / "model.py"
     spec = importlib.util.spec_from_file_location("flashmap_target_model", path)
@@ -157,58 +157,41 @@ def test_metric_pusher_repairs_updates_triton_did_not_apply(monkeypatch):
     spec.loader.exec_module(model)
 
     class Metric:
-        def __init__(self):
-            self.v, self.fail, self.lose = 0.0, 0, 0
+        def __init__(self, fail: int = 0):
+            self.value, self.fail = 0.0, fail
 
         def increment(self, n):
             if self.fail:
                 self.fail -= 1
                 raise RuntimeError("IPC failed")
-            if self.lose:
-                self.lose -= 1
-                return
-            self.v += n
+            self.value += n
 
         def set(self, v):
-            self.v = v
+            self.value = v
 
-        def value(self):
-            return self.v
-
-    rows, gauge = Metric(), Metric()
-    pusher = model._MetricPusher({"rows": rows, "gauge": gauge}, interval_s=3600, check_s=3600)  # by hand
+    rows, gauge = Metric(fail=1), Metric()
+    side = model._SideChannel({"rows": rows, "gauge": gauge}, interval_s=3600)  # flushed by hand
     try:
-        rows.fail = 1
-        pusher.inc("rows", 5)
-        pusher.set("gauge", 2)
+        side.inc("rows", 5)
+        side.set("gauge", 2)
+        side.log("info", "first")
         with pytest.raises(RuntimeError):
-            pusher.flush()
-        assert rows.v == 0
-        pusher.inc("rows", 3)
-        pusher.set("gauge", 7)
-        pusher.flush()
-        assert (rows.v, gauge.v) == (8, 7)
+            side.flush()
+        assert rows.value == 0 and logged == [("info", "first")]
+        side.inc("rows", 3)
+        side.set("gauge", 7)
+        side.log("error", "second")
+        side.flush()
+        assert (rows.value, gauge.value) == (8, 7) and logged == [("info", "first"), ("error", "second")]
 
-        rows.lose = 1
-        pusher.inc("rows", 4)
-        pusher.flush()
-        assert rows.v == 8  # lost on the way
-        gauge.v = 0  # a lost set
-        pusher.inc("rows", 1)
-        pusher.flush()
-        assert rows.v == 9  # the next push cannot know
-        assert not logged
-        pusher.flush(check=True)
-        assert (rows.v, gauge.v) == (13, 7)
-        assert any("rows showed 9.0, expected 13.0" in m for m in logged), logged
-
-        pusher._stall_s = 0.0
-        pusher._pushing = ("increment rows", time.monotonic() - 1)
-        pusher.watch()
-        assert "increment rows has not returned" in logged[-1]
+        side._stall_s = 0.0
+        side._pushing = ("increment rows", time.monotonic() - 1)
+        side.watch()
+        assert "increment rows has not returned" in capsys.readouterr().err
     finally:
-        pusher._pushing = None
-        pusher.close()
+        side._pushing = None
+        side.close()
+    assert not side._thread.is_alive()
 
 
 # --------------------------------------------------------------------------- server

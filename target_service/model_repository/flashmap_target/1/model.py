@@ -55,9 +55,9 @@ flashmap_target_batch_size (rows in the last forward), flashmap_target_verify_ba
 flashmap_target_verify_rows_total, flashmap_target_idle_released_total, and per batch handed
 to execute() flashmap_target_batches_total, flashmap_target_batch_wait_seconds_total (behind the
 batch before it) and flashmap_target_batch_run_seconds_total (Triton's own compute time is only
-the hand-over of a decoupled model's batch); pushed by a thread
-within about 50 ms of the forward that changed them, not on the request path, and read back
-about a second later to repair an update Triton did not apply (_MetricPusher).
+the hand-over of a decoupled model's batch); pushed within about 50 ms of the forward that
+changed them by a thread that also sends the model's log lines, so that no serving thread
+calls into the stub for anything but a response (_SideChannel).
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ import json
 import os
 import queue
 import re
+import sys
 import threading
 import time
 import traceback
@@ -190,7 +191,7 @@ class TritonPythonModel:
         self._jobs = queue.SimpleQueue()
         self._worker = threading.Thread(target=self._work_loop, name="flashmap-worker", daemon=True)
         self._worker.start()
-        pb_utils.Logger.log_info(f"flashmap_target ready: {self.info}")
+        self._log("info", f"flashmap_target ready: {self.info}")
 
     # ------------------------------------------------------------------ metrics
 
@@ -200,8 +201,9 @@ class TritonPythonModel:
         # Keep the families alive as long as the model: its metrics die with them.
         self._families = [pb_utils.MetricFamily(name=m.name, description=m.help, kind=kinds[m.kind])
                           for m in TARGET_MODEL]
-        self.metrics = _MetricPusher({spec.name: fam.Metric(labels=labels)
+        self.metrics = _SideChannel({spec.name: fam.Metric(labels=labels)
                                       for spec, fam in zip(TARGET_MODEL, self._families)})
+        self._log = self.metrics.log
         self.metrics.set("flashmap_target_slots", self.engine.n_slots)
         self.metrics.set("flashmap_target_active_sequences", 0)
 
@@ -236,7 +238,7 @@ class TritonPythonModel:
             return None
         self._release(lru)
         self.metrics.inc("flashmap_target_idle_released_total")
-        pb_utils.Logger.log_info(f"flashmap_target: freed idle sequence {lru} for a new one")
+        self._log("info", f"flashmap_target: freed idle sequence {lru} for a new one")
         return self.engine.allocate()
 
     def _reap_idle(self, now: float) -> None:
@@ -246,7 +248,7 @@ class TritonPythonModel:
         if stale:
             self.metrics.inc("flashmap_target_idle_released_total", len(stale))
             self._update_active()
-            pb_utils.Logger.log_info(f"flashmap_target: freed {len(stale)} idle sequence(s): {stale}")
+            self._log("info", f"flashmap_target: freed {len(stale)} idle sequence(s): {stale}")
 
     def _reap_loop(self):
         # Idle sequences must be freed even when no request arrives to trigger execute().
@@ -257,7 +259,7 @@ class TritonPythonModel:
                     self._reap_idle(time.monotonic())
                 self.metrics.watch()
             except Exception:  # never let the reaper die silently
-                pb_utils.Logger.log_error("flashmap_target reaper: " + traceback.format_exc())
+                self._log("error", "flashmap_target reaper: " + traceback.format_exc())
 
     # ------------------------------------------------------------------ requests
 
@@ -270,7 +272,7 @@ class TritonPythonModel:
             try:
                 self._run_job(*job)
             except BaseException:  # the worker outlives any one batch: later requests are served
-                pb_utils.Logger.log_error("flashmap_target worker: " + traceback.format_exc())
+                self._log("error", "flashmap_target worker: " + traceback.format_exc())
 
     def _run_job(self, requests, t_queued: float) -> None:
         # Answers go out from this thread, before the next batch: a second Python thread sending
@@ -281,13 +283,13 @@ class TritonPythonModel:
             with self.lock:
                 responses = self._execute(requests)
         except Exception as e:  # never leave a request unanswered
-            pb_utils.Logger.log_error("flashmap_target: " + traceback.format_exc())
+            self._log("error", "flashmap_target: " + traceback.format_exc())
             responses = [_error(f"internal error: {type(e).__name__}: {e}", wire.ROW_INTERNAL)] * len(requests)
         for request, response in zip(requests, responses):
             try:
                 request.get_response_sender().send(response, flags=final)
             except Exception:  # a client gone away must not stop the others' answers
-                pb_utils.Logger.log_error("flashmap_target send: " + traceback.format_exc())
+                self._log("error", "flashmap_target send: " + traceback.format_exc())
         self.metrics.inc("flashmap_target_batches_total")
         self.metrics.inc("flashmap_target_batch_wait_seconds_total", t0 - t_queued)
         self.metrics.inc("flashmap_target_batch_run_seconds_total", time.perf_counter() - t0)
@@ -334,7 +336,7 @@ class TritonPythonModel:
             except InvalidRequest as e:
                 responses[i] = _error(str(e), wire.ROW_INVALID)
             except Exception as e:
-                pb_utils.Logger.log_error("flashmap_target: " + traceback.format_exc())
+                self._log("error", "flashmap_target: " + traceback.format_exc())
                 responses[i] = _error(f"internal error: {type(e).__name__}: {e}", wire.ROW_INTERNAL)
 
         self._forward(rows, trees, outcome)
@@ -423,7 +425,7 @@ class TritonPythonModel:
             if len(rows) == 1:
                 return [(wire.ROW_INVALID, str(e))]
         except Exception as e:
-            pb_utils.Logger.log_error("flashmap_target verify: " + traceback.format_exc())
+            self._log("error", "flashmap_target verify: " + traceback.format_exc())
             return [(wire.ROW_INTERNAL, f"internal error: {type(e).__name__}: {e}")] * len(rows)
         # Rare path (a bad request in a batch): verify one by one so the others still succeed.
         return [self._verify([row])[0] for row in rows]
@@ -435,7 +437,7 @@ class TritonPythonModel:
         except InvalidRequest as e:
             return (wire.ROW_INVALID, str(e))
         except Exception as e:
-            pb_utils.Logger.log_error("flashmap_target verify_tree: " + traceback.format_exc())
+            self._log("error", "flashmap_target verify_tree: " + traceback.format_exc())
             return (wire.ROW_INTERNAL, f"internal error: {type(e).__name__}: {e}")
 
     def _row_outputs(self, o):
@@ -481,106 +483,111 @@ class TritonPythonModel:
 # ---------------------------------------------------------------------- helpers
 
 
-class _MetricPusher:
-    """Triton custom metrics, updated off the request path.
+class _SideChannel:
+    """Triton custom metrics and log lines, sent to the server by a thread of their own.
 
-    Every update of a Triton custom metric is an IPC round trip from the stub to the server
-    (about 0.18 ms on a 2-core CPU host, and a gauge's set holds the GIL meanwhile): the five
-    updates of a forward, made inside execute(), delayed every response by about 0.9 ms.
-    execute() records counts and gauge values here; a thread pushes them once the response
-    is on its way: `interval_s` after the first change, coalesced (a gauge only when it changed).
+    Every metric update and log line is an IPC round trip from the stub to the server (about
+    0.18 ms on a 2-core CPU host). Made where they happen, the five metric updates of a forward
+    delayed every response by about 0.9 ms; and a metric update that never returned (seen in
+    full test-suite runs under load: the counter stopped, and the next log line, which waits
+    for the same stub lock, would have stopped the thread that wrote it) must not stop
+    serving. So the worker and the reaper only record here; this thread sends: `interval_s`
+    after the first change, coalesced (counts summed, a gauge only when it changed), logs in
+    order. A call that has not returned after `stall_s` is reported on stderr by `watch()`
+    (the server log), not through the stub."""
 
-    What Triton shows is checked too: `check_s` after a change the thread reads every metric
-    back and pushes what is missing (a counter's increments this process made and Triton does
-    not show, a gauge's last value), logging the difference. Three full test-suite runs saw a
-    counter stand below its count for good with no error raised; a lost update is now repaired
-    and named in the log. A push that has not returned after `stall_s` is logged by `watch()`."""
-
-    def __init__(self, metrics: dict, interval_s: float = 0.05, check_s: float = 1.0, stall_s: float = 5.0):
+    def __init__(self, metrics: dict, interval_s: float = 0.05, stall_s: float = 5.0):
         self._metrics = metrics  # name -> pb_utils Metric
-        self._kind = {}  # name -> "counter" | "gauge", from the first update
-        self._want: dict[str, float] = {}  # counter: every increment made; gauge: the last value
-        self._shown: dict[str, float] = {}  # what Triton shows as far as this process knows
+        self._counts: dict[str, float] = {}  # name -> increment not pushed yet
+        self._gauges: dict[str, float] = {}  # name -> value to set
+        self._shown: dict[str, float] = {}  # name -> value Triton shows
+        self._logs: list[tuple[str, str]] = []  # (level, message) not sent yet
         self._lock = threading.Lock()
         self._wake, self._stop = threading.Event(), threading.Event()
-        self._interval_s, self._check_s, self._stall_s = interval_s, check_s, stall_s
-        self._check_due: float | None = None  # time.monotonic() of the next read-back
-        self._pushing: tuple[str, float] | None = None  # (metric, since) while an update is in flight
-        self._stall_logged = False
-        self._thread = threading.Thread(target=self._loop, name="flashmap-metrics", daemon=True)
+        self._interval_s, self._stall_s = interval_s, stall_s
+        self._pushing: tuple[str, float] | None = None  # (what, since) while a call is in flight
+        self._stall_reported = False
+        self._thread = threading.Thread(target=self._loop, name="flashmap-side-channel", daemon=True)
         self._thread.start()
 
     def inc(self, name: str, n: float = 1) -> None:
-        self._record(name, "counter", n)
+        with self._lock:
+            self._counts[name] = self._counts.get(name, 0) + n
+        self._wake.set()
 
     def set(self, name: str, value: float) -> None:
-        self._record(name, "gauge", value)
-
-    def _record(self, name: str, kind: str, v: float) -> None:
         with self._lock:
-            self._kind[name] = kind
-            self._want[name] = self._want.get(name, 0.0) + v if kind == "counter" else v
-            if self._check_due is None:
-                self._check_due = time.monotonic() + self._check_s
+            self._gauges[name] = value
+        self._wake.set()
+
+    def log(self, level: str, message: str) -> None:
+        """level: "info", "warn" or "error" (pb_utils.Logger.log_<level>)."""
+        with self._lock:
+            self._logs.append((level, message))
         self._wake.set()
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            due = self._check_due
-            self._wake.wait(None if due is None else max(0.0, due - time.monotonic()))
-            self._stop.wait(self._interval_s)  # the response that woke us goes out first
+            self._wake.wait()
+            if self._stop.wait(self._interval_s):  # the response that woke us goes out first
+                return
             self._wake.clear()
             try:
-                due = self._check_due
-                self.flush(check=due is not None and time.monotonic() >= due)
+                self.flush()
             except Exception:  # a metric must never take the model down
-                pb_utils.Logger.log_error("flashmap_target metrics: " + traceback.format_exc())
-                self._wake.set()  # what failed goes with the next flush
+                self.log("error", "flashmap_target metrics: " + traceback.format_exc())
 
-    def flush(self, check: bool = False) -> None:
-        """Push what changed since the last push; with `check`, first read every metric back."""
-        if check:
-            with self._lock:
-                self._check_due = None
-            for name in list(self._want):
-                shown = self._push_call(name, "read", lambda m: m.value())
-                if name in self._shown and abs(shown - self._shown[name]) > 1e-9 * max(1.0, abs(shown)):
-                    pb_utils.Logger.log_warn(f"flashmap_target metrics: {name} showed {shown}, "
-                                             f"expected {self._shown[name]}; repaired")
-                self._shown[name] = shown
+    def flush(self) -> None:
         with self._lock:
-            want, kind = dict(self._want), dict(self._kind)
-        for name, v in want.items():
-            shown = self._shown.get(name, 0.0)
-            if v == shown:
-                continue
-            if kind[name] == "counter":
-                self._push_call(name, "increment", lambda m: m.increment(v - shown))
-            else:
-                self._push_call(name, "set", lambda m: m.set(v))
-            self._shown[name] = v
-
-    def _push_call(self, name: str, what: str, call):
-        self._pushing = (f"{what} {name}", time.monotonic())
+            counts, self._counts = self._counts, {}
+            gauges, self._gauges = self._gauges, {}
+            logs, self._logs = self._logs, []
         try:
-            return call(self._metrics[name])
+            for level, message in logs:
+                self._call(f"log {message[:60]!r}", getattr(pb_utils.Logger, f"log_{level}"), message)
+            logs = []
+            for name, n in list(counts.items()):
+                if n:
+                    self._call(f"increment {name}", self._metrics[name].increment, n)
+                del counts[name]
+            for name, v in list(gauges.items()):
+                if self._shown.get(name) != v:
+                    self._call(f"set {name}", self._metrics[name].set, v)
+                    self._shown[name] = v
+                del gauges[name]
+        finally:  # what a failed call did not send goes with the next flush, not lost
+            with self._lock:
+                for name, n in counts.items():
+                    self._counts[name] = self._counts.get(name, 0) + n
+                for name, v in gauges.items():
+                    self._gauges.setdefault(name, v)
+                self._logs[:0] = logs
+            if counts or gauges or logs:
+                self._wake.set()
+
+    def _call(self, what: str, fn, arg) -> None:
+        self._pushing = (what, time.monotonic())
+        try:
+            fn(arg)
         finally:
             self._pushing = None
 
     def watch(self) -> None:
-        """Log (once) an update that has been in flight longer than `stall_s`: a hung push
-        would otherwise only show as metrics that stop moving."""
+        """Report (once, on stderr) a call in flight for longer than `stall_s`."""
         pushing = self._pushing
-        if pushing and time.monotonic() - pushing[1] > self._stall_s and not self._stall_logged:
-            self._stall_logged = True
-            pb_utils.Logger.log_error(f"flashmap_target metrics: {pushing[0]} has not returned "
-                                      f"after {time.monotonic() - pushing[1]:.0f} s")
+        if pushing and time.monotonic() - pushing[1] > self._stall_s and not self._stall_reported:
+            self._stall_reported = True
+            print(f"flashmap_target: the side channel's {pushing[0]} has not returned after "
+                  f"{time.monotonic() - pushing[1]:.0f} s; metrics and logs stop here", file=sys.stderr, flush=True)
 
     def close(self) -> None:
+        """Stop the thread and send what is left, unless a call is stuck (then the stub's lock
+        it holds would stop the caller too)."""
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=5)
-        self.flush()
+        if not self._thread.is_alive():
+            self.flush()
 
 
 def _triton_code(row_code: int):
