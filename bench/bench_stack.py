@@ -142,6 +142,7 @@ def through_stack(cfg: StackConfig, prompts, max_new, concurrency, spec_off: boo
         t0 = time.perf_counter()
         outs = list(pool.map(one, prompts))
         dt = time.perf_counter() - t0
+    time.sleep(0.5)  # the target model sends its metrics between batches, within 0.25 s of the last
     after = _scrape_all(cfg)
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     rounds = max(d.get("flashmap_round_latency_seconds_count", 0.0), 1.0)

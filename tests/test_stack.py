@@ -30,6 +30,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -185,6 +186,7 @@ class TestMainStack:
         max_new = 24
         expected = ref(prompts, max_new)
         orch0 = _samples(stack.cfg.metrics_port)
+        time.sleep(0.5)  # the target model sends its metrics between batches, within 0.25 s of a change
         tri0 = _samples(stack.cfg.triton_metrics_port)
 
         async def run():
@@ -206,6 +208,7 @@ class TestMainStack:
             assert final is not None and final.finish_reason == "length" and final.completion_tokens == max_new
 
         orch1 = _samples(stack.cfg.metrics_port)
+        time.sleep(0.5)
         tri1 = _samples(stack.cfg.triton_metrics_port)
         d = lambda s0, s1, name, **kw: _total(s1, name, **kw) - _total(s0, name, **kw)  # noqa: E731
         multi = d(orch0, orch1, "flashmap_verify_batch_size_count") - d(orch0, orch1, "flashmap_verify_batch_size_bucket", le="1.0")

@@ -91,6 +91,19 @@ def metric(server, name: str) -> float:
     return total
 
 
+def at_rest(server, name: str) -> float:
+    """A metric's value once what the model recorded has been sent (it sends between batches,
+    within about 0.25 s of a change): two reads 0.4 s apart that agree. For a baseline that
+    the earlier tests' last counts must not arrive after."""
+    deadline, value = time.monotonic() + 20, metric(server, name)
+    while True:
+        time.sleep(0.4)
+        now = metric(server, name)
+        if now == value or time.monotonic() > deadline:
+            return now
+        value = now
+
+
 def active(server) -> float:
     return metric(server, "flashmap_target_active_sequences")
 
@@ -103,9 +116,8 @@ def wait_for(cond, timeout_s: float, what: str) -> None:
 
 
 def settled(server, name: str, want: float, timeout_s: float = 20.0) -> None:
-    """The model pushes its metrics off the request path, about 50 ms after a change (longer on
-    a loaded host): wait for it. A failure carries the server log's tail, where a push that
-    did not return is named."""
+    """The model sends its metrics between batches, about 0.25 s after a change (longer on a
+    loaded host): wait for it. A failure carries the server log's tail."""
     try:
         wait_for(lambda: metric(server, name) == want, timeout_s, f"{name} == {want}")
     except AssertionError as e:
@@ -137,11 +149,11 @@ def test_write_model_repository_sets_serving_values(tmp_path):
     assert 'key: "cuda_graphs"     value: { string_value: "auto" }' in cfg  # graphs wherever the device is CUDA
 
 
-def test_side_channel_sends_metrics_and_logs_and_keeps_what_a_failed_call_did_not_send(monkeypatch, capsys):
-    """Metric updates and log lines are IPC calls to the server, made by the side channel's
-    thread: a call that raises leaves what it did not send for the next flush (a counter never
-    loses increments, the newest gauge value wins, logs keep their order); a call that does
-    not return is reported on stderr, and close() then sends nothing more."""
+def test_side_channel_sends_what_is_due_and_keeps_what_a_failed_call_did_not_send(monkeypatch):
+    """Metric updates and log lines are IPC calls to the server, recorded anywhere and sent by
+    the worker: the first record wakes it, nothing goes out before it is due (`wait_s` says
+    when), and a call that raises leaves what it did not send for the next flush (a counter
+    never loses increments, the newest gauge value wins, logs keep their order)."""
     import importlib.util
     import sys
     import types
@@ -169,29 +181,26 @@ def test_side_channel_sends_metrics_and_logs_and_keeps_what_a_failed_call_did_no
         def set(self, v):
             self.value = v
 
-    rows, gauge = Metric(fail=1), Metric()
-    side = model._SideChannel({"rows": rows, "gauge": gauge}, interval_s=3600)  # flushed by hand
-    try:
-        side.inc("rows", 5)
-        side.set("gauge", 2)
-        side.log("info", "first")
-        with pytest.raises(RuntimeError):
-            side.flush()
-        assert rows.value == 0 and logged == [("info", "first")]
-        side.inc("rows", 3)
-        side.set("gauge", 7)
-        side.log("error", "second")
-        side.flush()
-        assert (rows.value, gauge.value) == (8, 7) and logged == [("info", "first"), ("error", "second")]
-
-        side._stall_s = 0.0
-        side._pushing = ("increment rows", time.monotonic() - 1)
-        side.watch()
-        assert "increment rows has not returned" in capsys.readouterr().err
-    finally:
-        side._pushing = None
-        side.close()
-    assert not side._thread.is_alive()
+    rows, gauge, wakes = Metric(fail=1), Metric(), []
+    side = model._SideChannel({"rows": rows, "gauge": gauge}, interval_s=3600, wake=lambda: wakes.append(1))
+    assert side.wait_s() is None
+    side.inc("rows", 5)
+    side.set("gauge", 2)
+    side.log("info", "first")
+    assert len(wakes) == 1 and 3590 < side.wait_s() <= 3600
+    side.flush()  # not due: nothing goes out
+    assert rows.value == gauge.value == 0 and not logged
+    with pytest.raises(RuntimeError):
+        side.flush(force=True)
+    assert rows.value == 0 and logged == [("info", "first")] and side.wait_s() is not None
+    side.inc("rows", 3)
+    side.set("gauge", 7)
+    side.log("error", "second")
+    side._due = time.monotonic()  # due now
+    assert side.wait_s() == 0
+    side.flush()
+    assert (rows.value, gauge.value) == (8, 7) and logged == [("info", "first"), ("error", "second")]
+    assert side.wait_s() is None and len(wakes) == 2
 
 
 # --------------------------------------------------------------------------- server
@@ -296,7 +305,7 @@ def test_packed_rounds_equal_inprocess_engine_one_forward_each(server, engine):
     """A round as one packed request: the same results as the engine, one forward per round,
     a bad row refused alone, releases in the same form."""
     rounds, expected = _script(engine, np.random.default_rng(1))
-    before = metric(server, "flashmap_target_verify_batches_total")
+    before = at_rest(server, "flashmap_target_verify_batches_total")
 
     async def body(c):
         got = []
@@ -331,7 +340,7 @@ def test_multi_step_rows_equal_the_engine_and_continue_where_they_end(server, en
     prompts = {21: rng.integers(3, 500, 9), 22: rng.integers(3, 500, 5)}
     first = {21: VerifyRow(-1, 0, prompts[21], GREEDY, round_seed=4, next_seeds=np.array([5, 6, 7])),
              22: VerifyRow(-1, 0, prompts[22], sampled, round_seed=8)}
-    before = metric(server, "flashmap_target_verify_rows_total")
+    before = at_rest(server, "flashmap_target_verify_rows_total")
     slots = {s: engine.allocate() for s in prompts}
     exp1 = engine.verify([replace(r, slot=slots[s]) for s, r in first.items()])
     second = {21: VerifyRow(-1, 12, exp1[0].argmax[-1:], GREEDY),
@@ -373,7 +382,7 @@ def test_continuation_rows_follow_the_last_decoded_token_in_order(server, engine
     exp3 = engine.verify([VerifyRow(slot, 13, np.array([int(exp2.residual[-1]), 7]), GREEDY,
                                     support_ids=np.array([[7]]))])[0]
     engine.release(slot)
-    batches = metric(server, "flashmap_target_verify_batches_total")
+    batches = at_rest(server, "flashmap_target_verify_batches_total")
 
     async def body(c):
         got = await c.verify_rows([(41, first, [], True, False), (41, follow, [], False, False)])
@@ -535,7 +544,7 @@ def test_requests_arriving_during_a_prompt_round_join_the_next_round(server, eng
 
 def test_concurrent_sequences_share_forward_passes(server):
     rng = np.random.default_rng(2)
-    before = {n: metric(server, n) for n in (
+    before = {n: at_rest(server, n) for n in (
         "flashmap_target_verify_batches_total", "flashmap_target_verify_rows_total",
         "nv_inference_exec_count", "nv_inference_count")}
     seqs = list(range(101, 101 + N_SLOTS))
@@ -628,7 +637,7 @@ def test_a_sequences_last_round_frees_its_slot_without_a_release_call(server):
 
 
 def test_idle_timeout_frees_the_slot(server):
-    freed_before = metric(server, "flashmap_target_idle_released_total")
+    freed_before = at_rest(server, "flashmap_target_idle_released_total")
 
     async def body(c):
         await c.verify(301, VerifyRow(-1, 0, np.arange(3, 9), GREEDY), start=True)

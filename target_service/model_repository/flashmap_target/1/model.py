@@ -55,9 +55,9 @@ flashmap_target_batch_size (rows in the last forward), flashmap_target_verify_ba
 flashmap_target_verify_rows_total, flashmap_target_idle_released_total, and per batch handed
 to execute() flashmap_target_batches_total, flashmap_target_batch_wait_seconds_total (behind the
 batch before it) and flashmap_target_batch_run_seconds_total (Triton's own compute time is only
-the hand-over of a decoupled model's batch); pushed within about 50 ms of the forward that
-changed them by a thread that also sends the model's log lines, so that no serving thread
-calls into the stub for anything but a response (_SideChannel).
+the hand-over of a decoupled model's batch); sent with the model's log lines by the worker,
+between batches, at most every 0.25 s, so that one thread makes all of the model's calls into
+the stub (_SideChannel).
 """
 
 from __future__ import annotations
@@ -66,7 +66,6 @@ import json
 import os
 import queue
 import re
-import sys
 import threading
 import time
 import traceback
@@ -183,12 +182,12 @@ class TritonPythonModel:
         self.follow: dict[int, tuple[int, int]] = {}
         # The reaper thread and execute() both touch the engine's slots: one lock for both.
         self.lock = threading.Lock()
+        # Decoupled: execute() queues, the worker runs the batches in order and answers them.
+        self._jobs = queue.SimpleQueue()
         self._init_metrics()
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="flashmap-idle-reaper", daemon=True)
         self._reaper.start()
-        # Decoupled: execute() queues, the worker runs the batches in order and answers them.
-        self._jobs = queue.SimpleQueue()
         self._worker = threading.Thread(target=self._work_loop, name="flashmap-worker", daemon=True)
         self._worker.start()
         self._log("info", f"flashmap_target ready: {self.info}")
@@ -202,7 +201,8 @@ class TritonPythonModel:
         self._families = [pb_utils.MetricFamily(name=m.name, description=m.help, kind=kinds[m.kind])
                           for m in TARGET_MODEL]
         self.metrics = _SideChannel({spec.name: fam.Metric(labels=labels)
-                                      for spec, fam in zip(TARGET_MODEL, self._families)})
+                                     for spec, fam in zip(TARGET_MODEL, self._families)},
+                                    wake=lambda: self._jobs.put(()))  # an empty job: the worker flushes when due
         self._log = self.metrics.log
         self.metrics.set("flashmap_target_slots", self.engine.n_slots)
         self.metrics.set("flashmap_target_active_sequences", 0)
@@ -257,7 +257,6 @@ class TritonPythonModel:
             try:
                 with self.lock:
                     self._reap_idle(time.monotonic())
-                self.metrics.watch()
             except Exception:  # never let the reaper die silently
                 self._log("error", "flashmap_target reaper: " + traceback.format_exc())
 
@@ -268,11 +267,20 @@ class TritonPythonModel:
         return None  # decoupled: the worker answers each request
 
     def _work_loop(self):
-        while (job := self._jobs.get()) is not None:
+        while True:
             try:
-                self._run_job(*job)
+                job = self._jobs.get(timeout=self.metrics.wait_s())
+            except queue.Empty:  # nothing to run: time to send what is recorded
+                job = ()
+            if job is None:
+                break
+            try:
+                if job:
+                    self._run_job(*job)
+                self.metrics.flush()
             except BaseException:  # the worker outlives any one batch: later requests are served
                 self._log("error", "flashmap_target worker: " + traceback.format_exc())
+        self.metrics.flush(force=True)
 
     def _run_job(self, requests, t_queued: float) -> None:
         # Answers go out from this thread, before the next batch: a second Python thread sending
@@ -474,7 +482,6 @@ class TritonPythonModel:
         self._worker.join(timeout=30)
         self._stop.set()
         self._reaper.join(timeout=5)
-        self.metrics.close()
         with self.lock:
             for corrid in list(self.slots):
                 self._release(corrid)
@@ -484,75 +491,75 @@ class TritonPythonModel:
 
 
 class _SideChannel:
-    """Triton custom metrics and log lines, sent to the server by a thread of their own.
+    """Triton custom metrics and log lines, recorded anywhere and sent by the worker thread.
 
     Every metric update and log line is an IPC round trip from the stub to the server (about
-    0.18 ms on a 2-core CPU host). Made where they happen, the five metric updates of a forward
-    delayed every response by about 0.9 ms; and a metric update that never returned (seen in
-    full test-suite runs under load: the counter stopped, and the next log line, which waits
-    for the same stub lock, would have stopped the thread that wrote it) must not stop
-    serving. So the worker and the reaper only record here; this thread sends: `interval_s`
-    after the first change, coalesced (counts summed, a gauge only when it changed), logs in
-    order. A call that has not returned after `stall_s` is reported on stderr by `watch()`
-    (the server log), not through the stub."""
+    0.18 ms on a 2-core CPU host). The worker and the reaper record them here; the worker sends
+    them (`flush`) once it has sent a batch's responses, at most every `interval_s` and when
+    it has waited that long for the next batch: coalesced (counts summed, a gauge only when it
+    changed), logs in order. All of the model's calls into the stub are then made by one
+    thread. With a second thread pushing metrics while the worker sent responses, three
+    full test-suite runs under load saw a counter stop below its count for good with no error
+    (an update that never returned, as far as the outside shows), and one saw shutdown wait
+    on such a call past Triton's exit timeout."""
 
-    def __init__(self, metrics: dict, interval_s: float = 0.05, stall_s: float = 5.0):
+    def __init__(self, metrics: dict, interval_s: float = 0.25, wake=lambda: None):
         self._metrics = metrics  # name -> pb_utils Metric
-        self._counts: dict[str, float] = {}  # name -> increment not pushed yet
+        self._wake = wake  # called when something is recorded and nothing was: the worker may be idle
+        self._counts: dict[str, float] = {}  # name -> increment not sent yet
         self._gauges: dict[str, float] = {}  # name -> value to set
         self._shown: dict[str, float] = {}  # name -> value Triton shows
         self._logs: list[tuple[str, str]] = []  # (level, message) not sent yet
-        self._lock = threading.Lock()
-        self._wake, self._stop = threading.Event(), threading.Event()
-        self._interval_s, self._stall_s = interval_s, stall_s
-        self._pushing: tuple[str, float] | None = None  # (what, since) while a call is in flight
-        self._stall_reported = False
-        self._thread = threading.Thread(target=self._loop, name="flashmap-side-channel", daemon=True)
-        self._thread.start()
+        self._lock = threading.Lock()  # the reaper records too
+        self._interval_s = interval_s
+        self._due: float | None = None  # time.monotonic() when what is recorded should go out
+
+    def _record(self) -> None:
+        if self._due is None:
+            self._due = time.monotonic() + self._interval_s
+            self._wake()
 
     def inc(self, name: str, n: float = 1) -> None:
         with self._lock:
             self._counts[name] = self._counts.get(name, 0) + n
-        self._wake.set()
+            self._record()
 
     def set(self, name: str, value: float) -> None:
         with self._lock:
             self._gauges[name] = value
-        self._wake.set()
+            self._record()
 
     def log(self, level: str, message: str) -> None:
         """level: "info", "warn" or "error" (pb_utils.Logger.log_<level>)."""
         with self._lock:
             self._logs.append((level, message))
-        self._wake.set()
+            self._record()
 
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait()
-            if self._stop.wait(self._interval_s):  # the response that woke us goes out first
-                return
-            self._wake.clear()
-            try:
-                self.flush()
-            except Exception:  # a metric must never take the model down
-                self.log("error", "flashmap_target metrics: " + traceback.format_exc())
+    def wait_s(self) -> float | None:
+        """Seconds until what is recorded is due (0: now), None when nothing is."""
+        due = self._due
+        return None if due is None else max(0.0, due - time.monotonic())
 
-    def flush(self) -> None:
+    def flush(self, force: bool = False) -> None:
+        """Send what is recorded, if it is due (or `force`)."""
         with self._lock:
+            if self._due is None or (not force and time.monotonic() < self._due):
+                return
             counts, self._counts = self._counts, {}
             gauges, self._gauges = self._gauges, {}
             logs, self._logs = self._logs, []
+            self._due = None
         try:
             for level, message in logs:
-                self._call(f"log {message[:60]!r}", getattr(pb_utils.Logger, f"log_{level}"), message)
+                getattr(pb_utils.Logger, f"log_{level}")(message)
             logs = []
             for name, n in list(counts.items()):
                 if n:
-                    self._call(f"increment {name}", self._metrics[name].increment, n)
+                    self._metrics[name].increment(n)
                 del counts[name]
             for name, v in list(gauges.items()):
                 if self._shown.get(name) != v:
-                    self._call(f"set {name}", self._metrics[name].set, v)
+                    self._metrics[name].set(v)
                     self._shown[name] = v
                 del gauges[name]
         finally:  # what a failed call did not send goes with the next flush, not lost
@@ -562,32 +569,8 @@ class _SideChannel:
                 for name, v in gauges.items():
                     self._gauges.setdefault(name, v)
                 self._logs[:0] = logs
-            if counts or gauges or logs:
-                self._wake.set()
-
-    def _call(self, what: str, fn, arg) -> None:
-        self._pushing = (what, time.monotonic())
-        try:
-            fn(arg)
-        finally:
-            self._pushing = None
-
-    def watch(self) -> None:
-        """Report (once, on stderr) a call in flight for longer than `stall_s`."""
-        pushing = self._pushing
-        if pushing and time.monotonic() - pushing[1] > self._stall_s and not self._stall_reported:
-            self._stall_reported = True
-            print(f"flashmap_target: the side channel's {pushing[0]} has not returned after "
-                  f"{time.monotonic() - pushing[1]:.0f} s; metrics and logs stop here", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        """Stop the thread and send what is left, unless a call is stuck (then the stub's lock
-        it holds would stop the caller too)."""
-        self._stop.set()
-        self._wake.set()
-        self._thread.join(timeout=5)
-        if not self._thread.is_alive():
-            self.flush()
+                if counts or gauges or logs:
+                    self._record()
 
 
 def _triton_code(row_code: int):
