@@ -8,7 +8,9 @@ concurrency, in one script:
   (the ceiling of the stack with speculation off);
 - through the stack (Triton + drafter + orchestrator): speculation off (every request
   max_draft_tokens = 0), fixed K (orchestrator --speculation full) and the goodput
-  controller (--speculation auto, the default).
+  controller (--speculation auto, the default); the full and the auto orchestrator both stay
+  up the whole run over the same Triton and drafter, so the controller is measured as a
+  server runs it (warm, carrying its measurements from one concurrency to the next).
 
 The target alone (in process and through Triton) and the three stack modes run `repeats`
 times each, alternated, because the VM's speed drifts by a third within minutes and one run
@@ -51,7 +53,7 @@ from flashmap.metrics import scrape, totals
 from flashmap.rounds import speculative_round
 from flashmap.sequence import Sequence
 from flashmap.types import GenerationRequest
-from flashmap_cli.stack import Stack, StackConfig, default_checkpoints
+from flashmap_cli.stack import Stack, StackConfig, default_checkpoints, stop_process
 from orchestrator.target_client import TargetClient, TritonTarget
 from target_service.engine import TargetEngine
 from training.evaluate import DEFAULT_PROMPTS, machine, read_domain_prompts
@@ -168,30 +170,25 @@ def through_stack(cfg: StackConfig, prompts, max_new, concurrency, spec_off: boo
 MODES = ("target", "triton", "off", "full", "auto")
 
 
-def alternated(stack: Stack, engine, prompts, max_new, concurrency, repeats: int, decode_steps: int
-               ) -> dict[str, list[dict]]:
+def alternated(auto: StackConfig, full: StackConfig, engine, prompts, max_new, concurrency, repeats: int,
+               decode_steps: int) -> dict[str, list[dict]]:
     """Each mode `repeats` times, in the order of MODES and then reversed, so that the VM's
     drifting speed (+-30% within minutes) falls on all alike: the in-process target alone
     ("target"), the target alone through Triton ("triton"), and the stack with speculation off,
-    fixed K ("full") and the controller ("auto"). Speculation off is the controller's
-    orchestrator with max_draft_tokens = 0 per request; a switch between full and auto restarts
-    the orchestrator. After a restart into auto, one pass over the prompts is its start-up (the
-    controller's first measurements), kept apart as "auto_first"; "auto" is measured after it."""
-    runs = {m: [] for m in (*MODES, "auto_first")}
+    fixed K ("full") and the controller ("auto"). Two orchestrators over the same Triton and
+    drafter, both up the whole run (nothing restarts, as in a server): `auto` serves "auto"
+    and, with max_draft_tokens = 0 per request, "off"; `full` serves "full"."""
+    runs = {m: [] for m in MODES}
     baselines = {"target": lambda: inprocess(engine, None, prompts, max_new, concurrency, decode_steps),
-                 "triton": lambda: triton_alone(stack.cfg, prompts, max_new, concurrency)}
+                 "triton": lambda: triton_alone(auto, prompts, max_new, concurrency)}
     for rep in range(repeats):
         for mode in MODES if rep % 2 == 0 else MODES[::-1]:
             if mode in baselines:
                 ids, tok_s = baselines[mode]()
                 runs[mode].append({"outputs": ids, "tok_s": tok_s})
-                continue
-            wanted = "full" if mode == "full" else "auto"
-            if stack.cfg.speculation != wanted:
-                stack.restart_orchestrator(speculation=wanted)
-                if wanted == "auto":
-                    runs["auto_first"].append(through_stack(stack.cfg, prompts, max_new, concurrency))
-            runs[mode].append(through_stack(stack.cfg, prompts, max_new, concurrency, spec_off=mode == "off"))
+            else:
+                runs[mode].append(through_stack(full if mode == "full" else auto, prompts, max_new, concurrency,
+                                                spec_off=mode == "off"))
     return runs
 
 
@@ -249,19 +246,22 @@ def run_cells(cfg: StackConfig, sets: dict, todo: list[tuple[str, int]], cells: 
     saved (`save()`) as it finishes; then the services' peak memory and what the drafter holds
     after the run into cells["run"]."""
     with Stack(cfg) as stack:
+        full_proc, full = stack.extra_orchestrator("orchestrator-full", speculation="full")
         for name, prompts in sets.items():
             levels = [c for n, c in todo if n == name]
             if levels:
-                through_stack(cfg, prompts[:2], 8, 1)  # warm-up
+                for c in (cfg, full):
+                    through_stack(c, prompts[:2], 8, 1)  # warm-up
                 decode(engine, [GenerationRequest(prompts[0], 8)], proposer)
             for c in levels:
                 ip_ids, ip = inprocess(engine, proposer, prompts, a.max_new_tokens, c)
-                runs = alternated(stack, engine, prompts, a.max_new_tokens, c, a.repeats, a.decode_steps)
+                runs = alternated(cfg, full, engine, prompts, a.max_new_tokens, c, a.repeats, a.decode_steps)
                 ar_ids = runs["target"][0]["outputs"]
                 for what, ids in (("in-process speculation", ip_ids),
                                   *((m, r["outputs"]) for m, rs in runs.items() for r in rs)):
                     assert ids == ar_ids, f"{what}: output differs from the target alone ({name}, concurrency {c})"
-                cell = {m: float(np.mean([r["tok_s"] for r in runs[m]])) for m in ("target", "triton", "auto_first")}
+                cell = {m: float(np.mean([r["tok_s"] for r in runs[m]])) for m in ("target", "triton")}
+                cell["auto_first"] = runs["auto"][0]["tok_s"]
                 cell |= {m: {k: v for k, v in merge(runs[m]).items() if k != "outputs"} for m in ("off", "full", "auto")}
                 cell |= {"in_process_spec": ip, "vs_best": paired_ratios(runs), "vs_target": paired_ratios(runs, "target")}
                 cells[f"{name}|{c}"] = cell
@@ -278,6 +278,7 @@ def run_cells(cfg: StackConfig, sets: dict, todo: list[tuple[str, int]], cells: 
                                       "drafter": peak_rss_mb(stack.drafter_proc.pid),
                                       "orchestrator": peak_rss_mb(stack.orch_proc.pid)},
                         "drafter_sequences_held": held}
+        stop_process(full_proc)
         save()
 
 
@@ -361,7 +362,7 @@ def main(argv=None):
     lines = [
         "# Stack benchmark (CPU)", "",
         "| prompts | concurrency | target alone (in-process) | fixed-K spec (in-process) | target alone through "
-        "Triton | stack, speculation off | stack, fixed K | stack, auto | auto, first pass after a start | "
+        "Triton | stack, speculation off | stack, fixed K | stack, auto | auto, first repeat | "
         "auto / max(off, full) [95% CI] | auto / target alone [95% CI] | mean draft length (auto) | "
         "rounds without speculation (auto) | gamma (auto) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -377,9 +378,11 @@ def main(argv=None):
         f"the target alone's (checked). The target alone (in process and through Triton) and the stack modes: the "
         f"mean of {a.repeats} runs each, alternated (target, Triton, off, full, auto, then reversed); the ratios are "
         f"the geometric mean of the ratio within each repeat, with a 95% interval (Student's t on the logs; "
-        f"'best' is the faster of off and full in that repeat); fixed-K speculation in process: one run. After each restart of the "
-        f"orchestrator into auto, one pass over the prompts runs first (its start-up: 'first pass', the mean of "
-        f"those passes). Command: `OMP_NUM_THREADS={threads} "
+        f"'best' is the faster of off and full in that repeat); fixed-K speculation in process: one run. Two "
+        f"orchestrators over one Triton and one drafter stay up the whole run (auto, which also serves off as "
+        f"max_draft_tokens = 0 per request, and full), so the controller carries what it measured from one cell "
+        f"to the next as a server would; 'first repeat' is its first pass at a new concurrency. "
+        f"Command: `OMP_NUM_THREADS={threads} "
         f"python -m bench.bench_stack --concurrency {a.concurrency} --max-new-tokens {a.max_new_tokens} --threads "
         f"{threads} --repeats {a.repeats} --decode-steps {a.decode_steps}{'' if a.pipeline else ' --no-pipeline'}`; "
         f"rounds without drafts decode "

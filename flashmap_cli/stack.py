@@ -125,12 +125,14 @@ class Stack:
         wait_grpc_health(self.cfg.drafter_url, 180, self.drafter_proc, self._log("drafter"))
 
     def stop_drafter(self) -> None:
-        _stop(self.drafter_proc)
+        stop_process(self.drafter_proc)
         self.drafter_proc = None
 
     def start_orchestrator(self) -> None:
-        c = self.cfg
-        self.orch_proc = self._spawn("orchestrator", [
+        self.orch_proc = self._orchestrator(self.cfg, "orchestrator")
+
+    def _orchestrator(self, c: StackConfig, name: str) -> subprocess.Popen:
+        proc = self._spawn(name, [
             "orchestrator.server", "--host", c.host, "--port", str(c.port), "--metrics-port", str(c.metrics_port),
             "--http-port", str(c.http_port), "--target-url", f"{c.host}:{c.triton_grpc_port}", "--drafter-url", c.drafter_url if c.with_drafter else "",
             "--tokenizer-dir", c.target_dir, "--max-queue", str(c.max_queue), "--draft-timeout-s", str(c.draft_timeout_s),
@@ -138,11 +140,20 @@ class Stack:
             "--pipeline" if c.pipeline else "--no-pipeline",
             "--target-timeout-s", str(c.target_timeout_s),
         ])
-        wait_grpc_health(c.url, 300, self.orch_proc, self._log("orchestrator"))
+        wait_grpc_health(c.url, 300, proc, self._log(name))
+        return proc
+
+    def extra_orchestrator(self, name: str, **changes) -> tuple[subprocess.Popen, StackConfig]:
+        """A second orchestrator over the same Triton and drafter, on free ports, with these
+        StackConfig fields changed (e.g. speculation="full"): benchmarks compare the two
+        without restarting either. The caller stops it (`stop_process`)."""
+        port, metrics_port = free_ports(2)
+        cfg = replace(self.cfg, port=port, metrics_port=metrics_port, http_port=0, **changes)
+        return self._orchestrator(cfg, name), cfg
 
     def restart_orchestrator(self, **changes) -> None:
         """Stop the orchestrator and start it again with these StackConfig fields changed."""
-        _stop(self.orch_proc)
+        stop_process(self.orch_proc)
         self.cfg = replace(self.cfg, **changes)
         self.start_orchestrator()
 
@@ -163,7 +174,7 @@ class Stack:
         return self
 
     def stop(self) -> None:
-        _stop(self.orch_proc)
+        stop_process(self.orch_proc)
         self.stop_drafter()
         if self.triton is not None:
             self.triton.stop()
@@ -243,7 +254,7 @@ class Supervisor:
             self.step()
 
 
-def _stop(proc: subprocess.Popen | None, timeout: float = 10.0) -> None:
+def stop_process(proc: subprocess.Popen | None, timeout: float = 10.0) -> None:
     if proc is None or proc.poll() is not None:
         return
     proc.terminate()
