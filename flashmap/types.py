@@ -166,8 +166,8 @@ class VerifyRow:
     never draft (no drafter, speculation off for the request, the drafter's context lost), or
     that does not draft for now, needs none, and the target skips copying and sending them.
 
-    features_from >= 0 (a target that keeps every position's features, TargetEngine
-    feature_store): the result's features start at this earlier position of the sequence
+    features_from >= 0 (a target that keeps every position's features, as TargetEngine
+    does): the result's features start at this earlier position of the sequence
     ([start_pos - features_from + L + steps - 1, F]), so a sequence whose rows went without
     features catches its drafter's context up in one row.
     """

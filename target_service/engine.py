@@ -101,9 +101,9 @@ class TargetEngine:
         self._feature_layers = tuple(layers)
         # Every cached position's features (rows without features, features_from), [slots, positions, F].
         shape, dev = (n_slots, max_seq_len, len(layers) * c.hidden_size), model.lm_head.weight.device
+        self._features_np = np.float16 if features_dtype == torch.float16 else np.float32  # on the host
         if dev.type == "cpu":  # numpy's zeros leave untouched pages unmapped; torch's would write them all
-            self._features = torch.from_numpy(np.zeros(shape, np.float16 if features_dtype == torch.float16
-                                                       else np.float32))
+            self._features = torch.from_numpy(np.zeros(shape, self._features_np))
         else:
             self._features = torch.zeros(shape, dtype=features_dtype, device=dev)
         self._eos = list(dict.fromkeys(eos))  # dedupe, keep order
@@ -263,7 +263,7 @@ class TargetEngine:
         self._features[torch.as_tensor(slot, device=dev), torch.as_tensor(pos, device=dev)] = \
             features[torch.as_tensor(np.concatenate(src), device=dev)]
         asked = [i for r, i in zip(rows, src) if r.features]
-        host = np.zeros((0, features.shape[1]), torch.empty(0, dtype=features.dtype).numpy().dtype)
+        host = np.zeros((0, features.shape[1]), self._features_np)
         if asked:  # one copy off the device for every row that asks
             host = features[torch.as_tensor(np.concatenate(asked), device=dev)].cpu().numpy()
         parts = iter(np.split(host, np.cumsum([len(i) for i in asked])[:-1]))

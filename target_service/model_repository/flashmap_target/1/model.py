@@ -497,19 +497,19 @@ class _SideChannel:
     0.18 ms on a 2-core CPU host). The worker and the reaper record them here; the worker sends
     them (`flush`) once it has sent a batch's responses, at most every `interval_s` and when
     it has waited that long for the next batch: coalesced (counts summed, a gauge only when it
-    changed), logs in order. All of the model's calls into the stub are then made by one
-    thread. With a second thread pushing metrics while the worker sent responses, three
-    full test-suite runs under load saw a counter stop below its count for good with no error
-    (an update that never returned, as far as the outside shows), and one saw shutdown wait
-    on such a call past Triton's exit timeout."""
+    changed), logs in order, at most `max_logs` kept (the oldest dropped). All of the model's
+    calls into the stub are made by one thread: metric updates from a second thread, beside the
+    worker's responses, could stop returning (a counter stood still for good; shutdown waited
+    on one past Triton's exit timeout)."""
 
-    def __init__(self, metrics: dict, interval_s: float = 0.25, wake=lambda: None):
+    def __init__(self, metrics: dict, interval_s: float = 0.25, wake=lambda: None, max_logs: int = 1000):
         self._metrics = metrics  # name -> pb_utils Metric
         self._wake = wake  # called when something is recorded and nothing was: the worker may be idle
         self._counts: dict[str, float] = {}  # name -> increment not sent yet
         self._gauges: dict[str, float] = {}  # name -> value to set
         self._shown: dict[str, float] = {}  # name -> value Triton shows
         self._logs: list[tuple[str, str]] = []  # (level, message) not sent yet
+        self._max_logs = max_logs  # a stub that keeps refusing them must not grow this without end
         self._lock = threading.Lock()  # the reaper records too
         self._interval_s = interval_s
         self._due: float | None = None  # time.monotonic() when what is recorded should go out
@@ -533,6 +533,7 @@ class _SideChannel:
         """level: "info", "warn" or "error" (pb_utils.Logger.log_<level>)."""
         with self._lock:
             self._logs.append((level, message))
+            del self._logs[:-self._max_logs]
             self._record()
 
     def wait_s(self) -> float | None:
