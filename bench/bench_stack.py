@@ -13,8 +13,8 @@ concurrency, in one script:
   server runs it (warm, carrying its measurements from one concurrency to the next).
 
 The target alone (in process and through Triton) and the three stack modes run `repeats`
-times each, alternated, because the VM's speed drifts by a third within minutes and one run
-per mode cannot tell 5% apart.
+times each, alternated every chunk of the prompts (`--chunks`), because the VM's speed drifts
+by a third within minutes and one run per mode cannot tell 5% apart.
 
 Rounds without drafts decode `--decode-steps` tokens per request in one call everywhere (the
 in-process target alone too), so every ratio compares like with like.
@@ -29,7 +29,8 @@ a stopped run started again with the same settings resumes at the next cell (`--
 cells again). The report ends with a plot of the two ratios (`--out` with .png).
 
   python -m bench.bench_stack [--target DIR] [--drafter DIR|init] [--max-new-tokens 48] \\
-      [--concurrency 1,4,16,32] [--threads N] [--repeats 2] [--decode-steps 8] [--no-pipeline] [--fresh]
+      [--concurrency 1,4,16,32] [--threads N] [--repeats 2] [--chunks 4] [--decode-steps 8] [--no-pipeline] \\
+      [--fresh]
 """
 
 from __future__ import annotations
@@ -86,23 +87,33 @@ def peak_rss_mb(pid: int) -> float:
 
 def inprocess(engine, proposer, prompts, max_new, concurrency, decode_steps: int = 1) -> tuple[list, float]:
     """(outputs, tokens/s) with `concurrency` requests batched at a time."""
+    run = inprocess_run(engine, proposer, prompts, max_new, concurrency, decode_steps)
+    return run["outputs"], tok_s(run)
+
+
+def inprocess_run(engine, proposer, prompts, max_new, concurrency, decode_steps: int = 1) -> dict:
+    """{"outputs", "seconds"} of `inprocess`."""
     t0 = time.perf_counter()
     outs = []
     for i in range(0, len(prompts), concurrency):
         outs += decode(engine, [GenerationRequest(p, max_new) for p in prompts[i:i + concurrency]], proposer,
                        decode_steps=decode_steps)
-    dt = time.perf_counter() - t0
-    return [o.token_ids for o in outs], sum(len(o.token_ids) for o in outs) / dt
+    return {"outputs": [o.token_ids for o in outs], "seconds": time.perf_counter() - t0}
 
 
-def triton_alone(cfg: StackConfig, prompts, max_new, concurrency) -> tuple[list, float]:
-    """(outputs, tokens/s) of the target alone through Triton: the round loop calls Triton
+def tok_s(run: dict) -> float:
+    return sum(len(o) for o in run["outputs"]) / run["seconds"]
+
+
+def triton_alone(cfg: StackConfig, prompts, max_new, concurrency) -> dict:
+    """{"outputs", "seconds"} of the target alone through Triton: the round loop calls Triton
     directly (no orchestrator, no drafter, no client streams), `concurrency` sequences at a
     time, each round sent ahead as the orchestrator sends it (cfg.pipeline). The ceiling of
     the stack with speculation off."""
 
     async def run():
         target = TritonTarget(TargetClient(f"{cfg.host}:{cfg.triton_grpc_port}", key=cfg.target_key), cfg.max_seq_len)
+        await target.client.info()  # connected before the clock starts, as the stack's client is
         outs, base = [], random.getrandbits(40) + 1
         t0 = time.perf_counter()
         for i in range(0, len(prompts), concurrency):
@@ -115,9 +126,9 @@ def triton_alone(cfg: StackConfig, prompts, max_new, concurrency) -> tuple[list,
             for s in seqs:
                 await target.release(s.handle)
             outs += [s.generated for s in seqs]
-        tok_s = sum(len(o) for o in outs) / (time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
         await target.client.close()
-        return outs, tok_s
+        return {"outputs": outs, "seconds": seconds}
 
     return asyncio.run(run())
 
@@ -131,6 +142,8 @@ def _scrape_all(cfg: StackConfig) -> dict[str, float]:
 
 
 def through_stack(cfg: StackConfig, prompts, max_new, concurrency, spec_off: bool = False) -> dict:
+    """{"outputs", "seconds", "delta" (the services' metrics over the run), "drafts", "accepted",
+    "fallback"} of the prompts through the stack, `concurrency` streams at a time."""
     before = _scrape_all(cfg)
 
     def one(p):
@@ -146,13 +159,26 @@ def through_stack(cfg: StackConfig, prompts, max_new, concurrency, spec_off: boo
         dt = time.perf_counter() - t0
     time.sleep(0.5)  # the target model sends its metrics between batches, within 0.25 s of the last
     after = _scrape_all(cfg)
-    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    return {"outputs": [o.token_ids for o in outs], "seconds": dt,
+            "delta": {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after},
+            "drafts": sum(o.stats.drafts for o in outs), "accepted": sum(o.stats.accepted for o in outs),
+            "fallback": sum(o.stats.fallback_rounds for o in outs)}
+
+
+def stack_summary(parts: list[dict]) -> dict:
+    """Runs of `through_stack` (the chunks of one repeat) as one: tokens/s, acceptance, the
+    per-round split and the controller's decisions."""
+    d: dict[str, float] = {}
+    for p in parts:
+        for k, v in p["delta"].items():
+            d[k] = d.get(k, 0.0) + v
+    run = {"outputs": [o for p in parts for o in p["outputs"]], "seconds": sum(p["seconds"] for p in parts)}
+    drafts = sum(p["drafts"] for p in parts)
     rounds = max(d.get("flashmap_round_latency_seconds_count", 0.0), 1.0)
-    drafts = sum(o.stats.drafts for o in outs)
     batches = max(d.get("flashmap_target_batches_total", 0.0), 1.0)  # batches the model ran (one per verify forward)
     return {
-        "outputs": [o.token_ids for o in outs], "tok_s": sum(len(o.token_ids) for o in outs) / dt,
-        "gamma": 1 + sum(o.stats.accepted for o in outs) / drafts if drafts else 1.0,
+        **run, "tok_s": tok_s(run),
+        "gamma": 1 + sum(p["accepted"] for p in parts) / drafts if drafts else 1.0,
         "draft_ms": 1e3 * d.get("flashmap_draft_latency_seconds_sum", 0.0) / rounds,
         "verify_ms": 1e3 * d.get("flashmap_verify_latency_seconds_sum", 0.0) / rounds,
         "round_ms": 1e3 * d.get("flashmap_round_latency_seconds_sum", 0.0) / rounds,
@@ -163,32 +189,52 @@ def through_stack(cfg: StackConfig, prompts, max_new, concurrency, spec_off: boo
         "triton_compute_ms": 1e3 * d.get("flashmap_target_batch_run_seconds_total", 0.0) / batches,
         "mean_draft_len": d.get("flashmap_draft_length_sum", 0.0) / max(d.get("flashmap_draft_length_count", 0.0), 1),
         "off_rounds": d.get("flashmap_speculation_off_rounds_total", 0.0), "rounds": rounds,
-        "fallback": sum(o.stats.fallback_rounds for o in outs),
+        "fallback": sum(p["fallback"] for p in parts),
     }
 
 
 MODES = ("target", "triton", "off", "full", "auto")
 
 
+def chunks_of(prompts: list, concurrency: int, n: int) -> list[list]:
+    """The prompts in about `n` consecutive chunks, each a whole number of batches of
+    `concurrency` (fewer chunks when there are not enough batches)."""
+    batches = -(-len(prompts) // concurrency)
+    per = -(-batches // max(1, min(n, batches))) * concurrency
+    return [prompts[i:i + per] for i in range(0, len(prompts), per)]
+
+
 def alternated(auto: StackConfig, full: StackConfig, engine, prompts, max_new, concurrency, repeats: int,
-               decode_steps: int) -> dict[str, list[dict]]:
-    """Each mode `repeats` times, in the order of MODES and then reversed, so that the VM's
-    drifting speed (+-30% within minutes) falls on all alike: the in-process target alone
-    ("target"), the target alone through Triton ("triton"), and the stack with speculation off,
-    fixed K ("full") and the controller ("auto"). Two orchestrators over the same Triton and
-    drafter, both up the whole run (nothing restarts, as in a server): `auto` serves "auto"
-    and, with max_draft_tokens = 0 per request, "off"; `full` serves "full"."""
+               decode_steps: int, chunks: int = 1) -> dict[str, list[dict]]:
+    """Each mode `repeats` times: the in-process target alone ("target"), the target alone
+    through Triton ("triton"), and the stack with speculation off, fixed K ("full") and the
+    controller ("auto"). The VM's speed drifts (+-30% within minutes), so the modes alternate
+    finely: the prompts are cut into `chunks` (chunks_of) and every mode runs a chunk before
+    the next chunk starts, in the order of MODES and then reversed; a repeat of a mode is its
+    chunks together. Two orchestrators over the same Triton and drafter, both up the whole run
+    (nothing restarts, as in a server): `auto` serves "auto" and, with max_draft_tokens = 0 per
+    request, "off"; `full` serves "full"."""
+    parts = chunks_of(prompts, concurrency, chunks)
     runs = {m: [] for m in MODES}
-    baselines = {"target": lambda: inprocess(engine, None, prompts, max_new, concurrency, decode_steps),
-                 "triton": lambda: triton_alone(auto, prompts, max_new, concurrency)}
+    order = 0
     for rep in range(repeats):
-        for mode in MODES if rep % 2 == 0 else MODES[::-1]:
-            if mode in baselines:
-                ids, tok_s = baselines[mode]()
-                runs[mode].append({"outputs": ids, "tok_s": tok_s})
+        done = {m: [] for m in MODES}
+        for part in parts:
+            for mode in MODES if order % 2 == 0 else MODES[::-1]:
+                if mode == "target":
+                    done[mode].append(inprocess_run(engine, None, part, max_new, concurrency, decode_steps))
+                elif mode == "triton":
+                    done[mode].append(triton_alone(auto, part, max_new, concurrency))
+                else:
+                    done[mode].append(through_stack(full if mode == "full" else auto, part, max_new, concurrency,
+                                                    spec_off=mode == "off"))
+            order += 1
+        for mode, got in done.items():
+            if mode in ("target", "triton"):
+                run = {"outputs": [o for g in got for o in g["outputs"]], "seconds": sum(g["seconds"] for g in got)}
+                runs[mode].append({**run, "tok_s": tok_s(run)})
             else:
-                runs[mode].append(through_stack(full if mode == "full" else auto, prompts, max_new, concurrency,
-                                                spec_off=mode == "off"))
+                runs[mode].append(stack_summary(got))
     return runs
 
 
@@ -255,7 +301,7 @@ def run_cells(cfg: StackConfig, sets: dict, todo: list[tuple[str, int]], cells: 
                 decode(engine, [GenerationRequest(prompts[0], 8)], proposer)
             for c in levels:
                 ip_ids, ip = inprocess(engine, proposer, prompts, a.max_new_tokens, c)
-                runs = alternated(cfg, full, engine, prompts, a.max_new_tokens, c, a.repeats, a.decode_steps)
+                runs = alternated(cfg, full, engine, prompts, a.max_new_tokens, c, a.repeats, a.decode_steps, a.chunks)
                 ar_ids = runs["target"][0]["outputs"]
                 for what, ids in (("in-process speculation", ip_ids),
                                   *((m, r["outputs"]) for m, rs in runs.items() for r in rs)):
@@ -323,6 +369,8 @@ def main(argv=None):
     ap.add_argument("--prompts", type=int, default=0, help="prompts per set (default: 2 x the largest concurrency)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per service (default: the machine's cores)")
     ap.add_argument("--repeats", type=int, default=2, help="runs of each mode, alternated (default 2)")
+    ap.add_argument("--chunks", type=int, default=4,
+                    help="the modes alternate every this many parts of the prompts (default 4; 1: whole sets)")
     ap.add_argument("--decode-steps", type=int, default=StackConfig.decode_steps,
                     help="tokens per request of a round without drafts, for the target alone and the stack alike")
     ap.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=True,
@@ -345,7 +393,7 @@ def main(argv=None):
     # Finished cells go to a JSON file beside the report, so a run that is stopped resumes at
     # the next cell (with the same settings; another setting starts afresh).
     settings = {"target": str(target), "drafter": str(drafter), "max_new_tokens": a.max_new_tokens, "prompts": n,
-                "threads": threads, "repeats": a.repeats, "decode_steps": a.decode_steps, "pipeline": a.pipeline}
+                "threads": threads, "repeats": a.repeats, "chunks": a.chunks, "decode_steps": a.decode_steps, "pipeline": a.pipeline}
     cells_path = a.out.with_suffix(".json")
     saved = json.loads(cells_path.read_text()) if cells_path.exists() and not a.fresh else {}
     cells = saved.get("cells", {}) if saved.get("settings") == settings else {}
@@ -376,7 +424,8 @@ def main(argv=None):
     lines += [
         "", f"Tokens/s, greedy, {a.max_new_tokens} new tokens per request, {n} prompts per set; every output equals "
         f"the target alone's (checked). The target alone (in process and through Triton) and the stack modes: the "
-        f"mean of {a.repeats} runs each, alternated (target, Triton, off, full, auto, then reversed); the ratios are "
+        f"mean of {a.repeats} runs each, alternated (target, Triton, off, full, auto, then reversed) every "
+        f"{a.chunks} part(s) of the prompts (whole batches); the ratios are "
         f"the geometric mean of the ratio within each repeat, with a 95% interval (Student's t on the logs; "
         f"'best' is the faster of off and full in that repeat); fixed-K speculation in process: one run. Two "
         f"orchestrators over one Triton and one drafter stay up the whole run (auto, which also serves off as "
@@ -384,7 +433,7 @@ def main(argv=None):
         f"to the next as a server would; 'first repeat' is its first pass at a new concurrency. "
         f"Command: `OMP_NUM_THREADS={threads} "
         f"python -m bench.bench_stack --concurrency {a.concurrency} --max-new-tokens {a.max_new_tokens} --threads "
-        f"{threads} --repeats {a.repeats} --decode-steps {a.decode_steps}{'' if a.pipeline else ' --no-pipeline'}`; "
+        f"{threads} --repeats {a.repeats} --chunks {a.chunks} --decode-steps {a.decode_steps}{'' if a.pipeline else ' --no-pipeline'}`; "
         f"rounds without drafts decode "
         f"{a.decode_steps} tokens per request in one call, in process and through the stack alike; the orchestrator "
         f"{'queues the next such round at Triton while one runs (--pipeline)' if a.pipeline else 'sends a round once the one before has answered (--no-pipeline)'}. Date: {date}. Machine: {machine()}; {threads} torch threads per "

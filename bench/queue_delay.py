@@ -13,7 +13,7 @@ import argparse
 
 import numpy as np
 
-from bench.bench_stack import through_stack
+from bench.bench_stack import stack_summary, through_stack
 from flashmap_cli.stack import Stack, StackConfig, default_checkpoints
 
 
@@ -30,8 +30,8 @@ def main(argv=None) -> None:
         with Stack(cfg):
             through_stack(cfg, prompts[:2], 8, 1)  # warm-up
             for c in (1, 16):
-                off = through_stack(cfg, prompts, 48, c, spec_off=True)
-                full = through_stack(cfg, prompts, 48, c)
+                off = stack_summary([through_stack(cfg, prompts, 48, c, spec_off=True)])
+                full = stack_summary([through_stack(cfg, prompts, 48, c)])
                 print(f"delay {delay} us c={c}: off {off['tok_s']:.0f} tok/s (verify {off['verify_ms']:.2f} ms, "
                       f"queue {off['triton_queue_ms']:.2f}, model {off['triton_compute_ms']:.2f}), full "
                       f"{full['tok_s']:.0f} (round {full['round_ms']:.2f} ms, queue {full['triton_queue_ms']:.2f})",

@@ -24,6 +24,16 @@ def test_ratio_interval_is_a_t_interval_on_the_logs():
     assert bench_stack.fmt_ci((0.97, 0.9, 1.05)) == "0.97 [0.90, 1.05]"
 
 
+def test_chunks_are_whole_batches_covering_every_prompt_once():
+    prompts = list(range(64))
+    for c, n, sizes in ((1, 4, [16] * 4), (16, 4, [16] * 4), (32, 4, [32, 32]), (4, 3, [24, 24, 16]),
+                        (5, 4, [20, 20, 20, 4]), (64, 4, [64]), (1, 1, [64])):
+        parts = bench_stack.chunks_of(prompts, c, n)
+        assert [len(p) for p in parts] == sizes, (c, n)
+        assert [x for p in parts for x in p] == prompts
+        assert all(len(p) % c == 0 for p in parts[:-1])
+
+
 @pytest.mark.skipif(not (REPO / "checkpoints" / "demo-flashmap" / "model.safetensors").is_file(),
                     reason="demo checkpoints not present")
 def test_a_tiny_run_reports_and_resumes(tmp_path, capsys):
