@@ -54,7 +54,7 @@ from flashmap.metrics import scrape, totals
 from flashmap.rounds import speculative_round
 from flashmap.sequence import Sequence
 from flashmap.types import GenerationRequest
-from flashmap_cli.stack import Stack, StackConfig, default_checkpoints, stop_process
+from flashmap_cli.stack import Stack, StackConfig, default_checkpoints, stop_process, threads_per_service
 from orchestrator.target_client import TargetClient, TritonTarget
 from target_service.engine import TargetEngine
 from training.evaluate import DEFAULT_PROMPTS, machine, read_domain_prompts
@@ -367,7 +367,8 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--concurrency", default="1,4,16,32")
     ap.add_argument("--prompts", type=int, default=0, help="prompts per set (default: 2 x the largest concurrency)")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads per service (default: the machine's cores)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads per service and of the in-process runs (default: the stack's, half the cores)")
     ap.add_argument("--repeats", type=int, default=2, help="runs of each mode, alternated (default 2)")
     ap.add_argument("--chunks", type=int, default=4,
                     help="the modes alternate every this many parts of the prompts (default 4; 1: whole sets)")
@@ -378,8 +379,8 @@ def main(argv=None):
     ap.add_argument("--out", type=Path, default=OUT / "bench_stack.md")
     ap.add_argument("--fresh", action="store_true", help="ignore the finished cells saved beside --out")
     a = ap.parse_args(argv)
-    threads = a.threads or os.cpu_count() or 1
-    os.environ["OMP_NUM_THREADS"] = str(threads)  # the services run one after the other within a round
+    threads = a.threads or threads_per_service()
+    os.environ["OMP_NUM_THREADS"] = str(threads)
     import torch
     torch.set_num_threads(threads)
     target, drafter, notes = default_checkpoints(a.target, a.drafter)
@@ -424,8 +425,9 @@ def main(argv=None):
     lines += [
         "", f"Tokens/s, greedy, {a.max_new_tokens} new tokens per request, {n} prompts per set; every output equals "
         f"the target alone's (checked). The target alone (in process and through Triton) and the stack modes: the "
-        f"mean of {a.repeats} runs each, alternated (target, Triton, off, full, auto, then reversed) every "
-        f"{a.chunks} part(s) of the prompts (whole batches); the ratios are "
+        f"mean of {a.repeats} runs each; the prompts are cut into {a.chunks} parts of whole batches and every mode "
+        f"runs a part before the next part starts (target, Triton, off, full, auto, then reversed), a run being "
+        f"its parts together; the ratios are "
         f"the geometric mean of the ratio within each repeat, with a 95% interval (Student's t on the logs; "
         f"'best' is the faster of off and full in that repeat); fixed-K speculation in process: one run. Two "
         f"orchestrators over one Triton and one drafter stay up the whole run (auto, which also serves off as "

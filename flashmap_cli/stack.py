@@ -158,9 +158,7 @@ class Stack:
         self.start_orchestrator()
 
     def start(self) -> "Stack":
-        # Three torch processes on a small CPU box each default to one thread per core and
-        # fight over the cores (verify rounds ran 10x slower). Children inherit this.
-        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // 2)))
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_service()))  # children inherit it
         try:
             if self.cfg.with_drafter:
                 self.start_drafter(wait=False)  # loads while Triton starts
@@ -252,6 +250,14 @@ class Supervisor:
     def run(self, stop: "threading.Event", interval_s: float = 1.0) -> None:
         while not stop.wait(interval_s):
             self.step()
+
+
+def threads_per_service() -> int:
+    """Torch threads each service gets unless OMP_NUM_THREADS says: half the cores. Three
+    torch processes on a small CPU box each default to one thread per core and fight over the
+    cores (verify rounds ran 10x slower); on 2 cores, 2 threads per service halve the stack's
+    throughput while one process alone gains from them (bench.threads_per_service)."""
+    return max(1, (os.cpu_count() or 2) // 2)
 
 
 def stop_process(proc: subprocess.Popen | None, timeout: float = 10.0) -> None:

@@ -414,6 +414,10 @@ def test_cpu_profile_differs_from_the_h200_profile_only_where_it_must():
         == BASE_DIR / "Containerfile.prometheus"
     assert cpu["triton"]["environment"]["FLASHMAP_TARGET_DEVICE"] == "cpu"
     assert "--device=cpu" in cpu["drafter"]["command"] and "--device=cuda" in gpu["drafter"]["command"]
+    # Torch threads for the two torch services, which share the CPU (flashmap_cli.stack.threads_per_service).
+    for name in ("triton", "drafter"):
+        assert cpu[name]["environment"]["OMP_NUM_THREADS"] == "1"
+        assert "OMP_NUM_THREADS" not in gpu[name].get("environment", {})
     for name, svc in cpu.items():
         assert "deploy" not in svc, f"{name}: device reservation on the CPU profile"
         # podman 4.3 (Debian 12) knows neither; runc fails on raised limits in the sandbox.
@@ -427,6 +431,7 @@ def test_cpu_profile_differs_from_the_h200_profile_only_where_it_must():
             svc.pop(key, None)
         svc.get("healthcheck", {}).pop("start_interval", None)
         svc.get("build", {}).pop("args", None)
+        svc.get("environment", {}).pop("OMP_NUM_THREADS", None)
         if name == "triton":
             svc["environment"].pop("FLASHMAP_TARGET_DEVICE")
         if name == "drafter":
