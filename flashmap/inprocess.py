@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flashmap.rounds import DraftBatch, lead_round, run_local, speculative_round
+from flashmap.rounds import DraftBatch, run_local, speculative_round
 from flashmap.sequence import Sequence
 from flashmap.types import BLOCK_SIZE, GenerationRequest, ProposeRequest, SpecStats, VerifyRow
 
@@ -47,7 +47,7 @@ class LocalDrafter:
             ctx = s.context_for_drafter()
             if ctx is not None:
                 p.extend(str(s.seq_id), ctx[1], ctx[2])
-                s.drafter_acknowledged(ctx[0] + len(ctx[1]))
+                s.drafter_acknowledged()
         out = DraftBatch()
         for n in sorted(set(n_blocks)):
             group = [s for s, k in zip(seqs, n_blocks) if k == n]
@@ -83,17 +83,14 @@ class LocalTarget:
 
 
 def decode(engine, requests: list[GenerationRequest], proposer=None, steps: int = 1,
-           tree_blocks: int = 1, controller=None, decode_steps: int = 1, lead_step: bool = False
-           ) -> list[GenerationResult]:
+           tree_blocks: int = 1, controller=None, decode_steps: int = 1) -> list[GenerationResult]:
     """Decode all requests to completion; results come back in request order.
 
     tree_blocks > 1 (greedy requests): each round drafts that many blocks from independent
     noise and verifies them as a tree (TargetEngine.verify_tree); the sequence commits the
     branch the target accepts furthest. controller: a flashmap.speculation.SpeculationController
     choosing each round's draft lengths (None: the whole block every round). decode_steps:
-    tokens per request of a round without drafts, in one engine call (flashmap.rounds).
-    lead_step: greedy drafted rounds take a lead step (flashmap.rounds.lead_round; in one
-    process the two parts run one after the other, so this checks the text, not the speed)."""
+    tokens per request of a round without drafts, in one engine call (flashmap.rounds)."""
     for r in requests:
         r.validate(engine.vocab_size, engine.max_seq_len)
     if tree_blocks > 1:
@@ -112,11 +109,7 @@ def decode(engine, requests: list[GenerationRequest], proposer=None, steps: int 
         while waiting and engine.free_slots > 0:
             i, req = waiting.popleft()
             active[i] = Sequence(i, req, block, handle=engine.allocate())
-        seqs = list(active.values())
-        if lead_step and drafter is not None and tree_blocks == 1 and controller is None:
-            run_local(lead_round(seqs, target, drafter, decode_steps))
-        else:
-            run_local(speculative_round(seqs, target, drafter, tree_blocks, controller, decode_steps))
+        run_local(speculative_round(list(active.values()), target, drafter, tree_blocks, controller, decode_steps))
         for i, s in list(active.items()):
             if s.finished:
                 engine.release(s.handle)

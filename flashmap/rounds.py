@@ -121,14 +121,13 @@ class Ahead:
 async def speculative_round(seqs: list[Sequence], target: Target, drafter: Drafter | None = None,
                             tree_blocks: int = 1, controller: SpeculationController | None = None,
                             decode_steps: int = 1, ahead: Ahead | None = None,
-                            send_ahead: bool = False, drafts: DraftBatch | None = None) -> RoundResult:
+                            send_ahead: bool = False) -> RoundResult:
     """One draft + verify + commit for every sequence in `seqs` (none finished). controller:
     chooses each sequence's draft length from measured costs (None: the whole block).
     decode_steps: tokens per row of a round without drafts (one verify call for all of them).
     ahead: this round was sent ahead (`seqs` is then ahead.seqs; the finished ones commit
     nothing). send_ahead: if this round drafts nothing and the next would draft nothing either,
-    send the next round now (RoundResult.ahead), for the sequences this one cannot end.
-    drafts: the blocks, drafted already (lead_round): no draft call."""
+    send the next round now (RoundResult.ahead), for the sequences this one cannot end."""
     out = RoundResult([])
     t_round = time.perf_counter() if ahead is None else ahead.since
     batch, asked, lost, gone = DraftBatch(), set(), set(), set()
@@ -140,10 +139,8 @@ async def speculative_round(seqs: list[Sequence], target: Target, drafter: Draft
     else:
         if controller is not None and drafter is not None:
             out.plan = controller.plan(seqs)
-        wanted = [s for s in seqs if s.draft_budget() > 0] if drafter is not None and drafts is None else []
+        wanted = [s for s in seqs if s.draft_budget() > 0] if drafter is not None else []
         ask = [s for s in wanted if not s.drafter_lost]
-        if drafts is not None:
-            batch = drafts
         asked = {s.seq_id for s in ask}
         lost = {s.seq_id for s in wanted if s.drafter_lost}
         if ask:
@@ -200,63 +197,6 @@ async def speculative_round(seqs: list[Sequence], target: Target, drafter: Draft
                            prefill=any(r.prefill for r in out.sequences),
                            decode_steps=out.decode_steps)
     return out
-
-
-async def lead_round(seqs: list[Sequence], target: Target, drafter: Drafter, decode_steps: int = 1) -> RoundResult:
-    """A drafted round whose draft call overlaps a lead step: while the drafter drafts after
-    each sequence's anchor, the target decodes one token t1 past it (a row without drafts).
-    A block whose first token is t1 is then verified from t1 on (Draft.after_first): a round
-    commits one token more than a plain drafted round, and the lead step's time hides behind
-    the draft call when the two run on different cores. A block that missed t1 is dropped:
-    the round commits t1 alone. Greedy requests whose drafts verify as one block (no trees,
-    no controller); any other round is a speculative_round. Exact: t1 is the target's own
-    token, and the rest is verified as any block after the anchor t1."""
-    if not seqs or not all(s.prefilled and s.params.greedy and s.wants_draft() for s in seqs):
-        return await speculative_round(seqs, target, drafter, decode_steps=decode_steps)
-    timed: dict[str, float] = {}
-
-    async def draft() -> DraftBatch:
-        t0 = time.perf_counter()
-        try:
-            return await drafter.draft(seqs, [1] * len(seqs))
-        finally:
-            timed["draft_s"] = time.perf_counter() - t0
-
-    # Concurrent when an event loop runs remote parts; the local ones never suspend, and the
-    # drafter acknowledges only the context it was sent (Sequence.drafter_acknowledged).
-    batch, lead = await _together(draft(), speculative_round(seqs, target, drafter, drafts=DraftBatch()))
-    out = RoundResult(lead.sequences, draft_s=timed["draft_s"], verify_s=lead.verify_s)
-    after = DraftBatch(failure=batch.failure)
-    for r in lead.sequences:
-        s, blocks = r.seq, batch.blocks.get(r.seq.seq_id, [])
-        s.stats.draft_s += out.draft_s
-        if not blocks:
-            r.fallback = "context_lost" if s.drafter_lost else (batch.failure or "context_lost")
-            s.stats.fallback_rounds += 1
-        elif r.error is None and not s.finished and len(blocks[0].tokens) > 1 and r.new_tokens \
-                and blocks[0].tokens[0] == r.new_tokens[-1]:
-            after.blocks[s.seq_id] = [blocks[0].after_first()]
-    rest = [s for s in seqs if s.seq_id in after.blocks]
-    if rest:
-        more = await speculative_round(rest, target, drafter, drafts=after)
-        out.verify_s += more.verify_s
-        out.steps = more.steps
-        joined = {r.seq.seq_id: r for r in more.sequences}
-        for r in out.sequences:
-            m = joined.get(r.seq.seq_id)
-            if m is not None:
-                r.new_tokens = r.new_tokens + m.new_tokens
-                r.drafted, r.accepted, r.error = m.drafted, m.accepted, r.error or m.error
-    return out
-
-
-async def _together(a, b) -> tuple:
-    """Await two coroutines: concurrently under an event loop, else one after the other."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:  # run_local: no loop, and local parts never suspend
-        return await a, await b
-    return tuple(await asyncio.gather(a, b))
 
 
 def _rows(seqs: list[Sequence], batch: DraftBatch, target: Target, decode_steps: int, probing: bool, drafter: bool):

@@ -114,20 +114,10 @@ class Sequence:
         self.pending_context = [(ids, feats)]
         return self.drafter_seen, ids, feats
 
-    def drafter_acknowledged(self, upto: int | None = None) -> None:
-        """The drafter holds the context before position `upto` (None: all pending context).
-        A call in flight acknowledges what it carried: context committed meanwhile (a lead
-        step, flashmap.rounds.lead_round) stays pending."""
-        n = (self.features_known if upto is None else upto) - self.drafter_seen
-        while n > 0 and self.pending_context:
-            ids, feats = self.pending_context[0]
-            take = min(n, len(ids))
-            if take == len(ids):
-                self.pending_context.pop(0)
-            else:
-                self.pending_context[0] = (ids[take:], feats[take:])
-            self.drafter_seen += take
-            n -= take
+    def drafter_acknowledged(self) -> None:
+        """The drafter holds all pending context."""
+        self.drafter_seen += sum(len(c[0]) for c in self.pending_context)
+        self.pending_context.clear()
 
     def lose_drafter(self) -> None:
         """The drafter cannot serve this sequence any more (its context is gone)."""

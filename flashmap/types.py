@@ -239,10 +239,6 @@ class Draft:
     def truncate(self, k: int) -> "Draft":
         return Draft(self.tokens[:k], self.support_ids[:k], self.support_probs[:k], self.steps)
 
-    def after_first(self) -> "Draft":
-        """The block without its first slot: a proposal for the positions after that token."""
-        return Draft(self.tokens[1:], self.support_ids[1:], self.support_probs[1:], self.steps)
-
 
 def feature_layers_for(num_layers: int, count: int = 5) -> list[int]:
     """Evenly spaced layers from 1 to N-3 (36 layers -> 1, 9, 17, 25, 33).

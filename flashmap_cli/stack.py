@@ -52,7 +52,6 @@ class StackConfig:
     speculation: str = "auto"  # auto: draft lengths from measured costs; full: the whole block every round
     decode_steps: int = DECODE_STEPS  # tokens per request of a round without drafts (the orchestrator's --decode-steps)
     pipeline: bool = True  # the orchestrator's --pipeline: the next round without drafts queued while one runs
-    lead_step: bool = False  # the orchestrator's --lead-step (speculation full, greedy)
     # Secrets between the parts (flashmap.auth): fresh random ones unless given.
     target_key: str = field(default_factory=new_secret)
     drafter_token: str = field(default_factory=new_secret)
@@ -138,7 +137,7 @@ class Stack:
             "--http-port", str(c.http_port), "--target-url", f"{c.host}:{c.triton_grpc_port}", "--drafter-url", c.drafter_url if c.with_drafter else "",
             "--tokenizer-dir", c.target_dir, "--max-queue", str(c.max_queue), "--draft-timeout-s", str(c.draft_timeout_s),
             "--tree-blocks", str(c.tree_blocks), "--speculation", c.speculation, "--decode-steps", str(c.decode_steps),
-            "--pipeline" if c.pipeline else "--no-pipeline", "--lead-step" if c.lead_step else "--no-lead-step",
+            "--pipeline" if c.pipeline else "--no-pipeline",
             "--target-timeout-s", str(c.target_timeout_s),
         ])
         wait_grpc_health(c.url, 300, proc, self._log(name))

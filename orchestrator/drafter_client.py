@@ -196,7 +196,7 @@ class ServiceDrafter:
                 log.warning("sequence %s: drafter: %s; continuing autoregressively", s.seq_id, block.error)
                 s.lose_drafter()
                 continue
-            s.drafter_acknowledged(m.context_start + len(m.new_token_ids))
+            s.drafter_acknowledged()
             out.blocks[s.seq_id] = block_to_drafts(block)
             if not m.steps:  # drafted with the drafter's default: follow run-time switches (SetSteps)
                 self.client.steps = block.steps

@@ -34,7 +34,7 @@ from flashmap.auth import (API_KEY_ENV, API_KEY_HEADER, DRAFTER_TOKEN_ENV, TARGE
                            read_secret)
 from flashmap.grpc_serving import TokenAuth, add_service, run, serve_grpc
 from flashmap.logs import fields, setup_logging
-from flashmap.rounds import Ahead, lead_round, speculative_round
+from flashmap.rounds import Ahead, speculative_round
 from flashmap.sequence import Sequence
 from flashmap.speculation import ControllerConfig, SpeculationController
 from flashmap.tokenizer import IncrementalDecoder
@@ -73,9 +73,6 @@ class OrchestratorConfig:
     # Triton (flashmap.rounds.Ahead): the target goes from one to the next without waiting for
     # this loop, the network and Triton's request path between them.
     pipeline: bool = True
-    # With --speculation full and greedy requests, a drafted round decodes one token while the
-    # drafter drafts, and verifies the block from that token on (flashmap.rounds.lead_round).
-    lead_step: bool = False
     # Trust boundaries (DESIGN.md): secrets come from the environment (flashmap.auth), "" = none.
     api_key: str = ""  # clients must send authorization: Bearer <api_key> (gRPC Health and grpc.health stay open)
     target_key: str = ""  # Triton's restricted-protocol key
@@ -415,12 +412,8 @@ class Orchestrator:
         # of their own (a forward more), and it would end a round before them.
         burst = len(self.active) < self.max_concurrent and not all(s.prefilled for s in seqs)
         send = self.cfg.pipeline and not self.waiting and not fresh and not burst
-        if self.cfg.lead_step and ahead is None and self.controller is None and self.cfg.tree_blocks == 1 \
-                and self.drafter_port is not None and all(s.prefilled and s.wants_draft() for s in seqs):
-            rounds = [lead_round(seqs, self.target_port, self.drafter_port, self.cfg.decode_steps)]
-        else:
-            rounds = [speculative_round(seqs, self.target_port, self.drafter_port, self.cfg.tree_blocks,
-                                        self.controller, self.cfg.decode_steps, ahead=ahead, send_ahead=send)]
+        rounds = [speculative_round(seqs, self.target_port, self.drafter_port, self.cfg.tree_blocks,
+                                    self.controller, self.cfg.decode_steps, ahead=ahead, send_ahead=send)]
         if fresh:  # prompts only: nothing to draft or plan yet, their call queues behind the one in flight
             rounds.append(speculative_round(fresh, self.target_port))
         results = await asyncio.gather(*rounds)
@@ -670,9 +663,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pipeline", action=argparse.BooleanOptionalAction,
                     default=env("FLASHMAP_PIPELINE", "1") not in ("0", "false", "no"),
                     help="queue the next round without drafts at Triton while one runs (default on)")
-    ap.add_argument("--lead-step", action=argparse.BooleanOptionalAction,
-                    default=env("FLASHMAP_LEAD_STEP", "0") not in ("0", "false", "no"),
-                    help="--speculation full, greedy: decode one token while the drafter drafts (default off)")
     ap.add_argument("--tls-cert", default=env("FLASHMAP_TLS_CERT"), help="PEM certificate chain: serve TLS")
     ap.add_argument("--tls-key", default=env("FLASHMAP_TLS_KEY"), help="PEM private key of --tls-cert")
     ap.add_argument("--reflection", action="store_true", help="serve gRPC reflection (off: less to probe)")
@@ -693,7 +683,7 @@ def main(argv: list[str] | None = None) -> None:
         host=a.host, port=a.port, metrics_port=a.metrics_port, http_port=a.http_port, target_url=a.target_url, drafter_url=a.drafter_url,
         tokenizer_dir=a.tokenizer_dir, max_concurrent=a.max_concurrent, max_queue=a.max_queue,
         draft_timeout_s=a.draft_timeout_s, tree_blocks=a.tree_blocks, speculation=a.speculation,
-        decode_steps=a.decode_steps, pipeline=a.pipeline, lead_step=a.lead_step, api_key=read_secret(API_KEY_ENV), target_key=read_secret(TARGET_KEY_ENV),
+        decode_steps=a.decode_steps, pipeline=a.pipeline, api_key=read_secret(API_KEY_ENV), target_key=read_secret(TARGET_KEY_ENV),
         drafter_token=read_secret(DRAFTER_TOKEN_ENV), tls=(a.tls_cert, a.tls_key) if a.tls_cert else None,
         reflection=a.reflection, max_message_bytes=a.max_message_bytes, max_prompt_bytes=a.max_prompt_bytes,
         target_timeout_s=a.target_timeout_s,
