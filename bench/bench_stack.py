@@ -105,6 +105,12 @@ def tok_s(run: dict) -> float:
     return sum(len(o) for o in run["outputs"]) / run["seconds"]
 
 
+def joined(parts: list[dict]) -> dict:
+    """Runs over consecutive chunks of the prompts as one run: {"outputs", "seconds", "tok_s"}."""
+    run = {"outputs": [o for p in parts for o in p["outputs"]], "seconds": sum(p["seconds"] for p in parts)}
+    return {**run, "tok_s": tok_s(run)}
+
+
 def triton_alone(cfg: StackConfig, prompts, max_new, concurrency) -> dict:
     """{"outputs", "seconds"} of the target alone through Triton: the round loop calls Triton
     directly (no orchestrator, no drafter, no client streams), `concurrency` sequences at a
@@ -172,12 +178,11 @@ def stack_summary(parts: list[dict]) -> dict:
     for p in parts:
         for k, v in p["delta"].items():
             d[k] = d.get(k, 0.0) + v
-    run = {"outputs": [o for p in parts for o in p["outputs"]], "seconds": sum(p["seconds"] for p in parts)}
     drafts = sum(p["drafts"] for p in parts)
     rounds = max(d.get("flashmap_round_latency_seconds_count", 0.0), 1.0)
     batches = max(d.get("flashmap_target_batches_total", 0.0), 1.0)  # batches the model ran (one per verify forward)
     return {
-        **run, "tok_s": tok_s(run),
+        **joined(parts),
         "gamma": 1 + sum(p["accepted"] for p in parts) / drafts if drafts else 1.0,
         "draft_ms": 1e3 * d.get("flashmap_draft_latency_seconds_sum", 0.0) / rounds,
         "verify_ms": 1e3 * d.get("flashmap_verify_latency_seconds_sum", 0.0) / rounds,
@@ -230,11 +235,7 @@ def alternated(auto: StackConfig, full: StackConfig, engine, prompts, max_new, c
                                                     spec_off=mode == "off"))
             order += 1
         for mode, got in done.items():
-            if mode in ("target", "triton"):
-                run = {"outputs": [o for g in got for o in g["outputs"]], "seconds": sum(g["seconds"] for g in got)}
-                runs[mode].append({**run, "tok_s": tok_s(run)})
-            else:
-                runs[mode].append(stack_summary(got))
+            runs[mode].append(joined(got) if mode in ("target", "triton") else stack_summary(got))
     return runs
 
 
@@ -371,7 +372,8 @@ def main(argv=None):
                     help="torch threads per service and of the in-process runs (default: the stack's, half the cores)")
     ap.add_argument("--repeats", type=int, default=2, help="runs of each mode, alternated (default 2)")
     ap.add_argument("--chunks", type=int, default=4,
-                    help="the modes alternate every this many parts of the prompts (default 4; 1: whole sets)")
+                    help="cut the prompts into this many parts; every mode runs a part before the next part "
+                         "starts (default 4; 1: whole sets)")
     ap.add_argument("--decode-steps", type=int, default=StackConfig.decode_steps,
                     help="tokens per request of a round without drafts, for the target alone and the stack alike")
     ap.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=True,

@@ -44,6 +44,7 @@ def main(argv=None) -> int:
     rand, text = sets["random ids"], sets["held-out text"]
     cfg = StackConfig.on_free_ports(target_dir=target, drafter=drafter, n_slots=32, max_seq_len=256,
                                     speculation="full")
+
     def alone(p, c):
         run = triton_alone(cfg, p, 48, c)
         return run["outputs"], tok_s(run)

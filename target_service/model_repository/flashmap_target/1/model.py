@@ -551,9 +551,9 @@ class _SideChannel:
             logs, self._logs = self._logs, []
             self._due = None
         try:
-            for level, message in logs:
-                getattr(pb_utils.Logger, f"log_{level}")(message)
-            logs = []
+            while logs:
+                getattr(pb_utils.Logger, f"log_{logs[0][0]}")(logs[0][1])
+                del logs[0]
             for name, n in list(counts.items()):
                 if n:
                     self._metrics[name].increment(n)
