@@ -497,3 +497,22 @@ def test_sequences_that_never_draft_ask_for_no_features(tiny):
         got, ctx, seen = run(drafter, max_draft, lose)
         assert got == text and ctx is None
         assert seen and all(not f and n == 0 for f, n, _ in seen)
+
+
+def test_prompts_beside_a_request_that_only_catches_up_fetch_no_features():
+    """lazy_features: a round whose only request chosen to draft has a context gap (it catches
+    up, drafting from the next round) counts as one without drafts, so the prompts beside it go
+    without features (a prompt row would fetch every prompt position's); once a request drafts,
+    the rows beside it keep their features, so the others can draft next round without a gap."""
+    c = _controller(verify=(0.010, 1e-5), draft=(0.001, 1e-5))
+    c.cfg.lazy_features = True
+    decoding = _seqs(1, acceptance=0.9)
+    prompts = [Sequence(10 + i, GenerationRequest(list(range(3, 40)), max_new_tokens=500), K) for i in range(3)]
+    decoding[0]._gap = 2  # its earlier rows went without features
+    c.plan(decoding + prompts)
+    assert decoding[0].draft_limit == 0 and not decoding[0].lazy_features  # catches up
+    assert all(p.lazy_features for p in prompts)
+    decoding[0]._gap = None  # caught up
+    c.plan(decoding + prompts)
+    assert decoding[0].draft_limit > 0
+    assert not any(p.lazy_features for p in prompts)
