@@ -53,7 +53,7 @@ has a gap (Sequence.context_gap) catches up instead: its row fetches the missing
 and it drafts from the next round on; a probe waits for it without counting. A round whose
 only requests chosen to draft are catching up counts as one without drafts: otherwise the
 prompts beside them fetch every prompt position's features (a request prefilling next to
-the first one to decode made auto 3-5% slower than speculation off at c = 16 on held-out
+the first one to decode made auto about 5% slower than speculation off at c = 16 on held-out
 text, while it never drafted).
 Numpy only.
 """
