@@ -68,17 +68,18 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--new", type=int, default=5, help="context positions a round adds")
     a = ap.parse_args(argv)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # the stack's one thread per service, here too
+    from flashmap_cli.stack import Stack, StackConfig, default_checkpoints, threads_per_service
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_service()))  # the services' threads, here too
     import torch
 
     from drafter_service.factory import load_proposer
-    from flashmap_cli.stack import Stack, StackConfig, default_checkpoints
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     target, drafter, _ = default_checkpoints(a.target, a.drafter)
     cfg = StackConfig.on_free_ports(target_dir=target, drafter=drafter, n_slots=4, max_seq_len=512)
     # As the service loads it (flashmap_cli.stack.Stack.start_drafter): the same slots and context.
-    proposer = load_proposer(drafter, target, n_slots=max(64, 2 * cfg.n_slots), max_context=cfg.max_seq_len)
+    proposer = load_proposer(drafter, target, n_slots=cfg.drafter_slots, max_context=cfg.max_seq_len)
     rng = np.random.default_rng(0)
     with Stack(cfg):
         asyncio.run(_calls(cfg, proposer, 40, a.new, rng))  # warm both sides

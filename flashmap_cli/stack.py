@@ -79,6 +79,11 @@ class StackConfig:
     def drafter_url(self) -> str:
         return f"{self.host}:{self.drafter_port}"
 
+    @property
+    def drafter_slots(self) -> int:
+        """The drafter's context slots: room beyond the target's for sequences it still holds."""
+        return max(64, 2 * self.n_slots)
+
 
 class Stack:
     def __init__(self, cfg: StackConfig):
@@ -115,7 +120,7 @@ class Stack:
         self.drafter_proc = self._spawn("drafter", [
             "drafter_service.server", "--target-dir", c.target_dir, "--drafter", c.drafter, "--host", c.host,
             "--port", str(c.drafter_port), "--metrics-port", str(c.drafter_metrics_port), "--steps", str(c.steps),
-            "--n-slots", str(max(64, 2 * c.n_slots)), "--max-context", str(c.max_seq_len),
+            "--n-slots", str(c.drafter_slots), "--max-context", str(c.max_seq_len),
             "--idle-timeout-s", str(c.drafter_idle_timeout_s),
         ])
         if wait:
