@@ -1,15 +1,23 @@
-"""Where a plain decode step through Triton goes, against the same engine in one process.
+"""Where a verify call through Triton goes, against the same engine in one process.
 
-    python -m bench.triton_overhead [--target DIR] [--blocks 8] [--steps 40] [--rows 1] [--decode-steps 1]
+    python -m bench.triton_overhead [--target DIR] [--blocks 5] [--calls 60] [--rows 1] \\
+        [--decode-steps 1] [--draft 0]
 
 Starts Triton alone (no drafter, no orchestrator) and a TargetEngine in this process, then
-alternates blocks of `steps` decode steps of `rows` sequences: the local
-`TargetEngine.verify`, then the same through Triton (one packed request per call; a call
-decodes `decode-steps` tokens per row, VerifyRow.next_seeds). Blocks
-alternate so that the VM's drifting speed hits both sides alike. Per block: the local
-verify, the client's call, and the model's run of a batch inside Triton
-(`flashmap_target_batch_run_seconds_total`, from Triton's metrics), medians in ms, and the
-ratio of the model's run to the local verify.
+alternates call by call: the local `TargetEngine.verify` of `rows` sequences, then the same
+rows through Triton (one packed request per call). The VM's speed drifts by a third within
+minutes, and blocks of calls alternated still leave a block's drift in each ratio; alternated
+call by call, both sides see the same machine. A call is either a plain decode step of
+`decode-steps` tokens per row (VerifyRow.next_seeds), or with `--draft K` a drafted verify:
+every row carries K random draft tokens after its last token and asks for features, as a
+drafted round at concurrency 1 does (the draft is rejected, so a row starts one position later
+each call). Both sides must decode the same tokens (checked every call).
+
+Per block of `calls` pairs: medians of the local verify and the client's call, and the mean of
+the model's run of a batch inside Triton (`flashmap_target_batch_run_seconds_total`, Triton's
+metrics: the stub's parse, verify and answer), in ms; then the ratio of the model's run to the
+local verify and what the call adds to the model's run (messages, Triton's server, the hand-over
+to the stub).
 """
 
 from __future__ import annotations
@@ -28,39 +36,72 @@ from flashmap_cli.stack import Stack, StackConfig, default_checkpoints
 from orchestrator.target_client import TargetClient
 from target_service.engine import TargetEngine
 
+PROMPT = np.arange(3, 23)
 
-async def _measure(cfg: StackConfig, engine: TargetEngine, blocks: int, steps: int, rows: int,
-                   decode_steps: int) -> dict[str, list]:
+
+class Rows:
+    """One side's sequences: the next call's rows, moved on by each call's answers."""
+
+    def __init__(self, slots: list[int], first_tokens: list[int], draft: int, decode_steps: int, seed: int):
+        self.slots, self.last, self.pos = slots, first_tokens, len(PROMPT)
+        self.draft, self.steps = draft, decode_steps
+        self.rng = np.random.default_rng(seed)
+
+    def next(self) -> list[VerifyRow]:
+        params = SamplingParams()
+        if self.draft:
+            out = []
+            for s, t in zip(self.slots, self.last):
+                d = self.rng.integers(3, 500, size=self.draft)  # [K]
+                out.append(VerifyRow(s, self.pos, np.concatenate([[t], d]), params, support_ids=d[:, None].copy()))
+            return out
+        more = np.zeros(self.steps - 1, np.int64)  # greedy: the further steps' seeds are unused
+        return [VerifyRow(s, self.pos, np.array([t]), params, next_seeds=more, features=False)
+                for s, t in zip(self.slots, self.last)]
+
+    def advance(self, results) -> None:
+        if self.draft:  # a random draft is rejected: the row's own token is committed, then the target's
+            self.pos += 1
+            self.last = [int(r.argmax[0]) for r in results]
+        else:
+            self.pos += self.steps
+            self.last = [int(r.argmax[-1]) for r in results]
+
+
+async def _measure(cfg: StackConfig, engine: TargetEngine, blocks: int, calls: int, rows: int,
+                   decode_steps: int, draft: int) -> dict[str, list]:
     client = TargetClient(f"{cfg.host}:{cfg.triton_grpc_port}", key=cfg.target_key)
     metrics = f"http://{cfg.host}:{cfg.triton_metrics_port}/metrics"
-    params, prompt = SamplingParams(), np.arange(3, 23)
-    ids = list(range(1000, 1000 + rows))
-    first = await client.verify_rows([(i, VerifyRow(i, 0, prompt, params), [], True, False) for i in ids])
+    params, ids = SamplingParams(), list(range(1000, 1000 + rows))
+    first = await client.verify_rows([(i, VerifyRow(i, 0, PROMPT, params), [], True, False) for i in ids])
     slots = [engine.allocate() for _ in ids]
-    engine.verify([VerifyRow(s, 0, prompt, params) for s in slots])
-    remote = [len(prompt), [int(r[0].argmax[-1]) for r in first]]  # next position, last token per row
-    local = [len(prompt), [5] * rows]
-    more = np.zeros(decode_steps - 1, np.int64)  # greedy: the further steps' seeds are unused
+    local_first = engine.verify([VerifyRow(s, 0, PROMPT, params) for s in slots])
+    remote = Rows(ids, [int(r[0].argmax[-1]) for r in first], draft, decode_steps, seed=1)
+    local = Rows(slots, [int(r.argmax[-1]) for r in local_first], draft, decode_steps, seed=1)
     out: dict[str, list] = {"local verify": [], "Triton call": [], "Triton model": []}
     for _ in range(blocks):
-        times = []
-        for _ in range(steps):
+        before, local_s, call_s = totals(scrape(metrics, 10)), [], []
+        for _ in range(calls):
+            batch = local.next()
             t0 = time.perf_counter()
-            res = engine.verify([VerifyRow(s, local[0], np.array([t]), params, next_seeds=more)
-                                 for s, t in zip(slots, local[1])])
-            times.append(time.perf_counter() - t0)
-            local = [local[0] + decode_steps, [int(r.argmax[-1]) for r in res]]
-        out["local verify"].append(np.median(times))
-        before, times = totals(scrape(metrics, 10)), []
-        for _ in range(steps):
+            mine = engine.verify(batch)
+            local_s.append(time.perf_counter() - t0)
+            local.advance(mine)
+            batch = remote.next()
             t0 = time.perf_counter()
-            res = await client.verify_rows([(i, VerifyRow(i, remote[0], np.array([t]), params, next_seeds=more),
-                                             [], False, False) for i, t in zip(ids, remote[1])])
-            times.append(time.perf_counter() - t0)
-            remote = [remote[0] + decode_steps, [int(r[0].argmax[-1]) for r in res]]
+            res = await client.verify_rows([(i, r, [], False, False) for i, r in zip(ids, batch)])
+            call_s.append(time.perf_counter() - t0)
+            for r, m in zip(res, mine):
+                if isinstance(r, BaseException):
+                    raise r
+                if not np.array_equal(r[0].argmax, m.argmax):  # the same work on both sides, or no comparison
+                    raise AssertionError("Triton and the local engine decoded different tokens")
+            remote.advance([r[0] for r in res])
+        time.sleep(0.5)  # the model sends its metrics between batches, within 0.25 s of the last
         after = totals(scrape(metrics, 10))
         n = after["flashmap_target_batches_total"] - before["flashmap_target_batches_total"]
-        out["Triton call"].append(np.median(times))
+        out["local verify"].append(np.median(local_s))
+        out["Triton call"].append(np.median(call_s))
         out["Triton model"].append((after["flashmap_target_batch_run_seconds_total"]
                                     - before["flashmap_target_batch_run_seconds_total"]) / n)
     return out
@@ -69,24 +110,29 @@ async def _measure(cfg: StackConfig, engine: TargetEngine, blocks: int, steps: i
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=None)
-    ap.add_argument("--blocks", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--blocks", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=60, help="alternated pairs of calls per block")
     ap.add_argument("--rows", type=int, default=1)
-    ap.add_argument("--decode-steps", type=int, default=1, help="tokens per row in one call")
+    ap.add_argument("--decode-steps", type=int, default=1, help="tokens per row in one plain call")
+    ap.add_argument("--draft", type=int, default=0, help="K > 0: drafted verifies of K draft tokens per row")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     target, _, _ = default_checkpoints(a.target, "init")
-    max_seq_len = 32 + a.blocks * a.steps * a.decode_steps
+    advance = 1 if a.draft else a.decode_steps
+    max_seq_len = len(PROMPT) + a.blocks * a.calls * advance + a.draft + a.decode_steps + 8
     cfg = StackConfig.on_free_ports(target_dir=target, drafter="init", n_slots=a.rows, max_seq_len=max_seq_len,
                                     with_drafter=False)
     engine = TargetEngine(target, n_slots=a.rows, max_seq_len=max_seq_len)
     with Stack(cfg):
-        out = asyncio.run(_measure(cfg, engine, a.blocks, a.steps, a.rows, a.decode_steps))
-    print(f"{a.rows} row(s), {a.decode_steps} token(s) per call, medians of {a.steps} calls per block, ms:")
+        out = asyncio.run(_measure(cfg, engine, a.blocks, a.calls, a.rows, a.decode_steps, a.draft))
+    what = f"1 + {a.draft} tokens (drafted, with features)" if a.draft else f"{a.decode_steps} token(s), no features"
+    print(f"{a.rows} row(s) of {what} per call, {a.calls} pairs of calls per block alternated call by call, ms:")
     for name, v in out.items():
         print(f"  {name:13s} " + " ".join(f"{x * 1e3:6.2f}" for x in v))
-    ratio = np.array(out["Triton model"]) / np.array(out["local verify"])
-    print("  model / local " + " ".join(f"{x:6.2f}" for x in ratio) + f"   (median {np.median(ratio):.2f})")
+    model, local = np.array(out["Triton model"]), np.array(out["local verify"])
+    print("  model / local " + " ".join(f"{x:6.2f}" for x in model / local) + f"   (median {np.median(model / local):.2f})")
+    extra = np.array(out["Triton call"]) - model
+    print("  call - model  " + " ".join(f"{x * 1e3:6.2f}" for x in extra) + f"   (median {np.median(extra) * 1e3:.2f})")
     return 0
 
 
