@@ -2,6 +2,7 @@
 
     python -m bench.triton_overhead [--target DIR] [--blocks 5] [--calls 60] [--rows 1] \\
         [--decode-steps 1] [--draft 0]
+    python -m bench.triton_overhead --requests 32 [--max-new-tokens 48]
 
 Starts Triton alone (no drafter, no orchestrator) and a TargetEngine in this process, then
 alternates call by call: the local `TargetEngine.verify` of `rows` sequences, then the same
@@ -18,6 +19,14 @@ the model's run of a batch inside Triton (`flashmap_target_batch_run_seconds_tot
 metrics: the stub's parse, verify and answer), in ms; then the ratio of the model's run to the
 local verify and what the call adds to the model's run (messages, Triton's server, the hand-over
 to the stub).
+
+With `--requests N`: whole requests at concurrency 1 instead of single calls, alternated request
+by request: the target alone in process (`flashmap.inprocess.decode`) and the round loop calling
+Triton as the orchestrator does (`bench.bench_stack.triton_alone`: 8 tokens a call, the next
+call queued while one runs), on random-id prompts; the same tokens on both sides (checked).
+Medians of the per-request seconds, and the ratio of their sums (Triton / in process as
+tokens per second): what a request pays beyond the calls' compute (its prompt's round trip,
+the stub's work around each call, the last answer's way back).
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import time
 import numpy as np
 import torch
 
+from bench.bench_stack import inprocess_run, prompt_sets, triton_alone
 from flashmap.metrics import scrape, totals
 from flashmap.types import SamplingParams, VerifyRow
 from flashmap_cli.stack import Stack, StackConfig, default_checkpoints
@@ -107,6 +117,29 @@ async def _measure(cfg: StackConfig, engine: TargetEngine, blocks: int, calls: i
     return out
 
 
+def whole_requests(target: str, n: int, max_new: int) -> None:
+    cfg = StackConfig.on_free_ports(target_dir=target, drafter="init", n_slots=1, max_seq_len=512, with_drafter=False)
+    engine = TargetEngine(target, n_slots=1, max_seq_len=512)
+    prompts = prompt_sets(target, engine.vocab_size, n)["random ids"]
+    local_s, triton_s = [], []
+    with Stack(cfg):
+        triton_alone(cfg, prompts[:1], 8, 1)  # warm both sides
+        inprocess_run(engine, None, prompts[:1], 8, 1, cfg.decode_steps)
+        for p in prompts:
+            a = inprocess_run(engine, None, [p], max_new, 1, cfg.decode_steps)
+            b = triton_alone(cfg, [p], max_new, 1)
+            if a["outputs"] != b["outputs"]:
+                raise AssertionError("Triton and the local engine decoded different tokens")
+            local_s.append(a["seconds"])
+            triton_s.append(b["seconds"])
+    local, remote = np.array(local_s), np.array(triton_s)
+    print(f"{n} requests of {max_new} new tokens at concurrency 1, {cfg.decode_steps} tokens a call, alternated "
+          f"request by request, ms per request (median): in process {np.median(local) * 1e3:.1f}, through Triton "
+          f"{np.median(remote) * 1e3:.1f}; tokens/s through Triton / in process: {local.sum() / remote.sum():.3f} "
+          f"(per request: median {np.median(local / remote):.3f}, quartiles {np.quantile(local / remote, 0.25):.3f}-"
+          f"{np.quantile(local / remote, 0.75):.3f})")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=None)
@@ -115,9 +148,14 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--decode-steps", type=int, default=1, help="tokens per row in one plain call")
     ap.add_argument("--draft", type=int, default=0, help="K > 0: drafted verifies of K draft tokens per row")
+    ap.add_argument("--requests", type=int, default=0, help="N > 0: N whole requests alternated instead of calls")
+    ap.add_argument("--max-new-tokens", type=int, default=48, help="with --requests")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     target, _, _ = default_checkpoints(a.target, "init")
+    if a.requests:
+        whole_requests(target, a.requests, a.max_new_tokens)
+        return 0
     advance = 1 if a.draft else a.decode_steps
     max_seq_len = len(PROMPT) + a.blocks * a.calls * advance + a.draft + a.decode_steps + 8
     cfg = StackConfig.on_free_ports(target_dir=target, drafter="init", n_slots=a.rows, max_seq_len=max_seq_len,
