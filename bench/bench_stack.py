@@ -349,6 +349,7 @@ def write_plot(path: Path, rows: list[tuple[str, int, dict]]) -> Path:
         for y, style in ((1.0, "-"), (0.95, "--"), (0.9, ":")):
             ax.axhline(y, color="gray", lw=0.8, ls=style)
         ax.set_xticks(x, [str(c) for c in cs])
+        ax.set_xlim(-0.5, len(cs) - 0.5)  # one concurrency alone: its two points stay beside its tick
         ax.set_xlabel("concurrency")
         ax.set_ylim(0.5, 1.5)  # an interval past the frame is cut there
         ax.set_title(name)
