@@ -310,7 +310,8 @@ def run_cells(cfg: StackConfig, sets: dict, todo: list[tuple[str, int]], cells: 
                 cell = {m: float(np.mean([r["tok_s"] for r in runs[m]])) for m in ("target", "triton")}
                 cell["auto_first"] = runs["auto"][0]["tok_s"]
                 cell |= {m: {k: v for k, v in merge(runs[m]).items() if k != "outputs"} for m in ("off", "full", "auto")}
-                cell |= {"in_process_spec": ip, "vs_best": paired_ratios(runs), "vs_target": paired_ratios(runs, "target")}
+                cell |= {"in_process_spec": ip, "vs_best": paired_ratios(runs), "vs_target": paired_ratios(runs, "target"),
+                         "tok_s_per_repeat": {m: [r["tok_s"] for r in rs] for m, rs in runs.items()}}
                 cells[f"{name}|{c}"] = cell
                 save()
                 auto = cell["auto"]

@@ -14,11 +14,11 @@ every row carries K random draft tokens after its last token and asks for featur
 drafted round at concurrency 1 does (the draft is rejected, so a row starts one position later
 each call). Both sides must decode the same tokens (checked every call).
 
-Per block of `calls` pairs: medians of the local verify and the client's call, and the mean of
-the model's run of a batch inside Triton (`flashmap_target_batch_run_seconds_total`, Triton's
-metrics: the stub's parse, verify and answer), in ms; then the ratio of the model's run to the
-local verify and what the call adds to the model's run (messages, Triton's server, the hand-over
-to the stub).
+Per block of `calls` pairs, means in ms (Triton's metrics give the model's run only as a sum,
+and means add up): the local verify, the client's call and the model's run of a batch inside
+Triton (`flashmap_target_batch_run_seconds_total` over `flashmap_target_verify_batches_total`:
+the stub's parse, verify and answer); then the ratio of the model's run to the local verify and
+what the call adds to the model's run (messages, Triton's server, the hand-over to the stub).
 
 With `--requests N`: whole requests at concurrency 1 instead of single calls, alternated request
 by request: the target alone in process (`flashmap.inprocess.decode`) and the round loop calling
@@ -90,6 +90,7 @@ async def _measure(cfg: StackConfig, engine: TargetEngine, blocks: int, calls: i
     local = Rows(slots, [int(r.argmax[-1]) for r in local_first], draft, decode_steps, seed=1)
     out: dict[str, list] = {"local verify": [], "Triton call": [], "Triton model": []}
     for _ in range(blocks):
+        await asyncio.sleep(0.5)  # the model sends its metrics between batches, within 0.25 s of the last
         before, local_s, call_s = totals(scrape(metrics, 10)), [], []
         for _ in range(calls):
             batch = local.next()
@@ -107,11 +108,11 @@ async def _measure(cfg: StackConfig, engine: TargetEngine, blocks: int, calls: i
                 if not np.array_equal(r[0].argmax, m.argmax):  # the same work on both sides, or no comparison
                     raise AssertionError("Triton and the local engine decoded different tokens")
             remote.advance([r[0] for r in res])
-        time.sleep(0.5)  # the model sends its metrics between batches, within 0.25 s of the last
+        await asyncio.sleep(0.5)
         after = totals(scrape(metrics, 10))
-        n = after["flashmap_target_batches_total"] - before["flashmap_target_batches_total"]
-        out["local verify"].append(np.median(local_s))
-        out["Triton call"].append(np.median(call_s))
+        n = after["flashmap_target_verify_batches_total"] - before["flashmap_target_verify_batches_total"]  # not the health probes
+        out["local verify"].append(np.mean(local_s))
+        out["Triton call"].append(np.mean(call_s))
         out["Triton model"].append((after["flashmap_target_batch_run_seconds_total"]
                                     - before["flashmap_target_batch_run_seconds_total"]) / n)
     return out
@@ -164,7 +165,7 @@ def main(argv=None) -> int:
     with Stack(cfg):
         out = asyncio.run(_measure(cfg, engine, a.blocks, a.calls, a.rows, a.decode_steps, a.draft))
     what = f"1 + {a.draft} tokens (drafted, with features)" if a.draft else f"{a.decode_steps} token(s), no features"
-    print(f"{a.rows} row(s) of {what} per call, {a.calls} pairs of calls per block alternated call by call, ms:")
+    print(f"{a.rows} row(s) of {what} per call, {a.calls} pairs of calls per block alternated call by call, means in ms:")
     for name, v in out.items():
         print(f"  {name:13s} " + " ".join(f"{x * 1e3:6.2f}" for x in v))
     model, local = np.array(out["Triton model"]), np.array(out["local verify"])
