@@ -26,7 +26,9 @@ target alone.
 
 Each finished cell (prompt set x concurrency) is saved beside the report (`--out` with .json):
 a stopped run started again with the same settings resumes at the next cell (`--fresh`: all
-cells again). The report ends with a plot of the two ratios (`--out` with .png).
+cells again). The report ends with a plot of the two ratios (`--out` with .png). Text after
+the line NOTES_MARKER in an existing report (a reading of it) is kept when the report is
+written again.
 
   python -m bench.bench_stack [--target DIR] [--drafter DIR|init] [--max-new-tokens 48] \\
       [--concurrency 1,4,16,32] [--threads N] [--repeats 2] [--chunks 4] [--decode-steps 8] [--no-pipeline] \\
@@ -276,6 +278,22 @@ def fmt_ci(ci: tuple[float, float, float]) -> str:
     return f"{g:.2f}" if np.isnan(lo) else f"{g:.2f} [{lo:.2f}, {hi:.2f}]"
 
 
+# Where auto / target alone goes, each step a ratio of two modes within each repeat (the steps multiply).
+STEPS = (("Triton alone / target alone", "triton", "target"), ("off / Triton alone", "off", "triton"),
+         ("auto / off", "auto", "off"))
+
+# A report's text from this line on is the reader's: a rerun writes the tables above it and keeps it.
+NOTES_MARKER = "<!-- notes: kept when the report is written again -->"
+
+
+def step_ratios(cell: dict) -> list[str] | None:
+    """Each of STEPS for a cell, with its 95% interval; None for a cell saved without per-repeat tokens/s."""
+    per = cell.get("tok_s_per_repeat")
+    if per is None:
+        return None
+    return [fmt_ci(ratio_ci([x / y for x, y in zip(per[a], per[b])])) for _, a, b in STEPS]
+
+
 def prompt_sets(target: str, vocab: int, n: int) -> dict[str, list[list[int]]]:
     rng = np.random.default_rng(0)
     sets = {"random ids": [rng.integers(3, vocab, size=int(rng.integers(8, 32))).tolist() for _ in range(n)]}
@@ -445,7 +463,7 @@ def main(argv=None):
         f"{a.decode_steps} tokens per request in one call, in process and through the stack alike; the orchestrator "
         f"{'queues the next such round at Triton while one runs (--pipeline)' if a.pipeline else 'sends a round once the one before has answered (--no-pipeline)'}. Date: {date}. Machine: {machine()}; {threads} torch threads per "
         f"service. Target `{os.path.relpath(target)}`, drafter `{drafter}`.", *[f"Note: {x}" for x in notes], "",
-        "Per round at concurrency 1 (ms, stack): the orchestrator's draft and verify calls and whole round, "
+        f"Per round at concurrency {levels[0]} (ms, stack): the orchestrator's draft and verify calls and whole round, "
         "and inside them the drafter's forward and, per batch the target model ran, its wait behind the batch "
         "before it and its run:", "",
         "| prompts | mode | draft call | drafter forward | verify call | target model wait | target model run | whole round |",
@@ -457,6 +475,13 @@ def main(argv=None):
                 lines.append(f"| {name} | {mode} | {r['draft_ms']:.2f} | {r['drafter_forward_ms']:.2f} | "
                              f"{r['verify_ms']:.2f} | {r['triton_queue_ms']:.2f} | {r['triton_compute_ms']:.2f} | "
                              f"{r['round_ms']:.2f} |")
+    steps = [(name, c, step_ratios(cell)) for name, c, cell in rows]
+    if all(r is not None for _, _, r in steps):
+        lines += ["", "The parts of auto / target alone: each step's ratio within each repeat, geometric mean [95% CI] "
+                  "(the steps multiply):", "",
+                  "| prompts | concurrency | " + " | ".join(name for name, _, _ in STEPS) + " |",
+                  "|---|---:|" + "---:|" * len(STEPS)]
+        lines += [f"| {name} | {c} | " + " | ".join(r) + " |" for name, c, r in steps]
     run = cells.get("run", {"memory_mb": {}, "drafter_sequences_held": "?"})  # absent: stopped after the last cell
     lines += ["", f"![auto against the better fixed policy and the target alone]({plot.name})", "",
               "Peak resident memory (VmHWM, MB): " + ", ".join(f"{k} {v:.0f}" for k, v in run["memory_mb"].items()) + ".",
@@ -464,7 +489,9 @@ def main(argv=None):
               f"cache {proposer.bytes_per_context_token}; drafter after the run: {run['drafter_sequences_held']} "
               f"sequences held."]
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text("\n".join(lines) + "\n")
+    old = a.out.read_text() if a.out.exists() else ""
+    notes = old[old.index(NOTES_MARKER):] if NOTES_MARKER in old else ""
+    a.out.write_text("\n".join(lines) + "\n" + (f"\n{notes}" if notes else ""))
     print("\n".join(lines))
 
 

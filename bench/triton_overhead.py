@@ -2,7 +2,7 @@
 
     python -m bench.triton_overhead [--target DIR] [--blocks 5] [--calls 60] [--rows 1] \\
         [--decode-steps 1] [--draft 0]
-    python -m bench.triton_overhead --requests 32 [--max-new-tokens 48]
+    python -m bench.triton_overhead --requests 32 [--max-new-tokens 48] [--block 1]
 
 Starts Triton alone (no drafter, no orchestrator) and a TargetEngine in this process, then
 alternates call by call: the local `TargetEngine.verify` of `rows` sequences, then the same
@@ -20,13 +20,15 @@ Triton (`flashmap_target_batch_run_seconds_total` over `flashmap_target_verify_b
 the stub's parse, verify and answer); then the ratio of the model's run to the local verify and
 what the call adds to the model's run (messages, Triton's server, the hand-over to the stub).
 
-With `--requests N`: whole requests at concurrency 1 instead of single calls, alternated request
-by request: the target alone in process (`flashmap.inprocess.decode`) and the round loop calling
-Triton as the orchestrator does (`bench.bench_stack.triton_alone`: 8 tokens a call, the next
-call queued while one runs), on random-id prompts; the same tokens on both sides (checked).
-Medians of the per-request seconds, and the ratio of their sums (Triton / in process as
-tokens per second): what a request pays beyond the calls' compute (its prompt's round trip,
-the stub's work around each call, the last answer's way back).
+With `--requests N`: whole requests at concurrency 1 instead of single calls: the target alone
+in process (`flashmap.inprocess.decode`) and the round loop calling Triton as the orchestrator
+does (`bench.bench_stack.triton_alone`: 8 tokens a call, the next call queued while one runs),
+on random-id prompts, the same tokens on both sides (checked). The sides alternate every
+`--block` requests. Per side, means per request: the wall time, its compute (the local engine's
+verify calls; the stub's runs of its verify batches, from Triton's metrics) and the rest (for Triton:
+its prompt's round trip, the last answer's way back, the release), and the first request of a
+block (which runs after the other side: its caches are the other side's) against the others.
+With `--block 1` every request is a first one.
 """
 
 from __future__ import annotations
@@ -118,27 +120,85 @@ async def _measure(cfg: StackConfig, engine: TargetEngine, blocks: int, calls: i
     return out
 
 
-def whole_requests(target: str, n: int, max_new: int) -> None:
+def whole_requests(target: str, n: int, max_new: int, block: int = 1) -> None:
+    """`n` requests per side in blocks of `block` requests, the sides alternating block by block
+    (in process first in every other pair of blocks). Per side: the requests' wall time, split
+    into compute (the local engine's verify calls; the stub's model runs, from Triton's metrics)
+    and the rest, and the first request of a block (after the other side ran) against the others."""
     cfg = StackConfig.on_free_ports(target_dir=target, drafter="init", n_slots=1, max_seq_len=512, with_drafter=False)
     engine = TargetEngine(target, n_slots=1, max_seq_len=512)
+    metrics = f"http://{cfg.host}:{cfg.triton_metrics_port}/metrics"
     prompts = prompt_sets(target, engine.vocab_size, n)["random ids"]
-    local_s, triton_s = [], []
+    local_verify = engine.verify
+    verify_s: list[float] = []
+
+    def timed_verify(rows):
+        t0 = time.perf_counter()
+        out = local_verify(rows)
+        verify_s.append(time.perf_counter() - t0)
+        return out
+
+    engine.verify = timed_verify
+    wall = {"in process": [], "Triton": []}  # per request, in order within each block
+    compute = {"in process": 0.0, "Triton": 0.0}
+    def stub_run_s() -> float:
+        """Seconds the stub ran verify batches so far: all its runs less the other batches
+        (INFO probes, releases) at what an INFO batch costs."""
+        time.sleep(0.5)  # the model sends its metrics between batches, within 0.25 s of the last
+        m = totals(scrape(metrics, 10))
+        other = m["flashmap_target_batches_total"] - m["flashmap_target_verify_batches_total"]
+        return m["flashmap_target_batch_run_seconds_total"] - other * info_s
+
     with Stack(cfg):
         triton_alone(cfg, prompts[:1], 8, 1)  # warm both sides
         inprocess_run(engine, None, prompts[:1], 8, 1, cfg.decode_steps)
-        for p in prompts:
-            a = inprocess_run(engine, None, [p], max_new, 1, cfg.decode_steps)
-            b = triton_alone(cfg, [p], max_new, 1)
-            if a["outputs"] != b["outputs"]:
+        info_s = asyncio.run(_info_cost(cfg, metrics))
+        for b, i in enumerate(range(0, n, block)):
+            part, outputs = prompts[i:i + block], {}
+            for side in ("in process", "Triton") if b % 2 == 0 else ("Triton", "in process"):
+                run_before = stub_run_s()
+                verify_s.clear()
+                outputs[side] = []
+                for p in part:
+                    r = (inprocess_run(engine, None, [p], max_new, 1, cfg.decode_steps) if side == "in process"
+                         else triton_alone(cfg, [p], max_new, 1))
+                    outputs[side] += r["outputs"]
+                    wall[side].append(r["seconds"])
+                if side == "in process":
+                    compute[side] += sum(verify_s)
+                else:
+                    compute[side] += stub_run_s() - run_before
+            if outputs["in process"] != outputs["Triton"]:
                 raise AssertionError("Triton and the local engine decoded different tokens")
-            local_s.append(a["seconds"])
-            triton_s.append(b["seconds"])
-    local, remote = np.array(local_s), np.array(triton_s)
-    print(f"{n} requests of {max_new} new tokens at concurrency 1, {cfg.decode_steps} tokens a call, alternated "
-          f"request by request, ms per request (median): in process {np.median(local) * 1e3:.1f}, through Triton "
-          f"{np.median(remote) * 1e3:.1f}; tokens/s through Triton / in process: {local.sum() / remote.sum():.3f} "
+    local, remote = np.array(wall["in process"]), np.array(wall["Triton"])
+    first = np.arange(len(local)) % block == 0
+    print(f"{n} requests of {max_new} new tokens per side at concurrency 1, {cfg.decode_steps} tokens a call, "
+          f"alternated in blocks of {block}; tokens/s through Triton / in process: {local.sum() / remote.sum():.3f} "
           f"(per request: median {np.median(local / remote):.3f}, quartiles {np.quantile(local / remote, 0.25):.3f}-"
           f"{np.quantile(local / remote, 0.75):.3f})")
+    print("ms per request (means)   wall  compute  rest   first of a block  the others")
+    for side, w in wall.items():
+        w = np.array(w)
+        others = f"{w[~first].mean() * 1e3:10.1f}" if (~first).any() else f"{'-':>10s}"
+        print(f"  {side:20s} {w.mean() * 1e3:6.1f} {compute[side] / n * 1e3:8.1f} {(w.sum() - compute[side]) / n * 1e3:5.1f}"
+              f" {w[first].mean() * 1e3:17.1f} {others}")
+    print("compute: the local engine's verify calls; in Triton the stub's runs of its verify batches (parse, verify, "
+          f"answer; an INFO batch, {info_s * 1e3:.2f} ms, taken off for every other batch). "
+          f"Stub / local compute: {compute['Triton'] / compute['in process']:.3f}")
+
+
+async def _info_cost(cfg: StackConfig, metrics: str, n: int = 40) -> float:
+    """Seconds the stub runs one INFO batch (the orchestrator's health probe, a client's first call)."""
+    client = TargetClient(f"{cfg.host}:{cfg.triton_grpc_port}", key=cfg.target_key)
+    await asyncio.sleep(0.5)
+    before = totals(scrape(metrics, 10))
+    for _ in range(n):
+        await client.info(refresh=True)
+    await asyncio.sleep(0.5)
+    after = totals(scrape(metrics, 10))
+    await client.close()
+    return ((after["flashmap_target_batch_run_seconds_total"] - before["flashmap_target_batch_run_seconds_total"])
+            / (after["flashmap_target_batches_total"] - before["flashmap_target_batches_total"]))
 
 
 def main(argv=None) -> int:
@@ -151,11 +211,12 @@ def main(argv=None) -> int:
     ap.add_argument("--draft", type=int, default=0, help="K > 0: drafted verifies of K draft tokens per row")
     ap.add_argument("--requests", type=int, default=0, help="N > 0: N whole requests alternated instead of calls")
     ap.add_argument("--max-new-tokens", type=int, default=48, help="with --requests")
+    ap.add_argument("--block", type=int, default=1, help="with --requests: requests per side before the other side runs")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     target, _, _ = default_checkpoints(a.target, "init")
     if a.requests:
-        whole_requests(target, a.requests, a.max_new_tokens)
+        whole_requests(target, a.requests, a.max_new_tokens, a.block)
         return 0
     advance = 1 if a.draft else a.decode_steps
     max_seq_len = len(PROMPT) + a.blocks * a.calls * advance + a.draft + a.decode_steps + 8

@@ -44,7 +44,12 @@ def test_a_tiny_run_reports_and_resumes(tmp_path, capsys):
     text = out.read_text()
     assert "| random ids | 2 |" in text and "| held-out text | 1 |" in text
     assert out.with_suffix(".png").stat().st_size > 0 and out.with_suffix(".json").is_file()
+    assert "| random ids | 2 | " in text.split("The parts of auto / target alone")[1]  # each step's ratio
     capsys.readouterr()
+    notes = f"{bench_stack.NOTES_MARKER}\n\nReading. What a person wrote about the run.\n"
+    out.write_text(text + "\n" + notes)
     bench_stack.main(argv)  # every cell saved: no stack starts, the same table comes back
     assert "4 cells from" in capsys.readouterr().out
-    assert out.read_text().split("\n\n")[1] == text.split("\n\n")[1]
+    again = out.read_text()
+    assert again.split("\n\n")[1] == text.split("\n\n")[1]
+    assert again.endswith(notes) and again.count(bench_stack.NOTES_MARKER) == 1
