@@ -92,8 +92,7 @@ async def _measure(cfg: StackConfig, engine: TargetEngine, blocks: int, calls: i
     local = Rows(slots, [int(r.argmax[-1]) for r in local_first], draft, decode_steps, seed=1)
     out: dict[str, list] = {"local verify": [], "Triton call": [], "Triton model": []}
     for _ in range(blocks):
-        await asyncio.sleep(0.5)  # the model sends its metrics between batches, within 0.25 s of the last
-        before, local_s, call_s = totals(scrape(metrics, 10)), [], []
+        before, local_s, call_s = _settled_totals(metrics), [], []
         for _ in range(calls):
             batch = local.next()
             t0 = time.perf_counter()
@@ -110,8 +109,7 @@ async def _measure(cfg: StackConfig, engine: TargetEngine, blocks: int, calls: i
                 if not np.array_equal(r[0].argmax, m.argmax):  # the same work on both sides, or no comparison
                     raise AssertionError("Triton and the local engine decoded different tokens")
             remote.advance([r[0] for r in res])
-        await asyncio.sleep(0.5)
-        after = totals(scrape(metrics, 10))
+        after = _settled_totals(metrics)
         n = after["flashmap_target_verify_batches_total"] - before["flashmap_target_verify_batches_total"]  # not the health probes
         out["local verify"].append(np.mean(local_s))
         out["Triton call"].append(np.mean(call_s))
@@ -123,7 +121,7 @@ async def _measure(cfg: StackConfig, engine: TargetEngine, blocks: int, calls: i
 def whole_requests(target: str, n: int, max_new: int, block: int = 1) -> None:
     """`n` requests per side in blocks of `block` requests, the sides alternating block by block
     (in process first in every other pair of blocks). Per side: the requests' wall time, split
-    into compute (the local engine's verify calls; the stub's model runs, from Triton's metrics)
+    into compute (the local engine's verify calls; the stub's verify batches, from Triton's metrics)
     and the rest, and the first request of a block (after the other side ran) against the others."""
     cfg = StackConfig.on_free_ports(target_dir=target, drafter="init", n_slots=1, max_seq_len=512, with_drafter=False)
     engine = TargetEngine(target, n_slots=1, max_seq_len=512)
@@ -141,13 +139,6 @@ def whole_requests(target: str, n: int, max_new: int, block: int = 1) -> None:
     engine.verify = timed_verify
     wall = {"in process": [], "Triton": []}  # per request, in order within each block
     compute = {"in process": 0.0, "Triton": 0.0}
-    def stub_run_s() -> float:
-        """Seconds the stub ran verify batches so far: all its runs less the other batches
-        (INFO probes, releases) at what an INFO batch costs."""
-        time.sleep(0.5)  # the model sends its metrics between batches, within 0.25 s of the last
-        m = totals(scrape(metrics, 10))
-        other = m["flashmap_target_batches_total"] - m["flashmap_target_verify_batches_total"]
-        return m["flashmap_target_batch_run_seconds_total"] - other * info_s
 
     with Stack(cfg):
         triton_alone(cfg, prompts[:1], 8, 1)  # warm both sides
@@ -156,7 +147,7 @@ def whole_requests(target: str, n: int, max_new: int, block: int = 1) -> None:
         for b, i in enumerate(range(0, n, block)):
             part, outputs = prompts[i:i + block], {}
             for side in ("in process", "Triton") if b % 2 == 0 else ("Triton", "in process"):
-                run_before = stub_run_s()
+                run_before = _stub_verify_run_s(metrics, info_s)
                 verify_s.clear()
                 outputs[side] = []
                 for p in part:
@@ -167,7 +158,7 @@ def whole_requests(target: str, n: int, max_new: int, block: int = 1) -> None:
                 if side == "in process":
                     compute[side] += sum(verify_s)
                 else:
-                    compute[side] += stub_run_s() - run_before
+                    compute[side] += _stub_verify_run_s(metrics, info_s) - run_before
             if outputs["in process"] != outputs["Triton"]:
                 raise AssertionError("Triton and the local engine decoded different tokens")
     local, remote = np.array(wall["in process"]), np.array(wall["Triton"])
@@ -187,15 +178,28 @@ def whole_requests(target: str, n: int, max_new: int, block: int = 1) -> None:
           f"Stub / local compute: {compute['Triton'] / compute['in process']:.3f}")
 
 
+def _settled_totals(metrics: str) -> dict[str, float]:
+    """Triton's metrics once the model has sent what it recorded (it sends them between batches,
+    within 0.25 s of the last)."""
+    time.sleep(0.5)
+    return totals(scrape(metrics, 10))
+
+
+def _stub_verify_run_s(metrics: str, info_s: float) -> float:
+    """Seconds the stub has run verify batches: all its runs less the other batches (INFO probes,
+    releases) at `info_s`, what an INFO batch costs."""
+    m = _settled_totals(metrics)
+    other = m["flashmap_target_batches_total"] - m["flashmap_target_verify_batches_total"]
+    return m["flashmap_target_batch_run_seconds_total"] - other * info_s
+
+
 async def _info_cost(cfg: StackConfig, metrics: str, n: int = 40) -> float:
     """Seconds the stub runs one INFO batch (the orchestrator's health probe, a client's first call)."""
     client = TargetClient(f"{cfg.host}:{cfg.triton_grpc_port}", key=cfg.target_key)
-    await asyncio.sleep(0.5)
-    before = totals(scrape(metrics, 10))
+    before = _settled_totals(metrics)
     for _ in range(n):
         await client.info(refresh=True)
-    await asyncio.sleep(0.5)
-    after = totals(scrape(metrics, 10))
+    after = _settled_totals(metrics)
     await client.close()
     return ((after["flashmap_target_batch_run_seconds_total"] - before["flashmap_target_batch_run_seconds_total"])
             / (after["flashmap_target_batches_total"] - before["flashmap_target_batches_total"]))
