@@ -51,6 +51,7 @@ import numpy as np
 
 from drafter_service.factory import load_proposer
 from flashmap.client import Client, DrafterAdmin
+from flashmap.cpus import format_cpu_list, on_cpus
 from flashmap.inprocess import decode
 from flashmap.metrics import scrape, totals
 from flashmap.rounds import speculative_round
@@ -212,7 +213,8 @@ def chunks_of(prompts: list, concurrency: int, n: int) -> list[list]:
 
 
 def alternated(auto: StackConfig, full: StackConfig, engine, prompts, max_new, concurrency, repeats: int,
-               decode_steps: int, chunks: int = 1) -> dict[str, list[dict]]:
+               decode_steps: int, chunks: int = 1, cpus: tuple[set[int], set[int]] | None = None
+               ) -> dict[str, list[dict]]:
     """Each mode `repeats` times: the in-process target alone ("target"), the target alone
     through Triton ("triton"), and the stack with speculation off, fixed K ("full") and the
     controller ("auto"). The VM's speed drifts (+-30% within minutes), so the modes alternate
@@ -220,7 +222,9 @@ def alternated(auto: StackConfig, full: StackConfig, engine, prompts, max_new, c
     the next chunk starts, in the order of MODES and then reversed; a repeat of a mode is its
     chunks together. Two orchestrators over the same Triton and drafter, both up the whole run
     (nothing restarts, as in a server): `auto` serves "auto" and, with max_draft_tokens = 0 per
-    request, "off"; `full` serves "full"."""
+    request, "off"; `full` serves "full". cpus: the stack's split (Stack.cpus): the in-process
+    target runs on the target model's CPUs, the clients of Triton and of the stack on the rest,
+    so each side computes on the same cores."""
     parts = chunks_of(prompts, concurrency, chunks)
     runs = {m: [] for m in MODES}
     order = 0
@@ -229,12 +233,15 @@ def alternated(auto: StackConfig, full: StackConfig, engine, prompts, max_new, c
         for part in parts:
             for mode in MODES if order % 2 == 0 else MODES[::-1]:
                 if mode == "target":
-                    done[mode].append(inprocess_run(engine, None, part, max_new, concurrency, decode_steps))
-                elif mode == "triton":
-                    done[mode].append(triton_alone(auto, part, max_new, concurrency))
-                else:
-                    done[mode].append(through_stack(full if mode == "full" else auto, part, max_new, concurrency,
-                                                    spec_off=mode == "off"))
+                    with on_cpus(cpus and cpus[0]):
+                        done[mode].append(inprocess_run(engine, None, part, max_new, concurrency, decode_steps))
+                    continue
+                with on_cpus(cpus and cpus[1]):
+                    if mode == "triton":
+                        done[mode].append(triton_alone(auto, part, max_new, concurrency))
+                    else:
+                        done[mode].append(through_stack(full if mode == "full" else auto, part, max_new, concurrency,
+                                                        spec_off=mode == "off"))
             order += 1
         for mode, got in done.items():
             runs[mode].append(joined(got) if mode in ("target", "triton") else stack_summary(got))
@@ -305,6 +312,13 @@ def prompt_sets(target: str, vocab: int, n: int) -> dict[str, list[list[int]]]:
     return sets
 
 
+def cpus_text(cpus: list[str] | None) -> str:
+    if not cpus:
+        return "; not pinned to CPUs"
+    return (f"; the target model's worker and the in-process target on CPU {cpus[0]}, every other process "
+            f"and thread (Triton's server, drafter, orchestrator, clients) on CPU {cpus[1]} (flashmap.cpus)")
+
+
 def run_cells(cfg: StackConfig, sets: dict, todo: list[tuple[str, int]], cells: dict, engine, proposer, a,
               save) -> None:
     """Run the cells in `todo` (prompt set, concurrency) on one stack, each into `cells` and
@@ -319,8 +333,10 @@ def run_cells(cfg: StackConfig, sets: dict, todo: list[tuple[str, int]], cells: 
                     through_stack(c, prompts[:2], 8, 1)  # warm-up
                 decode(engine, [GenerationRequest(prompts[0], 8)], proposer)
             for c in levels:
-                ip_ids, ip = inprocess(engine, proposer, prompts, a.max_new_tokens, c)
-                runs = alternated(cfg, full, engine, prompts, a.max_new_tokens, c, a.repeats, a.decode_steps, a.chunks)
+                with on_cpus(stack.cpus and stack.cpus[0]):
+                    ip_ids, ip = inprocess(engine, proposer, prompts, a.max_new_tokens, c)
+                runs = alternated(cfg, full, engine, prompts, a.max_new_tokens, c, a.repeats, a.decode_steps, a.chunks,
+                                  stack.cpus)
                 ar_ids = runs["target"][0]["outputs"]
                 for what, ids in (("in-process speculation", ip_ids),
                                   *((m, r["outputs"]) for m, rs in runs.items() for r in rs)):
@@ -343,7 +359,8 @@ def run_cells(cfg: StackConfig, sets: dict, todo: list[tuple[str, int]], cells: 
         cells["run"] = {"memory_mb": {"triton (server + Python stub)": peak_rss_mb(stack.triton.process.pid),
                                       "drafter": peak_rss_mb(stack.drafter_proc.pid),
                                       "orchestrator": peak_rss_mb(stack.orch_proc.pid)},
-                        "drafter_sequences_held": held}
+                        "drafter_sequences_held": held,
+                        "cpus": None if stack.cpus is None else [format_cpu_list(c) for c in stack.cpus]}
         stop_process(full_proc)
         save()
 
@@ -462,7 +479,7 @@ def main(argv=None):
         f"rounds without drafts decode "
         f"{a.decode_steps} tokens per request in one call, in process and through the stack alike; the orchestrator "
         f"{'queues the next such round at Triton while one runs (--pipeline)' if a.pipeline else 'sends a round once the one before has answered (--no-pipeline)'}. Date: {date}. Machine: {machine()}; {threads} torch threads per "
-        f"service. Target `{os.path.relpath(target)}`, drafter `{drafter}`.", *[f"Note: {x}" for x in notes], "",
+        f"service{cpus_text(cells.get('run', {}).get('cpus'))}. Target `{os.path.relpath(target)}`, drafter `{drafter}`.", *[f"Note: {x}" for x in notes], "",
         f"Per round at concurrency {levels[0]} (ms, stack): the orchestrator's draft and verify calls and whole round, "
         "and inside them the drafter's forward and, per batch the target model ran, its wait behind the batch "
         "before it and its run:", "",

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from bench.bench_stack import inprocess_run, prompt_sets, triton_alone
+from flashmap.cpus import on_cpus
 from flashmap.metrics import scrape, totals
 from flashmap.types import SamplingParams, VerifyRow
 from flashmap_cli.stack import Stack, StackConfig, default_checkpoints
@@ -81,7 +82,7 @@ class Rows:
 
 
 async def _measure(cfg: StackConfig, engine: TargetEngine, blocks: int, calls: int, rows: int,
-                   decode_steps: int, draft: int) -> dict[str, list]:
+                   decode_steps: int, draft: int, cpus: tuple[set[int], set[int]] | None = None) -> dict[str, list]:
     client = TargetClient(f"{cfg.host}:{cfg.triton_grpc_port}", key=cfg.target_key)
     metrics = f"http://{cfg.host}:{cfg.triton_metrics_port}/metrics"
     params, ids = SamplingParams(), list(range(1000, 1000 + rows))
@@ -95,9 +96,10 @@ async def _measure(cfg: StackConfig, engine: TargetEngine, blocks: int, calls: i
         before, local_s, call_s = _settled_totals(metrics), [], []
         for _ in range(calls):
             batch = local.next()
-            t0 = time.perf_counter()
-            mine = engine.verify(batch)
-            local_s.append(time.perf_counter() - t0)
+            with on_cpus(cpus and cpus[0]):  # the model's cores, as in Triton; the client on the rest
+                t0 = time.perf_counter()
+                mine = engine.verify(batch)
+                local_s.append(time.perf_counter() - t0)
             local.advance(mine)
             batch = remote.next()
             t0 = time.perf_counter()
@@ -140,7 +142,8 @@ def whole_requests(target: str, n: int, max_new: int, block: int = 1) -> None:
     wall = {"in process": [], "Triton": []}  # per request, in order within each block
     compute = {"in process": 0.0, "Triton": 0.0}
 
-    with Stack(cfg):
+    with Stack(cfg) as stack:
+        cpus = stack.cpus or (None, None)
         triton_alone(cfg, prompts[:1], 8, 1)  # warm both sides
         inprocess_run(engine, None, prompts[:1], 8, 1, cfg.decode_steps)
         info_s = asyncio.run(_info_cost(cfg, metrics))
@@ -151,8 +154,9 @@ def whole_requests(target: str, n: int, max_new: int, block: int = 1) -> None:
                 verify_s.clear()
                 outputs[side] = []
                 for p in part:
-                    r = (inprocess_run(engine, None, [p], max_new, 1, cfg.decode_steps) if side == "in process"
-                         else triton_alone(cfg, [p], max_new, 1))
+                    with on_cpus(cpus[side == "Triton"]):  # each side computes on the model's cores
+                        r = (inprocess_run(engine, None, [p], max_new, 1, cfg.decode_steps) if side == "in process"
+                             else triton_alone(cfg, [p], max_new, 1))
                     outputs[side] += r["outputs"]
                     wall[side].append(r["seconds"])
                 if side == "in process":
@@ -227,8 +231,9 @@ def main(argv=None) -> int:
     cfg = StackConfig.on_free_ports(target_dir=target, drafter="init", n_slots=a.rows, max_seq_len=max_seq_len,
                                     with_drafter=False)
     engine = TargetEngine(target, n_slots=a.rows, max_seq_len=max_seq_len)
-    with Stack(cfg):
-        out = asyncio.run(_measure(cfg, engine, a.blocks, a.calls, a.rows, a.decode_steps, a.draft))
+    with Stack(cfg) as stack:
+        with on_cpus(stack.cpus and stack.cpus[1]):
+            out = asyncio.run(_measure(cfg, engine, a.blocks, a.calls, a.rows, a.decode_steps, a.draft, stack.cpus))
     what = f"1 + {a.draft} tokens (drafted, with features)" if a.draft else f"{a.decode_steps} token(s), no features"
     print(f"{a.rows} row(s) of {what} per call, {a.calls} pairs of calls per block alternated call by call, means in ms:")
     for name, v in out.items():

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from flashmap.auth import (API_KEY_ENV, DRAFTER_TOKEN_ENV, DRAFTER_TOKEN_LOCAL, TARGET_KEY_ENV, new_secret,
                            read_secret, write_local_secret)
+from flashmap.cpus import pin_thread, split_cpus
 from flashmap.grpc_serving import free_ports, wait_grpc_health
 from flashmap.types import DECODE_STEPS
 
@@ -59,6 +60,9 @@ class StackConfig:
     target_timeout_s: float = 30.0  # the orchestrator's deadline for every call to Triton
     log_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="flashmap-logs-"))
     with_drafter: bool = True
+    # The target model's compute thread on cores of its own, every other process on the rest
+    # (flashmap.cpus); off, or fewer than 2 usable CPUs: the scheduler places everything.
+    pin_cpus: bool = True
 
     @classmethod
     def on_free_ports(cls, **kw) -> "StackConfig":
@@ -91,6 +95,7 @@ class Stack:
         self.triton = None
         self.drafter_proc: subprocess.Popen | None = None
         self.orch_proc: subprocess.Popen | None = None
+        self.cpus: tuple[set[int], set[int]] | None = None  # (the target worker's, everyone else's); start() sets
         Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
 
     def _log(self, name: str) -> Path:
@@ -102,8 +107,10 @@ class Stack:
                API_KEY_ENV: c.api_key}
         env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         f = open(self._log(name), "ab")
+        rest = None if self.cpus is None else self.cpus[1]
         return subprocess.Popen([sys.executable, "-m", *args], stdout=f, stderr=subprocess.STDOUT, env=env,
-                                cwd=str(REPO_ROOT), start_new_session=True)
+                                cwd=str(REPO_ROOT), start_new_session=True,
+                                preexec_fn=None if rest is None else (lambda: pin_thread(rest)))
 
     def start_target(self) -> None:
         from target_service.launcher import start_triton
@@ -113,6 +120,7 @@ class Stack:
             c.target_dir, host=c.host, http_port=c.triton_http_port, grpc_port=c.triton_grpc_port,
             metrics_port=c.triton_metrics_port, n_slots=c.n_slots, max_seq_len=c.max_seq_len,
             max_queue_delay_us=c.max_queue_delay_us, log_path=str(self._log("triton")), key=c.target_key,
+            cpus=self.cpus,
         )
 
     def start_drafter(self, wait: bool = True) -> None:
@@ -164,6 +172,8 @@ class Stack:
 
     def start(self) -> "Stack":
         os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_service()))  # children inherit it
+        if self.cfg.pin_cpus:
+            self.cpus = split_cpus(_int_or(os.environ["OMP_NUM_THREADS"], threads_per_service()))
         try:
             if self.cfg.with_drafter:
                 self.start_drafter(wait=False)  # loads while Triton starts
@@ -263,6 +273,13 @@ def threads_per_service() -> int:
     cores (verify rounds ran 10x slower); on 2 cores, 2 threads per service halve the stack's
     throughput while one process alone gains from them (bench.threads_per_service)."""
     return max(1, (os.cpu_count() or 2) // 2)
+
+
+def _int_or(text: str, default: int) -> int:
+    try:
+        return int(text)
+    except ValueError:  # OMP_NUM_THREADS may be a nested list ("4,2")
+        return default
 
 
 def stop_process(proc: subprocess.Popen | None, timeout: float = 10.0) -> None:

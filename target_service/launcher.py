@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flashmap.auth import TARGET_KEY_ENV, TARGET_KEY_HEADER, read_secret
+from flashmap.cpus import TARGET_CPUS_ENV, format_cpu_list, pin_thread
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 MODEL_REPOSITORY = Path(__file__).resolve().parent / "model_repository"
@@ -166,6 +167,7 @@ def model_env(
     dtype: str | None = None,
     feature_layers: list[int] | None = None,
     cuda_graphs: bool | None = None,
+    cpus: set[int] | None = None,
 ) -> dict[str, str]:
     """Model settings as the environment variables model.py reads (None: not set)."""
     env = {
@@ -175,6 +177,7 @@ def model_env(
         "FLASHMAP_TARGET_DTYPE": dtype,
         "FLASHMAP_TARGET_FEATURE_LAYERS": None if feature_layers is None else ",".join(map(str, feature_layers)),
         "FLASHMAP_TARGET_CUDA_GRAPHS": None if cuda_graphs is None else str(bool(cuda_graphs)).lower(),
+        TARGET_CPUS_ENV: None if cpus is None else format_cpu_list(cpus),
     }
     return {k: v for k, v in env.items() if v is not None}
 
@@ -300,6 +303,7 @@ def start_triton(
     extra_env: dict[str, str] | None = None,
     keep_workspace: bool = False,
     key: str = "",
+    cpus: tuple[set[int], set[int]] | None = None,
 ) -> TritonHandle:
     """Start tritonserver with the FlashMap target model and wait until it is ready.
 
@@ -309,7 +313,9 @@ def start_triton(
     stop() removes. key: Triton's restricted protocols (inference, shared memory, model
     control, statistics, trace, logging; not health or metadata) then need the header
     flashmap.auth.TARGET_KEY_HEADER with this value. Raises TritonStartError (with the log
-    tail) when it does not become ready.
+    tail) when it does not become ready. cpus: (the model worker's CPUs, the server's):
+    the server and its stub run on the second set, the model's compute thread on the first
+    (flashmap.cpus); None: wherever the caller runs.
     """
     dist = find_tritonserver()
     workspace = Path(tempfile.mkdtemp(prefix="flashmap-triton-"))
@@ -356,7 +362,7 @@ def start_triton(
         cmd += restricted_flags(key)
         env = server_env(dist)
         env.update(model_env(model_dir, max_seq_len=max_seq_len, device=device, dtype=dtype,
-                             feature_layers=feature_layers))
+                             feature_layers=feature_layers, cpus=None if cpus is None else cpus[0]))
         env.update(extra_env or {})
         log_file = None if to_stdout else open(log_path, "ab")
         try:
@@ -364,6 +370,7 @@ def start_triton(
                 cmd, env=env, cwd=workspace,  # not the caller's cwd: the stub puts its cwd on sys.path
                 stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True,  # a Ctrl-C in the terminal reaches us, and we stop it cleanly
+                preexec_fn=None if cpus is None else (lambda: pin_thread(cpus[1])),
             )
         finally:
             if log_file is not None:

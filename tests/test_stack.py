@@ -160,7 +160,41 @@ def _all_idle(stack, client, admin):
             and admin.stats().active_sequences == 0)
 
 
+def _thread_cpus(pid: int) -> dict[int, tuple[set[int], int]]:
+    """Each thread of a process: (the CPUs it may run on, its CPU ticks so far)."""
+    from flashmap.cpus import parse_cpu_list
+
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        status = (task / "status").read_text()
+        allowed = next(line.split(":", 1)[1] for line in status.splitlines() if line.startswith("Cpus_allowed_list"))
+        fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        out[int(task.name)] = (parse_cpu_list(allowed), int(fields[11]) + int(fields[12]))
+    return out
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
+
+
 class TestMainStack:
+    @pytest.mark.timeout(120)
+    def test_target_worker_computes_alone_on_its_cpus(self, stack, client, ref):
+        if stack.cpus is None:
+            pytest.skip("fewer than 2 usable CPUs: the stack does not pin")
+        target_cpus, rest = stack.cpus
+        server = stack.triton.process.pid
+        (stub,) = _children(server)
+        before = _thread_cpus(stub)
+        prompt = _prompts(1, 11)[0]
+        assert list(client.generate(prompt_ids=prompt, max_new_tokens=24, ignore_eos=True).token_ids) == ref([prompt], 24)[0]
+        after = _thread_cpus(stub)
+        busiest = max(after, key=lambda t: after[t][1] - before.get(t, (None, 0))[1])
+        assert after[busiest][0] == target_cpus  # the model's compute thread
+        assert all(cpus == rest for t, (cpus, _) in after.items() if t != busiest)
+        for pid in (server, stack.drafter_proc.pid, stack.orch_proc.pid):
+            assert {frozenset(c) for c, _ in _thread_cpus(pid).values()} == {frozenset(rest)}, pid
+
     @pytest.mark.timeout(120)
     def test_greedy_matches_inprocess_autoregressive(self, stack, client, ref):
         """24 random prompts of 1..64 tokens (plus one of 300), 8 streams at a time: each output

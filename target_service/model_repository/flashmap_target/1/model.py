@@ -43,8 +43,10 @@ packed round: its error entry); no free slot -> UNAVAILABLE; anything else -> IN
 rows of that forward. A stream carries the message but not the code, so the message leads
 with the code's name (flashmap.wire.tag_error: "[INVALID_ARGUMENT] ...").
 
-Configuration: config.pbtxt parameters (model_dir, max_seq_len, device, dtype, feature_layers),
-each overridden by the environment ($FLASHMAP_TARGET_DIR, $FLASHMAP_TARGET_MAX_SEQ_LEN, ...).
+Configuration: config.pbtxt parameters (model_dir, max_seq_len, device, dtype, feature_layers,
+cuda_graphs, cpus), each overridden by the environment ($FLASHMAP_TARGET_DIR,
+$FLASHMAP_TARGET_MAX_SEQ_LEN, ...). cpus: the worker thread runs on those CPUs alone
+(flashmap.cpus), the server's other threads where the server was started.
 n_slots = oldest.max_candidate_sequences; idle timeout = max_sequence_idle_microseconds.
 The project must be importable by the stub's Python: target_service/launcher.py passes it on
 PYTHONPATH; a stub that runs Python in isolated mode ignores PYTHONPATH, and then a .pth file in
@@ -77,6 +79,7 @@ try:  # a clear message beats a bare ModuleNotFoundError in the server log
     import torch
 
     from flashmap import wire
+    from flashmap.cpus import TARGET_CPUS_ENV, format_cpu_list, parse_cpu_list, pin_thread
     from flashmap.metrics import TARGET_MODEL
     from flashmap.types import FOLLOW_REFUSED, FOLLOW_TOKEN, InvalidRequest
     from target_service import engine as engine_module
@@ -96,6 +99,7 @@ ENV_OVERRIDES = {
     "dtype": "FLASHMAP_TARGET_DTYPE",
     "feature_layers": "FLASHMAP_TARGET_FEATURE_LAYERS",
     "cuda_graphs": "FLASHMAP_TARGET_CUDA_GRAPHS",
+    "cpus": TARGET_CPUS_ENV,
 }
 
 
@@ -126,6 +130,10 @@ class TritonPythonModel:
         if graphs == "true" and not device.startswith("cuda"):
             raise ValueError(f"flashmap_target: cuda_graphs=true needs a CUDA device, the model runs on {device}")
         max_seq_len = int(params["max_seq_len"]) if params.get("max_seq_len") else None
+        try:
+            self.cpus = parse_cpu_list(params["cpus"]) if params.get("cpus", "").strip() else None
+        except ValueError as e:
+            raise ValueError(f"flashmap_target: cpus must be a CPU list like 0-3,6: {e}") from None
         layers = params.get("feature_layers", "")
         feature_layers = [int(x) for x in layers.split(",")] if layers.strip() else None
 
@@ -168,6 +176,7 @@ class TritonPythonModel:
             "idle_timeout_s": self.idle_timeout_s,
             "device": str(device),
             "dtype": dtype_name,
+            "cpus": "" if self.cpus is None else format_cpu_list(self.cpus),  # the worker's; "" = not pinned
         }
         self.info_bytes = json.dumps(self.info).encode()
 
@@ -267,6 +276,11 @@ class TritonPythonModel:
         return None  # decoupled: the worker answers each request
 
     def _work_loop(self):
+        if self.cpus is not None:
+            try:
+                pin_thread(self.cpus)
+            except OSError as e:  # a CPU outside the container's set: run unpinned, say so
+                self._log("warn", f"flashmap_target: cannot run the worker on CPUs {format_cpu_list(self.cpus)}: {e}")
         while True:
             try:
                 job = self._jobs.get(timeout=self.metrics.wait_s())
