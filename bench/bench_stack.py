@@ -415,6 +415,8 @@ def main(argv=None):
                     help="tokens per request of a round without drafts, for the target alone and the stack alike")
     ap.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=True,
                     help="the orchestrator queues the next round without drafts while one runs (its --pipeline)")
+    ap.add_argument("--pin-cpus", action=argparse.BooleanOptionalAction, default=True,
+                    help="the target model's worker (and the in-process target) on CPUs of their own (StackConfig.pin_cpus)")
     ap.add_argument("--out", type=Path, default=OUT / "bench_stack.md")
     ap.add_argument("--fresh", action="store_true", help="ignore the finished cells saved beside --out")
     a = ap.parse_args(argv)
@@ -429,11 +431,13 @@ def main(argv=None):
     proposer = load_proposer(drafter, target, n_slots=max(levels), max_context=engine.max_seq_len)
     sets = prompt_sets(target, engine.vocab_size, n)
     cfg = StackConfig.on_free_ports(target_dir=target, drafter=drafter, n_slots=max(levels), max_seq_len=512,
-                                    speculation="auto", decode_steps=a.decode_steps, pipeline=a.pipeline)
+                                    speculation="auto", decode_steps=a.decode_steps, pipeline=a.pipeline,
+                                    pin_cpus=a.pin_cpus)
     # Finished cells go to a JSON file beside the report, so a run that is stopped resumes at
     # the next cell (with the same settings; another setting starts afresh).
     settings = {"target": str(target), "drafter": str(drafter), "max_new_tokens": a.max_new_tokens, "prompts": n,
-                "threads": threads, "repeats": a.repeats, "chunks": a.chunks, "decode_steps": a.decode_steps, "pipeline": a.pipeline}
+                "threads": threads, "repeats": a.repeats, "chunks": a.chunks, "decode_steps": a.decode_steps, "pipeline": a.pipeline,
+                "pin_cpus": a.pin_cpus}
     cells_path = a.out.with_suffix(".json")
     saved = json.loads(cells_path.read_text()) if cells_path.exists() and not a.fresh else {}
     cells = saved.get("cells", {}) if saved.get("settings") == settings else {}
@@ -474,7 +478,7 @@ def main(argv=None):
         f"to the next as a server would; 'first repeat' is its first pass at a new concurrency. "
         f"Command: `OMP_NUM_THREADS={threads} "
         f"python -m bench.bench_stack --concurrency {a.concurrency} --max-new-tokens {a.max_new_tokens} --threads "
-        f"{threads} --repeats {a.repeats} --chunks {a.chunks} --decode-steps {a.decode_steps}{'' if a.pipeline else ' --no-pipeline'}"
+        f"{threads} --repeats {a.repeats} --chunks {a.chunks} --decode-steps {a.decode_steps}{'' if a.pipeline else ' --no-pipeline'}{'' if a.pin_cpus else ' --no-pin-cpus'}"
         f"{f' --prompts {a.prompts}' if a.prompts else ''}{'' if a.out == OUT / 'bench_stack.md' else f' --out {os.path.relpath(a.out)}'}`; "
         f"rounds without drafts decode "
         f"{a.decode_steps} tokens per request in one call, in process and through the stack alike; the orchestrator "

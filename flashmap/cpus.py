@@ -4,9 +4,10 @@ On a CPU host the target model's worker thread (target_service's Triton model) d
 the stack's work, and it shares the cores with Triton's server threads, the stub's request
 thread, the orchestrator, the drafter and the clients. Each of them that the scheduler runs on
 the worker's core preempts it or moves it to the other core, and the worker's caches are then
-someone else's. With the worker alone on its cores and everything else on the rest, Triton's
-path ran whole requests at 0.98-0.99 of the same engine in one process instead of 0.94-0.95
-(`python -m bench.triton_overhead --requests`, 2-core VM; docs/results/bench_stack.md).
+someone else's. With the worker alone on its core and everything else on the other, the stack
+with speculation off ran 1.07x [1.01, 1.14] as fast at concurrency 16 on a 2-core VM, and the
+same (1.00x [0.96, 1.05]) at concurrency 1 (`python -m bench.cpu_pinning`,
+docs/results/bench_stack.md#cpus).
 
 `split_cpus` makes the split: the first `target_n` usable CPUs for the target's compute, the
 others for every other thread. `flashmap_cli.stack.Stack` starts the services on the rest and
