@@ -20,7 +20,7 @@ from pathlib import Path
 
 from flashmap.auth import (API_KEY_ENV, DRAFTER_TOKEN_ENV, DRAFTER_TOKEN_LOCAL, TARGET_KEY_ENV, new_secret,
                            read_secret, write_local_secret)
-from flashmap.cpus import pin_thread, split_cpus
+from flashmap.cpus import on_cpus, split_cpus
 from flashmap.grpc_serving import free_ports, wait_grpc_health
 from flashmap.types import DECODE_STEPS
 
@@ -107,10 +107,9 @@ class Stack:
                API_KEY_ENV: c.api_key}
         env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         f = open(self._log(name), "ab")
-        rest = None if self.cpus is None else self.cpus[1]
-        return subprocess.Popen([sys.executable, "-m", *args], stdout=f, stderr=subprocess.STDOUT, env=env,
-                                cwd=str(REPO_ROOT), start_new_session=True,
-                                preexec_fn=None if rest is None else (lambda: pin_thread(rest)))
+        with on_cpus(None if self.cpus is None else self.cpus[1]):  # a child starts on its parent thread's CPUs
+            return subprocess.Popen([sys.executable, "-m", *args], stdout=f, stderr=subprocess.STDOUT, env=env,
+                                    cwd=str(REPO_ROOT), start_new_session=True)
 
     def start_target(self) -> None:
         from target_service.launcher import start_triton

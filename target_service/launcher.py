@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flashmap.auth import TARGET_KEY_ENV, TARGET_KEY_HEADER, read_secret
-from flashmap.cpus import TARGET_CPUS_ENV, format_cpu_list, pin_thread
+from flashmap.cpus import TARGET_CPUS_ENV, format_cpu_list, on_cpus
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 MODEL_REPOSITORY = Path(__file__).resolve().parent / "model_repository"
@@ -366,12 +366,12 @@ def start_triton(
         env.update(extra_env or {})
         log_file = None if to_stdout else open(log_path, "ab")
         try:
-            process = subprocess.Popen(
-                cmd, env=env, cwd=workspace,  # not the caller's cwd: the stub puts its cwd on sys.path
-                stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True,  # a Ctrl-C in the terminal reaches us, and we stop it cleanly
-                preexec_fn=None if cpus is None else (lambda: pin_thread(cpus[1])),
-            )
+            with on_cpus(None if cpus is None else cpus[1]):  # a child starts on its parent thread's CPUs
+                process = subprocess.Popen(
+                    cmd, env=env, cwd=workspace,  # not the caller's cwd: the stub puts its cwd on sys.path
+                    stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    start_new_session=True,  # a Ctrl-C in the terminal reaches us, and we stop it cleanly
+                )
         finally:
             if log_file is not None:
                 log_file.close()
