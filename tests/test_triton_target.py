@@ -732,3 +732,10 @@ def test_a_timed_out_call_leaves_the_stream_to_the_next(server):
 
     run(body, server)
     settled_active(server, 0)
+
+
+def test_a_bad_cpu_list_stops_the_model_with_a_clear_message(checkpoint, tmp_path):
+    log = tmp_path / "tritonserver.log"
+    with pytest.raises(launcher.TritonStartError) as e:
+        _start(checkpoint, log, extra_env={"FLASHMAP_TARGET_CPUS": "3-1"})
+    assert "cpus must be a CPU list like 0-3,6" in str(e.value) + launcher.log_tail(log)
