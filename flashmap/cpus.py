@@ -89,12 +89,11 @@ def pin_thread(cpus: set[int]) -> bool:
 @contextlib.contextmanager
 def on_cpus(cpus: set[int] | None):
     """The calling thread on `cpus` for the block (None: unchanged), its old set restored after."""
-    if cpus is None or not hasattr(os, "sched_setaffinity"):
+    before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    if cpus is None or not pin_thread(cpus):
         yield
         return
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, cpus)
     try:
         yield
     finally:
-        os.sched_setaffinity(0, before)
+        pin_thread(before)

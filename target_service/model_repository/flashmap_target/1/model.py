@@ -176,7 +176,7 @@ class TritonPythonModel:
             "idle_timeout_s": self.idle_timeout_s,
             "device": str(device),
             "dtype": dtype_name,
-            "cpus": "" if self.cpus is None else format_cpu_list(self.cpus),  # the worker's; "" = not pinned
+            "cpus": "" if self.cpus is None else format_cpu_list(self.cpus),  # asked for the worker ("" = none); the log warns if it could not be
         }
         self.info_bytes = json.dumps(self.info).encode()
 
