@@ -243,12 +243,20 @@ class AsyncClient:
     async def generate(self, **kw) -> Completion:
         return _collect([c async for c in self.generate_stream(**kw)])
 
-    async def abort(self, request_id: str) -> bool:
+    async def _unary(self, rpc, req):
         try:
-            return (await self.stub.Abort(serving_pb2.AbortRequest(request_id=request_id), timeout=30.0,
-                                          metadata=self._md)).found
+            return await rpc(req, timeout=self.timeout or 30.0, metadata=self._md)
         except grpc.aio.AioRpcError as e:
             raise _translate(e) from None
+
+    async def abort(self, request_id: str) -> bool:
+        return (await self._unary(self.stub.Abort, serving_pb2.AbortRequest(request_id=request_id))).found
+
+    async def model_info(self) -> serving_pb2.ModelInfoResponse:
+        return await self._unary(self.stub.ModelInfo, serving_pb2.ModelInfoRequest())
+
+    async def health(self) -> serving_pb2.HealthResponse:
+        return await self._unary(self.stub.Health, serving_pb2.HealthRequest())
 
     async def close(self) -> None:
         await self.channel.close()

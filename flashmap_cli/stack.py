@@ -23,6 +23,7 @@ from flashmap.auth import (API_KEY_ENV, DRAFTER_TOKEN_ENV, DRAFTER_TOKEN_LOCAL, 
 from flashmap.cpus import on_cpus, split_cpus
 from flashmap.grpc_serving import free_ports, wait_grpc_health
 from flashmap.types import DECODE_STEPS
+from orchestrator.admission import BurstConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_TARGET = REPO_ROOT / "checkpoints" / "demo-target"
@@ -53,6 +54,7 @@ class StackConfig:
     speculation: str = "auto"  # auto: draft lengths from measured costs; full: the whole block every round
     decode_steps: int = DECODE_STEPS  # tokens per request of a round without drafts (the orchestrator's --decode-steps)
     pipeline: bool = True  # the orchestrator's --pipeline: the next round without drafts queued while one runs
+    burst_window_ms: float = BurstConfig.window_s * 1e3  # the orchestrator's --burst-window-ms: requests sent together start in one round
     # Secrets between the parts (flashmap.auth): fresh random ones unless given.
     target_key: str = field(default_factory=new_secret)
     drafter_token: str = field(default_factory=new_secret)
@@ -149,7 +151,7 @@ class Stack:
             "--http-port", str(c.http_port), "--target-url", f"{c.host}:{c.triton_grpc_port}", "--drafter-url", c.drafter_url if c.with_drafter else "",
             "--tokenizer-dir", c.target_dir, "--max-queue", str(c.max_queue), "--draft-timeout-s", str(c.draft_timeout_s),
             "--tree-blocks", str(c.tree_blocks), "--speculation", c.speculation, "--decode-steps", str(c.decode_steps),
-            "--pipeline" if c.pipeline else "--no-pipeline",
+            "--pipeline" if c.pipeline else "--no-pipeline", "--burst-window-ms", str(c.burst_window_ms),
             "--target-timeout-s", str(c.target_timeout_s),
         ])
         wait_grpc_health(c.url, 300, proc, self._log(name))

@@ -5,7 +5,7 @@ of them: one batched call to the drafter (a DraftRequest carrying every sequence
 that can draft), then one packed verify request to Triton carrying every row (one
 forward), then rejection sampling and streaming per request. Requests
 beyond the target's KV slots wait in a queue; past `max_queue` they are refused with
-RESOURCE_EXHAUSTED. A drafter that is down or late costs speed, not correctness: the
+RESOURCE_EXHAUSTED; requests sent together start in one round (orchestrator.admission). A drafter that is down or late costs speed, not correctness: the
 round runs without drafts (autoregressive) and is counted. The OpenAI-compatible HTTP API
 (orchestrator/openai_api.py, --http-port) serves the same requests through make_request / stream.
 
@@ -42,6 +42,7 @@ from flashmap.types import (BLOCK_SIZE, DECODE_STEPS, MAX_DECODE_STEPS, Generati
                             SamplingParams, SpecStats)
 from flashmap.v1 import serving_pb2, serving_pb2_grpc
 from flashmap.wire import stats_to_proto
+from orchestrator.admission import BurstConfig, BurstGate
 from orchestrator.drafter_client import DrafterClient, ServiceDrafter
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.target_client import TargetClient, TargetUnavailable, TritonTarget
@@ -73,6 +74,10 @@ class OrchestratorConfig:
     # Triton (flashmap.rounds.Ahead): the target goes from one to the next without waiting for
     # this loop, the network and Triton's request path between them.
     pipeline: bool = True
+    # Requests sent together start in one round (orchestrator.admission): waking from idle into a
+    # burst, the scheduler waits until none has arrived for burst_gap_s, at most burst_window_s.
+    burst_window_s: float = BurstConfig.window_s  # 0 = start at once
+    burst_gap_s: float = BurstConfig.gap_s
     # Trust boundaries (DESIGN.md): secrets come from the environment (flashmap.auth), "" = none.
     api_key: str = ""  # clients must send authorization: Bearer <api_key> (gRPC Health and grpc.health stay open)
     target_key: str = ""  # Triton's restricted-protocol key
@@ -154,6 +159,7 @@ class Orchestrator:
         self.active: dict[int, _Active] = {}
         self.by_request: dict[str, _Active] = {}
         self._wake = asyncio.Event()
+        self.burst = BurstGate(BurstConfig(cfg.burst_window_s, cfg.burst_gap_s))
         self._loop_task: asyncio.Task | None = None
         self._health_task: asyncio.Task | None = None
         self._releases: set[asyncio.Task] = set()  # slots being freed on the target and the drafter
@@ -191,6 +197,7 @@ class Orchestrator:
         self.metrics.draft_length.labels(model=self.info.model_name)
         self.metrics.speculation_off_rounds.labels(model=self.info.model_name)
         self.metrics.rounds_ahead.labels(model=self.info.model_name)
+        self.metrics.burst_wait.labels(model=self.info.model_name)
         self.metrics.decode_steps.labels(model=self.info.model_name)
         self.max_concurrent = self.cfg.max_concurrent or self.info.n_slots
         self._loop_task = asyncio.create_task(self._scheduler())
@@ -305,6 +312,7 @@ class Orchestrator:
         self.waiting.append(a)
         self.by_request[gen.request_id] = a
         self.metrics.queued_requests.labels(model=self.info.model_name).set(len(self.waiting))
+        self.burst.arrived(a.t_arrival)
         self._wake.set()
         return a
 
@@ -329,6 +337,8 @@ class Orchestrator:
                     self._flush()
                     self._wake.clear()
                     await self._wake.wait()
+                    if self.waiting and self.burst.open(time.perf_counter(), len(self.waiting)):
+                        await self._gather_burst()
                     continue
                 # The last round's tokens reach their streams once this round's first call
                 # (draft or verify) is on the wire: the task's first step runs before the
@@ -344,6 +354,15 @@ class Orchestrator:
                 ahead = None
                 self._flush()
                 await asyncio.sleep(0.05)
+
+    async def _gather_burst(self) -> None:
+        """Wait for the rest of the burst the scheduler woke into (orchestrator.admission),
+        while slots are free for it."""
+        t0 = now = time.perf_counter()
+        while len(self.waiting) < self.max_concurrent - len(self.active) and (t := self.burst.until(now)) is not None:
+            await asyncio.sleep(t - now)
+            now = time.perf_counter()
+        self.metrics.burst_wait.labels(model=self.info.model_name).observe(now - t0)
 
     def _flush(self) -> None:
         """Hand the held pieces and ends to their streams, in the order they were made."""
@@ -663,6 +682,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pipeline", action=argparse.BooleanOptionalAction,
                     default=env("FLASHMAP_PIPELINE", "1") not in ("0", "false", "no"),
                     help="queue the next round without drafts at Triton while one runs (default on)")
+    ap.add_argument("--burst-window-ms", type=float, default=float(env("FLASHMAP_BURST_WINDOW_MS", BurstConfig.window_s * 1e3)),
+                    help="waking from idle into requests sent together, wait up to this long for the rest of "
+                         "them so they prefill in one round (0 = start at once)")
+    ap.add_argument("--burst-gap-ms", type=float, default=float(env("FLASHMAP_BURST_GAP_MS", BurstConfig.gap_s * 1e3)),
+                    help="requests closer than this are one burst; the wait ends after this long without one")
     ap.add_argument("--tls-cert", default=env("FLASHMAP_TLS_CERT"), help="PEM certificate chain: serve TLS")
     ap.add_argument("--tls-key", default=env("FLASHMAP_TLS_KEY"), help="PEM private key of --tls-cert")
     ap.add_argument("--reflection", action="store_true", help="serve gRPC reflection (off: less to probe)")
@@ -676,6 +700,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--tree-blocks must be >= 1, got {a.tree_blocks}")
     if not 1 <= a.decode_steps <= MAX_DECODE_STEPS:
         ap.error(f"--decode-steps must be in 1..{MAX_DECODE_STEPS}, got {a.decode_steps}")
+    if a.burst_window_ms < 0 or a.burst_gap_ms < 0:
+        ap.error("--burst-window-ms and --burst-gap-ms must be >= 0")
     if bool(a.tls_cert) != bool(a.tls_key):
         ap.error("--tls-cert and --tls-key go together")
     setup_logging(a.log_level)
@@ -683,7 +709,8 @@ def main(argv: list[str] | None = None) -> None:
         host=a.host, port=a.port, metrics_port=a.metrics_port, http_port=a.http_port, target_url=a.target_url, drafter_url=a.drafter_url,
         tokenizer_dir=a.tokenizer_dir, max_concurrent=a.max_concurrent, max_queue=a.max_queue,
         draft_timeout_s=a.draft_timeout_s, tree_blocks=a.tree_blocks, speculation=a.speculation,
-        decode_steps=a.decode_steps, pipeline=a.pipeline, api_key=read_secret(API_KEY_ENV), target_key=read_secret(TARGET_KEY_ENV),
+        decode_steps=a.decode_steps, pipeline=a.pipeline, burst_window_s=a.burst_window_ms / 1e3,
+        burst_gap_s=a.burst_gap_ms / 1e3, api_key=read_secret(API_KEY_ENV), target_key=read_secret(TARGET_KEY_ENV),
         drafter_token=read_secret(DRAFTER_TOKEN_ENV), tls=(a.tls_cert, a.tls_key) if a.tls_cert else None,
         reflection=a.reflection, max_message_bytes=a.max_message_bytes, max_prompt_bytes=a.max_prompt_bytes,
         target_timeout_s=a.target_timeout_s,

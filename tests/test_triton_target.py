@@ -542,6 +542,66 @@ def test_requests_arriving_during_a_prompt_round_join_the_next_round(server, eng
     settled_active(server, 0)
 
 
+def test_requests_sent_together_start_in_one_round(server, engine):
+    """Burst admission (orchestrator.admission): two requests reach the idle scheduler
+    together and a third comes 30 ms later, within the gap: the scheduler waits for it and all
+    three prompts go to the target in the first call. The next request to find the scheduler
+    idle comes alone, but the traffic since the last start came in a burst, so it waits a gap
+    for company; the one after it, with nothing close together since, starts at once. The text
+    is the target alone's."""
+    from flashmap.inprocess import decode
+    from flashmap.types import GenerationRequest
+    from orchestrator.server import Orchestrator, OrchestratorConfig, Piece
+
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 500, n).tolist() for n in (6, 8, 4, 5, 7)]
+    expected = [r.token_ids for r in decode(engine, [GenerationRequest(p, 6) for p in prompts])]
+
+    async def serve():
+        orch = Orchestrator(OrchestratorConfig(target_url=server.grpc_url, drafter_url="", metrics_port=0,
+                                               burst_window_s=2.0, burst_gap_s=0.25))
+        await orch.start()
+        calls, send = [], orch.target.verify_rows
+
+        async def verify_rows(items, timeout_s=None):
+            calls.append(len(items))
+            return await send(items, timeout_s)
+
+        orch.target.verify_rows = verify_rows
+
+        async def generate(prompt):
+            gen = orch.make_request(token_ids=prompt, max_new_tokens=6, ignore_eos=True)
+            return [t for item in [x async for x in orch.stream(gen)] if isinstance(item, Piece)
+                    for t in item.token_ids]
+
+        try:
+            burst = [asyncio.create_task(generate(p)) for p in prompts[:2]]
+            await asyncio.sleep(0.03)
+            burst.append(asyncio.create_task(generate(prompts[2])))
+            texts = await asyncio.gather(*burst)
+            first_call = calls[0]
+            await asyncio.sleep(0.3)  # the gap passes: the next request is not part of a burst
+            def wait_s():
+                return orch.metrics.registry.get_sample_value("flashmap_burst_wait_seconds_sum",
+                                                              {"model": orch.info.model_name})
+
+            waited = [wait_s()]
+            for p in prompts[3:]:
+                texts.append(await generate(p))
+                waited.append(wait_s() - sum(waited))
+            return texts, first_call, waited
+        finally:
+            await orch.stop()
+
+    texts, first_call, waited = asyncio.run(serve())
+    assert texts == expected
+    assert first_call == 3  # the three prompts in one call
+    assert 0.25 <= waited[0] < 2.0  # until a gap passed after the third
+    assert 0.25 <= waited[1] < 0.5  # alone after a burst: one gap
+    assert waited[2] == 0  # alone after one alone: no wait
+    settled_active(server, 0)
+
+
 def test_concurrent_sequences_share_forward_passes(server):
     rng = np.random.default_rng(2)
     before = {n: at_rest(server, n) for n in (

@@ -217,6 +217,9 @@ def build() -> dict:
     L.add(timeseries("Requests/s by status", "Finished requests per second, by final status.", [
         target(rate("flashmap_requests_total", MODEL, "status"), "{{status}}", ""),
     ], unit="reqps", min_=0, stack=True), w=8)
+    L.add(quantile_panel("Burst admission wait", "Waking from idle into requests sent together, the scheduler "
+                         "waits for the rest of them (--burst-window-ms) so they prefill in one round.",
+                         "flashmap_burst_wait_seconds", MODEL), w=8)
 
     # ---- Load and drafter ----------------------------------------------------------------
     L.row("Load and drafter")
