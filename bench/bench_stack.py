@@ -444,7 +444,7 @@ def main(argv=None):
     # the next cell (with the same settings; another setting starts afresh).
     settings = {"target": str(target), "drafter": str(drafter), "max_new_tokens": a.max_new_tokens, "prompts": n,
                 "threads": threads, "repeats": a.repeats, "chunks": a.chunks, "decode_steps": a.decode_steps, "pipeline": a.pipeline,
-                "pin_cpus": a.pin_cpus}
+                "pin_cpus": a.pin_cpus, "client": "asyncio", "burst_window_ms": cfg.burst_window_ms}
     cells_path = a.out.with_suffix(".json")
     saved = json.loads(cells_path.read_text()) if cells_path.exists() and not a.fresh else {}
     cells = saved.get("cells", {}) if saved.get("settings") == settings else {}
@@ -482,7 +482,8 @@ def main(argv=None):
         f"'best' is the faster of off and full in that repeat); fixed-K speculation in process: one run. Two "
         f"orchestrators over one Triton and one drafter stay up the whole run (auto, which also serves off as "
         f"max_draft_tokens = 0 per request, and full), so the controller carries what it measured from one cell "
-        f"to the next as a server would; 'first repeat' is its first pass at a new concurrency. "
+        f"to the next as a server would; 'first repeat' is its first pass at a new concurrency. The stack's "
+        f"client: one asyncio channel (uvloop) per part, every stream of the part on it. "
         f"Command: `OMP_NUM_THREADS={threads} "
         f"python -m bench.bench_stack --concurrency {a.concurrency} --max-new-tokens {a.max_new_tokens} --threads "
         f"{threads} --repeats {a.repeats} --chunks {a.chunks} --decode-steps {a.decode_steps}{'' if a.pipeline else ' --no-pipeline'}{'' if a.pin_cpus else ' --no-pin-cpus'}"

@@ -225,6 +225,8 @@ class TestMainStack:
 
         async def run():
             async with AsyncClient(stack.cfg.url, timeout=120) as ac:
+                assert (await ac.health()).ready and (await ac.model_info()).max_concurrent == stack.cfg.n_slots
+
                 async def one(p):
                     ids, final = [], None
                     async for c in ac.generate_stream(prompt_ids=p, max_new_tokens=max_new, ignore_eos=True):
