@@ -483,6 +483,14 @@ def test_float16_features_come_back_as_float16(checkpoint, engine, tmp_path):
         assert handle.stop() == 0, launcher.log_tail(tmp_path / "tritonserver.log")
 
 
+async def _generated(orch, prompt, max_new: int) -> list[int]:
+    """The tokens an in-process Orchestrator streams for a greedy request of `prompt`."""
+    from orchestrator.server import Piece
+
+    gen = orch.make_request(token_ids=prompt, max_new_tokens=max_new, ignore_eos=True)
+    return [t for item in [x async for x in orch.stream(gen)] if isinstance(item, Piece) for t in item.token_ids]
+
+
 def test_requests_arriving_during_a_prompt_round_join_the_next_round(server, engine):
     """The orchestrator's scheduler: a new prompt with slots free does not send the next round
     ahead, so requests that arrive while it runs (held here until two more are queued) join
@@ -491,7 +499,7 @@ def test_requests_arriving_during_a_prompt_round_join_the_next_round(server, eng
     the prompt round sends the next one ahead. The text is the target alone's either way."""
     from flashmap.inprocess import decode
     from flashmap.types import GenerationRequest
-    from orchestrator.server import Orchestrator, OrchestratorConfig, Piece
+    from orchestrator.server import Orchestrator, OrchestratorConfig
 
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, 500, n).tolist() for n in (7, 5, 9)]
@@ -511,10 +519,8 @@ def test_requests_arriving_during_a_prompt_round_join_the_next_round(server, eng
 
         orch.target.verify_rows = verify_rows
 
-        async def generate(prompt):
-            gen = orch.make_request(token_ids=prompt, max_new_tokens=10, ignore_eos=True)
-            return [t for item in [x async for x in orch.stream(gen)] if isinstance(item, Piece)
-                    for t in item.token_ids]
+        def generate(prompt):
+            return _generated(orch, prompt, 10)
 
         try:
             tasks = [asyncio.create_task(generate(prompts[0]))]
@@ -551,7 +557,7 @@ def test_requests_sent_together_start_in_one_round(server, engine):
     is the target alone's."""
     from flashmap.inprocess import decode
     from flashmap.types import GenerationRequest
-    from orchestrator.server import Orchestrator, OrchestratorConfig, Piece
+    from orchestrator.server import Orchestrator, OrchestratorConfig
 
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, 500, n).tolist() for n in (6, 8, 4, 5, 7)]
@@ -569,10 +575,8 @@ def test_requests_sent_together_start_in_one_round(server, engine):
 
         orch.target.verify_rows = verify_rows
 
-        async def generate(prompt):
-            gen = orch.make_request(token_ids=prompt, max_new_tokens=6, ignore_eos=True)
-            return [t for item in [x async for x in orch.stream(gen)] if isinstance(item, Piece)
-                    for t in item.token_ids]
+        def generate(prompt):
+            return _generated(orch, prompt, 6)
 
         try:
             burst = [asyncio.create_task(generate(p)) for p in prompts[:2]]
