@@ -93,18 +93,24 @@ class TritonStream:
         self._ids = itertools.count(1)
 
     async def call(self, request: service_pb2.ModelInferRequest, timeout_s: float | None = None) -> InferResult:
-        """Send one request, await its answer (StreamError, StreamBroken, asyncio.TimeoutError)."""
+        """Send one request, await its answer (StreamError, StreamBroken, asyncio.TimeoutError).
+        An answer read after the deadline is late, as gRPC deadlines are, even when the loop
+        (busy, or descheduled) reads it in the same pass as the timer."""
         if self._reader is None or self._reader.done():
             self._open()
         rid = str(next(self._ids))
         request.id = rid
-        fut = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
+        fut = loop.create_future()
         self._pending[rid] = fut
         self._queue.put_nowait(request)
         try:
             resp = await asyncio.wait_for(fut, timeout_s)
         finally:
             self._pending.pop(rid, None)  # a late answer to a timed-out request is dropped
+        if deadline is not None and loop.time() > deadline:
+            raise asyncio.TimeoutError
         return result(resp)
 
     def _open(self) -> None:

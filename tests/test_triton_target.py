@@ -190,8 +190,9 @@ def test_side_channel_sends_what_is_due_and_keeps_what_a_failed_call_did_not_sen
     assert len(wakes) == 1 and 3590 < side.wait_s() <= 3600
     side.flush()  # not due: nothing goes out
     assert rows.value == gauge.value == 0 and not logged
+    side._due = time.monotonic()  # due now
     with pytest.raises(RuntimeError):
-        side.flush(force=True)
+        side.flush()
     assert rows.value == 0 and logged == [("info", "first")] and side.wait_s() is not None
     side.inc("rows", 3)
     side.set("gauge", 7)

@@ -64,10 +64,12 @@ the stub (_SideChannel).
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import queue
 import re
+import sys
 import threading
 import time
 import traceback
@@ -90,6 +92,8 @@ except ImportError as e:  # pragma: no cover - only in a misconfigured server
         "an image, a .pth file as deploy/Dockerfile.triton writes)."
     ) from e
 
+
+FINALIZE_DUMP_S = 8.0  # seconds of unloading before the model's threads' stacks go to the log
 
 # Settings the environment may override (containers, target_service/launcher.py).
 ENV_OVERRIDES = {
@@ -294,7 +298,8 @@ class TritonPythonModel:
                 self.metrics.flush()
             except BaseException:  # the worker outlives any one batch: later requests are served
                 self._log("error", "flashmap_target worker: " + traceback.format_exc())
-        self.metrics.flush(force=True)
+        # What is still recorded is not sent: the model's metrics go with it, and a call into
+        # a stub that is shutting down is one more thing the unload would wait on.
 
     def _run_job(self, requests, t_queued: float) -> None:
         # Answers go out from this thread, before the next batch: a second Python thread sending
@@ -492,13 +497,18 @@ class TritonPythonModel:
         return "verify", corrid, start, end, row, branches
 
     def finalize(self):
+        # Triton exits with an error once the unload takes --exit-timeout-secs (15 s, launcher).
+        # Should it stall, every thread's stack goes to the server's log first, and the worker
+        # (stuck in a stub call that never returns) gets a bounded wait.
+        faulthandler.dump_traceback_later(FINALIZE_DUMP_S, file=sys.stderr)
         self._jobs.put(None)  # the worker answers what is queued first
-        self._worker.join(timeout=30)
+        self._worker.join(timeout=5)
         self._stop.set()
-        self._reaper.join(timeout=5)
+        self._reaper.join(timeout=2)
         with self.lock:
             for corrid in list(self.slots):
                 self._release(corrid)
+        # Not cancelled: a stub that still has not exited 8 s on dumps too (Python's own exit cancels it).
 
 
 # ---------------------------------------------------------------------- helpers
@@ -555,10 +565,10 @@ class _SideChannel:
         due = self._due
         return None if due is None else max(0.0, due - time.monotonic())
 
-    def flush(self, force: bool = False) -> None:
-        """Send what is recorded, if it is due (or `force`)."""
+    def flush(self) -> None:
+        """Send what is recorded, if it is due."""
         with self._lock:
-            if self._due is None or (not force and time.monotonic() < self._due):
+            if self._due is None or time.monotonic() < self._due:
                 return
             counts, self._counts = self._counts, {}
             gauges, self._gauges = self._gauges, {}
