@@ -115,6 +115,8 @@ TARGET_MODEL = (
            "Seconds batches waited in the model for the one before them", ("model",)),
     Metric("flashmap_target_batch_run_seconds_total", "counter",
            "Seconds the model spent running batches (verify forwards and their answers)", ("model",)),
+    Metric("flashmap_target_batch_answer_seconds_total", "counter",
+           "Of the run, seconds spent handing the answers to Triton", ("model",)),
 )
 
 # Triton's own per-model metrics (port 8002), from prometheus-cpp: counters carry no _total

@@ -56,8 +56,9 @@ Metrics (Triton's /metrics): flashmap_target_active_sequences, flashmap_target_s
 flashmap_target_batch_size (rows in the last forward), flashmap_target_verify_batches_total,
 flashmap_target_verify_rows_total, flashmap_target_idle_released_total, and per batch handed
 to execute() flashmap_target_batches_total, flashmap_target_batch_wait_seconds_total (behind the
-batch before it) and flashmap_target_batch_run_seconds_total (Triton's own compute time is only
-the hand-over of a decoupled model's batch); sent with the model's log lines by the worker,
+batch before it), flashmap_target_batch_run_seconds_total (Triton's own compute time is only
+the hand-over of a decoupled model's batch) and, of the run, flashmap_target_batch_answer_seconds_total
+(the answers handed to Triton: each send waits for the server to take it); sent with the model's log lines by the worker,
 between batches, at most every 0.25 s, so that one thread makes all of the model's calls into
 the stub (_SideChannel).
 """
@@ -312,6 +313,7 @@ class TritonPythonModel:
         except Exception as e:  # never leave a request unanswered
             self._log("error", "flashmap_target: " + traceback.format_exc())
             responses = [_error(f"internal error: {type(e).__name__}: {e}", wire.ROW_INTERNAL)] * len(requests)
+        t1 = time.perf_counter()
         for request, response in zip(requests, responses):
             try:
                 request.get_response_sender().send(response, flags=final)
@@ -319,7 +321,9 @@ class TritonPythonModel:
                 self._log("error", "flashmap_target send: " + traceback.format_exc())
         self.metrics.inc("flashmap_target_batches_total")
         self.metrics.inc("flashmap_target_batch_wait_seconds_total", t0 - t_queued)
-        self.metrics.inc("flashmap_target_batch_run_seconds_total", time.perf_counter() - t0)
+        t2 = time.perf_counter()
+        self.metrics.inc("flashmap_target_batch_run_seconds_total", t2 - t0)
+        self.metrics.inc("flashmap_target_batch_answer_seconds_total", t2 - t1)
 
     def _execute(self, requests):
         """Every row of every request (a one-row request, or each row of a packed round) is
