@@ -57,10 +57,10 @@ flashmap_target_batch_size (rows in the last forward), flashmap_target_verify_ba
 flashmap_target_verify_rows_total, flashmap_target_idle_released_total, and per batch handed
 to execute() flashmap_target_batches_total, flashmap_target_batch_wait_seconds_total (behind the
 batch before it), flashmap_target_batch_run_seconds_total (Triton's own compute time is only
-the hand-over of a decoupled model's batch) and, of the run, flashmap_target_batch_answer_seconds_total
-(the answers handed to Triton: each send waits for the server to take it); sent with the model's log lines by the worker,
-between batches, at most every 0.25 s, so that one thread makes all of the model's calls into
-the stub (_SideChannel).
+the hand-over of a decoupled model's batch) and, of the run,
+flashmap_target_batch_answer_seconds_total (the answers handed to Triton: each send waits for
+the server to take it); sent with the model's log lines by the worker, between batches, at most
+every 0.25 s, so that one thread makes all of the model's calls into the stub (_SideChannel).
 """
 
 from __future__ import annotations
@@ -512,7 +512,7 @@ class TritonPythonModel:
         with self.lock:
             for corrid in list(self.slots):
                 self._release(corrid)
-        # Not cancelled: a stub that still has not exited 8 s on dumps too (Python's own exit cancels it).
+        # Not cancelled: a stub still not gone FINALIZE_DUMP_S after this began dumps too (Python's exit cancels it).
 
 
 # ---------------------------------------------------------------------- helpers
