@@ -41,7 +41,8 @@ class LocalDrafter:
         self.steps = steps
         self.block_size = proposer.block_size
 
-    async def draft(self, seqs: list[Sequence], n_blocks: list[int]) -> DraftBatch:
+    async def draft(self, seqs: list[Sequence], n_blocks: list[int], budgets: list[int] | None = None) -> DraftBatch:
+        # Whole blocks whatever the budgets: the round loop cuts them (a proposer drafts K at once).
         p = self.proposer
         for s in seqs:
             ctx = s.context_for_drafter()

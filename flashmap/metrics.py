@@ -65,6 +65,9 @@ def orchestrator_metrics(block_size: int = BLOCK_SIZE) -> tuple[Metric, ...]:
           (1, 2, 4, 8, 16, 32, 64)),
         M("flashmap_rounds_ahead", "counter", "Rounds sent to the target before the round they follow had "
           "answered (--pipeline: queued at Triton while the round before runs)", ("model",)),
+        M("flashmap_shadow_probes", "counter", "Probes of greedy requests drafted beside the rounds while "
+          "speculation is off and checked against the text the target commits, nothing verified (--pipeline)",
+          ("model",)),
         M("flashmap_burst_wait_seconds", "histogram", "Starts from idle that waited for the rest of a burst of "
           "requests (to prefill them in one round), by the time waited", ("model",), LATENCY_BUCKETS),
         M("flashmap_draft_latency_seconds", "histogram", "Drafter call latency", SPEC, LATENCY_BUCKETS),

@@ -28,6 +28,7 @@ never suspend, so `run_local` drives a round without an event loop.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -37,6 +38,8 @@ import numpy as np
 from flashmap.sequence import Sequence
 from flashmap.speculation import SpeculationController
 from flashmap.types import FOLLOW_REFUSED, Draft, InvalidRequest, VerifyRow
+
+log = logging.getLogger("flashmap.rounds")
 
 
 @dataclass
@@ -52,10 +55,13 @@ class DraftBatch:
 class Drafter(Protocol):
     block_size: int
 
-    async def draft(self, seqs: list[Sequence], n_blocks: list[int]) -> DraftBatch:
-        """Blocks after each sequence's anchor, n_blocks[i] of them for seqs[i]. Sends the
-        sequence's unacknowledged context first (Sequence.context_for_drafter); calls
-        Sequence.lose_drafter when the drafter can no longer serve a sequence."""
+    async def draft(self, seqs: list[Sequence], n_blocks: list[int], budgets: list[int] | None = None) -> DraftBatch:
+        """Blocks after each sequence's anchor, n_blocks[i] of them for seqs[i], of at most
+        budgets[i] tokens (default Sequence.draft_budget). Sends the sequence's unacknowledged
+        context first (Sequence.context_for_drafter); calls Sequence.lose_drafter when the
+        drafter can no longer serve a sequence. A drafter whose calls can overlap (a shadow
+        probe's beside a round's) says so in `busy`; while it is not busy, `draft` reads the
+        sequences before it first suspends."""
 
     async def release(self, seqs: list[Sequence]) -> None:
         """Forget these sequences' context."""
@@ -95,6 +101,7 @@ class RoundResult:
     decode_steps: int = 1  # most tokens a row without a draft decoded in the verify call
     plan: dict[int, int] | None = None  # the controller's draft length per sequence id (None: no controller)
     ahead: "Ahead | None" = None  # the next round, already sent (send_ahead)
+    shadows: int = 0  # shadow probes started after this round (SpeculationController.shadow)
 
 
 def _tree_fits(row: VerifyRow, n_branches: int, max_seq_len: int) -> bool:
@@ -116,6 +123,7 @@ class Ahead:
     call: asyncio.Future  # the verify, a task: in flight
     plan: dict[int, int] | None = None
     since: float = 0.0  # perf_counter when the round before it answered (its round's cost starts there)
+    shadow: dict[int, int] = field(default_factory=dict)  # its plan's shadow probes (SpeculationController.shadow)
 
 
 async def speculative_round(seqs: list[Sequence], target: Target, drafter: Drafter | None = None,
@@ -130,15 +138,15 @@ async def speculative_round(seqs: list[Sequence], target: Target, drafter: Draft
     send the next round now (RoundResult.ahead), for the sequences this one cannot end."""
     out = RoundResult([])
     t_round = time.perf_counter() if ahead is None else ahead.since
-    batch, asked, lost, gone = DraftBatch(), set(), set(), set()
+    batch, asked, lost, gone, shadow = DraftBatch(), set(), set(), set(), {}
     if ahead is not None:
-        seqs, rows, out.plan = ahead.seqs, ahead.rows, ahead.plan
+        seqs, rows, out.plan, shadow = ahead.seqs, ahead.rows, ahead.plan, ahead.shadow
         gone = {s.seq_id for s in seqs if s.finished}  # ended after this round was sent: not part of it
         drafts, branches = [None] * len(rows), [[] for _ in rows]
         call = ahead.call
     else:
         if controller is not None and drafter is not None:
-            out.plan = controller.plan(seqs)
+            out.plan, shadow = controller.plan(seqs), controller.shadow
         wanted = [s for s in seqs if s.draft_budget() > 0] if drafter is not None else []
         ask = [s for s in wanted if not s.drafter_lost]
         asked = {s.seq_id for s in ask}
@@ -190,6 +198,11 @@ async def speculative_round(seqs: list[Sequence], target: Target, drafter: Draft
         new, accepted = s.commit(row, draft, result)
         out.sequences.append(SequenceRound(s, new, prefill, row.num_draft, accepted, fallback))
     if controller is not None:
+        controller.observe_shadows(seqs)
+        probes = [s for s in seqs if s.seq_id in shadow and s.seq_id not in gone]
+        if probes and drafter is not None:
+            out.shadows = len(probes)
+            _spawn(_shadow_probe(probes, [shadow[s.seq_id] for s in probes], drafter, controller))
         tokens = controller.verify_tokens([len(r.tokens) for r in rows])
         rest_s = time.perf_counter() - t_round - out.draft_s  # the verify call and the round's own work
         controller.observe(len(rows), tokens, rest_s, len(asked), out.draft_s,
@@ -228,7 +241,7 @@ def _send_ahead(seqs: list[Sequence], rows: list[VerifyRow], target: Target, dra
     if not pairs:
         return None
     nxt = [s for s, _ in pairs]
-    plan = None
+    plan, shadow = None, {}
     if drafter is not None:
         fresh = [s for s in nxt if not s.prefilled]
         for s in fresh:  # the next round is planned as after this one commits their prompts
@@ -240,13 +253,55 @@ def _send_ahead(seqs: list[Sequence], rows: list[VerifyRow], target: Target, dra
             elif any(controller.peek(nxt).values()):
                 return None
             else:
-                plan = controller.plan(nxt)
+                plan, shadow = controller.plan(nxt), controller.shadow
         finally:
             for s in fresh:
                 s.prefilled = False
     follow = [s.follow_row(r, decode_steps, drafter is not None) for s, r in pairs]
     last = [s.ends_with(f, ahead=r.steps) for (s, r), f in zip(pairs, follow)]
-    return Ahead(nxt, follow, asyncio.ensure_future(target.verify(follow, [[] for _ in follow], last)), plan)
+    return Ahead(nxt, follow, asyncio.ensure_future(target.verify(follow, [[] for _ in follow], last)), plan,
+                 shadow=shadow)
+
+
+_SHADOWS: set[asyncio.Task] = set()  # shadow probes in flight: the event loop holds its tasks weakly
+
+
+def _spawn(coro) -> None:
+    task = asyncio.ensure_future(coro)
+    _SHADOWS.add(task)
+    task.add_done_callback(_SHADOWS.discard)
+
+
+async def _shadow_probe(seqs: list[Sequence], lengths: list[int], drafter: Drafter,
+                        controller: SpeculationController) -> None:
+    """Draft a block of up to lengths[i] tokens after each sequence's anchor as it stands now,
+    while the rounds go on; the controller counts how much of it the committed text accepts
+    (SpeculationController.observe_shadows). Skipped when the drafter is busy or a sequence
+    cannot draft now (ended, its context incomplete, a block still undecided). Never raises:
+    a lost probe only leaves the estimates as they were."""
+    if getattr(drafter, "busy", False):
+        return
+    keep = [(s, min(n, s.request.max_new_tokens - len(s.generated) - 1)) for s, n in zip(seqs, lengths)
+            if not s.finished and not s.drafter_lost and s.shadow is None and s.context_gap() is None]
+    keep = [(s, n) for s, n in keep if n > 0]
+    if not keep:
+        return
+    seqs, lengths = [s for s, _ in keep], [n for _, n in keep]
+    starts = [len(s.tokens) for s in seqs]  # where each block's first token will be committed
+    t0 = time.perf_counter()
+    try:
+        batch = await drafter.draft(seqs, [1] * len(seqs), lengths)
+    except Exception:  # noqa: BLE001 - a probe must not take the scheduler down
+        log.exception("shadow probe failed")
+        return
+    if not batch.blocks:
+        return
+    controller.observe_draft(len(seqs), time.perf_counter() - t0)
+    for s, n, start in zip(seqs, lengths, starts):
+        blocks = batch.blocks.get(s.seq_id)
+        if blocks and len(blocks[0].tokens):
+            s.shadow = (start, np.asarray(blocks[0].tokens[:n], np.int64))
+    controller.observe_shadows(seqs)
 
 
 async def _followed(seqs: list[Sequence], rows: list[VerifyRow], results: list, target: Target

@@ -47,6 +47,10 @@ class Sequence:
         self.lazy_features = False  # this round's rows go without features (set by the speculation controller)
         self._gap: int | None = None  # first position a committed row without features left out (context_gap)
         self._stop = set(request.stop_token_ids)
+        # A shadow probe's block (SpeculationController.observe_shadows): (index in `tokens` of its
+        # first token, its tokens [k]), and the slots such blocks reached and had accepted [2, K].
+        self.shadow: tuple[int, np.ndarray] | None = None
+        self.shadow_counts = np.zeros((2, block_size), np.int64)
 
     # -- state -----------------------------------------------------------------
     @property

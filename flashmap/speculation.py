@@ -46,6 +46,16 @@ decode_steps - 1 tokens of every request. A mixed round's seconds fit neither co
 the first probe and every `verify_probe_every`-th one are one-token rounds that measure the
 verify cost at the current load.
 
+With `shadow_probes` (the orchestrator's pipelined rounds), a greedy request's probe that
+is not a verify-measuring one is a shadow probe instead: it drafts its block beside the plain rounds (its row of the round
+fetches its features, then the drafter call runs while the next round, sent ahead, decodes)
+and nothing of the block is verified. At T = 0 a block's acceptance is how many of its
+tokens match what the target goes on to commit, so `observe_shadows` counts that once the
+committed text decides it (Sequence.shadow), as the verify would have. The pipeline never
+stops for such a probe: on the stack a mixed probe held every request of the batch for a
+draft call and a verify with no round queued behind it. The one-token probes that measure
+the verify cost (every `verify_probe_every`-th) stay verified rounds.
+
 With `lazy_features` (a target that keeps every position's features, TargetEngine), a round
 in which the search lets nobody draft sends no features for anyone but a probe: the drafter
 needs them only when drafting resumes. A request chosen to draft (or probe) whose context
@@ -128,6 +138,7 @@ class ControllerConfig:
     explore_factor: int = 2  # a plan drafts for at most this many times the most requests a measured draft call had
     decode_steps: int = 1  # tokens per row of a round without drafts or prompts (flashmap.rounds)
     lazy_features: bool = False  # rows without drafts send no features while speculation is off (see above)
+    shadow_probes: bool = False  # greedy mixed probes draft beside the plain rounds, nothing verified (see above)
 
 
 @dataclass
@@ -153,6 +164,8 @@ class SpeculationController:
         self.drafted_rounds = 0  # rounds observed with drafts (acceptance news)
         self.probes = 0  # probes planned
         self.probing = False  # this round's only drafting is a probe the others need not wait for
+        self.shadow: dict[int, int] = {}  # this round's shadow probes, seq_id -> block length (shadow_probes)
+        self.shadows = 0  # shadow probes whose acceptance was counted
         self._nothing = (None, 0)  # (what the last search that found nothing saw, rounds since)
         self.most_drafting = 0  # the most drafting requests of a draft call measured
 
@@ -162,8 +175,8 @@ class SpeculationController:
         K, w = self.block_size, self.cfg.prior_strength
         prior = {g: acc / np.maximum(ver, 1e-9) for g, (ver, acc) in self.global_counts.items()}
         pri = np.stack([prior[s.params.greedy] for s in seqs])  # [n, K]
-        acc = np.stack([s.stats.accepted_per_slot[:K] for s in seqs])
-        ver = np.stack([s.stats.verified_per_slot[:K] for s in seqs])
+        acc = np.stack([s.stats.accepted_per_slot[:K] + s.shadow_counts[1, :K] for s in seqs])
+        ver = np.stack([s.stats.verified_per_slot[:K] + s.shadow_counts[0, :K] for s in seqs])
         a = np.clip((acc + w * pri) / (ver + w), 0.0, 1.0)
         # Later slots never count as more likely. On held-out text (c = 4) this makes the expected
         # gain 20-30% short of what drafted rounds realise, and that is what it should be: without
@@ -181,13 +194,14 @@ class SpeculationController:
         """Set each sequence's draft_limit for this round; returns seq_id -> chosen length."""
         for s in seqs:
             s.draft_limit = None
-        self.probing = False
+        self.probing, self.shadow = False, {}
         caps = {s.seq_id: (s.draft_budget(context=False) if not s.drafter_lost else 0) for s in seqs}
         gaps = {s.seq_id for s in seqs if s.context_gap() is not None}
         catch_up: set[int] = set()  # chosen to draft, but their context has a gap: their rows fetch it
         # A seeded sampling request keeps its whole draft: which tokens it samples depends on the
         # draft lengths, and a seed must give the same text every time.
         pinned = {s.seq_id for s in seqs if s.params.seed is not None and not s.params.greedy}
+        greedy = {s.seq_id: s.params.greedy for s in seqs}
         idle = {i: self.idle.get(i, 0) + 1 for i, cap in caps.items() if cap}
         if not any(caps.values()):
             choice = dict(caps)
@@ -214,9 +228,17 @@ class SpeculationController:
             self.since_probe += 1
             first = self.verify_cost.n == 0
             probe = max(idle, key=lambda j: (idle[j], -j))
-            if self.since_probe >= self.probe_every and probe in gaps:
+            due = self.since_probe >= self.probe_every
+            shadow = (due and self.cfg.shadow_probes and not first
+                      and self.probes % self.cfg.verify_probe_every != 0 and greedy[probe])
+            if shadow and self._may_probe():  # its row fetches any missing features: no catch-up round
+                self.shadow = {probe: caps[probe]}
+                self.probe_every = min(2 * self.probe_every, self.cfg.max_probe_every)
+                self.since_probe = 0
+                self.probes += 1
+            elif due and probe in gaps:
                 catch_up.add(probe)  # it probes once its context is whole; the schedule waits
-            elif self.since_probe >= self.probe_every and (first or self._may_probe()):
+            elif due and not shadow and (first or self._may_probe()):
                 i = probe
                 choice[i] = caps[i]
                 self.probe_every = min(2 * self.probe_every, self.cfg.max_probe_every)
@@ -229,15 +251,15 @@ class SpeculationController:
             if choice[i]:
                 choice[i] = 0
                 catch_up.add(i)
-        self.idle = {i: n for i, n in idle.items() if not choice[i]}
+        self.idle = {i: n for i, n in idle.items() if not choice[i] and i not in self.shadow}
         lazy = self.cfg.lazy_features and not (speculating and any(choice.values()))
         for s in seqs:
             s.draft_limit = choice[s.seq_id]
-            s.lazy_features = lazy and s.seq_id not in catch_up and s.seq_id not in pinned
+            s.lazy_features = lazy and s.seq_id not in catch_up | pinned | self.shadow.keys()
         return choice
 
     # What plan() changes besides the sequences' draft limits (each attribute is reassigned, never mutated).
-    _PLAN_STATE = ("probe_every", "since_probe", "probe_credit", "_nothing", "idle", "probing", "probes")
+    _PLAN_STATE = ("probe_every", "since_probe", "probe_credit", "_nothing", "idle", "probing", "probes", "shadow")
 
     def peek(self, seqs: list[Sequence]) -> dict[int, int]:
         """The plan `plan(seqs)` would make now, without making it (the probe schedule, the
@@ -388,15 +410,45 @@ class SpeculationController:
                 self.plain_cost.add(rows, rest_s)
         elif rest_s > 0 and not prefill:
             self.verify_cost.add((rows, query_tokens - rows), rest_s)
-        if drafting and draft_s > 0:
-            self.draft_cost.add(drafting, draft_s)
-            self.most_drafting = max(self.most_drafting, drafting)
+        self.observe_draft(drafting, draft_s)
         self.drafted_rounds += any(drafted for _, drafted, _ in rounds)
         for greedy, drafted, accepted in rounds:
             if drafted:
-                ver, acc = self.global_counts[greedy]
-                k = min(drafted, accepted + 1)
-                ver *= 0.999  # slow forgetting: the prior follows the workload
-                acc *= 0.999
-                ver[:k] += 1
-                acc[:accepted] += 1
+                self._count(greedy, min(drafted, accepted + 1), accepted)
+
+    def observe_draft(self, drafting: int, draft_s: float) -> None:
+        """A draft call's seconds for `drafting` requests (a round's, or a shadow probe's)."""
+        if drafting and draft_s > 0:
+            self.draft_cost.add(drafting, draft_s)
+            self.most_drafting = max(self.most_drafting, drafting)
+
+    def _count(self, greedy: bool, verified: int, accepted: int) -> None:
+        """One block's outcome in the global per-slot counts: its first `verified` slots were
+        reached, the first `accepted` accepted."""
+        ver, acc = self.global_counts[greedy]
+        ver *= 0.999  # slow forgetting: the prior follows the workload
+        acc *= 0.999
+        ver[:verified] += 1
+        acc[:accepted] += 1
+
+    def observe_shadows(self, seqs: list[Sequence]) -> None:
+        """Count the shadow probes (Sequence.shadow) that the committed text now decides: a
+        block's tokens are accepted up to the first that differs from the committed one (that
+        slot verified, not accepted); a block the request ended inside counts the slots it
+        reached. Nothing else changes: shadows never enter the request's own SpecStats."""
+        for s in seqs:
+            if s.shadow is None:
+                continue
+            pos, block = s.shadow
+            seen = np.asarray(s.tokens[pos:pos + len(block)], np.int64)
+            same = seen == block[:len(seen)]
+            accepted = int(np.argmin(np.append(same, False)))  # the leading matches
+            if accepted == len(seen) < len(block) and not s.finished:
+                continue  # every committed token matched so far: the rest decides
+            verified = min(len(block), accepted + 1) if accepted < len(seen) else accepted
+            self._count(True, verified, accepted)
+            s.shadow_counts[0, :verified] += 1
+            s.shadow_counts[1, :accepted] += 1
+            s.shadow = None
+            self.shadows += 1
+            self.drafted_rounds += 1  # acceptance news: the search runs again

@@ -169,14 +169,25 @@ class ServiceDrafter:
         self.timeout_s = timeout_s
         self.top_m = top_m
         self.asked: set[int] = set()  # sequences the drafter may hold context of
+        # One call at a time: a round's call waits for a shadow probe's (flashmap.rounds), where
+        # the client would take the drafter for late and decode without a draft.
+        self._one = asyncio.Lock()
+
+    @property
+    def busy(self) -> bool:
+        return self._one.locked()
 
     @property
     def block_size(self) -> int:
         return self.client.block_size
 
-    async def draft(self, seqs: list[Sequence], n_blocks: list[int]) -> DraftBatch:
+    async def draft(self, seqs: list[Sequence], n_blocks: list[int], budgets: list[int] | None = None) -> DraftBatch:
+        async with self._one:  # taken at once when free: the request below is built before any wait
+            return await self._draft(seqs, n_blocks, budgets or [s.draft_budget() for s in seqs])
+
+    async def _draft(self, seqs: list[Sequence], n_blocks: list[int], budgets: list[int]) -> DraftBatch:
         msgs = []
-        for s, n in zip(seqs, n_blocks):
+        for s, n, budget in zip(seqs, n_blocks, budgets):
             ctx = s.context_for_drafter()
             start, ids, feats = ctx if ctx is not None else (s.drafter_seen, np.zeros(0, np.int64),
                                                              np.zeros((0, 0), np.float32))
@@ -184,7 +195,7 @@ class ServiceDrafter:
                 seq_id=str(s.seq_id), context_start=start, new_token_ids=ids.tolist(),
                 new_features=features_to_tensor(feats), anchor=s.anchor, steps=s.request.draft_steps or 0,
                 num_blocks=n, temperature=s.params.temperature, top_m=self.top_m, seed=s.draft_seed(),
-                max_tokens=s.draft_budget(),
+                max_tokens=budget,
             ))
         self.asked.update(s.seq_id for s in seqs)
         resp, reason = await self.client.draft(msgs, self.timeout_s)

@@ -186,7 +186,7 @@ class Orchestrator:
         if self.cfg.speculation == "auto" and self.drafter is not None:
             self.controller = SpeculationController(self._block_size(), ControllerConfig(
                 packed=self.info.packed_verify, decode_steps=self.cfg.decode_steps,
-                lazy_features=self.info.feature_bytes_per_token > 0))
+                lazy_features=self.info.feature_bytes_per_token > 0, shadow_probes=self.cfg.pipeline))
         self.metrics.drafter_steps.labels(drafter=self._drafter_name()).set(self.drafter.steps if self.drafter else 0)
         # Export the counters that alerts divide by at 0 from the start: a series that first
         # appears at its first increment has no rate() for that increment.
@@ -197,6 +197,7 @@ class Orchestrator:
         self.metrics.draft_length.labels(model=self.info.model_name)
         self.metrics.speculation_off_rounds.labels(model=self.info.model_name)
         self.metrics.rounds_ahead.labels(model=self.info.model_name)
+        self.metrics.shadow_probes.labels(model=self.info.model_name)
         self.metrics.burst_wait.labels(model=self.info.model_name)
         self.metrics.decode_steps.labels(model=self.info.model_name)
         self.max_concurrent = self.cfg.max_concurrent or self.info.n_slots
@@ -452,6 +453,8 @@ class Orchestrator:
             self.metrics.decode_steps.labels(model=name).observe(res.decode_steps)
         if res.ahead is not None:
             self.metrics.rounds_ahead.labels(model=name).inc()
+        if res.shadows:
+            self.metrics.shadow_probes.labels(model=name).inc(res.shadows)
         if self.drafter is not None:
             self.metrics.drafter_steps.labels(drafter=self._drafter_name()).set(self.drafter.steps)
             if res.draft_s:  # one observation per drafter call (a call drafts the whole batch)
@@ -681,7 +684,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="tokens per request of a round without drafts, decoded in one call to the target")
     ap.add_argument("--pipeline", action=argparse.BooleanOptionalAction,
                     default=env("FLASHMAP_PIPELINE", "1") not in ("0", "false", "no"),
-                    help="queue the next round without drafts at Triton while one runs (default on)")
+                    help="queue the next round without drafts at Triton while one runs, and probe greedy "
+                         "requests beside it (default on)")
     ap.add_argument("--burst-window-ms", type=float, default=float(env("FLASHMAP_BURST_WINDOW_MS", BurstConfig.window_s * 1e3)),
                     help="waking from idle into requests sent together, wait up to this long for the rest of "
                          "them so they prefill in one round (0 = start at once)")

@@ -516,3 +516,92 @@ def test_prompts_beside_a_request_that_only_catches_up_fetch_no_features():
     c.plan(decoding + prompts)
     assert decoding[0].draft_limit > 0
     assert not any(p.lazy_features for p in prompts)
+
+
+def test_shadow_probes_replace_the_probes_that_do_not_measure_the_verify():
+    """shadow_probes: a greedy request's probe, other than every verify_probe_every-th (a
+    one-token verified round), drafts nothing into the round (its plan length stays 0, the round
+    can be sent ahead) and is named in `shadow`; each goes to the request longest without one."""
+    c = _controller(verify=(0.010, 1e-3), draft=(0.002, 1e-4))
+    c.cfg.decode_steps, c.cfg.verify_probe_every, c.cfg.shadow_probes = 8, 3, True
+    c.cfg.probe_every = c.cfg.max_probe_every = c.probe_every = 2
+    seqs = _seqs(4, acceptance=0.2)
+    kinds, shadowed = [], []
+    for _ in range(16):
+        plan = c.plan(seqs)
+        assert not c.probing  # no mixed rounds: the others never wait for a probe
+        if any(plan.values()):
+            kinds.append("verified")
+        elif c.shadow:
+            kinds.append("shadow")
+            (i, n), = c.shadow.items()
+            shadowed.append(i)
+            assert n == K
+    assert kinds == ["verified", "shadow", "shadow"] * 2 + ["verified", "shadow"]
+    assert len(set(shadowed[:3])) == 3  # the one longest without a probe each time
+    sampling = _seqs(1, acceptance=0.2)[0]
+    sampling.params = SamplingParams(temperature=1.0)
+    c.probe_every = c.since_probe = 2
+    c.probes = 1
+    assert any(c.plan([sampling]).values()) and not c.shadow  # T > 0: acceptance needs the target's probabilities
+
+
+def test_a_shadow_block_counts_what_the_committed_text_accepts():
+    c = SpeculationController(K, ControllerConfig())
+    s = Sequence(0, GenerationRequest([1, 2, 3], max_new_tokens=12), K)
+    s.prefilled = True
+    s.tokens.append(9)
+    s.shadow = (4, np.arange(5, 5 + K))
+    before = c.acceptance([s])[0]
+    s.tokens += [5, 6]
+    c.observe_shadows([s])
+    assert s.shadow is not None and c.shadows == 0  # every committed token matched so far: undecided
+    s.tokens += [1]
+    c.observe_shadows([s])
+    assert s.shadow is None and c.shadows == 1
+    assert s.shadow_counts[0].tolist() == [1, 1, 1] + [0] * (K - 3)  # slots reached
+    assert s.shadow_counts[1].tolist() == [1, 1] + [0] * (K - 2)  # slots accepted
+    after = c.acceptance([s])[0]
+    assert after[0] > before[0] and after[2] < before[2]
+    assert s.stats.drafts == 0 and s.stats.verified_per_slot.sum() == 0  # not the request's own record
+    # A block the request ends inside counts the slots it reached, all accepted.
+    s.shadow = (len(s.tokens), np.arange(20, 20 + K))
+    s.tokens += [20, 21]
+    s.finish("length")
+    c.observe_shadows([s])
+    assert s.shadow is None and s.shadow_counts[0, :3].tolist() == [2, 2, 1] and s.shadow_counts[1, :3].tolist() == [2, 2, 0]
+
+
+def test_shadow_probes_beside_the_rounds_are_exact_and_line_up_with_the_text(tiny):
+    """The round loop under an event loop (as in the orchestrator), speculation kept off (a
+    margin no plan beats), shadow probes on: every T = 0 output equals the target alone's, the
+    probes ran, and with a drafter that drafts the true continuation every shadow block is
+    accepted in every slot it reached (its tokens are compared at the right positions)."""
+    import asyncio
+
+    from flashmap.inprocess import LocalDrafter, LocalTarget
+    from flashmap.rounds import speculative_round
+
+    prompts = [[3, 4, 5, 6], [7, 8], [9, 10, 11, 12, 13]]
+    reqs = [GenerationRequest(p, 72, SamplingParams()) for p in prompts]
+    alone = [r.token_ids for r in decode(tiny, reqs)]
+    oracle = OracleProposer([p + a for p, a in zip(prompts, alone)], K, tiny.vocab_size, error_rate=0.0, seed=3)
+    ctl = SpeculationController(K, ControllerConfig(decode_steps=8, probe_every=2, max_probe_every=2,
+                                                    shadow_probes=True, margin=1e9))
+
+    async def run():
+        target, drafter = LocalTarget(tiny), LocalDrafter(oracle)
+        seqs = [Sequence(i, r, K, handle=tiny.allocate()) for i, r in enumerate(reqs)]
+        while live := [s for s in seqs if not s.finished]:
+            await speculative_round(live, target, drafter, controller=ctl, decode_steps=8)
+            await asyncio.sleep(0)  # the probes' drafts run between rounds, as beside the orchestrator's
+        for s in seqs:
+            tiny.release(s.handle)
+        return seqs
+
+    seqs = asyncio.run(run())
+    assert [s.generated for s in seqs] == alone
+    counts = np.sum([s.shadow_counts for s in seqs], axis=0)  # [2, K]
+    assert ctl.shadows >= 3 and counts[0, 0] == ctl.shadows
+    np.testing.assert_array_equal(counts[1], counts[0])  # the true continuation: every slot reached is accepted
+    assert counts[0, K // 2] > 0  # and the blocks reached far

@@ -484,6 +484,33 @@ def test_late_drafter_falls_back_exactly_and_is_released(target_dir, ref, tmp_pa
             admin.close()
 
 
+@pytest.mark.timeout(240)
+def test_shadow_probes_through_the_stack_are_exact_and_released(target_dir, ref, tmp_path):
+    """The speculation controller with the untrained drafter (it turns drafting off) and the
+    pipeline on: greedy requests are probed beside the rounds sent ahead (their rows fetch the
+    features the drafter lacks, the drafter drafts while the target decodes); every output equals
+    the target alone's, the probes are counted, and the drafter holds nothing afterwards."""
+    prompts = _prompts(12, seed=111, lo=3, hi=20)
+    max_new = 64
+    expected = ref(prompts, max_new)
+    cfg = StackConfig.on_free_ports(target_dir=str(target_dir), n_slots=4, max_seq_len=1024, log_dir=str(tmp_path))
+    assert cfg.speculation == "auto" and cfg.pipeline and cfg.decode_steps > 1
+    with Stack(cfg) as st, Client(cfg.url, timeout=120) as c:
+        admin = DrafterAdmin(cfg.drafter_url, token=cfg.drafter_token)
+        try:
+            with ThreadPoolExecutor(4) as pool:
+                outs = list(pool.map(lambda p: _stream(c, prompt_ids=p, max_new_tokens=max_new, ignore_eos=True), prompts))
+            for exp, (ids, final) in zip(expected, outs):
+                assert ids == exp and final.finish_reason == "length"
+            m = _samples(cfg.metrics_port)
+            assert _total(m, "flashmap_shadow_probes_total") > 0
+            assert _total(m, "flashmap_speculation_off_rounds_total") > 0 and _total(m, "flashmap_rounds_ahead_total") > 0
+            _poll("the drafter to drop the finished sequences", lambda: admin.stats().active_sequences == 0, 10)
+            _poll("the target to drop the finished sequences", lambda: _triton_active(st) == 0, 10)
+        finally:
+            admin.close()
+
+
 # ============================================================================= small stack
 
 

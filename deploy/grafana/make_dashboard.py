@@ -178,7 +178,8 @@ def build() -> dict:
                      "which it verified no draft at all (speculation off: drafting does not pay at this load), "
                      "the tokens per request such rounds decoded in one call (--decode-steps), and the "
                      "share of rounds queued at the target before the round they follow had answered "
-                     "(--pipeline).", [
+                     "(--pipeline), and the probes drafted beside the rounds per round (checked against the "
+                     "committed text, never verified).", [
         target(f"{rate('flashmap_draft_length_sum', MODEL)} / {rate('flashmap_draft_length_count', MODEL)}",
                "mean draft length", ""),
         target(f"{rate('flashmap_speculation_off_rounds_total', MODEL)} / "
@@ -187,6 +188,8 @@ def build() -> dict:
                "tokens per call without drafts", ""),
         target(f"{rate('flashmap_rounds_ahead_total', MODEL)} / "
                f"{rate('flashmap_round_latency_seconds_count', SPEC)}", "rounds sent ahead", ""),
+        target(f"{rate('flashmap_shadow_probes_total', MODEL)} / "
+               f"{rate('flashmap_round_latency_seconds_count', SPEC)}", "shadow probes", ""),
     ], min_=0), w=24, h=8)
 
     # ---- Throughput and latency ----------------------------------------------------------
