@@ -142,11 +142,19 @@ def triton_alone(cfg: StackConfig, prompts, max_new, concurrency) -> dict:
     return asyncio.run(run())
 
 
+# The controller's expected and realised accepted draft tokens, kept apart by `_scrape_all`.
+CALIBRATION = "flashmap_controller_accepted_tokens_total"
+
+
 def _scrape_all(cfg: StackConfig) -> dict[str, float]:
     """Totals of the orchestrator's, the drafter's and Triton's metrics (names do not collide)."""
     out: dict[str, float] = {}
     for port in (cfg.metrics_port, cfg.drafter_metrics_port, cfg.triton_metrics_port):
-        out.update(totals(scrape(f"http://{cfg.host}:{port}/metrics", 10)))
+        samples = scrape(f"http://{cfg.host}:{port}/metrics", 10)
+        out.update(totals(samples))
+        for name, labels, value in samples:  # expected and accepted apart
+            if name == CALIBRATION:
+                out[f"{name}:{labels['kind']}"] = out.get(f"{name}:{labels['kind']}", 0.0) + value
     return out
 
 
@@ -206,6 +214,9 @@ def stack_summary(parts: list[dict]) -> dict:
         "mean_draft_len": d.get("flashmap_draft_length_sum", 0.0) / max(d.get("flashmap_draft_length_count", 0.0), 1),
         "off_rounds": d.get("flashmap_speculation_off_rounds_total", 0.0), "rounds": rounds,
         "fallback": sum(p["fallback"] for p in parts),
+        "shadow_probes": d.get("flashmap_shadow_probes_total", 0.0),
+        "expected_accepted": d.get(f"{CALIBRATION}:expected", 0.0),
+        "controller_accepted": d.get(f"{CALIBRATION}:accepted", 0.0),
     }
 
 
@@ -256,6 +267,16 @@ def alternated(auto: StackConfig, full: StackConfig, engine, prompts, max_new, c
     return runs
 
 
+def _count(run: dict, key: str) -> str:
+    return f"{run[key]:.0f}" if key in run else "-"
+
+
+def _calibration(run: dict) -> str:
+    """Accepted / expected draft tokens of the rounds the controller let draft ('-': none, or a
+    run saved before the orchestrator counted them)."""
+    return f"{run['controller_accepted'] / run['expected_accepted']:.2f}" if run.get("expected_accepted") else "-"
+
+
 def merge(runs: list[dict]) -> dict:
     """Repeats of one mode as one: tokens/s and per-round times averaged, counts summed."""
     out = dict(runs[0])
@@ -263,8 +284,9 @@ def merge(runs: list[dict]) -> dict:
               "triton_compute_ms", "triton_answer_ms", "mean_draft_len"):
         if all(k in r for r in runs):  # triton_answer_ms: not in runs saved before the model measured it
             out[k] = float(np.mean([r[k] for r in runs]))
-    for k in ("off_rounds", "rounds", "fallback"):
-        out[k] = sum(r[k] for r in runs)
+    for k in ("off_rounds", "rounds", "fallback", "shadow_probes", "expected_accepted", "controller_accepted"):
+        if all(k in r for r in runs):  # the last three: not in runs saved before the orchestrator counted them
+            out[k] = sum(r[k] for r in runs)
     return out
 
 
@@ -465,15 +487,16 @@ def main(argv=None):
         "| prompts | concurrency | target alone (in-process) | fixed-K spec (in-process) | target alone through "
         "Triton | stack, speculation off | stack, fixed K | stack, auto | auto, first repeat | "
         "auto / max(off, full) [95% CI] | auto / target alone [95% CI] | mean draft length (auto) | "
-        "rounds without speculation (auto) | gamma (auto) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "rounds without speculation (auto) | gamma (auto) | shadow probes (auto) | accepted / expected (auto) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, c, cell in rows:
         off, full, auto = cell["off"], cell["full"], cell["auto"]
         lines.append(f"| {name} | {c} | {cell['target']:.0f} | {cell['in_process_spec']:.0f} | {cell['triton']:.0f} | "
                      f"{off['tok_s']:.0f} | {full['tok_s']:.0f} | {auto['tok_s']:.0f} | {cell['auto_first']:.0f} | "
                      f"{fmt_ci(ratio_ci(cell['vs_best']))} | {fmt_ci(ratio_ci(cell['vs_target']))} | "
-                     f"{auto['mean_draft_len']:.1f} | {auto['off_rounds']:.0f} / {auto['rounds']:.0f} | {auto['gamma']:.2f} |")
+                     f"{auto['mean_draft_len']:.1f} | {auto['off_rounds']:.0f} / {auto['rounds']:.0f} | {auto['gamma']:.2f} | "
+                     f"{_count(auto, 'shadow_probes')} | {_calibration(auto)} |")
     lines += [
         "", f"Tokens/s, greedy, {a.max_new_tokens} new tokens per request, {n} prompts per set; every output equals "
         f"the target alone's (checked). The target alone (in process and through Triton) and the stack modes: the "
@@ -484,7 +507,10 @@ def main(argv=None):
         f"'best' is the faster of off and full in that repeat); fixed-K speculation in process: one run. Two "
         f"orchestrators over one Triton and one drafter stay up the whole run (auto, which also serves off as "
         f"max_draft_tokens = 0 per request, and full), so the controller carries what it measured from one cell "
-        f"to the next as a server would; 'first repeat' is its first pass at a new concurrency. The stack's "
+        f"to the next as a server would; 'first repeat' is its first pass at a new concurrency. Shadow probes: "
+        f"the controller's probes drafted beside the rounds and checked against the text the target commits "
+        f"(never verified); accepted / expected: the draft tokens the verify accepted in the rounds the controller "
+        f"let draft, over the number it expected when it chose them. The stack's "
         f"client: one asyncio channel (uvloop) per part, every stream of the part on it. "
         f"Command: `OMP_NUM_THREADS={threads} "
         f"python -m bench.bench_stack --concurrency {a.concurrency} --max-new-tokens {a.max_new_tokens} --threads "

@@ -65,6 +65,10 @@ def orchestrator_metrics(block_size: int = BLOCK_SIZE) -> tuple[Metric, ...]:
           (1, 2, 4, 8, 16, 32, 64)),
         M("flashmap_rounds_ahead", "counter", "Rounds sent to the target before the round they follow had "
           "answered (--pipeline: queued at Triton while the round before runs)", ("model",)),
+        M("flashmap_controller_accepted_tokens", "counter", "Draft tokens of the rounds the speculation "
+          "controller let draft: the number it expected accepted when it chose (kind=expected) and the number "
+          "the verify accepted (kind=accepted); their ratio is the calibration of its acceptance estimates",
+          ("model", "kind")),
         M("flashmap_shadow_probes", "counter", "Probes of greedy requests drafted beside the rounds while "
           "speculation is off and checked against the text the target commits, nothing verified (--pipeline)",
           ("model",)),

@@ -102,6 +102,10 @@ class RoundResult:
     plan: dict[int, int] | None = None  # the controller's draft length per sequence id (None: no controller)
     ahead: "Ahead | None" = None  # the next round, already sent (send_ahead)
     shadows: int = 0  # shadow probes started after this round (SpeculationController.shadow)
+    # With a controller: the draft tokens it expected the drafted rows to have accepted (its
+    # estimate before the verify) and what they did accept, over the rows verified without error.
+    expected_accepted: float = 0.0
+    accepted: int = 0
 
 
 def _tree_fits(row: VerifyRow, n_branches: int, max_seq_len: int) -> bool:
@@ -138,7 +142,7 @@ async def speculative_round(seqs: list[Sequence], target: Target, drafter: Draft
     send the next round now (RoundResult.ahead), for the sequences this one cannot end."""
     out = RoundResult([])
     t_round = time.perf_counter() if ahead is None else ahead.since
-    batch, asked, lost, gone, shadow = DraftBatch(), set(), set(), set(), {}
+    batch, asked, lost, gone, shadow, expected = DraftBatch(), set(), set(), set(), {}, {}
     if ahead is not None:
         seqs, rows, out.plan, shadow = ahead.seqs, ahead.rows, ahead.plan, ahead.shadow
         gone = {s.seq_id for s in seqs if s.finished}  # ended after this round was sent: not part of it
@@ -157,6 +161,10 @@ async def speculative_round(seqs: list[Sequence], target: Target, drafter: Draft
             out.draft_s = time.perf_counter() - t0
         rows, drafts, branches = _rows(seqs, batch, target, decode_steps,
                                        probing=out.plan is not None and controller.probing, drafter=drafter is not None)
+        if controller is not None and any(r.num_draft for r in rows):  # before the commits update the estimates
+            drafted = [(s, r.num_draft) for s, r in zip(seqs, rows) if r.num_draft]
+            expected = dict(zip([s.seq_id for s, _ in drafted],
+                                controller.expected_accepted([s for s, _ in drafted], [n for _, n in drafted])))
         # A coroutine, not a task: awaited below, it goes out before any round sent ahead (a
         # task, started when this one first waits), and a local round needs no event loop.
         call = target.verify(rows, branches, [s.ends_with(r) for s, r in zip(seqs, rows)])
@@ -197,6 +205,9 @@ async def speculative_round(seqs: list[Sequence], target: Target, drafter: Draft
             draft = win
         new, accepted = s.commit(row, draft, result)
         out.sequences.append(SequenceRound(s, new, prefill, row.num_draft, accepted, fallback))
+        if s.seq_id in expected:
+            out.expected_accepted += float(expected[s.seq_id])
+            out.accepted += accepted
     if controller is not None:
         controller.observe_shadows(seqs)
         probes = [s for s in seqs if s.seq_id in shadow and s.seq_id not in gone]

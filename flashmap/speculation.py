@@ -184,6 +184,13 @@ class SpeculationController:
         # speculation off (costs the model leaves out: desynchronised prefills, catch-up context).
         return np.minimum.accumulate(a, axis=1)
 
+    def expected_accepted(self, seqs: list[Sequence], lengths: list[int]) -> np.ndarray:
+        """[n] the draft tokens the controller expects seqs[i] to have accepted when it verifies
+        lengths[i] of them: what its plans weigh (set beside what the verify accepts, the
+        calibration of the acceptance model)."""
+        gain = self.expected_gain(self.acceptance(seqs))  # [n, K + 1]
+        return gain[np.arange(len(seqs)), np.asarray(lengths, np.int64)]
+
     @staticmethod
     def expected_gain(a: np.ndarray) -> np.ndarray:
         """[n, K+1] expected accepted tokens for draft lengths 0..K, from acceptance a [n, K]."""

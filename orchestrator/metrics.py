@@ -27,6 +27,7 @@ class OrchestratorMetrics:
         self.decode_steps = m["flashmap_decode_steps"]
         self.rounds_ahead = m["flashmap_rounds_ahead"]
         self.shadow_probes = m["flashmap_shadow_probes"]
+        self.controller_accepted = m["flashmap_controller_accepted_tokens"]
         self.burst_wait = m["flashmap_burst_wait_seconds"]
         self.draft_latency = m["flashmap_draft_latency_seconds"]
         self.verify_latency = m["flashmap_verify_latency_seconds"]

@@ -605,3 +605,28 @@ def test_shadow_probes_beside_the_rounds_are_exact_and_line_up_with_the_text(tin
     assert ctl.shadows >= 3 and counts[0, 0] == ctl.shadows
     np.testing.assert_array_equal(counts[1], counts[0])  # the true continuation: every slot reached is accepted
     assert counts[0, K // 2] > 0  # and the blocks reached far
+
+
+def test_a_round_reports_what_the_controller_expected_its_drafts_to_accept(tiny):
+    """RoundResult.expected_accepted / accepted (flashmap_controller_accepted_tokens): over the
+    rounds the controller let draft, its estimate before each verify and what the verify accepted."""
+    from flashmap.inprocess import LocalDrafter, LocalTarget
+    from flashmap.rounds import run_local, speculative_round
+
+    prompts = [[3, 4, 5, 6], [7, 8]]
+    reqs = [GenerationRequest(p, 40, SamplingParams()) for p in prompts]
+    alone = [r.token_ids for r in decode(tiny, reqs)]
+    oracle = OracleProposer([p + a for p, a in zip(prompts, alone)], K, tiny.vocab_size, error_rate=0.2, seed=5)
+    ctl = SpeculationController(K, ControllerConfig(margin=-0.99))  # drafting always beats a plain round
+    target, drafter = LocalTarget(tiny), LocalDrafter(oracle)
+    seqs = [Sequence(i, r, K, handle=tiny.allocate()) for i, r in enumerate(reqs)]
+    drafted_rounds = 0
+    while live := [s for s in seqs if not s.finished]:
+        res = run_local(speculative_round(live, target, drafter, controller=ctl))
+        rows = [r for r in res.sequences if r.drafted]
+        assert res.accepted == sum(r.accepted for r in rows)
+        assert (res.expected_accepted > 0) == bool(rows) and res.expected_accepted <= sum(r.drafted for r in rows)
+        drafted_rounds += bool(rows)
+    for s in seqs:
+        tiny.release(s.handle)
+    assert [s.generated for s in seqs] == alone and drafted_rounds >= 3

@@ -504,6 +504,7 @@ def test_shadow_probes_through_the_stack_are_exact_and_released(target_dir, ref,
                 assert ids == exp and final.finish_reason == "length"
             m = _samples(cfg.metrics_port)
             assert _total(m, "flashmap_shadow_probes_total") > 0
+            assert _total(m, "flashmap_controller_accepted_tokens_total", kind="expected") > 0  # the first probe's
             assert _total(m, "flashmap_speculation_off_rounds_total") > 0 and _total(m, "flashmap_rounds_ahead_total") > 0
             _poll("the drafter to drop the finished sequences", lambda: admin.stats().active_sequences == 0, 10)
             _poll("the target to drop the finished sequences", lambda: _triton_active(st) == 0, 10)

@@ -178,8 +178,10 @@ def build() -> dict:
                      "which it verified no draft at all (speculation off: drafting does not pay at this load), "
                      "the tokens per request such rounds decoded in one call (--decode-steps), and the "
                      "share of rounds queued at the target before the round they follow had answered "
-                     "(--pipeline), and the probes drafted beside the rounds per round (checked against the "
-                     "committed text, never verified).", [
+                     "(--pipeline), the probes drafted beside the rounds per round (checked against the "
+                     "committed text, never verified), and the draft tokens the verify accepted over those the "
+                     "controller expected when it let them draft (1 = its acceptance estimates are calibrated; "
+                     "below 1 it drafts where it should not).", [
         target(f"{rate('flashmap_draft_length_sum', MODEL)} / {rate('flashmap_draft_length_count', MODEL)}",
                "mean draft length", ""),
         target(f"{rate('flashmap_speculation_off_rounds_total', MODEL)} / "
@@ -190,6 +192,8 @@ def build() -> dict:
                f"{rate('flashmap_round_latency_seconds_count', SPEC)}", "rounds sent ahead", ""),
         target(f"{rate('flashmap_shadow_probes_total', MODEL)} / "
                f"{rate('flashmap_round_latency_seconds_count', SPEC)}", "shadow probes", ""),
+        target(rate("flashmap_controller_accepted_tokens_total", MODEL + ', kind="accepted"') + " / "
+               + rate("flashmap_controller_accepted_tokens_total", MODEL + ', kind="expected"'), "accepted / expected", ""),
     ], min_=0), w=24, h=8)
 
     # ---- Throughput and latency ----------------------------------------------------------
