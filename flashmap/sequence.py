@@ -118,10 +118,19 @@ class Sequence:
         self.pending_context = [(ids, feats)]
         return self.drafter_seen, ids, feats
 
-    def drafter_acknowledged(self) -> None:
-        """The drafter holds all pending context."""
-        self.drafter_seen += sum(len(c[0]) for c in self.pending_context)
-        self.pending_context.clear()
+    def drafter_acknowledged(self, n: int | None = None) -> None:
+        """The drafter holds the first n positions of the pending context (None: all of it).
+        A call's answer acknowledges what that call sent: rounds may have committed more
+        while it was out (a shadow probe's call runs beside them)."""
+        held = sum(len(c[0]) for c in self.pending_context)
+        n = held if n is None else min(n, held)
+        self.drafter_seen += n
+        if n == held:
+            self.pending_context.clear()
+            return
+        ids = np.concatenate([c[0] for c in self.pending_context])
+        feats = np.concatenate([c[1] for c in self.pending_context])
+        self.pending_context = [(ids[n:], feats[n:])]
 
     def lose_drafter(self) -> None:
         """The drafter cannot serve this sequence any more (its context is gone)."""

@@ -207,7 +207,7 @@ class ServiceDrafter:
                 log.warning("sequence %s: drafter: %s; continuing autoregressively", s.seq_id, block.error)
                 s.lose_drafter()
                 continue
-            s.drafter_acknowledged()
+            s.drafter_acknowledged(len(m.new_token_ids))
             out.blocks[s.seq_id] = block_to_drafts(block)
             if not m.steps:  # drafted with the drafter's default: follow run-time switches (SetSteps)
                 self.client.steps = block.steps

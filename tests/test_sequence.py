@@ -51,3 +51,20 @@ def test_a_follow_row_is_the_next_round_row_sent_early():
     early.tokens.pop()  # a commit that ended one token short
     with pytest.raises(ValueError, match="continuation"):
         early.followed(follow)
+
+
+def test_a_drafter_answer_acknowledges_only_the_context_its_call_sent():
+    """A shadow probe's draft call is out while a round commits more context: its answer
+    acknowledges what it sent, and the next call sends the rest from where the drafter stands."""
+    s = _prefilled(20)  # the prompt's 6 positions pending
+    start, ids, feats = s.context_for_drafter()
+    assert (start, len(ids)) == (0, 6)
+    row = s.verify_row(None, steps=3)  # committed while the call is out: 3 more positions
+    s.commit(row, None, VerifyResult(np.array([5, 6, 7]), np.zeros((0, 1), np.float32), np.zeros(0, np.float32),
+                                     np.full(3, -1), np.arange(12, dtype=np.float32).reshape(3, 4)))
+    s.drafter_acknowledged(len(ids))
+    assert s.drafter_seen == 6 and s.features_known == 9 and s.context_gap() is None
+    start, ids, feats = s.context_for_drafter()
+    assert start == 6 and ids.tolist() == s.tokens[6:9] and feats.tolist() == np.arange(12).reshape(3, 4).tolist()
+    s.drafter_acknowledged()
+    assert s.drafter_seen == 9 and s.context_for_drafter() is None
