@@ -46,15 +46,16 @@ decode_steps - 1 tokens of every request. A mixed round's seconds fit neither co
 the first probe and every `verify_probe_every`-th one are one-token rounds that measure the
 verify cost at the current load.
 
-With `shadow_probes` (the orchestrator's pipelined rounds), a greedy request's probe that
-is not a verify-measuring one is a shadow probe instead: it drafts its block beside the plain rounds (its row of the round
-fetches its features, then the drafter call runs while the next round, sent ahead, decodes)
-and nothing of the block is verified. At T = 0 a block's acceptance is how many of its
-tokens match what the target goes on to commit, so `observe_shadows` counts that once the
-committed text decides it (Sequence.shadow), as the verify would have. The pipeline never
-stops for such a probe: on the stack a mixed probe held every request of the batch for a
-draft call and a verify with no round queued behind it. The one-token probes that measure
-the verify cost (every `verify_probe_every`-th) stay verified rounds.
+With `shadow_probes` (the orchestrator's pipelined rounds), a greedy request's probe other
+than the verify-measuring ones is a shadow probe: its row of the round fetches its features,
+then it drafts its block while the next round, sent ahead, decodes, and nothing of the block
+is verified. At T = 0 a block's acceptance is how many of its tokens match what the target
+goes on to commit, so `observe_shadows` counts that once the committed text decides it
+(Sequence.shadow), as the verify would have. The pipeline never stops for such a probe,
+where a verified one holds every request of the batch for a draft call and a verify with no
+round queued behind it. Every `verify_probe_every`-th probe stays a verified one-token round
+(it measures the verify cost), and so does every probe of a sampling request (its acceptance
+depends on the target's probabilities).
 
 With `lazy_features` (a target that keeps every position's features, TargetEngine), a round
 in which the search lets nobody draft sends no features for anyone but a probe: the drafter
@@ -138,7 +139,7 @@ class ControllerConfig:
     explore_factor: int = 2  # a plan drafts for at most this many times the most requests a measured draft call had
     decode_steps: int = 1  # tokens per row of a round without drafts or prompts (flashmap.rounds)
     lazy_features: bool = False  # rows without drafts send no features while speculation is off (see above)
-    shadow_probes: bool = False  # greedy mixed probes draft beside the plain rounds, nothing verified (see above)
+    shadow_probes: bool = False  # greedy probes draft beside the rounds sent ahead, nothing verified (see above)
 
 
 @dataclass
