@@ -113,10 +113,15 @@ class Sequence:
         None when the drafter has everything. Kept until `drafter_acknowledged`."""
         if not self.pending_context:
             return None
+        ids, feats = self._merge_pending()
+        return self.drafter_seen, ids, feats
+
+    def _merge_pending(self) -> tuple[np.ndarray, np.ndarray]:
+        """The pending context as one (token ids [m], features [m, F]) piece, kept so."""
         ids = np.concatenate([c[0] for c in self.pending_context])
         feats = np.concatenate([c[1] for c in self.pending_context])
         self.pending_context = [(ids, feats)]
-        return self.drafter_seen, ids, feats
+        return ids, feats
 
     def drafter_acknowledged(self, n: int | None = None) -> None:
         """The drafter holds the first n positions of the pending context (None: all of it).
@@ -128,8 +133,7 @@ class Sequence:
         if n == held:
             self.pending_context.clear()
             return
-        ids = np.concatenate([c[0] for c in self.pending_context])
-        feats = np.concatenate([c[1] for c in self.pending_context])
+        ids, feats = self._merge_pending()
         self.pending_context = [(ids[n:], feats[n:])]
 
     def lose_drafter(self) -> None:

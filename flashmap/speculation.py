@@ -209,7 +209,6 @@ class SpeculationController:
         # A seeded sampling request keeps its whole draft: which tokens it samples depends on the
         # draft lengths, and a seed must give the same text every time.
         pinned = {s.seq_id for s in seqs if s.params.seed is not None and not s.params.greedy}
-        greedy = {s.seq_id: s.params.greedy for s in seqs}
         idle = {i: self.idle.get(i, 0) + 1 for i, cap in caps.items() if cap}
         if not any(caps.values()):
             choice = dict(caps)
@@ -238,7 +237,8 @@ class SpeculationController:
             probe = max(idle, key=lambda j: (idle[j], -j))
             due = self.since_probe >= self.probe_every
             shadow = (due and self.cfg.shadow_probes and not first
-                      and self.probes % self.cfg.verify_probe_every != 0 and greedy[probe])
+                      and self.probes % self.cfg.verify_probe_every != 0
+                      and next(s for s in seqs if s.seq_id == probe).params.greedy)
             if shadow and self._may_probe():  # its row fetches any missing features: no catch-up round
                 self.shadow = {probe: caps[probe]}
                 self.probe_every = min(2 * self.probe_every, self.cfg.max_probe_every)
