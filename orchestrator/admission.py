@@ -47,6 +47,11 @@ class BurstGate:
         self._opened, self._bursty = now, False
         return wait
 
+    @property
+    def in_burst(self) -> bool:
+        """Two requests arrived less than gap_s apart since the scheduler last woke from idle."""
+        return self._bursty
+
     def until(self, now: float) -> float | None:
         """While waiting: when to look again, or None when the burst is over (start now)."""
         t = min(self.last_arrival + self.cfg.gap_s, self._opened + self.cfg.window_s)

@@ -431,8 +431,11 @@ class Orchestrator:
         fresh = [a.seq for sid, a in self.active.items() if sid not in ids]
         # A new prompt with slots free: requests arrive in bursts. A round sent ahead now would
         # run this prompt's sequence alone while the ones arriving meanwhile prefill in a call
-        # of their own (a forward more), and it would end a round before them.
-        burst = len(self.active) < self.max_concurrent and not all(s.prefilled for s in seqs)
+        # of their own (a forward more), and it would end a round before them. A lone request
+        # that came in no burst (one client at a time) sends its first decode behind its prompt,
+        # which would otherwise idle the target while the prompt's answer travels back.
+        burst = (len(self.active) < self.max_concurrent and not all(s.prefilled for s in seqs)
+                 and (len(self.active) > 1 or self.burst.in_burst))
         send = self.cfg.pipeline and not self.waiting and not fresh and not burst
         rounds = [speculative_round(seqs, self.target_port, self.drafter_port, self.cfg.tree_blocks,
                                     self.controller, self.cfg.decode_steps, ahead=ahead, send_ahead=send)]

@@ -52,3 +52,16 @@ def test_window_zero_never_waits():
     gate.arrived(1.0)
     gate.arrived(1.0)
     assert not gate.open(1.0, waiting=2)
+
+
+def test_in_burst_says_whether_requests_came_close_together_since_the_wake():
+    gate = BurstGate(CFG)
+    gate.arrived(6.0)
+    gate.arrived(6.0005)
+    assert gate.in_burst
+    gate.open(6.001, waiting=2)  # the wake starts a new watch
+    assert not gate.in_burst
+    gate.arrived(7.0)  # alone
+    assert not gate.in_burst
+    gate.arrived(7.0002)  # a second one within the gap
+    assert gate.in_burst

@@ -492,12 +492,14 @@ async def _generated(orch, prompt, max_new: int) -> list[int]:
     return [t for item in [x async for x in orch.stream(gen)] if isinstance(item, Piece) for t in item.token_ids]
 
 
-def test_requests_arriving_during_a_prompt_round_join_the_next_round(server, engine):
-    """The orchestrator's scheduler: a new prompt with slots free does not send the next round
-    ahead, so requests that arrive while it runs (held here until two more are queued) join
-    the next round: one call for every sequence, the first one's next step beside the others'
-    prompts, then rounds of `decode_steps` for all. With every slot taken (max_concurrent 1)
-    the prompt round sends the next one ahead. The text is the target alone's either way."""
+def test_a_lone_prompt_sends_its_first_decode_ahead_and_a_burst_does_not(server, engine):
+    """The orchestrator's scheduler. A request that reaches the idle scheduler alone (one client
+    at a time) sends its first decode round ahead, behind its prompt: the target does not idle
+    while the prompt's answer travels back. Requests that arrive while that prompt runs (held
+    here until two more are queued) prefill in the next call, then every sequence decodes in one
+    call per round. Two requests sent together (a burst, gathered by the burst gate) send
+    nothing ahead of their prompts: a sequence that arrives meanwhile would otherwise wait behind
+    a round of the others. The text is the target alone's either way."""
     from flashmap.inprocess import decode
     from flashmap.types import GenerationRequest
     from orchestrator.server import Orchestrator, OrchestratorConfig
@@ -506,17 +508,19 @@ def test_requests_arriving_during_a_prompt_round_join_the_next_round(server, eng
     prompts = [rng.integers(3, 500, n).tolist() for n in (7, 5, 9)]
     expected = [r.token_ids for r in decode(engine, [GenerationRequest(p, 10) for p in prompts])]
 
-    async def serve(n, max_concurrent):
+    async def serve(first: int, later: int, sent_before: int):
         orch = Orchestrator(OrchestratorConfig(target_url=server.grpc_url, drafter_url="", metrics_port=0,
-                                               max_concurrent=max_concurrent, decode_steps=4))
+                                               decode_steps=4))
         await orch.start()
         calls, gate, send = [], asyncio.Event(), orch.target.verify_rows
 
-        async def verify_rows(items, timeout_s=None):  # the first call is held until the gate opens
+        async def verify_rows(items, timeout_s=None):  # the first call's answer is held until the gate opens
             calls.append([(corrid, row.steps) for corrid, row, *_ in items])
-            if len(calls) == 1:
+            held = len(calls) == 1
+            answer = await send(items, timeout_s)
+            if held:
                 await gate.wait()
-            return await send(items, timeout_s)
+            return answer
 
         orch.target.verify_rows = verify_rows
 
@@ -524,28 +528,30 @@ def test_requests_arriving_during_a_prompt_round_join_the_next_round(server, eng
             return _generated(orch, prompt, 10)
 
         try:
-            tasks = [asyncio.create_task(generate(prompts[0]))]
-            while not calls:
+            tasks = [asyncio.create_task(generate(p)) for p in prompts[:first]]
+            while len(calls) < sent_before:
                 await asyncio.sleep(0.01)
-            tasks += [asyncio.create_task(generate(p)) for p in prompts[1:n]]
-            while len(orch.waiting) < n - 1 or len(calls) < (2 if n == 1 else 1):
+            tasks += [asyncio.create_task(generate(p)) for p in prompts[first:first + later]]
+            while len(orch.waiting) < later:
                 await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)  # anything else the scheduler would send before the answer
             sent_before_answer = len(calls)
             gate.set()
             return await asyncio.gather(*tasks), calls, sent_before_answer
         finally:
             await orch.stop()
 
-    texts, calls, sent = asyncio.run(serve(3, 0))
+    texts, calls, sent = asyncio.run(serve(1, 2, 2))
     assert texts == expected
-    assert sent == 1  # nothing sent ahead of the first prompt's round
-    first = calls[0][0][0]
-    assert calls[1][0] == (first, 1) and len(calls[1]) == 3 and all(st == 1 for _, st in calls[1])
-    assert all(len(c) == 3 and all(st == 4 for _, st in c) for c in calls[2:4]), calls
+    assert sent == 2, calls  # the prompt, and behind it the first decode round
+    (first, _), = calls[0]
+    assert calls[1] == [(first, 4)]
+    assert len(calls[2]) == 2 and first not in {c for c, _ in calls[2]}  # the late prompts, on their own
+    assert all(len(c) == 3 for c in calls[3:5]), calls  # then one call for all three
 
-    texts, calls, sent = asyncio.run(serve(1, 1))
-    assert texts == expected[:1]
-    assert sent == 2 and calls[1][0][1] == 4  # the next round went out while the prompt's ran
+    texts, calls, sent = asyncio.run(serve(2, 0, 1))
+    assert texts == expected[:2]
+    assert sent == 1 and len(calls[0]) == 2, calls  # both prompts in one call, nothing behind it
     settled_active(server, 0)
 
 
