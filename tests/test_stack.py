@@ -490,7 +490,7 @@ def test_shadow_probes_through_the_stack_are_exact_and_released(target_dir, ref,
     pipeline on: greedy requests are probed beside the rounds sent ahead (their rows fetch the
     features the drafter lacks, the drafter drafts while the target decodes); every output equals
     the target alone's, the probes are counted, and the drafter holds nothing afterwards."""
-    prompts = _prompts(12, seed=111, lo=3, hi=20)
+    prompts = _prompts(64, seed=111, lo=3, hi=20)  # enough rounds for several probes (their interval doubles)
     max_new = 64
     expected = ref(prompts, max_new)
     cfg = StackConfig.on_free_ports(target_dir=str(target_dir), n_slots=4, max_seq_len=1024, log_dir=str(tmp_path))
