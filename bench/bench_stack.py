@@ -211,6 +211,7 @@ def stack_summary(parts: list[dict]) -> dict:
         "triton_queue_ms": 1e3 * d.get("flashmap_target_batch_wait_seconds_total", 0.0) / batches,
         "triton_compute_ms": 1e3 * d.get("flashmap_target_batch_run_seconds_total", 0.0) / batches,
         "triton_answer_ms": 1e3 * d.get("flashmap_target_batch_answer_seconds_total", 0.0) / batches,
+        "triton_cpu_ms": 1e3 * d.get("flashmap_target_batch_cpu_seconds_total", 0.0) / batches,
         "mean_draft_len": d.get("flashmap_draft_length_sum", 0.0) / max(d.get("flashmap_draft_length_count", 0.0), 1),
         "off_rounds": d.get("flashmap_speculation_off_rounds_total", 0.0), "rounds": rounds,
         "fallback": sum(p["fallback"] for p in parts),
@@ -281,8 +282,8 @@ def merge(runs: list[dict]) -> dict:
     """Repeats of one mode as one: tokens/s and per-round times averaged, counts summed."""
     out = dict(runs[0])
     for k in ("tok_s", "gamma", "draft_ms", "verify_ms", "round_ms", "drafter_forward_ms", "triton_queue_ms",
-              "triton_compute_ms", "triton_answer_ms", "mean_draft_len"):
-        if all(k in r for r in runs):  # triton_answer_ms: not in runs saved before the model measured it
+              "triton_compute_ms", "triton_answer_ms", "triton_cpu_ms", "mean_draft_len"):
+        if all(k in r for r in runs):  # triton_answer_ms / _cpu_ms: not in runs saved before the model measured them
             out[k] = float(np.mean([r[k] for r in runs]))
     for k in ("off_rounds", "rounds", "fallback", "shadow_probes", "expected_accepted", "controller_accepted"):
         if all(k in r for r in runs):  # the last three: not in runs saved before the orchestrator counted them
@@ -522,18 +523,19 @@ def main(argv=None):
         f"service{cpus_text(cells.get('run', {}).get('cpus'))}. Target `{os.path.relpath(target)}`, drafter `{drafter}`.", *[f"Note: {x}" for x in notes], "",
         f"Per round at concurrency {levels[0]} (ms, stack): the orchestrator's draft and verify calls and whole round, "
         "and inside them the drafter's forward and, per batch the target model ran, its wait behind the batch "
-        "before it, its run and, of the run, the answers handed to Triton:", "",
+        "before it, its run and, of the run, the answers handed to Triton and the model's worker on a CPU (the rest "
+        "of the run it waited):", "",
         "| prompts | mode | draft call | drafter forward | verify call | target model wait | target model run | "
-        "of which answers | whole round |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+        "of which answers | of which on CPU | whole round |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, c, cell in rows:
         if c == levels[0]:
             for mode in ("off", "full", "auto"):
                 r = cell[mode]
-                answers = f"{r['triton_answer_ms']:.2f}" if "triton_answer_ms" in r else "-"
+                answers, cpu = (f"{r[k]:.2f}" if k in r else "-" for k in ("triton_answer_ms", "triton_cpu_ms"))
                 lines.append(f"| {name} | {mode} | {r['draft_ms']:.2f} | {r['drafter_forward_ms']:.2f} | "
                              f"{r['verify_ms']:.2f} | {r['triton_queue_ms']:.2f} | {r['triton_compute_ms']:.2f} | "
-                             f"{answers} | {r['round_ms']:.2f} |")
+                             f"{answers} | {cpu} | {r['round_ms']:.2f} |")
     steps = [(name, c, step_ratios(cell)) for name, c, cell in rows]
     if all(r is not None for _, _, r in steps):
         lines += ["", "The parts of auto / target alone: each step's ratio within each repeat, geometric mean [95% CI] "

@@ -26,8 +26,10 @@ does (`bench.bench_stack.triton_alone`: 8 tokens a call, the next call queued wh
 on random-id prompts, the same tokens on both sides (checked). The sides alternate every
 `--block` requests. Per side, means per request: the wall time, its compute (the local engine's
 verify calls; the stub's runs of its verify batches, from Triton's metrics) and the rest (for Triton:
-its prompt's round trip, the last answer's way back, the release), and the first request of a
-block (which runs after the other side: its caches are the other side's) against the others.
+its prompt's round trip, the last answer's way back, the release), the first request of a
+block (which runs after the other side: its caches are the other side's) against the others,
+and the compute split into the computing thread's CPU time and the rest (time it waited
+inside the calls: for Python's lock, for Triton's server to take an answer, for its CPU).
 With `--block 1` every request is a first one.
 """
 
@@ -131,16 +133,19 @@ def whole_requests(target: str, n: int, max_new: int, block: int = 1) -> None:
     prompts = prompt_sets(target, engine.vocab_size, n)["random ids"]
     local_verify = engine.verify
     verify_s: list[float] = []
+    verify_cpu_s: list[float] = []
 
     def timed_verify(rows):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         out = local_verify(rows)
         verify_s.append(time.perf_counter() - t0)
+        verify_cpu_s.append(time.thread_time() - c0)
         return out
 
     engine.verify = timed_verify
     wall = {"in process": [], "Triton": []}  # per request, in order within each block
     compute = {"in process": 0.0, "Triton": 0.0}
+    on_cpu = {"in process": 0.0, "Triton": 0.0}  # of compute
 
     with Stack(cfg) as stack:
         cpus = stack.cpus or (None, None)
@@ -150,8 +155,9 @@ def whole_requests(target: str, n: int, max_new: int, block: int = 1) -> None:
         for b, i in enumerate(range(0, n, block)):
             part, outputs = prompts[i:i + block], {}
             for side in ("in process", "Triton") if b % 2 == 0 else ("Triton", "in process"):
-                run_before = _stub_verify_run_s(metrics, info_s)
+                run_before, cpu_before = _stub_verify_run_s(metrics, info_s)
                 verify_s.clear()
+                verify_cpu_s.clear()
                 outputs[side] = []
                 for p in part:
                     with on_cpus(cpus[side == "Triton"]):  # each side computes on the model's cores
@@ -161,8 +167,11 @@ def whole_requests(target: str, n: int, max_new: int, block: int = 1) -> None:
                     wall[side].append(r["seconds"])
                 if side == "in process":
                     compute[side] += sum(verify_s)
+                    on_cpu[side] += sum(verify_cpu_s)
                 else:
-                    compute[side] += _stub_verify_run_s(metrics, info_s) - run_before
+                    run_after, cpu_after = _stub_verify_run_s(metrics, info_s)
+                    compute[side] += run_after - run_before
+                    on_cpu[side] += cpu_after - cpu_before
             if outputs["in process"] != outputs["Triton"]:
                 raise AssertionError("Triton and the local engine decoded different tokens")
     local, remote = np.array(wall["in process"]), np.array(wall["Triton"])
@@ -171,15 +180,18 @@ def whole_requests(target: str, n: int, max_new: int, block: int = 1) -> None:
           f"alternated in blocks of {block}; tokens/s through Triton / in process: {local.sum() / remote.sum():.3f} "
           f"(per request: median {np.median(local / remote):.3f}, quartiles {np.quantile(local / remote, 0.25):.3f}-"
           f"{np.quantile(local / remote, 0.75):.3f})")
-    print("ms per request (means)   wall  compute  rest   first of a block  the others")
+    print("ms per request (means)   wall  compute  rest   first of a block  the others   compute on CPU  off CPU")
     for side, w in wall.items():
         w = np.array(w)
         others = f"{w[~first].mean() * 1e3:10.1f}" if (~first).any() else f"{'-':>10s}"
         print(f"  {side:20s} {w.mean() * 1e3:6.1f} {compute[side] / n * 1e3:8.1f} {(w.sum() - compute[side]) / n * 1e3:5.1f}"
-              f" {w[first].mean() * 1e3:17.1f} {others}")
+              f" {w[first].mean() * 1e3:17.1f} {others} {on_cpu[side] / n * 1e3:16.1f} "
+              f"{(compute[side] - on_cpu[side]) / n * 1e3:8.1f}")
     print("compute: the local engine's verify calls; in Triton the stub's runs of its verify batches (parse, verify, "
-          f"answer; an INFO batch, {info_s * 1e3:.2f} ms, taken off for every other batch). "
-          f"Stub / local compute: {compute['Triton'] / compute['in process']:.3f}")
+          f"answer; an INFO batch, {info_s * 1e3:.2f} ms, taken off for every other batch); on CPU: the computing "
+          "thread's CPU time in it (in Triton, flashmap_target_batch_cpu_seconds_total, every batch). "
+          f"Stub / local compute: {compute['Triton'] / compute['in process']:.3f}; on CPU: "
+          f"{on_cpu['Triton'] / on_cpu['in process']:.3f}")
 
 
 def _settled_totals(metrics: str) -> dict[str, float]:
@@ -189,12 +201,12 @@ def _settled_totals(metrics: str) -> dict[str, float]:
     return totals(scrape(metrics, 10))
 
 
-def _stub_verify_run_s(metrics: str, info_s: float) -> float:
+def _stub_verify_run_s(metrics: str, info_s: float) -> tuple[float, float]:
     """Seconds the stub has run verify batches: all its runs less the other batches (INFO probes,
-    releases) at `info_s`, what an INFO batch costs."""
+    releases) at `info_s`, what an INFO batch costs; and the worker's CPU seconds in all its runs."""
     m = _settled_totals(metrics)
     other = m["flashmap_target_batches_total"] - m["flashmap_target_verify_batches_total"]
-    return m["flashmap_target_batch_run_seconds_total"] - other * info_s
+    return m["flashmap_target_batch_run_seconds_total"] - other * info_s, m["flashmap_target_batch_cpu_seconds_total"]
 
 
 async def _info_cost(cfg: StackConfig, metrics: str, n: int = 40) -> float:

@@ -124,6 +124,9 @@ TARGET_MODEL = (
            "Seconds the model spent running batches (verify forwards and their answers)", ("model",)),
     Metric("flashmap_target_batch_answer_seconds_total", "counter",
            "Of the run, seconds spent handing the answers to Triton", ("model",)),
+    Metric("flashmap_target_batch_cpu_seconds_total", "counter",
+           "Of the run, seconds the model's worker thread was on a CPU (the rest it waited: for the GIL, "
+           "for Triton to take an answer, or for its CPU)", ("model",)),
 )
 
 # Triton's own per-model metrics (port 8002), from prometheus-cpp: counters carry no _total

@@ -618,7 +618,8 @@ def test_concurrent_sequences_share_forward_passes(server):
     before = {n: at_rest(server, n) for n in (
         "flashmap_target_verify_batches_total", "flashmap_target_verify_rows_total",
         "nv_inference_exec_count", "nv_inference_count",
-        "flashmap_target_batch_run_seconds_total", "flashmap_target_batch_answer_seconds_total")}
+        "flashmap_target_batch_run_seconds_total", "flashmap_target_batch_answer_seconds_total",
+        "flashmap_target_batch_cpu_seconds_total")}
     seqs = list(range(101, 101 + N_SLOTS))
     n_rounds = 3
 
@@ -654,6 +655,8 @@ def test_concurrent_sequences_share_forward_passes(server):
     assert delta["nv_inference_exec_count"] < delta["nv_inference_count"], delta
     # Handing the answers to Triton is part of a batch's run, and takes some of it.
     assert 0 < delta["flashmap_target_batch_answer_seconds_total"] < delta["flashmap_target_batch_run_seconds_total"], delta
+    # The worker's CPU time in its runs: some, and no more than the runs' wall time (one thread).
+    assert 0 < delta["flashmap_target_batch_cpu_seconds_total"] <= delta["flashmap_target_batch_run_seconds_total"], delta
     settled_active(server, 0)
 
 

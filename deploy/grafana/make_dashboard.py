@@ -266,14 +266,16 @@ def build() -> dict:
     # Triton's durations are cumulative microsecond counters: per-request mean = d(us) / d(requests) / 1e6.
     L.add(timeseries("Triton mean latency", "Cumulative microseconds / successful requests: end to end, "
                      "queued, and model execute; per batch the model ran, its wait, its run and, of the run, "
-                     "the answers handed to Triton.", [
+                     "the answers handed to Triton and the time its worker was on a CPU (the rest it waited: "
+                     "for Python's lock, for Triton, for its CPU).", [
         target(f"sum(rate(nv_inference_{kind}_duration_us{{{TRITON}}}[{RI}])) "
                f"/ sum(rate(nv_inference_request_success{{{TRITON}}}[{RI}])) / 1e6", label, "")
         for kind, label in (("request", "request"), ("queue", "queue"), ("compute_infer", "compute"))
     ] + [  # the model is decoupled: Triton's compute is the hand-over, the model's own counters time the work
         target(f"sum(rate(flashmap_target_batch_{kind}_seconds_total[{RI}])) "
                f"/ sum(rate(flashmap_target_batches_total[{RI}]))", label, "")
-        for kind, label in (("wait", "model wait"), ("run", "model run"), ("answer", "model answers (of run)"))
+        for kind, label in (("wait", "model wait"), ("run", "model run"), ("answer", "model answers (of run)"),
+                            ("cpu", "model on CPU (of run)"))
     ], unit="s", min_=0), w=8)
     L.add(timeseries("Triton executions", "Model executions per second, inferences per execution (how "
                      "well Triton batches verify requests) and sequences per verify forward in the model.", [

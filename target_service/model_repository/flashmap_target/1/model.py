@@ -59,7 +59,8 @@ to execute() flashmap_target_batches_total, flashmap_target_batch_wait_seconds_t
 batch before it), flashmap_target_batch_run_seconds_total (Triton's own compute time is only
 the hand-over of a decoupled model's batch) and, of the run,
 flashmap_target_batch_answer_seconds_total (the answers handed to Triton: each send waits for
-the server to take it); sent with the model's log lines by the worker, between batches, at most
+the server to take it) and flashmap_target_batch_cpu_seconds_total (the worker thread's CPU time
+in its runs: a run longer than its CPU time waited); sent with the model's log lines by the worker, between batches, at most
 every 0.25 s, so that one thread makes all of the model's calls into the stub (_SideChannel).
 """
 
@@ -306,7 +307,7 @@ class TritonPythonModel:
         # Answers go out from this thread, before the next batch: a second Python thread sending
         # them while the next forward ran slowed that forward by more than it saved (GIL).
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         try:
             with self.lock:
                 responses = self._execute(requests)
@@ -321,9 +322,10 @@ class TritonPythonModel:
                 self._log("error", "flashmap_target send: " + traceback.format_exc())
         self.metrics.inc("flashmap_target_batches_total")
         self.metrics.inc("flashmap_target_batch_wait_seconds_total", t0 - t_queued)
-        t2 = time.perf_counter()
+        t2, cpu2 = time.perf_counter(), time.thread_time()
         self.metrics.inc("flashmap_target_batch_run_seconds_total", t2 - t0)
         self.metrics.inc("flashmap_target_batch_answer_seconds_total", t2 - t1)
+        self.metrics.inc("flashmap_target_batch_cpu_seconds_total", cpu2 - cpu0)
 
     def _execute(self, requests):
         """Every row of every request (a one-row request, or each row of a packed round) is
