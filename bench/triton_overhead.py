@@ -155,7 +155,7 @@ def whole_requests(target: str, n: int, max_new: int, block: int = 1) -> None:
         for b, i in enumerate(range(0, n, block)):
             part, outputs = prompts[i:i + block], {}
             for side in ("in process", "Triton") if b % 2 == 0 else ("Triton", "in process"):
-                run_before, cpu_before = _stub_verify_run_s(metrics, info_s)
+                run_before, cpu_before = _stub_run_and_cpu_s(metrics, info_s)
                 verify_s.clear()
                 verify_cpu_s.clear()
                 outputs[side] = []
@@ -169,7 +169,7 @@ def whole_requests(target: str, n: int, max_new: int, block: int = 1) -> None:
                     compute[side] += sum(verify_s)
                     on_cpu[side] += sum(verify_cpu_s)
                 else:
-                    run_after, cpu_after = _stub_verify_run_s(metrics, info_s)
+                    run_after, cpu_after = _stub_run_and_cpu_s(metrics, info_s)
                     compute[side] += run_after - run_before
                     on_cpu[side] += cpu_after - cpu_before
             if outputs["in process"] != outputs["Triton"]:
@@ -201,7 +201,7 @@ def _settled_totals(metrics: str) -> dict[str, float]:
     return totals(scrape(metrics, 10))
 
 
-def _stub_verify_run_s(metrics: str, info_s: float) -> tuple[float, float]:
+def _stub_run_and_cpu_s(metrics: str, info_s: float) -> tuple[float, float]:
     """Seconds the stub has run verify batches: all its runs less the other batches (INFO probes,
     releases) at `info_s`, what an INFO batch costs; and the worker's CPU seconds in all its runs."""
     m = _settled_totals(metrics)

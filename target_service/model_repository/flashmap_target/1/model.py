@@ -306,7 +306,7 @@ class TritonPythonModel:
 
     def _run_job(self, requests, t_queued: float) -> None:
         # Answers go out from this thread, before the next batch: a second Python thread sending
-        # them while the next forward ran gained nothing, measured twice (the second time 1.00x
+        # them while the next forward ran gained nothing, measured twice (the second time 1.007x
         # over 72 requests, bench_stack_c1.md notes).
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         t0, cpu0 = time.perf_counter(), time.thread_time()
