@@ -2,7 +2,7 @@
 
     python -m bench.triton_overhead [--target DIR] [--blocks 5] [--calls 60] [--rows 1] \\
         [--decode-steps 1] [--draft 0]
-    python -m bench.triton_overhead --requests 32 [--max-new-tokens 48] [--block 1]
+    python -m bench.triton_overhead --requests 32 [--max-new-tokens 48] [--block 1] [--decode-steps 16]
 
 Starts Triton alone (no drafter, no orchestrator) and a TargetEngine in this process, then
 alternates call by call: the local `TargetEngine.verify` of `rows` sequences, then the same
@@ -22,7 +22,8 @@ what the call adds to the model's run (messages, Triton's server, the hand-over 
 
 With `--requests N`: whole requests at concurrency 1 instead of single calls: the target alone
 in process (`flashmap.inprocess.decode`) and the round loop calling Triton as the orchestrator
-does (`bench.bench_stack.triton_alone`: 8 tokens a call, the next call queued while one runs),
+does (`bench.bench_stack.triton_alone`: `--decode-steps` tokens a call, by default the orchestrator's,
+the next call queued while one runs),
 on random-id prompts, the same tokens on both sides (checked). The sides alternate every
 `--block` requests. Per side, means per request: the wall time, its compute (the local engine's
 verify calls; the stub's runs of its verify batches, from Triton's metrics) and the rest (for Triton:
@@ -122,12 +123,13 @@ async def _measure(cfg: StackConfig, engine: TargetEngine, blocks: int, calls: i
     return out
 
 
-def whole_requests(target: str, n: int, max_new: int, block: int = 1) -> None:
+def whole_requests(target: str, n: int, max_new: int, block: int = 1, decode_steps: int = 8) -> None:
     """`n` requests per side in blocks of `block` requests, the sides alternating block by block
     (in process first in every other pair of blocks). Per side: the requests' wall time, split
     into compute (the local engine's verify calls; the stub's verify batches, from Triton's metrics)
     and the rest, and the first request of a block (after the other side ran) against the others."""
-    cfg = StackConfig.on_free_ports(target_dir=target, drafter="init", n_slots=1, max_seq_len=512, with_drafter=False)
+    cfg = StackConfig.on_free_ports(target_dir=target, drafter="init", n_slots=1, max_seq_len=512, with_drafter=False,
+                                    decode_steps=decode_steps)
     engine = TargetEngine(target, n_slots=1, max_seq_len=512)
     metrics = f"http://{cfg.host}:{cfg.triton_metrics_port}/metrics"
     prompts = prompt_sets(target, engine.vocab_size, n)["random ids"]
@@ -227,7 +229,8 @@ def main(argv=None) -> int:
     ap.add_argument("--blocks", type=int, default=5)
     ap.add_argument("--calls", type=int, default=60, help="alternated pairs of calls per block")
     ap.add_argument("--rows", type=int, default=1)
-    ap.add_argument("--decode-steps", type=int, default=1, help="tokens per row in one plain call")
+    ap.add_argument("--decode-steps", type=int, default=None,
+                    help="tokens per row in one plain call (default 1; with --requests, the orchestrator's default)")
     ap.add_argument("--draft", type=int, default=0, help="K > 0: drafted verifies of K draft tokens per row")
     ap.add_argument("--requests", type=int, default=0, help="N > 0: N whole requests alternated instead of calls")
     ap.add_argument("--max-new-tokens", type=int, default=48, help="with --requests")
@@ -236,8 +239,9 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     target, _, _ = default_checkpoints(a.target, "init")
     if a.requests:
-        whole_requests(target, a.requests, a.max_new_tokens, a.block)
+        whole_requests(target, a.requests, a.max_new_tokens, a.block, a.decode_steps or StackConfig.decode_steps)
         return 0
+    a.decode_steps = a.decode_steps or 1
     advance = 1 if a.draft else a.decode_steps
     max_seq_len = len(PROMPT) + a.blocks * a.calls * advance + a.draft + a.decode_steps + 8
     cfg = StackConfig.on_free_ports(target_dir=target, drafter="init", n_slots=a.rows, max_seq_len=max_seq_len,

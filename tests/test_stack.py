@@ -399,16 +399,18 @@ class TestMainStack:
     @pytest.mark.timeout(60)
     def test_rounds_without_drafts_decode_several_tokens_per_call(self, stack, client, ref):
         """Speculation off for a request: after its prompt's round, each round decodes
-        --decode-steps (8) tokens in one call to Triton; the text is the target's."""
+        --decode-steps tokens in one call to Triton; the text is the target's."""
+        steps = stack.cfg.decode_steps
         p = _prompts(1, seed=81, lo=5, hi=5)[0]
-        (exp,) = ref([p], 17)
+        (exp,) = ref([p], 1 + 2 * steps)
         orch0, tri0 = _samples(stack.cfg.metrics_port), _samples(stack.cfg.triton_metrics_port)
-        ids, final = _stream(client, prompt_ids=p, max_new_tokens=17, ignore_eos=True, max_draft_tokens=0)
-        assert ids == exp and final.stats.rounds == 16 and final.stats.drafts == 0
+        ids, final = _stream(client, prompt_ids=p, max_new_tokens=1 + 2 * steps, ignore_eos=True, max_draft_tokens=0)
+        assert ids == exp and final.stats.rounds == 2 * steps and final.stats.drafts == 0
         orch1, tri1 = _samples(stack.cfg.metrics_port), _samples(stack.cfg.triton_metrics_port)
         d = lambda a, b, name: _total(b, name) - _total(a, name)  # noqa: E731
-        assert d(orch0, orch1, "flashmap_decode_steps_count") == 2 and d(orch0, orch1, "flashmap_decode_steps_sum") == 16
-        assert d(tri0, tri1, "nv_inference_exec_count") <= 4  # prompt, 2 x 8 tokens, the release
+        assert d(orch0, orch1, "flashmap_decode_steps_count") == 2
+        assert d(orch0, orch1, "flashmap_decode_steps_sum") == 2 * steps
+        assert d(tri0, tri1, "nv_inference_exec_count") <= 4  # prompt, 2 calls of `steps` tokens, the release
 
     @pytest.mark.timeout(150)
     def test_drafter_killed_mid_stream_then_restarted(self, stack, client, admin, ref):
