@@ -123,7 +123,8 @@ async def _measure(cfg: StackConfig, engine: TargetEngine, blocks: int, calls: i
     return out
 
 
-def whole_requests(target: str, n: int, max_new: int, block: int = 1, decode_steps: int = 8) -> None:
+def whole_requests(target: str, n: int, max_new: int, block: int = 1,
+                   decode_steps: int = StackConfig.decode_steps) -> None:
     """`n` requests per side in blocks of `block` requests, the sides alternating block by block
     (in process first in every other pair of blocks). Per side: the requests' wall time, split
     into compute (the local engine's verify calls; the stub's verify batches, from Triton's metrics)
