@@ -2,7 +2,7 @@
 
     python -m bench.triton_overhead [--target DIR] [--blocks 5] [--calls 60] [--rows 1] \\
         [--decode-steps 1] [--draft 0]
-    python -m bench.triton_overhead --requests 32 [--max-new-tokens 48] [--block 1] [--decode-steps 16]
+    python -m bench.triton_overhead --requests 32 [--max-new-tokens 48] [--block 1] [--decode-steps 8]
 
 Starts Triton alone (no drafter, no orchestrator) and a TargetEngine in this process, then
 alternates call by call: the local `TargetEngine.verify` of `rows` sequences, then the same
@@ -123,8 +123,7 @@ async def _measure(cfg: StackConfig, engine: TargetEngine, blocks: int, calls: i
     return out
 
 
-def whole_requests(target: str, n: int, max_new: int, block: int = 1,
-                   decode_steps: int = StackConfig.decode_steps) -> None:
+def whole_requests(target: str, n: int, max_new: int, block: int, decode_steps: int) -> None:
     """`n` requests per side in blocks of `block` requests, the sides alternating block by block
     (in process first in every other pair of blocks). Per side: the requests' wall time, split
     into compute (the local engine's verify calls; the stub's verify batches, from Triton's metrics)
@@ -240,9 +239,11 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     target, _, _ = default_checkpoints(a.target, "init")
     if a.requests:
-        whole_requests(target, a.requests, a.max_new_tokens, a.block, a.decode_steps or StackConfig.decode_steps)
+        steps = StackConfig.decode_steps if a.decode_steps is None else a.decode_steps
+        whole_requests(target, a.requests, a.max_new_tokens, a.block, steps)
         return 0
-    a.decode_steps = a.decode_steps or 1
+    if a.decode_steps is None:
+        a.decode_steps = 1
     advance = 1 if a.draft else a.decode_steps
     max_seq_len = len(PROMPT) + a.blocks * a.calls * advance + a.draft + a.decode_steps + 8
     cfg = StackConfig.on_free_ports(target_dir=target, drafter="init", n_slots=a.rows, max_seq_len=max_seq_len,
