@@ -31,7 +31,7 @@ the line NOTES_MARKER in an existing report (a reading of it) is kept when the r
 written again.
 
   python -m bench.bench_stack [--target DIR] [--drafter DIR|init] [--max-new-tokens 48] \\
-      [--concurrency 1,4,16,32] [--threads N] [--repeats 2] [--chunks 4] [--decode-steps 8] [--no-pipeline] \\
+      [--concurrency 1,4,16,32] [--threads N] [--repeats 2] [--chunks 4] [--decode-steps 16] [--no-pipeline] \\
       [--fresh]
 """
 

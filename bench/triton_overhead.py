@@ -2,7 +2,7 @@
 
     python -m bench.triton_overhead [--target DIR] [--blocks 5] [--calls 60] [--rows 1] \\
         [--decode-steps 1] [--draft 0]
-    python -m bench.triton_overhead --requests 32 [--max-new-tokens 48] [--block 1] [--decode-steps 8]
+    python -m bench.triton_overhead --requests 32 [--max-new-tokens 48] [--block 1] [--decode-steps 16]
 
 Starts Triton alone (no drafter, no orchestrator) and a TargetEngine in this process, then
 alternates call by call: the local `TargetEngine.verify` of `rows` sequences, then the same

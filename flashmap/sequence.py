@@ -223,12 +223,15 @@ class Sequence:
                 self._gap = None
         elif not row.features and self._gap is None:
             self._gap = self.features_known
-        for _ in range(1 + len(decoded) - (not self.prefilled)):  # a multi-step row: one round per step
+        prompt = not self.prefilled
+        self.prefilled = True
+        kept = self._append(new)
+        # A multi-step row: one round per step whose token was kept (not those past a stop).
+        for _ in range(1 if k else len(kept) - prompt):
             self.stats.record_round(k, n_acc)
         if k and draft is not None and draft.steps:
             self.stats.draft_steps = draft.steps
-        self.prefilled = True
-        return self._append(new), n_acc
+        return kept, n_acc
 
     def _append(self, new: list[int]) -> list[int]:
         """Append tokens, stopping at a stop id (kept) or max_new_tokens."""

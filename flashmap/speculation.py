@@ -65,7 +65,10 @@ and it drafts from the next round on; a probe waits for it without counting. A r
 only requests chosen to draft are catching up counts as one without drafts: otherwise the
 prompts beside them fetch every prompt position's features (a request prefilling next to
 the first one to decode made auto about 5% slower than speculation off at c = 16 on held-out
-text, while it never drafted).
+text, while it never drafted). A prompt row fetches its features only when its first
+decode round is likely to draft: before anything is measured (that round is the first probe)
+or after a plan that drafted. Else a lone request's first probe would wait behind a
+catch-up round, and with rounds sent ahead a second one (1 + 2 x decode_steps tokens).
 Numpy only.
 """
 
@@ -169,6 +172,7 @@ class SpeculationController:
         self.shadows = 0  # shadow probes whose acceptance was counted
         self._nothing = (None, 0)  # (what the last search that found nothing saw, rounds since)
         self.most_drafting = 0  # the most drafting requests of a draft call measured
+        self.drafted_last = False  # the last plan with decoding requests let some draft (not a probe)
 
     # -- estimates ---------------------------------------------------------------
     def acceptance(self, seqs: list[Sequence]) -> np.ndarray:
@@ -260,14 +264,20 @@ class SpeculationController:
                 choice[i] = 0
                 catch_up.add(i)
         self.idle = {i: n for i, n in idle.items() if not choice[i] and i not in self.shadow}
-        lazy = self.cfg.lazy_features and not (speculating and any(choice.values()))
+        drafting = speculating and any(choice.values())
+        lazy = self.cfg.lazy_features and not drafting
+        prompts_fetch = self.verify_cost.n == 0 or self.drafted_last
         for s in seqs:
             s.draft_limit = choice[s.seq_id]
-            s.lazy_features = lazy and s.seq_id not in catch_up | pinned | self.shadow.keys()
+            s.lazy_features = (lazy and s.seq_id not in catch_up | pinned | self.shadow.keys()
+                               and (s.prefilled or not prompts_fetch))
+        if any(caps.values()):
+            self.drafted_last = drafting
         return choice
 
     # What plan() changes besides the sequences' draft limits (each attribute is reassigned, never mutated).
-    _PLAN_STATE = ("probe_every", "since_probe", "probe_credit", "_nothing", "idle", "probing", "probes", "shadow")
+    _PLAN_STATE = ("probe_every", "since_probe", "probe_credit", "_nothing", "idle", "probing", "probes", "shadow",
+                   "drafted_last")
 
     def peek(self, seqs: list[Sequence]) -> dict[int, int]:
         """The plan `plan(seqs)` would make now, without making it (the probe schedule, the

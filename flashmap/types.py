@@ -16,7 +16,7 @@ import numpy as np
 
 BLOCK_SIZE = 16  # draft tokens per block (K): the paper's, and every drafter's default
 MAX_DECODE_STEPS = 64  # tokens one verify row may decode (VerifyRow.next_seeds): bounds one call's time
-DECODE_STEPS = 8  # tokens per request of a serving round without drafts (orchestrator --decode-steps)
+DECODE_STEPS = 16  # tokens per request of a serving round without drafts (orchestrator --decode-steps)
 # A row whose tokens are [FOLLOW_TOKEN] continues its sequence with the last token the
 # target decoded for it: a round sent before the round it follows has answered.
 FOLLOW_TOKEN = -1

@@ -375,6 +375,7 @@ def stats_to_proto(s: SpecStats) -> serving_pb2.SpecStats:
         mean_acceptance_length=s.mean_acceptance_length, fallback_rounds=s.fallback_rounds,
         draft_steps=s.draft_steps, accepted_per_slot=s.accepted_per_slot.tolist(),
         drafted_per_slot=s.drafted_per_slot.tolist(), verified_per_slot=s.verified_per_slot.tolist(),
+        draft_s=s.draft_s, verify_s=s.verify_s,
     )
 
 
@@ -384,5 +385,5 @@ def stats_from_proto(p: serving_pb2.SpecStats) -> SpecStats:
         block_size=k, rounds=p.rounds, drafts=p.drafts, draft_tokens=p.draft_tokens, accepted=p.accepted_tokens,
         fallback_rounds=p.fallback_rounds, draft_steps=p.draft_steps,
         drafted_per_slot=list(p.drafted_per_slot), verified_per_slot=list(p.verified_per_slot),
-        accepted_per_slot=list(p.accepted_per_slot),
+        accepted_per_slot=list(p.accepted_per_slot), draft_s=p.draft_s, verify_s=p.verify_s,
     )

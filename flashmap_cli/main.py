@@ -49,7 +49,8 @@ def stats_report(mode: str, n_tokens: int, finish: str, s: SpecStats, seconds: f
     if s.drafts:
         steps = f", {s.draft_steps} flow-map step{'s' if s.draft_steps != 1 else ''}" if s.draft_steps else ""
         lines.append(f"  mean acceptance length {s.mean_acceptance_length:.2f} tokens per drafted round: "
-                     f"{s.accepted} of {s.draft_tokens} draft tokens accepted in {s.drafts} drafted rounds "
+                     f"{s.accepted} of {s.draft_tokens} draft tokens accepted in {s.drafts} drafted "
+                     f"round{'s' if s.drafts != 1 else ''} "
                      f"({s.rounds} rounds in all{steps})")
         reached = [k for k in range(len(s.verified_per_slot)) if s.verified_per_slot[k]]
         per_slot = "  ".join(f"{k + 1}: {s.accepted_per_slot[k]}/{s.verified_per_slot[k]}" for k in reached)

@@ -117,7 +117,8 @@ def test_rows_without_features_while_speculation_is_off_are_lossless(target, mon
     proposer = load_proposer("init", str(path), n_slots=N_PROMPTS, max_context=engine.max_seq_len)
     rows, verify = [], engine.verify
     monkeypatch.setattr(engine, "verify", lambda batch: rows.extend(batch) or verify(batch))
-    controller = SpeculationController(proposer.block_size, ControllerConfig(decode_steps=4, lazy_features=True))
+    controller = SpeculationController(proposer.block_size, ControllerConfig(decode_steps=4, lazy_features=True,
+                                                                             probe_every=2, max_probe_every=2))
     out = decode(engine, _requests(prompts), proposer, controller=controller, decode_steps=4)
     assert [r.token_ids for r in out] == reference
     assert any(not r.features for r in rows if r.start_pos > 0), "no round went without features"

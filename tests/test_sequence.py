@@ -68,3 +68,18 @@ def test_a_drafter_answer_acknowledges_only_the_context_its_call_sent():
     assert start == 6 and ids.tolist() == s.tokens[6:9] and feats.tolist() == np.arange(12).reshape(3, 4).tolist()
     s.drafter_acknowledged()
     assert s.drafter_seen == 9 and s.context_for_drafter() is None
+
+
+def test_a_multi_step_row_counts_a_round_per_token_it_kept():
+    """A row without drafts that decoded 4 steps counts 4 rounds; one whose second token is a
+    stop id counts 2 (the steps past the stop are not the request's)."""
+    for stop, rounds in ((None, 4), (6, 2)):
+        s = Sequence(1, GenerationRequest(np.arange(3, 9), 20, stop_token_ids=[] if stop is None else [stop]))
+        s.commit(s.verify_row(None), None, VerifyResult(np.array([7]), np.zeros((0, 1), np.float32),
+                                                        np.zeros(0, np.float32), np.array([7]),
+                                                        np.zeros((6, 4), np.float32)))
+        assert s.stats.rounds == 0  # a prompt's row
+        row = s.verify_row(None, steps=4)
+        s.commit(row, None, VerifyResult(np.array([5, 6, 7, 8]), np.zeros((0, 1), np.float32), np.zeros(0, np.float32),
+                                         np.full(4, -1), np.zeros((4, 4), np.float32)))
+        assert s.stats.rounds == rounds and len(s.generated) == 1 + rounds

@@ -518,6 +518,40 @@ def test_prompts_beside_a_request_that_only_catches_up_fetch_no_features():
     assert not any(p.lazy_features for p in prompts)
 
 
+def test_a_prompt_fetches_its_features_when_its_first_decode_round_may_draft():
+    """lazy_features: a prompt row goes with its features before anything is measured (its
+    first decode round is the first probe, which must not wait for a catch-up round) and after
+    a plan that drafted; while the search keeps speculation off it goes without."""
+    def prompt(i):
+        return Sequence(100 + i, GenerationRequest(list(range(3, 20)), max_new_tokens=500), K)
+
+    fresh = SpeculationController(K, ControllerConfig(lazy_features=True))
+    p = prompt(0)
+    fresh.plan([p])
+    assert not p.lazy_features
+    p.prefilled = True
+    p.tokens.append(4)
+    assert fresh.plan([p])[p.seq_id] == K  # the first probe, at once: the context has no gap
+
+    off = _controller(verify=(0.001, 0.004), draft=(0.003, 0.001))  # drafting never pays
+    off.cfg.lazy_features = True
+    decoding, p = _seqs(1, acceptance=0.02), prompt(1)
+    assert not any(off.plan(decoding + [p]).values())
+    assert p.lazy_features
+    off.plan([prompt(2)])  # a plan of prompts alone leaves what the last decoding plan did
+    q = prompt(3)
+    off.plan([q])
+    assert q.lazy_features
+
+    on = _controller(verify=(0.010, 1e-5), draft=(0.001, 1e-5))  # drafting pays
+    on.cfg.lazy_features = True
+    decoding = _seqs(1, acceptance=0.9)
+    assert on.plan(decoding)[0] > 0
+    p = prompt(4)
+    on.plan([p])  # the request alone now, say after the others ended
+    assert not p.lazy_features
+
+
 def test_shadow_probes_replace_the_probes_that_do_not_measure_the_verify():
     """shadow_probes: a greedy request's probe, other than every verify_probe_every-th (a
     one-token verified round), drafts nothing into the round (its plan length stays 0, the round

@@ -209,10 +209,11 @@ class TestMainStack:
             assert ids == exp
             assert final.finish_reason == "length"
             assert final.completion_tokens == max_new and final.prompt_tokens == len(p)
-            assert final.stats.rounds >= 1
+            assert final.stats.rounds >= 1 and 0 < final.stats.verify_s <= final.total_s
         # The drafter took part (so this is speculative decoding, not only the fallback).
         assert sum(f.stats.drafts for _, f in outs) > 0
         assert sum(f.stats.draft_tokens for _, f in outs) > 0
+        assert all(f.stats.draft_s > 0 for _, f in outs if f.stats.drafts)
 
     @pytest.mark.timeout(120)
     def test_16_concurrent_streams_are_exact_and_batched(self, stack, ref):

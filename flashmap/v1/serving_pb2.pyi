@@ -75,7 +75,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpecStats(_message.Message):
-    __slots__ = ("rounds", "drafts", "draft_tokens", "accepted_tokens", "mean_acceptance_length", "accepted_per_slot", "fallback_rounds", "draft_steps", "drafted_per_slot", "verified_per_slot")
+    __slots__ = ("rounds", "drafts", "draft_tokens", "accepted_tokens", "mean_acceptance_length", "accepted_per_slot", "fallback_rounds", "draft_steps", "drafted_per_slot", "verified_per_slot", "draft_s", "verify_s")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,8 @@ class SpecStats(_message.Message):
     DRAFT_STEPS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_PER_SLOT_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_PER_SLOT_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_S_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_S_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     drafts: int
     draft_tokens: int
@@ -96,7 +98,9 @@ class SpecStats(_message.Message):
     draft_steps: int
     drafted_per_slot: _containers.RepeatedScalarFieldContainer[int]
     verified_per_slot: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, rounds: _Optional[int] = ..., drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., accepted_per_slot: _Optional[_Iterable[int]] = ..., fallback_rounds: _Optional[int] = ..., draft_steps: _Optional[int] = ..., drafted_per_slot: _Optional[_Iterable[int]] = ..., verified_per_slot: _Optional[_Iterable[int]] = ...) -> None: ...
+    draft_s: float
+    verify_s: float
+    def __init__(self, rounds: _Optional[int] = ..., drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., accepted_per_slot: _Optional[_Iterable[int]] = ..., fallback_rounds: _Optional[int] = ..., draft_steps: _Optional[int] = ..., drafted_per_slot: _Optional[_Iterable[int]] = ..., verified_per_slot: _Optional[_Iterable[int]] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ...) -> None: ...
 
 class FinalResult(_message.Message):
     __slots__ = ("finish_reason", "usage", "stats", "time_to_first_token_s", "total_s")
