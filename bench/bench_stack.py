@@ -109,13 +109,24 @@ def tok_s(run: dict) -> float:
 
 
 def joined(parts: list[dict]) -> dict:
-    """Runs over consecutive chunks of the prompts as one run: {"outputs", "seconds", "tok_s"}."""
+    """Runs over consecutive chunks of the prompts as one run: {"outputs", "seconds", "tok_s"}
+    and "busy_s" (the target model's run seconds) when every part has it."""
     run = {"outputs": [o for p in parts for o in p["outputs"]], "seconds": sum(p["seconds"] for p in parts)}
+    if all("busy_s" in p for p in parts):
+        run["busy_s"] = sum(p["busy_s"] for p in parts)
     return {**run, "tok_s": tok_s(run)}
 
 
+# The target model's run seconds (its worker, per batch): the wall it did not compute is what a path adds.
+BUSY = "flashmap_target_batch_run_seconds_total"
+
+
+def _busy_s(cfg: StackConfig) -> float:
+    return totals(scrape(f"http://{cfg.host}:{cfg.triton_metrics_port}/metrics", 10)).get(BUSY, 0.0)
+
+
 def triton_alone(cfg: StackConfig, prompts, max_new, concurrency) -> dict:
-    """{"outputs", "seconds"} of the target alone through Triton: the round loop calls Triton
+    """{"outputs", "seconds", "busy_s"} of the target alone through Triton: the round loop calls Triton
     directly (no orchestrator, no drafter, no client streams), `concurrency` sequences at a
     time, each round sent ahead as the orchestrator sends it (cfg.pipeline). The ceiling of
     the stack with speculation off."""
@@ -139,7 +150,10 @@ def triton_alone(cfg: StackConfig, prompts, max_new, concurrency) -> dict:
         await target.client.close()
         return {"outputs": outs, "seconds": seconds}
 
-    return asyncio.run(run())
+    busy = _busy_s(cfg)
+    out = asyncio.run(run())
+    time.sleep(0.5)  # the target model sends its metrics between batches, within 0.25 s of the last
+    return {**out, "busy_s": _busy_s(cfg) - busy}
 
 
 # The controller's expected and realised accepted draft tokens, kept apart by `_scrape_all`.
@@ -215,6 +229,7 @@ def stack_summary(parts: list[dict]) -> dict:
         "mean_draft_len": d.get("flashmap_draft_length_sum", 0.0) / max(d.get("flashmap_draft_length_count", 0.0), 1),
         "off_rounds": d.get("flashmap_speculation_off_rounds_total", 0.0), "rounds": rounds,
         "fallback": sum(p["fallback"] for p in parts),
+        "busy_s": d.get(BUSY, 0.0),
         "shadow_probes": d.get("flashmap_shadow_probes_total", 0.0),
         "expected_accepted": d.get(f"{CALIBRATION}:expected", 0.0),
         "controller_accepted": d.get(f"{CALIBRATION}:accepted", 0.0),
@@ -321,6 +336,9 @@ def fmt_ci(ci: tuple[float, float, float]) -> str:
 STEPS = (("Triton alone / target alone", "triton", "target"), ("off / Triton alone", "off", "triton"),
          ("auto / off", "auto", "off"))
 
+# Modes whose target model runs in Triton: the wall it waited per batch of `concurrency` requests.
+IDLE_MODES = ("triton", "off", "auto")
+
 # A report's text from this line on is the reader's: a rerun writes the tables above it and keeps it.
 NOTES_MARKER = "<!-- notes: kept when the report is written again -->"
 
@@ -376,6 +394,9 @@ def run_cells(cfg: StackConfig, sets: dict, todo: list[tuple[str, int]], cells: 
                 cell = {m: float(np.mean([r["tok_s"] for r in runs[m]])) for m in ("target", "triton")}
                 cell["auto_first"] = runs["auto"][0]["tok_s"]
                 cell |= {m: {k: v for k, v in merge(runs[m]).items() if k != "outputs"} for m in ("off", "full", "auto")}
+                waves = len(prompts) / c
+                cell["idle_ms_per_wave"] = {m: 1e3 * float(np.mean([(r["seconds"] - r["busy_s"]) / waves for r in runs[m]]))
+                                            for m in IDLE_MODES}
                 cell |= {"in_process_spec": ip, "vs_best": paired_ratios(runs), "vs_target": paired_ratios(runs, "target"),
                          "tok_s_per_repeat": {m: [r["tok_s"] for r in rs] for m, rs in runs.items()}}
                 cells[f"{name}|{c}"] = cell
@@ -539,10 +560,15 @@ def main(argv=None):
     steps = [(name, c, step_ratios(cell)) for name, c, cell in rows]
     if all(r is not None for _, _, r in steps):
         lines += ["", "The parts of auto / target alone: each step's ratio within each repeat, geometric mean [95% CI] "
-                  "(the steps multiply):", "",
-                  "| prompts | concurrency | " + " | ".join(name for name, _, _ in STEPS) + " |",
-                  "|---|---:|" + "---:|" * len(STEPS)]
-        lines += [f"| {name} | {c} | " + " | ".join(r) + " |" for name, c, r in steps]
+                  "(the steps multiply), and the wall the target model did not compute (its worker's run seconds "
+                  "from its metrics), per batch of `concurrency` requests (ms: Triton alone / off / auto; the "
+                  "in-process target has none):", "",
+                  "| prompts | concurrency | " + " | ".join(name for name, _, _ in STEPS) + " | target idle per batch |",
+                  "|---|---:|" + "---:|" * (len(STEPS) + 1)]
+        for (name, c, r), (_, _, cell) in zip(steps, rows):
+            idle = cell.get("idle_ms_per_wave")
+            lines.append(f"| {name} | {c} | " + " | ".join(r) + " | "
+                         + (" / ".join(f"{idle[m]:.1f}" for m in IDLE_MODES) if idle else "-") + " |")
     run = cells.get("run", {"memory_mb": {}, "drafter_sequences_held": "?"})  # absent: stopped after the last cell
     lines += ["", f"![auto against the better fixed policy and the target alone]({plot.name})", "",
               "Peak resident memory (VmHWM, MB): " + ", ".join(f"{k} {v:.0f}" for k, v in run["memory_mb"].items()) + ".",

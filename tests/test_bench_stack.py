@@ -44,7 +44,10 @@ def test_a_tiny_run_reports_and_resumes(tmp_path, capsys):
     text = out.read_text()
     assert "| random ids | 2 |" in text and "| held-out text | 1 |" in text
     assert out.with_suffix(".png").stat().st_size > 0 and out.with_suffix(".json").is_file()
-    assert "| random ids | 2 | " in text.split("The parts of auto / target alone")[1]  # each step's ratio
+    parts = text.split("The parts of auto / target alone")[1]
+    row = next(line for line in parts.splitlines() if line.startswith("| random ids | 2 | "))  # each step's ratio
+    idle = [float(x) for x in row.strip(" |").split("|")[-1].split("/")]  # target idle per batch: Triton, off, auto
+    assert len(idle) == 3 and all(x >= 0 for x in idle)
     capsys.readouterr()
     notes = f"{bench_stack.NOTES_MARKER}\n\nReading. What a person wrote about the run.\n"
     out.write_text(text + "\n" + notes)
