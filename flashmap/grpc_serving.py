@@ -239,6 +239,20 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def ports_in_use(host: str, ports: list[int]) -> list[int]:
+    """Those of `ports` that a process on this machine already listens on at `host` (binding
+    fails; SO_REUSEADDR, so a stopped server's closing connections do not count)."""
+    busy = []
+    for port in ports:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError:
+                busy.append(port)
+    return busy
+
+
 def free_port() -> int:
     return free_ports(1)[0]
 

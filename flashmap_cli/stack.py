@@ -21,7 +21,7 @@ from pathlib import Path
 from flashmap.auth import (API_KEY_ENV, DRAFTER_TOKEN_ENV, DRAFTER_TOKEN_LOCAL, TARGET_KEY_ENV, new_secret,
                            read_secret, write_local_secret)
 from flashmap.cpus import on_cpus, split_cpus
-from flashmap.grpc_serving import free_ports, wait_grpc_health
+from flashmap.grpc_serving import free_ports, ports_in_use, wait_grpc_health
 from flashmap.types import DECODE_STEPS
 from orchestrator.admission import BurstConfig
 
@@ -66,11 +66,12 @@ class StackConfig:
     # (flashmap.cpus); off, or fewer than 2 usable CPUs: the scheduler places everything.
     pin_cpus: bool = True
 
+    PORTS = ("port", "metrics_port", "http_port", "drafter_port", "drafter_metrics_port", "triton_http_port",
+             "triton_grpc_port", "triton_metrics_port")
+
     @classmethod
     def on_free_ports(cls, **kw) -> "StackConfig":
-        names = ("port", "metrics_port", "http_port", "drafter_port", "drafter_metrics_port", "triton_http_port",
-                 "triton_grpc_port", "triton_metrics_port")
-        return cls(**{**dict(zip(names, free_ports(len(names)))), **kw})
+        return cls(**{**dict(zip(cls.PORTS, free_ports(len(cls.PORTS)))), **kw})
 
     @property
     def url(self) -> str:
@@ -89,6 +90,10 @@ class StackConfig:
     def drafter_slots(self) -> int:
         """The drafter's context slots: room beyond the target's for sequences it still holds."""
         return max(64, 2 * self.n_slots)
+
+
+class PortsInUse(RuntimeError):
+    """A port of the stack is held by another process."""
 
 
 class Stack:
@@ -172,6 +177,14 @@ class Stack:
         self.start_orchestrator()
 
     def start(self) -> "Stack":
+        """Start the three services. PortsInUse, with nothing started, when one of the ports is
+        held already: the health checks would find the other server's parts and call this stack up."""
+        c = self.cfg
+        wanted = {getattr(c, n): n for n in c.PORTS if getattr(c, n) and (c.with_drafter or "drafter" not in n)}
+        busy = ports_in_use(c.host, list(wanted))
+        if busy:
+            raise PortsInUse(", ".join(f"{c.host}:{p} ({wanted[p]})" for p in busy) + " in use: another stack or "
+                             "server holds them; stop it or choose other ports (flashmap up --help)")
         os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_service()))  # children inherit it
         if self.cfg.pin_cpus:
             self.cpus = split_cpus(_int_or(os.environ["OMP_NUM_THREADS"], threads_per_service()))
@@ -342,7 +355,11 @@ def run_stack(args) -> int:
     # SIGTERM (docker stop, kill, a supervisor) must stop the three children like Ctrl-C does.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     print(f"starting Triton target, drafter and orchestrator (logs in {cfg.log_dir}) ...", flush=True)
-    stack = Stack(cfg).start()
+    try:
+        stack = Stack(cfg).start()
+    except PortsInUse as e:
+        print(f"flashmap up: {e}", file=sys.stderr, flush=True)
+        return 1
     # For `flashmap steps` and DrafterAdmin in this user's other shells.
     write_local_secret(DRAFTER_TOKEN_LOCAL, cfg.drafter_token)
     lines = [

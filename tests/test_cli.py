@@ -157,3 +157,23 @@ def test_stats_report_is_readable():
         "  fallback rounds (drafter down or late, the target decoded alone): 1",
     ]
     assert "no drafts: 0 rounds" in stats_report("in-process", 1, "length", SpecStats(), 0.1)
+
+
+def test_up_refuses_ports_another_server_holds(capsys, tmp_path):
+    """A second `flashmap up` on the ports of a running one would find that one's parts healthy
+    and say it is up: it stops at once with one line naming the port, nothing started."""
+    import socket
+
+    from flashmap_cli.stack import PortsInUse, Stack, StackConfig
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        stack = Stack(StackConfig.on_free_ports(target_dir=str(tmp_path), metrics_port=port))
+        with pytest.raises(PortsInUse, match=f"127.0.0.1:{port} \\(metrics_port\\) in use"):
+            stack.start()
+        assert stack.triton is None and stack.drafter_proc is None and stack.orch_proc is None
+        assert main(["up", "--port", str(port)]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("flashmap up: ") and f":{port} (port) in use" in err[0]
