@@ -121,10 +121,6 @@ def joined(parts: list[dict]) -> dict:
 BUSY = "flashmap_target_batch_run_seconds_total"
 
 
-def _busy_s(cfg: StackConfig) -> float:
-    return totals(scrape(f"http://{cfg.host}:{cfg.triton_metrics_port}/metrics", 10)).get(BUSY, 0.0)
-
-
 def triton_alone(cfg: StackConfig, prompts, max_new, concurrency) -> dict:
     """{"outputs", "seconds", "busy_s"} of the target alone through Triton: the round loop calls Triton
     directly (no orchestrator, no drafter, no client streams), `concurrency` sequences at a
@@ -150,10 +146,9 @@ def triton_alone(cfg: StackConfig, prompts, max_new, concurrency) -> dict:
         await target.client.close()
         return {"outputs": outs, "seconds": seconds}
 
-    busy = _busy_s(cfg)
+    before = _scrape_all(cfg)
     out = asyncio.run(run())
-    time.sleep(0.5)  # the target model sends its metrics between batches, within 0.25 s of the last
-    return {**out, "busy_s": _busy_s(cfg) - busy}
+    return {**out, "busy_s": _scrape_after_run(cfg).get(BUSY, 0.0) - before.get(BUSY, 0.0)}
 
 
 # The controller's expected and realised accepted draft tokens, kept apart by `_scrape_all`.
@@ -170,6 +165,13 @@ def _scrape_all(cfg: StackConfig) -> dict[str, float]:
             if name == CALIBRATION:
                 out[f"{name}:{labels['kind']}"] = out.get(f"{name}:{labels['kind']}", 0.0) + value
     return out
+
+
+def _scrape_after_run(cfg: StackConfig) -> dict[str, float]:
+    """`_scrape_all` once a run's last batch is counted: the target model sends its metrics
+    between batches, within 0.25 s of the last."""
+    time.sleep(0.5)
+    return _scrape_all(cfg)
 
 
 def through_stack(cfg: StackConfig, prompts, max_new, concurrency, spec_off: bool = False) -> dict:
@@ -195,8 +197,7 @@ def through_stack(cfg: StackConfig, prompts, max_new, concurrency, spec_off: boo
             return outs, time.perf_counter() - t0
 
     outs, dt = uvloop.run(run())
-    time.sleep(0.5)  # the target model sends its metrics between batches, within 0.25 s of the last
-    after = _scrape_all(cfg)
+    after = _scrape_after_run(cfg)
     return {"outputs": [o.token_ids for o in outs], "seconds": dt,
             "delta": {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after},
             "drafts": sum(o.stats.drafts for o in outs), "accepted": sum(o.stats.accepted for o in outs),

@@ -68,6 +68,7 @@ class StackConfig:
 
     PORTS = ("port", "metrics_port", "http_port", "drafter_port", "drafter_metrics_port", "triton_http_port",
              "triton_grpc_port", "triton_metrics_port")
+    DRAFTER_PORTS = ("drafter_port", "drafter_metrics_port")  # unused by a stack without a drafter
 
     @classmethod
     def on_free_ports(cls, **kw) -> "StackConfig":
@@ -180,7 +181,8 @@ class Stack:
         """Start the three services. PortsInUse, with nothing started, when one of the ports is
         held already: the health checks would find the other server's parts and call this stack up."""
         c = self.cfg
-        wanted = {getattr(c, n): n for n in c.PORTS if getattr(c, n) and (c.with_drafter or "drafter" not in n)}
+        names = [n for n in c.PORTS if c.with_drafter or n not in c.DRAFTER_PORTS]
+        wanted = {getattr(c, n): n for n in names if getattr(c, n)}  # 0: that server is off
         busy = ports_in_use(c.host, list(wanted))
         if busy:
             raise PortsInUse(", ".join(f"{c.host}:{p} ({wanted[p]})" for p in busy) + " in use: another stack or "
