@@ -110,15 +110,24 @@ def tok_s(run: dict) -> float:
 
 def joined(parts: list[dict]) -> dict:
     """Runs over consecutive chunks of the prompts as one run: {"outputs", "seconds", "tok_s"}
-    and "busy_s" (the target model's run seconds) when every part has it."""
+    and "busy_s" (the target model's forwards, engine_seconds) when every part has it."""
     run = {"outputs": [o for p in parts for o in p["outputs"]], "seconds": sum(p["seconds"] for p in parts)}
     if all("busy_s" in p for p in parts):
         run["busy_s"] = sum(p["busy_s"] for p in parts)
     return {**run, "tok_s": tok_s(run)}
 
 
-# The target model's run seconds (its worker, per batch): the wall it did not compute is what a path adds.
-BUSY = "flashmap_target_batch_run_seconds_total"
+# The target model's worker, per batch: its run and, within the run, the answers it handed to Triton.
+RUN, ANSWER = "flashmap_target_batch_run_seconds_total", "flashmap_target_batch_answer_seconds_total"
+
+
+def engine_seconds(delta: dict[str, float]) -> float:
+    """The target model's forwards over a run (metric deltas): its batches' run seconds less the
+    answers' hand-over. Each forward starts after its request was sent and ends before its
+    answer goes out, so it lies within the client's clock; the hand-over does not (the client
+    can read the last answer before the worker's send returns), and it is part of what the
+    path adds. The wall less this is what a path adds to the model."""
+    return delta.get(RUN, 0.0) - delta.get(ANSWER, 0.0)
 
 
 def triton_alone(cfg: StackConfig, prompts, max_new, concurrency) -> dict:
@@ -148,7 +157,8 @@ def triton_alone(cfg: StackConfig, prompts, max_new, concurrency) -> dict:
 
     before = _scrape_all(cfg)
     out = asyncio.run(run())
-    return {**out, "busy_s": _scrape_after_run(cfg).get(BUSY, 0.0) - before.get(BUSY, 0.0)}
+    after = _scrape_after_run(cfg)
+    return {**out, "busy_s": engine_seconds({k: after.get(k, 0.0) - before.get(k, 0.0) for k in (RUN, ANSWER)})}
 
 
 # The controller's expected and realised accepted draft tokens, kept apart by `_scrape_all`.
@@ -230,7 +240,7 @@ def stack_summary(parts: list[dict]) -> dict:
         "mean_draft_len": d.get("flashmap_draft_length_sum", 0.0) / max(d.get("flashmap_draft_length_count", 0.0), 1),
         "off_rounds": d.get("flashmap_speculation_off_rounds_total", 0.0), "rounds": rounds,
         "fallback": sum(p["fallback"] for p in parts),
-        "busy_s": d.get(BUSY, 0.0),
+        "busy_s": engine_seconds(d),
         "shadow_probes": d.get("flashmap_shadow_probes_total", 0.0),
         "expected_accepted": d.get(f"{CALIBRATION}:expected", 0.0),
         "controller_accepted": d.get(f"{CALIBRATION}:accepted", 0.0),
@@ -491,7 +501,8 @@ def main(argv=None):
     # the next cell (with the same settings; another setting starts afresh).
     settings = {"target": str(target), "drafter": str(drafter), "max_new_tokens": a.max_new_tokens, "prompts": n,
                 "threads": threads, "repeats": a.repeats, "chunks": a.chunks, "decode_steps": a.decode_steps, "pipeline": a.pipeline,
-                "pin_cpus": a.pin_cpus, "client": "asyncio", "burst_window_ms": cfg.burst_window_ms}
+                "pin_cpus": a.pin_cpus, "client": "asyncio", "burst_window_ms": cfg.burst_window_ms,
+                "busy": "engine"}  # busy_s: the model's forwards (engine_seconds)
     cells_path = a.out.with_suffix(".json")
     saved = json.loads(cells_path.read_text()) if cells_path.exists() and not a.fresh else {}
     cells = saved.get("cells", {}) if saved.get("settings") == settings else {}
@@ -561,8 +572,8 @@ def main(argv=None):
     steps = [(name, c, step_ratios(cell)) for name, c, cell in rows]
     if all(r is not None for _, _, r in steps):
         lines += ["", "The parts of auto / target alone: each step's ratio within each repeat, geometric mean [95% CI] "
-                  "(the steps multiply), and the wall the target model did not compute (its worker's run seconds "
-                  "from its metrics), per batch of `concurrency` requests (ms: Triton alone / off / auto; the "
+                  "(the steps multiply), and the wall the target model did not compute (its batches' run seconds "
+                  "less the answers' hand-over, from its metrics), per batch of `concurrency` requests (ms: Triton alone / off / auto; the "
                   "in-process target has none):", "",
                   "| prompts | concurrency | " + " | ".join(name for name, _, _ in STEPS) + " | target idle per batch |",
                   "|---|---:|" + "---:|" * (len(STEPS) + 1)]
