@@ -157,8 +157,7 @@ def triton_alone(cfg: StackConfig, prompts, max_new, concurrency) -> dict:
 
     before = _scrape_all(cfg)
     out = asyncio.run(run())
-    after = _scrape_after_run(cfg)
-    return {**out, "busy_s": engine_seconds({k: after.get(k, 0.0) - before.get(k, 0.0) for k in (RUN, ANSWER)})}
+    return {**out, "busy_s": engine_seconds(_since(before, _scrape_after_run(cfg)))}
 
 
 # The controller's expected and realised accepted draft tokens, kept apart by `_scrape_all`.
@@ -184,6 +183,11 @@ def _scrape_after_run(cfg: StackConfig) -> dict[str, float]:
     return _scrape_all(cfg)
 
 
+def _since(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The metrics' change over a run (two `_scrape_all` totals)."""
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+
+
 def through_stack(cfg: StackConfig, prompts, max_new, concurrency, spec_off: bool = False) -> dict:
     """{"outputs", "seconds", "delta" (the services' metrics over the run), "drafts", "accepted",
     "fallback"} of the prompts through the stack, `concurrency` streams at a time."""
@@ -207,9 +211,7 @@ def through_stack(cfg: StackConfig, prompts, max_new, concurrency, spec_off: boo
             return outs, time.perf_counter() - t0
 
     outs, dt = uvloop.run(run())
-    after = _scrape_after_run(cfg)
-    return {"outputs": [o.token_ids for o in outs], "seconds": dt,
-            "delta": {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after},
+    return {"outputs": [o.token_ids for o in outs], "seconds": dt, "delta": _since(before, _scrape_after_run(cfg)),
             "drafts": sum(o.stats.drafts for o in outs), "accepted": sum(o.stats.accepted for o in outs),
             "fallback": sum(o.stats.fallback_rounds for o in outs)}
 
@@ -573,8 +575,8 @@ def main(argv=None):
     if all(r is not None for _, _, r in steps):
         lines += ["", "The parts of auto / target alone: each step's ratio within each repeat, geometric mean [95% CI] "
                   "(the steps multiply), and the wall the target model did not compute (its batches' run seconds "
-                  "less the answers' hand-over, from its metrics), per batch of `concurrency` requests (ms: Triton alone / off / auto; the "
-                  "in-process target has none):", "",
+                  "less the answers' hand-over, from its metrics), per batch of `concurrency` requests (ms: "
+                  "Triton alone / off / auto; the in-process target has none):", "",
                   "| prompts | concurrency | " + " | ".join(name for name, _, _ in STEPS) + " | target idle per batch |",
                   "|---|---:|" + "---:|" * (len(STEPS) + 1)]
         for (name, c, r), (_, _, cell) in zip(steps, rows):
