@@ -6,8 +6,9 @@ other, against the target in this process with the other CPU idle. The two CPUs 
 last-level cache, and the demo target's weights are about its size, so what runs beside the
 worker can slow it without taking any of its CPU time. This measures that directly: the
 in-process target at concurrency 1 on the first CPU while the other CPU (a child process
-pinned there) is idle, streams through memory (sums a 64 MB array) or spins without touching
-memory. The modes alternate per part of the prompts; each ratio is a geometric mean of ratios
+pinned there) is idle, streams through memory (sums a 64 MB array), spins without touching
+memory, or sleeps and wakes every 5 ms to sum a 4 or 16 MiB array (a mostly idle neighbour
+with a working set in the shared cache). The modes alternate per part of the prompts; each ratio is a geometric mean of ratios
 within a part with a 95% interval (Student's t on the logs).
 
     OMP_NUM_THREADS=1 python -m bench.neighbour_load --parts 8 --out docs/results/neighbour_load.md
@@ -29,6 +30,10 @@ LOADS = {
     "idle": None,
     "streams memory": "import numpy as np\na = np.ones(8_000_000)\nwhile True:\n    a.sum()",
     "spins": "x = 0\nwhile True:\n    x += 1",
+    # A neighbour that is mostly asleep but walks a working set when it wakes, as a server
+    # process does per request: what it evicts, not its CPU time, would slow the target.
+    "walks 4 MiB every 5 ms": "import time\nimport numpy as np\na = np.ones(1 << 19)\nwhile True:\n    a.sum()\n    time.sleep(0.005)",
+    "walks 16 MiB every 5 ms": "import time\nimport numpy as np\na = np.ones(1 << 21)\nwhile True:\n    a.sum()\n    time.sleep(0.005)",
 }
 
 

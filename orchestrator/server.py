@@ -340,8 +340,10 @@ class Orchestrator:
                     self._flush()
                     self._wake.clear()
                     await self._wake.wait()
-                    if self.waiting and self.burst.open(time.perf_counter(), len(self.waiting)):
-                        await self._gather_burst()
+                    if self.waiting:
+                        if self.burst.open(time.perf_counter(), len(self.waiting)):
+                            await self._gather_burst()
+                        self.burst.started(min(len(self.waiting), self.max_concurrent))
                     continue
                 # The last round's tokens reach their streams once this round's first call
                 # (draft or verify) is on the wire: the task's first step runs before the

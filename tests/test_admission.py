@@ -47,6 +47,23 @@ def test_a_burst_makes_the_next_start_from_idle_wait_for_its_followers():
     assert not gate.open(5.5, waiting=1)  # nothing came close together since: no wait
 
 
+def test_a_start_that_took_in_several_makes_the_next_lone_wake_wait():
+    """The closed loop's next burst when every request of the last one arrived before the
+    wake: its first request wakes the scheduler alone and waits for the rest; a lone start
+    that gathered nobody ends that."""
+    gate = BurstGate(CFG)
+    for t in (8.0, 8.0001, 8.0002):
+        gate.arrived(t)
+    assert gate.open(8.0003, waiting=3)
+    gate.started(3)
+    gate.arrived(9.0)  # the next burst's first, alone at the wake
+    assert gate.open(9.0001, waiting=1)
+    assert gate.until(9.0001) == 9.0 + CFG.gap_s
+    gate.started(1)  # nobody came within the gap
+    gate.arrived(10.0)
+    assert not gate.open(10.0001, waiting=1)  # one client at a time: no wait again
+
+
 def test_window_zero_never_waits():
     gate = BurstGate(BurstConfig(window_s=0.0))
     gate.arrived(1.0)
@@ -54,14 +71,20 @@ def test_window_zero_never_waits():
     assert not gate.open(1.0, waiting=2)
 
 
-def test_in_burst_says_whether_requests_came_close_together_since_the_wake():
+def test_in_burst_says_whether_requests_are_coming_together():
     gate = BurstGate(CFG)
     gate.arrived(6.0)
     gate.arrived(6.0005)
     assert gate.in_burst
-    gate.open(6.001, waiting=2)  # the wake starts a new watch
+    assert gate.open(6.001, waiting=2)  # a wake that waits for its burst: in one
+    assert gate.in_burst
+    gate.started(2)
+    gate.arrived(7.0)
+    assert gate.open(7.0001, waiting=1)  # after a start of two, the next lone wake waits too
+    assert gate.in_burst
+    gate.started(1)
+    gate.arrived(8.0)  # alone, and the last start was alone: a new watch
+    assert not gate.open(8.0001, waiting=1)
     assert not gate.in_burst
-    gate.arrived(7.0)  # alone
-    assert not gate.in_burst
-    gate.arrived(7.0002)  # a second one within the gap
+    gate.arrived(8.0002)  # a second one within the gap
     assert gate.in_burst
