@@ -560,8 +560,8 @@ def test_requests_sent_together_start_in_one_round(server, engine):
     together and a third comes 30 ms later, within the gap: the scheduler waits for it and all
     three prompts go to the target in the first call. The next request to find the scheduler
     idle comes alone, but the traffic since the last start came in a burst, so it waits a gap
-    for company; the one after it, with nothing close together since, starts at once. The text
-    is the target alone's."""
+    for company and sends no decode behind its prompt; the one after it, with nothing close
+    together since, starts at once and does. The text is the target alone's."""
     from flashmap.inprocess import decode
     from flashmap.types import GenerationRequest
     from orchestrator.server import Orchestrator, OrchestratorConfig
@@ -596,20 +596,29 @@ def test_requests_sent_together_start_in_one_round(server, engine):
                 return orch.metrics.registry.get_sample_value("flashmap_burst_wait_seconds_sum",
                                                               {"model": orch.info.model_name})
 
-            waited = [wait_s()]
+            def ahead():
+                return orch.metrics.registry.get_sample_value("flashmap_rounds_ahead_total",
+                                                              {"model": orch.info.model_name})
+
+            waited, sent_ahead = [wait_s()], []
             for p in prompts[3:]:
+                before = ahead()
                 texts.append(await generate(p))
                 waited.append(wait_s() - sum(waited))
-            return texts, first_call, waited
+                sent_ahead.append(ahead() - before)
+            return texts, first_call, waited, sent_ahead
         finally:
             await orch.stop()
 
-    texts, first_call, waited = asyncio.run(serve())
+    texts, first_call, waited, sent_ahead = asyncio.run(serve())
     assert texts == expected
     assert first_call == 3  # the three prompts in one call
     assert 0.25 <= waited[0] < 2.0  # until a gap passed after the third
     assert 0.25 <= waited[1] < 0.5  # alone after a burst: one gap
     assert waited[2] == 0  # alone after one alone: no wait
+    # A start that waited for a burst sends no decode behind its prompt (the rest of a late
+    # burst would prefill behind it); a lone request of lone traffic does.
+    assert sent_ahead == [0, 1], sent_ahead
     settled_active(server, 0)
 
 
