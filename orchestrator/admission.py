@@ -15,7 +15,7 @@ scheduler alone). Traffic without bursts (one client at a time, requests spread 
 waits, but once after a burst.
 
 The defaults weigh the wait against what a split burst costs on the 2-core CPU machine. The
-gathers of 4 asyncio streams took 1.7-3.3 ms and of 32 took 9-11 ms. A split costs a
+gathers of 4 asyncio streams took up to 3.8 ms and of 32 took 8-19 ms. A split costs a
 one-token round for all (28 ms at 32 requests) or, when the first starts alone, a 16-token
 call run for it alone (140 ms). With a 1 ms gap a quarter of the bursts of 4 split
 (docs/results/bench_stack.md, "Bursts that split").
