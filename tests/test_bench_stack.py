@@ -56,3 +56,25 @@ def test_a_tiny_run_reports_and_resumes(tmp_path, capsys):
     again = out.read_text()
     assert again.split("\n\n")[1] == text.split("\n\n")[1]
     assert again.endswith(notes) and again.count(bench_stack.NOTES_MARKER) == 1
+
+
+@pytest.mark.skipif(not (REPO / "checkpoints" / "demo-flashmap" / "model.safetensors").is_file(),
+                    reason="demo checkpoints not present")
+def test_pairing_designs_report_and_resume(tmp_path, capsys):
+    """bench.pairing: two designs on one real stack, every path's ratio per pass and over all,
+    then a second call that only reads what was saved."""
+    from bench import pairing
+
+    out = tmp_path / "pairing.md"
+    argv = ["--designs", "ip,off/ip,tr", "--passes", "1", "--prompts", "2", "--chunks", "2",
+            "--max-new-tokens", "4", "--slots", "2", "--out", str(out)]
+    pairing.main(argv)
+    text = out.read_text()
+    for design, path in (("ip,off", "off"), ("ip,tr", "tr")):
+        assert f"| {design} | {path} | 0 | " in text and f"| {design} | {path} | all | " in text
+    capsys.readouterr()
+    pairing.main(argv)
+    assert "2 design passes saved, 0 to run" in capsys.readouterr().out
+    assert out.read_text().split("Date:")[0] == text.split("Date:")[0]
+    with pytest.raises(SystemExit):
+        pairing.main(["--designs", "tr,ip", "--out", str(out)])

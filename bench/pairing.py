@@ -1,0 +1,131 @@
+"""How far the VM lets bench_stack resolve a ratio: the same paths at concurrency 1, paired in
+different alternation designs, chunk by chunk.
+
+bench_stack alternates five modes per chunk of prompts; a ratio of two of them should not
+depend on which other modes run between. This script runs several designs on one stack
+(for example in-process target and speculation off alone, in-process target and Triton alone
+alone, and all five), each design `--passes` times, and reports every path's tokens/s against
+the in-process target alone within each chunk: geometric mean over the chunks with a 95%
+interval. Differences between designs for the same pair are the VM's, not the stack's.
+
+Each finished design pass is saved beside the report (`--out` with .json); a stopped run
+resumes at the next pass (`--fresh`: all again).
+
+  python -m bench.pairing [--prompt-set "random ids"] [--designs ip,off/ip,tr/ip,tr,off,full,auto] \\
+      [--passes 2] [--prompts 64] [--chunks 16] [--max-new-tokens 48] [--fresh]
+
+Paths: ip (target alone in process), tr (target alone through Triton), off, full, auto (the
+stack, as bench_stack runs them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+from pathlib import Path
+
+from bench.bench_stack import (OUT, chunks_of, fmt_ci, inprocess_run, prompt_sets, ratio_ci, through_stack,
+                               triton_alone)
+from drafter_service.factory import load_proposer
+from flashmap.cpus import on_cpus
+from flashmap.inprocess import decode
+from flashmap.types import GenerationRequest
+from flashmap_cli.stack import Stack, StackConfig, default_checkpoints
+from target_service.engine import TargetEngine
+from training.evaluate import machine
+
+PATHS = ("ip", "tr", "off", "full", "auto")
+
+
+def run_path(path: str, part, max_new: int, engine, stack: Stack, auto: StackConfig, full: StackConfig) -> float:
+    """Seconds of one chunk through one path, pinned as bench_stack pins it."""
+    if path == "ip":
+        with on_cpus(stack.cpus and stack.cpus[0]):
+            return inprocess_run(engine, None, part, max_new, 1, auto.decode_steps)["seconds"]
+    with on_cpus(stack.cpus and stack.cpus[1]):
+        if path == "tr":
+            return triton_alone(auto, part, max_new, 1)["seconds"]
+        return through_stack(full if path == "full" else auto, part, max_new, 1, spec_off=path == "off")["seconds"]
+
+
+def design_pass(paths: list[str], parts, max_new, engine, stack, auto, full) -> list[dict[str, float]]:
+    """Every path on every chunk, the order reversed every chunk: seconds per path per chunk."""
+    rows = []
+    for k, part in enumerate(parts):
+        rows.append({p: run_path(p, part, max_new, engine, stack, auto, full)
+                     for p in (paths if k % 2 == 0 else paths[::-1])})
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompt-set", default="random ids")
+    ap.add_argument("--designs", default="ip,off/ip,tr/ip,tr,off,full,auto",
+                    help="designs separated by '/', each a comma list of paths starting with ip")
+    ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--chunks", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--slots", type=int, default=32, help="KV slots of both targets (bench_stack: its largest concurrency)")
+    ap.add_argument("--out", type=Path, default=OUT / "bench_pairing.md")
+    ap.add_argument("--fresh", action="store_true")
+    a = ap.parse_args(argv)
+    designs = [d.split(",") for d in a.designs.split("/")]
+    for d in designs:
+        if d[0] != "ip" or not set(d) <= set(PATHS):
+            ap.error(f"a design is a comma list of {PATHS} starting with ip: {d}")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    torch.set_num_threads(1)
+    target, drafter, _ = default_checkpoints(None, None)
+    engine = TargetEngine(target, n_slots=a.slots, max_seq_len=512)
+    prompts = prompt_sets(target, engine.vocab_size, a.prompts)[a.prompt_set]
+    parts = chunks_of(prompts, 1, a.chunks)
+    settings = {k: v for k, v in vars(a).items() if k not in ("out", "fresh")}
+    saved_path = a.out.with_suffix(".json")
+    saved = json.loads(saved_path.read_text()) if saved_path.exists() and not a.fresh else {}
+    done: dict[str, list] = saved.get("passes", {}) if saved.get("settings") == settings else {}
+    todo = [(p, d) for p in range(a.passes) for d in designs if len(done.get(",".join(d), [])) <= p]
+    print(f"{a.passes * len(designs) - len(todo)} design passes saved, {len(todo)} to run", flush=True)
+    if todo:
+        cfg = StackConfig.on_free_ports(target_dir=target, drafter=drafter, n_slots=a.slots, max_seq_len=512,
+                                        speculation="auto", pin_cpus=True)
+        with Stack(cfg) as stack:
+            _, full = stack.extra_orchestrator("orchestrator-full", speculation="full")
+            for c in (cfg, full):
+                through_stack(c, prompts[:2], 8, 1)  # warm-up
+            proposer = load_proposer(drafter, target, n_slots=a.slots, max_context=engine.max_seq_len)
+            decode(engine, [GenerationRequest(prompts[0], 8)], proposer)
+            for p, d in todo:
+                rows = design_pass(d, parts, a.max_new_tokens, engine, stack, cfg, full)
+                done.setdefault(",".join(d), []).append(rows)
+                saved_path.parent.mkdir(parents=True, exist_ok=True)
+                saved_path.write_text(json.dumps({"settings": settings, "passes": done}, indent=1))
+                print(f"pass {p} {','.join(d)}: " + ", ".join(
+                    f"{x} {fmt_ci(ratio_ci([r['ip'] / r[x] for r in rows]))}" for x in d[1:]), flush=True)
+
+    lines = ["# Pairing designs at concurrency 1 (CPU)", "",
+             "| design | path | pass | tokens/s / target alone in process [95% CI] | chunks |", "|---|---|---:|---:|---:|"]
+    for d in designs:
+        key = ",".join(d)
+        for x in d[1:]:
+            for p, rows in enumerate(done[key]):
+                lines.append(f"| {key} | {x} | {p} | {fmt_ci(ratio_ci([r['ip'] / r[x] for r in rows]))} | {len(rows)} |")
+            every = [r for rows in done[key] for r in rows]
+            lines.append(f"| {key} | {x} | all | {fmt_ci(ratio_ci([r['ip'] / r[x] for r in every]))} | {len(every)} |")
+    lines += ["", f"Prompts: {a.prompt_set}, {a.prompts} in {len(parts)} chunks, {a.max_new_tokens} new tokens, greedy; "
+              "within each chunk every path of the design runs once (order reversed every chunk); the ratio is the "
+              "in-process target's seconds over the path's, geometric mean over chunks with Student's t on the logs. "
+              "Paths: ip target alone in process, tr target alone through Triton, off / full / auto the stack "
+              "(bench_stack's modes). Command: `python -m bench.pairing --prompt-set "
+              f"\"{a.prompt_set}\" --designs {a.designs} --passes {a.passes} --prompts {a.prompts} --chunks {a.chunks} "
+              f"--max-new-tokens {a.max_new_tokens} --slots {a.slots}`. Date: {datetime.date.today().isoformat()}. Machine: {machine()}."]
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
