@@ -1,4 +1,4 @@
-"""How far the VM lets bench_stack resolve a ratio: the same paths at concurrency 1, paired in
+"""How far the VM lets bench_stack resolve a ratio: the same paths at one concurrency, paired in
 different alternation designs, chunk by chunk.
 
 bench_stack alternates five modes per chunk of prompts; a ratio of two of them should not
@@ -12,7 +12,7 @@ Each finished design pass is saved beside the report (`--out` with .json); a sto
 resumes at the next pass (`--fresh`: all again).
 
   python -m bench.pairing [--prompt-set "random ids"] [--designs ip,off/ip,tr/ip,tr,off,full,auto] \\
-      [--passes 2] [--prompts 64] [--chunks 16] [--max-new-tokens 48] [--fresh]
+      [--passes 2] [--concurrency 1] [--prompts 64] [--chunks 16] [--max-new-tokens 48] [--fresh]
 
 Paths: ip (target alone in process), tr (target alone through Triton), off, full, auto (the
 stack, as bench_stack runs them).
@@ -39,22 +39,23 @@ from training.evaluate import machine
 PATHS = ("ip", "tr", "off", "full", "auto")
 
 
-def run_path(path: str, part, max_new: int, engine, stack: Stack, auto: StackConfig, full: StackConfig) -> float:
-    """Seconds of one chunk through one path, pinned as bench_stack pins it."""
+def run_path(path: str, part, max_new: int, c: int, engine, stack: Stack, auto: StackConfig, full: StackConfig
+             ) -> float:
+    """Seconds of one chunk through one path, `c` requests at a time, pinned as bench_stack pins it."""
     if path == "ip":
         with on_cpus(stack.cpus and stack.cpus[0]):
-            return inprocess_run(engine, None, part, max_new, 1, auto.decode_steps)["seconds"]
+            return inprocess_run(engine, None, part, max_new, c, auto.decode_steps)["seconds"]
     with on_cpus(stack.cpus and stack.cpus[1]):
         if path == "tr":
-            return triton_alone(auto, part, max_new, 1)["seconds"]
-        return through_stack(full if path == "full" else auto, part, max_new, 1, spec_off=path == "off")["seconds"]
+            return triton_alone(auto, part, max_new, c)["seconds"]
+        return through_stack(full if path == "full" else auto, part, max_new, c, spec_off=path == "off")["seconds"]
 
 
-def design_pass(paths: list[str], parts, max_new, engine, stack, auto, full) -> list[dict[str, float]]:
+def design_pass(paths: list[str], parts, max_new, c, engine, stack, auto, full) -> list[dict[str, float]]:
     """Every path on every chunk, the order reversed every chunk: seconds per path per chunk."""
     rows = []
     for k, part in enumerate(parts):
-        rows.append({p: run_path(p, part, max_new, engine, stack, auto, full)
+        rows.append({p: run_path(p, part, max_new, c, engine, stack, auto, full)
                      for p in (paths if k % 2 == 0 else paths[::-1])})
     return rows
 
@@ -65,6 +66,7 @@ def main(argv=None):
     ap.add_argument("--designs", default="ip,off/ip,tr/ip,tr,off,full,auto",
                     help="designs separated by '/', each a comma list of paths starting with ip")
     ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--chunks", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=48)
@@ -82,7 +84,7 @@ def main(argv=None):
     target, drafter, _ = default_checkpoints(None, None)
     engine = TargetEngine(target, n_slots=a.slots, max_seq_len=512)
     prompts = prompt_sets(target, engine.vocab_size, a.prompts)[a.prompt_set]
-    parts = chunks_of(prompts, 1, a.chunks)
+    parts = chunks_of(prompts, a.concurrency, a.chunks)
     settings = {k: v for k, v in vars(a).items() if k not in ("out", "fresh")}
     saved_path = a.out.with_suffix(".json")
     saved = json.loads(saved_path.read_text()) if saved_path.exists() and not a.fresh else {}
@@ -99,14 +101,14 @@ def main(argv=None):
             proposer = load_proposer(drafter, target, n_slots=a.slots, max_context=engine.max_seq_len)
             decode(engine, [GenerationRequest(prompts[0], 8)], proposer)
             for p, d in todo:
-                rows = design_pass(d, parts, a.max_new_tokens, engine, stack, cfg, full)
+                rows = design_pass(d, parts, a.max_new_tokens, a.concurrency, engine, stack, cfg, full)
                 done.setdefault(",".join(d), []).append(rows)
                 saved_path.parent.mkdir(parents=True, exist_ok=True)
                 saved_path.write_text(json.dumps({"settings": settings, "passes": done}, indent=1))
                 print(f"pass {p} {','.join(d)}: " + ", ".join(
                     f"{x} {fmt_ci(ratio_ci([r['ip'] / r[x] for r in rows]))}" for x in d[1:]), flush=True)
 
-    lines = ["# Pairing designs at concurrency 1 (CPU)", "",
+    lines = [f"# Pairing designs at concurrency {a.concurrency} (CPU)", "",
              "| design | path | pass | tokens/s / target alone in process [95% CI] | chunks |", "|---|---|---:|---:|---:|"]
     for d in designs:
         key = ",".join(d)
@@ -115,13 +117,14 @@ def main(argv=None):
                 lines.append(f"| {key} | {x} | {p} | {fmt_ci(ratio_ci([r['ip'] / r[x] for r in rows]))} | {len(rows)} |")
             every = [r for rows in done[key] for r in rows]
             lines.append(f"| {key} | {x} | all | {fmt_ci(ratio_ci([r['ip'] / r[x] for r in every]))} | {len(every)} |")
-    lines += ["", f"Prompts: {a.prompt_set}, {a.prompts} in {len(parts)} chunks, {a.max_new_tokens} new tokens, greedy; "
+    lines += ["", f"Prompts: {a.prompt_set}, {a.prompts} in {len(parts)} chunks, {a.concurrency} at a time, {a.max_new_tokens} new tokens, greedy; "
               "within each chunk every path of the design runs once (order reversed every chunk); the ratio is the "
               "in-process target's seconds over the path's, geometric mean over chunks with Student's t on the logs. "
               "Paths: ip target alone in process, tr target alone through Triton, off / full / auto the stack "
               "(bench_stack's modes). Command: `python -m bench.pairing --prompt-set "
               f"\"{a.prompt_set}\" --designs {a.designs} --passes {a.passes} --prompts {a.prompts} --chunks {a.chunks} "
-              f"--max-new-tokens {a.max_new_tokens} --slots {a.slots}`. Date: {datetime.date.today().isoformat()}. Machine: {machine()}."]
+              f"--concurrency {a.concurrency} --max-new-tokens {a.max_new_tokens} --slots {a.slots}"
+              f"{'' if a.out == OUT / 'bench_pairing.md' else f' --out {os.path.relpath(a.out)}'}`. Date: {datetime.date.today().isoformat()}. Machine: {machine()}."]
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

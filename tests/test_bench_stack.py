@@ -61,12 +61,12 @@ def test_a_tiny_run_reports_and_resumes(tmp_path, capsys):
 @pytest.mark.skipif(not (REPO / "checkpoints" / "demo-flashmap" / "model.safetensors").is_file(),
                     reason="demo checkpoints not present")
 def test_pairing_designs_report_and_resume(tmp_path, capsys):
-    """bench.pairing: two designs on one real stack, every path's ratio per pass and over all,
+    """bench.pairing: two designs on one real stack (2 requests at a time), every path's ratio per pass and over all,
     then a second call that only reads what was saved."""
     from bench import pairing
 
     out = tmp_path / "pairing.md"
-    argv = ["--designs", "ip,off/ip,tr", "--passes", "1", "--prompts", "2", "--chunks", "2",
+    argv = ["--designs", "ip,off/ip,tr", "--passes", "1", "--concurrency", "2", "--prompts", "4", "--chunks", "2",
             "--max-new-tokens", "4", "--slots", "2", "--out", str(out)]
     pairing.main(argv)
     text = out.read_text()
