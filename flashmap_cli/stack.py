@@ -103,6 +103,7 @@ class Stack:
         self.triton = None
         self.drafter_proc: subprocess.Popen | None = None
         self.orch_proc: subprocess.Popen | None = None
+        self.extra_procs: list[subprocess.Popen] = []  # extra_orchestrator's
         self.cpus: tuple[set[int], set[int]] | None = None  # (the target worker's, everyone else's); start() sets
         Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
 
@@ -166,10 +167,12 @@ class Stack:
     def extra_orchestrator(self, name: str, **changes) -> tuple[subprocess.Popen, StackConfig]:
         """A second orchestrator over the same Triton and drafter, on free ports, with these
         StackConfig fields changed (e.g. speculation="full"): benchmarks compare the two
-        without restarting either. The caller stops it (`stop_process`)."""
+        without restarting either. It stops with the stack (or before, by `stop_process`)."""
         port, metrics_port = free_ports(2)
         cfg = replace(self.cfg, port=port, metrics_port=metrics_port, http_port=0, **changes)
-        return self._orchestrator(cfg, name), cfg
+        proc = self._orchestrator(cfg, name)
+        self.extra_procs.append(proc)
+        return proc, cfg
 
     def restart_orchestrator(self, **changes) -> None:
         """Stop the orchestrator and start it again with these StackConfig fields changed."""
@@ -203,6 +206,9 @@ class Stack:
         return self
 
     def stop(self) -> None:
+        for proc in self.extra_procs:
+            stop_process(proc)
+        self.extra_procs = []
         stop_process(self.orch_proc)
         self.stop_drafter()
         if self.triton is not None:

@@ -1,6 +1,7 @@
 """bench.bench_stack: the paired-ratio interval, and a tiny run on the committed demo checkpoints
 (a real stack) that writes its report, its cells and its plot, then resumes from the cells."""
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -69,6 +70,7 @@ def test_pairing_designs_report_and_resume(tmp_path, capsys):
     argv = ["--designs", "ip,off/ip,tr", "--passes", "1", "--concurrency", "2", "--prompts", "4", "--chunks", "2",
             "--max-new-tokens", "4", "--slots", "2", "--out", str(out)]
     pairing.main(argv)
+    assert not _children_running("orchestrator.server")  # the extra orchestrator stopped with its stack
     text = out.read_text()
     for design, path in (("ip,off", "off"), ("ip,tr", "tr")):
         assert f"| {design} | {path} | 0 | " in text and f"| {design} | {path} | all | " in text
@@ -78,3 +80,17 @@ def test_pairing_designs_report_and_resume(tmp_path, capsys):
     assert out.read_text().split("Date:")[0] == text.split("Date:")[0]
     with pytest.raises(SystemExit):
         pairing.main(["--designs", "tr,ip", "--out", str(out)])
+
+
+def _children_running(module: str) -> list[int]:
+    """Pids of this process's live children whose command line runs `module`."""
+    me, found = os.getpid(), []
+    for d in Path("/proc").iterdir():
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (d / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == me and module.encode() in cmd:
+            found.append(int(d.name))
+    return found
