@@ -1,5 +1,6 @@
 """bench.bench_stack: the paired-ratio interval, and a tiny run on the committed demo checkpoints
-(a real stack) that writes its report, its cells and its plot, then resumes from the cells."""
+(a real stack) that writes its report, its cells and its plot, then resumes from the cells;
+bench.pairing: a tiny run of two designs that resumes too."""
 
 import os
 from pathlib import Path
@@ -62,8 +63,8 @@ def test_a_tiny_run_reports_and_resumes(tmp_path, capsys):
 @pytest.mark.skipif(not (REPO / "checkpoints" / "demo-flashmap" / "model.safetensors").is_file(),
                     reason="demo checkpoints not present")
 def test_pairing_designs_report_and_resume(tmp_path, capsys):
-    """bench.pairing: two designs on one real stack (2 requests at a time), every path's ratio per pass and over all,
-    then a second call that only reads what was saved."""
+    """bench.pairing: two designs on one real stack (2 requests at a time), every path's ratio
+    per pass and over all, then a second call that only reads what was saved."""
     from bench import pairing
 
     out = tmp_path / "pairing.md"
