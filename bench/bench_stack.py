@@ -57,7 +57,7 @@ from flashmap.metrics import scrape, totals
 from flashmap.rounds import speculative_round
 from flashmap.sequence import Sequence
 from flashmap.types import GenerationRequest
-from flashmap_cli.stack import Stack, StackConfig, default_checkpoints, stop_process, threads_per_service
+from flashmap_cli.stack import Stack, StackConfig, default_checkpoints, threads_per_service
 from orchestrator.target_client import TargetClient, TritonTarget
 from target_service.engine import TargetEngine
 from training.evaluate import DEFAULT_PROMPTS, machine, read_domain_prompts
@@ -260,6 +260,27 @@ def chunks_of(prompts: list, concurrency: int, n: int) -> list[list]:
     return [prompts[i:i + per] for i in range(0, len(prompts), per)]
 
 
+def warm_up(auto: StackConfig, full: StackConfig, engine, proposer, prompts) -> None:
+    """A short request through both orchestrators and in process before anything is timed."""
+    for c in (auto, full):
+        through_stack(c, prompts[:2], 8, 1)
+    decode(engine, [GenerationRequest(prompts[0], 8)], proposer)
+
+
+def run_mode(mode: str, part, max_new: int, concurrency: int, decode_steps: int, engine, auto: StackConfig,
+             full: StackConfig, cpus: tuple[set[int], set[int]] | None) -> dict:
+    """One chunk of prompts through one of MODES, `concurrency` at a time: the in-process target
+    on the target model's CPUs, the clients of Triton and of the stack on the rest (Stack.cpus),
+    so each side computes on the same cores."""
+    if mode == "target":
+        with on_cpus(cpus and cpus[0]):
+            return inprocess_run(engine, None, part, max_new, concurrency, decode_steps)
+    with on_cpus(cpus and cpus[1]):
+        if mode == "triton":
+            return triton_alone(auto, part, max_new, concurrency)
+        return through_stack(full if mode == "full" else auto, part, max_new, concurrency, spec_off=mode == "off")
+
+
 def alternated(auto: StackConfig, full: StackConfig, engine, prompts, max_new, concurrency, repeats: int,
                decode_steps: int, chunks: int = 1, cpus: tuple[set[int], set[int]] | None = None
                ) -> dict[str, list[dict]]:
@@ -270,9 +291,7 @@ def alternated(auto: StackConfig, full: StackConfig, engine, prompts, max_new, c
     the next chunk starts, in the order of MODES and then reversed; a repeat of a mode is its
     chunks together. Two orchestrators over the same Triton and drafter, both up the whole run
     (nothing restarts, as in a server): `auto` serves "auto" and, with max_draft_tokens = 0 per
-    request, "off"; `full` serves "full". cpus: the stack's split (Stack.cpus): the in-process
-    target runs on the target model's CPUs, the clients of Triton and of the stack on the rest,
-    so each side computes on the same cores."""
+    request, "off"; `full` serves "full". cpus: the stack's split (Stack.cpus; run_mode)."""
     parts = chunks_of(prompts, concurrency, chunks)
     runs = {m: [] for m in MODES}
     order = 0
@@ -280,16 +299,7 @@ def alternated(auto: StackConfig, full: StackConfig, engine, prompts, max_new, c
         done = {m: [] for m in MODES}
         for part in parts:
             for mode in MODES if order % 2 == 0 else MODES[::-1]:
-                if mode == "target":
-                    with on_cpus(cpus and cpus[0]):
-                        done[mode].append(inprocess_run(engine, None, part, max_new, concurrency, decode_steps))
-                    continue
-                with on_cpus(cpus and cpus[1]):
-                    if mode == "triton":
-                        done[mode].append(triton_alone(auto, part, max_new, concurrency))
-                    else:
-                        done[mode].append(through_stack(full if mode == "full" else auto, part, max_new, concurrency,
-                                                        spec_off=mode == "off"))
+                done[mode].append(run_mode(mode, part, max_new, concurrency, decode_steps, engine, auto, full, cpus))
             order += 1
         for mode, got in done.items():
             runs[mode].append(joined(got) if mode in ("target", "triton") else stack_summary(got))
@@ -388,13 +398,11 @@ def run_cells(cfg: StackConfig, sets: dict, todo: list[tuple[str, int]], cells: 
     saved (`save()`) as it finishes; then the services' peak memory and what the drafter holds
     after the run into cells["run"]."""
     with Stack(cfg) as stack:
-        full_proc, full = stack.extra_orchestrator("orchestrator-full", speculation="full")
+        _, full = stack.extra_orchestrator("orchestrator-full", speculation="full")
         for name, prompts in sets.items():
             levels = [c for n, c in todo if n == name]
             if levels:
-                for c in (cfg, full):
-                    through_stack(c, prompts[:2], 8, 1)  # warm-up
-                decode(engine, [GenerationRequest(prompts[0], 8)], proposer)
+                warm_up(cfg, full, engine, proposer, prompts)
             for c in levels:
                 with on_cpus(stack.cpus and stack.cpus[0]):
                     ip_ids, ip = inprocess(engine, proposer, prompts, a.max_new_tokens, c)
@@ -427,7 +435,6 @@ def run_cells(cfg: StackConfig, sets: dict, todo: list[tuple[str, int]], cells: 
                                       "orchestrator": peak_rss_mb(stack.orch_proc.pid)},
                         "drafter_sequences_held": held,
                         "cpus": None if stack.cpus is None else [format_cpu_list(c) for c in stack.cpus]}
-        stop_process(full_proc)
         save()
 
 

@@ -26,38 +26,29 @@ import json
 import os
 from pathlib import Path
 
-from bench.bench_stack import (OUT, chunks_of, fmt_ci, inprocess_run, prompt_sets, ratio_ci, through_stack,
-                               triton_alone)
+from bench.bench_stack import OUT, chunks_of, fmt_ci, prompt_sets, ratio_ci, run_mode, warm_up
 from drafter_service.factory import load_proposer
-from flashmap.cpus import on_cpus
-from flashmap.inprocess import decode
-from flashmap.types import GenerationRequest
 from flashmap_cli.stack import Stack, StackConfig, default_checkpoints
 from target_service.engine import TargetEngine
 from training.evaluate import machine
 
-PATHS = ("ip", "tr", "off", "full", "auto")
+# The paths' short names and bench_stack's modes.
+PATHS = {"ip": "target", "tr": "triton", "off": "off", "full": "full", "auto": "auto"}
 
 
-def run_path(path: str, part, max_new: int, c: int, engine, stack: Stack, auto: StackConfig, full: StackConfig
-             ) -> float:
-    """Seconds of one chunk through one path, `c` requests at a time, pinned as bench_stack pins it."""
-    if path == "ip":
-        with on_cpus(stack.cpus and stack.cpus[0]):
-            return inprocess_run(engine, None, part, max_new, c, auto.decode_steps)["seconds"]
-    with on_cpus(stack.cpus and stack.cpus[1]):
-        if path == "tr":
-            return triton_alone(auto, part, max_new, c)["seconds"]
-        return through_stack(full if path == "full" else auto, part, max_new, c, spec_off=path == "off")["seconds"]
-
-
-def design_pass(paths: list[str], parts, max_new, c, engine, stack, auto, full) -> list[dict[str, float]]:
+def design_pass(paths: list[str], parts, max_new: int, c: int, engine, stack: Stack, auto: StackConfig,
+                full: StackConfig) -> list[dict[str, float]]:
     """Every path on every chunk, the order reversed every chunk: seconds per path per chunk."""
     rows = []
     for k, part in enumerate(parts):
-        rows.append({p: run_path(p, part, max_new, c, engine, stack, auto, full)
-                     for p in (paths if k % 2 == 0 else paths[::-1])})
+        rows.append({p: run_mode(PATHS[p], part, max_new, c, auto.decode_steps, engine, auto, full,
+                                 stack.cpus)["seconds"] for p in (paths if k % 2 == 0 else paths[::-1])})
     return rows
+
+
+def against_ip(rows: list[dict[str, float]], path: str) -> str:
+    """The path's tokens/s over the in-process target's, paired per chunk, with its interval."""
+    return fmt_ci(ratio_ci([r["ip"] / r[path] for r in rows]))
 
 
 def main(argv=None):
@@ -77,7 +68,7 @@ def main(argv=None):
     designs = [d.split(",") for d in a.designs.split("/")]
     for d in designs:
         if d[0] != "ip" or not set(d) <= set(PATHS):
-            ap.error(f"a design is a comma list of {PATHS} starting with ip: {d}")
+            ap.error(f"a design is a comma list of {', '.join(PATHS)} starting with ip: {d}")
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     torch.set_num_threads(1)
@@ -96,17 +87,15 @@ def main(argv=None):
                                         speculation="auto", pin_cpus=True)
         with Stack(cfg) as stack:
             _, full = stack.extra_orchestrator("orchestrator-full", speculation="full")
-            for c in (cfg, full):
-                through_stack(c, prompts[:2], 8, 1)  # warm-up
-            proposer = load_proposer(drafter, target, n_slots=a.slots, max_context=engine.max_seq_len)
-            decode(engine, [GenerationRequest(prompts[0], 8)], proposer)
+            warm_up(cfg, full, engine, load_proposer(drafter, target, n_slots=a.slots, max_context=engine.max_seq_len),
+                    prompts)
             for p, d in todo:
                 rows = design_pass(d, parts, a.max_new_tokens, a.concurrency, engine, stack, cfg, full)
                 done.setdefault(",".join(d), []).append(rows)
                 saved_path.parent.mkdir(parents=True, exist_ok=True)
                 saved_path.write_text(json.dumps({"settings": settings, "passes": done}, indent=1))
                 print(f"pass {p} {','.join(d)}: " + ", ".join(
-                    f"{x} {fmt_ci(ratio_ci([r['ip'] / r[x] for r in rows]))}" for x in d[1:]), flush=True)
+                    f"{x} {against_ip(rows, x)}" for x in d[1:]), flush=True)
 
     lines = [f"# Pairing designs at concurrency {a.concurrency} (CPU)", "",
              "| design | path | pass | tokens/s / target alone in process [95% CI] | chunks |", "|---|---|---:|---:|---:|"]
@@ -114,9 +103,9 @@ def main(argv=None):
         key = ",".join(d)
         for x in d[1:]:
             for p, rows in enumerate(done[key]):
-                lines.append(f"| {key} | {x} | {p} | {fmt_ci(ratio_ci([r['ip'] / r[x] for r in rows]))} | {len(rows)} |")
+                lines.append(f"| {key} | {x} | {p} | {against_ip(rows, x)} | {len(rows)} |")
             every = [r for rows in done[key] for r in rows]
-            lines.append(f"| {key} | {x} | all | {fmt_ci(ratio_ci([r['ip'] / r[x] for r in every]))} | {len(every)} |")
+            lines.append(f"| {key} | {x} | all | {against_ip(every, x)} | {len(every)} |")
     lines += ["", f"Prompts: {a.prompt_set}, {a.prompts} in {len(parts)} chunks, {a.concurrency} at a time, {a.max_new_tokens} new tokens, greedy; "
               "within each chunk every path of the design runs once (order reversed every chunk); the ratio is the "
               "in-process target's seconds over the path's, geometric mean over chunks with Student's t on the logs. "
