@@ -268,13 +268,15 @@ def warm_up(auto: StackConfig, full: StackConfig, engine, proposer, prompts) -> 
 
 
 def run_mode(mode: str, part, max_new: int, concurrency: int, decode_steps: int, engine, auto: StackConfig,
-             full: StackConfig, cpus: tuple[set[int], set[int]] | None) -> dict:
-    """One chunk of prompts through one of MODES, `concurrency` at a time: the in-process target
-    on the target model's CPUs, the clients of Triton and of the stack on the rest (Stack.cpus),
-    so each side computes on the same cores."""
-    if mode == "target":
+             full: StackConfig, cpus: tuple[set[int], set[int]] | None, proposer=None) -> dict:
+    """One chunk of prompts through one of MODES, or "spec" (fixed-K speculation in process with
+    `proposer`), `concurrency` at a time: the in-process runs on the target model's CPUs, the
+    clients of Triton and of the stack on the rest (Stack.cpus), so each side computes on the
+    same cores."""
+    if mode in ("target", "spec"):
         with on_cpus(cpus and cpus[0]):
-            return inprocess_run(engine, None, part, max_new, concurrency, decode_steps)
+            return inprocess_run(engine, proposer if mode == "spec" else None, part, max_new, concurrency,
+                                 decode_steps)
     with on_cpus(cpus and cpus[1]):
         if mode == "triton":
             return triton_alone(auto, part, max_new, concurrency)

@@ -14,8 +14,9 @@ resumes at the next pass (`--fresh`: all again).
   python -m bench.pairing [--prompt-set "random ids"] [--designs ip,off/ip,tr/ip,tr,off,full,auto] \\
       [--passes 2] [--concurrency 1] [--prompts 64] [--chunks 16] [--max-new-tokens 48] [--fresh]
 
-Paths: ip (target alone in process), tr (target alone through Triton), off, full, auto (the
-stack, as bench_stack runs them).
+Paths: ip (target alone in process), ipk (fixed-K speculation in process), tr (target alone
+through Triton), off, full, auto (the stack, as bench_stack runs them). Every path's outputs
+are checked against ip's.
 """
 
 from __future__ import annotations
@@ -33,16 +34,20 @@ from target_service.engine import TargetEngine
 from training.evaluate import machine
 
 # The paths' short names and bench_stack's modes.
-PATHS = {"ip": "target", "tr": "triton", "off": "off", "full": "full", "auto": "auto"}
+PATHS = {"ip": "target", "ipk": "spec", "tr": "triton", "off": "off", "full": "full", "auto": "auto"}
 
 
-def design_pass(paths: list[str], parts, max_new: int, c: int, engine, stack: Stack, auto: StackConfig,
+def design_pass(paths: list[str], parts, max_new: int, c: int, engine, proposer, stack: Stack, auto: StackConfig,
                 full: StackConfig) -> list[dict[str, float]]:
-    """Every path on every chunk, the order reversed every chunk: seconds per path per chunk."""
+    """Every path on every chunk, the order reversed every chunk: seconds per path per chunk.
+    Every path's outputs must equal the first's (ip, the target alone)."""
     rows = []
     for k, part in enumerate(parts):
-        rows.append({p: run_mode(PATHS[p], part, max_new, c, auto.decode_steps, engine, auto, full,
-                                 stack.cpus)["seconds"] for p in (paths if k % 2 == 0 else paths[::-1])})
+        runs = {p: run_mode(PATHS[p], part, max_new, c, auto.decode_steps, engine, auto, full, stack.cpus, proposer)
+                for p in (paths if k % 2 == 0 else paths[::-1])}
+        for p, r in runs.items():
+            assert r["outputs"] == runs[paths[0]]["outputs"], f"{p}: output differs from the target alone (chunk {k})"
+        rows.append({p: r["seconds"] for p, r in runs.items()})
     return rows
 
 
@@ -85,12 +90,12 @@ def main(argv=None):
     if todo:
         cfg = StackConfig.on_free_ports(target_dir=target, drafter=drafter, n_slots=a.slots, max_seq_len=512,
                                         speculation="auto", pin_cpus=True)
+        proposer = load_proposer(drafter, target, n_slots=a.slots, max_context=engine.max_seq_len)
         with Stack(cfg) as stack:
             _, full = stack.extra_orchestrator("orchestrator-full", speculation="full")
-            warm_up(cfg, full, engine, load_proposer(drafter, target, n_slots=a.slots, max_context=engine.max_seq_len),
-                    prompts)
+            warm_up(cfg, full, engine, proposer, prompts)
             for p, d in todo:
-                rows = design_pass(d, parts, a.max_new_tokens, a.concurrency, engine, stack, cfg, full)
+                rows = design_pass(d, parts, a.max_new_tokens, a.concurrency, engine, proposer, stack, cfg, full)
                 done.setdefault(",".join(d), []).append(rows)
                 saved_path.parent.mkdir(parents=True, exist_ok=True)
                 saved_path.write_text(json.dumps({"settings": settings, "passes": done}, indent=1))
@@ -109,7 +114,7 @@ def main(argv=None):
     lines += ["", f"Prompts: {a.prompt_set}, {a.prompts} in {len(parts)} chunks, {a.concurrency} at a time, {a.max_new_tokens} new tokens, greedy; "
               "within each chunk every path of the design runs once (order reversed every chunk); the ratio is the "
               "in-process target's seconds over the path's, geometric mean over chunks with Student's t on the logs. "
-              "Paths: ip target alone in process, tr target alone through Triton, off / full / auto the stack "
+              "Paths: ip target alone in process, ipk fixed-K speculation in process, tr target alone through Triton, off / full / auto the stack "
               "(bench_stack's modes). Command: `python -m bench.pairing --prompt-set "
               f"\"{a.prompt_set}\" --designs {a.designs} --passes {a.passes} --prompts {a.prompts} --chunks {a.chunks} "
               f"--concurrency {a.concurrency} --max-new-tokens {a.max_new_tokens} --slots {a.slots}"

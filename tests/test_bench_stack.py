@@ -68,12 +68,12 @@ def test_pairing_designs_report_and_resume(tmp_path, capsys):
     from bench import pairing
 
     out = tmp_path / "pairing.md"
-    argv = ["--designs", "ip,off/ip,tr", "--passes", "1", "--concurrency", "2", "--prompts", "4", "--chunks", "2",
+    argv = ["--designs", "ip,off/ip,ipk,tr", "--passes", "1", "--concurrency", "2", "--prompts", "4", "--chunks", "2",
             "--max-new-tokens", "4", "--slots", "2", "--out", str(out)]
     pairing.main(argv)
     assert not _children_running("orchestrator.server")  # the extra orchestrator stopped with its stack
     text = out.read_text()
-    for design, path in (("ip,off", "off"), ("ip,tr", "tr")):
+    for design, path in (("ip,off", "off"), ("ip,ipk,tr", "ipk"), ("ip,ipk,tr", "tr")):
         assert f"| {design} | {path} | 0 | " in text and f"| {design} | {path} | all | " in text
     capsys.readouterr()
     pairing.main(argv)
@@ -95,3 +95,18 @@ def _children_running(module: str) -> list[int]:
         if ppid == me and module.encode() in cmd:
             found.append(int(d.name))
     return found
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_handoff_times_pings_between_two_cpus(capsys):
+    """bench.handoff: every ping is timed (one-way, positive, below a second), the report has a
+    row per case, and this process runs on its CPUs as before."""
+    from bench import handoff
+
+    before = os.sched_getaffinity(0)
+    x = handoff.pings(20, 0.0)
+    assert x.shape == (20,) and (x > 0).all() and (x < 1e6).all()
+    handoff.main(["--pings", "10", "--gaps", "0,1", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert out.count("| 0 | ") == 2 and out.count("| 1 | ") == 2
+    assert os.sched_getaffinity(0) == before
