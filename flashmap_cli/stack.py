@@ -20,7 +20,7 @@ from pathlib import Path
 
 from flashmap.auth import (API_KEY_ENV, DRAFTER_TOKEN_ENV, DRAFTER_TOKEN_LOCAL, TARGET_KEY_ENV, new_secret,
                            read_secret, write_local_secret)
-from flashmap.cpus import on_cpus, split_cpus
+from flashmap.cpus import DRAFTER_CPUS_ENV, format_cpu_list, on_cpus, split_cpus
 from flashmap.grpc_serving import free_ports, ports_in_use, wait_grpc_health
 from flashmap.types import DECODE_STEPS
 from orchestrator.admission import BurstConfig
@@ -110,10 +110,10 @@ class Stack:
     def _log(self, name: str) -> Path:
         return Path(self.cfg.log_dir) / f"{name}.log"
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str], **extra_env: str) -> subprocess.Popen:
         c = self.cfg
         env = {**os.environ, "PYTHONUNBUFFERED": "1", DRAFTER_TOKEN_ENV: c.drafter_token, TARGET_KEY_ENV: c.target_key,
-               API_KEY_ENV: c.api_key}
+               API_KEY_ENV: c.api_key, **extra_env}
         env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         f = open(self._log(name), "ab")
         with on_cpus(None if self.cpus is None else self.cpus[1]):  # a child starts on its parent thread's CPUs
@@ -138,7 +138,7 @@ class Stack:
             "--port", str(c.drafter_port), "--metrics-port", str(c.drafter_metrics_port), "--steps", str(c.steps),
             "--n-slots", str(c.drafter_slots), "--max-context", str(c.max_seq_len),
             "--idle-timeout-s", str(c.drafter_idle_timeout_s),
-        ])
+        ], **({} if self.cpus is None else {DRAFTER_CPUS_ENV: format_cpu_list(self.cpus[0] | self.cpus[1])}))
         if wait:
             self.wait_drafter()
 
