@@ -110,3 +110,19 @@ def test_handoff_times_pings_between_two_cpus(capsys):
     out = capsys.readouterr().out
     assert out.count("| 0 | ") == 2 and out.count("| 1 | ") == 2
     assert os.sched_getaffinity(0) == before
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+@pytest.mark.skipif(not (REPO / "checkpoints" / "demo-flashmap" / "model.safetensors").is_file(),
+                    reason="demo checkpoints not present")
+def test_drafter_cpus_moves_the_forward_and_reports_both_places(capsys):
+    """bench.drafter_cpus on a real stack: both modes on both CPU sets, outputs checked against
+    the target alone (the script asserts it), a row per mode and place and a ratio per mode."""
+    from bench import drafter_cpus
+
+    assert drafter_cpus.main(["--prompts", "2", "--chunks", "2", "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    for mode in ("full", "auto"):
+        assert f"| {mode} | services | " in out and f"| {mode} | every | " in out
+        assert f"| {mode} | " in out.split("every CPU / services' CPUs")[1]
+    assert not _children_running("orchestrator.server")
