@@ -390,8 +390,8 @@ def prompt_sets(target: str, vocab: int, n: int) -> dict[str, list[list[int]]]:
 def cpus_text(cpus: list[str] | None) -> str:
     if not cpus:
         return "; not pinned to CPUs"
-    return (f"; the target model's worker and the in-process target on CPU {cpus[0]}, the clients on CPU {cpus[1]}, "
-            f"every other thread (Triton's server, drafter, orchestrator) on both (flashmap.cpus)")
+    return (f"; the target model's worker and the in-process target on CPU {cpus[0]}, every other process "
+            f"and thread (Triton's server, drafter, orchestrator, clients) on CPU {cpus[1]} (flashmap.cpus)")
 
 
 def run_cells(cfg: StackConfig, sets: dict, todo: list[tuple[str, int]], cells: dict, engine, proposer, a,

@@ -2,8 +2,7 @@
 without, and both against the target alone in this process.
 
 Two stacks run side by side on the demo checkpoints, one pinned (the target model's worker
-alone on the first CPU, every other thread on every CPU; the clients of its modes on the rest)
-and one not. The prompts are cut into
+on the first CPU, every other process on the rest) and one not. The prompts are cut into
 parts of `--concurrency` requests; for every part six modes run in a shuffled order: the
 in-process target on the worker's CPU and unpinned, and speculation off and auto on each
 stack. The VM's speed drifts within minutes, so every ratio is a geometric mean of ratios

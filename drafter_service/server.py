@@ -29,6 +29,7 @@ from drafter_service.factory import load_proposer
 from drafter_service.metrics import DrafterMetrics
 from drafter_service.proposer import Proposer
 from flashmap.auth import DRAFTER_TOKEN_ENV, DRAFTER_TOKEN_HEADER, read_secret
+from flashmap.cpus import DRAFTER_CPUS_ENV, format_cpu_list, parse_cpu_list, pin_thread
 from flashmap.grpc_serving import TokenAuth, add_service, run, serve_grpc
 from flashmap.logs import fields, setup_logging
 from flashmap.types import ProposeRequest
@@ -41,6 +42,15 @@ MAX_STEPS = 64  # N Euler steps of the teacher beyond this are a mistake, not a 
 PROBE_ID = "__flashmap_health_probe__"
 
 
+def _pin_forward(cpus: set[int] | None) -> None:
+    if cpus is None:
+        return
+    try:
+        pin_thread(cpus)
+    except OSError as e:  # a CPU outside the container's set: run where the process runs, say so
+        log.warning("cannot run the forward thread on CPUs %s: %s", format_cpu_list(cpus), e)
+
+
 @dataclass
 class _Job:
     request: drafter_pb2.DraftRequest
@@ -50,14 +60,17 @@ class _Job:
 
 class DrafterService(drafter_pb2_grpc.DrafterServicer):
     def __init__(self, proposer: Proposer, name: str = "flashmap", metrics: DrafterMetrics | None = None,
-                 idle_timeout_s: float = 300.0, available_steps: tuple[int, ...] | None = None):
+                 idle_timeout_s: float = 300.0, available_steps: tuple[int, ...] | None = None,
+                 cpus: set[int] | None = None):
+        """cpus: where the forward thread runs (flashmap.cpus; None: where the process runs)."""
         self.proposer = proposer
         self.name = name
         self.metrics = metrics or DrafterMetrics()
         self.idle_timeout_s = idle_timeout_s
         self.available_steps = available_steps or proposer.available_steps  # None: any 1..MAX_STEPS
         self._queue: asyncio.Queue[_Job] = asyncio.Queue()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter-forward")
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter-forward",
+                                        initializer=_pin_forward, initargs=(cpus,))
         self._last_use: dict[str, float] = {}
         self._tasks: list[asyncio.Task] = []
         self.metrics.step_count.labels(drafter=name).set(proposer.steps)
@@ -306,6 +319,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="on CPU, torch.compile the drafter at start-up (about a minute; env FLASHMAP_DRAFT_COMPILE=1)")
     ap.add_argument("--reflection", action="store_true", help="serve gRPC reflection (off: less to probe)")
     ap.add_argument("--probe-interval-s", type=float, default=5.0, help="health: a tiny draft this often (0: off)")
+    ap.add_argument("--cpus", type=parse_cpu_list, default=env(DRAFTER_CPUS_ENV),
+                    help="CPU list for the forward thread, e.g. 0-1 (flashmap.cpus; default: the process's)")
     ap.add_argument("--log-level", default="INFO")
     a = ap.parse_args(argv)
     setup_logging(a.log_level)
@@ -323,7 +338,7 @@ def main(argv: list[str] | None = None) -> None:
         report = proposer.enable_compile(steps=tuple(sorted({1, 2, a.steps})))
         log.info("drafter compiled", extra=fields(**report))
     name = "init" if a.drafter == "init" else os.path.basename(os.path.normpath(a.drafter))
-    service = DrafterService(proposer, name=name, idle_timeout_s=a.idle_timeout_s)
+    service = DrafterService(proposer, name=name, idle_timeout_s=a.idle_timeout_s, cpus=a.cpus)
     run(serve(service, a.host, a.port, a.metrics_port, token=token, reflection_on=a.reflection,
               probe_interval_s=a.probe_interval_s))
 

@@ -2,24 +2,27 @@
 
 On a CPU host the target model's worker thread (target_service's Triton model) does most of
 the stack's work, and it shares the cores with Triton's server threads, the stub's request
-thread, the orchestrator, the drafter and the clients. Left to the scheduler, the worker
-itself moves between cores and finds its caches someone else's. Pinned alone to its cores, with
-speculation off the stack ran 1.07x [1.01, 1.14] as fast at concurrency 16 on a 2-core VM as
-with nothing pinned, and the same (1.00x [0.96, 1.05]) at concurrency 1 (`python -m
-bench.cpu_pinning`, docs/results/bench_stack.md#cpus).
-
-Every other thread may run on every CPU. The scheduler wakes a thread on an idle core, so while
-the worker computes they run on the others, and while it waits (a round drafting, an answer
-on its way) they may use its core: the drafter's forward then runs there instead of beside
-the gRPC threads and the client reading the last round's tokens. Against keeping them off the
-worker's cores: fixed-K speculation 1.06x [1.02, 1.10] at concurrency 1, speculation off and
-the controller unchanged within their intervals at 1 and 16 (`python -m bench.placement`).
+thread, the orchestrator, the drafter and the clients. Each of them that the scheduler runs on
+the worker's core preempts it or moves it to the other core, and the worker's caches are then
+someone else's. With the worker alone on its core and everything else on the other, the stack
+with speculation off ran 1.07x [1.01, 1.14] as fast at concurrency 16 on a 2-core VM, and the
+same (1.00x [0.96, 1.05]) at concurrency 1 (`python -m bench.cpu_pinning`,
+docs/results/bench_stack.md#cpus).
 
 `split_cpus` makes the split: the first `target_n` usable CPUs for the target's compute, the
-others for the clients of a benchmark that runs beside the stack. `flashmap_cli.stack.Stack`
-starts the services on every CPU and passes the target's set to the model in
-$FLASHMAP_TARGET_CPUS, which its worker applies to itself (`pin_thread`); a process started
-with fewer than two usable CPUs is left alone.
+others for every other thread. `flashmap_cli.stack.Stack` starts the services on the rest and
+passes the target's set to the model in $FLASHMAP_TARGET_CPUS, which its worker applies to
+itself (`pin_thread`); a process started with fewer than two usable CPUs is left alone.
+
+The drafter's forward thread is the exception: it gets every CPU ($FLASHMAP_DRAFTER_CPUS, the
+two sets together). A round drafts and then verifies, so while it drafts the target's core
+is idle and the scheduler wakes the forward there, away from the other core's gRPC threads
+and the client reading the last round's tokens; a shadow probe drafted beside a verify runs
+on the other core. Fixed-K speculation at concurrency 1 ran 1.05x [1.02, 1.08] as fast as
+with the forward on the services' core, the controller's rounds 1.01x [0.97, 1.05]
+(docs/results/bench_stack.md#cpus).
+The vLLM CPU backend binds its OpenMP threads to cores for the same reason
+(VLLM_CPU_OMP_THREADS_BIND).
 
 Standard library only; a no-op where the OS has no sched_setaffinity.
 """
@@ -30,6 +33,7 @@ import contextlib
 import os
 
 TARGET_CPUS_ENV = "FLASHMAP_TARGET_CPUS"
+DRAFTER_CPUS_ENV = "FLASHMAP_DRAFTER_CPUS"  # the drafter's forward thread
 
 
 def parse_cpu_list(text: str) -> set[int]:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from flashmap.auth import (API_KEY_ENV, DRAFTER_TOKEN_ENV, DRAFTER_TOKEN_LOCAL, TARGET_KEY_ENV, new_secret,
                            read_secret, write_local_secret)
-from flashmap.cpus import on_cpus, split_cpus
+from flashmap.cpus import DRAFTER_CPUS_ENV, format_cpu_list, on_cpus, split_cpus
 from flashmap.grpc_serving import free_ports, ports_in_use, wait_grpc_health
 from flashmap.types import DECODE_STEPS
 from orchestrator.admission import BurstConfig
@@ -62,7 +62,7 @@ class StackConfig:
     target_timeout_s: float = 30.0  # the orchestrator's deadline for every call to Triton
     log_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="flashmap-logs-"))
     with_drafter: bool = True
-    # The target model's compute thread on cores of its own, every other thread on every CPU
+    # The target model's compute thread on cores of its own, every other process on the rest
     # (flashmap.cpus); off, or fewer than 2 usable CPUs: the scheduler places everything.
     pin_cpus: bool = True
 
@@ -104,25 +104,19 @@ class Stack:
         self.drafter_proc: subprocess.Popen | None = None
         self.orch_proc: subprocess.Popen | None = None
         self.extra_procs: list[subprocess.Popen] = []  # extra_orchestrator's
-        # (the target worker's CPUs, the rest: a benchmark's clients'); start() sets. The services run on both.
-        self.cpus: tuple[set[int], set[int]] | None = None
+        self.cpus: tuple[set[int], set[int]] | None = None  # (the target worker's, everyone else's); start() sets
         Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
-
-    @property
-    def every_cpu(self) -> set[int] | None:
-        """Where the services run (None: not pinned)."""
-        return None if self.cpus is None else self.cpus[0] | self.cpus[1]
 
     def _log(self, name: str) -> Path:
         return Path(self.cfg.log_dir) / f"{name}.log"
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str], **extra_env: str) -> subprocess.Popen:
         c = self.cfg
         env = {**os.environ, "PYTHONUNBUFFERED": "1", DRAFTER_TOKEN_ENV: c.drafter_token, TARGET_KEY_ENV: c.target_key,
-               API_KEY_ENV: c.api_key}
+               API_KEY_ENV: c.api_key, **extra_env}
         env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         f = open(self._log(name), "ab")
-        with on_cpus(self.every_cpu):  # a child starts on its parent thread's CPUs
+        with on_cpus(None if self.cpus is None else self.cpus[1]):  # a child starts on its parent thread's CPUs
             return subprocess.Popen([sys.executable, "-m", *args], stdout=f, stderr=subprocess.STDOUT, env=env,
                                     cwd=str(REPO_ROOT), start_new_session=True)
 
@@ -134,7 +128,7 @@ class Stack:
             c.target_dir, host=c.host, http_port=c.triton_http_port, grpc_port=c.triton_grpc_port,
             metrics_port=c.triton_metrics_port, n_slots=c.n_slots, max_seq_len=c.max_seq_len,
             max_queue_delay_us=c.max_queue_delay_us, log_path=str(self._log("triton")), key=c.target_key,
-            cpus=None if self.cpus is None else (self.cpus[0], self.every_cpu),
+            cpus=self.cpus,
         )
 
     def start_drafter(self, wait: bool = True) -> None:
@@ -144,7 +138,7 @@ class Stack:
             "--port", str(c.drafter_port), "--metrics-port", str(c.drafter_metrics_port), "--steps", str(c.steps),
             "--n-slots", str(c.drafter_slots), "--max-context", str(c.max_seq_len),
             "--idle-timeout-s", str(c.drafter_idle_timeout_s),
-        ])
+        ], **({} if self.cpus is None else {DRAFTER_CPUS_ENV: format_cpu_list(self.cpus[0] | self.cpus[1])}))
         if wait:
             self.wait_drafter()
 

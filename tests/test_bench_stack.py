@@ -115,16 +115,14 @@ def test_handoff_times_pings_between_two_cpus(capsys):
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
 @pytest.mark.skipif(not (REPO / "checkpoints" / "demo-flashmap" / "model.safetensors").is_file(),
                     reason="demo checkpoints not present")
-def test_placement_moves_the_services_and_reports_both_sets(capsys):
-    """bench.placement on a real stack: two modes on both CPU sets, outputs checked against the
-    target alone (the script asserts it), a row per mode and set and a ratio per mode."""
-    from bench import placement
+def test_drafter_cpus_moves_the_forward_and_reports_both_places(capsys):
+    """bench.drafter_cpus on a real stack: both modes on both CPU sets, outputs checked against
+    the target alone (the script asserts it), a row per mode and place and a ratio per mode."""
+    from bench import drafter_cpus
 
-    assert placement.main(["--modes", "off,full", "--prompts", "2", "--chunks", "2", "--max-new-tokens", "4"]) == 0
+    assert drafter_cpus.main(["--prompts", "2", "--chunks", "2", "--max-new-tokens", "4"]) == 0
     out = capsys.readouterr().out
-    for mode in ("off", "full"):
-        assert f"| {mode} | rest | " in out and f"| {mode} | every | " in out
-        assert f"| {mode} | " in out.split("every CPU / the rest")[1]
+    for mode in ("full", "auto"):
+        assert f"| {mode} | services | " in out and f"| {mode} | every | " in out
+        assert f"| {mode} | " in out.split("every CPU / services' CPUs")[1]
     assert not _children_running("orchestrator.server")
-    with pytest.raises(SystemExit):
-        placement.main(["--modes", "fast"])
