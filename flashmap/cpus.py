@@ -13,16 +13,17 @@ docs/results/bench_stack.md#cpus).
 others for every other thread. `flashmap_cli.stack.Stack` starts the services on the rest and
 passes the target's set to the model in $FLASHMAP_TARGET_CPUS, which its worker applies to
 itself (`pin_thread`); a process started with fewer than two usable CPUs is left alone.
+The vLLM CPU backend binds its OpenMP threads to cores for the same reason
+(VLLM_CPU_OMP_THREADS_BIND).
 
 The drafter's forward thread is the exception: it gets every CPU ($FLASHMAP_DRAFTER_CPUS, the
 two sets together). A round drafts and then verifies, so while it drafts the target's core
 is idle and the scheduler wakes the forward there, away from the other core's gRPC threads
 and the client reading the last round's tokens; a shadow probe drafted beside a verify runs
-on the other core. Fixed-K speculation at concurrency 1 ran 1.05x [1.02, 1.08] as fast as
-with the forward on the services' core, the controller's rounds 1.01x [0.97, 1.05]
-(docs/results/bench_stack.md#cpus).
-The vLLM CPU backend binds its OpenMP threads to cores for the same reason
-(VLLM_CPU_OMP_THREADS_BIND).
+where a core is free. Against the forward on the services' core, fixed-K speculation ran
+1.06x [1.00, 1.12] as fast at concurrency 1, 1.02x [0.98, 1.07] at 4 and 1.07x [1.01, 1.13]
+at 16, the controller's rounds 0.98-0.99x (`python -m bench.drafter_cpus`,
+docs/results/bench_stack.md#cpus). Every other thread on every CPU as well gained nothing more.
 
 Standard library only; a no-op where the OS has no sched_setaffinity.
 """
