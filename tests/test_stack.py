@@ -162,15 +162,9 @@ def _all_idle(stack, client, admin):
 
 def _thread_cpus(pid: int) -> dict[int, tuple[set[int], int]]:
     """Each thread of a process: (the CPUs it may run on, its CPU ticks so far)."""
-    from flashmap.cpus import parse_cpu_list
+    from bench.drafter_cpus import thread_ticks
 
-    out = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        status = (task / "status").read_text()
-        allowed = next(line.split(":", 1)[1] for line in status.splitlines() if line.startswith("Cpus_allowed_list"))
-        fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        out[int(task.name)] = (parse_cpu_list(allowed), int(fields[11]) + int(fields[12]))
-    return out
+    return {t: (os.sched_getaffinity(t), n) for t, n in thread_ticks(pid).items()}
 
 
 def _children(pid: int) -> list[int]:
