@@ -29,7 +29,7 @@ from drafter_service.factory import load_proposer
 from drafter_service.metrics import DrafterMetrics
 from drafter_service.proposer import Proposer
 from flashmap.auth import DRAFTER_TOKEN_ENV, DRAFTER_TOKEN_HEADER, read_secret
-from flashmap.cpus import DRAFTER_CPUS_ENV, format_cpu_list, parse_cpu_list, pin_thread
+from flashmap.cpus import DRAFTER_CPUS_ENV, parse_cpu_list, pin_worker
 from flashmap.grpc_serving import TokenAuth, add_service, run, serve_grpc
 from flashmap.logs import fields, setup_logging
 from flashmap.types import ProposeRequest
@@ -43,12 +43,8 @@ PROBE_ID = "__flashmap_health_probe__"
 
 
 def _pin_forward(cpus: set[int] | None) -> None:
-    if cpus is None:
-        return
-    try:
-        pin_thread(cpus)
-    except OSError as e:  # a CPU outside the container's set: run where the process runs, say so
-        log.warning("cannot run the forward thread on CPUs %s: %s", format_cpu_list(cpus), e)
+    if why := pin_worker(cpus, "forward thread"):
+        log.warning(why)
 
 
 @dataclass

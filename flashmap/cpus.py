@@ -96,6 +96,19 @@ def pin_thread(cpus: set[int]) -> bool:
     return True
 
 
+def pin_worker(cpus: set[int] | None, what: str) -> str:
+    """Pin the calling thread (a service's compute thread, `what`) to `cpus` (None: leave it):
+    "" when done, else why not, for the service's log. A CPU outside a container's set fails;
+    the thread then runs where it was."""
+    if cpus is None:
+        return ""
+    try:
+        pin_thread(cpus)
+    except OSError as e:
+        return f"cannot run the {what} on CPUs {format_cpu_list(cpus)}: {e}"
+    return ""
+
+
 @contextlib.contextmanager
 def on_cpus(cpus: set[int] | None):
     """The calling thread on `cpus` for the block (None: unchanged), its old set restored after."""

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from flashmap.cpus import format_cpu_list, on_cpus, parse_cpu_list, pin_thread, split_cpus
+from flashmap.cpus import format_cpu_list, on_cpus, parse_cpu_list, pin_thread, pin_worker, split_cpus
 
 
 def test_cpu_lists_round_trip():
@@ -52,3 +52,22 @@ def test_pinning_applies_to_the_calling_thread_only_and_is_restored():
     assert os.sched_getaffinity(0) == set(cpus)
     with on_cpus(None):
         assert os.sched_getaffinity(0) == set(cpus)
+
+
+def test_a_worker_that_cannot_be_pinned_says_why_and_runs_where_it_was():
+    seen = {}
+
+    def worker():
+        before = os.sched_getaffinity(0)
+        seen["none"] = pin_worker(None, "worker")
+        seen["bad"] = pin_worker({4000}, "forward thread")  # no such CPU
+        seen["kept"] = os.sched_getaffinity(0) == before
+        seen["good"] = pin_worker({min(before)}, "worker")
+        seen["after"] = os.sched_getaffinity(0)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert seen["none"] == "" and seen["good"] == "" and seen["kept"]
+    assert seen["bad"].startswith("cannot run the forward thread on CPUs 4000: ")
+    assert seen["after"] == {min(os.sched_getaffinity(0))}

@@ -84,7 +84,7 @@ try:  # a clear message beats a bare ModuleNotFoundError in the server log
     import torch
 
     from flashmap import wire
-    from flashmap.cpus import TARGET_CPUS_ENV, format_cpu_list, parse_cpu_list, pin_thread
+    from flashmap.cpus import TARGET_CPUS_ENV, format_cpu_list, parse_cpu_list, pin_worker
     from flashmap.metrics import TARGET_MODEL
     from flashmap.types import FOLLOW_REFUSED, FOLLOW_TOKEN, InvalidRequest
     from target_service import engine as engine_module
@@ -283,11 +283,8 @@ class TritonPythonModel:
         return None  # decoupled: the worker answers each request
 
     def _work_loop(self):
-        if self.cpus is not None:
-            try:
-                pin_thread(self.cpus)
-            except OSError as e:  # a CPU outside the container's set: run unpinned, say so
-                self._log("warn", f"flashmap_target: cannot run the worker on CPUs {format_cpu_list(self.cpus)}: {e}")
+        if why := pin_worker(self.cpus, "worker"):  # a CPU outside the container's set: run unpinned, say so
+            self._log("warn", f"flashmap_target: {why}")
         while True:
             try:
                 job = self._jobs.get(timeout=self.metrics.wait_s())
