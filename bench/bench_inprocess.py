@@ -21,11 +21,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from drafter_service.oracle import OracleProposer
 from drafter_service.factory import load_proposer
+from drafter_service.oracle import OracleProposer
 from flashmap.inprocess import decode
-from flashmap_cli.stack import default_checkpoints
 from flashmap.types import GenerationRequest
+from flashmap_cli.stack import default_checkpoints
 from target_service.engine import TargetEngine
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "results"
@@ -37,7 +37,10 @@ def machine() -> str:
 
 def run(engine, prompts, max_new, proposer=None, steps=1, repeats=1):
     """Best of `repeats` (the machine is shared; the fastest run is the least disturbed)."""
-    return min((_run_once(engine, prompts, max_new, proposer, steps) for _ in range(repeats)), key=lambda r: r["seconds"])
+    return min(
+        (_run_once(engine, prompts, max_new, proposer, steps) for _ in range(repeats)),
+        key=lambda r: r["seconds"],
+    )
 
 
 def _run_once(engine, prompts, max_new, proposer, steps):
@@ -56,15 +59,22 @@ def _run_once(engine, prompts, max_new, proposer, steps):
     drafts = sum(o.stats.drafts for o in outs)
     acc = sum(o.stats.accepted for o in outs)
     return {
-        "tokens": tokens, "seconds": total, "tok_s": tokens / total, "iterations": iters,
+        "tokens": tokens,
+        "seconds": total,
+        "tok_s": tokens / total,
+        "iterations": iters,
         "gamma": 1 + acc / drafts if drafts else 1.0,
-        "draft_ms": 1e3 * draft / iters, "verify_ms": 1e3 * verify / iters, "other_ms": 1e3 * (total - draft - verify) / iters,
+        "draft_ms": 1e3 * draft / iters,
+        "verify_ms": 1e3 * verify / iters,
+        "other_ms": 1e3 * (total - draft - verify) / iters,
         "outputs": [o.token_ids for o in outs],
     }
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--target", default=None)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--prompts", type=int, default=4)
@@ -75,41 +85,63 @@ def main(argv=None):
     target, _, notes = default_checkpoints(a.target, "init")
     engine = TargetEngine(target, n_slots=1)
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, engine.vocab_size, size=int(rng.integers(8, 32))).tolist() for _ in range(a.prompts)]
+    prompts = [
+        rng.integers(0, engine.vocab_size, size=int(rng.integers(8, 32))).tolist()
+        for _ in range(a.prompts)
+    ]
 
-    print(f"target {target} ({engine.num_layers} layers, hidden {engine.hidden_size}, vocab {engine.vocab_size})", flush=True)
+    print(
+        f"target {target} ({engine.num_layers} layers, hidden {engine.hidden_size}, vocab {engine.vocab_size})",
+        flush=True,
+    )
     run(engine, prompts[:1], 8)  # warm-up
     base = run(engine, prompts, a.max_new_tokens, repeats=a.repeats)
     rows = [("autoregressive", base)]
     print(f"autoregressive: {base['tok_s']:.1f} tok/s", flush=True)
     refs = [p + o for p, o in zip(prompts, base["outputs"])]
     for rate in (float(x) for x in a.error_rates.split(",")):
-        r = run(engine, prompts, a.max_new_tokens, OracleProposer(refs, 16, engine.vocab_size, error_rate=rate, seed=1),
-                repeats=a.repeats)
+        r = run(
+            engine,
+            prompts,
+            a.max_new_tokens,
+            OracleProposer(refs, 16, engine.vocab_size, error_rate=rate, seed=1),
+            repeats=a.repeats,
+        )
         assert r["outputs"] == base["outputs"], "speculative output differs from autoregressive"
         rows.append((f"oracle, error rate {rate:g}", r))
-        print(f"oracle error_rate={rate}: gamma {r['gamma']:.2f}, {r['tok_s']:.1f} tok/s, x{r['tok_s'] / base['tok_s']:.2f}", flush=True)
+        print(
+            f"oracle error_rate={rate}: gamma {r['gamma']:.2f}, {r['tok_s']:.1f} tok/s, x{r['tok_s'] / base['tok_s']:.2f}",
+            flush=True,
+        )
     for steps in (1, 2):
         prop = load_proposer("init", target, n_slots=1, max_context=engine.max_seq_len, steps=steps)
         r = run(engine, prompts, a.max_new_tokens, prop, steps, repeats=a.repeats)
         assert r["outputs"] == base["outputs"]
         rows.append((f"FlashMap untrained, {steps} step", r))
-        print(f"flashmap init steps={steps}: gamma {r['gamma']:.2f}, {r['tok_s']:.1f} tok/s", flush=True)
+        print(
+            f"flashmap init steps={steps}: gamma {r['gamma']:.2f}, {r['tok_s']:.1f} tok/s",
+            flush=True,
+        )
 
     date = datetime.date.today().isoformat()
     lines = [
-        "# In-process benchmark (CPU)", "",
+        "# In-process benchmark (CPU)",
+        "",
         f"Date: {date}. Machine: {machine()}.",
         f"Command: `python -m bench.bench_inprocess --max-new-tokens {a.max_new_tokens} --prompts {a.prompts} --repeats {a.repeats}` (best of {a.repeats} per row).",
         f"Target: `{os.path.relpath(target)}` ({engine.num_layers} layers, hidden {engine.hidden_size}, vocab {engine.vocab_size}), fp32, greedy, concurrency 1.",
-        *[f"Note: {n}" for n in notes], "",
-        "Every speculative run produced exactly the autoregressive tokens (checked by the script).", "",
+        *[f"Note: {n}" for n in notes],
+        "",
+        "Every speculative run produced exactly the autoregressive tokens (checked by the script).",
+        "",
         "| drafter | mean acceptance length | tokens/s | speedup | draft ms/round | verify ms/round | rest ms/round |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in rows:
-        lines.append(f"| {name} | {r['gamma']:.2f} | {r['tok_s']:.1f} | {r['tok_s'] / base['tok_s']:.2f}x | "
-                     f"{r['draft_ms']:.2f} | {r['verify_ms']:.2f} | {r['other_ms']:.2f} |")
+        lines.append(
+            f"| {name} | {r['gamma']:.2f} | {r['tok_s']:.1f} | {r['tok_s'] / base['tok_s']:.2f}x | "
+            f"{r['draft_ms']:.2f} | {r['verify_ms']:.2f} | {r['other_ms']:.2f} |"
+        )
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -121,7 +153,12 @@ def main(argv=None):
 
         fig, ax = plt.subplots(figsize=(6, 4))
         orc = [r for n, r in rows if n.startswith("oracle")]
-        ax.plot([r["gamma"] for r in orc], [r["tok_s"] / base["tok_s"] for r in orc], "o-", label="oracle drafter")
+        ax.plot(
+            [r["gamma"] for r in orc],
+            [r["tok_s"] / base["tok_s"] for r in orc],
+            "o-",
+            label="oracle drafter",
+        )
         for n, r in rows:
             if n.startswith("FlashMap"):
                 ax.plot(r["gamma"], r["tok_s"] / base["tok_s"], "s", label=n)

@@ -27,10 +27,19 @@ MODES = ("in process", "off", "auto")
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--concurrency", type=int, default=1)
-    ap.add_argument("--parts", type=int, default=40, help="parts of `concurrency` prompts, each run in every mode")
-    ap.add_argument("--prompts", default="random ids", help="prompt set of bench.bench_stack.prompt_sets")
+    ap.add_argument(
+        "--parts",
+        type=int,
+        default=40,
+        help="parts of `concurrency` prompts, each run in every mode",
+    )
+    ap.add_argument(
+        "--prompts", default="random ids", help="prompt set of bench.bench_stack.prompt_sets"
+    )
     ap.add_argument("--max-new-tokens", type=int, default=48)
     a = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -49,9 +58,20 @@ def main(argv=None) -> int:
     prompts = prompt_sets(target, engine.vocab_size, c * a.parts)[a.prompts]
     wall: dict[tuple[str, bool], list[float]] = {(m, p): [] for m in MODES for p in (True, False)}
     with contextlib.ExitStack() as running:
-        stacks = {pin: running.enter_context(Stack(StackConfig.on_free_ports(
-            target_dir=target, drafter=drafter, n_slots=max(c, 8), max_seq_len=512, pin_cpus=pin)))
-            for pin in (True, False)}
+        stacks = {
+            pin: running.enter_context(
+                Stack(
+                    StackConfig.on_free_ports(
+                        target_dir=target,
+                        drafter=drafter,
+                        n_slots=max(c, 8),
+                        max_seq_len=512,
+                        pin_cpus=pin,
+                    )
+                )
+            )
+            for pin in (True, False)
+        }
         cpus = stacks[True].cpus
         if cpus is None:
             print("fewer than 2 usable CPUs: nothing to pin", file=sys.stderr)
@@ -60,7 +80,7 @@ def main(argv=None) -> int:
             through_stack(st.cfg, prompts[:2], 8, 1)  # warm-up
         rng = random.Random(0)
         for i in range(a.parts):
-            part, outputs = prompts[i * c:(i + 1) * c], {}
+            part, outputs = prompts[i * c : (i + 1) * c], {}
             order = list(wall)
             rng.shuffle(order)
             for mode, pin in order:
@@ -69,7 +89,9 @@ def main(argv=None) -> int:
                         run = inprocess_run(engine, None, part, a.max_new_tokens, c, DECODE_STEPS)
                 else:
                     with on_cpus(cpus[1] if pin else None):
-                        run = through_stack(stacks[pin].cfg, part, a.max_new_tokens, c, spec_off=mode == "off")
+                        run = through_stack(
+                            stacks[pin].cfg, part, a.max_new_tokens, c, spec_off=mode == "off"
+                        )
                 outputs[mode, pin] = run["outputs"]
                 wall[mode, pin].append(run["seconds"])
             if any(o != outputs["in process", False] for o in outputs.values()):
@@ -80,15 +102,21 @@ def main(argv=None) -> int:
     def ci(slow: tuple[str, bool], fast: tuple[str, bool]) -> str:  # tokens/s of `fast` over `slow`
         return fmt_ci(ratio_ci(list(w[slow] / w[fast])))
 
-    print(f"{a.prompts}, concurrency {c}, {a.parts} parts, {a.max_new_tokens} new tokens; CPUs: the target's worker "
-          f"(and the pinned in-process target) on {sorted(cpus[0])}, the rest on {sorted(cpus[1])}")
+    print(
+        f"{a.prompts}, concurrency {c}, {a.parts} parts, {a.max_new_tokens} new tokens; CPUs: the target's worker "
+        f"(and the pinned in-process target) on {sorted(cpus[0])}, the rest on {sorted(cpus[1])}"
+    )
     print("\n| | pinned | not pinned | pinned / not pinned |\n|---|---:|---:|---:|")
     for m in MODES:
-        print(f"| {m}, ms per part | {w[m, True].mean() * 1e3:.0f} | {w[m, False].mean() * 1e3:.0f} | "
-              f"{ci((m, False), (m, True))} |")
+        print(
+            f"| {m}, ms per part | {w[m, True].mean() * 1e3:.0f} | {w[m, False].mean() * 1e3:.0f} | "
+            f"{ci((m, False), (m, True))} |"
+        )
     for m in ("off", "auto"):
-        print(f"| {m} / in process (tok/s) | {ci(('in process', True), (m, True))} | "
-              f"{ci(('in process', False), (m, False))} | |")
+        print(
+            f"| {m} / in process (tok/s) | {ci(('in process', True), (m, True))} | "
+            f"{ci(('in process', False), (m, False))} | |"
+        )
     return 0
 
 

@@ -29,7 +29,9 @@ def thread_ticks(pid: int) -> dict[int, int]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--chunks", type=int, default=16)
@@ -51,8 +53,14 @@ def main(argv=None) -> int:
     engine = TargetEngine(target, n_slots=max(c, 8), max_seq_len=512)
     prompts = prompt_sets(target, engine.vocab_size, a.prompts)[a.prompt_set]
     parts = chunks_of(prompts, c, a.chunks)
-    cfg = StackConfig.on_free_ports(target_dir=target, drafter=drafter, n_slots=max(c, 8), max_seq_len=512,
-                                    speculation="auto", pin_cpus=True)
+    cfg = StackConfig.on_free_ports(
+        target_dir=target,
+        drafter=drafter,
+        n_slots=max(c, 8),
+        max_seq_len=512,
+        speculation="auto",
+        pin_cpus=True,
+    )
     proposer = load_proposer(drafter, target, n_slots=max(c, 8), max_context=engine.max_seq_len)
     with Stack(cfg) as stack:
         if stack.cpus is None:
@@ -63,7 +71,9 @@ def main(argv=None) -> int:
         pid = stack.drafter_proc.pid
         before = thread_ticks(pid)
         for part in parts[:3]:
-            run_mode("full", part, a.max_new_tokens, c, cfg.decode_steps, engine, cfg, full, stack.cpus)
+            run_mode(
+                "full", part, a.max_new_tokens, c, cfg.decode_steps, engine, cfg, full, stack.cpus
+            )
         after = thread_ticks(pid)
         forward = max(after, key=lambda t: after[t] - before.get(t, 0))
         sets = {"services": stack.cpus[1], "every": stack.cpus[0] | stack.cpus[1]}
@@ -74,18 +84,33 @@ def main(argv=None) -> int:
             for mode, where in runs if k % 2 == 0 else runs[::-1]:
                 if where:
                     os.sched_setaffinity(forward, sets[where])
-                got[mode, where] = run_mode("target" if mode == "ip" else mode, part, a.max_new_tokens, c,
-                                            cfg.decode_steps, engine, cfg, full, stack.cpus)
+                got[mode, where] = run_mode(
+                    "target" if mode == "ip" else mode,
+                    part,
+                    a.max_new_tokens,
+                    c,
+                    cfg.decode_steps,
+                    engine,
+                    cfg,
+                    full,
+                    stack.cpus,
+                )
             for r in runs:
-                assert got[r]["outputs"] == got["ip", ""]["outputs"], f"{r}: output differs from the target alone"
+                assert got[r]["outputs"] == got["ip", ""]["outputs"], (
+                    f"{r}: output differs from the target alone"
+                )
             rows.append({r: got[r]["seconds"] for r in runs})
             print(f"chunk {k + 1}/{len(parts)}", flush=True)
-    print(f"\nConcurrency {c}, {a.prompt_set}, {a.prompts} prompts in {len(parts)} chunks, {a.max_new_tokens} new "
-          f"tokens; the drafter's forward on the services' CPUs ({format_cpu_list(sets['services'])}) or on every "
-          f"CPU ({format_cpu_list(sets['every'])})\n")
+    print(
+        f"\nConcurrency {c}, {a.prompt_set}, {a.prompts} prompts in {len(parts)} chunks, {a.max_new_tokens} new "
+        f"tokens; the drafter's forward on the services' CPUs ({format_cpu_list(sets['services'])}) or on every "
+        f"CPU ({format_cpu_list(sets['every'])})\n"
+    )
     print("| mode | forward on | tokens/s / in-process target [95% CI] |\n|---|---|---:|")
     for mode, where in runs[1:]:
-        print(f"| {mode} | {where} | {fmt_ci(ratio_ci([x['ip', ''] / x[mode, where] for x in rows]))} |")
+        print(
+            f"| {mode} | {where} | {fmt_ci(ratio_ci([x['ip', ''] / x[mode, where] for x in rows]))} |"
+        )
     print("\n| mode | every CPU / services' CPUs [95% CI] |\n|---|---:|")
     for m in ("full", "auto"):
         print(f"| {m} | {fmt_ci(ratio_ci([x[m, 'services'] / x[m, 'every'] for x in rows]))} |")

@@ -37,14 +37,27 @@ async def _calls(cfg, proposer, n: int, new: int, rng) -> np.ndarray:
     for i in range(n):
         sid, first = f"bench-{i // 20}", i % 20 == 0
         m = 40 if first else new
-        ids, feats = rng.integers(3, proposer.vocab_size, m), rng.standard_normal((m, proposer.feature_dim)).astype(np.float16)
+        ids, feats = (
+            rng.integers(3, proposer.vocab_size, m),
+            rng.standard_normal((m, proposer.feature_dim)).astype(np.float16),
+        )
         t0 = time.perf_counter()
         proposer.extend(sid, ids, feats)
         proposer.propose_blocks([ProposeRequest(sid, 7, 0.0, 4, i, 1)], 1, 1)
         local = time.perf_counter() - t0
-        msg = drafter_pb2.SequenceDraft(seq_id=sid, context_start=0 if first else length, new_token_ids=ids.tolist(),
-                                        new_features=features_to_tensor(feats), anchor=7, steps=1, num_blocks=1,
-                                        temperature=0.0, top_m=4, seed=i, max_tokens=proposer.block_size)
+        msg = drafter_pb2.SequenceDraft(
+            seq_id=sid,
+            context_start=0 if first else length,
+            new_token_ids=ids.tolist(),
+            new_features=features_to_tensor(feats),
+            anchor=7,
+            steps=1,
+            num_blocks=1,
+            temperature=0.0,
+            top_m=4,
+            seed=i,
+            max_tokens=proposer.block_size,
+        )
         t0 = time.perf_counter()
         resp, why = await client.draft([msg], 10.0)
         call = time.perf_counter() - t0
@@ -61,7 +74,9 @@ async def _calls(cfg, proposer, n: int, new: int, rng) -> np.ndarray:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--target", default=None)
     ap.add_argument("--drafter", default=None)
     ap.add_argument("--calls", type=int, default=200)
@@ -70,7 +85,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     from flashmap_cli.stack import Stack, StackConfig, default_checkpoints, threads_per_service
 
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_service()))  # the services' threads, here too
+    os.environ.setdefault(
+        "OMP_NUM_THREADS", str(threads_per_service())
+    )  # the services' threads, here too
     import torch
 
     from drafter_service.factory import load_proposer
@@ -79,15 +96,22 @@ def main(argv=None) -> int:
     target, drafter, _ = default_checkpoints(a.target, a.drafter)
     cfg = StackConfig.on_free_ports(target_dir=target, drafter=drafter, n_slots=4, max_seq_len=512)
     # As the service loads it (flashmap_cli.stack.Stack.start_drafter): the same slots and context.
-    proposer = load_proposer(drafter, target, n_slots=cfg.drafter_slots, max_context=cfg.max_seq_len)
+    proposer = load_proposer(
+        drafter, target, n_slots=cfg.drafter_slots, max_context=cfg.max_seq_len
+    )
     rng = np.random.default_rng(0)
     with Stack(cfg):
         asyncio.run(_calls(cfg, proposer, 40, a.new, rng))  # warm both sides
-        print(f"medians of {a.calls} calls, ms: local extend + propose | call | drafter's batch | call - batch")
+        print(
+            f"medians of {a.calls} calls, ms: local extend + propose | call | drafter's batch | call - batch"
+        )
         for _ in range(a.repeats):
             ms = 1e3 * asyncio.run(_calls(cfg, proposer, a.calls, a.new, rng))
             local, call, batch = np.median(ms, axis=0)
-            print(f"  {local:6.2f} | {call:6.2f} | {batch:6.2f} | {np.median(ms[:, 1] - ms[:, 2]):5.2f}", flush=True)
+            print(
+                f"  {local:6.2f} | {call:6.2f} | {batch:6.2f} | {np.median(ms[:, 1] - ms[:, 2]):5.2f}",
+                flush=True,
+            )
     return 0
 
 

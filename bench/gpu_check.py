@@ -44,11 +44,30 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
-                rope_theta=1e6, tie_word_embeddings=False, max_position_embeddings=40960, eos_token_id=[151645])
-TINY_TARGET = dict(QWEN3_8B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+QWEN3_8B = dict(
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-6,
+    rope_theta=1e6,
+    tie_word_embeddings=False,
+    max_position_embeddings=40960,
+    eos_token_id=[151645],
+)
+TINY_TARGET = dict(
+    QWEN3_8B,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+)
 BATCHES = (1, 4, 16)
 K = 16  # drafted tokens per block: a verify is K + 1 = 17 tokens
 
@@ -106,7 +125,11 @@ def timed(fn, dev, reps: int, warmup: int = 2, guard: Guard | None = None) -> di
             t = time.perf_counter()
             fn()
             wall.append(time.perf_counter() - t)
-    out = {"ms": round(1e3 * float(np.median(wall)), 4), "min_ms": round(1e3 * float(np.min(wall)), 4), "n": len(wall)}
+    out = {
+        "ms": round(1e3 * float(np.median(wall)), 4),
+        "min_ms": round(1e3 * float(np.min(wall)), 4),
+        "n": len(wall),
+    }
     if device:
         out["device_ms"] = round(1e3 * float(np.median(device)), 4)
     return out
@@ -144,8 +167,12 @@ def env_section(dev) -> dict:
         out["triton"] = f"unavailable ({type(e).__name__})"
     if dev.type == "cuda":
         p = torch.cuda.get_device_properties(dev)
-        out.update(name=p.name, sms=p.multi_processor_count, memory_gb=round(p.total_memory / 1e9, 1),
-                   capability=f"{p.major}.{p.minor}")
+        out.update(
+            name=p.name,
+            sms=p.multi_processor_count,
+            memory_gb=round(p.total_memory / 1e9, 1),
+            capability=f"{p.major}.{p.minor}",
+        )
     return out
 
 
@@ -160,13 +187,19 @@ def ceilings_section(dev, smoke: bool) -> dict:
 
     t = timed(copy, dev, 10 if not smoke else 3)
     sec = t.get("device_ms", t["ms"]) / 1e3
-    out = {"copy_bytes": 2 * n, "copy_ms": round(1e3 * sec, 4), "copy_GBps": round(2 * n / sec / 1e9, 1)}
+    out = {
+        "copy_bytes": 2 * n,
+        "copy_ms": round(1e3 * sec, 4),
+        "copy_GBps": round(2 * n / sec / 1e9, 1),
+    }
     del bufs
     m = 8192 if not smoke else 256
     a, b = (torch.randn(m, m, device=dev, dtype=torch.bfloat16) for _ in range(2))
     t = timed(lambda: a @ b, dev, 10 if not smoke else 3)
     sec = t.get("device_ms", t["ms"]) / 1e3
-    out.update(matmul_n=m, matmul_ms=round(1e3 * sec, 4), matmul_TFLOPs=round(2 * m**3 / sec / 1e12, 1))
+    out.update(
+        matmul_n=m, matmul_ms=round(1e3 * sec, 4), matmul_TFLOPs=round(2 * m**3 / sec / 1e12, 1)
+    )
     return out
 
 
@@ -178,20 +211,27 @@ def _rows_script(eng, rng_seed: int = 0):
     rng = np.random.default_rng(rng_seed)
     t = lambda n: rng.integers(0, V, n)  # noqa: E731
     G, S = SamplingParams(), SamplingParams(temperature=0.8, top_k=50, top_p=0.95)
-    sup = lambda tok, k, w=1: (np.asarray(tok)[len(tok) - k:, None] + np.arange(w)) % V  # noqa: E731
+    sup = lambda tok, k, w=1: (np.asarray(tok)[len(tok) - k :, None] + np.arange(w)) % V  # noqa: E731
     out = []
     for _ in range(3):
         eng.allocate()
     out += eng.verify([VerifyRow(0, 0, t(30), G), VerifyRow(1, 0, t(19), G)])
     a, b, c = t(6), t(1), t(3)
-    out += eng.verify([VerifyRow(0, 30, a, G, sup(a, 5)), VerifyRow(1, 19, b, G),
-                       VerifyRow(2, 0, c, S, sup(c, 2, 3), 11)])
+    out += eng.verify(
+        [
+            VerifyRow(0, 30, a, G, sup(a, 5)),
+            VerifyRow(1, 19, b, G),
+            VerifyRow(2, 0, c, S, sup(c, 2, 3), 11),
+        ]
+    )
     a, b = t(17), t(1)
     out += eng.verify([VerifyRow(0, 32, a, S, sup(a, 16, 2), 12), VerifyRow(2, 3, b, G)])
     eng.release(1)
     eng.allocate()
     a, b, c = t(5), t(2), t(1)
-    out += eng.verify([VerifyRow(1, 0, a, G, sup(a, 4)), VerifyRow(2, 4, b, G, sup(b, 1)), VerifyRow(0, 49, c, G)])
+    out += eng.verify(
+        [VerifyRow(1, 0, a, G, sup(a, 4)), VerifyRow(2, 4, b, G, sup(b, 1)), VerifyRow(0, 49, c, G)]
+    )
     return out
 
 
@@ -203,21 +243,33 @@ def tiny_checkpoint(path: Path, seed: int = 0) -> Path:
 
     from target_service.random_checkpoint import default_init_std
 
-    model = _random_qwen3(TINY_TARGET, torch.device("cpu"), torch.float32, default_init_std(TINY_TARGET["hidden_size"]),
-                          seed)
+    model = _random_qwen3(
+        TINY_TARGET,
+        torch.device("cpu"),
+        torch.float32,
+        default_init_std(TINY_TARGET["hidden_size"]),
+        seed,
+    )
     path.mkdir(parents=True, exist_ok=True)
-    cfg = dict(TINY_TARGET, eos_token_id=[TINY_TARGET["vocab_size"] - 1], model_type="qwen3",
-               architectures=["Qwen3ForCausalLM"], torch_dtype="float32")
+    cfg = dict(
+        TINY_TARGET,
+        eos_token_id=[TINY_TARGET["vocab_size"] - 1],
+        model_type="qwen3",
+        architectures=["Qwen3ForCausalLM"],
+        torch_dtype="float32",
+    )
     (path / "config.json").write_text(json.dumps(cfg))
-    save_file({k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
+    save_file(
+        {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()},
+        str(path / "model.safetensors"),
+    )
     return path
 
 
 def exactness_section(dev, dtype, smoke: bool, guard: Guard) -> dict:
     from drafter_service.factory import load_proposer
     from flashmap.inprocess import decode
-    from flashmap.types import SamplingParams, VerifyRow
-    from flashmap.types import GenerationRequest
+    from flashmap.types import GenerationRequest, SamplingParams, VerifyRow
     from target_service.engine import TargetEngine
 
     mode = "cuda" if dev.type == "cuda" else "static"
@@ -230,7 +282,10 @@ def exactness_section(dev, dtype, smoke: bool, guard: Guard) -> dict:
     def engine(graphs: bool, **kw):
         e = TargetEngine(path, n_slots=n_slots, max_seq_len=128, device=str(dev), dtype=dtype)
         if graphs:
-            e.enable_graphs(mode=mode, **({"batch_buckets": (1, 2, 4, 8), "query_buckets": (1, 2, 4, 8, 17)} | kw))
+            e.enable_graphs(
+                mode=mode,
+                **({"batch_buckets": (1, 2, 4, 8), "query_buckets": (1, 2, 4, 8, 17)} | kw),
+            )
         return e
 
     eager, graph = engine(False), engine(True)
@@ -240,10 +295,18 @@ def exactness_section(dev, dtype, smoke: bool, guard: Guard) -> dict:
     a, b = _rows_script(graph), _rows_script(eager)
     res["graph_vs_eager"] = {
         "argmax_equal": f"{sum(np.array_equal(x.argmax, y.argmax) for x, y in zip(a, b))}/{len(b)}",
-        "features_max_rel_err": max(float(np.abs(x.features - y.features).max() / np.abs(y.features).max())
-                                    for x, y in zip(a, b)),
-        "support_probs_max_abs_err": max([float(np.abs(x.support_probs - y.support_probs).max())
-                                          for x, y in zip(a, b) if y.support_probs.size] + [0.0]),
+        "features_max_rel_err": max(
+            float(np.abs(x.features - y.features).max() / np.abs(y.features).max())
+            for x, y in zip(a, b)
+        ),
+        "support_probs_max_abs_err": max(
+            [
+                float(np.abs(x.support_probs - y.support_probs).max())
+                for x, y in zip(a, b)
+                if y.support_probs.size
+            ]
+            + [0.0]
+        ),
         "residual_equal": f"{sum(np.array_equal(x.residual, y.residual) for x, y in zip(a, b))}/{len(b)}",
     }
     say(f"  {dtype}: graph vs eager {res['graph_vs_eager']}")
@@ -254,18 +317,25 @@ def exactness_section(dev, dtype, smoke: bool, guard: Guard) -> dict:
     eng = engine(True)
     ar = decode(eng, reqs())
     ar_eager = decode(engine(False), reqs())
-    res["autoregressive_graph_vs_eager"] = f"{sum(x.token_ids == y.token_ids for x, y in zip(ar, ar_eager))}/{n_prompts}"
+    res["autoregressive_graph_vs_eager"] = (
+        f"{sum(x.token_ids == y.token_ids for x, y in zip(ar, ar_eager))}/{n_prompts}"
+    )
     for steps in (1, 2) if not smoke else (1,):
         if not guard.fits(30):
             break
-        prop = load_proposer("init", str(path), device=str(dev), n_slots=n_prompts, max_context=128, steps=steps)
+        prop = load_proposer(
+            "init", str(path), device=str(dev), n_slots=n_prompts, max_context=128, steps=steps
+        )
         if dev.type == "cuda":
             prop.enable_graphs(steps=(steps,), batch_buckets=(n_prompts,))
         sp = decode(eng, reqs(), prop, steps)
-        res[f"speculative_eq_autoregressive_steps{steps}"] = \
+        res[f"speculative_eq_autoregressive_steps{steps}"] = (
             f"{sum(x.token_ids == y.token_ids for x, y in zip(ar, sp))}/{n_prompts}"
+        )
         res[f"drafts_steps{steps}"] = sum(r.stats.drafts for r in sp)
-    say(f"  {dtype}: speculative vs autoregressive {[v for k, v in res.items() if k.startswith('spec')]}")
+    say(
+        f"  {dtype}: speculative vs autoregressive {[v for k, v in res.items() if k.startswith('spec')]}"
+    )
     # 3. batch-invariant mode
     inv = engine(True, batch_invariant=True, batch_buckets=(n_slots,), query_buckets=(17,))
     G = SamplingParams()
@@ -273,20 +343,26 @@ def exactness_section(dev, dtype, smoke: bool, guard: Guard) -> dict:
     s0, s1 = inv.allocate(), inv.allocate()
     inv.verify([VerifyRow(s0, 0, p, G), VerifyRow(s1, 0, p, G)])
     spec = inv.verify([VerifyRow(s0, 12, cont, G, cont[1:, None])])[0]
-    steps_ = [inv.verify([VerifyRow(s1, 12 + i, cont[i:i + 1], G)])[0] for i in range(17)]
+    steps_ = [inv.verify([VerifyRow(s1, 12 + i, cont[i : i + 1], G)])[0] for i in range(17)]
     inv.release(s0)
     inv.release(s1)
     feats = np.concatenate([s.features for s in steps_])
     res["invariant_verify17_vs_17_steps"] = {
         "features_bitwise_equal": bool(np.array_equal(spec.features, feats)),
         "max_abs_diff": float(np.abs(spec.features - feats).max()),
-        "argmax_equal": spec.argmax.tolist() == [int(s.argmax[0]) for s in steps_]}
+        "argmax_equal": spec.argmax.tolist() == [int(s.argmax[0]) for s in steps_],
+    }
     ar_inv = decode(inv, reqs())
-    prop = load_proposer("init", str(path), device=str(dev), n_slots=n_prompts, max_context=128, steps=1)
+    prop = load_proposer(
+        "init", str(path), device=str(dev), n_slots=n_prompts, max_context=128, steps=1
+    )
     sp_inv = decode(inv, reqs(), prop, 1)
-    res["invariant_speculative_eq_autoregressive"] = \
+    res["invariant_speculative_eq_autoregressive"] = (
         f"{sum(x.token_ids == y.token_ids for x, y in zip(ar_inv, sp_inv))}/{n_prompts}"
-    say(f"  {dtype}: invariant {res['invariant_verify17_vs_17_steps']} spec==AR {res['invariant_speculative_eq_autoregressive']}")
+    )
+    say(
+        f"  {dtype}: invariant {res['invariant_verify17_vs_17_steps']} spec==AR {res['invariant_speculative_eq_autoregressive']}"
+    )
     return res
 
 
@@ -319,20 +395,38 @@ def target_section(dev, smoke: bool, guard: Guard, report: dict) -> dict:
     c = model.config
     n = max(BATCHES)
     engine = TargetEngine.from_model(model, n_slots=n, max_seq_len=ctx + 2 * (K + 1))
-    res: dict = {"context": ctx, "dtype": str(dtype), "ops": model.ops.describe(), "kernel_check": engine.kernel_check}
+    res: dict = {
+        "context": ctx,
+        "dtype": str(dtype),
+        "ops": model.ops.describe(),
+        "kernel_check": engine.kernel_check,
+    }
     # Bytes a step must read: every weight but the embedding table (B rows of it are gathered).
-    weight_bytes = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
-                       if not name.startswith("model.embed_tokens"))
-    kv_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * model.lm_head.weight.element_size()
+    weight_bytes = sum(
+        p.numel() * p.element_size()
+        for name, p in model.named_parameters()
+        if not name.startswith("model.embed_tokens")
+    )
+    kv_token = (
+        2
+        * c.num_hidden_layers
+        * c.num_key_value_heads
+        * c.head_dim
+        * model.lm_head.weight.element_size()
+    )
     res["weight_bytes"] = weight_bytes
     res["kv_bytes_per_token"] = kv_token
     bw = report.get("ceilings", {}).get("copy_GBps")
     if bw:
         res["floor_ms"] = round(weight_bytes / (bw * 1e9) * 1e3, 4)
-        res["floor_with_kv_ms"] = {b: round((weight_bytes + b * (ctx + K + 1) * kv_token) / (bw * 1e9) * 1e3, 4)
-                                   for b in BATCHES}
-    say(f"  target: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params, weights read per step "
-        f"{weight_bytes / 1e9:.2f} GB, floor {res.get('floor_ms')} ms, ops {res['ops']}")
+        res["floor_with_kv_ms"] = {
+            b: round((weight_bytes + b * (ctx + K + 1) * kv_token) / (bw * 1e9) * 1e3, 4)
+            for b in BATCHES
+        }
+    say(
+        f"  target: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params, weights read per step "
+        f"{weight_bytes / 1e9:.2f} GB, floor {res.get('floor_ms')} ms, ops {res['ops']}"
+    )
     rng = np.random.default_rng(0)
     G = SamplingParams()
     for s in range(0, n, 4):  # prefill every slot to ctx, four at a time
@@ -349,9 +443,22 @@ def target_section(dev, smoke: bool, guard: Guard, report: dict) -> dict:
             rows = []
             for slot in range(b):
                 tok = rng.integers(0, c.vocab_size, L).astype(np.int64)
-                sup = (tok[1:, None] + np.arange(width)) % c.vocab_size if L > 1 else np.zeros((0, width), np.int64)
-                rows.append(VerifyRow(slot, ctx, tok, params, sup, int(rng.integers(1 << 30)),
-                                      rng.integers(1 << 30, size=more)))
+                sup = (
+                    (tok[1:, None] + np.arange(width)) % c.vocab_size
+                    if L > 1
+                    else np.zeros((0, width), np.int64)
+                )
+                rows.append(
+                    VerifyRow(
+                        slot,
+                        ctx,
+                        tok,
+                        params,
+                        sup,
+                        int(rng.integers(1 << 30)),
+                        rng.integers(1 << 30, size=more),
+                    )
+                )
             out.append(rows)
         return out
 
@@ -360,9 +467,12 @@ def target_section(dev, smoke: bool, guard: Guard, report: dict) -> dict:
         for b in BATCHES:
             # decode8: one call decoding 8 tokens per row (VerifyRow.next_seeds, the serving
             # rounds without drafts), against 8 steps.
-            for name, L, params, width, more in (("step", 1, G, 1, 0), ("verify17", K + 1, G, 1, 0),
-                                                 ("verify17_T1_S4", K + 1, SamplingParams(1.0), 4, 0),
-                                                 ("decode8", 1, G, 1, 7)):
+            for name, L, params, width, more in (
+                ("step", 1, G, 1, 0),
+                ("verify17", K + 1, G, 1, 0),
+                ("verify17_T1_S4", K + 1, SamplingParams(1.0), 4, 0),
+                ("decode8", 1, G, 1, 7),
+            ):
                 if name == "verify17_T1_S4" and b == 4:
                     continue
                 if not guard.fits(20):
@@ -370,8 +480,12 @@ def target_section(dev, smoke: bool, guard: Guard, report: dict) -> dict:
                     return lat
                 sets = row_sets(b, L, params, width, more=more)
                 it = iter(range(10**9))
-                r = timed(lambda: engine.verify(sets[next(it) % len(sets)]), dev,
-                          reps if label == "graph" else max(3, reps // 2), guard=guard)
+                r = timed(
+                    lambda: engine.verify(sets[next(it) % len(sets)]),
+                    dev,
+                    reps if label == "graph" else max(3, reps // 2),
+                    guard=guard,
+                )
                 lat[f"{name} b={b}"] = r
                 say(f"  {label} {name} b={b}: {r}")
         return lat
@@ -380,13 +494,19 @@ def target_section(dev, smoke: bool, guard: Guard, report: dict) -> dict:
     # CUDA graphs (static mode on the CPU); fall back to torch ops if the fused kernels fail here.
     mode = "cuda" if dev.type == "cuda" else "static"
     try:
-        res["capture"] = engine.enable_graphs(batch_buckets=BATCHES, query_buckets=(1, K + 1), mode=mode)
+        res["capture"] = engine.enable_graphs(
+            batch_buckets=BATCHES, query_buckets=(1, K + 1), mode=mode
+        )
     except Exception as e:  # noqa: BLE001
         res["capture_error"] = f"{type(e).__name__}: {e}"
-        say(f"  capture with {model.ops.describe()} failed ({res['capture_error']}); retrying with torch ops")
+        say(
+            f"  capture with {model.ops.describe()} failed ({res['capture_error']}); retrying with torch ops"
+        )
         model.ops = TorchOps()
         res["ops"] = "torch (fallback)"
-        res["capture"] = engine.enable_graphs(batch_buckets=BATCHES, query_buckets=(1, K + 1), mode=mode)
+        res["capture"] = engine.enable_graphs(
+            batch_buckets=BATCHES, query_buckets=(1, K + 1), mode=mode
+        )
     say(f"  capture: {res['capture']}")
     # The same rows through the graph and eagerly (rolled back in between): agreement at this shape.
     rows = row_sets(4, K + 1, sets=1)[0]
@@ -396,8 +516,11 @@ def target_section(dev, smoke: bool, guard: Guard, report: dict) -> dict:
     engine.graphs = graphs
     res["graph_vs_eager_b4_verify17"] = {
         "argmax_equal": f"{sum(int(np.sum(x.argmax == y.argmax)) for x, y in zip(got, want))}/{sum(len(y.argmax) for y in want)}",
-        "features_max_rel_err": max(float(np.abs(x.features - y.features).max() / np.abs(y.features).max())
-                                    for x, y in zip(got, want))}
+        "features_max_rel_err": max(
+            float(np.abs(x.features - y.features).max() / np.abs(y.features).max())
+            for x, y in zip(got, want)
+        ),
+    }
     say(f"  graph vs eager at this shape: {res['graph_vs_eager_b4_verify17']}")
     res["graph"] = bench("graph")
     # Replay only (device time, no host work): what the GPU spends per pass.
@@ -445,11 +568,15 @@ def _parts(model, engine, b: int, q: int, ctx: int, dev) -> dict:
         F.linear(x, model.lm_head.weight)
 
     w = layers[0].input_layernorm.weight
-    qkv = torch.randn(M, (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim, device=dev, dtype=dt)
+    qkv = torch.randn(
+        M, (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim, device=dev, dtype=dt
+    )
     gu = torch.randn(M, 2 * c.intermediate_size, device=dev, dtype=dt)
     slots = torch.arange(b, device=dev)
     pos = (ctx + torch.arange(q, device=dev)).expand(b, q).contiguous()
-    scratch = torch.full_like(pos, model.max_seq_len)  # write to the scratch position: the cache stays intact
+    scratch = torch.full_like(
+        pos, model.max_seq_len
+    )  # write to the scratch position: the cache stays intact
     cache = layers[0].self_attn.kv_cache
     qh = torch.randn(b, q, c.num_attention_heads, c.head_dim, device=dev, dtype=dt)
     n = len(layers)
@@ -458,12 +585,32 @@ def _parts(model, engine, b: int, q: int, ctx: int, dev) -> dict:
         return lambda: [fn() for _ in range(n)]
 
     out = {"gemms": graph_time(gemms, dev)}
-    out["add_rms_norm_x2"] = graph_time(loop(lambda: (ops.add_rms_norm(x, x, w, 1e-6), ops.add_rms_norm(x, x, w, 1e-6))), dev)
-    out["qk_norm_rope_write"] = graph_time(loop(lambda: ops.qk_norm_rope_write(
-        qkv, layers[0].self_attn.q_norm.weight, layers[0].self_attn.k_norm.weight, 1e-6, model.rope_cos,
-        model.rope_sin, pos.reshape(-1), cache.k, cache.v, slots[:, None].expand(b, q).reshape(-1),
-        scratch.reshape(-1), c.num_attention_heads, c.num_key_value_heads)), dev)
-    out["attention"] = graph_time(loop(lambda: ops.attention(qh, cache.k, cache.v, slots, pos, ctx + q)), dev)
+    out["add_rms_norm_x2"] = graph_time(
+        loop(lambda: (ops.add_rms_norm(x, x, w, 1e-6), ops.add_rms_norm(x, x, w, 1e-6))), dev
+    )
+    out["qk_norm_rope_write"] = graph_time(
+        loop(
+            lambda: ops.qk_norm_rope_write(
+                qkv,
+                layers[0].self_attn.q_norm.weight,
+                layers[0].self_attn.k_norm.weight,
+                1e-6,
+                model.rope_cos,
+                model.rope_sin,
+                pos.reshape(-1),
+                cache.k,
+                cache.v,
+                slots[:, None].expand(b, q).reshape(-1),
+                scratch.reshape(-1),
+                c.num_attention_heads,
+                c.num_key_value_heads,
+            )
+        ),
+        dev,
+    )
+    out["attention"] = graph_time(
+        loop(lambda: ops.attention(qh, cache.k, cache.v, slots, pos, ctx + q)), dev
+    )
     out["silu_mul"] = graph_time(loop(lambda: ops.silu_mul(gu)), dev)
     res = {k: v["ms"] for k, v in out.items()}
     # Other tilings of the attention kernel (BLOCK_M, BLOCK_N, warps): data for tuning it next time.
@@ -475,7 +622,8 @@ def _parts(model, engine, b: int, q: int, ctx: int, dev) -> dict:
             try:
                 kernels.attention_blocks = lambda dtype, cfg=cfg: cfg
                 res[f"attention {cfg}"] = graph_time(
-                    loop(lambda: ops.attention(qh, cache.k, cache.v, slots, pos, ctx + q)), dev)["ms"]
+                    loop(lambda: ops.attention(qh, cache.k, cache.v, slots, pos, ctx + q)), dev
+                )["ms"]
             except Exception as e:  # noqa: BLE001
                 res[f"attention {cfg}"] = f"{type(e).__name__}"
             finally:
@@ -492,8 +640,13 @@ def drafter_section(dev, smoke: bool, guard: Guard) -> dict:
     big = not smoke
     V, H, layers = (151936, 4096, [1, 9, 17, 25, 33]) if big else (512, 64, [1])
     arch = dict(dim=2048, n_blocks=6, n_heads=16) if big else dict(dim=64, n_blocks=2, n_heads=4)
-    cfg = DrafterConfig(vocab_size=V, target_hidden_size=H, target_num_layers=36 if big else 4, feature_layers=layers,
-                        **arch)
+    cfg = DrafterConfig(
+        vocab_size=V,
+        target_hidden_size=H,
+        target_num_layers=36 if big else 4,
+        feature_layers=layers,
+        **arch,
+    )
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     ctx = 1024 if big else 64
     reps = 20 if big else 2
@@ -504,32 +657,52 @@ def drafter_section(dev, smoke: bool, guard: Guard) -> dict:
     prop = FlashMapProposer(model, n_slots=n, max_context=ctx, device=str(dev))
     rng = np.random.default_rng(0)
     for i in range(n):
-        prop.extend(f"s{i}", rng.integers(0, V, ctx // 2), rng.standard_normal((ctx // 2, cfg.feature_dim), np.float32))
-    res = {"params": sum(p.numel() for p in model.parameters()), "context": ctx // 2, "latency": {},
-           "noise_on_device": not prop._host_noise}
+        prop.extend(
+            f"s{i}",
+            rng.integers(0, V, ctx // 2),
+            rng.standard_normal((ctx // 2, cfg.feature_dim), np.float32),
+        )
+    res = {
+        "params": sum(p.numel() for p in model.parameters()),
+        "context": ctx // 2,
+        "latency": {},
+        "noise_on_device": not prop._host_noise,
+    }
     # The noise alone: 16 per-request draws on the device.
     gens = lambda: [request_generator(i, 0, prop.device) for i in range(n)]  # noqa: E731
     r = min(V, H)
-    res["noise_draw_b16"] = timed(lambda: torch.stack([draw_noise(g, K, r)[0] for g in gens()]), dev, 10)
+    res["noise_draw_b16"] = timed(
+        lambda: torch.stack([draw_noise(g, K, r)[0] for g in gens()]), dev, 10
+    )
     for mode in ("eager", "graph"):
         if mode == "graph":
             if dev.type != "cuda":
                 break
-            res["capture"] = prop.enable_graphs(steps=(1, 2), batch_buckets=tuple(BATCHES), context_buckets=(ctx,))
+            res["capture"] = prop.enable_graphs(
+                steps=(1, 2), batch_buckets=tuple(BATCHES), context_buckets=(ctx,)
+            )
         for steps in (1, 2):
             for b in BATCHES:
                 if not guard.fits(15):
                     say("  time guard: drafter stops")
                     return res
                 seeds = iter(range(10**9))
-                reqs = lambda: [ProposeRequest(f"s{i}", anchor=int(rng.integers(V)), seed=next(seeds))  # noqa: E731
-                                for i in range(b)]
-                t = timed(lambda: prop.propose(reqs(), steps), dev, reps if mode == "graph" else max(3, reps // 2))
+                reqs = lambda: [
+                    ProposeRequest(f"s{i}", anchor=int(rng.integers(V)), seed=next(seeds))  # noqa: E731
+                    for i in range(b)
+                ]
+                t = timed(
+                    lambda: prop.propose(reqs(), steps),
+                    dev,
+                    reps if mode == "graph" else max(3, reps // 2),
+                )
                 res["latency"][f"{mode} steps={steps} b={b}"] = t
                 say(f"  drafter {mode} steps={steps} b={b}: {t}")
     # Reproducible per seed on this device, and independent of the batch it is drafted in.
     one = prop.propose([ProposeRequest("s3", anchor=7, seed=99)], 1)[0].tokens
-    again = prop.propose([ProposeRequest(f"s{i}", anchor=7, seed=99 if i == 3 else i) for i in range(n)], 1)[3].tokens
+    again = prop.propose(
+        [ProposeRequest(f"s{i}", anchor=7, seed=99 if i == 3 else i) for i in range(n)], 1
+    )[3].tokens
     # (bf16 with graphs: batch 1 and 16 run different shapes, so rounding may still change a token)
     res["same_draft_alone_and_in_batch16"] = bool(np.array_equal(one, again))
     del prop, model, embed
@@ -546,15 +719,32 @@ def cuda_tests_section(guard: Guard) -> dict:
 
     root = Path(__file__).resolve().parent.parent
     limit = max(30.0, min(240.0, guard.left() - 20))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "cuda",
-           "tests/test_target_graphs.py", "tests/test_drafter_device_noise.py"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-k",
+        "cuda",
+        "tests/test_target_graphs.py",
+        "tests/test_drafter_device_noise.py",
+    ]
     t = time.perf_counter()
     try:
         p = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=limit)
         out = {"returncode": p.returncode, "tail": (p.stdout + p.stderr)[-2500:]}
     except subprocess.TimeoutExpired as e:
-        out = {"returncode": None, "error": f"timed out after {limit:.0f} s",
-               "tail": ((e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or ""))[-2500:]}
+        out = {
+            "returncode": None,
+            "error": f"timed out after {limit:.0f} s",
+            "tail": (
+                (e.stdout or b"").decode(errors="replace")
+                if isinstance(e.stdout, bytes)
+                else (e.stdout or "")
+            )[-2500:],
+        }
     out["seconds"] = round(time.perf_counter() - t, 1)
     last = [l for l in out["tail"].splitlines() if l.strip()]
     out["result"] = last[-1] if last else ""
@@ -574,7 +764,9 @@ def projection(report: dict) -> dict:
             if dr is None:
                 continue
             for gamma in (3, 4, 5, 6):
-                out[f"b={b} steps={steps} gamma={gamma}"] = round(gamma * step / (ver + dr["ms"]), 2)
+                out[f"b={b} steps={steps} gamma={gamma}"] = round(
+                    gamma * step / (ver + dr["ms"]), 2
+                )
     return out
 
 
@@ -582,8 +774,10 @@ def summary(report: dict) -> list[str]:
     """The short table printed last, with the issue's acceptance checks."""
     lines = ["", "=" * 78, "GPU CHECK SUMMARY"]
     env, ceil, t, d = (report.get(k, {}) for k in ("env", "ceilings", "target", "drafter"))
-    lines.append(f"device {env.get('name', env.get('device'))}  torch {env.get('torch')}  triton {env.get('triton')}  "
-                 f"copy {ceil.get('copy_GBps')} GB/s  bf16 mm {ceil.get('matmul_TFLOPs')} TFLOP/s")
+    lines.append(
+        f"device {env.get('name', env.get('device'))}  torch {env.get('torch')}  triton {env.get('triton')}  "
+        f"copy {ceil.get('copy_GBps')} GB/s  bf16 mm {ceil.get('matmul_TFLOPs')} TFLOP/s"
+    )
     for dt in ("fp32", "bf16"):
         e = report.get(f"exactness_{dt}")
         if e is None:
@@ -593,72 +787,119 @@ def summary(report: dict) -> list[str]:
             continue
         ge = e.get("graph_vs_eager", {})
         inv = e.get("invariant_verify17_vs_17_steps", {})
-        lines.append(f"exact {dt}: graph==eager argmax {ge.get('argmax_equal')} feat err {ge.get('features_max_rel_err', 0):.1e}"
-                     f" | spec==AR s1 {e.get('speculative_eq_autoregressive_steps1')} s2 "
-                     f"{e.get('speculative_eq_autoregressive_steps2')} | invariant bitwise {inv.get('features_bitwise_equal')}"
-                     f" spec==AR {e.get('invariant_speculative_eq_autoregressive')} | ops {e.get('ops')}")
+        lines.append(
+            f"exact {dt}: graph==eager argmax {ge.get('argmax_equal')} feat err {ge.get('features_max_rel_err', 0):.1e}"
+            f" | spec==AR s1 {e.get('speculative_eq_autoregressive_steps1')} s2 "
+            f"{e.get('speculative_eq_autoregressive_steps2')} | invariant bitwise {inv.get('features_bitwise_equal')}"
+            f" spec==AR {e.get('invariant_speculative_eq_autoregressive')} | ops {e.get('ops')}"
+        )
     floor = t.get("floor_ms")
     g, ea, rp = t.get("graph", {}), t.get("eager", {}), t.get("replay_device_ms", {})
     if floor or g:
-        lines.append(f"target 8B bf16 ctx {t.get('context')}: weights {t.get('weight_bytes', 0) / 1e9:.2f} GB, "
-                     f"floor {floor} ms, ops {t.get('ops')}, graph vs eager {t.get('graph_vs_eager_b4_verify17')}")
-        lines.append(f"{'batch':>5} | {'step graph':>10} {'replay':>7} {'eager':>7} | {'verify17 g':>10} {'replay':>7} "
-                     f"{'eager':>7} | {'T=1,S=4':>7} | {'decode8/8':>9} | step/floor  v/step")
+        lines.append(
+            f"target 8B bf16 ctx {t.get('context')}: weights {t.get('weight_bytes', 0) / 1e9:.2f} GB, "
+            f"floor {floor} ms, ops {t.get('ops')}, graph vs eager {t.get('graph_vs_eager_b4_verify17')}"
+        )
+        lines.append(
+            f"{'batch':>5} | {'step graph':>10} {'replay':>7} {'eager':>7} | {'verify17 g':>10} {'replay':>7} "
+            f"{'eager':>7} | {'T=1,S=4':>7} | {'decode8/8':>9} | step/floor  v/step"
+        )
         for b in BATCHES:
             st, vr = g.get(f"step b={b}", {}).get("ms"), g.get(f"verify17 b={b}", {}).get("ms")
             f = lambda v: f"{v:7.2f}" if isinstance(v, (int, float)) else f"{'-':>7}"  # noqa: E731
             ratio = f"{st / floor:10.2f}" if st and floor else f"{'-':>10}"
             vs = f"{vr / st:7.2f}" if st and vr else f"{'-':>7}"
-            lines.append(f"{b:>5} | {f(st):>10} {f(rp.get(f'b={b} q=1'))} {f(ea.get(f'step b={b}', {}).get('ms'))} | "
-                         f"{f(vr):>10} {f(rp.get(f'b={b} q=17'))} {f(ea.get(f'verify17 b={b}', {}).get('ms'))} | "
-                         f"{f(g.get(f'verify17_T1_S4 b={b}', {}).get('ms'))} | "
-                         f"{f((g.get(f'decode8 b={b}', {}).get('ms') or float('nan')) / 8):>9} | {ratio}  {vs}")
+            lines.append(
+                f"{b:>5} | {f(st):>10} {f(rp.get(f'b={b} q=1'))} {f(ea.get(f'step b={b}', {}).get('ms'))} | "
+                f"{f(vr):>10} {f(rp.get(f'b={b} q=17'))} {f(ea.get(f'verify17 b={b}', {}).get('ms'))} | "
+                f"{f(g.get(f'verify17_T1_S4 b={b}', {}).get('ms'))} | "
+                f"{f((g.get(f'decode8 b={b}', {}).get('ms') or float('nan')) / 8):>9} | {ratio}  {vs}"
+            )
     for key, parts in (t.get("parts") or {}).items():
         if isinstance(parts, dict) and "error" not in parts:
-            lines.append(f"parts {key} (ms/step, each in a graph): " + "  ".join(
-                f"{k.replace('attention ', 'attn')}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
-                for k, v in parts.items()))
+            lines.append(
+                f"parts {key} (ms/step, each in a graph): "
+                + "  ".join(
+                    f"{k.replace('attention ', 'attn')}={v:.3f}"
+                    if isinstance(v, float)
+                    else f"{k}={v}"
+                    for k, v in parts.items()
+                )
+            )
     lat = d.get("latency", {})
     if lat:
-        lines.append("drafter paper size bf16 (ms, wall): " + "  ".join(
-            f"{m[0]}{s} b={b}: {lat.get(f'{m} steps={s} b={b}', {}).get('ms', float('nan')):.2f}"
-            for m in ("graph",) for s in (1, 2) for b in BATCHES))
-        lines.append("drafter eager (ms): " + "  ".join(
-            f"s{s} b={b}: {lat.get(f'eager steps={s} b={b}', {}).get('ms', float('nan')):.2f}"
-            for s in (1, 2) for b in BATCHES))
+        lines.append(
+            "drafter paper size bf16 (ms, wall): "
+            + "  ".join(
+                f"{m[0]}{s} b={b}: {lat.get(f'{m} steps={s} b={b}', {}).get('ms', float('nan')):.2f}"
+                for m in ("graph",)
+                for s in (1, 2)
+                for b in BATCHES
+            )
+        )
+        lines.append(
+            "drafter eager (ms): "
+            + "  ".join(
+                f"s{s} b={b}: {lat.get(f'eager steps={s} b={b}', {}).get('ms', float('nan')):.2f}"
+                for s in (1, 2)
+                for b in BATCHES
+            )
+        )
     proj = report.get("projection", {})
     if proj:
-        lines.append("projected speedup b=1 steps=1, gamma 3/4/5/6: " +
-                     " / ".join(str(proj.get(f"b=1 steps=1 gamma={gm}")) for gm in (3, 4, 5, 6)) +
-                     "   b=16: " + " / ".join(str(proj.get(f"b=16 steps=1 gamma={gm}")) for gm in (3, 4, 5, 6)))
+        lines.append(
+            "projected speedup b=1 steps=1, gamma 3/4/5/6: "
+            + " / ".join(str(proj.get(f"b=1 steps=1 gamma={gm}")) for gm in (3, 4, 5, 6))
+            + "   b=16: "
+            + " / ".join(str(proj.get(f"b=16 steps=1 gamma={gm}")) for gm in (3, 4, 5, 6))
+        )
     checks = []
     st1, v1 = g.get("step b=1", {}).get("ms"), g.get("verify17 b=1", {}).get("ms")
     if st1 and floor:
-        checks.append(f"step b=1 {st1:.2f} ms <= 1.3 x floor {1.3 * floor:.2f}: {'PASS' if st1 <= 1.3 * floor else 'FAIL'}"
-                      f" (replay {rp.get('b=1 q=1')})")
+        checks.append(
+            f"step b=1 {st1:.2f} ms <= 1.3 x floor {1.3 * floor:.2f}: {'PASS' if st1 <= 1.3 * floor else 'FAIL'}"
+            f" (replay {rp.get('b=1 q=1')})"
+        )
     if st1 and v1:
-        checks.append(f"verify17 b=1 / step = {v1 / st1:.3f} <= 1.15: {'PASS' if v1 <= 1.15 * st1 else 'FAIL'}")
-    d1, d16 = lat.get("graph steps=1 b=1", {}).get("ms"), lat.get("graph steps=1 b=16", {}).get("ms")
+        checks.append(
+            f"verify17 b=1 / step = {v1 / st1:.3f} <= 1.15: {'PASS' if v1 <= 1.15 * st1 else 'FAIL'}"
+        )
+    d1, d16 = (
+        lat.get("graph steps=1 b=1", {}).get("ms"),
+        lat.get("graph steps=1 b=16", {}).get("ms"),
+    )
     if d1:
         checks.append(f"drafter 1 jump b=1 {d1:.3f} ms < 1.5: {'PASS' if d1 < 1.5 else 'FAIL'}")
     if d1 and d16:
-        checks.append(f"drafter b=16 / b=1 = {d16 / d1:.2f} < 2: {'PASS' if d16 < 2 * d1 else 'FAIL'}")
+        checks.append(
+            f"drafter b=16 / b=1 = {d16 / d1:.2f} < 2: {'PASS' if d16 < 2 * d1 else 'FAIL'}"
+        )
     lines += ["acceptance: " + c for c in checks]
     ct = report.get("cuda_tests", {})
     if ct:
-        lines.append(f"CUDA tests (pytest -k cuda): {ct.get('result') or ct.get('error')} ({ct.get('seconds')} s)")
+        lines.append(
+            f"CUDA tests (pytest -k cuda): {ct.get('result') or ct.get('error')} ({ct.get('seconds')} s)"
+        )
     errs = [k for k, v in report.items() if isinstance(v, dict) and "error" in v]
     lines.append(f"sections with errors: {errs or 'none'}; total {time.perf_counter() - T0:.0f} s")
     return lines
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=None, help="directory for gpu_check.json and gpu_check.log")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--out", type=Path, default=None, help="directory for gpu_check.json and gpu_check.log"
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (tests the script)")
-    ap.add_argument("--budget", type=float, default=400.0,
-                    help="global time guard, seconds: sections that would not fit are skipped; at budget + 45 s a "
-                         "watchdog prints the table and exits")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=400.0,
+        help="global time guard, seconds: sections that would not fit are skipped; at budget + 45 s a "
+        "watchdog prints the table and exits",
+    )
     ap.add_argument("--skip", default="", help="comma-separated sections to skip")
     a = ap.parse_args(argv)
     global SMOKE
@@ -717,7 +958,10 @@ def main(argv=None) -> int:
             report[name] = fn()
             say(f"{name} done")
         except Exception as e:  # noqa: BLE001 - keep the other sections' numbers
-            report[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+            report[name] = {
+                "error": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc()[-3000:],
+            }
             say(f"{name} FAILED: {report[name]['error']}")
             print(report[name]["traceback"], flush=True)
         finally:

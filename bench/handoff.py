@@ -68,12 +68,18 @@ def pings(n: int, gap_s: float, cpus: tuple[int, int] = (0, 1)) -> np.ndarray:
 
 def spinners(cpus: tuple[int, ...]) -> list[subprocess.Popen]:
     """An idle-class busy loop on each CPU (chrt -i 0)."""
-    return [subprocess.Popen(["chrt", "-i", "0", "taskset", "-c", str(c), sys.executable, "-c", "while True: pass"])
-            for c in cpus]
+    return [
+        subprocess.Popen(
+            ["chrt", "-i", "0", "taskset", "-c", str(c), sys.executable, "-c", "while True: pass"]
+        )
+        for c in cpus
+    ]
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--pings", type=int, default=400)
     ap.add_argument("--gaps", default="0,5", help="ms of sleep between pings, comma list")
     ap.add_argument("--repeats", type=int, default=3)
@@ -83,7 +89,7 @@ def main(argv=None):
     cases = [(float(g), awake) for g in a.gaps.split(",") for awake in (False, True)]
     got: dict[tuple[float, bool], list[np.ndarray]] = {c: [] for c in cases}
     for rep in range(a.repeats):
-        for gap, awake in (cases if rep % 2 == 0 else cases[::-1]):
+        for gap, awake in cases if rep % 2 == 0 else cases[::-1]:
             spin = spinners((0, 1)) if awake else []
             try:
                 time.sleep(0.2)
@@ -92,16 +98,26 @@ def main(argv=None):
                 for p in spin:
                     p.kill()
                     p.wait()
-            print(f"repeat {rep} gap {gap:g} ms {'awake' if awake else 'idle'}: "
-                  f"median {np.median(got[(gap, awake)][-1]):.0f} us", flush=True)
-    lines = ["| gap between pings (ms) | CPUs | one-way median (us) | 90th percentile (us) | pings |",
-             "|---:|---|---:|---:|---:|"]
+            print(
+                f"repeat {rep} gap {gap:g} ms {'awake' if awake else 'idle'}: "
+                f"median {np.median(got[(gap, awake)][-1]):.0f} us",
+                flush=True,
+            )
+    lines = [
+        "| gap between pings (ms) | CPUs | one-way median (us) | 90th percentile (us) | pings |",
+        "|---:|---|---:|---:|---:|",
+    ]
     for gap, awake in cases:
         x = np.concatenate(got[(gap, awake)])
-        lines.append(f"| {gap:g} | {'kept awake (idle-class loop)' if awake else 'idle'} | {np.median(x):.0f} | "
-                     f"{np.percentile(x, 90):.0f} | {len(x)} |")
-    lines += ["", f"Command: `python -m bench.handoff --pings {a.pings} --gaps {a.gaps} --repeats {a.repeats}`. "
-              f"Date: {datetime.date.today().isoformat()}. Machine: {machine()}."]
+        lines.append(
+            f"| {gap:g} | {'kept awake (idle-class loop)' if awake else 'idle'} | {np.median(x):.0f} | "
+            f"{np.percentile(x, 90):.0f} | {len(x)} |"
+        )
+    lines += [
+        "",
+        f"Command: `python -m bench.handoff --pings {a.pings} --gaps {a.gaps} --repeats {a.repeats}`. "
+        f"Date: {datetime.date.today().isoformat()}. Machine: {machine()}.",
+    ]
     print("\n".join(lines))
 
 

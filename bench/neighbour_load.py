@@ -53,8 +53,12 @@ def llc_bytes() -> int | None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", type=int, default=8, help="parts of the prompts, each run under every load")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--parts", type=int, default=8, help="parts of the prompts, each run under every load"
+    )
     ap.add_argument("--per-part", type=int, default=8, help="prompts per part (concurrency 1)")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--decode-steps", type=int, default=8)
@@ -83,7 +87,7 @@ def main(argv=None) -> int:
     with on_cpus(mine):
         inprocess_run(engine, None, prompts[:2], 8, 1, a.decode_steps)  # warm-up
         for part in range(a.parts):
-            ps = prompts[part * a.per_part:(part + 1) * a.per_part]
+            ps = prompts[part * a.per_part : (part + 1) * a.per_part]
             order = list(LOADS) if part % 2 == 0 else list(LOADS)[::-1]
             for name in order:
                 child = None
@@ -98,25 +102,35 @@ def main(argv=None) -> int:
                         child.kill()
                         child.wait()
                 tok_s[name].append(sum(len(o) for o in run["outputs"]) / run["seconds"])
-            print(f"part {part + 1}/{a.parts}: " + ", ".join(f"{k} {v[-1]:.0f} tok/s" for k, v in tok_s.items()),
-                  flush=True)
+            print(
+                f"part {part + 1}/{a.parts}: "
+                + ", ".join(f"{k} {v[-1]:.0f} tok/s" for k, v in tok_s.items()),
+                flush=True,
+            )
     llc = llc_bytes()
     lines = ["| the other CPU | tokens/s (mean) | / idle [95% CI] |", "|---|---:|---:|"]
     for name, vals in tok_s.items():
-        ratio = "1" if name == "idle" else fmt_ci(ratio_ci([x / y for x, y in zip(vals, tok_s["idle"])]))
+        ratio = (
+            "1"
+            if name == "idle"
+            else fmt_ci(ratio_ci([x / y for x, y in zip(vals, tok_s["idle"])]))
+        )
         lines.append(f"| {name} | {np.mean(vals):.0f} | {ratio} |")
-    lines += ["", f"The demo target (`{os.path.relpath(target)}`) in process at concurrency 1 on CPU "
-              f"{min(mine)}, greedy, {a.max_new_tokens} new tokens, {a.decode_steps} per call; {a.parts} parts of "
-              f"{a.per_part} random-id prompts, the loads alternated per part. Target weights "
-              f"{weight_bytes / 2**20:.1f} MiB; last-level cache "
-              f"{'unknown' if llc is None else f'{llc / 2**20:.0f} MiB'}. Command: `OMP_NUM_THREADS="
-              f"{os.environ['OMP_NUM_THREADS']} python -m bench.neighbour_load --parts {a.parts} --per-part "
-              f"{a.per_part}`. Date: {datetime.date.today().isoformat()}. Machine: {machine()}."]
+    lines += [
+        "",
+        f"The demo target (`{os.path.relpath(target)}`) in process at concurrency 1 on CPU "
+        f"{min(mine)}, greedy, {a.max_new_tokens} new tokens, {a.decode_steps} per call; {a.parts} parts of "
+        f"{a.per_part} random-id prompts, the loads alternated per part. Target weights "
+        f"{weight_bytes / 2**20:.1f} MiB; last-level cache "
+        f"{'unknown' if llc is None else f'{llc / 2**20:.0f} MiB'}. Command: `OMP_NUM_THREADS="
+        f"{os.environ['OMP_NUM_THREADS']} python -m bench.neighbour_load --parts {a.parts} --per-part "
+        f"{a.per_part}`. Date: {datetime.date.today().isoformat()}. Machine: {machine()}.",
+    ]
     print("\n".join(lines))
     if a.out is not None:
         head = "# The target beside a busy neighbour CPU (CPU)\n\n"
         old = a.out.read_text() if a.out.exists() else ""
-        notes = old[old.index(NOTES_MARKER):] if NOTES_MARKER in old else ""
+        notes = old[old.index(NOTES_MARKER) :] if NOTES_MARKER in old else ""
         a.out.write_text(head + "\n".join(lines) + "\n" + (f"\n{notes}" if notes else ""))
     return 0
 

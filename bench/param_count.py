@@ -17,8 +17,13 @@ from drafter_service.config import DrafterConfig
 from drafter_service.flashmap_dit import FlashMapDiT
 from flashmap.types import feature_layers_for
 
-QWEN3_8B = dict(target_name="Qwen3-8B", vocab_size=151936, target_hidden_size=4096, target_num_layers=36,
-                feature_layers=feature_layers_for(36))
+QWEN3_8B = dict(
+    target_name="Qwen3-8B",
+    vocab_size=151936,
+    target_hidden_size=4096,
+    target_num_layers=36,
+    feature_layers=feature_layers_for(36),
+)
 
 # Component of a parameter name (first match wins); block sub-modules are summed over blocks.
 COMPONENTS = [
@@ -44,7 +49,14 @@ def build(kind: str) -> FlashMapDiT:
 def breakdown(model: FlashMapDiT) -> dict[str, int]:
     out = {name: 0 for name, _ in COMPONENTS}
     for pname, p in model.named_parameters():
-        key = next((name for name, pats in COMPONENTS if any(s in pname or pname.startswith(s) for s in pats)), None)
+        key = next(
+            (
+                name
+                for name, pats in COMPONENTS
+                if any(s in pname or pname.startswith(s) for s in pats)
+            ),
+            None,
+        )
         if key is None:
             raise KeyError(f"parameter {pname} has no component")
         out[key] += p.numel()
@@ -72,7 +84,9 @@ def report() -> str:
         "|---|---:|---:|",
     ]
     for name, _ in COMPONENTS:
-        lines.append(f"| {name} | {_fmt(parts['flashmap'][name])} | {_fmt(parts['dflash'][name])} |")
+        lines.append(
+            f"| {name} | {_fmt(parts['flashmap'][name])} | {_fmt(parts['dflash'][name])} |"
+        )
     totals = {k: sum(v.values()) for k, v in parts.items()}
     lines += [
         f"| **trainable total** | **{totals['flashmap'] / 1e6:.1f}M** | **{totals['dflash'] / 1e6:.1f}M** |",
@@ -107,7 +121,9 @@ def report() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs/results/param_count.md"))
+    ap.add_argument(
+        "--out", default=str(Path(__file__).resolve().parents[1] / "docs/results/param_count.md")
+    )
     args = ap.parse_args()
     text = report()
     print(text)

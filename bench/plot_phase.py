@@ -24,7 +24,11 @@ def phase_tables(md: str) -> list[list[tuple[float, float | None, float | None]]
     speed = lambda c: None if c == "-" else float(c.rstrip("x"))  # noqa: E731
     tables, rows, in_table = [], [], False
     for line in body.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else None
+        cells = (
+            [c.strip() for c in line.strip().strip("|").split("|")]
+            if line.startswith("|")
+            else None
+        )
         if cells and cells[0] != "run" and not set(cells[0]) <= set("-:"):
             rows.append((float(cells[1]), speed(cells[2]), speed(cells[3])))
             in_table = True
@@ -45,11 +49,21 @@ def plot(tables, out: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.4))
     styles = [dict(fillstyle="full", alpha=1.0), dict(fillstyle="none", alpha=0.7)]
     for i, rows in enumerate(tables[:2]):
-        for col, marker, color, name in ((2, "o", "tab:blue", "cut at 0.2"), (1, "s", "tab:orange", "plain")):
+        for col, marker, color, name in (
+            (2, "o", "tab:blue", "cut at 0.2"),
+            (1, "s", "tab:orange", "plain"),
+        ):
             pts = [(r[0], r[col]) for r in rows if r[col] is not None]
             if pts:
-                ax.plot(*zip(*pts), linestyle="none", marker=marker, color=color, markersize=7,
-                        label=f"FlashMap 1 step, {name}: {LABELS[i]}", **styles[i])
+                ax.plot(
+                    *zip(*pts),
+                    linestyle="none",
+                    marker=marker,
+                    color=color,
+                    markersize=7,
+                    label=f"FlashMap 1 step, {name}: {LABELS[i]}",
+                    **styles[i],
+                )
     ax.axhline(1.5, color="gray", linestyle="--", linewidth=1, label="goal 1.5x")
     ax.set_xlabel("target alone, ms per token (higher = VM slower)")
     ax.set_ylabel("speedup over the target alone")
@@ -61,7 +75,9 @@ def plot(tables, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.plot_phase", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.plot_phase", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--md", default="docs/results/bench_drafters.md")
     args = ap.parse_args(argv)
     md = Path(args.md)

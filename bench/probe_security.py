@@ -56,6 +56,7 @@ for _ in Client(sys.argv[1], api_key=sys.argv[2]).generate_stream(prompt_ids=[5,
 
 # ----------------------------------------------------------------------------- helpers
 
+
 class Reference:
     """Greedy outputs of the target alone (in-process engine), the yardstick of exactness."""
 
@@ -67,8 +68,12 @@ class Reference:
     def __call__(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:
         from flashmap.inprocess import decode
 
-        return [r.token_ids for r in decode(self.engine, [GenerationRequest(p, max_new, SamplingParams())
-                                                          for p in prompts])]
+        return [
+            r.token_ids
+            for r in decode(
+                self.engine, [GenerationRequest(p, max_new, SamplingParams()) for p in prompts]
+            )
+        ]
 
 
 def prompts_for(vocab: int, n: int, seed: int) -> list[list[int]]:
@@ -95,7 +100,12 @@ def streams_stay_exact(stack: Stack, ref: Reference, attack, n: int = 4, max_new
     t.start()
     try:
         with client(stack) as c, ThreadPoolExecutor(n) as pool:
-            outs = list(pool.map(lambda p: c.generate(prompt_ids=p, max_new_tokens=max_new, ignore_eos=True), prompts))
+            outs = list(
+                pool.map(
+                    lambda p: c.generate(prompt_ids=p, max_new_tokens=max_new, ignore_eos=True),
+                    prompts,
+                )
+            )
     finally:
         done.set()
         t.join(60)
@@ -128,17 +138,32 @@ def health_status(url: str) -> str:
 
 # ----------------------------------------------------------------------------- Triton
 
-def _triton_infer(stack: Stack, key: str | None, corrid: int, tokens: list[int], start_pos: int, start: bool,
-                  end: bool = False) -> str | None:
+
+def _triton_infer(
+    stack: Stack,
+    key: str | None,
+    corrid: int,
+    tokens: list[int],
+    start_pos: int,
+    start: bool,
+    end: bool = False,
+) -> str | None:
     """One raw verify request to Triton as an attacker would send it (on the model's gRPC
     stream); what refused it (None = OK)."""
     from flashmap.triton_stream import StreamBroken, StreamError, call_once, infer_request
 
-    inputs = {"TOKENS": np.asarray([tokens], np.int64), "START_POS": np.asarray([[start_pos]], np.int64)}
+    inputs = {
+        "TOKENS": np.asarray([tokens], np.int64),
+        "START_POS": np.asarray([[start_pos]], np.int64),
+    }
     request = infer_request("flashmap_target", inputs, [], corrid, start, end)
     try:
-        call_once(f"{stack.cfg.host}:{stack.cfg.triton_grpc_port}", request,
-                  ((TARGET_KEY_GRPC_HEADER, key),) if key else (), timeout_s=20)
+        call_once(
+            f"{stack.cfg.host}:{stack.cfg.triton_grpc_port}",
+            request,
+            ((TARGET_KEY_GRPC_HEADER, key),) if key else (),
+            timeout_s=20,
+        )
         return None
     except StreamBroken as e:
         return e.status.name if e.status is not None else str(e)
@@ -159,18 +184,29 @@ def probe_triton(stack: Stack, ref: Reference) -> dict:
         while not done.is_set() and n < 200:
             corrid = rng.getrandbits(62) | 1
             # No key: inference, shared memory, model control and logging are refused outright.
-            tried.setdefault("verify without key", []).append(_triton_infer(stack, None, corrid, [5, 6], 40, False))
-            tried.setdefault("END without key", []).append(_triton_infer(stack, None, corrid, [], 0, False, end=True))
+            tried.setdefault("verify without key", []).append(
+                _triton_infer(stack, None, corrid, [5, 6], 40, False)
+            )
+            tried.setdefault("END without key", []).append(
+                _triton_infer(stack, None, corrid, [], 0, False, end=True)
+            )
             n += 2
         return {"attacks_during_streams": n}
 
     figures = streams_stay_exact(stack, ref, attack)
     c = tc.InferenceServerClient(f"{stack.cfg.host}:{stack.cfg.triton_grpc_port}")
-    for name, call in [("register shared memory without key",
-                        lambda: c.register_system_shared_memory("x", "/dev/shm/anything", 64)),
-                       ("load model without key", lambda: c.load_model("flashmap_target")),
-                       ("update log settings without key", lambda: c.update_log_settings({"log_verbose_level": 1})),
-                       ("inference statistics without key", lambda: c.get_inference_statistics())]:
+    for name, call in [
+        (
+            "register shared memory without key",
+            lambda: c.register_system_shared_memory("x", "/dev/shm/anything", 64),
+        ),
+        ("load model without key", lambda: c.load_model("flashmap_target")),
+        (
+            "update log settings without key",
+            lambda: c.update_log_settings({"log_verbose_level": 1}),
+        ),
+        ("inference statistics without key", lambda: c.get_inference_statistics()),
+    ]:
         try:
             call()
             tried.setdefault(name, []).append(None)
@@ -181,9 +217,15 @@ def probe_triton(stack: Stack, ref: Reference) -> dict:
     key = stack.cfg.target_key
     corrid = random.getrandbits(62) | 1
     assert _triton_infer(stack, key, corrid, [3, 4, 5], 0, True) is None  # its own sequence: fine
-    tried["with key: START_POS past the sequence"] = [_triton_infer(stack, key, corrid, [7], 40, False)]
-    tried["with key: START_POS inside a drafted, unaccepted span"] = [_triton_infer(stack, key, corrid, [7], 1, False)]
-    tried["with key: END for an id it does not hold"] = [_triton_infer(stack, key, corrid ^ 2, [], 0, False, end=True)]
+    tried["with key: START_POS past the sequence"] = [
+        _triton_infer(stack, key, corrid, [7], 40, False)
+    ]
+    tried["with key: START_POS inside a drafted, unaccepted span"] = [
+        _triton_infer(stack, key, corrid, [7], 1, False)
+    ]
+    tried["with key: END for an id it does not hold"] = [
+        _triton_infer(stack, key, corrid ^ 2, [], 0, False, end=True)
+    ]
     _triton_infer(stack, key, corrid, [], 0, False, end=True)
     allowed = {k: sum(v is None for v in vs) for k, vs in tried.items()}
     assert not any(allowed.values()), f"attacks that went through: {allowed}"
@@ -195,6 +237,7 @@ def probe_triton(stack: Stack, ref: Reference) -> dict:
 
 # ----------------------------------------------------------------------------- drafter
 
+
 def probe_drafter(stack: Stack, ref: Reference) -> dict:
     """Admin and draft calls without the token are refused; the streams stay exact."""
     url = stack.cfg.drafter_url
@@ -203,12 +246,19 @@ def probe_drafter(stack: Stack, ref: Reference) -> dict:
     def attack(done: threading.Event) -> dict:
         with grpc.insecure_channel(url) as ch:
             stub = drafter_pb2_grpc.DrafterStub(ch)
-            calls = [lambda: stub.SetSteps(drafter_pb2.SetStepsRequest(steps=64), timeout=5),
-                     lambda: stub.Release(drafter_pb2.ReleaseRequest(seq_ids=[str(i) for i in range(100)]), timeout=5),
-                     lambda: stub.Stats(drafter_pb2.StatsRequest(), timeout=5),
-                     lambda: list(stub.Draft(iter([drafter_pb2.DraftRequest(call_id=1)]), timeout=5)),
-                     lambda: stub.SetSteps(drafter_pb2.SetStepsRequest(steps=64), timeout=5,
-                                           metadata=((DRAFTER_TOKEN_HEADER, "guess"),))]
+            calls = [
+                lambda: stub.SetSteps(drafter_pb2.SetStepsRequest(steps=64), timeout=5),
+                lambda: stub.Release(
+                    drafter_pb2.ReleaseRequest(seq_ids=[str(i) for i in range(100)]), timeout=5
+                ),
+                lambda: stub.Stats(drafter_pb2.StatsRequest(), timeout=5),
+                lambda: list(stub.Draft(iter([drafter_pb2.DraftRequest(call_id=1)]), timeout=5)),
+                lambda: stub.SetSteps(
+                    drafter_pb2.SetStepsRequest(steps=64),
+                    timeout=5,
+                    metadata=((DRAFTER_TOKEN_HEADER, "guess"),),
+                ),
+            ]
             while not done.is_set() and len(codes) < 100:
                 for call in calls:
                     try:
@@ -229,6 +279,7 @@ def probe_drafter(stack: Stack, ref: Reference) -> dict:
 
 # ----------------------------------------------------------------------------- public API
 
+
 def refusal_times_s(url: str, size: int, repeats: int = 3, api_key: str = "") -> list[float]:
     """Seconds from sending a `size`-byte text prompt to its refusal, per try, on one connected
     channel (the time is the refusal's, not the channel's set-up)."""
@@ -247,7 +298,9 @@ def refusal_times_s(url: str, size: int, repeats: int = 3, api_key: str = "") ->
     return out
 
 
-def bare_grpc_refusal_s(size: int = 10 << 20, limit: int = 4 << 20, repeats: int = 3) -> list[float]:
+def bare_grpc_refusal_s(
+    size: int = 10 << 20, limit: int = 4 << 20, repeats: int = 3
+) -> list[float]:
     """The same refusals from a bare grpc.aio server (the orchestrator's kind) with the same
     message limit and no handler work: what gRPC itself costs."""
 
@@ -289,8 +342,13 @@ def probe_public_api(stack: Stack) -> dict:
     # A stream runs while the 10 MB prompt is refused: its inter-token gaps before and during,
     # timed in a process of its own (encoding 10 MB here holds this process's GIL).
     arrivals: list[float] = []
-    streamer = subprocess.Popen([sys.executable, "-c", _STREAM, url, stack.cfg.api_key], stdout=subprocess.PIPE,
-                                text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    streamer = subprocess.Popen(
+        [sys.executable, "-c", _STREAM, url, stack.cfg.api_key],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     reading = threading.Thread(target=lambda: arrivals.extend(float(x) for x in streamer.stdout))
     reading.start()
     while len(arrivals) < 40 and reading.is_alive():
@@ -305,12 +363,18 @@ def probe_public_api(stack: Stack) -> dict:
     before = gaps[np.asarray(arrivals[1:]) < t0]
     during = gaps[(np.asarray(arrivals[1:]) >= t0) & (np.asarray(arrivals[:-1]) <= t1)]
     big_refusal_s = float(np.median(refusals))
-    bad = [dict(prompt_ids=[1, 2], max_new_tokens=4, top_k=2**31), dict(prompt_ids=[1], max_new_tokens=4,
-                                                                        request_id="r" * 1000),
-           dict(prompt_ids=[], max_new_tokens=4), dict(prompt_ids=[10**9], max_new_tokens=4),
-           dict(prompt_ids=[1], max_new_tokens=0), dict(prompt_ids=[1], max_new_tokens=4, temperature=-1.0),
-           dict(prompt_ids=[1], max_new_tokens=4, top_p=0.0), dict(prompt_ids=[1], max_new_tokens=10**7),
-           dict(prompt_ids=[1], max_new_tokens=4, draft_steps=1000), dict(prompt="x" * (2 << 20), max_new_tokens=4)]
+    bad = [
+        dict(prompt_ids=[1, 2], max_new_tokens=4, top_k=2**31),
+        dict(prompt_ids=[1], max_new_tokens=4, request_id="r" * 1000),
+        dict(prompt_ids=[], max_new_tokens=4),
+        dict(prompt_ids=[10**9], max_new_tokens=4),
+        dict(prompt_ids=[1], max_new_tokens=0),
+        dict(prompt_ids=[1], max_new_tokens=4, temperature=-1.0),
+        dict(prompt_ids=[1], max_new_tokens=4, top_p=0.0),
+        dict(prompt_ids=[1], max_new_tokens=10**7),
+        dict(prompt_ids=[1], max_new_tokens=4, draft_steps=1000),
+        dict(prompt="x" * (2 << 20), max_new_tokens=4),
+    ]
     with client(stack, timeout=30) as c:
         for kw in bad:
             try:
@@ -322,17 +386,29 @@ def probe_public_api(stack: Stack) -> dict:
     rng = random.Random(1)
     md = (("authorization", f"Bearer {stack.cfg.api_key}"),) if stack.cfg.api_key else None
     with grpc.insecure_channel(url) as ch:
-        raw = ch.unary_stream("/flashmap.v1.FlashMap/Generate", request_serializer=lambda b: b,
-                              response_deserializer=lambda b: b)
+        raw = ch.unary_stream(
+            "/flashmap.v1.FlashMap/Generate",
+            request_serializer=lambda b: b,
+            response_deserializer=lambda b: b,
+        )
         stub = serving_pb2_grpc.FlashMapStub(ch)
         for i in range(FUZZ[0]):
             try:
                 if i % 2:
-                    list(raw(bytes(rng.getrandbits(8) for _ in range(rng.randint(1, 64))), timeout=10, metadata=md))
+                    list(
+                        raw(
+                            bytes(rng.getrandbits(8) for _ in range(rng.randint(1, 64))),
+                            timeout=10,
+                            metadata=md,
+                        )
+                    )
                 else:
                     req = serving_pb2.GenerateRequest(
-                        max_new_tokens=rng.choice([0, 1, 3, 2**32 - 1]), temperature=rng.choice([0.0, -1.0, 1e30, 0.5]),
-                        top_k=rng.choice([0, 1, 2**32 - 1]), request_id=rng.choice(["", "a" * 300, "\x00\x01"]))
+                        max_new_tokens=rng.choice([0, 1, 3, 2**32 - 1]),
+                        temperature=rng.choice([0.0, -1.0, 1e30, 0.5]),
+                        top_k=rng.choice([0, 1, 2**32 - 1]),
+                        request_id=rng.choice(["", "a" * 300, "\x00\x01"]),
+                    )
                     req.token_ids.ids.extend(rng.choice([[], [1, 2], [-5], [2**40]]))
                     if rng.random() < 0.3:
                         req.top_p = rng.choice([0.0, 2.0, float("nan")])
@@ -343,18 +419,24 @@ def probe_public_api(stack: Stack) -> dict:
     log_text = stack._log("orchestrator").read_text(errors="replace")
     assert "UNKNOWN" not in codes and "INTERNAL" not in codes, codes
     assert "Traceback" not in log_text, "the orchestrator logged a traceback"
-    assert big_refusal_s < 2.0, big_refusal_s  # the 100 ms bound is measured by the script, on a quiet machine
+    assert big_refusal_s < 2.0, (
+        big_refusal_s
+    )  # the 100 ms bound is measured by the script, on a quiet machine
     t0 = time.perf_counter()
     serving_pb2.GenerateRequest(text="x" * (10 << 20)).SerializeToString()
     serialize_s = time.perf_counter() - t0
-    return {"codes": codes, "big_prompt_refused_s": round(big_refusal_s, 4),
-            "big_prompt_refused_each_s": [round(x, 4) for x in refusals],
-            "bare_grpc_refused_s": round(float(np.median(bare_grpc_refusal_s())), 4),
-            "bare_grpc_refused_100mb_s": round(float(np.median(bare_grpc_refusal_s(100 << 20))), 4),
-            "client_serialize_10mb_s": round(serialize_s, 4),
-            "stream_gap_ms_before": round(float(np.median(before)) * 1e3, 2) if len(before) else None,
-            "stream_gap_ms_during_max": round(float(during.max()) * 1e3, 2) if len(during) else None, "fuzzed": FUZZ[0],
-            "tracebacks_logged": 0}
+    return {
+        "codes": codes,
+        "big_prompt_refused_s": round(big_refusal_s, 4),
+        "big_prompt_refused_each_s": [round(x, 4) for x in refusals],
+        "bare_grpc_refused_s": round(float(np.median(bare_grpc_refusal_s())), 4),
+        "bare_grpc_refused_100mb_s": round(float(np.median(bare_grpc_refusal_s(100 << 20))), 4),
+        "client_serialize_10mb_s": round(serialize_s, 4),
+        "stream_gap_ms_before": round(float(np.median(before)) * 1e3, 2) if len(before) else None,
+        "stream_gap_ms_during_max": round(float(during.max()) * 1e3, 2) if len(during) else None,
+        "fuzzed": FUZZ[0],
+        "tracebacks_logged": 0,
+    }
 
 
 FUZZ = [1000]
@@ -362,14 +444,18 @@ FUZZ = [1000]
 
 # ----------------------------------------------------------------------------- cancels
 
+
 def _active(stack: Stack) -> dict:
     o = totals(scrape(f"http://{stack.cfg.host}:{stack.cfg.metrics_port}/metrics"))
     t = totals(scrape(stack.triton.metrics_url))
     with DrafterAdmin(stack.cfg.drafter_url, token=stack.cfg.drafter_token) as admin:
         d = admin.stats().active_sequences
-    return {"orchestrator_active": o.get("flashmap_active_requests", 0), "orchestrator_queued":
-            o.get("flashmap_queued_requests", 0), "triton_active": t.get("flashmap_target_active_sequences", 0),
-            "drafter_active": d}
+    return {
+        "orchestrator_active": o.get("flashmap_active_requests", 0),
+        "orchestrator_queued": o.get("flashmap_queued_requests", 0),
+        "triton_active": t.get("flashmap_target_active_sequences", 0),
+        "drafter_active": d,
+    }
 
 
 def probe_cancels(stack: Stack, ref: Reference, n: int = 1000, concurrency: int = 64) -> dict:
@@ -385,7 +471,9 @@ def probe_cancels(stack: Stack, ref: Reference, n: int = 1000, concurrency: int 
             prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(2, 12))]
             try:
                 if kind == "deadline":
-                    cc = AsyncClient(stack.cfg.url, timeout=rng.uniform(0.01, 0.5), api_key=stack.cfg.api_key)
+                    cc = AsyncClient(
+                        stack.cfg.url, timeout=rng.uniform(0.01, 0.5), api_key=stack.cfg.api_key
+                    )
                     try:
                         await cc.generate(prompt_ids=prompt, max_new_tokens=200, ignore_eos=True)
                     finally:
@@ -411,22 +499,38 @@ def probe_cancels(stack: Stack, ref: Reference, n: int = 1000, concurrency: int 
     t0 = time.perf_counter()
     asyncio.run(run())
     took = time.perf_counter() - t0
-    idle = wait_until("every slot free on orchestrator, Triton and drafter",
-                      lambda: (lambda a: a if not any(a.values()) else None)(_active(stack)), 60)
+    idle = wait_until(
+        "every slot free on orchestrator, Triton and drafter",
+        lambda: (lambda a: a if not any(a.values()) else None)(_active(stack)),
+        60,
+    )
     n_slots = stack.cfg.n_slots
     prompts = prompts_for(vocab, n_slots, seed=5)
     want = ref(prompts, 24)
     with client(stack) as c, ThreadPoolExecutor(n_slots) as pool:
-        got = list(pool.map(lambda p: c.generate(prompt_ids=p, max_new_tokens=24, ignore_eos=True).token_ids, prompts))
+        got = list(
+            pool.map(
+                lambda p: c.generate(prompt_ids=p, max_new_tokens=24, ignore_eos=True).token_ids,
+                prompts,
+            )
+        )
     assert got == want, "a full batch after the cancels was not exact"
-    return {"requests": n, "seconds": round(took, 1), "outcomes": outcome, "after": idle,
-            "full_batch_after": f"{n_slots}/{n_slots} exact"}
+    return {
+        "requests": n,
+        "seconds": round(took, 1),
+        "outcomes": outcome,
+        "after": idle,
+        "full_batch_after": f"{n_slots}/{n_slots} exact",
+    }
 
 
 # ----------------------------------------------------------------------------- faults
 
+
 def _stub_pids(stack: Stack) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", "triton_python_backend_stub"], capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["pgrep", "-f", "triton_python_backend_stub"], capture_output=True, text=True
+    ).stdout
     pids = [int(p) for p in out.split()]
     mine = set()
     for p in pids:  # only the stubs under this stack's tritonserver
@@ -464,7 +568,12 @@ def probe_paused_triton(stack: Stack, bound_s: float) -> dict:
     with client(stack) as c:
         wait_until("the orchestrator to see the target again", lambda: c.health().target_ready, 30)
         c.generate(prompt_ids=[3, 4, 5], max_new_tokens=4)
-    return {"status": code, "ended_after_s": round(took, 2), "bound_s": bound_s, "health_answered_s": round(health_s, 3)}
+    return {
+        "status": code,
+        "ended_after_s": round(took, 2),
+        "bound_s": bound_s,
+        "health_answered_s": round(health_s, 3),
+    }
 
 
 def probe_stub_killed(stack: Stack, ref: Reference) -> dict:
@@ -486,28 +595,48 @@ def probe_stub_killed(stack: Stack, ref: Reference) -> dict:
                 c.generate(prompt_ids=[3, 4, 5], max_new_tokens=4)
             except FlashMapError:
                 pass
-            wait_until("health NOT_SERVING", lambda: health_status(stack.cfg.url) == "NOT_SERVING"
-                       and not c.health().target_ready, 30)
+            wait_until(
+                "health NOT_SERVING",
+                lambda: (
+                    health_status(stack.cfg.url) == "NOT_SERVING" and not c.health().target_ready
+                ),
+                30,
+            )
             not_serving_s = time.perf_counter() - t0
-            wait_until("Triton restarted and health SERVING", lambda: health_status(stack.cfg.url) == "SERVING", 180, 0.5)
+            wait_until(
+                "Triton restarted and health SERVING",
+                lambda: health_status(stack.cfg.url) == "SERVING",
+                180,
+                0.5,
+            )
             recovered_s = time.perf_counter() - t0
         prompts = prompts_for(ref.engine.vocab_size, 3, seed=9)
         with client(stack) as c:
-            got = [c.generate(prompt_ids=p, max_new_tokens=24, ignore_eos=True).token_ids for p in prompts]
+            got = [
+                c.generate(prompt_ids=p, max_new_tokens=24, ignore_eos=True).token_ids
+                for p in prompts
+            ]
         assert got == ref(prompts, 24), "output after the restart was not exact"
     finally:
         stop.set()
         th.join(60)
     assert sup.restarts["triton"] >= 1
-    return {"not_serving_after_s": round(not_serving_s, 1), "serving_again_after_s": round(recovered_s, 1),
-            "triton_restarts": sup.restarts["triton"], "exact_after": "3/3"}
+    return {
+        "not_serving_after_s": round(not_serving_s, 1),
+        "serving_again_after_s": round(recovered_s, 1),
+        "triton_restarts": sup.restarts["triton"],
+        "exact_after": "3/3",
+    }
 
 
 # ----------------------------------------------------------------------------- script
 
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", default=None, help="checkpoint (default: a tiny random Qwen3 with a tokenizer)")
+    ap.add_argument(
+        "--target", default=None, help="checkpoint (default: a tiny random Qwen3 with a tokenizer)"
+    )
     ap.add_argument("--cancels", type=int, default=1000)
     ap.add_argument("--fuzz", type=int, default=1000)
     ap.add_argument("--out", type=Path, default=OUT / "security.md")
@@ -518,53 +647,74 @@ def main(argv=None) -> int:
         import tempfile
 
         from target_service.random_checkpoint import make_random_qwen3
-        target = str(make_random_qwen3(Path(tempfile.mkdtemp()) / "tiny-qwen3", vocab_size=512, seed=3))
+
+        target = str(
+            make_random_qwen3(Path(tempfile.mkdtemp()) / "tiny-qwen3", vocab_size=512, seed=3)
+        )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     bound = 5.0
-    cfg = StackConfig.on_free_ports(target_dir=target, n_slots=8, max_seq_len=1024, api_key="probe-key",
-                                    speculation="full", target_timeout_s=bound)
+    cfg = StackConfig.on_free_ports(
+        target_dir=target,
+        n_slots=8,
+        max_seq_len=1024,
+        api_key="probe-key",
+        speculation="full",
+        target_timeout_s=bound,
+    )
     ref = Reference(target)
     results = {}
     with Stack(cfg) as stack:
-        for name, fn in [("triton", lambda: probe_triton(stack, ref)), ("drafter", lambda: probe_drafter(stack, ref)),
-                         ("public_api", lambda: probe_public_api(stack)),
-                         ("cancels", lambda: probe_cancels(stack, ref, a.cancels)),
-                         ("paused_triton", lambda: probe_paused_triton(stack, bound)),
-                         ("stub_killed", lambda: probe_stub_killed(stack, ref))]:
+        for name, fn in [
+            ("triton", lambda: probe_triton(stack, ref)),
+            ("drafter", lambda: probe_drafter(stack, ref)),
+            ("public_api", lambda: probe_public_api(stack)),
+            ("cancels", lambda: probe_cancels(stack, ref, a.cancels)),
+            ("paused_triton", lambda: probe_paused_triton(stack, bound)),
+            ("stub_killed", lambda: probe_stub_killed(stack, ref)),
+        ]:
             print(f"{name} ...", flush=True)
             results[name] = fn()
             print(f"{name}: {json.dumps(results[name])}", flush=True)
-    lines = ["# Trust boundaries and failure handling (probes)", "",
-             "| probe | what was tried | result |", "|---|---|---|",
-             f"| Triton | {results['triton']['attacks_refused']} requests without the key or outside the caller's "
-             f"sequence, while {results['triton']['streams']} greedy streams ran | all refused; streams "
-             f"{results['triton']['streams_exact']}/{results['triton']['streams']} identical to the target alone |",
-             f"| drafter | {results['drafter']['calls_without_token']} calls without the token (SetSteps 64, "
-             f"Release, Stats, Draft) | all UNAUTHENTICATED; streams exact |",
-             f"| public API | 10 MB prompt, bad fields, {results['public_api']['fuzzed']} fuzzed requests | "
-             f"{results['public_api']['codes']}; 10 MB refused in {results['public_api']['big_prompt_refused_s']} s, median of 3 (a bare grpc.aio server with the same limit: {results['public_api']['bare_grpc_refused_s']} s; a concurrent stream's token gap: median {results['public_api']['stream_gap_ms_before']} ms before, at most {results['public_api']['stream_gap_ms_during_max']} ms during); "
-             f"no traceback logged |",
-             f"| cancels | {results['cancels']['requests']} cancels and deadlines, 64 at a time | after: "
-             f"{results['cancels']['after']}; full batch {results['cancels']['full_batch_after']} |",
-             f"| paused Triton | SIGSTOP | {results['paused_triton']['status']} after "
-             f"{results['paused_triton']['ended_after_s']} s (bound {bound:g} s); Health answered in "
-             f"{results['paused_triton']['health_answered_s']} s |",
-             f"| Triton stub killed | kill -9 | NOT_SERVING after {results['stub_killed']['not_serving_after_s']} s, "
-             f"SERVING again after {results['stub_killed']['serving_again_after_s']} s "
-             f"({results['stub_killed']['triton_restarts']} restart), exact after |",
-             "", f"Requests lost: 0 (every request ended with one status). "
-             f"Date {datetime.date.today().isoformat()}. Command: `python -m bench.probe_security`.", "",
-             "gRPC's own refusal of a message over its limit (`grpc.max_receive_message_length`) takes "
-             f"longer than receiving the message (a bare grpc.aio server with a 4 MB limit: "
-             f"{results['public_api']['bare_grpc_refused_s']} s at 10 MB, "
-             f"{results['public_api']['bare_grpc_refused_100mb_s']} s at 100 MB), while receiving 10 MB takes "
-             "tens of milliseconds. So the orchestrator lets gRPC receive up to 4x its 4 MB limit and "
-             "refuses those messages itself as they arrive, before parsing (flashmap.grpc_serving); "
-             "larger ones get gRPC's refusal. Encoding the 10 MB request in the Python client alone "
-             f"takes {results['public_api']['client_serialize_10mb_s']} s. The orchestrator never "
-             "parses, tokenises or queues the prompt; the stream beside the three refusals is timed in a "
-             "process of its own.", "",
-             "```json", json.dumps(results, indent=1), "```"]
+    lines = [
+        "# Trust boundaries and failure handling (probes)",
+        "",
+        "| probe | what was tried | result |",
+        "|---|---|---|",
+        f"| Triton | {results['triton']['attacks_refused']} requests without the key or outside the caller's "
+        f"sequence, while {results['triton']['streams']} greedy streams ran | all refused; streams "
+        f"{results['triton']['streams_exact']}/{results['triton']['streams']} identical to the target alone |",
+        f"| drafter | {results['drafter']['calls_without_token']} calls without the token (SetSteps 64, "
+        f"Release, Stats, Draft) | all UNAUTHENTICATED; streams exact |",
+        f"| public API | 10 MB prompt, bad fields, {results['public_api']['fuzzed']} fuzzed requests | "
+        f"{results['public_api']['codes']}; 10 MB refused in {results['public_api']['big_prompt_refused_s']} s, median of 3 (a bare grpc.aio server with the same limit: {results['public_api']['bare_grpc_refused_s']} s; a concurrent stream's token gap: median {results['public_api']['stream_gap_ms_before']} ms before, at most {results['public_api']['stream_gap_ms_during_max']} ms during); "
+        f"no traceback logged |",
+        f"| cancels | {results['cancels']['requests']} cancels and deadlines, 64 at a time | after: "
+        f"{results['cancels']['after']}; full batch {results['cancels']['full_batch_after']} |",
+        f"| paused Triton | SIGSTOP | {results['paused_triton']['status']} after "
+        f"{results['paused_triton']['ended_after_s']} s (bound {bound:g} s); Health answered in "
+        f"{results['paused_triton']['health_answered_s']} s |",
+        f"| Triton stub killed | kill -9 | NOT_SERVING after {results['stub_killed']['not_serving_after_s']} s, "
+        f"SERVING again after {results['stub_killed']['serving_again_after_s']} s "
+        f"({results['stub_killed']['triton_restarts']} restart), exact after |",
+        "",
+        f"Requests lost: 0 (every request ended with one status). "
+        f"Date {datetime.date.today().isoformat()}. Command: `python -m bench.probe_security`.",
+        "",
+        "gRPC's own refusal of a message over its limit (`grpc.max_receive_message_length`) takes "
+        f"longer than receiving the message (a bare grpc.aio server with a 4 MB limit: "
+        f"{results['public_api']['bare_grpc_refused_s']} s at 10 MB, "
+        f"{results['public_api']['bare_grpc_refused_100mb_s']} s at 100 MB), while receiving 10 MB takes "
+        "tens of milliseconds. So the orchestrator lets gRPC receive up to 4x its 4 MB limit and "
+        "refuses those messages itself as they arrive, before parsing (flashmap.grpc_serving); "
+        "larger ones get gRPC's refusal. Encoding the 10 MB request in the Python client alone "
+        f"takes {results['public_api']['client_serialize_10mb_s']} s. The orchestrator never "
+        "parses, tokenises or queues the prompt; the stream beside the three refusals is timed in a "
+        "process of its own.",
+        "",
+        "```json",
+        json.dumps(results, indent=1),
+        "```",
+    ]
     a.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines[:12]))
     return 0

@@ -21,17 +21,35 @@ import sys
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of this process and of every service")
-    ap.add_argument("--wait-policy", default="", help="OMP_WAIT_POLICY (ACTIVE, PASSIVE; default: libgomp's)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="OMP_NUM_THREADS of this process and of every service",
+    )
+    ap.add_argument(
+        "--wait-policy", default="", help="OMP_WAIT_POLICY (ACTIVE, PASSIVE; default: libgomp's)"
+    )
     ap.add_argument("--repeats", type=int, default=2)
     a = ap.parse_args(argv)
-    os.environ["OMP_NUM_THREADS"] = str(a.threads)  # before torch starts its pool; the services inherit it
+    os.environ["OMP_NUM_THREADS"] = str(
+        a.threads
+    )  # before torch starts its pool; the services inherit it
     if a.wait_policy:
         os.environ["OMP_WAIT_POLICY"] = a.wait_policy
     import torch
 
-    from bench.bench_stack import inprocess, prompt_sets, stack_summary, through_stack, tok_s, triton_alone
+    from bench.bench_stack import (
+        inprocess,
+        prompt_sets,
+        stack_summary,
+        through_stack,
+        tok_s,
+        triton_alone,
+    )
     from drafter_service.factory import load_proposer
     from flashmap_cli.stack import Stack, StackConfig, default_checkpoints
     from target_service.engine import TargetEngine
@@ -42,8 +60,9 @@ def main(argv=None) -> int:
     proposer = load_proposer(drafter, target, n_slots=32, max_context=256)
     sets = prompt_sets(target, engine.vocab_size, 32)
     rand, text = sets["random ids"], sets["held-out text"]
-    cfg = StackConfig.on_free_ports(target_dir=target, drafter=drafter, n_slots=32, max_seq_len=256,
-                                    speculation="full")
+    cfg = StackConfig.on_free_ports(
+        target_dir=target, drafter=drafter, n_slots=32, max_seq_len=256, speculation="full"
+    )
 
     def alone(p, c):
         run = triton_alone(cfg, p, 48, c)
@@ -54,15 +73,30 @@ def main(argv=None) -> int:
         return run["outputs"], run["tok_s"]
 
     cells = {  # name -> (prompts, concurrency, run: (prompts, concurrency) -> (outputs, tokens/s))
-        "target c=1 (random)": (rand[:16], 1, lambda p, c: inprocess(engine, None, p, 48, c, cfg.decode_steps)),
+        "target c=1 (random)": (
+            rand[:16],
+            1,
+            lambda p, c: inprocess(engine, None, p, 48, c, cfg.decode_steps),
+        ),
         "Triton alone c=1 (random)": (rand[:16], 1, alone),
         "stack off c=1 (random)": (rand[:16], 1, lambda p, c: stack(p, c, off=True)),
-        "fixed K c=1 (text)": (text[:16], 1, lambda p, c: inprocess(engine, proposer, p, 48, c, cfg.decode_steps)),
+        "fixed K c=1 (text)": (
+            text[:16],
+            1,
+            lambda p, c: inprocess(engine, proposer, p, 48, c, cfg.decode_steps),
+        ),
         "stack full c=1 (text)": (text[:16], 1, stack),
-        "target c=16 (text)": (text, 16, lambda p, c: inprocess(engine, None, p, 48, c, cfg.decode_steps)),
+        "target c=16 (text)": (
+            text,
+            16,
+            lambda p, c: inprocess(engine, None, p, 48, c, cfg.decode_steps),
+        ),
         "Triton alone c=16 (text)": (text, 16, alone),
     }
-    expected = {name: inprocess(engine, None, p, 48, c, cfg.decode_steps)[0] for name, (p, c, _) in cells.items()}
+    expected = {
+        name: inprocess(engine, None, p, 48, c, cfg.decode_steps)[0]
+        for name, (p, c, _) in cells.items()
+    }
     results: dict[str, list[float]] = {name: [] for name in cells}
     with Stack(cfg):
         through_stack(cfg, text[:2], 8, 1)  # warm-up

@@ -27,8 +27,15 @@ def _rows(engine, slots, spare: int, ctx: int, lengths: list[int], rng) -> list[
     for s, n in zip(slots, lengths):
         t = rng.integers(3, engine.vocab_size, n)
         prompt = n > 17
-        rows.append(VerifyRow(spare if prompt else s, 0 if prompt else ctx, t, SamplingParams(),
-                              support_ids=t[len(t) - min(n, 17) + 1:, None]))
+        rows.append(
+            VerifyRow(
+                spare if prompt else s,
+                0 if prompt else ctx,
+                t,
+                SamplingParams(),
+                support_ids=t[len(t) - min(n, 17) + 1 :, None],
+            )
+        )
     return rows
 
 
@@ -45,22 +52,30 @@ def main(argv: list[str] | None = None) -> int:
     from target_service.engine import TargetEngine, _pack
     from target_service.verification import verification_stats
 
-    ap = argparse.ArgumentParser(prog="python -m bench.verify_cost", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.verify_cost", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--target", default="checkpoints/demo-target")
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--context", type=int, default=100)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--group-tokens", default="", help="comma-separated GROUP_TOKENS values to compare")
+    ap.add_argument(
+        "--group-tokens", default="", help="comma-separated GROUP_TOKENS values to compare"
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
     engine = TargetEngine(args.target, n_slots=args.rows + 1)
     slots = [engine.allocate() for _ in range(args.rows)]
     spare = engine.allocate()
-    engine.verify([VerifyRow(s, 0, rng.integers(3, engine.vocab_size, args.context), SamplingParams())
-                   for s in slots])
+    engine.verify(
+        [
+            VerifyRow(s, 0, rng.integers(3, engine.vocab_size, args.context), SamplingParams())
+            for s in slots
+        ]
+    )
     n, p = args.rows, args.prompt
 
     def padded(rows):  # what engine.verify does, with one padded pass instead of the packed one
@@ -68,15 +83,23 @@ def main(argv: list[str] | None = None) -> int:
         lengths = [len(r.tokens) for r in rows]
         batch = [torch.as_tensor(a) for a in _pack(rows, max(lengths))]
         with torch.inference_mode():
-            logits, features = engine.model(*batch, engine._feature_layers,
-                                             max(r.start_pos + n for r, n in zip(rows, lengths)))
+            logits, features = engine.model(
+                *batch, engine._feature_layers, max(r.start_pos + n for r, n in zip(rows, lengths))
+            )
             verification_stats(logits, rows)
         np.split(features.numpy(), np.cumsum(lengths)[:-1])
 
-    mixes = {f"{n} x 1": [1] * n, f"{n} x 17": [17] * n, f"1 x 17 + {n - 1} x 1": [17] + [1] * (n - 1),
-             f"4 x 17 + {n - 4} x 1": [17] * 4 + [1] * (n - 4), f"4 x 5 + {n - 4} x 1": [5] * 4 + [1] * (n - 4),
-             f"prompt {p} + {n - 1} x 1": [p] + [1] * (n - 1), f"prompt {p} + 4 x 17 + {n - 5} x 1": [p] + [17] * 4 + [1] * (n - 5),
-             "1 x 1": [1], "1 x 17": [17]}
+    mixes = {
+        f"{n} x 1": [1] * n,
+        f"{n} x 17": [17] * n,
+        f"1 x 17 + {n - 1} x 1": [17] + [1] * (n - 1),
+        f"4 x 17 + {n - 4} x 1": [17] * 4 + [1] * (n - 4),
+        f"4 x 5 + {n - 4} x 1": [5] * 4 + [1] * (n - 4),
+        f"prompt {p} + {n - 1} x 1": [p] + [1] * (n - 1),
+        f"prompt {p} + 4 x 17 + {n - 5} x 1": [p] + [17] * 4 + [1] * (n - 5),
+        "1 x 1": [1],
+        "1 x 17": [17],
+    }
     print(f"{'rows':>28} {'tokens':>6} {'packed ms':>10} {'padded ms':>10} {'padded/packed':>14}")
     xs, ys = [], []
     for name, lengths in mixes.items():
@@ -86,13 +109,20 @@ def main(argv: list[str] | None = None) -> int:
         if max(lengths) <= 17:
             xs.append(sum(lengths))
             ys.append(packed_s)
-        print(f"{name:>28} {sum(lengths):6d} {packed_s * 1e3:10.2f} {padded_s * 1e3:10.2f} {padded_s / packed_s:14.2f}")
+        print(
+            f"{name:>28} {sum(lengths):6d} {packed_s * 1e3:10.2f} {padded_s * 1e3:10.2f} {padded_s / packed_s:14.2f}"
+        )
     c1, c0 = np.polyfit(xs, ys, 1)
     print(f"packed decode rounds: {c0 * 1e3:.2f} ms + {c1 * 1e6:.1f} us per query token")
     for gt in [float(v) for v in args.group_tokens.split(",") if v]:
         engine.group_tokens = gt
-        times = [_median_s(lambda: engine.verify(_rows(engine, slots, spare, args.context, lengths, rng)), args.reps)
-                 for lengths in mixes.values()]
+        times = [
+            _median_s(
+                lambda: engine.verify(_rows(engine, slots, spare, args.context, lengths, rng)),
+                args.reps,
+            )
+            for lengths in mixes.values()
+        ]
         print(f"group_tokens {gt:g}: " + " ".join(f"{t * 1e3:.2f}" for t in times) + " ms")
     return 0
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import types
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch._inductor.config  # noqa: F401 - Compiled sets its freezing flag
@@ -54,7 +54,11 @@ class Compiled:
         self.compiled = torch.compile(fn, dynamic=True)
         self.failed: str | None = None  # why compilation was given up, once it was
         module = getattr(fn, "__self__", None)
-        self._weights = list(module.parameters()) + list(module.buffers()) if isinstance(module, torch.nn.Module) else []
+        self._weights = (
+            list(module.parameters()) + list(module.buffers())
+            if isinstance(module, torch.nn.Module)
+            else []
+        )
         self._versions = self._weight_versions()
 
     def _weight_versions(self) -> list[int]:
@@ -67,13 +71,17 @@ class Compiled:
         if self.failed is None:
             config = torch._inductor.config
             frozen = config.freezing
-            config.freezing = self.freeze  # read by dynamo when (re)compiling; see the module docstring
+            config.freezing = (
+                self.freeze
+            )  # read by dynamo when (re)compiling; see the module docstring
             try:
                 return self.compiled(*args)
             except Exception as e:  # noqa: BLE001 - sorted out below
                 out = self.eager(*args)  # a bad input raises here too: that error is the caller's
                 self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                log.warning("torch.compile of %s failed, running it eagerly: %s", self.name, self.failed)
+                log.warning(
+                    "torch.compile of %s failed, running it eagerly: %s", self.name, self.failed
+                )
                 return out
             finally:
                 config.freezing = frozen
@@ -89,15 +97,21 @@ def compiled_method(obj, name: str, freeze: bool = False) -> Compiled:
     shared code object, a model in an evaluation that compiles four drafters paid for the
     other three's guards (about 0.06 ms more dynamo overhead per drafting round on the
     demo, torch profiler)."""
-    cache = obj.__dict__.setdefault("_compiled_methods", {})  # plain attribute, also on an nn.Module
+    cache = obj.__dict__.setdefault(
+        "_compiled_methods", {}
+    )  # plain attribute, also on an nn.Module
     if name not in cache:
-        cache[name] = Compiled(_own_code(getattr(obj, name)), f"{type(obj).__name__}.{name}", freeze)
+        cache[name] = Compiled(
+            _own_code(getattr(obj, name)), f"{type(obj).__name__}.{name}", freeze
+        )
     return cache[name]
 
 
 def _own_code(method: types.MethodType) -> types.MethodType:
     """The bound method over a fresh copy of its function's code object (same behaviour)."""
     f = method.__func__
-    copy = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    copy = types.FunctionType(
+        f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__
+    )
     copy.__kwdefaults__, copy.__qualname__ = f.__kwdefaults__, f.__qualname__
     return types.MethodType(copy, method.__self__)

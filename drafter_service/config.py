@@ -51,7 +51,9 @@ class TargetRefConfig:
     def _check_target(self) -> None:
         """The target fields are set and the feature layers lie inside the target."""
         if self.vocab_size < 2 or self.target_hidden_size < 1 or self.target_num_layers < 1:
-            raise ValueError("target fields (vocab_size >= 2, target_hidden_size, target_num_layers) are not set")
+            raise ValueError(
+                "target fields (vocab_size >= 2, target_hidden_size, target_num_layers) are not set"
+            )
         if not self.feature_layers:
             raise ValueError("feature_layers is empty")
         bad = [l for l in self.feature_layers if not 0 <= l < self.target_num_layers]
@@ -110,7 +112,9 @@ class DrafterConfig(TargetRefConfig):
     # on the target's E when the drafter is made and stored here as knots. "vocab": argmax of
     # x_t in vocabulary space (analytic; drafters made before the embedded map).
     time_map: str = "embedded"
-    time_table_t: list[float] = field(default_factory=list)  # embedded map: knots (t, tau), (0,0)..(1,1)
+    time_table_t: list[float] = field(
+        default_factory=list
+    )  # embedded map: knots (t, tau), (0,0)..(1,1)
     time_table_tau: list[float] = field(default_factory=list)
     time_map_samples: int = 16384  # Monte Carlo draws behind the embedded table
     # Embedded map: tau is the mean over these readers of their normalised accuracy; a reader
@@ -135,11 +139,21 @@ class DrafterConfig(TargetRefConfig):
         return int(self.dim * self.mlp_ratio)
 
     # ---------------------------------------------------------------- checks
-    def validate(self) -> "DrafterConfig":
+    def validate(self) -> DrafterConfig:
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
-        self._check_widths(("dim", "n_blocks", "n_heads", "block_size", "time_freq_dim", "draft_steps",
-                            "teacher_steps", "gauss_hermite_nodes"))
+        self._check_widths(
+            (
+                "dim",
+                "n_blocks",
+                "n_heads",
+                "block_size",
+                "time_freq_dim",
+                "draft_steps",
+                "teacher_steps",
+                "gauss_hermite_nodes",
+            )
+        )
         if self.time_freq_dim % 2:
             raise ValueError(f"time_freq_dim must be even, got {self.time_freq_dim}")
         if self.time_table_size < 3:
@@ -160,11 +174,11 @@ class DrafterConfig(TargetRefConfig):
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "DrafterConfig":
+    def from_dict(cls, d: dict) -> DrafterConfig:
         return super().from_dict({**LEGACY_DEFAULTS, **d})
 
     @classmethod
-    def from_json(cls, text: str) -> "DrafterConfig":
+    def from_json(cls, text: str) -> DrafterConfig:
         d = json.loads(text)
         if not isinstance(d, dict):
             raise ValueError("drafter config is not a JSON object")

@@ -39,19 +39,27 @@ class _Static:
     slots: Tensor  # [b]
     lengths: Tensor  # [b]
     out: Tensor | None = None  # [b, K, V] logits written by the graph
-    graph: "torch.cuda.CUDAGraph | None" = None
+    graph: torch.cuda.CUDAGraph | None = None
     times: list[Tensor] | None = None  # the flow grid as [b] device tensors
 
 
 class FlowGraphs:
-    def __init__(self, proposer, steps: tuple[int, ...] = (1, 2), batch_buckets: tuple[int, ...] = BATCH_BUCKETS,
-                 context_buckets: tuple[int, ...] = CONTEXT_BUCKETS, mode: str = "cuda"):
+    def __init__(
+        self,
+        proposer,
+        steps: tuple[int, ...] = (1, 2),
+        batch_buckets: tuple[int, ...] = BATCH_BUCKETS,
+        context_buckets: tuple[int, ...] = CONTEXT_BUCKETS,
+        mode: str = "cuda",
+    ):
         if mode not in ("cuda", "static"):
             raise ValueError(f"mode must be 'cuda' or 'static', got {mode!r}")
         self.p = proposer
         self.mode = mode
         self.steps = tuple(sorted(set(steps)))
-        self.batch_buckets = tuple(b for b in batch_buckets if b <= proposer.n_slots) or (proposer.n_slots,)
+        self.batch_buckets = tuple(b for b in batch_buckets if b <= proposer.n_slots) or (
+            proposer.n_slots,
+        )
         ctx = tuple(c for c in context_buckets if c < proposer.max_context)
         self.context_buckets = ctx + (proposer.max_context,)
         self.graphs: dict[tuple[int, int, int], _Static] = {}
@@ -85,7 +93,9 @@ class FlowGraphs:
                     if self.mode == "cuda":
                         side = torch.cuda.Stream(self.p.device)
                         side.wait_stream(torch.cuda.current_stream(self.p.device))
-                        with torch.cuda.stream(side):  # warm-up outside capture (allocator, kernels)
+                        with torch.cuda.stream(
+                            side
+                        ):  # warm-up outside capture (allocator, kernels)
                             for _ in range(2):
                                 self._fn(st, steps, w, times)
                         torch.cuda.current_stream(self.p.device).wait_stream(side)
@@ -97,16 +107,22 @@ class FlowGraphs:
         if self.mode == "cuda":
             torch.cuda.synchronize(self.p.device)
         report = {
-            "graphs": len(self.graphs), "seconds": round(time.perf_counter() - t0, 3),
-            "memory_bytes": (torch.cuda.memory_allocated(self.p.device) - mem0) if self.mode == "cuda" else 0,
-            "steps": list(self.steps), "batch_buckets": list(self.batch_buckets),
+            "graphs": len(self.graphs),
+            "seconds": round(time.perf_counter() - t0, 3),
+            "memory_bytes": (torch.cuda.memory_allocated(self.p.device) - mem0)
+            if self.mode == "cuda"
+            else 0,
+            "steps": list(self.steps),
+            "batch_buckets": list(self.batch_buckets),
             "context_buckets": list(self.context_buckets),
         }
         log.info("drafter graphs captured (%s): %s", self.mode, report)
         return report
 
     @torch.inference_mode()
-    def run(self, y: Tensor, anchor: Tensor, slots: list[int], lengths: list[int], steps: int) -> Tensor | None:
+    def run(
+        self, y: Tensor, anchor: Tensor, slots: list[int], lengths: list[int], steps: int
+    ) -> Tensor | None:
         """Logits [B, K, V] from the embedded noise y [B, K, H] through a graph, or None when no
         graph fits (the caller runs eagerly)."""
         B = y.shape[0]

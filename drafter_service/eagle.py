@@ -65,6 +65,7 @@ KIND = "eagle"
 
 # ----------------------------------------------------------------------------- config
 
+
 @dataclass
 class EagleConfig(TargetRefConfig):
     _WHAT = "eagle"
@@ -88,13 +89,15 @@ class EagleConfig(TargetRefConfig):
     lm_head_hash: str = ""
 
     train_depth: int = 7  # training-time-test rollout steps (EAGLE-3 uses 7)
-    step_loss_decay: float = 7.0  # rollout step s (= draft slot s+1) weighted exp(-s/decay), like FlashMap's slots
+    step_loss_decay: float = (
+        7.0  # rollout step s (= draft slot s+1) weighted exp(-s/decay), like FlashMap's slots
+    )
 
     @property
     def mlp_hidden(self) -> int:
         return max(1, int(round(self.dim * self.mlp_ratio)))
 
-    def validate(self) -> "EagleConfig":
+    def validate(self) -> EagleConfig:
         if self.kind != KIND:
             raise ValueError(f"kind must be {KIND!r}, got {self.kind!r}")
         self._check_widths(("dim", "n_layers", "n_heads", "block_size", "train_depth"))
@@ -105,6 +108,7 @@ class EagleConfig(TargetRefConfig):
 
 
 # ----------------------------------------------------------------------------- model
+
 
 class EagleLayer(Attention):
     """Pre-norm decoder layer: causal self-attention (RoPE, qk-norm) + SwiGLU MLP. Split into
@@ -148,7 +152,9 @@ def rollout_mask(P: int, s: int, device=None) -> Tensor:
 
 
 class EagleDrafter(FrozenTarget):
-    def __init__(self, cfg: EagleConfig, embed: Tensor | None = None, lm_head: Tensor | None = None):
+    def __init__(
+        self, cfg: EagleConfig, embed: Tensor | None = None, lm_head: Tensor | None = None
+    ):
         super().__init__()
         self.cfg = cfg.validate()
         H, D = cfg.target_hidden_size, cfg.dim
@@ -184,8 +190,16 @@ class EagleDrafter(FrozenTarget):
         """Hidden [..., D] -> logits [..., V] (float32) of the token two positions on."""
         return (self.out_proj(self.final_norm(h)) @ self.lm_head.T).float()
 
-    def chain_step(self, g: Tensor, tok: Tensor, pos: Tensor, kbuf: list[Tensor], vbuf: list[Tensor], rows: Tensor,
-                   key_idx: Tensor) -> tuple[Tensor, Tensor]:
+    def chain_step(
+        self,
+        g: Tensor,
+        tok: Tensor,
+        pos: Tensor,
+        kbuf: list[Tensor],
+        vbuf: list[Tensor],
+        rows: Tensor,
+        key_idx: Tensor,
+    ) -> tuple[Tensor, Tensor]:
         """One drafted token per row: g [B, D] (features or own hidden state), tok [B] the token
         before, pos [B] its position; writes that position's K/V into kbuf / vbuf [B, h, T, d] and
         returns the hidden state [B, D] and the next token's logits [B, V]."""
@@ -233,13 +247,28 @@ class EagleDrafter(FrozenTarget):
 
 # ----------------------------------------------------------------------------- checkpoints
 
-def init_eagle(target_dir: str | Path, *, seed: int | None = None, device: str = "cpu",
-               dtype: torch.dtype = torch.float32, **config_overrides) -> EagleDrafter:
+
+def init_eagle(
+    target_dir: str | Path,
+    *,
+    seed: int | None = None,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    **config_overrides,
+) -> EagleDrafter:
     """A freshly initialised EAGLE-style drafter for the target in target_dir (dim defaults
     to the target's hidden size, as in EAGLE-3; overrides that are None keep the default)."""
-    return init_model(EagleDrafter, EagleConfig, "eagle drafter", target_dir, seed=seed, device=device, dtype=dtype,
-                      config_overrides={k: v for k, v in config_overrides.items() if v is not None},
-                      defaults=lambda target: dict(dim=target["target_hidden_size"]))
+    return init_model(
+        EagleDrafter,
+        EagleConfig,
+        "eagle drafter",
+        target_dir,
+        seed=seed,
+        device=device,
+        dtype=dtype,
+        config_overrides={k: v for k, v in config_overrides.items() if v is not None},
+        defaults=lambda target: dict(dim=target["target_hidden_size"]),
+    )
 
 
 def save_eagle(model: EagleDrafter, directory: str | Path) -> Path:
@@ -248,16 +277,25 @@ def save_eagle(model: EagleDrafter, directory: str | Path) -> Path:
 
 
 def read_eagle_config(directory: str | Path) -> EagleConfig:
-    return read_model_config(directory, EagleConfig, "eagle drafter", kind=KIND, kind_name="an EAGLE-style one")
+    return read_model_config(
+        directory, EagleConfig, "eagle drafter", kind=KIND, kind_name="an EAGLE-style one"
+    )
 
 
-def load_eagle(directory: str | Path, target_dir: str | Path, device: str = "cpu",
-               dtype: torch.dtype = torch.float32) -> EagleDrafter:
+def load_eagle(
+    directory: str | Path,
+    target_dir: str | Path,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> EagleDrafter:
     """Load an EAGLE-style drafter, attaching (and checking) the target's embedding / LM head."""
-    return load_model(EagleDrafter, read_eagle_config(directory), directory, target_dir, device, dtype)
+    return load_model(
+        EagleDrafter, read_eagle_config(directory), directory, target_dir, device, dtype
+    )
 
 
 # ----------------------------------------------------------------------------- proposer
+
 
 class EagleProposer(SlotCacheProposer):
     """Per-sequence cache + batched chain drafting (one forward per drafted token).
@@ -268,10 +306,14 @@ class EagleProposer(SlotCacheProposer):
 
     COMPILED = {"_step": ("chain_step", False)}
 
-    def __init__(self, model: EagleDrafter, n_slots: int = 64, max_context: int = 4096, device: str = "cpu"):
+    def __init__(
+        self, model: EagleDrafter, n_slots: int = 64, max_context: int = 4096, device: str = "cpu"
+    ):
         # steps = 1: no flow; accepted (set_steps / per-request steps) and ignored
         super().__init__(model, n_slots, max_context, device, cache_layers=model.cfg.n_layers)
-        self.g_cache = torch.zeros(n_slots, max_context, self.cfg.dim, dtype=self.k_cache.dtype, device=self.device)
+        self.g_cache = torch.zeros(
+            n_slots, max_context, self.cfg.dim, dtype=self.k_cache.dtype, device=self.device
+        )
         self._step = self.model.chain_step  # COMPILED: enable_compile() swaps in a compiled one
 
     @property
@@ -280,22 +322,29 @@ class EagleProposer(SlotCacheProposer):
 
     def _write(self, slot: int, start: int, token_ids: np.ndarray, features: np.ndarray) -> None:
         m = len(token_ids)
-        self.g_cache[slot, start:start + m] = self.model.features_in(torch.from_numpy(features).to(self.device).float())
+        self.g_cache[slot, start : start + m] = self.model.features_in(
+            torch.from_numpy(features).to(self.device).float()
+        )
         # Finalize positions p0..p1: each needs the token at p + 1, now known.
         p0, p1 = max(start - 1, 0), start + m - 2
         self.slots.lengths[slot] = start + m
         if p1 < p0:
             return
-        nxt = torch.from_numpy(token_ids[p0 + 1 - start:p1 + 2 - start]).to(self.device)
-        h = self.model.fuse(self.g_cache[slot, p0:p1 + 1], nxt)[None]  # [1, n, D]
+        nxt = torch.from_numpy(token_ids[p0 + 1 - start : p1 + 2 - start]).to(self.device)
+        h = self.model.fuse(self.g_cache[slot, p0 : p1 + 1], nxt)[None]  # [1, n, D]
         pos = torch.arange(p0, p1 + 1, device=self.device)[None]  # [1, n]
         mask = torch.arange(p1 + 1, device=self.device)[None] <= pos[0, :, None]  # [n, p1+1]
         for i, layer in enumerate(self.model.layers):
             q, k, v = layer.qkv(h, pos)
-            self.k_cache[i, slot, :, p0:p1 + 1] = k[0]
-            self.v_cache[i, slot, :, p0:p1 + 1] = v[0]
-            h = layer.finish(h, q, self.k_cache[i, slot, :, :p1 + 1][None], self.v_cache[i, slot, :, :p1 + 1][None],
-                             mask)
+            self.k_cache[i, slot, :, p0 : p1 + 1] = k[0]
+            self.v_cache[i, slot, :, p0 : p1 + 1] = v[0]
+            h = layer.finish(
+                h,
+                q,
+                self.k_cache[i, slot, :, : p1 + 1][None],
+                self.v_cache[i, slot, :, : p1 + 1][None],
+                mask,
+            )
 
     @torch.inference_mode()
     def propose(self, requests: list[ProposeRequest], steps: int | None = None) -> list[Draft]:
@@ -357,6 +406,7 @@ class EagleProposer(SlotCacheProposer):
                 out.append(Draft.greedy(tokens[b]))
             else:
                 m = min(r.top_m, self.vocab_size)
-                out.append(Draft(tokens[b].copy(), sup_ids[b, :, :m].copy(), sup_q[b, :, :m].copy()))
+                out.append(
+                    Draft(tokens[b].copy(), sup_ids[b, :, :m].copy(), sup_q[b, :, :m].copy())
+                )
         return out
-

@@ -30,9 +30,18 @@ def load_model(drafter: str | Path, target_dir: str | Path, device: str = "cpu")
     return load_drafter(drafter, target_dir, device=device)
 
 
-def make_proposer(model, device: str = "cpu", n_slots: int = 8, max_context: int = 4096, steps: int = 1,
-                  min_confidence: float = 0.0, shared_noise: bool | None = None, compile: bool = False,
-                  greedy_estimate: str = "soft", greedy_noise_scale: float = 1.0) -> Proposer:
+def make_proposer(
+    model,
+    device: str = "cpu",
+    n_slots: int = 8,
+    max_context: int = 4096,
+    steps: int = 1,
+    min_confidence: float = 0.0,
+    shared_noise: bool | None = None,
+    compile: bool = False,
+    greedy_estimate: str = "soft",
+    greedy_noise_scale: float = 1.0,
+) -> Proposer:
     """A proposer around a loaded drafter network (several proposers may share one model).
     min_confidence / shared_noise: FlashMapProposer's draft cut and shuffle-test switch (the
     EAGLE-style chain has neither; shared_noise None: the noise the drafter was trained on);
@@ -41,20 +50,47 @@ def make_proposer(model, device: str = "cpu", n_slots: int = 8, max_context: int
     if str(device).startswith("cpu"):
         keep_freed_memory()  # the cache gathers stay mapped (flashmap.host_memory)
     if isinstance(model, eagle.EagleDrafter):
-        proposer = eagle.EagleProposer(model, n_slots=n_slots, max_context=max_context, device=device)
+        proposer = eagle.EagleProposer(
+            model, n_slots=n_slots, max_context=max_context, device=device
+        )
     else:
-        proposer = FlashMapProposer(model, n_slots=n_slots, max_context=max_context, device=device, steps=steps,
-                                    shared_noise=shared_noise, min_confidence=min_confidence,
-                                    greedy_estimate=greedy_estimate, greedy_noise_scale=greedy_noise_scale)
+        proposer = FlashMapProposer(
+            model,
+            n_slots=n_slots,
+            max_context=max_context,
+            device=device,
+            steps=steps,
+            shared_noise=shared_noise,
+            min_confidence=min_confidence,
+            greedy_estimate=greedy_estimate,
+            greedy_noise_scale=greedy_noise_scale,
+        )
     if compile:
         proposer.enable_compile(steps=(steps,))
     return proposer
 
 
-def load_proposer(drafter: str | Path, target_dir: str | Path, device: str = "cpu", n_slots: int = 8,
-                  max_context: int = 4096, steps: int = 1, min_confidence: float = 0.0,
-                  compile: bool = False, greedy_estimate: str = "soft", greedy_noise_scale: float = 1.0) -> Proposer:
+def load_proposer(
+    drafter: str | Path,
+    target_dir: str | Path,
+    device: str = "cpu",
+    n_slots: int = 8,
+    max_context: int = 4096,
+    steps: int = 1,
+    min_confidence: float = 0.0,
+    compile: bool = False,
+    greedy_estimate: str = "soft",
+    greedy_noise_scale: float = 1.0,
+) -> Proposer:
     """`make_proposer` over `load_model`: a proposer from a checkpoint directory or "init"."""
-    return make_proposer(load_model(drafter, target_dir, device), device=device, n_slots=n_slots,
-                         max_context=max_context, steps=steps, min_confidence=min_confidence, compile=compile,
-                         greedy_estimate=greedy_estimate, greedy_noise_scale=greedy_noise_scale)
+    return make_proposer(
+        load_model(drafter, target_dir, device),
+        device=device,
+        n_slots=n_slots,
+        max_context=max_context,
+        steps=steps,
+        min_confidence=min_confidence,
+        compile=compile,
+        greedy_estimate=greedy_estimate,
+        greedy_noise_scale=greedy_noise_scale,
+    )

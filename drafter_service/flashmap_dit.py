@@ -53,16 +53,24 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from drafter_service.config import DrafterConfig
-from drafter_service.flow_time import (embedded_time_knots, interp_torch, map_t_of_tau, map_time_grid, time_knots,
-                                       zca_whitening)
-
+from drafter_service.flow_time import (
+    embedded_time_knots,
+    interp_torch,
+    map_t_of_tau,
+    map_time_grid,
+    time_knots,
+    zca_whitening,
+)
 
 # ----------------------------------------------------------------------------- helpers
+
 
 def timestep_embedding(t: Tensor, dim: int, max_period: float = 10000.0) -> Tensor:
     """Sinusoidal embedding of flow times in [0, 1] (scaled by 1000 as in DiT): [B] -> [B, dim]."""
     half = dim // 2
-    freqs = torch.exp(-math.log(max_period) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
+    freqs = torch.exp(
+        -math.log(max_period) * torch.arange(half, device=t.device, dtype=torch.float32) / half
+    )
     args = 1000.0 * t.float()[:, None] * freqs[None]  # [B, half]
     return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 
@@ -127,6 +135,7 @@ def noise_factor(E: Tensor) -> Tensor:
 
 # ----------------------------------------------------------------------------- context
 
+
 @dataclass
 class CrossContext:
     """Projected context for one batch of blocks.
@@ -139,7 +148,7 @@ class CrossContext:
     kv: list[tuple[Tensor, Tensor]]
     lengths: Tensor
 
-    def select(self, index: Tensor, lengths: Tensor | None = None) -> "CrossContext":
+    def select(self, index: Tensor, lengths: Tensor | None = None) -> CrossContext:
         """Rows `index` of this context, optionally cut to shorter `lengths` (training: many
         anchors of one sequence share one encoded context)."""
         lengths = self.lengths[index] if lengths is None else lengths
@@ -147,6 +156,7 @@ class CrossContext:
 
 
 # ----------------------------------------------------------------------------- modules
+
 
 class Attention(nn.Module):
     """Multi-head attention; used as self-attention (no RoPE, learned positions) and as
@@ -188,8 +198,14 @@ class Attention(nn.Module):
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, h, L, d]
         return self.wo(o.transpose(1, 2).flatten(2))  # [B, L, D]
 
-    def forward(self, x: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
-                q_pos: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Tensor | None = None,
+        q_pos: Tensor | None = None,
+    ) -> Tensor:
         """x [B, L, D] attends to k, v [B, h, T, d]; mask [B, 1, 1, T] bool (True = attend)."""
         return self.attend(self.query(x, q_pos), k, v, mask)
 
@@ -200,20 +216,32 @@ class DiTBlock(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         D = cfg.dim
-        self.norm1, self.norm2, self.norm3 = (nn.RMSNorm(D, eps=cfg.norm_eps, elementwise_affine=False)
-                                              for _ in range(3))
+        self.norm1, self.norm2, self.norm3 = (
+            nn.RMSNorm(D, eps=cfg.norm_eps, elementwise_affine=False) for _ in range(3)
+        )
         self.self_attn = Attention(cfg)
         self.cross_attn = Attention(cfg)
-        self.mlp = nn.Sequential(nn.Linear(D, cfg.mlp_hidden, bias=False), nn.GELU(approximate="tanh"),
-                                 nn.Linear(cfg.mlp_hidden, D, bias=False))
+        self.mlp = nn.Sequential(
+            nn.Linear(D, cfg.mlp_hidden, bias=False),
+            nn.GELU(approximate="tanh"),
+            nn.Linear(cfg.mlp_hidden, D, bias=False),
+        )
         self.adaln = nn.Linear(D, 9 * D)  # zero-initialised: gates start at 0, block = identity
 
     def modulation(self, c: Tensor) -> Tensor:
         """Conditioning c [B, D] -> the nine adaLN vectors, concatenated [B, 9D]."""
         return self.adaln(F.silu(c))
 
-    def forward(self, h: Tensor, mod: Tensor, k: Tensor, v: Tensor, mask: Tensor, q_pos: Tensor,
-                has_ctx: Tensor) -> Tensor:
+    def forward(
+        self,
+        h: Tensor,
+        mod: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Tensor,
+        q_pos: Tensor,
+        has_ctx: Tensor,
+    ) -> Tensor:
         """h [B, K+1, D], mod [B, 9D] this block's `modulation`, k/v [B, h, T, d] this block's
         context, has_ctx [B, 1, 1]: 0 for rows without context (their cross-attention is skipped)."""
         sh1, sc1, g1, sh2, sc2, g2, sh3, sc3, g3 = mod.chunk(9, dim=-1)  # 9 x [B, D]
@@ -233,8 +261,12 @@ class FrozenTarget(nn.Module):
     def _init_target(self, embed: Tensor | None, lm_head: Tensor | None) -> None:
         """Register the buffers (empty placeholders until the target is attached)."""
         V, H = self.cfg.vocab_size, self.cfg.target_hidden_size
-        self.register_buffer("embed", torch.empty(V, H) if embed is None else embed, persistent=False)
-        self.register_buffer("lm_head", torch.empty(V, H) if lm_head is None else lm_head, persistent=False)
+        self.register_buffer(
+            "embed", torch.empty(V, H) if embed is None else embed, persistent=False
+        )
+        self.register_buffer(
+            "lm_head", torch.empty(V, H) if lm_head is None else lm_head, persistent=False
+        )
         self._check_target_shapes()
         if embed is not None:
             self._target_attached()
@@ -246,7 +278,9 @@ class FrozenTarget(nn.Module):
         want = (self.cfg.vocab_size, self.cfg.target_hidden_size)
         for name in ("embed", "lm_head"):
             if tuple(getattr(self, name).shape) != want:
-                raise ValueError(f"{name} has shape {tuple(getattr(self, name).shape)}, config wants {want}")
+                raise ValueError(
+                    f"{name} has shape {tuple(getattr(self, name).shape)}, config wants {want}"
+                )
 
     def set_target(self, embed: Tensor, lm_head: Tensor) -> None:
         """Attach the frozen target embedding / LM head [V, H] (cast to the model's dtype)."""
@@ -258,7 +292,9 @@ class FrozenTarget(nn.Module):
 
 
 class FlashMapDiT(FrozenTarget):
-    def __init__(self, cfg: DrafterConfig, embed: Tensor | None = None, lm_head: Tensor | None = None):
+    def __init__(
+        self, cfg: DrafterConfig, embed: Tensor | None = None, lm_head: Tensor | None = None
+    ):
         super().__init__()
         self.cfg = cfg.validate()
         H, D, K = cfg.target_hidden_size, cfg.dim, cfg.block_size
@@ -278,7 +314,9 @@ class FlashMapDiT(FrozenTarget):
             self.mask_embed = nn.Parameter(torch.zeros(D))
         self.anchor_in = nn.Linear(H, D, bias=False)
         self.pos_embed = nn.Parameter(torch.zeros(K + 1, D))  # [anchor, slot 1..K]
-        self.time_embed = nn.Sequential(nn.Linear(2 * cfg.time_freq_dim, D), nn.SiLU(), nn.Linear(D, D))
+        self.time_embed = nn.Sequential(
+            nn.Linear(2 * cfg.time_freq_dim, D), nn.SiLU(), nn.Linear(D, D)
+        )
         self.ctx_proj = nn.Linear(cfg.feature_dim, D, bias=False)
         self.ctx_norm = nn.RMSNorm(D, eps=cfg.norm_eps)
         self.blocks = nn.ModuleList(DiTBlock(cfg) for _ in range(cfg.n_blocks))
@@ -296,9 +334,16 @@ class FlashMapDiT(FrozenTarget):
             self.state_whiten = zca_whitening(self.embed).to(self.embed.device, self.embed.dtype)
         if self.cfg.time_map == "embedded" and not self.cfg.time_table_t:
             # V x H x samples multiply-adds (Qwen3-8B: ~20 TFLOP): on a GPU when there is one
-            E = self.embed.to("cuda") if self.embed.device.type == "cpu" and torch.cuda.is_available() else self.embed
-            t, tau = embedded_time_knots(E.float(), samples=self.cfg.time_map_samples,
-                                         candidates=self.cfg.time_map_candidates)
+            E = (
+                self.embed.to("cuda")
+                if self.embed.device.type == "cpu" and torch.cuda.is_available()
+                else self.embed
+            )
+            t, tau = embedded_time_knots(
+                E.float(),
+                samples=self.cfg.time_map_samples,
+                candidates=self.cfg.time_map_candidates,
+            )
             self.cfg.time_table_t, self.cfg.time_table_tau = t, tau
             self._tau_cache.clear()
             self._mod_cache.clear()
@@ -321,7 +366,9 @@ class FlashMapDiT(FrozenTarget):
             nn.init.zeros_(blk.adaln.bias)
 
     # ------------------------------------------------------------------ context
-    def encode_context(self, features: Tensor, positions: Tensor | None = None) -> list[tuple[Tensor, Tensor]]:
+    def encode_context(
+        self, features: Tensor, positions: Tensor | None = None
+    ) -> list[tuple[Tensor, Tensor]]:
         """Per-block cross-attention K/V of context positions.
 
         features [B, T, F] (concatenated feature-layer hidden states), positions [B, T]
@@ -344,8 +391,10 @@ class FlashMapDiT(FrozenTarget):
         if t.device not in self._tau_cache:  # filled before any CUDA-graph capture (warm-up runs)
             tau_k, t_k = time_knots(self.cfg)
             calc = torch.float32 if t.device.type == "mps" else torch.float64  # mps has no float64
-            self._tau_cache[t.device] = (torch.tensor(t_k, dtype=calc, device=t.device),
-                                         torch.tensor(tau_k, dtype=calc, device=t.device))
+            self._tau_cache[t.device] = (
+                torch.tensor(t_k, dtype=calc, device=t.device),
+                torch.tensor(tau_k, dtype=calc, device=t.device),
+            )
         return interp_torch(t, *self._tau_cache[t.device])
 
     def t_of_tau(self, tau):
@@ -376,7 +425,10 @@ class FlashMapDiT(FrozenTarget):
         holds the version counters of the weights involved, so any in-place update (optimizer
         step, EMA, load_state_dict) invalidates it; tensor times (training, CUDA graphs) never
         use it."""
-        params = [*self.time_embed.parameters(), *(p for b in self.blocks for p in b.adaln.parameters())]
+        params = [
+            *self.time_embed.parameters(),
+            *(p for b in self.blocks for p in b.adaln.parameters()),
+        ]
         cacheable = isinstance(s, float) and isinstance(t, float) and not torch.is_grad_enabled()
         key = (s, t, self.pos_embed.device, self.pos_embed.dtype, tuple(p._version for p in params))
         if cacheable and key in self._mod_cache:
@@ -390,14 +442,22 @@ class FlashMapDiT(FrozenTarget):
         self._mod_cache[key] = mods
         return [m.expand(n, -1) for m in mods]
 
-    def forward(self, x: Tensor | None, s: Tensor | float, t: Tensor | float, anchor: Tensor,
-                ctx: CrossContext) -> Tensor:
+    def forward(
+        self,
+        x: Tensor | None,
+        s: Tensor | float,
+        t: Tensor | float,
+        anchor: Tensor,
+        ctx: CrossContext,
+    ) -> Tensor:
         """Per-slot logits [B, K, V] (float32) of the clean block.
 
         x [B, K, V] flow state at time s (unused for dflash, may be None); s, t floats or
         [B]; anchor [B] int64 token ids; ctx: the rows' projected context."""
         y = self.embed_state(x) if self.cfg.kind == "flashmap" else None
-        return self.evaluate(y, self.modulations(s, t, anchor.shape[0]), anchor, ctx.kv, ctx.lengths)
+        return self.evaluate(
+            y, self.modulations(s, t, anchor.shape[0]), anchor, ctx.kv, ctx.lengths
+        )
 
     # ------------------------------------------------------------------ embedded state
     def embed_state(self, x: Tensor) -> Tensor:
@@ -420,14 +480,22 @@ class FlashMapDiT(FrozenTarget):
         y = y.to(self.embed.dtype)
         return y @ self.state_whiten if self.cfg.state_input == "whiten" else y
 
-    def evaluate(self, y: Tensor | None, mods: list[Tensor], anchor: Tensor, kv: list[tuple[Tensor, Tensor]],
-                 lengths: Tensor) -> Tensor:
+    def evaluate(
+        self,
+        y: Tensor | None,
+        mods: list[Tensor],
+        anchor: Tensor,
+        kv: list[tuple[Tensor, Tensor]],
+        lengths: Tensor,
+    ) -> Tensor:
         """`forward` given the embedded state y = x_s @ E [B, K, H] (None for dflash), the
         jump's adaLN vectors (`modulations`) and the context as plain tensors: no host floats
         and no caches, so torch.compile can trace it whole (SlotCacheProposer.enable_compile)."""
         B, K, D = anchor.shape[0], self.cfg.block_size, self.cfg.dim
         if self.cfg.kind == "flashmap":
-            if y.stride(1) == 0:  # one state broadcast over the K slots (shared noise): project it once
+            if (
+                y.stride(1) == 0
+            ):  # one state broadcast over the K slots (shared noise): project it once
                 h_state = self.state_in(self.in_norm(self.read_state(y[:, :1]))).expand(B, K, D)
             else:
                 h_state = self.state_in(self.in_norm(self.read_state(y)))  # [B, K, D]
@@ -437,11 +505,15 @@ class FlashMapDiT(FrozenTarget):
         h = torch.cat([h_anchor, h_state], dim=1) + self.pos_embed  # [B, K+1, D]
 
         T = kv[0][0].shape[2]
-        q_pos = lengths[:, None] + torch.arange(K + 1, device=h.device)  # [B, K+1]: anchor at len, slot k at len+k
+        q_pos = lengths[:, None] + torch.arange(
+            K + 1, device=h.device
+        )  # [B, K+1]: anchor at len, slot k at len+k
         has = lengths > 0  # [B]
         valid = torch.arange(T, device=h.device)[None] < lengths[:, None]  # [B, T]
         if T > 0:
-            valid[:, 0] |= ~has  # rows without context attend to a dummy key (output zeroed below): no NaN
+            valid[
+                :, 0
+            ] |= ~has  # rows without context attend to a dummy key (output zeroed below): no NaN
         mask = valid[:, None, None, :]  # [B, 1, 1, T]
         has_ctx = has.to(h.dtype)[:, None, None]  # [B, 1, 1]
         for blk, mod, (k, v) in zip(self.blocks, mods, kv):
@@ -450,20 +522,29 @@ class FlashMapDiT(FrozenTarget):
         h = self.out_proj(self.final_norm(h[:, 1:]))  # [B, K, H]
         return (h @ self.lm_head.T).float()  # [B, K, V]
 
-    def evaluate_greedy(self, y: Tensor | None, mods: list[Tensor], anchor: Tensor,
-                        kv: list[tuple[Tensor, Tensor]], lengths: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def evaluate_greedy(
+        self,
+        y: Tensor | None,
+        mods: list[Tensor],
+        anchor: Tensor,
+        kv: list[tuple[Tensor, Tensor]],
+        lengths: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """`evaluate` and the `greedy_summary` of its logits: (logits, ids, prob). Drafting's
         last evaluation; compiled, the summary is one fused pass over the logits (eagerly a
         max with indices over [B, K, V] alone takes ~0.05 ms on 2 CPU cores)."""
         logits = self.evaluate(y, mods, anchor, kv, lengths)
         return (logits, *greedy_summary(logits))
 
-    def denoise_logits(self, x_t: Tensor, t: Tensor | float, anchor: Tensor, ctx: CrossContext) -> Tensor:
+    def denoise_logits(
+        self, x_t: Tensor, t: Tensor | float, anchor: Tensor, ctx: CrossContext
+    ) -> Tensor:
         """Teacher denoiser (the diagonal s = t): logits [B, K, V] of the clean block given x_t."""
         return self(x_t, t, t, anchor, ctx)
 
-    def flow_map(self, x_s: Tensor, s: Tensor | float, t: Tensor | float, anchor: Tensor,
-                 ctx: CrossContext) -> tuple[Tensor, Tensor]:
+    def flow_map(
+        self, x_s: Tensor, s: Tensor | float, t: Tensor | float, anchor: Tensor, ctx: CrossContext
+    ) -> tuple[Tensor, Tensor]:
         """One jump s -> t: (X_{s,t}(x_s) [B, K, V], logits [B, K, V])."""
         logits = self(x_s, s, t, anchor, ctx)
         return jump(x_s, logits.softmax(-1), s, t), logits

@@ -47,18 +47,23 @@ import torch
 from torch import Tensor
 
 from drafter_service.flashmap_dit import CrossContext, FlashMapDiT, greedy_summary, jump
-from drafter_service.flow_time import time_grid
 from drafter_service.slots import ContextTooLong, ProposerError, SlotCacheProposer, SlotsExhausted  # noqa: F401
 from flashmap.types import Draft, ProposeRequest
 
 
-def request_generator(seed: int, block: int = 0, device: str | torch.device = "cpu") -> torch.Generator:
+def request_generator(
+    seed: int, block: int = 0, device: str | torch.device = "cpu"
+) -> torch.Generator:
     """Generator (CPU by default) of one request's randomness; block b > 0 (propose_blocks)
     gets an independent stream, block 0 is the plain `propose` stream."""
     if block == 0:
         s = int(seed) & 0xFFFF_FFFF_FFFF_FFFF
     else:
-        s = int(np.random.SeedSequence([int(seed) & 0xFFFF_FFFF_FFFF_FFFF, block]).generate_state(1, np.uint64)[0])
+        s = int(
+            np.random.SeedSequence([int(seed) & 0xFFFF_FFFF_FFFF_FFFF, block]).generate_state(
+                1, np.uint64
+            )[0]
+        )
     return torch.Generator(device=device).manual_seed(s)
 
 
@@ -90,17 +95,31 @@ class FlashMapProposer(SlotCacheProposer):
     max_blocks = 64  # independent noise draws per request for tree verification
 
     # Drafting passes are frozen (17 rows per block: packed GEMMs pay); extends are not.
-    COMPILED = {"_evaluate": ("evaluate", True), "_evaluate_greedy": ("evaluate_greedy", True),
-                "_encode": ("encode_context", False)}
+    COMPILED = {
+        "_evaluate": ("evaluate", True),
+        "_evaluate_greedy": ("evaluate_greedy", True),
+        "_encode": ("encode_context", False),
+    }
 
     GREEDY_ESTIMATES = ("soft", "argmax")
 
-    def __init__(self, model: FlashMapDiT, n_slots: int = 64, max_context: int = 4096, device: str = "cpu",
-                 steps: int = 1, shared_noise: bool | None = None, min_confidence: float = 0.0,
-                 greedy_estimate: Literal["soft", "argmax"] = "soft", greedy_noise_scale: float = 1.0):
+    def __init__(
+        self,
+        model: FlashMapDiT,
+        n_slots: int = 64,
+        max_context: int = 4096,
+        device: str = "cpu",
+        steps: int = 1,
+        shared_noise: bool | None = None,
+        min_confidence: float = 0.0,
+        greedy_estimate: Literal["soft", "argmax"] = "soft",
+        greedy_noise_scale: float = 1.0,
+    ):
         super().__init__(model, n_slots, max_context, device, cache_layers=model.cfg.n_blocks)
         if greedy_estimate not in self.GREEDY_ESTIMATES:
-            raise ValueError(f"greedy_estimate must be one of {self.GREEDY_ESTIMATES}, got {greedy_estimate!r}")
+            raise ValueError(
+                f"greedy_estimate must be one of {self.GREEDY_ESTIMATES}, got {greedy_estimate!r}"
+            )
         if not 0.0 <= greedy_noise_scale <= 1.0:
             raise ValueError(f"greedy_noise_scale must be in [0, 1], got {greedy_noise_scale}")
         # Temperature-0 rows only (module docstring): the clean-block estimate between flow
@@ -119,12 +138,16 @@ class FlashMapProposer(SlotCacheProposer):
         self.min_confidence = min_confidence
         self.set_steps(steps)
         self.graphs = None  # FlowGraphs after enable_graphs()
-        self._host_noise = torch.device(self.device).type == "cpu"  # else: noise from a device generator
+        self._host_noise = (
+            torch.device(self.device).type == "cpu"
+        )  # else: noise from a device generator
         # The network's entry points (COMPILED); enable_compile() swaps in compiled versions.
         self._evaluate = self.model.evaluate
         self._evaluate_greedy = self.model.evaluate_greedy  # the last evaluation of a draft
         self._encode = self.model.encode_context
-        self._grids: dict[int, list[float]] = {}  # steps -> flow times (a pure function of the config)
+        self._grids: dict[
+            int, list[float]
+        ] = {}  # steps -> flow times (a pure function of the config)
         if self.cfg.kind == "flashmap":
             self.model.noise_factor()  # at start-up rather than in the first request
 
@@ -134,8 +157,8 @@ class FlashMapProposer(SlotCacheProposer):
         feats = torch.from_numpy(features).to(self.device).float()[None]  # [1, m, F]
         pos = torch.arange(start, start + m, device=self.device)[None]  # [1, m]
         for i, (k, v) in enumerate(self._encode(feats, pos)):  # [1, h, m, d]
-            self.k_cache[i, slot, :, start:start + m] = k[0]
-            self.v_cache[i, slot, :, start:start + m] = v[0]
+            self.k_cache[i, slot, :, start : start + m] = k[0]
+            self.v_cache[i, slot, :, start : start + m] = v[0]
         self.slots.lengths[slot] = start + m
 
     @property
@@ -149,8 +172,9 @@ class FlashMapProposer(SlotCacheProposer):
         self.steps); a request's own `steps` overrides it."""
         return [blocks[0] for blocks in self.propose_blocks(requests, steps, n_blocks=1)]
 
-    def propose_blocks(self, requests: list[ProposeRequest], steps: int | None = None,
-                       n_blocks: int = 1) -> list[list[Draft]]:
+    def propose_blocks(
+        self, requests: list[ProposeRequest], steps: int | None = None, n_blocks: int = 1
+    ) -> list[list[Draft]]:
         """n_blocks blocks per request from independent noise draws (block 0 = `propose`'s)."""
         default = self.steps if steps is None else steps
         rows: list[_Row] = []
@@ -165,7 +189,9 @@ class FlashMapProposer(SlotCacheProposer):
             for b in range(n_blocks):
                 gen = request_generator(r.seed, b)
                 noise_gen = None if self._host_noise else request_generator(r.seed, b, self.device)
-                rows.append(_Row(slot, length, int(r.anchor), gen, r.temperature, r.top_m, noise_gen))
+                rows.append(
+                    _Row(slot, length, int(r.anchor), gen, r.temperature, r.top_m, noise_gen)
+                )
                 row_steps.append(1 if self.cfg.kind == "dflash" else int(n))
         drafts: list[Draft | None] = [None] * len(rows)
         for n in sorted(set(row_steps)):  # one batched pass per distinct step count
@@ -174,7 +200,7 @@ class FlashMapProposer(SlotCacheProposer):
             for i, d in zip(idx, self._propose_rows(group, n)):
                 d.steps = n
                 drafts[i] = d
-        return [drafts[i * n_blocks:(i + 1) * n_blocks] for i in range(len(requests))]
+        return [drafts[i * n_blocks : (i + 1) * n_blocks] for i in range(len(requests))]
 
     def cross_context(self, seq_ids: list[str]) -> CrossContext:
         """The cached context of these sequences as the model's CrossContext (unknown: empty)."""
@@ -186,16 +212,26 @@ class FlashMapProposer(SlotCacheProposer):
         lengths_t = torch.tensor(lengths, device=self.device)
         if len(slots) == 1:  # one row: views of the cache, no gather copy
             s, w = max(slots[0], 0), max(lengths + [1])
-            return CrossContext([(self.k_cache[i, s:s + 1, :, :w], self.v_cache[i, s:s + 1, :, :w])
-                                 for i in range(self.cfg.n_blocks)], lengths_t)
+            return CrossContext(
+                [
+                    (self.k_cache[i, s : s + 1, :, :w], self.v_cache[i, s : s + 1, :, :w])
+                    for i in range(self.cfg.n_blocks)
+                ],
+                lengths_t,
+            )
         slots_t = torch.tensor([max(i, 0) for i in slots], device=self.device)
         return self._context_tensors(slots_t, lengths_t, max(lengths + [1]))
 
     def _context_tensors(self, slots: Tensor, lengths: Tensor, window: int) -> CrossContext:
         """The first `window` cache positions of rows `slots` [B] (device tensors: no host sync,
         so CUDA graphs can capture it)."""
-        kv = [(self.k_cache[i, :, :, :window].index_select(0, slots), self.v_cache[i, :, :, :window].index_select(0, slots))
-              for i in range(self.cfg.n_blocks)]  # [B, h, window, d] each
+        kv = [
+            (
+                self.k_cache[i, :, :, :window].index_select(0, slots),
+                self.v_cache[i, :, :, :window].index_select(0, slots),
+            )
+            for i in range(self.cfg.n_blocks)
+        ]  # [B, h, window, d] each
         return CrossContext(kv, lengths)
 
     @property
@@ -207,12 +243,22 @@ class FlashMapProposer(SlotCacheProposer):
         from drafter_service.cuda_graphs import FlowGraphs
 
         if self.cfg.kind != "flashmap":
-            return {"graphs": 0, "reason": "a DFlash-style drafter has one pass and no flow to capture"}
+            return {
+                "graphs": 0,
+                "reason": "a DFlash-style drafter has one pass and no flow to capture",
+            }
         self.graphs = FlowGraphs(self, steps, mode=mode, **buckets)
         return self.graphs.capture()
 
-    def _network(self, y: Tensor | None, s: Tensor | float, t: Tensor | float, anchor: Tensor,
-                 ctx: CrossContext, greedy: bool = False):
+    def _network(
+        self,
+        y: Tensor | None,
+        s: Tensor | float,
+        t: Tensor | float,
+        anchor: Tensor,
+        ctx: CrossContext,
+        greedy: bool = False,
+    ):
         """The model at the embedded state y [B, K, H] through the (possibly compiled) evaluation:
         logits [B, K, V], or with greedy=True (logits, ids, prob) (FlashMapDiT.evaluate_greedy).
         Times are host floats, or device tensors inside CUDA graphs (never compiled together)."""
@@ -230,7 +276,9 @@ class FlashMapProposer(SlotCacheProposer):
             # z is drawn on the drafter's device (CPU: from the request's one generator);
             # shared noise is one [r] row per request, expanded over the K slots.
             F = self.model.noise_factor()  # [r, H]
-            noise = [draw_noise(r.noise_gen or r.gen, K, F.shape[0], self.shared_noise) for r in rows]
+            noise = [
+                draw_noise(r.noise_gen or r.gen, K, F.shape[0], self.shared_noise) for r in rows
+            ]
             if self.shared_noise:
                 z = torch.stack([n[0] for n in noise]).to(self.device, F.dtype)  # [B, r]
                 y = (z @ F)[:, None].expand(-1, K, -1)  # [B, K, H]
@@ -240,24 +288,40 @@ class FlashMapProposer(SlotCacheProposer):
             if self.greedy_noise_scale != 1.0 and bool(greedy.any()):
                 scale = torch.where(greedy, self.greedy_noise_scale, 1.0).to(y.dtype)
                 y = y * scale[:, None, None]
-            hard = greedy if self.greedy_estimate == "argmax" and bool(greedy.any()) and steps > 1 else None
+            hard = (
+                greedy
+                if self.greedy_estimate == "argmax" and bool(greedy.any()) and steps > 1
+                else None
+            )
             logits, summary = None, None
             if self.graphs is not None and hard is None:
-                logits = self.graphs.run(y, anchor, [r.slot for r in rows], [r.length for r in rows], steps)
+                logits = self.graphs.run(
+                    y, anchor, [r.slot for r in rows], [r.length for r in rows], steps
+                )
             if logits is None:
                 ctx = self._context([r.slot for r in rows], [r.length for r in rows])
                 logits, *summary = self._integrate(y, anchor, ctx, steps, summary=True, hard=hard)
         return self._sample(logits, rows, summary)
 
-    def _integrate(self, y: Tensor, anchor: Tensor, ctx: CrossContext, steps: int,
-                   times: list[Tensor] | None = None, summary: bool = False, hard: Tensor | None = None):
+    def _integrate(
+        self,
+        y: Tensor,
+        anchor: Tensor,
+        ctx: CrossContext,
+        steps: int,
+        times: list[Tensor] | None = None,
+        summary: bool = False,
+        hard: Tensor | None = None,
+    ):
         """Run the flow from the embedded noise y_0 [B, K, H] to t = 1; returns the last
         evaluation's logits [B, K, V] (summary=True: (logits, ids, prob), `greedy_summary`).
         times: the grid as [B] device tensors (CUDA graphs); default: host floats.
         hard [B] bool: rows whose clean-block estimate between steps is the one-hot argmax of
         the denoiser instead of its softmax (mode-seeking greedy drafting)."""
         if steps not in self._grids:
-            self._grids[steps] = [float(g) for g in self.model.time_grid(steps)]  # the drafter's own time map
+            self._grids[steps] = [
+                float(g) for g in self.model.time_grid(steps)
+            ]  # the drafter's own time map
         grid = self._grids[steps]
         tt = grid if times is None else times
         euler = steps >= 3  # 1-2 steps: flow-map jumps (s, t); more: teacher ODE (t, t)
@@ -274,7 +338,9 @@ class FlashMapProposer(SlotCacheProposer):
                 y = jump(y, clean, a, b)  # y_b = X_{a,b}(x_a) @ E
         return out
 
-    def _sample(self, logits: Tensor, rows: list[_Row], summary: list[Tensor] | None = None) -> list[Draft]:
+    def _sample(
+        self, logits: Tensor, rows: list[_Row], summary: list[Tensor] | None = None
+    ) -> list[Draft]:
         """Greedy rows: per-slot argmax. Sampling rows: top-m of softmax(logits / T), renormalised.
         summary: the logits' (ids, prob) when the last evaluation made them (`greedy_summary`)."""
         ids, prob = summary if summary else greedy_summary(logits)  # [B, K] each
@@ -291,13 +357,18 @@ class FlashMapProposer(SlotCacheProposer):
         out = []
         for i, r in enumerate(rows):
             if r.temperature == 0:
-                out.append(Draft.greedy(greedy[i][:keep[i]]))
+                out.append(Draft.greedy(greedy[i][: keep[i]]))
                 continue
             m = min(r.top_m, self.vocab_size)
-            q = (top_logits[i, :, :m].double() / r.temperature).softmax(-1)  # [K, m]; topk order = q order
+            q = (top_logits[i, :, :m].double() / r.temperature).softmax(
+                -1
+            )  # [K, m]; topk order = q order
             pick = torch.multinomial(q, 1, generator=r.gen)[:, 0]  # [K]
             ids = top_ids[i, :, :m]
             tokens = ids.gather(1, pick[:, None])[:, 0]
-            out.append(Draft(tokens.numpy().astype(np.int64), ids.numpy().astype(np.int64),
-                             q.float().numpy()))
+            out.append(
+                Draft(
+                    tokens.numpy().astype(np.int64), ids.numpy().astype(np.int64), q.float().numpy()
+                )
+            )
         return out

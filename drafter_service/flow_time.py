@@ -39,7 +39,9 @@ DEFAULT_TABLE_SIZE = 4097
 DEFAULT_GH_NODES = 256  # |error| < 1e-6 in P for V = 151,936 (checked against dense quadrature)
 
 
-def correct_decode_prob(t: np.ndarray, vocab_size: int, nodes: int = DEFAULT_GH_NODES) -> np.ndarray:
+def correct_decode_prob(
+    t: np.ndarray, vocab_size: int, nodes: int = DEFAULT_GH_NODES
+) -> np.ndarray:
     """P[argmax x_t = y] for t in [0, 1] (numpy, float64)."""
     t = np.asarray(t, np.float64)
     x, w = np.polynomial.hermite.hermgauss(nodes)
@@ -59,7 +61,9 @@ def _table(vocab_size: int, size: int, nodes: int) -> tuple[np.ndarray, np.ndarr
     t = np.linspace(0.0, 1.0, size)
     p = correct_decode_prob(t, vocab_size, nodes)
     tau = (p - 1.0 / vocab_size) / (1.0 - 1.0 / vocab_size)
-    tau = np.clip(np.maximum.accumulate(tau), 0.0, 1.0)  # quadrature noise must not break monotonicity
+    tau = np.clip(
+        np.maximum.accumulate(tau), 0.0, 1.0
+    )  # quadrature noise must not break monotonicity
     tau[0] = 0.0
     # Keep strictly increasing points below 1 (tau saturates in float64 well before t = 1 for
     # small V), then pin the end point so that tau = 1 maps to exactly t = 1.
@@ -92,11 +96,15 @@ def interp_torch(x: torch.Tensor, xp_t: torch.Tensor, fp_t: torch.Tensor) -> tor
     return out.to(x.dtype if x.is_floating_point() else torch.float32)
 
 
-def tau_tables(vocab_size: int, device, size: int = DEFAULT_TABLE_SIZE, nodes: int = DEFAULT_GH_NODES):
+def tau_tables(
+    vocab_size: int, device, size: int = DEFAULT_TABLE_SIZE, nodes: int = DEFAULT_GH_NODES
+):
     """(t knots, tau knots) as float64 tensors on device (float32 on mps), for interp_torch."""
     tau_k, t_k = _table(vocab_size, size, nodes)
     calc = torch.float32 if torch.device(device).type == "mps" else torch.float64
-    return torch.tensor(t_k, dtype=calc, device=device), torch.tensor(tau_k, dtype=calc, device=device)
+    return torch.tensor(t_k, dtype=calc, device=device), torch.tensor(
+        tau_k, dtype=calc, device=device
+    )
 
 
 def tau_of_t(t, vocab_size: int, size: int = DEFAULT_TABLE_SIZE, nodes: int = DEFAULT_GH_NODES):
@@ -111,12 +119,15 @@ def t_of_tau(tau, vocab_size: int, size: int = DEFAULT_TABLE_SIZE, nodes: int = 
     return _interp(tau, tau_k, t_k)
 
 
-def time_grid(steps: int, vocab_size: int, size: int = DEFAULT_TABLE_SIZE,
-              nodes: int = DEFAULT_GH_NODES) -> np.ndarray:
+def time_grid(
+    steps: int, vocab_size: int, size: int = DEFAULT_TABLE_SIZE, nodes: int = DEFAULT_GH_NODES
+) -> np.ndarray:
     """steps+1 jump / Euler times, uniform in tau, from exactly 0 to exactly 1 ([steps+1] float64)."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    grid = np.asarray(t_of_tau(np.linspace(0.0, 1.0, steps + 1), vocab_size, size, nodes), np.float64)
+    grid = np.asarray(
+        t_of_tau(np.linspace(0.0, 1.0, steps + 1), vocab_size, size, nodes), np.float64
+    )
     grid[0], grid[-1] = 0.0, 1.0
     return grid
 
@@ -153,8 +164,13 @@ def zca_whitening(E: torch.Tensor) -> torch.Tensor:
     return (q / lam.sqrt()) @ q.T
 
 
-def critical_snr(E: torch.Tensor, samples: int = DEFAULT_MAP_SAMPLES, seed: int = 0,
-                 chunk: int | None = None, candidates: int = 0) -> np.ndarray:
+def critical_snr(
+    E: torch.Tensor,
+    samples: int = DEFAULT_MAP_SAMPLES,
+    seed: int = 0,
+    chunk: int | None = None,
+    candidates: int = 0,
+) -> np.ndarray:
     """Per Monte Carlo draw (token y uniform over V, whitened noise n ~ N(0, I_r)) the
     smallest r = t/(1-t) above which the Bayes decoder of y from y_t = (1-t) eps@E + t E_y
     is right ([samples] float64; +inf where another token has the same codeword).
@@ -181,7 +197,9 @@ def critical_snr(E: torch.Tensor, samples: int = DEFAULT_MAP_SAMPLES, seed: int 
         a = n @ C.T  # [b, V]: c_j.n
         a = a.gather(1, y[:, None]) - a  # (c_y - c_j).n
         d = lev[y][:, None] + lev[None] - 2 * (C[y] @ C.T)  # |c_y - c_j|^2
-        ratio = torch.where(d > 1e-12 * lev.max(), -2 * a / d.clamp_min(1e-300), torch.full_like(d, float("inf")))
+        ratio = torch.where(
+            d > 1e-12 * lev.max(), -2 * a / d.clamp_min(1e-300), torch.full_like(d, float("inf"))
+        )
         ratio.scatter_(1, y[:, None], float("-inf"))  # j = y is no competitor
         if 1 < candidates < V:  # keep candidates - 1 random competitors per draw
             keep = torch.rand(ratio.shape, generator=g).to(ratio.device)
@@ -192,8 +210,13 @@ def critical_snr(E: torch.Tensor, samples: int = DEFAULT_MAP_SAMPLES, seed: int 
     return torch.cat(out).numpy()
 
 
-def embedded_decode_prob(t, E: torch.Tensor | None = None, samples: int = DEFAULT_MAP_SAMPLES, seed: int = 0,
-                         critical: np.ndarray | None = None) -> np.ndarray:
+def embedded_decode_prob(
+    t,
+    E: torch.Tensor | None = None,
+    samples: int = DEFAULT_MAP_SAMPLES,
+    seed: int = 0,
+    critical: np.ndarray | None = None,
+) -> np.ndarray:
     """P_E(t): accuracy of the Bayes decoder of one slot's token from its embedded state y_t
     (numpy float64, shape of t). Give E, or the `critical_snr` draws to reuse them."""
     crit = np.sort(critical_snr(E, samples, seed) if critical is None else critical)
@@ -203,8 +226,13 @@ def embedded_decode_prob(t, E: torch.Tensor | None = None, samples: int = DEFAUL
     return np.where(t <= 0, 1.0 / E.shape[0] if E is not None else p, p)
 
 
-def embedded_time_knots(E: torch.Tensor, knots: int = DEFAULT_MAP_KNOTS, samples: int = DEFAULT_MAP_SAMPLES,
-                        seed: int = 0, candidates=(0,)) -> tuple[list[float], list[float]]:
+def embedded_time_knots(
+    E: torch.Tensor,
+    knots: int = DEFAULT_MAP_KNOTS,
+    samples: int = DEFAULT_MAP_SAMPLES,
+    seed: int = 0,
+    candidates=(0,),
+) -> tuple[list[float], list[float]]:
     """(t knots, tau knots) of the embedded map, uniform in tau, from (0, 0) to (1, 1), strictly
     increasing in both. Plain lists: they go into the drafter's config.json.
 
@@ -239,8 +267,10 @@ def time_knots(cfg) -> tuple[np.ndarray, np.ndarray]:
     if cfg.time_map == "vocab":
         return _table(cfg.vocab_size, cfg.time_table_size, cfg.gauss_hermite_nodes)
     if not cfg.time_table_t:
-        raise ValueError("the embedded time map has no table yet (it is measured when the target's embedding "
-                         "is attached: FlashMapDiT.set_target)")
+        raise ValueError(
+            "the embedded time map has no table yet (it is measured when the target's embedding "
+            "is attached: FlashMapDiT.set_target)"
+        )
     return _frozen_knots(tuple(cfg.time_table_tau), tuple(cfg.time_table_t))
 
 
@@ -256,10 +286,21 @@ def check_knots(t: list[float], tau: list[float]) -> None:
     """ValueError unless (t, tau) is a time-map table: same length >= 2, from (0, 0) to (1, 1),
     strictly increasing in both."""
     if len(t) != len(tau) or len(t) < 2:
-        raise ValueError(f"time table needs equally long t / tau lists of >= 2 knots, got {len(t)} / {len(tau)}")
+        raise ValueError(
+            f"time table needs equally long t / tau lists of >= 2 knots, got {len(t)} / {len(tau)}"
+        )
     a, b = np.asarray(t, np.float64), np.asarray(tau, np.float64)
-    if a[0] != 0 or b[0] != 0 or a[-1] != 1 or b[-1] != 1 or (np.diff(a) <= 0).any() or (np.diff(b) <= 0).any():
-        raise ValueError("time table must run from (0, 0) to (1, 1), strictly increasing in t and tau")
+    if (
+        a[0] != 0
+        or b[0] != 0
+        or a[-1] != 1
+        or b[-1] != 1
+        or (np.diff(a) <= 0).any()
+        or (np.diff(b) <= 0).any()
+    ):
+        raise ValueError(
+            "time table must run from (0, 0) to (1, 1), strictly increasing in t and tau"
+        )
 
 
 def map_t_of_tau(tau, cfg):

@@ -11,7 +11,7 @@ matching reference (or past its end) it proposes token 0. Drafts are greedy (q =
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -21,8 +21,17 @@ from flashmap.types import BLOCK_SIZE, Draft, ProposeRequest
 
 class OracleProposer(Proposer):
     max_blocks = 64  # block b > 0 draws its own random errors
-    def __init__(self, references: Sequence[Sequence[int]], block_size: int = BLOCK_SIZE, vocab_size: int | None = None,
-                 error_slots: Sequence[int] = (), error_rate: float = 0.0, seed: int = 0, feature_dim: int = 0):
+
+    def __init__(
+        self,
+        references: Sequence[Sequence[int]],
+        block_size: int = BLOCK_SIZE,
+        vocab_size: int | None = None,
+        error_slots: Sequence[int] = (),
+        error_rate: float = 0.0,
+        seed: int = 0,
+        feature_dim: int = 0,
+    ):
         if vocab_size is None or vocab_size < 1:
             raise ValueError(f"vocab_size is required (>= 1), got {vocab_size}")
         bad = [k for k in error_slots if not 1 <= k <= block_size]
@@ -40,7 +49,9 @@ class OracleProposer(Proposer):
         self._match: dict[str, int] = {}  # seq_id -> index of the last matching reference
 
     def extend(self, seq_id: str, token_ids: np.ndarray, features: np.ndarray) -> None:
-        self.committed.setdefault(seq_id, []).extend(int(t) for t in np.asarray(token_ids).reshape(-1))
+        self.committed.setdefault(seq_id, []).extend(
+            int(t) for t in np.asarray(token_ids).reshape(-1)
+        )
 
     def truncate(self, seq_id: str, n: int) -> None:
         """Keep only the first n committed tokens."""
@@ -62,7 +73,7 @@ class OracleProposer(Proposer):
             order.insert(0, last)
         for i in order:
             ref = self.references[i]
-            if len(ref) >= len(prefix) and np.array_equal(ref[:len(prefix)], prefix):
+            if len(ref) >= len(prefix) and np.array_equal(ref[: len(prefix)], prefix):
                 self._match[seq_id] = i
                 return ref
         return None
@@ -70,8 +81,9 @@ class OracleProposer(Proposer):
     def propose(self, requests: list[ProposeRequest], steps: int | None = None) -> list[Draft]:
         return [blocks[0] for blocks in self.propose_blocks(requests, steps)]
 
-    def propose_blocks(self, requests: list[ProposeRequest], steps: int | None = None,
-                       n_blocks: int = 1) -> list[list[Draft]]:
+    def propose_blocks(
+        self, requests: list[ProposeRequest], steps: int | None = None, n_blocks: int = 1
+    ) -> list[list[Draft]]:
         """n_blocks per request (tree verification); block b > 0 draws its own random errors."""
         return [[self._propose(r, b) for b in range(n_blocks)] for r in requests]
 
@@ -82,12 +94,14 @@ class OracleProposer(Proposer):
         tokens = np.zeros(K, np.int64)
         ref = self._find(r.seq_id, prefix)
         if ref is not None:
-            nxt = ref[n:n + K]
-            tokens[:len(nxt)] = nxt
+            nxt = ref[n : n + K]
+            tokens[: len(nxt)] = nxt
         wrong = np.zeros(K, bool)
         wrong[[k - 1 for k in self.error_slots]] = True
         if self.error_rate > 0:
-            rng = np.random.default_rng([self.seed & 0xFFFFFFFF, r.seed & 0xFFFFFFFF, n] + ([block] if block else []))
+            rng = np.random.default_rng(
+                [self.seed & 0xFFFFFFFF, r.seed & 0xFFFFFFFF, n] + ([block] if block else [])
+            )
             wrong |= rng.random(K) < self.error_rate
         tokens[wrong] = (tokens[wrong] + 1) % self.vocab_size
         return Draft.greedy(tokens)

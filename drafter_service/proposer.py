@@ -37,13 +37,16 @@ class Proposer(abc.ABC):
     def release(self, seq_id: str) -> None:
         """Forget a sequence (finish, cancel, idle timeout). Unknown ids are ignored."""
 
-    def propose_blocks(self, requests: list[ProposeRequest], steps: int | None = None,
-                       n_blocks: int = 1) -> list[list[Draft]]:
+    def propose_blocks(
+        self, requests: list[ProposeRequest], steps: int | None = None, n_blocks: int = 1
+    ) -> list[list[Draft]]:
         """n_blocks blocks per request from independent noise (block 0 = `propose`'s), for tree
         verification; at most `max_blocks`."""
         if n_blocks > self.max_blocks:
-            raise ValueError(f"{type(self).__name__} drafts at most {self.max_blocks} block(s) per request, "
-                             f"asked for {n_blocks}")
+            raise ValueError(
+                f"{type(self).__name__} drafts at most {self.max_blocks} block(s) per request, "
+                f"asked for {n_blocks}"
+            )
         return [[d] for d in self.propose(requests, steps)]
 
     def set_steps(self, n: int) -> None:

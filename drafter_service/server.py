@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import grpc
 import numpy as np
-
 from grpc_health.v1 import health, health_pb2
 
 from drafter_service.factory import load_proposer
@@ -55,9 +54,15 @@ class _Job:
 
 
 class DrafterService(drafter_pb2_grpc.DrafterServicer):
-    def __init__(self, proposer: Proposer, name: str = "flashmap", metrics: DrafterMetrics | None = None,
-                 idle_timeout_s: float = 300.0, available_steps: tuple[int, ...] | None = None,
-                 cpus: set[int] | None = None):
+    def __init__(
+        self,
+        proposer: Proposer,
+        name: str = "flashmap",
+        metrics: DrafterMetrics | None = None,
+        idle_timeout_s: float = 300.0,
+        available_steps: tuple[int, ...] | None = None,
+        cpus: set[int] | None = None,
+    ):
         """cpus: where the forward thread runs (flashmap.cpus; None: where the process runs)."""
         self.proposer = proposer
         self.name = name
@@ -65,31 +70,49 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         self.idle_timeout_s = idle_timeout_s
         self.available_steps = available_steps or proposer.available_steps  # None: any 1..MAX_STEPS
         self._queue: asyncio.Queue[_Job] = asyncio.Queue()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter-forward",
-                                        initializer=_pin_forward, initargs=(cpus,))
+        self._pool = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="drafter-forward",
+            initializer=_pin_forward,
+            initargs=(cpus,),
+        )
         self._last_use: dict[str, float] = {}
         self._tasks: list[asyncio.Task] = []
         self.metrics.step_count.labels(drafter=name).set(proposer.steps)
 
-    async def start(self, health_servicer=None, service_name: str = "", probe_interval_s: float = 5.0) -> None:
+    async def start(
+        self, health_servicer=None, service_name: str = "", probe_interval_s: float = 5.0
+    ) -> None:
         self._tasks = [asyncio.create_task(self._worker()), asyncio.create_task(self._reaper())]
         if health_servicer is not None and probe_interval_s > 0:
-            self._tasks.append(asyncio.create_task(self._health_loop(health_servicer, service_name, probe_interval_s)))
+            self._tasks.append(
+                asyncio.create_task(
+                    self._health_loop(health_servicer, service_name, probe_interval_s)
+                )
+            )
 
     async def probe(self, timeout_s: float = 30.0) -> bool:
         """A tiny draft through the batching worker (the readiness the health service reports)."""
-        seq = drafter_pb2.SequenceDraft(seq_id=PROBE_ID, context_start=0, new_token_ids=[0],
-                                        new_features=features_to_tensor(np.zeros((1, self.proposer.feature_dim),
-                                                                                 np.float32)), anchor=0)
+        seq = drafter_pb2.SequenceDraft(
+            seq_id=PROBE_ID,
+            context_start=0,
+            new_token_ids=[0],
+            new_features=features_to_tensor(np.zeros((1, self.proposer.feature_dim), np.float32)),
+            anchor=0,
+        )
         fut = asyncio.get_running_loop().create_future()
-        await self._queue.put(_Job(drafter_pb2.DraftRequest(call_id=0, sequences=[seq]), fut, time.perf_counter()))
+        await self._queue.put(
+            _Job(drafter_pb2.DraftRequest(call_id=0, sequences=[seq]), fut, time.perf_counter())
+        )
         try:
             resp = await asyncio.wait_for(fut, timeout_s)
             return not resp.blocks[0].error
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
         finally:
-            await asyncio.get_running_loop().run_in_executor(self._pool, self._release, [PROBE_ID], "probe")
+            await asyncio.get_running_loop().run_in_executor(
+                self._pool, self._release, [PROBE_ID], "probe"
+            )
 
     async def _health_loop(self, health_servicer, service_name: str, interval_s: float) -> None:
         serving = True
@@ -98,10 +121,16 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             ok = await self.probe()
             if ok != serving:
                 serving = ok
-                status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+                status = (
+                    health_pb2.HealthCheckResponse.SERVING
+                    if ok
+                    else health_pb2.HealthCheckResponse.NOT_SERVING
+                )
                 for svc in ("", service_name):
                     await health_servicer.set(svc, status)
-                log.warning("drafter health: %s", "SERVING" if ok else "NOT_SERVING (a probe draft failed)")
+                log.warning(
+                    "drafter health: %s", "SERVING" if ok else "NOT_SERVING (a probe draft failed)"
+                )
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -126,7 +155,9 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 jobs.append(self._queue.get_nowait())
             t0 = time.perf_counter()
             try:
-                responses = await loop.run_in_executor(self._pool, self._run_batch, [j.request for j in jobs])
+                responses = await loop.run_in_executor(
+                    self._pool, self._run_batch, [j.request for j in jobs]
+                )
             except Exception as e:  # noqa: BLE001 - answer every job, keep serving
                 log.exception("draft batch failed")
                 responses = [self._error_response(j.request, f"drafter failed: {e}") for j in jobs]
@@ -142,27 +173,46 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
     @staticmethod
     def _error_response(req: drafter_pb2.DraftRequest, msg: str) -> drafter_pb2.DraftResponse:
         return drafter_pb2.DraftResponse(
-            call_id=req.call_id, blocks=[drafter_pb2.Block(seq_id=s.seq_id, error=msg) for s in req.sequences]
+            call_id=req.call_id,
+            blocks=[drafter_pb2.Block(seq_id=s.seq_id, error=msg) for s in req.sequences],
         )
 
-    def _run_batch(self, requests: list[drafter_pb2.DraftRequest]) -> list[drafter_pb2.DraftResponse]:
+    def _run_batch(
+        self, requests: list[drafter_pb2.DraftRequest]
+    ) -> list[drafter_pb2.DraftResponse]:
         """Worker thread: extend contexts, then one batched propose per distinct step count."""
         p = self.proposer
         now = time.monotonic()
         blocks: dict[tuple[int, int], drafter_pb2.Block] = {}
-        todo: dict[tuple[int, int], list[tuple[tuple[int, int], ProposeRequest, int]]] = {}  # (steps, blocks)
+        todo: dict[
+            tuple[int, int], list[tuple[tuple[int, int], ProposeRequest, int]]
+        ] = {}  # (steps, blocks)
         for ri, req in enumerate(requests):
             for si, s in enumerate(req.sequences):
                 key = (ri, si)
                 n_blocks = max(int(s.num_blocks), 1)
-                err = self._check_steps(s.steps) or self._extend(s) or (
-                    f"{n_blocks} blocks asked, this drafter draws at most {p.max_blocks}" if n_blocks > p.max_blocks else "")
+                err = (
+                    self._check_steps(s.steps)
+                    or self._extend(s)
+                    or (
+                        f"{n_blocks} blocks asked, this drafter draws at most {p.max_blocks}"
+                        if n_blocks > p.max_blocks
+                        else ""
+                    )
+                )
                 if err:
                     blocks[key] = drafter_pb2.Block(seq_id=s.seq_id, error=err)
                     continue
                 self._last_use[s.seq_id] = now
                 steps = s.steps or p.steps
-                pr = ProposeRequest(s.seq_id, int(s.anchor), float(s.temperature), int(s.top_m or 4), int(s.seed), steps)
+                pr = ProposeRequest(
+                    s.seq_id,
+                    int(s.anchor),
+                    float(s.temperature),
+                    int(s.top_m or 4),
+                    int(s.seed),
+                    steps,
+                )
                 todo.setdefault((steps, n_blocks), []).append((key, pr, int(s.max_tokens)))
         for (steps, n_blocks), items in todo.items():
             t0 = time.perf_counter()
@@ -172,9 +222,13 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 for key, pr, _ in items:
                     blocks[key] = drafter_pb2.Block(seq_id=pr.seq_id, error=str(e))
                 continue
-            served = sum(pr.seq_id != PROBE_ID for _, pr, _ in items)  # the health probe is not traffic
+            served = sum(
+                pr.seq_id != PROBE_ID for _, pr, _ in items
+            )  # the health probe is not traffic
             if served:
-                self.metrics.forward_latency.labels(drafter=self.name, steps=str(steps)).observe(time.perf_counter() - t0)
+                self.metrics.forward_latency.labels(drafter=self.name, steps=str(steps)).observe(
+                    time.perf_counter() - t0
+                )
                 self.metrics.batch_size.labels(drafter=self.name).observe(served)
                 self.metrics.blocks.labels(drafter=self.name, steps=str(steps)).inc(served)
             for (key, pr, max_tokens), ds in zip(items, drafts):
@@ -185,7 +239,9 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 blocks[key] = draft_to_block(pr.seq_id, ds)
         self._update_gauges()
         return [
-            drafter_pb2.DraftResponse(call_id=req.call_id, blocks=[blocks[(ri, si)] for si in range(len(req.sequences))])
+            drafter_pb2.DraftResponse(
+                call_id=req.call_id, blocks=[blocks[(ri, si)] for si in range(len(req.sequences))]
+            )
             for ri, req in enumerate(requests)
         ]
 
@@ -210,7 +266,9 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
     def _update_gauges(self) -> None:
         ids = [i for i in self._last_use if i != PROBE_ID]
         self.metrics.active_sequences.labels(drafter=self.name).set(len(ids))
-        self.metrics.context_tokens.labels(drafter=self.name).set(sum(self.proposer.context_length(i) for i in ids))
+        self.metrics.context_tokens.labels(drafter=self.name).set(
+            sum(self.proposer.context_length(i) for i in ids)
+        )
 
     async def _reaper(self) -> None:
         loop = asyncio.get_running_loop()
@@ -244,11 +302,15 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         return self._steps_response()
 
     async def SetSteps(self, request, context):
-        err = self._check_steps(request.steps) or ("steps must be >= 1" if request.steps == 0 else "")
+        err = self._check_steps(request.steps) or (
+            "steps must be >= 1" if request.steps == 0 else ""
+        )
         if err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
         # Through the worker thread, so the switch lands between batches.
-        await asyncio.get_running_loop().run_in_executor(self._pool, self.proposer.set_steps, request.steps)
+        await asyncio.get_running_loop().run_in_executor(
+            self._pool, self.proposer.set_steps, request.steps
+        )
         self.metrics.step_count.labels(drafter=self.name).set(request.steps)
         log.info("step count switched", extra=fields(steps=request.steps))
         return self._steps_response()
@@ -258,7 +320,9 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         return drafter_pb2.StepsResponse(steps=self.proposer.steps, available=list(avail))
 
     async def Release(self, request, context):
-        n = await asyncio.get_running_loop().run_in_executor(self._pool, self._release, list(request.seq_ids), "release")
+        n = await asyncio.get_running_loop().run_in_executor(
+            self._pool, self._release, list(request.seq_ids), "release"
+        )
         return drafter_pb2.ReleaseResponse(released=n)
 
     async def Stats(self, request, context):
@@ -266,14 +330,27 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         ids = [i for i in self._last_use if i != PROBE_ID]
         ctx = sum(p.context_length(i) for i in ids)
         return drafter_pb2.StatsResponse(
-            active_sequences=len(ids), context_tokens=ctx, state_bytes=ctx * p.bytes_per_context_token,
-            steps=p.steps, drafter=self.name, block_size=p.block_size, feature_dim=p.feature_dim,
+            active_sequences=len(ids),
+            context_tokens=ctx,
+            state_bytes=ctx * p.bytes_per_context_token,
+            steps=p.steps,
+            drafter=self.name,
+            block_size=p.block_size,
+            feature_dim=p.feature_dim,
         )
 
 
-async def serve(service: DrafterService, host: str, port: int, metrics_port: int, ready: asyncio.Event | None = None,
-                stop: asyncio.Event | None = None, token: str = "", reflection_on: bool = False,
-                probe_interval_s: float = 5.0) -> None:
+async def serve(
+    service: DrafterService,
+    host: str,
+    port: int,
+    metrics_port: int,
+    ready: asyncio.Event | None = None,
+    stop: asyncio.Event | None = None,
+    token: str = "",
+    reflection_on: bool = False,
+    probe_interval_s: float = 5.0,
+) -> None:
     """token: every call but health must carry it (DRAFTER_TOKEN_HEADER); "" = no check
     (local use). Health says NOT_SERVING while a tiny draft through the worker fails."""
     health_servicer = health.aio.HealthServicer()
@@ -281,9 +358,18 @@ async def serve(service: DrafterService, host: str, port: int, metrics_port: int
     await service.start(health_servicer, name.full_name, probe_interval_s)
     try:
         await serve_grpc(
-            "drafter", lambda server: add_service(server, service, name), [name.full_name], host, port,
-            metrics_port, registry=service.metrics.registry, max_message_bytes=256 << 20, ready=ready, stop=stop,
-            interceptors=(TokenAuth(DRAFTER_TOKEN_HEADER, token),) if token else (), reflection_on=reflection_on,
+            "drafter",
+            lambda server: add_service(server, service, name),
+            [name.full_name],
+            host,
+            port,
+            metrics_port,
+            registry=service.metrics.registry,
+            max_message_bytes=256 << 20,
+            ready=ready,
+            stop=stop,
+            interceptors=(TokenAuth(DRAFTER_TOKEN_HEADER, token),) if token else (),
+            reflection_on=reflection_on,
             health_servicer=health_servicer,
         )
     finally:
@@ -293,39 +379,91 @@ async def serve(service: DrafterService, host: str, port: int, metrics_port: int
 def main(argv: list[str] | None = None) -> None:
     env = os.environ.get
     ap = argparse.ArgumentParser(description="FlashMap drafter service")
-    ap.add_argument("--target-dir", default=env("FLASHMAP_TARGET_DIR"), required=env("FLASHMAP_TARGET_DIR") is None)
-    ap.add_argument("--drafter", default=env("FLASHMAP_DRAFTER_DIR", "init"), help="checkpoint dir or 'init'")
+    ap.add_argument(
+        "--target-dir",
+        default=env("FLASHMAP_TARGET_DIR"),
+        required=env("FLASHMAP_TARGET_DIR") is None,
+    )
+    ap.add_argument(
+        "--drafter", default=env("FLASHMAP_DRAFTER_DIR", "init"), help="checkpoint dir or 'init'"
+    )
     ap.add_argument("--host", default=env("FLASHMAP_HOST", "127.0.0.1"))
     ap.add_argument("--port", type=int, default=int(env("FLASHMAP_DRAFTER_PORT", "50052")))
-    ap.add_argument("--metrics-port", type=int, default=int(env("FLASHMAP_DRAFTER_METRICS_PORT", "9401")))
+    ap.add_argument(
+        "--metrics-port", type=int, default=int(env("FLASHMAP_DRAFTER_METRICS_PORT", "9401"))
+    )
     ap.add_argument("--steps", type=int, default=int(env("FLASHMAP_DRAFT_STEPS", "1")))
-    ap.add_argument("--min-confidence", type=float, default=float(env("FLASHMAP_DRAFT_MIN_CONFIDENCE", "0")),
-                    help="cut greedy drafts before the first slot whose token has a lower drafter probability (0: off)")
-    ap.add_argument("--greedy-estimate", choices=("soft", "argmax"), default=env("FLASHMAP_GREEDY_ESTIMATE", "soft"),
-                    help="T = 0 requests: clean-block estimate between flow steps (argmax: mode-seeking drafting)")
-    ap.add_argument("--greedy-noise-scale", type=float, default=float(env("FLASHMAP_GREEDY_NOISE_SCALE", "1")),
-                    help="T = 0 requests: scale of the initial flow noise (1: the flow's own)")
+    ap.add_argument(
+        "--min-confidence",
+        type=float,
+        default=float(env("FLASHMAP_DRAFT_MIN_CONFIDENCE", "0")),
+        help="cut greedy drafts before the first slot whose token has a lower drafter probability (0: off)",
+    )
+    ap.add_argument(
+        "--greedy-estimate",
+        choices=("soft", "argmax"),
+        default=env("FLASHMAP_GREEDY_ESTIMATE", "soft"),
+        help="T = 0 requests: clean-block estimate between flow steps (argmax: mode-seeking drafting)",
+    )
+    ap.add_argument(
+        "--greedy-noise-scale",
+        type=float,
+        default=float(env("FLASHMAP_GREEDY_NOISE_SCALE", "1")),
+        help="T = 0 requests: scale of the initial flow noise (1: the flow's own)",
+    )
     ap.add_argument("--n-slots", type=int, default=64)
     ap.add_argument("--max-context", type=int, default=4096)
     ap.add_argument("--idle-timeout-s", type=float, default=300.0)
     ap.add_argument("--device", default=env("FLASHMAP_DEVICE", "cuda" if _cuda() else "cpu"))
-    ap.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-                    help="on CUDA, draft eagerly instead of replaying graphs captured at start-up")
-    ap.add_argument("--compile", action="store_true", default=env("FLASHMAP_DRAFT_COMPILE", "0") == "1",
-                    help="on CPU, torch.compile the drafter at start-up (about a minute; env FLASHMAP_DRAFT_COMPILE=1)")
-    ap.add_argument("--reflection", action="store_true", help="serve gRPC reflection (off: less to probe)")
-    ap.add_argument("--probe-interval-s", type=float, default=5.0, help="health: a tiny draft this often (0: off)")
-    ap.add_argument("--cpus", type=parse_cpu_list, default=env(DRAFTER_CPUS_ENV),
-                    help="CPU list for the forward thread, e.g. 0-1 (flashmap.cpus; default: the process's)")
+    ap.add_argument(
+        "--no-cuda-graphs",
+        dest="cuda_graphs",
+        action="store_false",
+        help="on CUDA, draft eagerly instead of replaying graphs captured at start-up",
+    )
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        default=env("FLASHMAP_DRAFT_COMPILE", "0") == "1",
+        help="on CPU, torch.compile the drafter at start-up (about a minute; env FLASHMAP_DRAFT_COMPILE=1)",
+    )
+    ap.add_argument(
+        "--reflection", action="store_true", help="serve gRPC reflection (off: less to probe)"
+    )
+    ap.add_argument(
+        "--probe-interval-s",
+        type=float,
+        default=5.0,
+        help="health: a tiny draft this often (0: off)",
+    )
+    ap.add_argument(
+        "--cpus",
+        type=parse_cpu_list,
+        default=env(DRAFTER_CPUS_ENV),
+        help="CPU list for the forward thread, e.g. 0-1 (flashmap.cpus; default: the process's)",
+    )
     ap.add_argument("--log-level", default="INFO")
     a = ap.parse_args(argv)
     setup_logging(a.log_level)
     token = read_secret(DRAFTER_TOKEN_ENV)
     if not token and a.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("no %s: any client that reaches %s:%d can drive this drafter", DRAFTER_TOKEN_ENV, a.host, a.port)
-    proposer = load_proposer(a.drafter, a.target_dir, device=a.device, n_slots=a.n_slots, max_context=a.max_context,
-                             steps=a.steps, min_confidence=a.min_confidence, greedy_estimate=a.greedy_estimate,
-                             greedy_noise_scale=a.greedy_noise_scale)
+        log.warning(
+            "no %s: any client that reaches %s:%d can drive this drafter",
+            DRAFTER_TOKEN_ENV,
+            a.host,
+            a.port,
+        )
+    proposer = load_proposer(
+        a.drafter,
+        a.target_dir,
+        device=a.device,
+        n_slots=a.n_slots,
+        max_context=a.max_context,
+        steps=a.steps,
+        min_confidence=a.min_confidence,
+        greedy_estimate=a.greedy_estimate,
+        greedy_noise_scale=a.greedy_noise_scale,
+    )
     if a.device.startswith("cuda") and a.cuda_graphs:
         steps = tuple(sorted({1, 2, a.steps}))
         report = proposer.enable_graphs(steps=steps)  # logs capture time and memory
@@ -335,8 +473,17 @@ def main(argv: list[str] | None = None) -> None:
         log.info("drafter compiled", extra=fields(**report))
     name = "init" if a.drafter == "init" else os.path.basename(os.path.normpath(a.drafter))
     service = DrafterService(proposer, name=name, idle_timeout_s=a.idle_timeout_s, cpus=a.cpus)
-    run(serve(service, a.host, a.port, a.metrics_port, token=token, reflection_on=a.reflection,
-              probe_interval_s=a.probe_interval_s))
+    run(
+        serve(
+            service,
+            a.host,
+            a.port,
+            a.metrics_port,
+            token=token,
+            reflection_on=a.reflection,
+            probe_interval_s=a.probe_interval_s,
+        )
+    )
 
 
 def _cuda() -> bool:

@@ -45,8 +45,10 @@ class SlotTable:
         slot = self.slot_of.get(seq_id)
         if slot is None:
             if not self._free:
-                raise SlotsExhausted(f"all {self.n_slots} drafter slots are in use; release finished "
-                                     f"sequences or start the drafter with more slots")
+                raise SlotsExhausted(
+                    f"all {self.n_slots} drafter slots are in use; release finished "
+                    f"sequences or start the drafter with more slots"
+                )
             slot = self._free.pop()
             self.slot_of[seq_id] = slot
             self.lengths[slot] = 0
@@ -58,8 +60,10 @@ class SlotTable:
         slot = self.acquire(seq_id)
         start = int(self.lengths[slot])
         if start + m > self.max_context:
-            raise ContextTooLong(f"sequence {seq_id!r}: context {start + m} exceeds the drafter's "
-                                 f"max_context {self.max_context}")
+            raise ContextTooLong(
+                f"sequence {seq_id!r}: context {start + m} exceeds the drafter's "
+                f"max_context {self.max_context}"
+            )
         return slot, start
 
     def lookup(self, seq_id: str) -> tuple[int, int]:
@@ -91,7 +95,9 @@ class SlotCacheProposer(Proposer):
     Truncating only moves a slot's length back: each subclass keeps the cache rows below the
     new length valid (they depend on earlier positions only) and masks or overwrites the rest."""
 
-    def __init__(self, model: torch.nn.Module, n_slots: int, max_context: int, device: str, cache_layers: int):
+    def __init__(
+        self, model: torch.nn.Module, n_slots: int, max_context: int, device: str, cache_layers: int
+    ):
         cfg = model.cfg
         self.model = model.to(device).eval()
         self.cfg = cfg
@@ -131,7 +137,9 @@ class SlotCacheProposer(Proposer):
         token_ids = np.asarray(token_ids, np.int64).reshape(-1)
         m = len(token_ids)
         if features.shape != (m, self.cfg.feature_dim):
-            raise ValueError(f"features must be [{m}, {self.cfg.feature_dim}] for {m} tokens, got {features.shape}")
+            raise ValueError(
+                f"features must be [{m}, {self.cfg.feature_dim}] for {m} tokens, got {features.shape}"
+            )
         slot, start = self.slots.reserve(seq_id, m)
         if m:
             self._write(slot, start, token_ids, features)
@@ -148,27 +156,42 @@ class SlotCacheProposer(Proposer):
         from drafter_service.compiled import compiled_method
 
         if self.available_steps is not None:
-            raise RuntimeError("CUDA graphs are enabled: they already replay the drafter; compile is for CPU")
+            raise RuntimeError(
+                "CUDA graphs are enabled: they already replay the drafter; compile is for CPU"
+            )
         for attr, (method, freeze) in self.COMPILED.items():
             setattr(self, attr, compiled_method(self.model, method, freeze))
         t0 = time.perf_counter()
         if warmup:
             self._compile_warmup(steps)
         failed = [getattr(self, a).failed for a in self.COMPILED if getattr(self, a).failed]
-        return {"compiled": not failed, "seconds": round(time.perf_counter() - t0, 1), "failed": failed}
+        return {
+            "compiled": not failed,
+            "seconds": round(time.perf_counter() - t0, 1),
+            "failed": failed,
+        }
 
     def _compile_warmup(self, steps: tuple[int, ...]) -> None:
         """Draft once through every variant torch.compile makes of the drafter (sizes 0 and 1
         are specialised): one and two sequences, one and three new positions, a sequence
         without context; on throw-away sequences, released after."""
-        seqs = ["__compile_warmup_0__", "__compile_warmup_1__"][:min(2, self.n_slots)]
+        seqs = ["__compile_warmup_0__", "__compile_warmup_1__"][: min(2, self.n_slots)]
         try:
             for seq in seqs:
                 for m in (3, 1):
-                    self.extend(seq, np.zeros(m, np.int64), np.zeros((m, self.cfg.feature_dim), np.float32))
+                    self.extend(
+                        seq, np.zeros(m, np.int64), np.zeros((m, self.cfg.feature_dim), np.float32)
+                    )
             for n in steps:
-                for batch in [seqs[:i] for i in range(1, len(seqs) + 1)] + [["__compile_warmup_new__"]]:
-                    self.propose([ProposeRequest(seq_id=q, anchor=0, temperature=0.0, seed=0, steps=n) for q in batch])
+                for batch in [seqs[:i] for i in range(1, len(seqs) + 1)] + [
+                    ["__compile_warmup_new__"]
+                ]:
+                    self.propose(
+                        [
+                            ProposeRequest(seq_id=q, anchor=0, temperature=0.0, seed=0, steps=n)
+                            for q in batch
+                        ]
+                    )
         finally:
             for seq in seqs:
                 self.release(seq)

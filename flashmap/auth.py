@@ -23,7 +23,9 @@ API_KEY_HEADER = "authorization"  # value: "Bearer <key>", what OpenAI-style cli
 
 TARGET_KEY_ENV = "FLASHMAP_TARGET_KEY"
 DRAFTER_TOKEN_ENV = "FLASHMAP_DRAFTER_TOKEN"
-DRAFTER_TOKEN_LOCAL = "drafter_token"  # `flashmap up`'s drafter token, for `flashmap steps` from another shell
+DRAFTER_TOKEN_LOCAL = (
+    "drafter_token"  # `flashmap up`'s drafter token, for `flashmap steps` from another shell
+)
 API_KEY_ENV = "FLASHMAP_API_KEY"
 
 

@@ -52,7 +52,9 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
         raise CheckpointError(f"{single}: corrupt safetensors file ({e})") from None
 
 
-def load_tensors(model_dir: str | Path, names: list[str] | None = None, framework: str = "pt") -> dict:
+def load_tensors(
+    model_dir: str | Path, names: list[str] | None = None, framework: str = "pt"
+) -> dict:
     """Load the named tensors (all when names is None) from a checkpoint directory, as
     `framework` tensors (safetensors' names: "pt" for torch, "numpy")."""
     model_dir = Path(model_dir)

@@ -15,14 +15,21 @@ step count at run time.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, Iterator
 
 import grpc
 
-from flashmap.auth import (API_KEY_ENV, API_KEY_HEADER, DRAFTER_TOKEN_ENV, DRAFTER_TOKEN_HEADER, DRAFTER_TOKEN_LOCAL,
-                           bearer, read_secret)
+from flashmap.auth import (
+    API_KEY_ENV,
+    API_KEY_HEADER,
+    DRAFTER_TOKEN_ENV,
+    DRAFTER_TOKEN_HEADER,
+    DRAFTER_TOKEN_LOCAL,
+    bearer,
+    read_secret,
+)
 from flashmap.types import SpecStats
 from flashmap.v1 import drafter_pb2, drafter_pb2_grpc, serving_pb2, serving_pb2_grpc
 from flashmap.wire import stats_from_proto
@@ -60,8 +67,17 @@ class Unauthenticated(FlashMapError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
-_BY_CODE = {c.code: c for c in (InvalidArgument, ResourceExhausted, Unavailable, Cancelled, DeadlineExceeded,
-                                Unauthenticated)}
+_BY_CODE = {
+    c.code: c
+    for c in (
+        InvalidArgument,
+        ResourceExhausted,
+        Unavailable,
+        Cancelled,
+        DeadlineExceeded,
+        Unauthenticated,
+    )
+}
 
 
 def _translate(e: grpc.RpcError) -> FlashMapError:
@@ -91,9 +107,11 @@ class Chunk:
 
     def summary(self) -> str:
         s = self.stats or SpecStats()
-        return (f"{self.completion_tokens} tokens, finish={self.finish_reason}, mean acceptance length="
-                f"{s.mean_acceptance_length:.2f}, rounds={s.rounds}, fallback rounds={s.fallback_rounds}, "
-                f"ttft={self.time_to_first_token_s * 1e3:.1f} ms, total={self.total_s:.3f} s")
+        return (
+            f"{self.completion_tokens} tokens, finish={self.finish_reason}, mean acceptance length="
+            f"{s.mean_acceptance_length:.2f}, rounds={s.rounds}, fallback rounds={s.fallback_rounds}, "
+            f"ttft={self.time_to_first_token_s * 1e3:.1f} ms, total={self.total_s:.3f} s"
+        )
 
 
 @dataclass
@@ -108,18 +126,40 @@ class Completion:
     total_s: float
 
 
-def _request(prompt=None, prompt_ids=None, messages=None, max_new_tokens=64, temperature=0.0, top_k=0, top_p=None, seed=None,
-             stop=(), stop_token_ids=(), ignore_eos=False, draft_steps=None, request_id="",
-             max_draft_tokens=None) -> serving_pb2.GenerateRequest:
+def _request(
+    prompt=None,
+    prompt_ids=None,
+    messages=None,
+    max_new_tokens=64,
+    temperature=0.0,
+    top_k=0,
+    top_p=None,
+    seed=None,
+    stop=(),
+    stop_token_ids=(),
+    ignore_eos=False,
+    draft_steps=None,
+    request_id="",
+    max_draft_tokens=None,
+) -> serving_pb2.GenerateRequest:
     req = serving_pb2.GenerateRequest(
-        request_id=request_id, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-        stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
+        request_id=request_id,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        stop=list(stop),
+        stop_token_ids=list(stop_token_ids),
+        ignore_eos=ignore_eos,
     )
     if prompt_ids is not None:
         req.token_ids.ids.extend(int(t) for t in prompt_ids)
-    elif messages is not None:  # [{"role": ..., "content": ...}]: the server applies the chat template
+    elif (
+        messages is not None
+    ):  # [{"role": ..., "content": ...}]: the server applies the chat template
         req.messages.SetInParent()  # an empty conversation is still a conversation (the server refuses it)
-        req.messages.messages.extend(serving_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
+        req.messages.messages.extend(
+            serving_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages
+        )
     elif prompt is not None:
         req.text = prompt
     if top_p is not None:
@@ -137,17 +177,32 @@ def _chunk(resp: serving_pb2.GenerateResponse) -> Chunk:
     if resp.WhichOneof("kind") == "chunk":
         return Chunk(resp.request_id, list(resp.chunk.token_ids), resp.chunk.text)
     f = resp.final
-    return Chunk(resp.request_id, finished=True, finish_reason=f.finish_reason, prompt_tokens=f.usage.prompt_tokens,
-                 completion_tokens=f.usage.completion_tokens, stats=stats_from_proto(f.stats),
-                 time_to_first_token_s=f.time_to_first_token_s, total_s=f.total_s)
+    return Chunk(
+        resp.request_id,
+        finished=True,
+        finish_reason=f.finish_reason,
+        prompt_tokens=f.usage.prompt_tokens,
+        completion_tokens=f.usage.completion_tokens,
+        stats=stats_from_proto(f.stats),
+        time_to_first_token_s=f.time_to_first_token_s,
+        total_s=f.total_s,
+    )
 
 
 def _collect(chunks) -> Completion:
     ids, text = [], []
     for c in chunks:
         if c.finished:
-            return Completion(c.request_id, ids, "".join(text), c.finish_reason, c.stats, c.prompt_tokens,
-                              c.time_to_first_token_s, c.total_s)
+            return Completion(
+                c.request_id,
+                ids,
+                "".join(text),
+                c.finish_reason,
+                c.stats,
+                c.prompt_tokens,
+                c.time_to_first_token_s,
+                c.total_s,
+            )
         ids.extend(c.token_ids)
         text.append(c.text)
     raise FlashMapError("stream ended without a final message")
@@ -191,11 +246,19 @@ class _SyncChannel:
 
 
 class Client(_SyncChannel):
-    def __init__(self, url: str = "127.0.0.1:50051", timeout: float | None = None, api_key: str | None = None,
-                 tls: bool | str | None = None):
+    def __init__(
+        self,
+        url: str = "127.0.0.1:50051",
+        timeout: float | None = None,
+        api_key: str | None = None,
+        tls: bool | str | None = None,
+    ):
         self._md, creds = _channel_args(api_key, tls)
-        self.channel = (grpc.secure_channel(url, creds, options=_OPTIONS) if creds is not None
-                        else grpc.insecure_channel(url, options=_OPTIONS))
+        self.channel = (
+            grpc.secure_channel(url, creds, options=_OPTIONS)
+            if creds is not None
+            else grpc.insecure_channel(url, options=_OPTIONS)
+        )
         self.stub = serving_pb2_grpc.FlashMapStub(self.channel)
         self.timeout = timeout
 
@@ -221,12 +284,21 @@ class Client(_SyncChannel):
     def health(self) -> serving_pb2.HealthResponse:
         return self._unary(self.stub.Health, serving_pb2.HealthRequest())
 
+
 class AsyncClient:
-    def __init__(self, url: str = "127.0.0.1:50051", timeout: float | None = None, api_key: str | None = None,
-                 tls: bool | str | None = None):
+    def __init__(
+        self,
+        url: str = "127.0.0.1:50051",
+        timeout: float | None = None,
+        api_key: str | None = None,
+        tls: bool | str | None = None,
+    ):
         self._md, creds = _channel_args(api_key, tls)
-        self.channel = (grpc.aio.secure_channel(url, creds, options=_OPTIONS) if creds is not None
-                        else grpc.aio.insecure_channel(url, options=_OPTIONS))
+        self.channel = (
+            grpc.aio.secure_channel(url, creds, options=_OPTIONS)
+            if creds is not None
+            else grpc.aio.insecure_channel(url, options=_OPTIONS)
+        )
         self.stub = serving_pb2_grpc.FlashMapStub(self.channel)
         self.timeout = timeout
 
@@ -250,7 +322,9 @@ class AsyncClient:
             raise _translate(e) from None
 
     async def abort(self, request_id: str) -> bool:
-        return (await self._unary(self.stub.Abort, serving_pb2.AbortRequest(request_id=request_id))).found
+        return (
+            await self._unary(self.stub.Abort, serving_pb2.AbortRequest(request_id=request_id))
+        ).found
 
     async def model_info(self) -> serving_pb2.ModelInfoResponse:
         return await self._unary(self.stub.ModelInfo, serving_pb2.ModelInfoRequest())
@@ -287,4 +361,3 @@ class DrafterAdmin(_SyncChannel):
 
     def stats(self) -> drafter_pb2.StatsResponse:
         return self._unary(self.stub.Stats, drafter_pb2.StatsRequest())
-

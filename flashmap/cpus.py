@@ -38,7 +38,7 @@ DRAFTER_CPUS_ENV = "FLASHMAP_DRAFTER_CPUS"  # the drafter's forward thread
 
 
 def parse_cpu_list(text: str) -> set[int]:
-    """"0-2,5" -> {0, 1, 2, 5} (the kernel's cpu-list format). Raises ValueError."""
+    """ "0-2,5" -> {0, 1, 2, 5} (the kernel's cpu-list format). Raises ValueError."""
     cpus: set[int] = set()
     for part in text.replace(" ", "").split(","):
         if not part:
@@ -77,7 +77,9 @@ def usable_cpus() -> set[int]:
     return set(range(os.cpu_count() or 1))
 
 
-def split_cpus(target_n: int, available: set[int] | None = None) -> tuple[set[int], set[int]] | None:
+def split_cpus(
+    target_n: int, available: set[int] | None = None
+) -> tuple[set[int], set[int]] | None:
     """(the target's CPUs, the rest): the first `target_n` of `available` (at least one, and
     at least one left over), or None when fewer than two are available."""
     cpus = sorted(usable_cpus() if available is None else available)

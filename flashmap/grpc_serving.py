@@ -14,8 +14,8 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -38,39 +38,51 @@ class Malformed:
 
     @property
     def message(self) -> str:
-        return str(self.error) if self.code == grpc.StatusCode.RESOURCE_EXHAUSTED else f"malformed request: {self.error}"
+        return (
+            str(self.error)
+            if self.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            else f"malformed request: {self.error}"
+        )
 
     def __repr__(self) -> str:
         return f"Malformed({self.error})"
 
 
-def _tolerant(parse: Callable[[bytes], object], max_bytes: int | None = None) -> Callable[[bytes], object]:
+def _tolerant(
+    parse: Callable[[bytes], object], max_bytes: int | None = None
+) -> Callable[[bytes], object]:
     def deserialize(data: bytes):
         if max_bytes is not None and len(data) > max_bytes:
-            return Malformed(ValueError(f"the request is {len(data)} bytes, more than the limit of {max_bytes}"),
-                             grpc.StatusCode.RESOURCE_EXHAUSTED)
+            return Malformed(
+                ValueError(f"the request is {len(data)} bytes, more than the limit of {max_bytes}"),
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+            )
         try:
             return parse(data)
         except Exception as e:  # noqa: BLE001 - DecodeError and friends
             return Malformed(e)
+
     return deserialize
 
 
 def _refuse_malformed(fn, client_streaming: bool):
     """Wrap a servicer method so a Malformed request ends the call with INVALID_ARGUMENT."""
     if client_streaming:
+
         async def checked_stream(request_iterator, context):
             async def requests():
                 async for r in request_iterator:
                     if isinstance(r, Malformed):
                         await context.abort(r.code, r.message)
                     yield r
+
             result = fn(requests(), context)
             if hasattr(result, "__aiter__"):
                 async for item in result:
                     yield item
             else:
                 yield await result
+
         return checked_stream
 
     async def check(request, context):
@@ -78,28 +90,38 @@ def _refuse_malformed(fn, client_streaming: bool):
             await context.abort(request.code, request.message)
 
     import inspect
+
     if inspect.isasyncgenfunction(fn):
+
         async def checked_gen(request, context):
             await check(request, context)
             async for item in fn(request, context):
                 yield item
+
         return checked_gen
 
     async def checked(request, context):
         await check(request, context)
         return await fn(request, context)
+
     return checked
 
 
-def add_service(server: grpc.aio.Server, servicer, service, max_message_bytes: int | None = None) -> None:
+def add_service(
+    server: grpc.aio.Server, servicer, service, max_message_bytes: int | None = None
+) -> None:
     """Register `servicer` for the proto `service` descriptor, like the generated add_*_to_server,
     but a request that does not parse gets INVALID_ARGUMENT instead of UNKNOWN and a traceback,
     and one over max_message_bytes RESOURCE_EXHAUSTED without being parsed (serve_grpc's
     transport_bytes says how large a message gRPC hands over at all)."""
     from google.protobuf import message_factory
 
-    kinds = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
-             (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+    kinds = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
     handlers = {}
     for m in service.methods:
         req = message_factory.GetMessageClass(m.input_type)
@@ -108,9 +130,13 @@ def add_service(server: grpc.aio.Server, servicer, service, max_message_bytes: i
         if m.client_streaming and not m.server_streaming:
             raise NotImplementedError("stream-unary methods are not used here")
         handlers[m.name] = kinds[(m.client_streaming, m.server_streaming)](
-            _refuse_malformed(fn, m.client_streaming), request_deserializer=_tolerant(req.FromString, max_message_bytes),
-            response_serializer=resp.SerializeToString)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+            _refuse_malformed(fn, m.client_streaming),
+            request_deserializer=_tolerant(req.FromString, max_message_bytes),
+            response_serializer=resp.SerializeToString,
+        )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service.full_name, handlers),)
+    )
 
 
 class TokenAuth(grpc.aio.ServerInterceptor):
@@ -150,6 +176,7 @@ def _deny_stream(deny):
     async def handler(request_iterator, context):
         await deny(None, context)
         yield  # pragma: no cover - deny aborts
+
     return handler
 
 
@@ -181,15 +208,20 @@ async def serve_grpc(
     they have arrived."""
     if metrics_port:
         start_http_server(metrics_port, addr=host, registry=registry)
-    server = grpc.aio.server(interceptors=list(interceptors), options=[
-        ("grpc.max_receive_message_length", transport_bytes or max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-    ])
+    server = grpc.aio.server(
+        interceptors=list(interceptors),
+        options=[
+            ("grpc.max_receive_message_length", transport_bytes or max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ],
+    )
     register(server)
     health_servicer = health_servicer or health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if reflection_on:
-        reflection.enable_server_reflection((*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        reflection.enable_server_reflection(
+            (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
     if tls is not None:
         cert, key = (Path(x).read_bytes() for x in tls)
         server.add_secure_port(f"{host}:{port}", grpc.ssl_server_credentials([(key, cert)]))
@@ -198,8 +230,15 @@ async def serve_grpc(
     await server.start()
     for svc in ("", *service_names):
         await health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
-    log.info(f"{name} serving", extra=fields(grpc=f"{host}:{port}", metrics=metrics_port, tls=tls is not None,
-                                             reflection=reflection_on))
+    log.info(
+        f"{name} serving",
+        extra=fields(
+            grpc=f"{host}:{port}",
+            metrics=metrics_port,
+            tls=tls is not None,
+            reflection=reflection_on,
+        ),
+    )
     if ready is not None:
         ready.set()
     stop = stop or asyncio.Event()
@@ -225,6 +264,7 @@ def run(coro) -> None:
 
 
 # ----------------------------------------------------------------------------- clients of a server
+
 
 def free_ports(n: int) -> list[int]:
     """n distinct TCP ports on 127.0.0.1 that are free right now (the tiny race until a server
@@ -257,7 +297,9 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
-def wait_grpc_health(url: str, timeout_s: float, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
+def wait_grpc_health(
+    url: str, timeout_s: float, proc: subprocess.Popen | None = None, log: Path | None = None
+) -> None:
     """Block until the gRPC health service at url says SERVING; raise with the log's tail if
     proc exits first or timeout_s passes."""
     deadline = time.monotonic() + timeout_s
@@ -268,7 +310,10 @@ def wait_grpc_health(url: str, timeout_s: float, proc: subprocess.Popen | None =
                 tail = log.read_text()[-3000:] if log and log.exists() else ""
                 raise RuntimeError(f"process for {url} exited with {proc.returncode}:\n{tail}")
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == health_pb2.HealthCheckResponse.SERVING:
+                if (
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
                     return
             except grpc.RpcError:
                 pass

@@ -8,7 +8,8 @@ mapping every step, and the heap's top is trimmed whenever enough is free: every
 page-faults its buffers in again. The demo target at 16 rows and 270-320 positions took 8,700
 minor faults per step, in one process and inside Triton's model alike, and 43 ms per step in one
 process (57 ms per call through Triton); with the thresholds fixed, 0 faults inside Triton (26 in
-one process) and 25 ms per call (20 ms per step) in the same script (a decode loop beside Triton, 2-core VM). jemalloc or tcmalloc, which
+one process) and 25 ms per call (20 ms per step) in the same script (a decode loop beside
+Triton, 2-core VM). jemalloc or tcmalloc, which
 PyTorch's CPU tuning guides preload, avoid it the same way.
 
 Numpy only (ctypes); a no-op where the C library is not glibc.
@@ -41,7 +42,11 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError, TypeError):  # not glibc (musl, macOS): nothing to tune
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    _done = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    _done = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
+        mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    )
     if not _done:
-        log.warning("mallopt refused the thresholds: host memory is returned to the kernel as freed")
+        log.warning(
+            "mallopt refused the thresholds: host memory is returned to the kernel as freed"
+        )
     return _done

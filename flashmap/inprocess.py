@@ -41,7 +41,9 @@ class LocalDrafter:
         self.steps = steps
         self.block_size = proposer.block_size
 
-    async def draft(self, seqs: list[Sequence], n_blocks: list[int], budgets: list[int] | None = None) -> DraftBatch:
+    async def draft(
+        self, seqs: list[Sequence], n_blocks: list[int], budgets: list[int] | None = None
+    ) -> DraftBatch:
         # Whole blocks whatever the budgets: the round loop cuts them (a proposer drafts K at once).
         p = self.proposer
         for s in seqs:
@@ -52,8 +54,16 @@ class LocalDrafter:
         out = DraftBatch()
         for n in sorted(set(n_blocks)):
             group = [s for s, k in zip(seqs, n_blocks) if k == n]
-            reqs = [ProposeRequest(str(s.seq_id), s.anchor, s.params.temperature, seed=s.draft_seed(),
-                                   steps=s.request.draft_steps) for s in group]
+            reqs = [
+                ProposeRequest(
+                    str(s.seq_id),
+                    s.anchor,
+                    s.params.temperature,
+                    seed=s.draft_seed(),
+                    steps=s.request.draft_steps,
+                )
+                for s in group
+            ]
             for s, blocks in zip(group, p.propose_blocks(reqs, self.steps, n)):
                 out.blocks[s.seq_id] = blocks
         return out
@@ -70,8 +80,12 @@ class LocalTarget:
         self.engine = engine
         self.max_seq_len = engine.max_seq_len
 
-    async def verify(self, rows: list[VerifyRow], branches: list[list[np.ndarray]],
-                     last: list[bool] | None = None) -> list:
+    async def verify(
+        self,
+        rows: list[VerifyRow],
+        branches: list[list[np.ndarray]],
+        last: list[bool] | None = None,
+    ) -> list:
         # `last` is not used: freeing a local slot costs nothing, decode() frees it when the request ends.
         out: list = [None] * len(rows)
         flat = [i for i, b in enumerate(branches) if not b]
@@ -83,8 +97,15 @@ class LocalTarget:
         return out
 
 
-def decode(engine, requests: list[GenerationRequest], proposer=None, steps: int = 1,
-           tree_blocks: int = 1, controller=None, decode_steps: int = 1) -> list[GenerationResult]:
+def decode(
+    engine,
+    requests: list[GenerationRequest],
+    proposer=None,
+    steps: int = 1,
+    tree_blocks: int = 1,
+    controller=None,
+    decode_steps: int = 1,
+) -> list[GenerationResult]:
     """Decode all requests to completion; results come back in request order.
 
     tree_blocks > 1 (greedy requests): each round drafts that many blocks from independent
@@ -96,29 +117,42 @@ def decode(engine, requests: list[GenerationRequest], proposer=None, steps: int 
         r.validate(engine.vocab_size, engine.max_seq_len)
     if tree_blocks > 1:
         if proposer is None or proposer.max_blocks < tree_blocks:
-            raise ValueError(f"tree verification of {tree_blocks} blocks needs a proposer that drafts several blocks")
+            raise ValueError(
+                f"tree verification of {tree_blocks} blocks needs a proposer that drafts several blocks"
+            )
         if any(not r.params.greedy for r in requests):
             raise ValueError("tree verification is greedy-only: every request needs temperature 0")
     block = proposer.block_size if proposer is not None else BLOCK_SIZE
     target = LocalTarget(engine)
     drafter = LocalDrafter(proposer, steps) if proposer is not None else None
     waiting = deque(enumerate(requests))
-    active: dict[int, Sequence] = {}  # request index -> sequence (seq_id = index, handle = engine slot)
+    active: dict[
+        int, Sequence
+    ] = {}  # request index -> sequence (seq_id = index, handle = engine slot)
     results: list[GenerationResult | None] = [None] * len(requests)
     t_start = time.perf_counter()
     while waiting or active:
         while waiting and engine.free_slots > 0:
             i, req = waiting.popleft()
             active[i] = Sequence(i, req, block, handle=engine.allocate())
-        run_local(speculative_round(list(active.values()), target, drafter, tree_blocks, controller, decode_steps))
+        run_local(
+            speculative_round(
+                list(active.values()), target, drafter, tree_blocks, controller, decode_steps
+            )
+        )
         for i, s in list(active.items()):
             if s.finished:
                 engine.release(s.handle)
                 if drafter is not None:
                     run_local(drafter.release([s]))
                 del active[i]
-                results[i] = GenerationResult(s.request.request_id, list(s.request.prompt_ids), s.generated,
-                                              s.finish_reason, s.stats)
+                results[i] = GenerationResult(
+                    s.request.request_id,
+                    list(s.request.prompt_ids),
+                    s.generated,
+                    s.finish_reason,
+                    s.stats,
+                )
     wall = time.perf_counter() - t_start
     for r in results:
         r.wall_s = wall

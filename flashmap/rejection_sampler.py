@@ -56,7 +56,9 @@ def _residual_token(k: int, draft: Draft, result: VerifyResult, rng: np.random.G
     return int(ids[min(j, len(ids) - 1)])
 
 
-def sample_verify(draft: Draft, result: VerifyResult, rng: np.random.Generator) -> tuple[list[int], int]:
+def sample_verify(
+    draft: Draft, result: VerifyResult, rng: np.random.Generator
+) -> tuple[list[int], int]:
     """Temperature > 0: exact rejection sampling. Returns (committed tokens, number accepted)."""
     out: list[int] = []
     for k, x in enumerate(draft.tokens):

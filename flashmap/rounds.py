@@ -55,7 +55,9 @@ class DraftBatch:
 class Drafter(Protocol):
     block_size: int
 
-    async def draft(self, seqs: list[Sequence], n_blocks: list[int], budgets: list[int] | None = None) -> DraftBatch:
+    async def draft(
+        self, seqs: list[Sequence], n_blocks: list[int], budgets: list[int] | None = None
+    ) -> DraftBatch:
         """Blocks after each sequence's anchor, n_blocks[i] of them for seqs[i], of at most
         budgets[i] tokens (default Sequence.draft_budget). Sends the sequence's unacknowledged
         context first (Sequence.context_for_drafter); calls Sequence.lose_drafter when the
@@ -70,8 +72,12 @@ class Drafter(Protocol):
 class Target(Protocol):
     max_seq_len: int
 
-    async def verify(self, rows: list[VerifyRow], branches: list[list[np.ndarray]],
-                     last: list[bool] | None = None) -> list:
+    async def verify(
+        self,
+        rows: list[VerifyRow],
+        branches: list[list[np.ndarray]],
+        last: list[bool] | None = None,
+    ) -> list:
         """One verify for every row: per row (VerifyResult, index of the winning block) or the
         exception that failed it. branches[i] non-empty: more blocks after row i's anchor,
         verified as a tree (index 0 = the row's own block). last[i]: this verify surely ends
@@ -88,7 +94,9 @@ class SequenceRound:
     prefill: bool
     drafted: int = 0  # draft tokens verified
     accepted: int = 0
-    fallback: str = ""  # why a sequence that wanted a draft had none: unavailable | timeout | context_lost
+    fallback: str = (
+        ""  # why a sequence that wanted a draft had none: unavailable | timeout | context_lost
+    )
     error: BaseException | None = None
 
 
@@ -99,8 +107,10 @@ class RoundResult:
     verify_s: float = 0.0
     steps: int = 0  # step count of this round's blocks (0: none drafted)
     decode_steps: int = 1  # most tokens a row without a draft decoded in the verify call
-    plan: dict[int, int] | None = None  # the controller's draft length per sequence id (None: no controller)
-    ahead: "Ahead | None" = None  # the next round, already sent (send_ahead)
+    plan: dict[int, int] | None = (
+        None  # the controller's draft length per sequence id (None: no controller)
+    )
+    ahead: Ahead | None = None  # the next round, already sent (send_ahead)
     shadows: int = 0  # shadow probes started after this round (SpeculationController.shadow)
     # With a controller: the draft tokens it expected the drafted rows to have accepted (its
     # estimate before the verify) and what they did accept, over the rows verified without error.
@@ -111,8 +121,11 @@ class RoundResult:
 def _tree_fits(row: VerifyRow, n_branches: int, max_seq_len: int) -> bool:
     """Verify this row as a tree: it drafted, has other branches, and they fit the context
     (else the plain block is verified)."""
-    return bool(row.num_draft) and n_branches > 0 and \
-        row.start_pos + len(row.tokens) + row.num_draft * n_branches <= max_seq_len
+    return (
+        bool(row.num_draft)
+        and n_branches > 0
+        and row.start_pos + len(row.tokens) + row.num_draft * n_branches <= max_seq_len
+    )
 
 
 @dataclass
@@ -126,14 +139,24 @@ class Ahead:
     rows: list[VerifyRow]
     call: asyncio.Future  # the verify, a task: in flight
     plan: dict[int, int] | None = None
-    since: float = 0.0  # perf_counter when the round before it answered (its round's cost starts there)
-    shadow: dict[int, int] = field(default_factory=dict)  # its plan's shadow probes (SpeculationController.shadow)
+    since: float = (
+        0.0  # perf_counter when the round before it answered (its round's cost starts there)
+    )
+    shadow: dict[int, int] = field(
+        default_factory=dict
+    )  # its plan's shadow probes (SpeculationController.shadow)
 
 
-async def speculative_round(seqs: list[Sequence], target: Target, drafter: Drafter | None = None,
-                            tree_blocks: int = 1, controller: SpeculationController | None = None,
-                            decode_steps: int = 1, ahead: Ahead | None = None,
-                            send_ahead: bool = False) -> RoundResult:
+async def speculative_round(
+    seqs: list[Sequence],
+    target: Target,
+    drafter: Drafter | None = None,
+    tree_blocks: int = 1,
+    controller: SpeculationController | None = None,
+    decode_steps: int = 1,
+    ahead: Ahead | None = None,
+    send_ahead: bool = False,
+) -> RoundResult:
     """One draft + verify + commit for every sequence in `seqs` (none finished). controller:
     chooses each sequence's draft length from measured costs (None: the whole block).
     decode_steps: tokens per row of a round without drafts (one verify call for all of them).
@@ -145,7 +168,9 @@ async def speculative_round(seqs: list[Sequence], target: Target, drafter: Draft
     batch, asked, lost, gone, shadow, expected = DraftBatch(), set(), set(), set(), {}, {}
     if ahead is not None:
         seqs, rows, out.plan, shadow = ahead.seqs, ahead.rows, ahead.plan, ahead.shadow
-        gone = {s.seq_id for s in seqs if s.finished}  # ended after this round was sent: not part of it
+        gone = {
+            s.seq_id for s in seqs if s.finished
+        }  # ended after this round was sent: not part of it
         drafts, branches = [None] * len(rows), [[] for _ in rows]
         call = ahead.call
     else:
@@ -159,16 +184,28 @@ async def speculative_round(seqs: list[Sequence], target: Target, drafter: Draft
             t0 = time.perf_counter()
             batch = await drafter.draft(ask, [tree_blocks if s.params.greedy else 1 for s in ask])
             out.draft_s = time.perf_counter() - t0
-        rows, drafts, branches = _rows(seqs, batch, target, decode_steps,
-                                       probing=out.plan is not None and controller.probing, drafter=drafter is not None)
-        if controller is not None and any(r.num_draft for r in rows):  # before the commits update the estimates
+        rows, drafts, branches = _rows(
+            seqs,
+            batch,
+            target,
+            decode_steps,
+            probing=out.plan is not None and controller.probing,
+            drafter=drafter is not None,
+        )
+        if controller is not None and any(
+            r.num_draft for r in rows
+        ):  # before the commits update the estimates
             drafted = [(s, r.num_draft) for s, r in zip(seqs, rows) if r.num_draft]
-            expected = dict(zip([s.seq_id for s, _ in drafted],
-                                controller.expected_accepted([s for s, _ in drafted], [n for _, n in drafted])))
+            expected = dict(
+                zip(
+                    [s.seq_id for s, _ in drafted],
+                    controller.expected_accepted([s for s, _ in drafted], [n for _, n in drafted]),
+                )
+            )
         # A coroutine, not a task: awaited below, it goes out before any round sent ahead (a
         # task, started when this one first waits), and a local round needs no event loop.
         call = target.verify(rows, branches, [s.ends_with(r) for s, r in zip(seqs, rows)])
-    for row, draft in zip(rows, drafts):
+    for draft in drafts:
         if draft is not None and draft.steps:
             out.steps = draft.steps
     out.decode_steps = max(r.steps for r in rows)
@@ -200,8 +237,13 @@ async def speculative_round(seqs: list[Sequence], target: Target, drafter: Draft
         result, best = res
         if best:  # the winning branch, committed as if it alone had been verified
             win = Draft.greedy(more[best - 1], draft.steps)
-            row = replace(row, tokens=np.concatenate([row.tokens[:len(row.tokens) - len(win.tokens)], win.tokens]),
-                          support_ids=win.support_ids)
+            row = replace(
+                row,
+                tokens=np.concatenate(
+                    [row.tokens[: len(row.tokens) - len(win.tokens)], win.tokens]
+                ),
+                support_ids=win.support_ids,
+            )
             draft = win
         new, accepted = s.commit(row, draft, result)
         out.sequences.append(SequenceRound(s, new, prefill, row.num_draft, accepted, fallback))
@@ -215,21 +257,38 @@ async def speculative_round(seqs: list[Sequence], target: Target, drafter: Draft
             out.shadows = len(probes)
             _spawn(_shadow_probe(probes, [shadow[s.seq_id] for s in probes], drafter, controller))
         tokens = controller.verify_tokens([len(r.tokens) for r in rows])
-        rest_s = time.perf_counter() - t_round - out.draft_s  # the verify call and the round's own work
-        controller.observe(len(rows), tokens, rest_s, len(asked), out.draft_s,
-                           [(r.seq.params.greedy, r.drafted, r.accepted) for r in out.sequences],
-                           prefill=any(r.prefill for r in out.sequences),
-                           decode_steps=out.decode_steps)
+        rest_s = (
+            time.perf_counter() - t_round - out.draft_s
+        )  # the verify call and the round's own work
+        controller.observe(
+            len(rows),
+            tokens,
+            rest_s,
+            len(asked),
+            out.draft_s,
+            [(r.seq.params.greedy, r.drafted, r.accepted) for r in out.sequences],
+            prefill=any(r.prefill for r in out.sequences),
+            decode_steps=out.decode_steps,
+        )
     return out
 
 
-def _rows(seqs: list[Sequence], batch: DraftBatch, target: Target, decode_steps: int, probing: bool, drafter: bool):
+def _rows(
+    seqs: list[Sequence],
+    batch: DraftBatch,
+    target: Target,
+    decode_steps: int,
+    probing: bool,
+    drafter: bool,
+):
     """Each sequence's verify row, draft (or None) and tree branches for this round."""
     rows, drafts, branches, picked = [], [], [], []
     for s in seqs:
         blocks = batch.blocks.get(s.seq_id, [])
         n = min([s.draft_budget()] + [len(b.tokens) for b in blocks])  # a tree's branches share K
-        picked.append((blocks[0].truncate(n) if blocks else None, [b.tokens[:n] for b in blocks[1:]]))
+        picked.append(
+            (blocks[0].truncate(n) if blocks else None, [b.tokens[:n] for b in blocks[1:]])
+        )
     # A round without a new prompt (whose first token is not held back) decodes up to
     # `decode_steps` tokens per row without a draft in its one verify call, when nobody drafts
     # or the only drafting is the controller's probe (the others do not wait for it).
@@ -243,8 +302,14 @@ def _rows(seqs: list[Sequence], batch: DraftBatch, target: Target, decode_steps:
     return rows, drafts, branches
 
 
-def _send_ahead(seqs: list[Sequence], rows: list[VerifyRow], target: Target, drafter: Drafter | None,
-                controller: SpeculationController | None, decode_steps: int) -> Ahead | None:
+def _send_ahead(
+    seqs: list[Sequence],
+    rows: list[VerifyRow],
+    target: Target,
+    drafter: Drafter | None,
+    controller: SpeculationController | None,
+    decode_steps: int,
+) -> Ahead | None:
     """The next round, sent now, when it drafts nothing either: a follow_row for every sequence
     this round (rows without drafts, in flight) cannot end. None when it would draft, or when
     every sequence ends here."""
@@ -270,11 +335,18 @@ def _send_ahead(seqs: list[Sequence], rows: list[VerifyRow], target: Target, dra
                 s.prefilled = False
     follow = [s.follow_row(r, decode_steps, drafter is not None) for s, r in pairs]
     last = [s.ends_with(f, ahead=r.steps) for (s, r), f in zip(pairs, follow)]
-    return Ahead(nxt, follow, asyncio.ensure_future(target.verify(follow, [[] for _ in follow], last)), plan,
-                 shadow=shadow)
+    return Ahead(
+        nxt,
+        follow,
+        asyncio.ensure_future(target.verify(follow, [[] for _ in follow], last)),
+        plan,
+        shadow=shadow,
+    )
 
 
-_SHADOWS: set[asyncio.Task] = set()  # shadow probes in flight: the event loop holds its tasks weakly
+_SHADOWS: set[asyncio.Task] = (
+    set()
+)  # shadow probes in flight: the event loop holds its tasks weakly
 
 
 def _spawn(coro) -> None:
@@ -283,8 +355,9 @@ def _spawn(coro) -> None:
     task.add_done_callback(_SHADOWS.discard)
 
 
-async def _shadow_probe(seqs: list[Sequence], lengths: list[int], drafter: Drafter,
-                        controller: SpeculationController) -> None:
+async def _shadow_probe(
+    seqs: list[Sequence], lengths: list[int], drafter: Drafter, controller: SpeculationController
+) -> None:
     """Draft a block of up to lengths[i] tokens after each sequence's anchor as it stands now,
     while the rounds go on; the controller counts how much of it the committed text accepts
     (SpeculationController.observe_shadows). Skipped when the drafter is busy or a sequence
@@ -292,8 +365,11 @@ async def _shadow_probe(seqs: list[Sequence], lengths: list[int], drafter: Draft
     a lost probe only leaves the estimates as they were."""
     if getattr(drafter, "busy", False):
         return
-    keep = [(s, min(n, s.request.max_new_tokens - len(s.generated) - 1)) for s, n in zip(seqs, lengths)
-            if not s.finished and not s.drafter_lost and s.shadow is None and s.context_gap() is None]
+    keep = [
+        (s, min(n, s.request.max_new_tokens - len(s.generated) - 1))
+        for s, n in zip(seqs, lengths)
+        if not s.finished and not s.drafter_lost and s.shadow is None and s.context_gap() is None
+    ]
     keep = [(s, n) for s, n in keep if n > 0]
     if not keep:
         return
@@ -315,8 +391,9 @@ async def _shadow_probe(seqs: list[Sequence], lengths: list[int], drafter: Draft
     controller.observe_shadows(seqs)
 
 
-async def _followed(seqs: list[Sequence], rows: list[VerifyRow], results: list, target: Target
-                    ) -> tuple[list[VerifyRow], list]:
+async def _followed(
+    seqs: list[Sequence], rows: list[VerifyRow], results: list, target: Target
+) -> tuple[list[VerifyRow], list]:
     """An ahead round's rows with their real token (Sequence.followed) and its results. A
     continuation the target refused because it came before the round it follows (calls may
     overtake each other) is verified again, now with its token (the same seeds: the same text)."""
@@ -327,14 +404,19 @@ async def _followed(seqs: list[Sequence], rows: list[VerifyRow], results: list, 
             continue
         try:
             rows[i] = s.followed(rows[i])
-        except ValueError as e:  # never commit a step the target did not take after this sequence's last
+        except (
+            ValueError
+        ) as e:  # never commit a step the target did not take after this sequence's last
             results[i] = e
             continue
         if isinstance(res, InvalidRequest) and str(res).startswith(FOLLOW_REFUSED):
             again.append(i)
     if again:
-        redo = await target.verify([rows[i] for i in again], [[] for _ in again],
-                                   [seqs[i].ends_with(rows[i]) for i in again])
+        redo = await target.verify(
+            [rows[i] for i in again],
+            [[] for _ in again],
+            [seqs[i].ends_with(rows[i]) for i in again],
+        )
         for i, res in zip(again, redo):
             results[i] = res
     return rows, results
@@ -349,4 +431,3 @@ def run_local(coro):
         return stop.value
     coro.close()
     raise RuntimeError("a local round awaited I/O: use an event loop for remote parts")
-

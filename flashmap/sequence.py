@@ -22,13 +22,29 @@ from dataclasses import replace
 import numpy as np
 
 from flashmap.rejection_sampler import greedy_verify, sample_verify
-from flashmap.types import BLOCK_SIZE, FOLLOW_TOKEN, Draft, GenerationRequest, SpecStats, VerifyResult, VerifyRow
+from flashmap.types import (
+    BLOCK_SIZE,
+    FOLLOW_TOKEN,
+    Draft,
+    GenerationRequest,
+    SpecStats,
+    VerifyResult,
+    VerifyRow,
+)
 
 
 class Sequence:
-    def __init__(self, seq_id: int, request: GenerationRequest, block_size: int = BLOCK_SIZE, handle: int = -1):
+    def __init__(
+        self,
+        seq_id: int,
+        request: GenerationRequest,
+        block_size: int = BLOCK_SIZE,
+        handle: int = -1,
+    ):
         self.seq_id = seq_id
-        self.handle = handle  # the target's name for this sequence: engine slot or Triton correlation id
+        self.handle = (
+            handle  # the target's name for this sequence: engine slot or Triton correlation id
+        )
         self.request = request
         self.params = request.params
         self.block_size = block_size
@@ -36,16 +52,28 @@ class Sequence:
         self.n_prompt = len(self.tokens)
         self.prefilled = False
         self.finish_reason: str | None = None
-        self.error: BaseException | None = None  # set when a part failed this request (finish "error")
+        self.error: BaseException | None = (
+            None  # set when a part failed this request (finish "error")
+        )
         # Entropy when no seed: a request with a seed is reproducible, one without is not.
         self.rng = np.random.default_rng(request.params.seed)
         self.stats = SpecStats(block_size)
-        self.pending_context: list[tuple[np.ndarray, np.ndarray]] = []  # (token ids [m], features [m, F])
+        self.pending_context: list[
+            tuple[np.ndarray, np.ndarray]
+        ] = []  # (token ids [m], features [m, F])
         self.drafter_seen = 0  # context positions the drafter has acknowledged
-        self.drafter_lost = False  # the drafter lost this sequence's context: autoregressive from now on
-        self.draft_limit: int | None = None  # this round's draft length, set by the speculation controller
-        self.lazy_features = False  # this round's rows go without features (set by the speculation controller)
-        self._gap: int | None = None  # first position a committed row without features left out (context_gap)
+        self.drafter_lost = (
+            False  # the drafter lost this sequence's context: autoregressive from now on
+        )
+        self.draft_limit: int | None = (
+            None  # this round's draft length, set by the speculation controller
+        )
+        self.lazy_features = (
+            False  # this round's rows go without features (set by the speculation controller)
+        )
+        self._gap: int | None = (
+            None  # first position a committed row without features left out (context_gap)
+        )
         self._stop = set(request.stop_token_ids)
         # A shadow probe's block (SpeculationController.observe_shadows): (index in `tokens` of its
         # first token, its tokens [k]), and the slots such blocks reached and had accepted [2, K].
@@ -59,7 +87,7 @@ class Sequence:
 
     @property
     def generated(self) -> list[int]:
-        return self.tokens[self.n_prompt:]
+        return self.tokens[self.n_prompt :]
 
     @property
     def anchor(self) -> int:
@@ -150,12 +178,16 @@ class Sequence:
         if draft is not None and len(draft.tokens):
             round_seed = int(self.rng.integers(2**62))
             toks = np.concatenate([[self.anchor], draft.tokens]).astype(np.int64)
-            return VerifyRow(self.handle, len(self.tokens) - 1, toks, self.params, draft.support_ids, round_seed)
+            return VerifyRow(
+                self.handle, len(self.tokens) - 1, toks, self.params, draft.support_ids, round_seed
+            )
         features = self._sends_features(drafter)
         if not self.prefilled:
             return self._plain_row(0, self.tokens, steps, 0, features)
         gap = self.context_gap() if features else None
-        return self._plain_row(len(self.tokens) - 1, [self.anchor], steps, 0, features, -1 if gap is None else gap)
+        return self._plain_row(
+            len(self.tokens) - 1, [self.anchor], steps, 0, features, -1 if gap is None else gap
+        )
 
     def follow_row(self, prev: VerifyRow, steps: int, drafter: bool = True) -> VerifyRow:
         """The row of the round after `prev` (this sequence's row without drafts, sent and not
@@ -173,19 +205,37 @@ class Sequence:
         """A follow_row once the row before it is committed: its token is the anchor.
         ValueError if that commit did not end where the row starts (a broken pipeline)."""
         if row.start_pos != len(self.tokens) - 1:
-            raise ValueError(f"a continuation at position {row.start_pos} after a commit that ends at "
-                             f"{len(self.tokens) - 1}")
+            raise ValueError(
+                f"a continuation at position {row.start_pos} after a commit that ends at "
+                f"{len(self.tokens) - 1}"
+            )
         return replace(row, tokens=np.asarray([self.anchor], np.int64))
 
-    def _plain_row(self, start_pos: int, tokens, steps: int, ahead: int, features: bool,
-                   features_from: int = -1) -> VerifyRow:
+    def _plain_row(
+        self,
+        start_pos: int,
+        tokens,
+        steps: int,
+        ahead: int,
+        features: bool,
+        features_from: int = -1,
+    ) -> VerifyRow:
         """A row without drafts decoding up to `steps` tokens within max_new_tokens, `ahead`
         tokens being committed before it."""
         round_seed = int(self.rng.integers(2**62))
         steps = max(1, min(steps, self.request.max_new_tokens - len(self.generated) - ahead))
         next_seeds = self.rng.integers(2**62, size=steps - 1).astype(np.int64)
-        return VerifyRow(self.handle, start_pos, np.asarray(tokens, np.int64), self.params,
-                         np.zeros((0, 1), np.int64), round_seed, next_seeds, features, features_from)
+        return VerifyRow(
+            self.handle,
+            start_pos,
+            np.asarray(tokens, np.int64),
+            self.params,
+            np.zeros((0, 1), np.int64),
+            round_seed,
+            next_seeds,
+            features,
+            features_from,
+        )
 
     def ends_with(self, row: VerifyRow, ahead: int = 0) -> bool:
         """Whether committing this row's verify surely ends the sequence: it commits at least
@@ -196,14 +246,16 @@ class Sequence:
         least = row.steps if row.num_draft == 0 else 1
         return len(self.generated) + ahead + least >= self.request.max_new_tokens
 
-    def commit(self, row: VerifyRow, draft: Draft | None, result: VerifyResult) -> tuple[list[int], int]:
+    def commit(
+        self, row: VerifyRow, draft: Draft | None, result: VerifyResult
+    ) -> tuple[list[int], int]:
         """Apply rejection sampling to a verify result; (newly committed tokens, drafts accepted).
         A sequence that ended while the round ran (aborted, cancelled) commits nothing."""
         if self.finished:
             return [], 0
         k = row.num_draft
         if k == 0:  # one token per step: the argmax (T = 0) or the target's own sample
-            new, n_acc = [int(t) for t in result.decoded(self.params.greedy)[-row.steps:]], 0
+            new, n_acc = [int(t) for t in result.decoded(self.params.greedy)[-row.steps :]], 0
         elif self.params.greedy:
             new, n_acc = greedy_verify(draft.tokens, result.argmax)
         else:
@@ -214,12 +266,20 @@ class Sequence:
         n_ctx = len(row.tokens) - k + n_acc
         if row.features and not self.drafter_lost:  # rows without features: see context_gap
             since = row.features_from if 0 <= row.features_from < row.start_pos else row.start_pos
-            if since != self.features_known:  # features that would not continue the context: never draft on them
+            if (
+                since != self.features_known
+            ):  # features that would not continue the context: never draft on them
                 self.lose_drafter()
             else:
-                before = np.asarray(self.tokens[since:row.start_pos], np.int64)  # fetched with the row
-                self.pending_context.append((np.concatenate([before, row.tokens[:n_ctx], np.asarray(decoded, np.int64)]),
-                                             result.features[:len(before) + n_ctx + len(decoded)]))
+                before = np.asarray(
+                    self.tokens[since : row.start_pos], np.int64
+                )  # fetched with the row
+                self.pending_context.append(
+                    (
+                        np.concatenate([before, row.tokens[:n_ctx], np.asarray(decoded, np.int64)]),
+                        result.features[: len(before) + n_ctx + len(decoded)],
+                    )
+                )
                 self._gap = None
         elif not row.features and self._gap is None:
             self._gap = self.features_known

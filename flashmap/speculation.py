@@ -34,9 +34,9 @@ and far beyond them it can say anything (fitted on probes alone it priced a call
 requests like one for one, and the first plans had 30 of 31 requests draft).
 Each round that drafts more widens what the next may try, so the fit grows with the batches.
 
-The first decode round probes. While speculation is off, every `probe_every` rounds one request (the one longest without a
-draft) drafts its whole block, so the per-slot acceptance and the draft cost stay current
-and speculation can come back; each probe doubles the interval (up to `max_probe_every`)
+The first decode round probes. While speculation is off, every `probe_every` rounds one
+request (the one longest without a draft) drafts its whole block, so the per-slot acceptance
+and the draft cost stay current and speculation can come back; each probe doubles the interval (up to `max_probe_every`)
 until the search lets a round draft again; `probe_budget` can cap the share of the time all
 probes take (a probe costs about one drafting request's call and K tokens; a 2-5% cap slowed
 the return of speculation on held-out text at c = 1, so by default only the schedule bounds them).
@@ -129,20 +129,32 @@ class ControllerConfig:
     prior_acceptance: float = 0.6  # per-slot acceptance assumed before any round is seen
     prior_rounds: float = 4.0  # ... with the weight of this many rounds
     forget: float = 0.98  # cost fits: weight of a round measured n rounds ago is forget**n
-    probe_every: int = 8  # after this many rounds without speculation one request drafts its block ...
+    probe_every: int = (
+        8  # after this many rounds without speculation one request drafts its block ...
+    )
     max_probe_every: int = 64  # ... and after each such probe, twice as many
-    probe_budget: float | None = None  # probes may take at most this share of the time (None: the schedule alone)
-    verify_probe_every: int = 4  # with decode_steps > 1: every n-th probe is a one-token round (measures the verify cost)
+    probe_budget: float | None = (
+        None  # probes may take at most this share of the time (None: the schedule alone)
+    )
+    verify_probe_every: int = (
+        4  # with decode_steps > 1: every n-th probe is a one-token round (measures the verify cost)
+    )
     # While the search finds nothing worth drafting and what it depends on is unchanged (the
     # requests, any acceptance observed), it runs again only every this many rounds: the cost
     # fits drift slowly, and the search cost ~0.3 ms per round on the 2-core VM (3% at c = 4).
     recheck_every: int = 8
     packed: bool = True  # the target runs a verify packed (cost ~ total tokens); False: padded to the longest row
     margin: float = 0.0  # a plan must promise this much more throughput than no speculation
-    explore_factor: int = 2  # a plan drafts for at most this many times the most requests a measured draft call had
+    explore_factor: int = (
+        2  # a plan drafts for at most this many times the most requests a measured draft call had
+    )
     decode_steps: int = 1  # tokens per row of a round without drafts or prompts (flashmap.rounds)
-    lazy_features: bool = False  # rows without drafts send no features while speculation is off (see above)
-    shadow_probes: bool = False  # greedy probes draft beside the rounds sent ahead, nothing verified (see above)
+    lazy_features: bool = (
+        False  # rows without drafts send no features while speculation is off (see above)
+    )
+    shadow_probes: bool = (
+        False  # greedy probes draft beside the rounds sent ahead, nothing verified (see above)
+    )
 
 
 @dataclass
@@ -154,25 +166,33 @@ class SpeculationController:
         K = self.block_size
         # Global per-slot counts (verified, accepted), greedy and sampling separately.
         c = self.cfg
-        self.global_counts = {g: (np.full(K, c.prior_rounds), np.full(K, c.prior_rounds * c.prior_acceptance))
-                              for g in (True, False)}
+        self.global_counts = {
+            g: (np.full(K, c.prior_rounds), np.full(K, c.prior_rounds * c.prior_acceptance))
+            for g in (True, False)
+        }
         # The round's seconds outside the draft call: c0 + c_row * rows + c_tok * (query tokens - rows).
         self.verify_cost = OnlineLinear((1e-2, 1e-4, 1e-4), c.forget, prior_weight=1e-3)
         self.draft_cost = OnlineLinear((1e-2, 1e-4), c.forget, prior_weight=1e-3)
         # The seconds of a round without drafts decoding decode_steps tokens per row: plain + rows.
         self.plain_cost = OnlineLinear((1e-2, 1e-4), c.forget, prior_weight=1e-3)
-        self.idle: dict[int, int] = {}  # seq_id -> rounds in a row it could have drafted and did not
+        self.idle: dict[
+            int, int
+        ] = {}  # seq_id -> rounds in a row it could have drafted and did not
         self.probe_every = self.cfg.probe_every  # rounds without speculation before the next probe
         self.since_probe = 0
         self.probe_credit = 0.0  # seconds of probing earned (probe_budget x the rounds' time)
         self.drafted_rounds = 0  # rounds observed with drafts (acceptance news)
         self.probes = 0  # probes planned
         self.probing = False  # this round's only drafting is a probe the others need not wait for
-        self.shadow: dict[int, int] = {}  # this round's shadow probes, seq_id -> block length (shadow_probes)
+        self.shadow: dict[
+            int, int
+        ] = {}  # this round's shadow probes, seq_id -> block length (shadow_probes)
         self.shadows = 0  # shadow probes whose acceptance was counted
         self._nothing = (None, 0)  # (what the last search that found nothing saw, rounds since)
         self.most_drafting = 0  # the most drafting requests of a draft call measured
-        self.drafted_last = False  # the last plan with decoding requests let some draft (not a probe)
+        self.drafted_last = (
+            False  # the last plan with decoding requests let some draft (not a probe)
+        )
 
     # -- estimates ---------------------------------------------------------------
     def acceptance(self, seqs: list[Sequence]) -> np.ndarray:
@@ -199,7 +219,9 @@ class SpeculationController:
     @staticmethod
     def expected_gain(a: np.ndarray) -> np.ndarray:
         """[n, K+1] expected accepted tokens for draft lengths 0..K, from acceptance a [n, K]."""
-        return np.concatenate([np.zeros((len(a), 1)), np.cumsum(np.cumprod(a, axis=1), axis=1)], axis=1)
+        return np.concatenate(
+            [np.zeros((len(a), 1)), np.cumsum(np.cumprod(a, axis=1), axis=1)], axis=1
+        )
 
     # -- the choice --------------------------------------------------------------
     def plan(self, seqs: list[Sequence]) -> dict[int, int]:
@@ -207,9 +229,13 @@ class SpeculationController:
         for s in seqs:
             s.draft_limit = None
         self.probing, self.shadow = False, {}
-        caps = {s.seq_id: (s.draft_budget(context=False) if not s.drafter_lost else 0) for s in seqs}
+        caps = {
+            s.seq_id: (s.draft_budget(context=False) if not s.drafter_lost else 0) for s in seqs
+        }
         gaps = {s.seq_id for s in seqs if s.context_gap() is not None}
-        catch_up: set[int] = set()  # chosen to draft, but their context has a gap: their rows fetch it
+        catch_up: set[int] = (
+            set()
+        )  # chosen to draft, but their context has a gap: their rows fetch it
         # A seeded sampling request keeps its whole draft: which tokens it samples depends on the
         # draft lengths, and a seed must give the same text every time.
         pinned = {s.seq_id for s in seqs if s.params.seed is not None and not s.params.greedy}
@@ -240,10 +266,16 @@ class SpeculationController:
             first = self.verify_cost.n == 0
             probe = max(idle, key=lambda j: (idle[j], -j))
             due = self.since_probe >= self.probe_every
-            shadow = (due and self.cfg.shadow_probes and not first
-                      and self.probes % self.cfg.verify_probe_every != 0
-                      and next(s for s in seqs if s.seq_id == probe).params.greedy)
-            if shadow and self._may_probe():  # its row fetches any missing features: no catch-up round
+            shadow = (
+                due
+                and self.cfg.shadow_probes
+                and not first
+                and self.probes % self.cfg.verify_probe_every != 0
+                and next(s for s in seqs if s.seq_id == probe).params.greedy
+            )
+            if (
+                shadow and self._may_probe()
+            ):  # its row fetches any missing features: no catch-up round
                 self.shadow = {probe: caps[probe]}
                 self.probe_every = min(2 * self.probe_every, self.cfg.max_probe_every)
                 self.since_probe = 0
@@ -269,15 +301,27 @@ class SpeculationController:
         prompts_fetch = self.verify_cost.n == 0 or self.drafted_last
         for s in seqs:
             s.draft_limit = choice[s.seq_id]
-            s.lazy_features = (lazy and s.seq_id not in catch_up | pinned | self.shadow.keys()
-                               and (s.prefilled or not prompts_fetch))
+            s.lazy_features = (
+                lazy
+                and s.seq_id not in catch_up | pinned | self.shadow.keys()
+                and (s.prefilled or not prompts_fetch)
+            )
         if any(caps.values()):
             self.drafted_last = drafting
         return choice
 
     # What plan() changes besides the sequences' draft limits (each attribute is reassigned, never mutated).
-    _PLAN_STATE = ("probe_every", "since_probe", "probe_credit", "_nothing", "idle", "probing", "probes", "shadow",
-                   "drafted_last")
+    _PLAN_STATE = (
+        "probe_every",
+        "since_probe",
+        "probe_credit",
+        "_nothing",
+        "idle",
+        "probing",
+        "probes",
+        "shadow",
+        "drafted_last",
+    )
 
     def peek(self, seqs: list[Sequence]) -> dict[int, int]:
         """The plan `plan(seqs)` would make now, without making it (the probe schedule, the
@@ -308,7 +352,9 @@ class SpeculationController:
 
     def _search(self, seqs: list[Sequence], caps: dict[int, int]) -> dict[int, int]:
         dec = [s for s in seqs if s.prefilled]
-        prompts = [len(s.tokens) for s in seqs if not s.prefilled]  # prefill rows: their whole prompt
+        prompts = [
+            len(s.tokens) for s in seqs if not s.prefilled
+        ]  # prefill rows: their whole prompt
         if not dec:
             return {s.seq_id: 0 for s in seqs}
         gain = self.expected_gain(self.acceptance(dec))  # [nd, K + 1]
@@ -319,8 +365,9 @@ class SpeculationController:
         chosen = {s.seq_id: int(m) for s, m in zip(dec, lengths)}
         return {s.seq_id: chosen.get(s.seq_id, 0) for s in seqs}
 
-    def _search_packed(self, n: int, prompts: list[int], gain: np.ndarray, cap: np.ndarray,
-                       most: int) -> np.ndarray:
+    def _search_packed(
+        self, n: int, prompts: list[int], gain: np.ndarray, cap: np.ndarray, most: int
+    ) -> np.ndarray:
         """[nd] lengths maximising committed tokens per second when each drafted token costs
         its own verify time (packed), at most `most` requests drafting. For a rate lam, each
         request maximises gain(L) - lam * (c_tok * L + d1 * [L > 0]) and the `most` best of
@@ -350,8 +397,9 @@ class SpeculationController:
             lam, plan = rate, choice
         return plan
 
-    def _search_shared(self, n: int, prompts: list[int], gain: np.ndarray, cap: np.ndarray,
-                       most: int) -> np.ndarray:
+    def _search_shared(
+        self, n: int, prompts: list[int], gain: np.ndarray, cap: np.ndarray, most: int
+    ) -> np.ndarray:
         """[nd] lengths of the best plan "the b requests that gain most draft min(cap, M)" over
         M and b <= most, for a padded target: every row pays for the longest, so the requests
         that draft share one length M, and one that drafts less saves only its part of the
@@ -359,19 +407,27 @@ class SpeculationController:
         d0, d1 = self.draft_cost.coef
         nd, K = gain.shape[0], self.block_size
         m = np.arange(1, K + 1)
-        g = np.take_along_axis(gain, np.minimum(cap[:, None], m[None, :]), axis=1).T  # [K, nd] gain at length m
+        g = np.take_along_axis(
+            gain, np.minimum(cap[:, None], m[None, :]), axis=1
+        ).T  # [K, nd] gain at length m
         order = np.argsort(-g, axis=1, kind="stable")  # [K, nd] best requests first
         g_sorted = np.take_along_axis(g, order, axis=1)
         committed = n + np.cumsum(g_sorted, axis=1)  # [K, nd] the top-b requests draft
         b = np.arange(1, nd + 1)
-        cost = self._verify_s(n, self._plan_tokens(prompts, nd, m, b)) + d0 + d1 * b[None, :]  # [K, nd]
-        thr = np.where((g_sorted > 0) & (b[None, :] <= most), committed / np.maximum(cost, 1e-12), -np.inf)
+        cost = (
+            self._verify_s(n, self._plan_tokens(prompts, nd, m, b)) + d0 + d1 * b[None, :]
+        )  # [K, nd]
+        thr = np.where(
+            (g_sorted > 0) & (b[None, :] <= most), committed / np.maximum(cost, 1e-12), -np.inf
+        )
         k = int(np.argmax(thr))  # the first best: the shortest M, the fewest requests
         mi, bi = divmod(k, nd)
         base = self._plan_tokens(prompts, nd, m[:1], np.zeros(1, np.int64))[0, 0]  # nobody drafts
         lengths = np.zeros(nd, np.int64)
-        if thr[mi, bi] > (1 + self.cfg.margin) * self._plain_rate(n, self._verify_s(n, base), prompts):
-            top = order[mi, :bi + 1]
+        if thr[mi, bi] > (1 + self.cfg.margin) * self._plain_rate(
+            n, self._verify_s(n, base), prompts
+        ):
+            top = order[mi, : bi + 1]
             lengths[top] = np.minimum(cap[top], mi + 1)
         return lengths
 
@@ -411,8 +467,17 @@ class SpeculationController:
         return sum(lengths) if self.cfg.packed else len(lengths) * max(lengths, default=0)
 
     # -- learning ----------------------------------------------------------------
-    def observe(self, rows: int, query_tokens: int, rest_s: float, drafting: int, draft_s: float,
-                rounds: list[tuple[bool, int, int]], prefill: bool = False, decode_steps: int = 1) -> None:
+    def observe(
+        self,
+        rows: int,
+        query_tokens: int,
+        rest_s: float,
+        drafting: int,
+        draft_s: float,
+        rounds: list[tuple[bool, int, int]],
+        prefill: bool = False,
+        decode_steps: int = 1,
+    ) -> None:
         """One round's measurements: its rows, query tokens (`verify_tokens`) and seconds outside
         the draft call, the number of drafting requests and the draft call's seconds, and per
         drafted request (greedy, drafted, accepted). prefill: the round had a prompt row, whose
@@ -421,7 +486,9 @@ class SpeculationController:
         tokens per row (at most): the plain fit takes it when that is the configured count;
         with drafts as well (a mixed probe round) neither fit does."""
         if self.cfg.probe_budget is not None:  # at most a few probes' worth saved up
-            self.probe_credit = min(self.probe_credit + self.cfg.probe_budget * (rest_s + draft_s), 3 * self._probe_s())
+            self.probe_credit = min(
+                self.probe_credit + self.cfg.probe_budget * (rest_s + draft_s), 3 * self._probe_s()
+            )
         if decode_steps > 1:
             mixed = any(drafted for _, drafted, _ in rounds)
             if rest_s > 0 and not prefill and not mixed and decode_steps == self.cfg.decode_steps:
@@ -458,8 +525,8 @@ class SpeculationController:
             if s.shadow is None:
                 continue
             pos, block = s.shadow
-            seen = np.asarray(s.tokens[pos:pos + len(block)], np.int64)
-            same = seen == block[:len(seen)]
+            seen = np.asarray(s.tokens[pos : pos + len(block)], np.int64)
+            same = seen == block[: len(seen)]
             accepted = int(np.argmin(np.append(same, False)))  # the leading matches
             if accepted == len(seen) < len(block) and not s.finished:
                 continue  # every committed token matched so far: the rest decides

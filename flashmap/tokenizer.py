@@ -24,7 +24,9 @@ class TextTokenizer:
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
-            raise FileNotFoundError(f"{path}: no tokenizer in the target checkpoint (pass token ids instead)")
+            raise FileNotFoundError(
+                f"{path}: no tokenizer in the target checkpoint (pass token ids instead)"
+            )
         self.tok = Tokenizer.from_file(str(path))
         cfg_path = model_dir / "tokenizer_config.json"
         self.config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
@@ -60,9 +62,18 @@ class ChatTemplate:
         def raise_exception(message):
             raise jinja2.exceptions.TemplateError(message)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-        env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
-            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        )
+        env.filters["tojson"] = (
+            lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+                x,
+                ensure_ascii=ensure_ascii,
+                indent=indent,
+                separators=separators,
+                sort_keys=sort_keys,
+            )
+        )
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self.source = source
@@ -71,7 +82,7 @@ class ChatTemplate:
         self._errors = (jinja2.exceptions.TemplateError,)
 
     @classmethod
-    def from_checkpoint(cls, model_dir: Path, tokenizer_config: dict) -> "ChatTemplate | None":
+    def from_checkpoint(cls, model_dir: Path, tokenizer_config: dict) -> ChatTemplate | None:
         path = Path(model_dir) / "chat_template.jinja"
         source = path.read_text() if path.is_file() else tokenizer_config.get("chat_template")
         if isinstance(source, list):  # named templates: [{"name": "default", "template": ...}, ...]
@@ -92,11 +103,20 @@ class ChatTemplate:
         if not isinstance(messages, list) or not messages:
             raise InvalidRequest("messages must be a non-empty list")
         for i, m in enumerate(messages):
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                raise InvalidRequest(f"messages[{i}] must have a string 'role' and a string 'content'")
+            if not (
+                isinstance(m, dict)
+                and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)
+            ):
+                raise InvalidRequest(
+                    f"messages[{i}] must have a string 'role' and a string 'content'"
+                )
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **self.special_tokens)
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
+            )
         except self._errors as e:
             raise InvalidRequest(f"chat template: {e}") from None
 

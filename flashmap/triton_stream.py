@@ -31,9 +31,13 @@ from flashmap import wire
 
 # Reconnect to a restarted server within a second, not gRPC's default back-off (up to 2 min);
 # a packed round's features (all rows, prompts included) pass gRPC's default 4 MiB.
-CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
-                   ("grpc.max_reconnect_backoff_ms", 1000), ("grpc.max_send_message_length", 2**31 - 1),
-                   ("grpc.max_receive_message_length", 2**31 - 1)]
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.max_send_message_length", 2**31 - 1),
+    ("grpc.max_receive_message_length", 2**31 - 1),
+]
 
 
 class StreamError(Exception):
@@ -53,8 +57,14 @@ class StreamBroken(Exception):
         self.status = status
 
 
-def infer_request(model: str, inputs: dict[str, np.ndarray], outputs: list[str], corrid: int = 0,
-                  start: bool = False, end: bool = False) -> service_pb2.ModelInferRequest:
+def infer_request(
+    model: str,
+    inputs: dict[str, np.ndarray],
+    outputs: list[str],
+    corrid: int = 0,
+    start: bool = False,
+    end: bool = False,
+) -> service_pb2.ModelInferRequest:
     """A ModelInferRequest of named arrays (object arrays as BYTES), in Triton's sequence
     `corrid` (0: none) with its START / END flags; `TritonStream.call` gives it its id."""
     req = service_pb2.ModelInferRequest(model_name=model)
@@ -62,7 +72,11 @@ def infer_request(model: str, inputs: dict[str, np.ndarray], outputs: list[str],
         t = req.inputs.add()
         t.name, t.datatype = name, np_to_triton_dtype(a.dtype)
         t.shape.extend(a.shape)
-        raw = serialize_byte_tensor(a).item() if a.dtype == np.object_ else np.ascontiguousarray(a).tobytes()
+        raw = (
+            serialize_byte_tensor(a).item()
+            if a.dtype == np.object_
+            else np.ascontiguousarray(a).tobytes()
+        )
         req.raw_input_contents.append(raw)
     for name in outputs:
         req.outputs.add().name = name
@@ -92,7 +106,9 @@ class TritonStream:
         self._reader: asyncio.Task | None = None
         self._ids = itertools.count(1)
 
-    async def call(self, request: service_pb2.ModelInferRequest, timeout_s: float | None = None) -> InferResult:
+    async def call(
+        self, request: service_pb2.ModelInferRequest, timeout_s: float | None = None
+    ) -> InferResult:
         """Send one request, await its answer (StreamError, StreamBroken, asyncio.TimeoutError).
         An answer read after the deadline is late, as gRPC deadlines are, even when the loop
         (busy, or descheduled) reads it in the same pass as the timer."""
@@ -110,7 +126,7 @@ class TritonStream:
         finally:
             self._pending.pop(rid, None)  # a late answer to a timed-out request is dropped
         if deadline is not None and loop.time() > deadline:
-            raise asyncio.TimeoutError
+            raise TimeoutError
         return result(resp)
 
     def _open(self) -> None:
@@ -118,7 +134,8 @@ class TritonStream:
             self._channel = grpc.aio.insecure_channel(self.url, options=CHANNEL_OPTIONS)
         self._queue = asyncio.Queue()
         call = service_pb2_grpc.GRPCInferenceServiceStub(self._channel).ModelStreamInfer(
-            self._requests(self._queue), metadata=self._metadata)
+            self._requests(self._queue), metadata=self._metadata
+        )
         self._reader = asyncio.ensure_future(self._read(call, self._queue))
 
     @staticmethod
@@ -154,18 +171,22 @@ class TritonStream:
             await channel.close()
 
 
-def call_once(url: str, request: service_pb2.ModelInferRequest, metadata: tuple = (),
-              timeout_s: float = 5.0) -> InferResult:
+def call_once(
+    url: str, request: service_pb2.ModelInferRequest, metadata: tuple = (), timeout_s: float = 5.0
+) -> InferResult:
     """One request on a stream of its own, blocking (health probes, scripts): its answer, or
     StreamError / StreamBroken (grpc.StatusCode.DEADLINE_EXCEEDED past timeout_s)."""
     with grpc.insecure_channel(url, options=CHANNEL_OPTIONS) as channel:
         call = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(
-            iter([request]), metadata=metadata, timeout=timeout_s)
+            iter([request]), metadata=metadata, timeout=timeout_s
+        )
         try:
             for resp in call:
                 return result(resp)
         except grpc.RpcError as e:
-            raise StreamBroken(e.code(), f"target at {url}: {e.code().name}: {e.details()}") from None
+            raise StreamBroken(
+                e.code(), f"target at {url}: {e.code().name}: {e.details()}"
+            ) from None
         finally:
             call.cancel()
     raise StreamBroken(None, f"target at {url}: the stream closed without an answer")

@@ -13,10 +13,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-
 BLOCK_SIZE = 16  # draft tokens per block (K): the paper's, and every drafter's default
-MAX_DECODE_STEPS = 64  # tokens one verify row may decode (VerifyRow.next_seeds): bounds one call's time
-DECODE_STEPS = 16  # tokens per request of a serving round without drafts (orchestrator --decode-steps)
+MAX_DECODE_STEPS = (
+    64  # tokens one verify row may decode (VerifyRow.next_seeds): bounds one call's time
+)
+DECODE_STEPS = (
+    16  # tokens per request of a serving round without drafts (orchestrator --decode-steps)
+)
 # A row whose tokens are [FOLLOW_TOKEN] continues its sequence with the last token the
 # target decoded for it: a round sent before the round it follows has answered.
 FOLLOW_TOKEN = -1
@@ -40,14 +43,16 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def validate(self) -> "SamplingParams":
+    def validate(self) -> SamplingParams:
         if not np.isfinite(self.temperature) or self.temperature < 0:
             raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
         if not 0 <= self.top_k < 2**31:
             raise InvalidRequest(f"top_k must be in [0, 2^31) (0 = off), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.seed is not None and not (0 <= self.seed < 2**64):  # numpy's generator seeds; the wire's uint64
+        if self.seed is not None and not (
+            0 <= self.seed < 2**64
+        ):  # numpy's generator seeds; the wire's uint64
             raise InvalidRequest(f"seed must be in [0, 2**64), got {self.seed}")
         return self
 
@@ -68,14 +73,19 @@ class GenerationRequest:
             raise InvalidRequest("prompt is empty")
         bad = [t for t in self.prompt_ids if not (0 <= int(t) < vocab_size)]
         if bad:
-            raise InvalidRequest(f"prompt token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+            raise InvalidRequest(
+                f"prompt token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
+            )
         if self.max_new_tokens <= 0:
             raise InvalidRequest(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
         if len(self.prompt_ids) >= max_seq_len:
-            raise InvalidRequest(f"prompt has {len(self.prompt_ids)} tokens; the context holds {max_seq_len}")
+            raise InvalidRequest(
+                f"prompt has {len(self.prompt_ids)} tokens; the context holds {max_seq_len}"
+            )
         if len(self.prompt_ids) + self.max_new_tokens > max_seq_len:
             raise InvalidRequest(
-                f"prompt ({len(self.prompt_ids)}) + max_new_tokens ({self.max_new_tokens}) exceeds the context ({max_seq_len})"
+                f"prompt ({len(self.prompt_ids)}) + max_new_tokens ({self.max_new_tokens})"
+                f" exceeds the context ({max_seq_len})"
             )
         if self.draft_steps is not None and self.draft_steps < 1:
             raise InvalidRequest(f"draft_steps must be >= 1, got {self.draft_steps}")
@@ -99,7 +109,9 @@ class SpecStats:
     drafts: int = 0  # rounds that verified a draft
     draft_tokens: int = 0
     accepted: int = 0
-    fallback_rounds: int = 0  # rounds that wanted a draft and decoded without one (drafter down, late, lost)
+    fallback_rounds: int = (
+        0  # rounds that wanted a draft and decoded without one (drafter down, late, lost)
+    )
     draft_steps: int = 0  # step count of the latest drafted block
     draft_s: float = 0.0  # time in draft calls of the rounds this request took part in
     verify_s: float = 0.0  # time in verify calls of those rounds
@@ -129,14 +141,17 @@ class SpecStats:
         self.draft_tokens += drafted
         self.accepted += accepted
         self.drafted_per_slot[:drafted] += 1
-        self.verified_per_slot[:min(drafted, accepted + 1)] += 1
+        self.verified_per_slot[: min(drafted, accepted + 1)] += 1
         self.accepted_per_slot[:accepted] += 1
 
     def conditional_acceptance(self) -> np.ndarray:
         """[block_size] P(slot k accepted | slots < k accepted, slot k drafted); NaN where never reached."""
         with np.errstate(invalid="ignore", divide="ignore"):
-            return np.where(self.verified_per_slot > 0, self.accepted_per_slot / np.maximum(self.verified_per_slot, 1),
-                            np.nan)
+            return np.where(
+                self.verified_per_slot > 0,
+                self.accepted_per_slot / np.maximum(self.verified_per_slot, 1),
+                np.nan,
+            )
 
     def as_dict(self) -> dict:
         d = {f: getattr(self, f) for f in self.__dataclass_fields__}
@@ -176,9 +191,13 @@ class VerifyRow:
     start_pos: int
     tokens: np.ndarray  # [L] int64
     params: SamplingParams
-    support_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 1), np.int64))  # [K, S], -1 = padding
+    support_ids: np.ndarray = field(
+        default_factory=lambda: np.zeros((0, 1), np.int64)
+    )  # [K, S], -1 = padding
     round_seed: int = 0  # seeds the target's residual / bonus samples for this row
-    next_seeds: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [steps - 1] int64
+    next_seeds: np.ndarray = field(
+        default_factory=lambda: np.zeros(0, np.int64)
+    )  # [steps - 1] int64
     features: bool = True
     features_from: int = -1  # -1: features of this row's own positions only
 
@@ -232,11 +251,11 @@ class Draft:
     steps: int = 0  # the step count that drafted it (0: not reported)
 
     @staticmethod
-    def greedy(tokens: np.ndarray, steps: int = 0) -> "Draft":
+    def greedy(tokens: np.ndarray, steps: int = 0) -> Draft:
         tokens = np.asarray(tokens, np.int64)
         return Draft(tokens, tokens[:, None].copy(), np.ones((len(tokens), 1), np.float32), steps)
 
-    def truncate(self, k: int) -> "Draft":
+    def truncate(self, k: int) -> Draft:
         return Draft(self.tokens[:k], self.support_ids[:k], self.support_probs[:k], self.steps)
 
 

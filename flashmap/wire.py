@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -44,17 +44,27 @@ def draft_to_block(seq_id: str, blocks: list[Draft]) -> drafter_pb2.Block:
     """A sequence's drafts as one Block: the first in full, the others as branches (tokens)."""
     d = blocks[0]
     return drafter_pb2.Block(
-        seq_id=seq_id, tokens=d.tokens.tolist(), support_ids=d.support_ids.reshape(-1).tolist(),
-        support_probs=d.support_probs.reshape(-1).tolist(), support_size=d.support_ids.shape[1], steps=d.steps,
+        seq_id=seq_id,
+        tokens=d.tokens.tolist(),
+        support_ids=d.support_ids.reshape(-1).tolist(),
+        support_probs=d.support_probs.reshape(-1).tolist(),
+        support_size=d.support_ids.shape[1],
+        steps=d.steps,
         branches=[drafter_pb2.Branch(tokens=b.tokens.tolist()) for b in blocks[1:]],
     )
 
 
 def block_to_drafts(block: drafter_pb2.Block) -> list[Draft]:
     k, s = len(block.tokens), max(block.support_size, 1)
-    main = Draft(np.asarray(block.tokens, np.int64), np.asarray(block.support_ids, np.int64).reshape(k, s),
-                 np.asarray(block.support_probs, np.float32).reshape(k, s), int(block.steps))
-    return [main] + [Draft.greedy(np.asarray(b.tokens, np.int64), int(block.steps)) for b in block.branches]
+    main = Draft(
+        np.asarray(block.tokens, np.int64),
+        np.asarray(block.support_ids, np.int64).reshape(k, s),
+        np.asarray(block.support_probs, np.float32).reshape(k, s),
+        int(block.steps),
+    )
+    return [main] + [
+        Draft.greedy(np.asarray(b.tokens, np.int64), int(block.steps)) for b in block.branches
+    ]
 
 
 # ----------------------------------------------------------------------------- Triton target
@@ -87,7 +97,9 @@ def verify_inputs(row: VerifyRow, branches: list[np.ndarray] = ()) -> dict[str, 
         if row.features_from >= 0:
             out["FEATURES_FROM"] = np.array([[row.features_from]], np.int64)
         if len(branches):
-            out["BRANCHES"] = np.stack([np.asarray(b, np.int64) for b in branches])[None]  # [1, n, K]
+            out["BRANCHES"] = np.stack([np.asarray(b, np.int64) for b in branches])[
+                None
+            ]  # [1, n, K]
     except (OverflowError, ValueError, TypeError) as e:
         raise InvalidRequest(f"verify row does not fit the target's tensor types: {e}") from None
     return out
@@ -103,13 +115,17 @@ def info_inputs() -> dict[str, np.ndarray]:
     return {**release_inputs(), "INFO": np.ones((1, 1), np.bool_)}
 
 
-def _unbatch(get: Callable[[str], np.ndarray | None], name: str, ndim: int, dtype) -> np.ndarray | None:
+def _unbatch(
+    get: Callable[[str], np.ndarray | None], name: str, ndim: int, dtype
+) -> np.ndarray | None:
     a = get(name)
     if a is None:
         return None
     a = np.asarray(a)
     if a.ndim != ndim + 1 or a.shape[0] != 1:
-        raise InvalidRequest(f"{name}: expected a batch of one with {ndim + 1} dims, got shape {list(a.shape)}")
+        raise InvalidRequest(
+            f"{name}: expected a batch of one with {ndim + 1} dims, got shape {list(a.shape)}"
+        )
     return np.ascontiguousarray(a[0], dtype=dtype)
 
 
@@ -123,7 +139,9 @@ def scalar(get: Callable[[str], np.ndarray | None], name: str, default):
     return a[0].item()
 
 
-def parse_verify_inputs(get: Callable[[str], np.ndarray | None]) -> tuple[VerifyRow | None, list[np.ndarray]]:
+def parse_verify_inputs(
+    get: Callable[[str], np.ndarray | None],
+) -> tuple[VerifyRow | None, list[np.ndarray]]:
     """(row, branches) from the model's input tensors (get(name) -> array or None when absent);
     row None for a request without tokens (a release)."""
     tokens = _unbatch(get, "TOKENS", 1, np.int64)
@@ -137,10 +155,16 @@ def parse_verify_inputs(get: Callable[[str], np.ndarray | None]) -> tuple[Verify
         top_k=int(scalar(get, "TOP_K", 0)),
         top_p=float(scalar(get, "TOP_P", 1.0)),
     ).validate()
-    row = VerifyRow(slot=-1, start_pos=int(scalar(get, "START_POS", 0)), tokens=tokens, params=params,
-                    support_ids=support, round_seed=int(scalar(get, "ROUND_SEED", 0)),
-                    features=not bool(scalar(get, "NO_FEATURES", False)),
-                    features_from=int(scalar(get, "FEATURES_FROM", -1)))
+    row = VerifyRow(
+        slot=-1,
+        start_pos=int(scalar(get, "START_POS", 0)),
+        tokens=tokens,
+        params=params,
+        support_ids=support,
+        round_seed=int(scalar(get, "ROUND_SEED", 0)),
+        features=not bool(scalar(get, "NO_FEATURES", False)),
+        features_from=int(scalar(get, "FEATURES_FROM", -1)),
+    )
     seeds = _unbatch(get, "NEXT_SEEDS", 1, np.int64)
     if seeds is not None:
         row.next_seeds = seeds
@@ -148,11 +172,17 @@ def parse_verify_inputs(get: Callable[[str], np.ndarray | None]) -> tuple[Verify
     return row, ([] if branches is None else list(branches))
 
 
-def verify_outputs(result: VerifyResult, best: int, features_dtype=np.float32) -> dict[str, np.ndarray]:
+def verify_outputs(
+    result: VerifyResult, best: int, features_dtype=np.float32
+) -> dict[str, np.ndarray]:
     """The model's output tensors for one verified row."""
     probs = np.asarray(result.support_probs, np.float32)
     if probs.ndim != 2:  # keep the declared rank [K, S] even for an empty array
-        probs = probs.reshape(len(result.complement), -1) if probs.size else np.zeros((0, 0), np.float32)
+        probs = (
+            probs.reshape(len(result.complement), -1)
+            if probs.size
+            else np.zeros((0, 0), np.float32)
+        )
     out = {
         "ARGMAX": np.asarray(result.argmax, np.int64),
         "SUPPORT_PROBS": probs,
@@ -167,9 +197,12 @@ def verify_outputs(result: VerifyResult, best: int, features_dtype=np.float32) -
 def empty_outputs(feature_dim: int, features_dtype=np.float32) -> dict[str, np.ndarray]:
     """Zero-size outputs of the declared ranks (the answer to a release)."""
     return {
-        "ARGMAX": np.zeros((1, 0), np.int64), "SUPPORT_PROBS": np.zeros((1, 0, 0), np.float32),
-        "COMPLEMENT": np.zeros((1, 0), np.float32), "RESIDUAL": np.zeros((1, 0), np.int64),
-        "FEATURES": np.zeros((1, 0, feature_dim), features_dtype), "BEST": np.zeros((1, 1), np.int64),
+        "ARGMAX": np.zeros((1, 0), np.int64),
+        "SUPPORT_PROBS": np.zeros((1, 0, 0), np.float32),
+        "COMPLEMENT": np.zeros((1, 0), np.float32),
+        "RESIDUAL": np.zeros((1, 0), np.int64),
+        "FEATURES": np.zeros((1, 0, feature_dim), features_dtype),
+        "BEST": np.zeros((1, 1), np.int64),
     }
 
 
@@ -181,7 +214,9 @@ def parse_verify_outputs(get: Callable[[str], np.ndarray]) -> tuple[VerifyResult
         support_probs=get("SUPPORT_PROBS")[0].astype(np.float32, copy=False),
         complement=get("COMPLEMENT")[0].astype(np.float32, copy=False),
         residual=get("RESIDUAL")[0].astype(np.int64, copy=False),
-        features=get("FEATURES")[0],  # float32 or float16, as the model is configured: passed on as it is
+        features=get("FEATURES")[
+            0
+        ],  # float32 or float16, as the model is configured: passed on as it is
     ), int(best.reshape(-1)[0]) if best is not None and best.size else 0
 
 
@@ -195,14 +230,21 @@ def parse_verify_outputs(get: Callable[[str], np.ndarray]) -> tuple[VerifyResult
 # name (ASCII), u8 dtype code, u8 ndim, ndim x u32 dims, then the raw data.
 
 _MAGIC = b"FMR1"
-_DTYPES = [np.dtype(t).newbyteorder("<") for t in ("int64", "int32", "float32", "float16", "uint64", "bool", "uint8")]
+_DTYPES = [
+    np.dtype(t).newbyteorder("<")
+    for t in ("int64", "int32", "float32", "float16", "uint64", "bool", "uint8")
+]
 _CODE = {d: i for i, d in enumerate(_DTYPES)}
 _MAX_NDIM = 4
 _U32, _U16 = struct.Struct("<I"), struct.Struct("<H")
 ROW_FLAG_START, ROW_FLAG_END = 1, 2
 # Per-row errors in ROWS_OUT (Triton's codes for the same failure of a one-row request).
 ROW_INVALID, ROW_UNAVAILABLE, ROW_INTERNAL = 1, 2, 3
-_ERROR_NAMES = {ROW_INVALID: "INVALID_ARGUMENT", ROW_UNAVAILABLE: "UNAVAILABLE", ROW_INTERNAL: "INTERNAL"}
+_ERROR_NAMES = {
+    ROW_INVALID: "INVALID_ARGUMENT",
+    ROW_UNAVAILABLE: "UNAVAILABLE",
+    ROW_INTERNAL: "INTERNAL",
+}
 
 
 def tag_error(code: int, message: str) -> str:
@@ -215,7 +257,7 @@ def split_error(message: str) -> tuple[int | None, str]:
     """(row code, message) of a `tag_error` message; (None, message) for any other (Triton's own)."""
     for code, name in _ERROR_NAMES.items():
         if message.startswith(f"[{name}] "):
-            return code, message[len(name) + 3:]
+            return code, message[len(name) + 3 :]
     return None, message
 
 
@@ -231,8 +273,10 @@ def pack_arrays(rows: list[dict[str, np.ndarray]]) -> bytes:
             if code is None or a.ndim > _MAX_NDIM:
                 raise InvalidRequest(f"{name}: cannot pack {a.dtype} with {a.ndim} dims")
             key = name.encode("ascii")
-            parts += [struct.pack(f"<B{len(key)}sBB{a.ndim}I", len(key), key, code, a.ndim, *a.shape),
-                      a.astype(_DTYPES[code], copy=False).tobytes()]
+            parts += [
+                struct.pack(f"<B{len(key)}sBB{a.ndim}I", len(key), key, code, a.ndim, *a.shape),
+                a.astype(_DTYPES[code], copy=False).tobytes(),
+            ]
     return b"".join(parts)
 
 
@@ -259,7 +303,7 @@ def unpack_arrays(blob: bytes, names: frozenset[str] | set[str]) -> list[dict[st
             need(pos, 1)
             klen = buf[pos]
             need(pos, 3 + klen)
-            name = bytes(buf[pos + 1:pos + 1 + klen]).decode("ascii", "replace")
+            name = bytes(buf[pos + 1 : pos + 1 + klen]).decode("ascii", "replace")
             code, ndim = buf[pos + 1 + klen], buf[pos + 2 + klen]
             pos += 3 + klen
             if name not in names or code >= len(_DTYPES) or ndim > _MAX_NDIM:
@@ -277,21 +321,43 @@ def unpack_arrays(blob: bytes, names: frozenset[str] | set[str]) -> list[dict[st
     return rows
 
 
-ROW_INPUTS = frozenset({"CORRID", "FLAGS", "TOKENS", "START_POS", "SUPPORT_IDS", "TEMPERATURE", "TOP_K", "TOP_P",
-                        "ROUND_SEED", "NEXT_SEEDS", "NO_FEATURES", "FEATURES_FROM", "BRANCHES"})
+ROW_INPUTS = frozenset(
+    {
+        "CORRID",
+        "FLAGS",
+        "TOKENS",
+        "START_POS",
+        "SUPPORT_IDS",
+        "TEMPERATURE",
+        "TOP_K",
+        "TOP_P",
+        "ROUND_SEED",
+        "NEXT_SEEDS",
+        "NO_FEATURES",
+        "FEATURES_FROM",
+        "BRANCHES",
+    }
+)
 ROW_OUTPUTS = frozenset(VERIFY_OUTPUTS) | {"ERROR", "CODE"}
 
 
-def packed_round(items: list[tuple[int, bool, bool, VerifyRow | None, list[np.ndarray]]]
-                 ) -> tuple[bytes, dict[int, InvalidRequest]]:
+def packed_round(
+    items: list[tuple[int, bool, bool, VerifyRow | None, list[np.ndarray]]],
+) -> tuple[bytes, dict[int, InvalidRequest]]:
     """ROWS for (sequence id, start, end, row or None for a release, branches) per row, and the
     rows left out because they do not fit the tensor types (index -> their error)."""
     rows, bad = [], {}
     for k, (corrid, start, end, row, branches) in enumerate(items):
         try:
-            d = {"CORRID": np.array([corrid], np.uint64),
-                 "FLAGS": np.array([ROW_FLAG_START * bool(start) | ROW_FLAG_END * bool(end)], np.int32)}
-            d.update(release_inputs() if row is None else _without_defaults(verify_inputs(row, branches)))
+            d = {
+                "CORRID": np.array([corrid], np.uint64),
+                "FLAGS": np.array(
+                    [ROW_FLAG_START * bool(start) | ROW_FLAG_END * bool(end)], np.int32
+                ),
+            }
+            d.update(
+                release_inputs() if row is None else _without_defaults(verify_inputs(row, branches))
+            )
         except InvalidRequest as e:
             bad[k] = e
             continue
@@ -314,7 +380,9 @@ def _without_defaults(d: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return d
 
 
-def parse_packed_round(blob: bytes) -> list[tuple[int, bool, bool, Callable[[str], np.ndarray | None]]]:
+def parse_packed_round(
+    blob: bytes,
+) -> list[tuple[int, bool, bool, Callable[[str], np.ndarray | None]]]:
     """(sequence id, start, end, get) per row of ROWS; get(name) reads the row's tensors as
     parse_verify_inputs expects them."""
     out = []
@@ -323,7 +391,9 @@ def parse_packed_round(blob: bytes) -> list[tuple[int, bool, bool, Callable[[str
         if corrid is None or corrid.size != 1 or flags is None or flags.size != 1:
             raise InvalidRequest("ROWS: every row needs one CORRID and one FLAGS value")
         f = int(flags.reshape(-1)[0])
-        out.append((int(corrid.reshape(-1)[0]), bool(f & ROW_FLAG_START), bool(f & ROW_FLAG_END), d.get))
+        out.append(
+            (int(corrid.reshape(-1)[0]), bool(f & ROW_FLAG_START), bool(f & ROW_FLAG_END), d.get)
+        )
     return out
 
 
@@ -334,10 +404,19 @@ def packed_outputs(rows: list[dict[str, np.ndarray] | tuple[int, str]]) -> bytes
     out = []
     for r in rows:
         if not isinstance(r, dict):
-            out.append({"CODE": np.array([r[0]], np.int32), "ERROR": np.frombuffer(r[1].encode(), np.uint8)})
+            out.append(
+                {
+                    "CODE": np.array([r[0]], np.int32),
+                    "ERROR": np.frombuffer(r[1].encode(), np.uint8),
+                }
+            )
             continue
         r = dict(r)
-        if r["SUPPORT_PROBS"].shape == (1, 0, 1) and r["COMPLEMENT"].size == 0 and (r["RESIDUAL"] == -1).all():
+        if (
+            r["SUPPORT_PROBS"].shape == (1, 0, 1)
+            and r["COMPLEMENT"].size == 0
+            and (r["RESIDUAL"] == -1).all()
+        ):
             del r["SUPPORT_PROBS"], r["COMPLEMENT"], r["RESIDUAL"]
         if r["BEST"].size == 1 and r["BEST"].item() == 0:
             del r["BEST"]
@@ -351,7 +430,9 @@ def parse_packed_outputs(blob: bytes) -> list[tuple[VerifyResult, int] | tuple[i
     out = []
     for d in unpack_arrays(blob, ROW_OUTPUTS):
         if "CODE" in d:
-            out.append((int(d["CODE"].reshape(-1)[0]), d["ERROR"].tobytes().decode("utf-8", "replace")))
+            out.append(
+                (int(d["CODE"].reshape(-1)[0]), d["ERROR"].tobytes().decode("utf-8", "replace"))
+            )
             continue
         argmax = d.get("ARGMAX")
         if argmax is None or "FEATURES" not in d:
@@ -371,19 +452,34 @@ def parse_packed_outputs(blob: bytes) -> list[tuple[VerifyResult, int] | tuple[i
 
 def stats_to_proto(s: SpecStats) -> serving_pb2.SpecStats:
     return serving_pb2.SpecStats(
-        rounds=s.rounds, drafts=s.drafts, draft_tokens=s.draft_tokens, accepted_tokens=s.accepted,
-        mean_acceptance_length=s.mean_acceptance_length, fallback_rounds=s.fallback_rounds,
-        draft_steps=s.draft_steps, accepted_per_slot=s.accepted_per_slot.tolist(),
-        drafted_per_slot=s.drafted_per_slot.tolist(), verified_per_slot=s.verified_per_slot.tolist(),
-        draft_s=s.draft_s, verify_s=s.verify_s,
+        rounds=s.rounds,
+        drafts=s.drafts,
+        draft_tokens=s.draft_tokens,
+        accepted_tokens=s.accepted,
+        mean_acceptance_length=s.mean_acceptance_length,
+        fallback_rounds=s.fallback_rounds,
+        draft_steps=s.draft_steps,
+        accepted_per_slot=s.accepted_per_slot.tolist(),
+        drafted_per_slot=s.drafted_per_slot.tolist(),
+        verified_per_slot=s.verified_per_slot.tolist(),
+        draft_s=s.draft_s,
+        verify_s=s.verify_s,
     )
 
 
 def stats_from_proto(p: serving_pb2.SpecStats) -> SpecStats:
     k = max(len(p.accepted_per_slot), len(p.drafted_per_slot), len(p.verified_per_slot))
     return SpecStats(
-        block_size=k, rounds=p.rounds, drafts=p.drafts, draft_tokens=p.draft_tokens, accepted=p.accepted_tokens,
-        fallback_rounds=p.fallback_rounds, draft_steps=p.draft_steps,
-        drafted_per_slot=list(p.drafted_per_slot), verified_per_slot=list(p.verified_per_slot),
-        accepted_per_slot=list(p.accepted_per_slot), draft_s=p.draft_s, verify_s=p.verify_s,
+        block_size=k,
+        rounds=p.rounds,
+        drafts=p.drafts,
+        draft_tokens=p.draft_tokens,
+        accepted=p.accepted_tokens,
+        fallback_rounds=p.fallback_rounds,
+        draft_steps=p.draft_steps,
+        drafted_per_slot=list(p.drafted_per_slot),
+        verified_per_slot=list(p.verified_per_slot),
+        accepted_per_slot=list(p.accepted_per_slot),
+        draft_s=p.draft_s,
+        verify_s=p.verify_s,
     )

@@ -40,25 +40,38 @@ def _messages(args) -> list[dict]:
     return system + [{"role": "user", "content": args.prompt}]
 
 
-def stats_report(mode: str, n_tokens: int, finish: str, s: SpecStats, seconds: float, ttft_s: float | None = None) -> str:
+def stats_report(
+    mode: str, n_tokens: int, finish: str, s: SpecStats, seconds: float, ttft_s: float | None = None
+) -> str:
     """What `flashmap generate` prints on stderr after the text: speed, then how speculation went."""
-    head = f"[{mode}] {n_tokens} tokens in {seconds:.2f} s ({n_tokens / max(seconds, 1e-9):.1f} tokens/s), finish: {finish}"
+    rate = n_tokens / max(seconds, 1e-9)
+    head = f"[{mode}] {n_tokens} tokens in {seconds:.2f} s ({rate:.1f} tokens/s), finish: {finish}"
     if ttft_s:
         head += f", first token after {ttft_s * 1e3:.0f} ms"
     lines = [head]
     if s.drafts:
-        steps = f", {s.draft_steps} flow-map step{'s' if s.draft_steps != 1 else ''}" if s.draft_steps else ""
-        lines.append(f"  mean acceptance length {s.mean_acceptance_length:.2f} tokens per drafted round: "
-                     f"{s.accepted} of {s.draft_tokens} draft tokens accepted in {s.drafts} drafted "
-                     f"round{'s' if s.drafts != 1 else ''} "
-                     f"({s.rounds} rounds in all{steps})")
+        steps = (
+            f", {s.draft_steps} flow-map step{'s' if s.draft_steps != 1 else ''}"
+            if s.draft_steps
+            else ""
+        )
+        lines.append(
+            f"  mean acceptance length {s.mean_acceptance_length:.2f} tokens per drafted round: "
+            f"{s.accepted} of {s.draft_tokens} draft tokens accepted in {s.drafts} drafted "
+            f"round{'s' if s.drafts != 1 else ''} "
+            f"({s.rounds} rounds in all{steps})"
+        )
         reached = [k for k in range(len(s.verified_per_slot)) if s.verified_per_slot[k]]
-        per_slot = "  ".join(f"{k + 1}: {s.accepted_per_slot[k]}/{s.verified_per_slot[k]}" for k in reached)
+        per_slot = "  ".join(
+            f"{k + 1}: {s.accepted_per_slot[k]}/{s.verified_per_slot[k]}" for k in reached
+        )
         lines.append(f"  accepted / reached, by draft slot: {per_slot}")
     else:
         lines.append(f"  no drafts: {s.rounds} rounds decoded by the target alone")
     if s.fallback_rounds:
-        lines.append(f"  fallback rounds (drafter down or late, the target decoded alone): {s.fallback_rounds}")
+        lines.append(
+            f"  fallback rounds (drafter down or late, the target decoded alone): {s.fallback_rounds}"
+        )
     return "\n".join(lines)
 
 
@@ -72,9 +85,18 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--draft-steps", type=int, default=None, help="flow-map jumps (1, 2) or N Euler steps of the teacher")
-    p.add_argument("--stop-id", type=int, action="append", default=[], help="extra stop token id (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the target's end-of-sequence ids")
+    p.add_argument(
+        "--draft-steps",
+        type=int,
+        default=None,
+        help="flow-map jumps (1, 2) or N Euler steps of the teacher",
+    )
+    p.add_argument(
+        "--stop-id", type=int, action="append", default=[], help="extra stop token id (repeatable)"
+    )
+    p.add_argument(
+        "--ignore-eos", action="store_true", help="do not stop at the target's end-of-sequence ids"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
@@ -85,8 +107,10 @@ def _cmd_generate(args) -> int:
         raise UsageError("--system goes with --chat")
     if not args.in_process:
         if args.tree_blocks != 1 or args.min_confidence or args.compile:
-            raise UsageError("--tree-blocks, --min-confidence and --compile are --in-process options "
-                             "(for the stack: the drafter service's --min-confidence and --compile)")
+            raise UsageError(
+                "--tree-blocks, --min-confidence and --compile are --in-process options "
+                "(for the stack: the drafter service's --min-confidence and --compile)"
+            )
         return _generate_remote(args)
     if not args.target:
         raise UsageError("--in-process needs --target DIR")
@@ -106,16 +130,36 @@ def _cmd_generate(args) -> int:
         from flashmap.tokenizer import TextTokenizer
 
         tokenizer = TextTokenizer(args.target)
-        prompt_ids = tokenizer.encode(tokenizer.render_chat(_messages(args)) if args.chat else args.prompt)
+        prompt_ids = tokenizer.encode(
+            tokenizer.render_chat(_messages(args)) if args.chat else args.prompt
+        )
     stop = () if args.ignore_eos else tuple(engine.eos_token_ids)
-    req = GenerationRequest(prompt_ids, args.max_new_tokens, params, stop + tuple(args.stop_id), args.draft_steps)
+    req = GenerationRequest(
+        prompt_ids, args.max_new_tokens, params, stop + tuple(args.stop_id), args.draft_steps
+    )
     req.validate(engine.vocab_size, engine.max_seq_len)
-    proposer = None if args.ar else load_proposer(args.drafter, args.target, n_slots=1, max_context=engine.max_seq_len,
-                                                  steps=args.draft_steps or 1, min_confidence=args.min_confidence,
-                                                  compile=args.compile)
+    proposer = (
+        None
+        if args.ar
+        else load_proposer(
+            args.drafter,
+            args.target,
+            n_slots=1,
+            max_context=engine.max_seq_len,
+            steps=args.draft_steps or 1,
+            min_confidence=args.min_confidence,
+            compile=args.compile,
+        )
+    )
     if args.tree_blocks < 1:
         raise UsageError(f"--tree-blocks must be >= 1, got {args.tree_blocks}")
-    (res,) = decode(engine, [req], proposer, steps=args.draft_steps or 1, tree_blocks=1 if args.ar else args.tree_blocks)
+    (res,) = decode(
+        engine,
+        [req],
+        proposer,
+        steps=args.draft_steps or 1,
+        tree_blocks=1 if args.ar else args.tree_blocks,
+    )
     s = res.stats
     out = {
         "token_ids": res.token_ids,
@@ -139,7 +183,10 @@ def _cmd_generate(args) -> int:
         print(json.dumps(out))
     else:
         print(out.get("text", ",".join(map(str, res.token_ids))))
-        print(stats_report(out["mode"], len(res.token_ids), res.finish_reason, s, res.wall_s), file=sys.stderr)
+        print(
+            stats_report(out["mode"], len(res.token_ids), res.finish_reason, s, res.wall_s),
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -150,8 +197,14 @@ def _generate_remote(args) -> int:
         raise UsageError("give a prompt")
     with Client(args.url) as client:
         kwargs = dict(
-            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-            seed=args.seed, draft_steps=args.draft_steps, stop_token_ids=args.stop_id, ignore_eos=args.ignore_eos,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            draft_steps=args.draft_steps,
+            stop_token_ids=args.stop_id,
+            ignore_eos=args.ignore_eos,
         )
         if args.prompt_ids is not None:
             kwargs["prompt_ids"] = _parse_ids(args.prompt_ids)
@@ -175,8 +228,17 @@ def _generate_remote(args) -> int:
             print(json.dumps(out))
         else:
             print()
-            print(stats_report("stack", final.completion_tokens, final.finish_reason, final.stats, final.total_s,
-                               final.time_to_first_token_s), file=sys.stderr)
+            print(
+                stats_report(
+                    "stack",
+                    final.completion_tokens,
+                    final.finish_reason,
+                    final.stats,
+                    final.total_s,
+                    final.time_to_first_token_s,
+                ),
+                file=sys.stderr,
+            )
     return 0
 
 
@@ -199,36 +261,77 @@ def _cmd_up(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="flashmap", description="FlashMap Serve: exact speculative decoding with a flow-map drafter")
+    ap = argparse.ArgumentParser(
+        prog="flashmap",
+        description="FlashMap Serve: exact speculative decoding with a flow-map drafter",
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
 
-    g = sub.add_parser("generate", help="generate from a prompt (against the stack, or --in-process)")
+    g = sub.add_parser(
+        "generate", help="generate from a prompt (against the stack, or --in-process)"
+    )
     g.add_argument("prompt_text", nargs="?", default=None, help="prompt text (same as --prompt)")
     g.add_argument("--prompt", default=None)
     g.add_argument("--prompt-ids", default=None, help="comma-separated token ids")
-    g.add_argument("--chat", action="store_true",
-                   help="send the prompt as a user message through the target's chat template (what a chat model expects)")
+    g.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the prompt as a user message through the target's chat template (what a chat model expects)",
+    )
     g.add_argument("--system", default=None, help="--chat: a system message before the prompt")
-    g.add_argument("--in-process", action="store_true", help="run target and drafter in this process")
+    g.add_argument(
+        "--in-process", action="store_true", help="run target and drafter in this process"
+    )
     g.add_argument("--target", default=None, help="target checkpoint dir (HF Qwen3)")
-    g.add_argument("--drafter", default="init", help="drafter checkpoint dir, or 'init' for an untrained drafter")
-    g.add_argument("--ar", action="store_true", help="decode with the target alone (autoregressive baseline)")
-    g.add_argument("--min-confidence", type=float, default=0.0,
-                   help="--in-process: cut greedy drafts before the first slot the drafter is less sure of")
-    g.add_argument("--compile", action="store_true",
-                   help="--in-process: torch.compile the drafter (CPU; the first call compiles, ~1 min)")
-    g.add_argument("--tree-blocks", type=int, default=1,
-                   help="--in-process, temperature 0: verify this many drafted blocks as a tree per round")
-    g.add_argument("--url", default=os.environ.get("FLASHMAP_URL", "127.0.0.1:50051"), help="orchestrator address")
+    g.add_argument(
+        "--drafter",
+        default="init",
+        help="drafter checkpoint dir, or 'init' for an untrained drafter",
+    )
+    g.add_argument(
+        "--ar", action="store_true", help="decode with the target alone (autoregressive baseline)"
+    )
+    g.add_argument(
+        "--min-confidence",
+        type=float,
+        default=0.0,
+        help="--in-process: cut greedy drafts before the first slot the drafter is less sure of",
+    )
+    g.add_argument(
+        "--compile",
+        action="store_true",
+        help="--in-process: torch.compile the drafter (CPU; the first call compiles, ~1 min)",
+    )
+    g.add_argument(
+        "--tree-blocks",
+        type=int,
+        default=1,
+        help="--in-process, temperature 0: verify this many drafted blocks as a tree per round",
+    )
+    g.add_argument(
+        "--url",
+        default=os.environ.get("FLASHMAP_URL", "127.0.0.1:50051"),
+        help="orchestrator address",
+    )
     _add_sampling_args(g)
     g.set_defaults(func=_cmd_generate)
 
     st = sub.add_parser("steps", help="show or switch the drafter's step count at run time")
-    st.add_argument("steps", nargs="?", type=int, default=None, help="new step count (1 or 2 jumps, or N); omit to show")
-    st.add_argument("--drafter-url", default=os.environ.get("FLASHMAP_DRAFTER_URL", "127.0.0.1:50052"))
+    st.add_argument(
+        "steps",
+        nargs="?",
+        type=int,
+        default=None,
+        help="new step count (1 or 2 jumps, or N); omit to show",
+    )
+    st.add_argument(
+        "--drafter-url", default=os.environ.get("FLASHMAP_DRAFTER_URL", "127.0.0.1:50052")
+    )
     st.set_defaults(func=_cmd_steps)
 
-    sub.add_parser("eval", help="acceptance / speedup tables of the drafters (flashmap eval --help)")
+    sub.add_parser(
+        "eval", help="acceptance / speedup tables of the drafters (flashmap eval --help)"
+    )
 
     u = sub.add_parser("up", help="start target (Triton), drafter and orchestrator locally")
     from flashmap_cli.stack import add_stack_args

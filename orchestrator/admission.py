@@ -30,7 +30,9 @@ from dataclasses import dataclass
 @dataclass
 class BurstConfig:
     window_s: float = 0.025  # the longest a start from idle waits for its burst; 0 = never wait
-    gap_s: float = 0.0025  # requests closer than this are one burst; the wait ends after this long without one
+    gap_s: float = (
+        0.0025  # requests closer than this are one burst; the wait ends after this long without one
+    )
 
 
 class BurstGate:

@@ -64,18 +64,35 @@ class DrafterClient:
         await self._teardown()
         try:
             self._channel = grpc.aio.insecure_channel(
-                self.url, options=[("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
+                self.url,
+                options=[
+                    ("grpc.max_send_message_length", 256 << 20),
+                    ("grpc.max_receive_message_length", 256 << 20),
+                ],
             )
             self._stub = drafter_pb2_grpc.DrafterStub(self._channel)
-            stats = await self._stub.Stats(drafter_pb2.StatsRequest(), timeout=2.0, metadata=self._md)
-            self.block_size, self.steps, self.name = stats.block_size, stats.steps, stats.drafter or "flashmap"
+            stats = await self._stub.Stats(
+                drafter_pb2.StatsRequest(), timeout=2.0, metadata=self._md
+            )
+            self.block_size, self.steps, self.name = (
+                stats.block_size,
+                stats.steps,
+                stats.drafter or "flashmap",
+            )
             self._call = self._stub.Draft(metadata=self._md)
             self._reader = asyncio.create_task(self._read_loop(self._call))
             self.connected = True
-            log.info("drafter connected at %s (%s, block %d, steps %d)", self.url, self.name, self.block_size, self.steps)
+            log.info(
+                "drafter connected at %s (%s, block %d, steps %d)",
+                self.url,
+                self.name,
+                self.block_size,
+                self.steps,
+            )
             return True
         except (grpc.aio.AioRpcError, OSError) as e:
-            log.warning("drafter at %s unavailable: %s", self.url, getattr(e, "details", lambda: e)())
+            why = e.details() if isinstance(e, grpc.aio.AioRpcError) else e
+            log.warning("drafter at %s unavailable: %s", self.url, why)
             await self._teardown()
             return False
 
@@ -111,7 +128,9 @@ class DrafterClient:
     async def ensure_connected(self) -> bool:
         return self.connected or await self._connect()
 
-    async def draft(self, sequences: list[drafter_pb2.SequenceDraft], timeout_s: float) -> tuple[drafter_pb2.DraftResponse | None, str]:
+    async def draft(
+        self, sequences: list[drafter_pb2.SequenceDraft], timeout_s: float
+    ) -> tuple[drafter_pb2.DraftResponse | None, str]:
         """Returns (response, "") or (None, reason) with reason "unavailable" or "timeout"."""
         if not await self.ensure_connected():
             return None, "unavailable"
@@ -119,15 +138,22 @@ class DrafterClient:
             return None, "timeout"  # still busy with a call that timed out
         call_id = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
-        fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody may await a late one
+        fut.add_done_callback(
+            lambda f: f.cancelled() or f.exception()
+        )  # nobody may await a late one
         self._pending[call_id] = fut
         self._inflight = fut
         try:
             await self._call.write(drafter_pb2.DraftRequest(call_id=call_id, sequences=sequences))
             return await asyncio.wait_for(asyncio.shield(fut), timeout_s), ""
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return None, "timeout"  # the reader resolves fut when the answer comes
-        except (grpc.aio.AioRpcError, ConnectionError, asyncio.InvalidStateError, grpc.aio.UsageError) as e:
+        except (
+            grpc.aio.AioRpcError,
+            ConnectionError,
+            asyncio.InvalidStateError,
+            grpc.aio.UsageError,
+        ) as e:
             self._pending.pop(call_id, None)
             fut.cancel()
             log.warning("drafter call failed: %s", e)
@@ -153,7 +179,9 @@ class DrafterClient:
         if not self.connected:
             return
         try:
-            await self._stub.Release(drafter_pb2.ReleaseRequest(seq_ids=seq_ids), timeout=2.0, metadata=self._md)
+            await self._stub.Release(
+                drafter_pb2.ReleaseRequest(seq_ids=seq_ids), timeout=2.0, metadata=self._md
+            )
         except grpc.aio.AioRpcError:
             pass  # the drafter also drops idle sequences by itself
 
@@ -181,22 +209,38 @@ class ServiceDrafter:
     def block_size(self) -> int:
         return self.client.block_size
 
-    async def draft(self, seqs: list[Sequence], n_blocks: list[int], budgets: list[int] | None = None) -> DraftBatch:
+    async def draft(
+        self, seqs: list[Sequence], n_blocks: list[int], budgets: list[int] | None = None
+    ) -> DraftBatch:
         async with self._one:  # taken at once when free: the request below is built before any wait
             return await self._draft(seqs, n_blocks, budgets or [s.draft_budget() for s in seqs])
 
-    async def _draft(self, seqs: list[Sequence], n_blocks: list[int], budgets: list[int]) -> DraftBatch:
+    async def _draft(
+        self, seqs: list[Sequence], n_blocks: list[int], budgets: list[int]
+    ) -> DraftBatch:
         msgs = []
         for s, n, budget in zip(seqs, n_blocks, budgets):
             ctx = s.context_for_drafter()
-            start, ids, feats = ctx if ctx is not None else (s.drafter_seen, np.zeros(0, np.int64),
-                                                             np.zeros((0, 0), np.float32))
-            msgs.append(drafter_pb2.SequenceDraft(
-                seq_id=str(s.seq_id), context_start=start, new_token_ids=ids.tolist(),
-                new_features=features_to_tensor(feats), anchor=s.anchor, steps=s.request.draft_steps or 0,
-                num_blocks=n, temperature=s.params.temperature, top_m=self.top_m, seed=s.draft_seed(),
-                max_tokens=budget,
-            ))
+            start, ids, feats = (
+                ctx
+                if ctx is not None
+                else (s.drafter_seen, np.zeros(0, np.int64), np.zeros((0, 0), np.float32))
+            )
+            msgs.append(
+                drafter_pb2.SequenceDraft(
+                    seq_id=str(s.seq_id),
+                    context_start=start,
+                    new_token_ids=ids.tolist(),
+                    new_features=features_to_tensor(feats),
+                    anchor=s.anchor,
+                    steps=s.request.draft_steps or 0,
+                    num_blocks=n,
+                    temperature=s.params.temperature,
+                    top_m=self.top_m,
+                    seed=s.draft_seed(),
+                    max_tokens=budget,
+                )
+            )
         self.asked.update(s.seq_id for s in seqs)
         resp, reason = await self.client.draft(msgs, self.timeout_s)
         out = DraftBatch(failure=reason)
@@ -204,12 +248,16 @@ class ServiceDrafter:
             return out
         for s, m, block in zip(seqs, msgs, resp.blocks):
             if block.error:
-                log.warning("sequence %s: drafter: %s; continuing autoregressively", s.seq_id, block.error)
+                log.warning(
+                    "sequence %s: drafter: %s; continuing autoregressively", s.seq_id, block.error
+                )
                 s.lose_drafter()
                 continue
             s.drafter_acknowledged(len(m.new_token_ids))
             out.blocks[s.seq_id] = block_to_drafts(block)
-            if not m.steps:  # drafted with the drafter's default: follow run-time switches (SetSteps)
+            if (
+                not m.steps
+            ):  # drafted with the drafter's default: follow run-time switches (SetSteps)
                 self.client.steps = block.steps
         return out
 

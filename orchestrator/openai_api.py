@@ -25,7 +25,8 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
 
 import grpc
 import uvicorn
@@ -53,18 +54,37 @@ _HTTP_OF = {
 class ApiError(Exception):
     """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type,
+            param,
+            code,
+        )
 
     @staticmethod
-    def from_status(code: grpc.StatusCode, message: str) -> "ApiError":
+    def from_status(code: grpc.StatusCode, message: str) -> ApiError:
         status, kind = _HTTP_OF.get(code, (500, "server_error"))
         return ApiError(status, message, kind, code=code.name.lower())
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 # ----------------------------------------------------------------------------- request bodies
@@ -117,7 +137,9 @@ class _ContentPart(BaseModel):
 
 
 class _Message(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_calls: null, refusal: null ... from clients
+    model_config = ConfigDict(
+        extra="allow"
+    )  # name, tool_calls: null, refusal: null ... from clients
     role: str
     content: str | list[_ContentPart] | None = None
 
@@ -132,20 +154,31 @@ class ChatRequest(_Sampling):
 # Fields accepted for compatibility, refused unless they are at their neutral value: this
 # server cannot honour them, and ignoring them would silently change what a client gets.
 _NEUTRAL = {
-    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
-    "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1), "logprobs": (None, False, 0),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "logprobs": (None, False, 0),
     "top_logprobs": (None, 0),
 }
 
 
 def _check_supported(body: _Sampling) -> None:
     if body.n not in (None, 1):
-        raise ApiError(400, f"n must be 1 (this server returns one choice per request), got {body.n}", param="n")
+        raise ApiError(
+            400,
+            f"n must be 1 (this server returns one choice per request), got {body.n}",
+            param="n",
+        )
     for name, neutral in _NEUTRAL.items():
         if name in type(body).model_fields and getattr(body, name) not in neutral:
             raise ApiError(400, f"{name} is not supported by this server", param=name)
     if body.stream_options is not None and not body.stream:
-        raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        raise ApiError(
+            400, "stream_options is only allowed when stream is true", param="stream_options"
+        )
 
 
 def _message_text(m: _Message, i: int) -> str:
@@ -154,8 +187,11 @@ def _message_text(m: _Message, i: int) -> str:
     parts = []
     for part in m.content:
         if part.type != "text" or part.text is None:
-            raise ApiError(400, f"messages[{i}]: only text content parts are supported, got {part.type!r}",
-                           param="messages")
+            raise ApiError(
+                400,
+                f"messages[{i}]: only text content parts are supported, got {part.type!r}",
+                param="messages",
+            )
         parts.append(part.text)
     return "\n".join(parts)
 
@@ -165,8 +201,12 @@ def _message_text(m: _Message, i: int) -> str:
 
 def _dumps(obj: Any) -> str:
     # numpy scalars can reach the stats; everything else is plain JSON
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"),
-                      default=lambda o: o.item() if hasattr(o, "item") else str(o))
+    return json.dumps(
+        obj,
+        ensure_ascii=False,
+        separators=(",", ":"),
+        default=lambda o: o.item() if hasattr(o, "item") else str(o),
+    )
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -186,15 +226,23 @@ class _Shape:
         self.created = int(time.time())
 
     def head(self, chunk: bool) -> dict:
-        obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        obj = (
+            ("chat.completion.chunk" if chunk else "chat.completion")
+            if self.chat
+            else "text_completion"
+        )
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def _choice(self, text: str, ids: list[int], finish: str | None, chunk: bool, first: bool = False) -> dict:
+    def _choice(
+        self, text: str, ids: list[int], finish: str | None, chunk: bool, first: bool = False
+    ) -> dict:
         c: dict[str, Any] = {"index": 0}
         if not self.chat:
             c["text"] = text
         elif chunk:
-            c["delta"] = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
+            c["delta"] = ({"role": "assistant"} if first else {}) | (
+                {"content": text} if text or first else {}
+            )
         else:
             c["message"] = {"role": "assistant", "content": text}
         c["logprobs"] = None
@@ -207,18 +255,27 @@ class _Shape:
 
     @staticmethod
     def usage(o) -> dict:
-        return {"prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens,
-                "total_tokens": o.prompt_tokens + o.completion_tokens}
+        return {
+            "prompt_tokens": o.prompt_tokens,
+            "completion_tokens": o.completion_tokens,
+            "total_tokens": o.prompt_tokens + o.completion_tokens,
+        }
 
     @staticmethod
     def stats(o) -> dict:
         return {**o.stats.as_dict(), "time_to_first_token_s": o.ttft_s, "total_s": o.total_s}
 
     def response(self, text: str, ids: list[int], o) -> dict:
-        return {**self.head(False), "choices": [self._choice(text, ids, o.finish_reason, False)],
-                "usage": self.usage(o), "flashmap": self.stats(o)}
+        return {
+            **self.head(False),
+            "choices": [self._choice(text, ids, o.finish_reason, False)],
+            "usage": self.usage(o),
+            "flashmap": self.stats(o),
+        }
 
-    def chunk(self, text: str, ids: list[int], finish: str | None = None, first: bool = False) -> dict:
+    def chunk(
+        self, text: str, ids: list[int], finish: str | None = None, first: bool = False
+    ) -> dict:
         return {**self.head(True), "choices": [self._choice(text, ids, finish, True, first)]}
 
 
@@ -232,7 +289,9 @@ def _sse(obj: Any) -> str:
     return f"data: {obj if isinstance(obj, str) else _dumps(obj)}\n\n"
 
 
-async def _events(first, items: AsyncIterator, shape: _Shape, include_usage: bool) -> AsyncIterator[str]:
+async def _events(
+    first, items: AsyncIterator, shape: _Shape, include_usage: bool
+) -> AsyncIterator[str]:
     """The SSE body: chunks as pieces commit, the finish chunk (with "flashmap"), the usage chunk
     when asked for, then [DONE]. An error after the stream started is an `error` event."""
     with_usage = (lambda d: {**d, "usage": None}) if include_usage else (lambda d: d)
@@ -248,7 +307,11 @@ async def _events(first, items: AsyncIterator, shape: _Shape, include_usage: boo
                 yield _sse(ApiError.from_status(*item.error).body())
                 break
             else:
-                yield _sse(with_usage({**shape.chunk("", [], item.finish_reason), "flashmap": shape.stats(item)}))
+                yield _sse(
+                    with_usage(
+                        {**shape.chunk("", [], item.finish_reason), "flashmap": shape.stats(item)}
+                    )
+                )
                 if include_usage:
                     yield _sse({**shape.head(True), "choices": [], "usage": shape.usage(item)})
                 break
@@ -275,7 +338,9 @@ async def _unless_disconnected(receive, work: Awaitable) -> tuple[bool, Any]:
             task.cancel()
         with contextlib.suppress(asyncio.CancelledError, OSError):
             await task
-    if task.cancelled() or isinstance(task.exception(), OSError):  # OSError: a write to a closed connection
+    if task.cancelled() or isinstance(
+        task.exception(), OSError
+    ):  # OSError: a write to a closed connection
         return False, None
     return True, task.result()
 
@@ -285,7 +350,9 @@ class _EventStream(StreamingResponse):
     (Starlette's own only notices at the next write, which may be many rounds later)."""
 
     def __init__(self, events: AsyncIterator[str]):
-        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        super().__init__(
+            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -299,7 +366,9 @@ class _EventStream(StreamingResponse):
 
 def create_app(orch) -> FastAPI:
     """The FastAPI app over a started Orchestrator."""
-    app = FastAPI(title="FlashMap Serve (OpenAI-compatible)", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="FlashMap Serve (OpenAI-compatible)", docs_url=None, redoc_url=None, openapi_url=None
+    )
     started = int(time.time())
 
     @app.exception_handler(ApiError)
@@ -313,7 +382,9 @@ def create_app(orch) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, e: RequestValidationError):
         if "json" not in request.headers.get("content-type", ""):
-            return _error(ApiError(400, "send the request body as JSON (Content-Type: application/json)"))
+            return _error(
+                ApiError(400, "send the request body as JSON (Content-Type: application/json)")
+            )
         err = e.errors()[0] if e.errors() else {}
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         if err.get("type") == "extra_forbidden":
@@ -327,21 +398,34 @@ def create_app(orch) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def _http(request: Request, e: HTTPException):
         kind = "invalid_request_error" if e.status_code < 500 else "server_error"
-        return _error(ApiError(e.status_code, f"{e.detail}: {request.method} {request.url.path}", kind))
+        return _error(
+            ApiError(e.status_code, f"{e.detail}: {request.method} {request.url.path}", kind)
+        )
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):
         log.exception("HTTP request failed")
-        return _error(ApiError(500, f"internal error: {type(e).__name__}", "server_error", code="internal"))
+        return _error(
+            ApiError(500, f"internal error: {type(e).__name__}", "server_error", code="internal")
+        )
 
     def model_card() -> dict:
-        return {"id": orch.info.model_name, "object": "model", "created": started, "owned_by": "flashmap",
-                "max_model_len": orch.info.max_seq_len}
+        return {
+            "id": orch.info.model_name,
+            "object": "model",
+            "created": started,
+            "owned_by": "flashmap",
+            "max_model_len": orch.info.max_seq_len,
+        }
 
     def check_model(name: str | None) -> None:
         if name not in (None, orch.info.model_name):
-            raise ApiError(404, f"the model {name!r} does not exist (this server serves {orch.info.model_name!r})",
-                           param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"the model {name!r} does not exist (this server serves {orch.info.model_name!r})",
+                param="model",
+                code="model_not_found",
+            )
 
     @app.middleware("http")
     async def api_key(request: Request, call_next):
@@ -349,20 +433,37 @@ def create_app(orch) -> FastAPI:
         is larger than the public API's message limit (the gRPC port's)."""
         size = request.headers.get("content-length", "0")
         if not size.isdigit() or int(size) > orch.cfg.max_message_bytes:
-            return _error(ApiError(413, f"the request body is larger than {orch.cfg.max_message_bytes} bytes"))
+            return _error(
+                ApiError(413, f"the request body is larger than {orch.cfg.max_message_bytes} bytes")
+            )
         key = orch.cfg.api_key
-        if key and request.url.path.startswith("/v1") and not hmac.compare_digest(
-                request.headers.get("authorization", "").encode(), bearer(key).encode()):
-            return _error(ApiError(401, "missing or wrong API key (Authorization: Bearer <key>)",
-                                   "invalid_request_error", code="invalid_api_key"))
+        if (
+            key
+            and request.url.path.startswith("/v1")
+            and not hmac.compare_digest(
+                request.headers.get("authorization", "").encode(), bearer(key).encode()
+            )
+        ):
+            return _error(
+                ApiError(
+                    401,
+                    "missing or wrong API key (Authorization: Bearer <key>)",
+                    "invalid_request_error",
+                    code="invalid_api_key",
+                )
+            )
         return await call_next(request)
 
     @app.get("/health")
     async def health():
         ready = orch.target_ok  # what the health loop last learned: never a call that could hang
-        body = {"status": "ok" if ready else "unavailable", "target_ready": ready,
-                "drafter_ready": bool(orch.drafter and orch.drafter.connected),
-                "active_requests": len(orch.active), "queued_requests": len(orch.waiting)}
+        body = {
+            "status": "ok" if ready else "unavailable",
+            "target_ready": ready,
+            "drafter_ready": bool(orch.drafter and orch.drafter.connected),
+            "active_requests": len(orch.active),
+            "queued_requests": len(orch.waiting),
+        }
         return _json(body, 200 if ready else 503)
 
     @app.get("/v1/models")
@@ -382,24 +483,45 @@ def create_app(orch) -> FastAPI:
                 raise ApiError(400, f"one prompt per request, got {len(p)}", param="prompt")
             p = p[0]
         prompt = {"text": p} if isinstance(p, str) else {"token_ids": p}
-        return await run(request, body, False, prompt, 16 if body.max_tokens is None else body.max_tokens)
+        return await run(
+            request, body, False, prompt, 16 if body.max_tokens is None else body.max_tokens
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        messages = [{"role": m.role, "content": _message_text(m, i)} for i, m in enumerate(body.messages)]
-        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await run(request, body, True, {"messages": messages}, limit)  # None: the rest of the context
+        messages = [
+            {"role": m.role, "content": _message_text(m, i)} for i, m in enumerate(body.messages)
+        ]
+        limit = (
+            body.max_completion_tokens
+            if body.max_completion_tokens is not None
+            else body.max_tokens
+        )
+        return await run(
+            request, body, True, {"messages": messages}, limit
+        )  # None: the rest of the context
 
-    async def run(request: Request, body: _Sampling, chat: bool, prompt: dict, max_tokens: int | None) -> Response:
+    async def run(
+        request: Request, body: _Sampling, chat: bool, prompt: dict, max_tokens: int | None
+    ) -> Response:
         check_model(body.model)
         _check_supported(body)
-        gen = await orch.request_async(functools.partial(
-            orch.make_request, **prompt, max_new_tokens=max_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_k=0 if body.top_k in (None, -1) else body.top_k, top_p=body.top_p, seed=body.seed,
-            stop_token_ids=body.stop_token_ids or (), ignore_eos=body.ignore_eos, draft_steps=body.draft_steps,
-            max_draft_tokens=body.max_draft_tokens,
-            request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"))
+        gen = await orch.request_async(
+            functools.partial(
+                orch.make_request,
+                **prompt,
+                max_new_tokens=max_tokens,
+                temperature=1.0 if body.temperature is None else body.temperature,
+                top_k=0 if body.top_k in (None, -1) else body.top_k,
+                top_p=body.top_p,
+                seed=body.seed,
+                stop_token_ids=body.stop_token_ids or (),
+                ignore_eos=body.ignore_eos,
+                draft_steps=body.draft_steps,
+                max_draft_tokens=body.max_draft_tokens,
+                request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            )
+        )
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
         shape = _Shape(chat, orch.info.model_name, gen, body.return_token_ids)
         items = orch.stream(gen, stops)
@@ -452,16 +574,26 @@ class HttpServer:
 
     def __init__(self, orch, host: str, port: int, grace_s: float = 2.0):
         tls = orch.cfg.tls or (None, None)  # the gRPC port's certificate, when it has one
-        config = uvicorn.Config(create_app(orch), host=host, port=port, log_config=None, access_log=False,
-                                lifespan="off", timeout_graceful_shutdown=grace_s, ssl_certfile=tls[0],
-                                ssl_keyfile=tls[1])
+        config = uvicorn.Config(
+            create_app(orch),
+            host=host,
+            port=port,
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=grace_s,
+            ssl_certfile=tls[0],
+            ssl_keyfile=tls[1],
+        )
         self.server = _Server(config)
         self.host, self.port = host, port
         self._task: asyncio.Task | None = None
 
-    async def start(self) -> "HttpServer":
+    async def start(self) -> HttpServer:
         self._task = asyncio.create_task(self.server.serve())
-        while not self.server.started:  # listening (a port in use ends the process, as uvicorn does)
+        while (
+            not self.server.started
+        ):  # listening (a port in use ends the process, as uvicorn does)
             if self._task.done():
                 self._task.result()
                 raise RuntimeError(f"the HTTP API did not start on {self.host}:{self.port}")

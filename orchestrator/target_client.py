@@ -36,7 +36,13 @@ from tritonclient.utils import InferenceServerException
 
 from flashmap import wire
 from flashmap.auth import TARGET_KEY_GRPC_HEADER
-from flashmap.triton_stream import CHANNEL_OPTIONS, StreamBroken, StreamError, TritonStream, infer_request
+from flashmap.triton_stream import (
+    CHANNEL_OPTIONS,
+    StreamBroken,
+    StreamError,
+    TritonStream,
+    infer_request,
+)
 from flashmap.types import InvalidRequest, VerifyResult, VerifyRow
 
 DEFAULT_MODEL = "flashmap_target"
@@ -70,27 +76,38 @@ class TargetInfo:
     n_slots: int
     eos_token_ids: list[int]
     kv_bytes_per_token: int = 0
-    feature_bytes_per_token: int = 0  # > 0: the target keeps every position's features (VerifyRow.features_from)
+    feature_bytes_per_token: int = (
+        0  # > 0: the target keeps every position's features (VerifyRow.features_from)
+    )
     idle_timeout_s: float = 0.0
     features_dtype: str = "float32"
     device: str = ""
     dtype: str = ""
     model_dir: str = ""
     triton_model: str = DEFAULT_MODEL
-    packed_verify: bool = True  # a verify costs its rows' total tokens (target_service.packing); False: padded (CUDA graphs)
+    # A verify costs its rows' total tokens (target_service.packing); False: padded (CUDA graphs).
+    packed_verify: bool = True
     extra: dict = field(default_factory=dict)  # keys this client does not know yet
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TargetInfo":
+    def from_dict(cls, d: dict) -> TargetInfo:
         known = {f.name for f in fields(cls)} - {"extra"}
-        return cls(**{k: v for k, v in d.items() if k in known}, extra={k: v for k, v in d.items() if k not in known})
+        return cls(
+            **{k: v for k, v in d.items() if k in known},
+            extra={k: v for k, v in d.items() if k not in known},
+        )
 
 
 class TargetClient:
     """Async gRPC client of the flashmap_target model. Create and use it inside one event loop."""
 
-    def __init__(self, url: str = "127.0.0.1:8001", model: str = DEFAULT_MODEL, timeout_s: float | None = None,
-                 key: str = ""):
+    def __init__(
+        self,
+        url: str = "127.0.0.1:8001",
+        model: str = DEFAULT_MODEL,
+        timeout_s: float | None = None,
+        key: str = "",
+    ):
         """timeout_s: deadline of every call (None = none); key: Triton's restricted-protocol
         key (flashmap.auth.TARGET_KEY_GRPC_HEADER), "" when the server has none."""
         self.url = url
@@ -117,7 +134,7 @@ class TargetClient:
             stream, self._stream = self._stream, None
             await stream.close()
 
-    async def __aenter__(self) -> "TargetClient":
+    async def __aenter__(self) -> TargetClient:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -130,8 +147,9 @@ class TargetClient:
         not see a dead Python-backend stub: `probe` does); False when not or unreachable."""
         try:
             c = self._grpc()
-            return bool(await c.is_server_ready(client_timeout=timeout_s)) and \
-                bool(await c.is_model_ready(self.model, client_timeout=timeout_s))
+            return bool(await c.is_server_ready(client_timeout=timeout_s)) and bool(
+                await c.is_model_ready(self.model, client_timeout=timeout_s)
+            )
         except InferenceServerException:
             return False
 
@@ -149,7 +167,9 @@ class TargetClient:
         deadline = loop.time() + timeout_s
         while not await self.ready():
             if loop.time() > deadline:
-                raise TargetUnavailable(f"target {self.model!r} at {self.url} not ready after {timeout_s:g}s")
+                raise TargetUnavailable(
+                    f"target {self.model!r} at {self.url} not ready after {timeout_s:g}s"
+                )
             await asyncio.sleep(interval_s)
 
     async def info(self, refresh: bool = False, timeout_s: float | None = None) -> TargetInfo:
@@ -160,15 +180,20 @@ class TargetClient:
         """
         if self._info is None or refresh:
             corrid = _INFO_CORRID_BASE + random.getrandbits(60)
-            result = await self._infer(wire.info_inputs(), ["INFO_JSON"], corrid, start=True, end=True,
-                                       timeout_s=timeout_s)
+            result = await self._infer(
+                wire.info_inputs(), ["INFO_JSON"], corrid, start=True, end=True, timeout_s=timeout_s
+            )
             raw = result.as_numpy("INFO_JSON").reshape(-1)[0]
-            self._info = TargetInfo.from_dict(json.loads(raw.decode() if isinstance(raw, bytes) else raw))
+            self._info = TargetInfo.from_dict(
+                json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+            )
         return self._info
 
     # ------------------------------------------------------------------ verify / release
 
-    async def verify(self, seq_id: int, row: VerifyRow, start: bool, end: bool = False) -> VerifyResult:
+    async def verify(
+        self, seq_id: int, row: VerifyRow, start: bool, end: bool = False
+    ) -> VerifyResult:
         """Verify one row of sequence seq_id (one target forward, shared with concurrent calls).
 
         start: first request of the sequence (allocates its KV slot; restarts it if it had one).
@@ -176,32 +201,52 @@ class TargetClient:
         """
         return (await self.verify_tree(seq_id, row, [], start, end))[0]
 
-    async def verify_tree(self, seq_id: int, row: VerifyRow, branches: list[np.ndarray], start: bool,
-                          end: bool = False) -> tuple[VerifyResult, int]:
+    async def verify_tree(
+        self,
+        seq_id: int,
+        row: VerifyRow,
+        branches: list[np.ndarray],
+        start: bool,
+        end: bool = False,
+    ) -> tuple[VerifyResult, int]:
         """`verify` with more draft blocks after the row's anchor, verified as a tree (T = 0):
         (the winning block's result, its index; 0 = the row's own block)."""
         _check_seq_id(seq_id)
-        r = await self._infer(wire.verify_inputs(row, branches), wire.VERIFY_OUTPUTS, seq_id, start=start, end=end)
+        r = await self._infer(
+            wire.verify_inputs(row, branches), wire.VERIFY_OUTPUTS, seq_id, start=start, end=end
+        )
         return wire.parse_verify_outputs(r.as_numpy)
 
-    async def verify_rows(self, items: list[tuple[int, VerifyRow | None, list[np.ndarray], bool, bool]],
-                          timeout_s: float | None = None) -> list:
+    async def verify_rows(
+        self,
+        items: list[tuple[int, VerifyRow | None, list[np.ndarray], bool, bool]],
+        timeout_s: float | None = None,
+    ) -> list:
         """A whole round in one request (a packed round, flashmap.wire): per item (seq_id, row or
         None for a release, branches, start, end) -> (VerifyResult, best), None for a release,
         or the exception a one-row request would have raised. A failure of the request itself
         raises. timeout_s: this call's deadline (default: the client's)."""
         for seq_id, *_ in items:
             _check_seq_id(seq_id)
-        blob, bad = wire.packed_round([(seq_id, start, end, row, branches)
-                                       for seq_id, row, branches, start, end in items])
+        blob, bad = wire.packed_round(
+            [(seq_id, start, end, row, branches) for seq_id, row, branches, start, end in items]
+        )
         out = []
         if len(bad) < len(items):
             corrid = _INFO_CORRID_BASE + random.getrandbits(60)  # a one-request sequence of its own
-            r = await self._infer({"ROWS": np.array([[blob]], np.object_)}, ["ROWS_OUT"], corrid,
-                                  start=True, end=True, timeout_s=timeout_s)
+            r = await self._infer(
+                {"ROWS": np.array([[blob]], np.object_)},
+                ["ROWS_OUT"],
+                corrid,
+                start=True,
+                end=True,
+                timeout_s=timeout_s,
+            )
             out = wire.parse_packed_outputs(r.as_numpy("ROWS_OUT").reshape(-1)[0])
             if len(out) != len(items) - len(bad):
-                raise TargetError(f"target at {self.url}: {len(out)} answers for {len(items) - len(bad)} rows")
+                raise TargetError(
+                    f"target at {self.url}: {len(out)} answers for {len(items) - len(bad)} rows"
+                )
         answers = iter(out)
         return [bad[k] if k in bad else _row_answer(next(answers)) for k in range(len(items))]
 
@@ -209,29 +254,46 @@ class TargetClient:
         """End sequence seq_id and free its KV slot (finish or cancel). Idempotent."""
         _check_seq_id(seq_id)
         try:
-            await self._infer(wire.release_inputs(), wire.VERIFY_OUTPUTS, seq_id, start=False, end=True)
+            await self._infer(
+                wire.release_inputs(), wire.VERIFY_OUTPUTS, seq_id, start=False, end=True
+            )
         except InvalidRequest as e:
             # Triton (no START) or the model (unknown sequence) refuse END for a sequence that is
             # gone (ended, or dropped after the idle timeout): then there is nothing left to free.
             if "START" not in str(e) and "unknown sequence" not in str(e):
                 raise
 
-    async def _infer(self, inputs: dict[str, np.ndarray], outputs: list[str], corrid: int, *, start: bool, end: bool,
-                     timeout_s: float | None = None):
+    async def _infer(
+        self,
+        inputs: dict[str, np.ndarray],
+        outputs: list[str],
+        corrid: int,
+        *,
+        start: bool,
+        end: bool,
+        timeout_s: float | None = None,
+    ):
         """One request on the client's stream (the model is decoupled: flashmap.triton_stream)."""
         if self._stream is None:
             self._stream = TritonStream(self.url, tuple((self._headers or {}).items()))
         timeout_s = timeout_s or self.timeout_s
         try:
-            return await self._stream.call(infer_request(self.model, inputs, outputs, corrid, start, end), timeout_s)
-        except asyncio.TimeoutError:
-            raise TargetTimeout(f"target at {self.url}: no answer within the deadline ({timeout_s:g}s)") from None
+            return await self._stream.call(
+                infer_request(self.model, inputs, outputs, corrid, start, end), timeout_s
+            )
+        except TimeoutError:
+            raise TargetTimeout(
+                f"target at {self.url}: no answer within the deadline ({timeout_s:g}s)"
+            ) from None
         except (StreamError, StreamBroken) as e:
             raise _map_error(e, self.url) from None
 
 
-_ROW_ERRORS = {wire.ROW_INVALID: InvalidRequest, wire.ROW_UNAVAILABLE: TargetUnavailable,
-               wire.ROW_INTERNAL: TargetError}
+_ROW_ERRORS = {
+    wire.ROW_INVALID: InvalidRequest,
+    wire.ROW_UNAVAILABLE: TargetUnavailable,
+    wire.ROW_INTERNAL: TargetError,
+}
 
 
 def _row_answer(o):
@@ -245,7 +307,14 @@ def _check_seq_id(seq_id: int) -> None:
 
 
 # Triton's own answers (no row code) that mean "not now" rather than "bad request".
-_UNAVAILABLE_WORDS = ("unknown model", "not found", "not ready", "unavailable", "not healthy", "stub")
+_UNAVAILABLE_WORDS = (
+    "unknown model",
+    "not found",
+    "not ready",
+    "unavailable",
+    "not healthy",
+    "stub",
+)
 
 
 def _map_error(e: StreamError | StreamBroken, url: str) -> Exception:
@@ -276,11 +345,19 @@ class TritonTarget:
         self.max_seq_len = max_seq_len
         self.started: set[int] = set()  # correlation ids holding a KV slot
         self._releasing: set[asyncio.Task] = set()
-        self._verifying: dict[int, set[asyncio.Future]] = {}  # correlation id -> its verifies in flight
-        self._order = asyncio.Lock()  # verifies go out in the order they are made (an Ahead follows its round)
+        self._verifying: dict[
+            int, set[asyncio.Future]
+        ] = {}  # correlation id -> its verifies in flight
+        self._order = (
+            asyncio.Lock()
+        )  # verifies go out in the order they are made (an Ahead follows its round)
 
-    async def verify(self, rows: list[VerifyRow], branches: list[list[np.ndarray]],
-                     last: list[bool] | None = None) -> list:
+    async def verify(
+        self,
+        rows: list[VerifyRow],
+        branches: list[list[np.ndarray]],
+        last: list[bool] | None = None,
+    ) -> list:
         # A new sequence may need the slot a finished one is handing back: wait for the
         # releases under way (the caller lets the ones it just created start first). The wait
         # counts against the verify's deadline: a hung target fails the round within one timeout.
@@ -290,22 +367,35 @@ class TritonTarget:
             if self._releasing and any(r.slot not in self.started for r in rows):
                 await asyncio.wait(set(self._releasing), timeout=budget)
             last = last or [False] * len(rows)
-            items = [(r.slot, r, b, r.slot not in self.started, end) for r, b, end in zip(rows, branches, last)]
+            items = [
+                (r.slot, r, b, r.slot not in self.started, end)
+                for r, b, end in zip(rows, branches, last)
+            ]
             self.started.update(r.slot for r in rows)
-            call = asyncio.ensure_future(self.client.verify_rows(
-                items, None if budget is None else max(budget - (time.monotonic() - t0), 1e-3)))
+            call = asyncio.ensure_future(
+                self.client.verify_rows(
+                    items, None if budget is None else max(budget - (time.monotonic() - t0), 1e-3)
+                )
+            )
             for r in rows:
                 self._verifying.setdefault(r.slot, set()).add(call)
             call.add_done_callback(lambda c, ids=[r.slot for r in rows]: self._verified(c, ids))
-            await asyncio.sleep(0)  # the call's first step starts the request before the next verify's
+            await asyncio.sleep(
+                0
+            )  # the call's first step starts the request before the next verify's
         try:
             out = await call
-        except (InvalidRequest, TargetUnavailable, TargetError) as e:  # the request failed: every row did
+        except (
+            InvalidRequest,
+            TargetUnavailable,
+            TargetError,
+        ) as e:  # the request failed: every row did
             return [e] * len(rows)
         # A row sent with END that succeeded freed its slot on the server: the sequence's
         # release() has nothing left to send. A failed one may still hold it: release() frees it.
-        self.started.difference_update(r.slot for r, end, o in zip(rows, last, out)
-                                       if end and not isinstance(o, BaseException))
+        self.started.difference_update(
+            r.slot for r, end, o in zip(rows, last, out) if end and not isinstance(o, BaseException)
+        )
         return out
 
     def _verified(self, call: asyncio.Future, corrids: list[int]) -> None:
@@ -329,5 +419,7 @@ class TritonTarget:
             await asyncio.wait(set(self._verifying[corrid]), timeout=self.client.timeout_s)
         (out,) = await self.client.verify_rows([(corrid, None, [], False, True)])
         # A sequence already gone (the idle timeout) has nothing left to free.
-        if isinstance(out, Exception) and not (isinstance(out, InvalidRequest) and "unknown sequence" in str(out)):
+        if isinstance(out, Exception) and not (
+            isinstance(out, InvalidRequest) and "unknown sequence" in str(out)
+        ):
             raise out

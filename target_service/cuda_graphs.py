@@ -62,15 +62,23 @@ class _Static:
     logits: Tensor | None = None  # [b*q, V] fp32
     argmax: Tensor | None = None  # [b*q] int64
     features: Tensor | None = None  # [b*q, F] fp32
-    graph: "torch.cuda.CUDAGraph | None" = None
+    graph: torch.cuda.CUDAGraph | None = None
     host_meta: Tensor | None = None  # pinned staging for meta
 
 
 class TargetGraphs:
-    def __init__(self, model: Qwen3, feature_layers: tuple[int, ...], n_slots: int,
-                 batch_buckets: tuple[int, ...] | None = None, query_buckets: tuple[int, ...] | None = None,
-                 context_buckets: tuple[int, ...] | None = None, mode: str = "cuda", batch_invariant: bool = False,
-                 features_dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        model: Qwen3,
+        feature_layers: tuple[int, ...],
+        n_slots: int,
+        batch_buckets: tuple[int, ...] | None = None,
+        query_buckets: tuple[int, ...] | None = None,
+        context_buckets: tuple[int, ...] | None = None,
+        mode: str = "cuda",
+        batch_invariant: bool = False,
+        features_dtype: torch.dtype = torch.float32,
+    ):
         if mode not in ("cuda", "static"):
             raise ValueError(f"mode must be 'cuda' or 'static', got {mode!r}")
         self.model, self.mode, self.batch_invariant = model, mode, batch_invariant
@@ -78,8 +86,12 @@ class TargetGraphs:
         self.features_dtype = features_dtype  # of the features run() hands back
         self.device = model.lm_head.weight.device
         T = model.max_seq_len
-        bb = tuple(sorted({b for b in (batch_buckets or BATCH_BUCKETS) if 1 <= b <= n_slots})) or (n_slots,)
-        qb = tuple(sorted({q for q in (query_buckets or QUERY_BUCKETS) if 1 <= q <= T})) or (min(T, 17),)
+        bb = tuple(sorted({b for b in (batch_buckets or BATCH_BUCKETS) if 1 <= b <= n_slots})) or (
+            n_slots,
+        )
+        qb = tuple(sorted({q for q in (query_buckets or QUERY_BUCKETS) if 1 <= q <= T})) or (
+            min(T, 17),
+        )
         windowed = model.ops.windowed_attention(model.config.head_dim)
         if windowed:
             cb = tuple(sorted({c for c in (context_buckets or CONTEXT_BUCKETS) if c < T})) + (T,)
@@ -96,14 +108,20 @@ class TargetGraphs:
         """The graph that runs B rows of at most max_len tokens reaching cache length kv_len,
         or None (run eagerly)."""
         b, q = bucket_of(n_rows, self.batch_buckets), bucket_of(max_len, self.query_buckets)
-        c = self.context_buckets[0] if self.context_buckets == (None,) else bucket_of(kv_len, self.context_buckets)
+        c = (
+            self.context_buckets[0]
+            if self.context_buckets == (None,)
+            else bucket_of(kv_len, self.context_buckets)
+        )
         if b is None or q is None or (c is None and self.context_buckets != (None,)):
             return None
         return (b, q, c) if (b, q, c) in self.graphs else None
 
     def _static(self, b: int, q: int) -> _Static:
         meta = torch.zeros(2 * b * q + b, dtype=torch.long, device=self.device)
-        st = _Static(meta, meta[:b * q].view(b, q), meta[b * q:2 * b * q].view(b, q), meta[2 * b * q:])
+        st = _Static(
+            meta, meta[: b * q].view(b, q), meta[b * q : 2 * b * q].view(b, q), meta[2 * b * q :]
+        )
         st.positions.fill_(-1)
         if self.mode == "cuda":
             st.host_meta = torch.empty(meta.shape, dtype=torch.long, pin_memory=True)
@@ -115,8 +133,18 @@ class TargetGraphs:
         pos = st.positions.clamp_min(0)  # RoPE and attention bound of padding: position 0
         write_pos = torch.where(valid, st.positions, self.model.max_seq_len)  # padding -> scratch
         window = self.model.max_seq_len if kv_len is None else kv_len
-        logits, features = padded_step(self.model, st.tokens, pos, st.slots, write_pos, pos, None, None,
-                                       self.feature_layers, window)
+        logits, features = padded_step(
+            self.model,
+            st.tokens,
+            pos,
+            st.slots,
+            write_pos,
+            pos,
+            None,
+            None,
+            self.feature_layers,
+            window,
+        )
         return logits, logits.argmax(-1), features
 
     # ------------------------------------------------------------------ capture
@@ -136,7 +164,9 @@ class TargetGraphs:
                     if cuda:
                         side = torch.cuda.Stream(self.device)
                         side.wait_stream(torch.cuda.current_stream(self.device))
-                        with torch.cuda.stream(side):  # warm-up outside capture (allocator, kernels, autotune)
+                        with torch.cuda.stream(
+                            side
+                        ):  # warm-up outside capture (allocator, kernels, autotune)
                             for _ in range(2):
                                 self._step(st, c)
                         torch.cuda.current_stream(self.device).wait_stream(side)
@@ -147,10 +177,14 @@ class TargetGraphs:
         if cuda:
             torch.cuda.synchronize(self.device)
         report = {
-            "graphs": len(self.graphs), "seconds": round(time.perf_counter() - t0, 3), "mode": self.mode,
+            "graphs": len(self.graphs),
+            "seconds": round(time.perf_counter() - t0, 3),
+            "mode": self.mode,
             "memory_bytes": (torch.cuda.memory_allocated(self.device) - mem0) if cuda else 0,
-            "batch_buckets": list(self.batch_buckets), "query_buckets": list(self.query_buckets),
-            "context_buckets": [c for c in self.context_buckets], "batch_invariant": self.batch_invariant,
+            "batch_buckets": list(self.batch_buckets),
+            "query_buckets": list(self.query_buckets),
+            "context_buckets": [c for c in self.context_buckets],
+            "batch_invariant": self.batch_invariant,
             "ops": self.model.ops.describe(),
         }
         log.info("target graphs (%s): %s", self.mode, report)
@@ -158,8 +192,13 @@ class TargetGraphs:
 
     # ------------------------------------------------------------------ run
     @torch.inference_mode()
-    def run(self, key: tuple[int, int, int | None], tokens: np.ndarray, positions: np.ndarray,
-            slots: np.ndarray) -> tuple[Tensor, np.ndarray, Tensor]:
+    def run(
+        self,
+        key: tuple[int, int, int | None],
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        slots: np.ndarray,
+    ) -> tuple[Tensor, np.ndarray, Tensor]:
         """One pass of B <= b rows: tokens, positions [B, q'] (q' <= q, position -1 = padding),
         slots [B]. Returns the device logits [b*q, V], the argmax [B*q] on the host and the
         features [B*q, F] on the device, in features_dtype (row r's position j at r*q + j; the
@@ -168,14 +207,20 @@ class TargetGraphs:
         st = self.graphs[key]
         b, q, c = key
         B, L = tokens.shape
-        host = st.host_meta if st.host_meta is not None else torch.empty(st.meta.shape, dtype=torch.long)
+        host = (
+            st.host_meta
+            if st.host_meta is not None
+            else torch.empty(st.meta.shape, dtype=torch.long)
+        )
         h = host.numpy()
-        tok, pos = h[:b * q].reshape(b, q), h[b * q:2 * b * q].reshape(b, q)
+        tok, pos = h[: b * q].reshape(b, q), h[b * q : 2 * b * q].reshape(b, q)
         tok.fill(0)
         pos.fill(-1)
         tok[:B, :L], pos[:B, :L] = tokens, positions
-        h[2 * b * q:] = 0  # padding rows: slot 0, every position padding (only its scratch is written)
-        h[2 * b * q:2 * b * q + B] = slots
+        h[2 * b * q :] = (
+            0  # padding rows: slot 0, every position padding (only its scratch is written)
+        )
+        h[2 * b * q : 2 * b * q + B] = slots
         st.meta.copy_(host, non_blocking=True)
         if st.graph is not None:
             st.graph.replay()

@@ -36,7 +36,14 @@ import numpy as np
 import torch
 
 from flashmap.host_memory import keep_freed_memory
-from flashmap.types import MAX_DECODE_STEPS, InvalidRequest, SamplingParams, VerifyResult, VerifyRow, feature_layers_for
+from flashmap.types import (
+    MAX_DECODE_STEPS,
+    InvalidRequest,
+    SamplingParams,
+    VerifyResult,
+    VerifyRow,
+    feature_layers_for,
+)
 from target_service.kernels import self_check
 from target_service.packing import GROUP_TOKENS, pack
 from target_service.qwen3 import Qwen3, Qwen3Config, cast_features, forward_step
@@ -79,30 +86,51 @@ class TargetEngine:
         eos_token_ids: list[int] | None = None,
         cuda_graphs: bool = False,
         features_dtype: torch.dtype = torch.float32,
-    ) -> "TargetEngine":
+    ) -> TargetEngine:
         """An engine around an already loaded model (its caches are replaced)."""
         engine = cls.__new__(cls)
         eos = list(model.config.eos_token_id) if eos_token_ids is None else list(eos_token_ids)
         engine._setup(model, n_slots, max_seq_len, feature_layers, eos, cuda_graphs, features_dtype)
         return engine
 
-    def _setup(self, model: Qwen3, n_slots, max_seq_len, feature_layers, eos: list[int], cuda_graphs=False,
-               features_dtype: torch.dtype = torch.float32) -> None:
+    def _setup(
+        self,
+        model: Qwen3,
+        n_slots,
+        max_seq_len,
+        feature_layers,
+        eos: list[int],
+        cuda_graphs=False,
+        features_dtype: torch.dtype = torch.float32,
+    ) -> None:
         c = model.config
         if max_seq_len is None:
             max_seq_len = min(c.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
         if n_slots < 1 or max_seq_len < 1:
             raise ValueError(f"n_slots and max_seq_len must be >= 1, got {n_slots}, {max_seq_len}")
-        layers = feature_layers_for(c.num_hidden_layers) if feature_layers is None else [int(l) for l in feature_layers]
+        layers = (
+            feature_layers_for(c.num_hidden_layers)
+            if feature_layers is None
+            else [int(l) for l in feature_layers]
+        )
         if any(not 0 <= l < c.num_hidden_layers for l in layers) or len(set(layers)) != len(layers):
-            raise ValueError(f"feature_layers must be distinct layers in [0, {c.num_hidden_layers}), got {layers}")
+            raise ValueError(
+                f"feature_layers must be distinct layers in [0, {c.num_hidden_layers}), got {layers}"
+            )
         model.setup_caches(n_slots, max_seq_len)
         self.model = model
         self._feature_layers = tuple(layers)
         # Every cached position's features (rows without features, features_from), [slots, positions, F].
-        shape, dev = (n_slots, max_seq_len, len(layers) * c.hidden_size), model.lm_head.weight.device
-        self._features_np = np.float16 if features_dtype == torch.float16 else np.float32  # on the host
-        if dev.type == "cpu":  # numpy's zeros leave untouched pages unmapped; torch's would write them all
+        shape, dev = (
+            (n_slots, max_seq_len, len(layers) * c.hidden_size),
+            model.lm_head.weight.device,
+        )
+        self._features_np = (
+            np.float16 if features_dtype == torch.float16 else np.float32
+        )  # on the host
+        if (
+            dev.type == "cpu"
+        ):  # numpy's zeros leave untouched pages unmapped; torch's would write them all
             self._features = torch.from_numpy(np.zeros(shape, self._features_np))
         else:
             self._features = torch.zeros(shape, dtype=features_dtype, device=dev)
@@ -117,18 +145,32 @@ class TargetEngine:
         if w.device.type == "cpu":
             keep_freed_memory()  # the step's buffers stay mapped (flashmap.host_memory)
         self.graphs = None  # TargetGraphs after enable_graphs()
-        self.group_tokens = GROUP_TOKENS  # eager verifies: rows grouped for attention (target_service.packing)
+        self.group_tokens = (
+            GROUP_TOKENS  # eager verifies: rows grouped for attention (target_service.packing)
+        )
         self.kernel_check: dict = {}  # the fused kernels' self-check on this device (kernels.self_check)
         if w.device.type == "cuda":
-            self.kernel_check = self_check(model.ops, dtype=w.dtype, device=w.device, n_heads=c.num_attention_heads,
-                                           n_kv=c.num_key_value_heads, head_dim=c.head_dim, hidden=c.hidden_size,
-                                           intermediate=c.intermediate_size)
+            self.kernel_check = self_check(
+                model.ops,
+                dtype=w.dtype,
+                device=w.device,
+                n_heads=c.num_attention_heads,
+                n_kv=c.num_key_value_heads,
+                head_dim=c.head_dim,
+                hidden=c.hidden_size,
+                intermediate=c.intermediate_size,
+            )
         if cuda_graphs and w.device.type == "cuda":
             self.enable_graphs()
 
-    def enable_graphs(self, batch_buckets: tuple[int, ...] | None = None, query_buckets: tuple[int, ...] | None = None,
-                      context_buckets: tuple[int, ...] | None = None, mode: str = "cuda",
-                      batch_invariant: bool = False) -> dict:
+    def enable_graphs(
+        self,
+        batch_buckets: tuple[int, ...] | None = None,
+        query_buckets: tuple[int, ...] | None = None,
+        context_buckets: tuple[int, ...] | None = None,
+        mode: str = "cuda",
+        batch_invariant: bool = False,
+    ) -> dict:
         """Run decode / verify passes that fit a bucket through captured CUDA graphs
         (target_service.cuda_graphs); mode="static" runs the same padded function without
         capture (CPU tests). batch_invariant=True: one graph of the largest shape for every
@@ -137,9 +179,17 @@ class TargetEngine:
         from target_service.cuda_graphs import TargetGraphs
 
         self.graphs = None
-        graphs = TargetGraphs(self.model, self._feature_layers, self.n_slots, batch_buckets, query_buckets,
-                              context_buckets, mode=mode, batch_invariant=batch_invariant,
-                              features_dtype=self.features_dtype)
+        graphs = TargetGraphs(
+            self.model,
+            self._feature_layers,
+            self.n_slots,
+            batch_buckets,
+            query_buckets,
+            context_buckets,
+            mode=mode,
+            batch_invariant=batch_invariant,
+            features_dtype=self.features_dtype,
+        )
         report = graphs.capture()
         self.graphs = graphs
         return report
@@ -249,19 +299,24 @@ class TargetEngine:
         out = self._decode_more(rows, out, more) if more else out
         for i, r in enumerate(rows):
             if 0 <= r.features_from < r.start_pos:  # the kept features before the row
-                kept = self._features[r.slot, r.features_from:r.start_pos].cpu().numpy()
-                out[i] = dataclasses.replace(out[i], features=np.concatenate([kept, out[i].features]))
+                kept = self._features[r.slot, r.features_from : r.start_pos].cpu().numpy()
+                out[i] = dataclasses.replace(
+                    out[i], features=np.concatenate([kept, out[i].features])
+                )
         return out
 
-    def _keep_features(self, rows: list[VerifyRow], features: torch.Tensor, src: list[np.ndarray]) -> list[np.ndarray]:
+    def _keep_features(
+        self, rows: list[VerifyRow], features: torch.Tensor, src: list[np.ndarray]
+    ) -> list[np.ndarray]:
         """Keep each row's features, rows src[i] of `features` ([T, F] on the device, in
         features_dtype), at its positions (one scatter for all rows); returns each row's
         features on the host, [len(src[i]), F], or none ([0, F]) for a row that does not ask."""
         dev = features.device
         slot = np.concatenate([np.full(len(i), r.slot) for r, i in zip(rows, src)])
         pos = np.concatenate([r.start_pos + np.arange(len(i)) for r, i in zip(rows, src)])
-        self._features[torch.as_tensor(slot, device=dev), torch.as_tensor(pos, device=dev)] = \
+        self._features[torch.as_tensor(slot, device=dev), torch.as_tensor(pos, device=dev)] = (
             features[torch.as_tensor(np.concatenate(src), device=dev)]
+        )
         asked = [i for r, i in zip(rows, src) if r.features]
         host = np.zeros((0, features.shape[1]), self._features_np)
         if asked:  # one copy off the device for every row that asks
@@ -269,7 +324,9 @@ class TargetEngine:
         parts = iter(np.split(host, np.cumsum([len(i) for i in asked])[:-1]))
         return [next(parts) if r.features else host[:0] for r in rows]
 
-    def _decode_more(self, rows: list[VerifyRow], out: list[VerifyResult], more: list[int]) -> list[VerifyResult]:
+    def _decode_more(
+        self, rows: list[VerifyRow], out: list[VerifyResult], more: list[int]
+    ) -> list[VerifyResult]:
         """The further steps of the rows in `more` (next_seeds): each step one forward of those
         rows, one token each, fed the token the step before produced (argmax at T = 0, the
         residual sample otherwise); the results are joined per row (VerifyResult)."""
@@ -280,13 +337,26 @@ class TargetEngine:
             for i in live:
                 r, last = rows[i], parts[i][-1]
                 token = last.decoded(r.params.greedy)[-1]
-                step.append(VerifyRow(r.slot, self._length[r.slot], np.array([token], np.int64), r.params,
-                                      round_seed=int(r.next_seeds[j]), features=r.features))
+                step.append(
+                    VerifyRow(
+                        r.slot,
+                        self._length[r.slot],
+                        np.array([token], np.int64),
+                        r.params,
+                        round_seed=int(r.next_seeds[j]),
+                        features=r.features,
+                    )
+                )
             for i, res in zip(live, self._forward(step)):
                 parts[i].append(res)
         for i, p in parts.items():
-            out[i] = VerifyResult(np.concatenate([x.argmax for x in p]), p[0].support_probs, p[0].complement,
-                                  np.concatenate([x.residual for x in p]), np.concatenate([x.features for x in p]))
+            out[i] = VerifyResult(
+                np.concatenate([x.argmax for x in p]),
+                p[0].support_probs,
+                p[0].complement,
+                np.concatenate([x.residual for x in p]),
+                np.concatenate([x.features for x in p]),
+            )
         return out
 
     def _forward(self, rows: list[VerifyRow]) -> list[VerifyResult]:
@@ -296,7 +366,11 @@ class TargetEngine:
         out: list[VerifyResult | None] = [None] * len(rows)
         try:
             with torch.inference_mode():
-                key = self.graphs.key_for(len(rows), max(lengths), kv_len) if self.graphs is not None else None
+                key = (
+                    self.graphs.key_for(len(rows), max(lengths), kv_len)
+                    if self.graphs is not None
+                    else None
+                )
                 if key is not None:
                     out = self._verify_graph(rows, key)
                 elif self.graphs is not None and self.graphs.batch_invariant:
@@ -307,9 +381,18 @@ class TargetEngine:
                         if not part:
                             continue
                         sub = [rows[i] for i in part]
-                        k = self.graphs.key_for(len(sub), max(lengths[i] for i in part),
-                                                max(r.start_pos + len(r.tokens) for r in sub)) if part is short else None
-                        for i, r in zip(part, self._verify_graph(sub, k) if k else self._verify_eager(sub)):
+                        k = (
+                            self.graphs.key_for(
+                                len(sub),
+                                max(lengths[i] for i in part),
+                                max(r.start_pos + len(r.tokens) for r in sub),
+                            )
+                            if part is short
+                            else None
+                        )
+                        for i, r in zip(
+                            part, self._verify_graph(sub, k) if k else self._verify_eager(sub)
+                        ):
                             out[i] = r
                 else:
                     out = self._verify_eager(rows)
@@ -324,12 +407,24 @@ class TargetEngine:
 
     def _verify_eager(self, rows: list[VerifyRow]) -> list[VerifyResult]:
         p = pack(rows, self._device, self.group_tokens)
-        logits, features = forward_step(self.model, p.tokens, p.positions, p.write_slot, p.positions, p.groups,
-                                        p.logit_rows, None, self._feature_layers)
+        logits, features = forward_step(
+            self.model,
+            p.tokens,
+            p.positions,
+            p.write_slot,
+            p.positions,
+            p.groups,
+            p.logit_rows,
+            None,
+            self._feature_layers,
+        )
         stats = verification_stats(logits, rows)
         starts = np.concatenate([[0], np.cumsum(p.lengths)[:-1]])
-        feats = self._keep_features(rows, cast_features(features, self.features_dtype),
-                                    [s + np.arange(n) for s, n in zip(starts, p.lengths)])
+        feats = self._keep_features(
+            rows,
+            cast_features(features, self.features_dtype),
+            [s + np.arange(n) for s, n in zip(starts, p.lengths)],
+        )
         return [VerifyResult(*s, features=f) for s, f in zip(stats, feats)]
 
     def _verify_graph(self, rows: list[VerifyRow], key) -> list[VerifyResult]:
@@ -341,7 +436,9 @@ class TargetEngine:
         logits, argmax, feats = self.graphs.run(key, tokens, positions, slots)
         starts = [i * q + len(r.tokens) - r.num_draft - 1 for i, r in enumerate(rows)]
         stats = verification_stats(logits, rows, argmax=argmax, starts=starts)
-        own = self._keep_features(rows, feats, [i * q + np.arange(len(r.tokens)) for i, r in enumerate(rows)])
+        own = self._keep_features(
+            rows, feats, [i * q + np.arange(len(r.tokens)) for i, r in enumerate(rows)]
+        )
         return [VerifyResult(*s, features=f) for s, f in zip(stats, own)]
 
     def verify_tree(self, row: VerifyRow, branches: list[np.ndarray]) -> tuple[VerifyResult, int]:
@@ -366,50 +463,79 @@ class TargetEngine:
             raise InvalidRequest("tree verification needs a drafted row (num_draft > 0)")
         for i, b in enumerate(blocks):
             if b.shape != (K,) or ((b < 0) | (b >= self.vocab_size)).any():
-                raise InvalidRequest(f"branch {i + 1}: need {K} token ids in [0, {self.vocab_size}), got {b.tolist()}")
+                raise InvalidRequest(
+                    f"branch {i + 1}: need {K} token ids in [0, {self.vocab_size}), got {b.tolist()}"
+                )
         total = n + K * len(blocks)
         if row.start_pos + total > self.max_seq_len:
-            raise InvalidRequest(f"start_pos + tree tokens = {row.start_pos + total} > max_seq_len {self.max_seq_len}")
+            raise InvalidRequest(
+                f"start_pos + tree tokens = {row.start_pos + total} > max_seq_len {self.max_seq_len}"
+            )
         anchor = row.start_pos + n - K - 1  # the anchor's position
-        seq_pos = np.concatenate([row.start_pos + np.arange(n)] + [anchor + 1 + np.arange(K)] * len(blocks))
+        seq_pos = np.concatenate(
+            [row.start_pos + np.arange(n)] + [anchor + 1 + np.arange(K)] * len(blocks)
+        )
         cache_pos = row.start_pos + np.arange(total)
         # Visible: cache indices up to the anchor, then the query's own branch up to itself.
-        branch_start = np.concatenate([np.full(n, anchor + 1)] + [np.full(K, row.start_pos + n + i * K)
-                                                                  for i in range(len(blocks))])
+        branch_start = np.concatenate(
+            [np.full(n, anchor + 1)]
+            + [np.full(K, row.start_pos + n + i * K) for i in range(len(blocks))]
+        )
         j = np.arange(row.start_pos + total)
-        mask = (j[None] <= cache_pos[:, None]) & ((j[None] <= anchor) | (j[None] >= branch_start[:, None]))
+        mask = (j[None] <= cache_pos[:, None]) & (
+            (j[None] <= anchor) | (j[None] >= branch_start[:, None])
+        )
         dev = self._device
         tokens = torch.as_tensor(np.concatenate([row.tokens, *blocks]), device=dev)[None]
         want = np.zeros(total, bool)
-        want[n - K - 1:] = True  # the anchor, branch 0 and the other branches
+        want[n - K - 1 :] = True  # the anchor, branch 0 and the other branches
         try:
             with torch.inference_mode():
                 logits, features = self.model(
-                    tokens, torch.as_tensor(seq_pos, device=dev)[None], torch.tensor([row.slot], device=dev),
-                    torch.ones(1, total, dtype=torch.bool, device=dev), torch.as_tensor(want, device=dev)[None],
-                    self._feature_layers, row.start_pos + total, torch.as_tensor(cache_pos, device=dev)[None],
-                    torch.as_tensor(mask, device=dev)[None, None])
+                    tokens,
+                    torch.as_tensor(seq_pos, device=dev)[None],
+                    torch.tensor([row.slot], device=dev),
+                    torch.ones(1, total, dtype=torch.bool, device=dev),
+                    torch.as_tensor(want, device=dev)[None],
+                    self._feature_layers,
+                    row.start_pos + total,
+                    torch.as_tensor(cache_pos, device=dev)[None],
+                    torch.as_tensor(mask, device=dev)[None, None],
+                )
         except BaseException:
             self._length[row.slot] = min(self._length[row.slot], row.start_pos)
             raise
         top = argmax_ids(logits)  # [1 + K * (1 + len(blocks))]
-        drafts = [row.tokens[n - K:], *blocks]
-        argmax = [np.concatenate([top[:1], top[1 + i * K:1 + (i + 1) * K]]) for i in range(len(drafts))]
+        drafts = [row.tokens[n - K :], *blocks]
+        argmax = [
+            np.concatenate([top[:1], top[1 + i * K : 1 + (i + 1) * K]]) for i in range(len(drafts))
+        ]
         accepted = [int(np.cumprod(d == a[:K]).sum()) for d, a in zip(drafts, argmax)]
         best = int(np.argmax(accepted))
-        keep = np.concatenate([np.arange(n - K), n + (best - 1) * K + np.arange(K)]) if best else np.arange(n)
+        keep = (
+            np.concatenate([np.arange(n - K), n + (best - 1) * K + np.arange(K)])
+            if best
+            else np.arange(n)
+        )
         if best:  # move the winner's K/V to the row's draft positions
-            src = torch.as_tensor(row.start_pos + keep[n - K:], device=dev)
+            src = torch.as_tensor(row.start_pos + keep[n - K :], device=dev)
             dst = torch.arange(anchor + 1, anchor + 1 + K, device=dev)
             for layer in self.model.model.layers:
                 c = layer.self_attn.kv_cache
                 c.k[row.slot, :, dst] = c.k[row.slot, :, src]
                 c.v[row.slot, :, dst] = c.v[row.slot, :, src]
         self._length[row.slot] = row.start_pos + n
-        (feats,) = self._keep_features([row], cast_features(features, self.features_dtype).reshape(total, -1), [keep])
+        (feats,) = self._keep_features(
+            [row], cast_features(features, self.features_dtype).reshape(total, -1), [keep]
+        )
         S = row.support_ids.shape[1]
-        result = VerifyResult(argmax[best], np.zeros((0, S), np.float32), np.zeros(0, np.float32),
-                              np.full(K + 1, -1, np.int64), features=feats)
+        result = VerifyResult(
+            argmax[best],
+            np.zeros((0, S), np.float32),
+            np.zeros(0, np.float32),
+            np.full(K + 1, -1, np.int64),
+            features=feats,
+        )
         return result, best
 
     def _validate(self, rows: list[VerifyRow]) -> list[VerifyRow]:
@@ -426,19 +552,29 @@ class TargetEngine:
             seen.add(r.slot)
             t = np.asarray(r.tokens)
             if t.ndim != 1 or t.size == 0:
-                raise InvalidRequest(f"{where}tokens must be a non-empty 1-D array, got shape {t.shape}")
+                raise InvalidRequest(
+                    f"{where}tokens must be a non-empty 1-D array, got shape {t.shape}"
+                )
             if not np.issubdtype(t.dtype, np.integer):
                 raise InvalidRequest(f"{where}tokens must be integers, got dtype {t.dtype}")
             bad = t[(t < 0) | (t >= V)]
             if bad.size:
-                raise InvalidRequest(f"{where}token id {int(bad[0])} outside the vocabulary [0, {V})")
+                raise InvalidRequest(
+                    f"{where}token id {int(bad[0])} outside the vocabulary [0, {V})"
+                )
             n, start, have = len(t), r.start_pos, self._length[r.slot]
             if not 0 <= start <= have:
-                raise InvalidRequest(f"{where}start_pos {start} outside [0, {have}] (the slot holds {have} tokens)")
+                raise InvalidRequest(
+                    f"{where}start_pos {start} outside [0, {have}] (the slot holds {have} tokens)"
+                )
             if start + n > self.max_seq_len:
-                raise InvalidRequest(f"{where}start_pos + len(tokens) = {start + n} > max_seq_len {self.max_seq_len}")
+                raise InvalidRequest(
+                    f"{where}start_pos + len(tokens) = {start + n} > max_seq_len {self.max_seq_len}"
+                )
             if not isinstance(r.params, SamplingParams):
-                raise InvalidRequest(f"{where}params must be SamplingParams, got {type(r.params).__name__}")
+                raise InvalidRequest(
+                    f"{where}params must be SamplingParams, got {type(r.params).__name__}"
+                )
             try:
                 r.params.validate()
             except InvalidRequest as e:
@@ -446,30 +582,54 @@ class TargetEngine:
             sup = self._validate_support(r.support_ids, n, where)
             seeds = np.asarray(r.next_seeds)
             if seeds.ndim != 1 or not (np.issubdtype(seeds.dtype, np.integer) or seeds.size == 0):
-                raise InvalidRequest(f"{where}next_seeds must be a 1-D integer array, got shape {seeds.shape}")
+                raise InvalidRequest(
+                    f"{where}next_seeds must be a 1-D integer array, got shape {seeds.shape}"
+                )
             if seeds.size:
                 if sup.shape[0]:
-                    raise InvalidRequest(f"{where}a row with drafts decodes one step: next_seeds must be empty")
+                    raise InvalidRequest(
+                        f"{where}a row with drafts decodes one step: next_seeds must be empty"
+                    )
                 if seeds.size >= MAX_DECODE_STEPS:
-                    raise InvalidRequest(f"{where}{seeds.size + 1} decode steps; at most {MAX_DECODE_STEPS}")
+                    raise InvalidRequest(
+                        f"{where}{seeds.size + 1} decode steps; at most {MAX_DECODE_STEPS}"
+                    )
                 if start + n + seeds.size > self.max_seq_len:
-                    raise InvalidRequest(f"{where}start_pos + len(tokens) + len(next_seeds) = {start + n + seeds.size}"
-                                         f" > max_seq_len {self.max_seq_len}")
+                    raise InvalidRequest(
+                        f"{where}start_pos + len(tokens) + len(next_seeds) = {start + n + seeds.size}"
+                        f" > max_seq_len {self.max_seq_len}"
+                    )
             ff = r.features_from
-            if not isinstance(ff, (int, np.integer)) or not -1 <= ff <= start or (ff >= 0 and not r.features):
-                raise InvalidRequest(f"{where}features_from {ff!r}: -1, or a position in [0, start_pos {start}] "
-                                     "of a row with features")
-            out.append(dataclasses.replace(r, tokens=t.astype(np.int64, copy=False), support_ids=sup,
-                                           next_seeds=seeds.astype(np.int64, copy=False)))
+            if (
+                not isinstance(ff, (int, np.integer))
+                or not -1 <= ff <= start
+                or (ff >= 0 and not r.features)
+            ):
+                raise InvalidRequest(
+                    f"{where}features_from {ff!r}: -1, or a position in [0, start_pos {start}] "
+                    "of a row with features"
+                )
+            out.append(
+                dataclasses.replace(
+                    r,
+                    tokens=t.astype(np.int64, copy=False),
+                    support_ids=sup,
+                    next_seeds=seeds.astype(np.int64, copy=False),
+                )
+            )
         return out
 
     def _validate_support(self, sup: np.ndarray, n_tokens: int, where: str) -> np.ndarray:
         sup = np.asarray(sup)
         if sup.ndim != 2 or not (np.issubdtype(sup.dtype, np.integer) or sup.size == 0):
-            raise InvalidRequest(f"{where}support_ids must be a 2-D integer array [K, S], got shape {sup.shape}")
+            raise InvalidRequest(
+                f"{where}support_ids must be a 2-D integer array [K, S], got shape {sup.shape}"
+            )
         K = sup.shape[0]
         if K + 1 > n_tokens:
-            raise InvalidRequest(f"{where}{K} draft tokens need at least {K + 1} input tokens, got {n_tokens}")
+            raise InvalidRequest(
+                f"{where}{K} draft tokens need at least {K + 1} input tokens, got {n_tokens}"
+            )
         bad = sup[(sup < -1) | (sup >= self.vocab_size)]
         if bad.size:
             raise InvalidRequest(f"{where}support id {int(bad[0])} outside [-1, {self.vocab_size})")

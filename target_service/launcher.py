@@ -152,7 +152,9 @@ def write_model_repository(
     if features_dtype is not None:
         # model.py sends FEATURES in whatever type this output declares.
         triton_type = {"float32": "TYPE_FP32", "float16": "TYPE_FP16"}[features_dtype]
-        text, n = re.subn(r'(name: "FEATURES"\s*data_type: )TYPE_\w+', lambda m: m.group(1) + triton_type, text)
+        text, n = re.subn(
+            r'(name: "FEATURES"\s*data_type: )TYPE_\w+', lambda m: m.group(1) + triton_type, text
+        )
         if n != 1:
             raise ValueError(f"{cfg_path}: could not find the FEATURES output")
     cfg_path.write_text(text)
@@ -175,8 +177,12 @@ def model_env(
         "FLASHMAP_TARGET_MAX_SEQ_LEN": None if max_seq_len is None else str(int(max_seq_len)),
         "FLASHMAP_TARGET_DEVICE": device,
         "FLASHMAP_TARGET_DTYPE": dtype,
-        "FLASHMAP_TARGET_FEATURE_LAYERS": None if feature_layers is None else ",".join(map(str, feature_layers)),
-        "FLASHMAP_TARGET_CUDA_GRAPHS": None if cuda_graphs is None else str(bool(cuda_graphs)).lower(),
+        "FLASHMAP_TARGET_FEATURE_LAYERS": None
+        if feature_layers is None
+        else ",".join(map(str, feature_layers)),
+        "FLASHMAP_TARGET_CUDA_GRAPHS": None
+        if cuda_graphs is None
+        else str(bool(cuda_graphs)).lower(),
         TARGET_CPUS_ENV: None if cpus is None else format_cpu_list(cpus),
     }
     return {k: v for k, v in env.items() if v is not None}
@@ -267,7 +273,7 @@ class TritonHandle:
             shutil.rmtree(self.workspace, ignore_errors=True)
         return self.process.returncode
 
-    def __enter__(self) -> "TritonHandle":
+    def __enter__(self) -> TritonHandle:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -336,7 +342,9 @@ def start_triton(
             for f in ("libtriton_python.so", "triton_python_backend_utils.py"):
                 (py / f).symlink_to(dist.python_backend / f)
             (py / "triton_python_backend_stub").symlink_to(dist.stub)
-        to_stdout = str(log_path) == "-"  # in a container: the server's output is the container's log
+        to_stdout = (
+            str(log_path) == "-"
+        )  # in a container: the server's output is the container's log
         log_path = Path(log_path) if log_path else workspace / "tritonserver.log"
         if not to_stdout:
             log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -361,15 +369,29 @@ def start_triton(
             cmd.append(f"--backend-directory={backend_dir}")
         cmd += restricted_flags(key)
         env = server_env(dist)
-        env.update(model_env(model_dir, max_seq_len=max_seq_len, device=device, dtype=dtype,
-                             feature_layers=feature_layers, cpus=None if cpus is None else cpus[0]))
+        env.update(
+            model_env(
+                model_dir,
+                max_seq_len=max_seq_len,
+                device=device,
+                dtype=dtype,
+                feature_layers=feature_layers,
+                cpus=None if cpus is None else cpus[0],
+            )
+        )
         env.update(extra_env or {})
         log_file = None if to_stdout else open(log_path, "ab")
         try:
-            with on_cpus(None if cpus is None else cpus[1]):  # a child starts on its parent thread's CPUs
+            with on_cpus(
+                None if cpus is None else cpus[1]
+            ):  # a child starts on its parent thread's CPUs
                 process = subprocess.Popen(
-                    cmd, env=env, cwd=workspace,  # not the caller's cwd: the stub puts its cwd on sys.path
-                    stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    cmd,
+                    env=env,
+                    cwd=workspace,  # not the caller's cwd: the stub puts its cwd on sys.path
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
                     start_new_session=True,  # a Ctrl-C in the terminal reaches us, and we stop it cleanly
                 )
         finally:
@@ -378,7 +400,9 @@ def start_triton(
     except BaseException:
         shutil.rmtree(workspace, ignore_errors=True)
         raise
-    handle = TritonHandle(process, host, grpc_port, http_port, metrics_port, log_path, workspace, keep_workspace)
+    handle = TritonHandle(
+        process, host, grpc_port, http_port, metrics_port, log_path, workspace, keep_workspace
+    )
     try:
         wait_ready(handle, ready_timeout_s)
     except BaseException:
@@ -394,8 +418,10 @@ def restricted_flags(key: str) -> list[str]:
     """tritonserver flags that put everything but health and metadata behind the target key."""
     if not key:
         return []
-    return [f"--grpc-restricted-protocol={RESTRICTED}:{TARGET_KEY_HEADER}={key}",
-            f"--http-restricted-api={RESTRICTED}:{TARGET_KEY_HEADER}={key}"]
+    return [
+        f"--grpc-restricted-protocol={RESTRICTED}:{TARGET_KEY_HEADER}={key}",
+        f"--http-restricted-api={RESTRICTED}:{TARGET_KEY_HEADER}={key}",
+    ]
 
 
 def _load_errors(path: Path) -> str:
@@ -418,7 +444,9 @@ def _start_failure(handle: TritonHandle, what: str) -> TritonStartError:
     )
 
 
-def probe(grpc_url: str, key: str = "", timeout_s: float = 5.0, model: str = MODEL_NAME) -> tuple[bool, str]:
+def probe(
+    grpc_url: str, key: str = "", timeout_s: float = 5.0, model: str = MODEL_NAME
+) -> tuple[bool, str]:
     """A real request through the model (an INFO round trip on Triton's gRPC stream): (ok,
     detail). Triton's own readiness says nothing about a dead Python-backend stub; this does."""
     import random
@@ -427,8 +455,14 @@ def probe(grpc_url: str, key: str = "", timeout_s: float = 5.0, model: str = MOD
     from flashmap.auth import TARGET_KEY_GRPC_HEADER
     from flashmap.triton_stream import StreamBroken, StreamError, call_once, infer_request
 
-    request = infer_request(model, wire.info_inputs(), ["INFO_JSON"], random.getrandbits(62) | 1 << 62,
-                            start=True, end=True)
+    request = infer_request(
+        model,
+        wire.info_inputs(),
+        ["INFO_JSON"],
+        random.getrandbits(62) | 1 << 62,
+        start=True,
+        end=True,
+    )
     try:
         call_once(grpc_url, request, ((TARGET_KEY_GRPC_HEADER, key),) if key else (), timeout_s)
         return True, "INFO answered"
@@ -443,7 +477,9 @@ def wait_ready(handle: TritonHandle, timeout_s: float) -> None:
     while True:
         code = handle.process.poll()
         if code is not None:
-            raise _start_failure(handle, f"tritonserver exited with code {code} before it was ready")
+            raise _start_failure(
+                handle, f"tritonserver exited with code {code} before it was ready"
+            )
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status == 200:
@@ -459,32 +495,63 @@ def wait_ready(handle: TritonHandle, timeout_s: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m target_service.launcher", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m target_service.launcher", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--model-dir", required=True, help="Hugging Face Qwen3 checkpoint directory")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--metrics-port", type=int, default=8002)
-    p.add_argument("--n-slots", type=int, default=None, help="KV slots = concurrent sequences (default: config.pbtxt)")
+    p.add_argument(
+        "--n-slots",
+        type=int,
+        default=None,
+        help="KV slots = concurrent sequences (default: config.pbtxt)",
+    )
     p.add_argument("--max-seq-len", type=int, default=None)
-    p.add_argument("--idle-timeout-s", type=float, default=None, help="free a sequence's slot after this idle time")
-    p.add_argument("--max-queue-delay-us", type=int, default=None, help="how long Triton waits to fill a batch")
+    p.add_argument(
+        "--idle-timeout-s",
+        type=float,
+        default=None,
+        help="free a sequence's slot after this idle time",
+    )
+    p.add_argument(
+        "--max-queue-delay-us", type=int, default=None, help="how long Triton waits to fill a batch"
+    )
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on cuda, fp32 on cpu)")
-    p.add_argument("--feature-layers", default=None, help="comma-separated decoder layers (default: the engine's)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="float32, bfloat16, float16 (default: bf16 on cuda, fp32 on cpu)",
+    )
+    p.add_argument(
+        "--feature-layers",
+        default=None,
+        help="comma-separated decoder layers (default: the engine's)",
+    )
     p.add_argument("--features-dtype", choices=["float32", "float16"], default=None)
-    p.add_argument("--log-path", default=None,
-                   help="server log (default: $TMPDIR/flashmap-triton-<grpc port>.log; '-': this process' output)")
+    p.add_argument(
+        "--log-path",
+        default=None,
+        help="server log (default: $TMPDIR/flashmap-triton-<grpc port>.log; '-': this process' output)",
+    )
     p.add_argument("--log-verbose", type=int, default=0)
     p.add_argument("--ready-timeout-s", type=float, default=600.0)
-    p.add_argument("--watchdog-s", type=float, default=10.0,
-                   help="probe the model this often and exit when 3 probes in a row fail, so a supervisor "
-                        "(compose, k8s, flashmap up) restarts the server (0: off)")
+    p.add_argument(
+        "--watchdog-s",
+        type=float,
+        default=10.0,
+        help="probe the model this often and exit when 3 probes in a row fail, so a supervisor "
+        "(compose, k8s, flashmap up) restarts the server (0: off)",
+    )
     args = p.parse_args(argv)
 
     if not Path(args.model_dir, "config.json").is_file():
         p.error(f"{args.model_dir}: no config.json (not a Hugging Face checkpoint directory)")
-    log_path = Path(args.log_path or Path(tempfile.gettempdir()) / f"flashmap-triton-{args.grpc_port}.log")
+    log_path = Path(
+        args.log_path or Path(tempfile.gettempdir()) / f"flashmap-triton-{args.grpc_port}.log"
+    )
     if args.log_path != "-":
         log_path.unlink(missing_ok=True)
 
@@ -508,7 +575,9 @@ def main(argv: list[str] | None = None) -> int:
             max_queue_delay_us=args.max_queue_delay_us,
             device=args.device,
             dtype=args.dtype,
-            feature_layers=[int(x) for x in args.feature_layers.split(",")] if args.feature_layers else None,
+            feature_layers=[int(x) for x in args.feature_layers.split(",")]
+            if args.feature_layers
+            else None,
             features_dtype=args.features_dtype,
             log_path=log_path,
             log_verbose=args.log_verbose,
@@ -528,12 +597,18 @@ def main(argv: list[str] | None = None) -> int:
                 failed = 0 if ok else failed + 1
                 next_probe = time.monotonic() + args.watchdog_s
                 if failed >= 3:
-                    print(f"error: the model failed 3 probes in a row ({detail}); stopping tritonserver",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"error: the model failed 3 probes in a row ({detail}); stopping tritonserver",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     handle.stop()
                     return 1
         code = handle.stop()
-        print(f"error: tritonserver exited with code {code}; log tail:\n{log_tail(log_path)}", file=sys.stderr)
+        print(
+            f"error: tritonserver exited with code {code}; log tail:\n{log_tail(log_path)}",
+            file=sys.stderr,
+        )
         return 1
     except TritonStartError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -541,7 +616,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         # start_triton stops a server that was not ready yet; a running one is stopped here.
         if handle is not None:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
+            signal.signal(
+                signal.SIGINT, signal.SIG_IGN
+            )  # a second Ctrl-C must not cut the shutdown short
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             handle.stop()
         print("triton stopped", flush=True)

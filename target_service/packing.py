@@ -50,7 +50,7 @@ def length_groups(lengths: Sequence[int], group_tokens: float = GROUP_TOKENS) ->
         bounds.append((start[j], j))
         j = start[j]
     order = np.argsort(lengths, kind="stable")  # the rows of lengths a..b-1 are one slice of it
-    return [order[rows_before[a]:rows_before[b]].tolist() for a, b in reversed(bounds)]
+    return [order[rows_before[a] : rows_before[b]].tolist() for a, b in reversed(bounds)]
 
 
 @dataclass
@@ -85,13 +85,32 @@ def pack(rows: list[VerifyRow], device: torch.device, group_tokens: float = GROU
         n = lengths[part][:, None]  # [b, 1]
         offs = np.arange(n.max())[None]  # [1, L]
         valid = offs < n  # [b, L]
-        gather = starts[part][:, None] + np.where(valid, offs, 0)  # [b, L]; padding repeats the row's first token
+        gather = starts[part][:, None] + np.where(
+            valid, offs, 0
+        )  # [b, L]; padding repeats the row's first token
         q_limit = np.where(valid, positions[gather], 0)
         flat = gather.reshape(-1)
         if valid.all() and len(part) == len(rows) and (flat == np.arange(len(tokens))).all():
-            groups.append(AttnGroup(dev(slots[part]), dev(q_limit), int(q_limit.max()) + 1))  # the batch as is
+            groups.append(
+                AttnGroup(dev(slots[part]), dev(q_limit), int(q_limit.max()) + 1)
+            )  # the batch as is
             continue
         keep = None if valid.all() else np.flatnonzero(valid)
-        groups.append(AttnGroup(dev(slots[part]), dev(q_limit), int(q_limit.max()) + 1, gather=dev(flat),
-                                keep=None if keep is None else dev(keep), dest=dev(flat if keep is None else flat[keep])))
-    return Packed(dev(tokens), dev(positions), dev(np.repeat(slots, lengths)), groups, dev(logit_rows), lengths)
+        groups.append(
+            AttnGroup(
+                dev(slots[part]),
+                dev(q_limit),
+                int(q_limit.max()) + 1,
+                gather=dev(flat),
+                keep=None if keep is None else dev(keep),
+                dest=dev(flat if keep is None else flat[keep]),
+            )
+        )
+    return Packed(
+        dev(tokens),
+        dev(positions),
+        dev(np.repeat(slots, lengths)),
+        groups,
+        dev(logit_rows),
+        lengths,
+    )

@@ -46,7 +46,7 @@ class Qwen3Config:
     eos_token_id: tuple[int, ...] = field(default=())  # normalised: HF allows int, list or null
 
     @classmethod
-    def from_dict(cls, cfg: dict) -> "Qwen3Config":
+    def from_dict(cls, cfg: dict) -> Qwen3Config:
         """Build from an HF config.json dict (transformers 4.x or 5.x layout)."""
         if cfg.get("attention_bias", False):
             raise CheckpointError("config.json: attention_bias=true is not Qwen3 (unsupported)")
@@ -56,7 +56,11 @@ class Qwen3Config:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
             eos = cfg.get("eos_token_id")
-            eos = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+            eos = (
+                ()
+                if eos is None
+                else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+            )
             return cls(
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
@@ -90,7 +94,9 @@ def _rope_theta(cfg: dict) -> float:
             raise CheckpointError(f"config.json: {key} must be an object, got {params!r}")
         kind = params.get("rope_type", params.get("type"))
         if kind not in _SUPPORTED_ROPE_TYPES:
-            raise CheckpointError(f"config.json: unsupported RoPE scaling type {kind!r} in {key} (only 'default')")
+            raise CheckpointError(
+                f"config.json: unsupported RoPE scaling type {kind!r} in {key} (only 'default')"
+            )
         theta = params.get("rope_theta", theta)
     return float(10000.0 if theta is None else theta)
 
@@ -128,7 +134,11 @@ class KVCache(nn.Module):
 class Attention(nn.Module):
     def __init__(self, c: Qwen3Config):
         super().__init__()
-        self.n_heads, self.n_kv, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.n_heads, self.n_kv, self.head_dim = (
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+        )
         self.q_proj = nn.Linear(c.hidden_size, self.n_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(c.hidden_size, self.n_kv * self.head_dim, bias=False)
         self.v_proj = nn.Linear(c.hidden_size, self.n_kv * self.head_dim, bias=False)
@@ -136,7 +146,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
         self.kv_cache: KVCache | None = None  # set by Qwen3.setup_caches
-        self.wqkv: Tensor | None = None  # [(H + 2 KV) D, E]: q/k/v weights as one matrix (setup_caches)
+        self.wqkv: Tensor | None = (
+            None  # [(H + 2 KV) D, E]: q/k/v weights as one matrix (setup_caches)
+        )
 
 
 class MLP(nn.Module):
@@ -145,7 +157,9 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-        self.w_gate_up: Tensor | None = None  # [2I, E]: gate and up weights as one matrix (setup_caches)
+        self.w_gate_up: Tensor | None = (
+            None  # [2I, E]: gate and up weights as one matrix (setup_caches)
+        )
 
 
 class DecoderLayer(nn.Module):
@@ -172,21 +186,25 @@ class Backbone(nn.Module):
 
 def rope_tables(head_dim: int, theta: float, max_seq_len: int) -> tuple[Tensor, Tensor]:
     """cos, sin [max_seq_len, D] in fp32, computed exactly as HF does (same op order)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))  # [D/2]
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)
+    )  # [D/2]
     freqs = torch.arange(max_seq_len, dtype=torch.float)[:, None] * inv_freq[None, :]  # [T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
     return emb.cos(), emb.sin()
 
 
-def fuse_projections(model: "Qwen3") -> None:
+def fuse_projections(model: Qwen3) -> None:
     """Store q/k/v and gate/up of every layer as one matrix each, with the nn.Linear weights
     re-pointed at views of it (same parameter names, no second copy): one GEMM instead of
     three (two), which at batch 1 on a GPU is fewer launches and wider, more efficient reads.
     Call after the model has its final device and dtype (.to() would split them again)."""
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        for owner, attr, linears in ((attn, "wqkv", (attn.q_proj, attn.k_proj, attn.v_proj)),
-                                     (mlp, "w_gate_up", (mlp.gate_proj, mlp.up_proj))):
+        for owner, attr, linears in (
+            (attn, "wqkv", (attn.q_proj, attn.k_proj, attn.v_proj)),
+            (mlp, "w_gate_up", (mlp.gate_proj, mlp.up_proj)),
+        ):
             ws = [lin.weight for lin in linears]
             fused = getattr(owner, attr)
             if fused is not None and _views_of(fused, ws):
@@ -195,7 +213,9 @@ def fuse_projections(model: "Qwen3") -> None:
             start = 0
             for lin in linears:
                 n = lin.weight.shape[0]
-                lin.weight = nn.Parameter(fused[start:start + n], requires_grad=lin.weight.requires_grad)
+                lin.weight = nn.Parameter(
+                    fused[start : start + n], requires_grad=lin.weight.requires_grad
+                )
                 start += n
             setattr(owner, attr, fused)
 
@@ -204,8 +224,11 @@ def _views_of(fused: Tensor, ws: list[Tensor]) -> bool:
     """True when ws are consecutive row blocks of fused (already fused, same storage)."""
     start = 0
     for w in ws:
-        if w.device != fused.device or w.dtype != fused.dtype or \
-                w.data_ptr() != fused.data_ptr() + start * fused.stride(0) * fused.element_size():
+        if (
+            w.device != fused.device
+            or w.dtype != fused.dtype
+            or w.data_ptr() != fused.data_ptr() + start * fused.stride(0) * fused.element_size()
+        ):
             return False
         start += w.shape[0]
     return start == fused.shape[0]
@@ -225,7 +248,9 @@ class AttnGroup:
     gather: Tensor | None = None  # [b * L] int64
     keep: Tensor | None = None  # [n] int64, None: all b * L
     dest: Tensor | None = None  # [n] int64
-    mask: Tensor | None = None  # [b, 1, L, kv_len] bool (tree verification) instead of the causal q_limit rule
+    mask: Tensor | None = (
+        None  # [b, 1, L, kv_len] bool (tree verification) instead of the causal q_limit rule
+    )
 
 
 def attention(
@@ -243,13 +268,28 @@ def attention(
     H, D = attn.n_heads, attn.head_dim
     qkv = F.linear(x, attn.wqkv)  # [M, (H + 2 KV) D]
     cache = attn.kv_cache
-    q = ops.qk_norm_rope_write(qkv, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, cos, sin, rope_pos,
-                               cache.k, cache.v, write_slot, write_pos, attn.n_heads, attn.n_kv)  # [M, H, D]
+    q = ops.qk_norm_rope_write(
+        qkv,
+        attn.q_norm.weight,
+        attn.k_norm.weight,
+        attn.q_norm.eps,
+        cos,
+        sin,
+        rope_pos,
+        cache.k,
+        cache.v,
+        write_slot,
+        write_pos,
+        attn.n_heads,
+        attn.n_kv,
+    )  # [M, H, D]
     out = None
     for g in groups:
         b, L = g.q_limit.shape
         qg = q if g.gather is None else q.index_select(0, g.gather)  # [b * L, H, D]
-        og = ops.attention(qg.view(b, L, H, D), cache.k, cache.v, g.slots, g.q_limit, g.kv_len, g.mask)
+        og = ops.attention(
+            qg.view(b, L, H, D), cache.k, cache.v, g.slots, g.q_limit, g.kv_len, g.mask
+        )
         og = og.reshape(b * L, H * D)
         if g.gather is None:
             out = og
@@ -269,7 +309,7 @@ def cast_features(features: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def forward_step(
-    model: "Qwen3",
+    model: Qwen3,
     tokens: Tensor,  # [M] int64, the batch's tokens back to back (padding: any valid id)
     rope_pos: Tensor,  # [M] int64 position in the sequence (RoPE); padding: any valid index
     write_slot: Tensor,  # [M] int64 cache slot of each token
@@ -298,25 +338,47 @@ def forward_step(
     x = ops.rms_norm(residual, layers[0].input_layernorm.weight, c.rms_norm_eps)
     captured: dict[int, Tensor] = {}
     for i, layer in enumerate(layers):
-        a = attention(layer.self_attn, ops, x, model.rope_cos, model.rope_sin, rope_pos, write_slot, write_pos, groups)
-        residual, x = ops.add_rms_norm(a, residual, layer.post_attention_layernorm.weight, c.rms_norm_eps)
-        m = F.linear(ops.silu_mul(F.linear(x, layer.mlp.w_gate_up)), layer.mlp.down_proj.weight)  # [M, E]
+        a = attention(
+            layer.self_attn,
+            ops,
+            x,
+            model.rope_cos,
+            model.rope_sin,
+            rope_pos,
+            write_slot,
+            write_pos,
+            groups,
+        )
+        residual, x = ops.add_rms_norm(
+            a, residual, layer.post_attention_layernorm.weight, c.rms_norm_eps
+        )
+        m = F.linear(
+            ops.silu_mul(F.linear(x, layer.mlp.w_gate_up)), layer.mlp.down_proj.weight
+        )  # [M, E]
         norm = layers[i + 1].input_layernorm if i + 1 < n else model.model.norm
         residual, x = ops.add_rms_norm(m, residual, norm.weight, c.rms_norm_eps)
         if i in feature_layers:
-            captured[i] = x if i == n - 1 else residual  # the last layer's output: final-normed (HF)
+            captured[i] = (
+                x if i == n - 1 else residual
+            )  # the last layer's output: final-normed (HF)
     pick = (lambda t: t) if logit_rows is None else (lambda t: t.index_select(0, logit_rows))
     logits = F.linear(pick(x), model.lm_head.weight).float()  # [N, V]
     if feature_layers:
-        fpick = (lambda t: t) if feature_rows is None else (lambda t: t.index_select(0, feature_rows))
-        features = torch.cat([fpick(captured[l]) for l in feature_layers], dim=-1).float()  # [M', F]
+        fpick = (
+            (lambda t: t) if feature_rows is None else (lambda t: t.index_select(0, feature_rows))
+        )
+        features = torch.cat(
+            [fpick(captured[l]) for l in feature_layers], dim=-1
+        ).float()  # [M', F]
     else:
-        features = x.new_zeros((len(tokens) if feature_rows is None else len(feature_rows), 0), dtype=torch.float32)
+        features = x.new_zeros(
+            (len(tokens) if feature_rows is None else len(feature_rows), 0), dtype=torch.float32
+        )
     return logits, features
 
 
 def padded_step(
-    model: "Qwen3",
+    model: Qwen3,
     tokens: Tensor,  # [B, L] int64
     rope_pos: Tensor,  # [B, L] int64; padding: any valid index
     slots: Tensor,  # [B] int64
@@ -331,8 +393,17 @@ def padded_step(
     """forward_step over a [B, L] block with static shapes (CUDA graphs, Qwen3.forward)."""
     B, L = tokens.shape
     write_slot = slots[:, None].expand(B, L).reshape(-1)  # [M]
-    return forward_step(model, tokens.reshape(-1), rope_pos.reshape(-1), write_slot, write_pos.reshape(-1),
-                        [AttnGroup(slots, q_limit, kv_len, mask=attn_mask)], logit_rows, feature_rows, feature_layers)
+    return forward_step(
+        model,
+        tokens.reshape(-1),
+        rope_pos.reshape(-1),
+        write_slot,
+        write_pos.reshape(-1),
+        [AttnGroup(slots, q_limit, kv_len, mask=attn_mask)],
+        logit_rows,
+        feature_rows,
+        feature_layers,
+    )
 
 
 class Qwen3(nn.Module):
@@ -349,20 +420,30 @@ class Qwen3(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls, model_dir: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
-    ) -> "Qwen3":
+        cls,
+        model_dir: str | Path,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> Qwen3:
         config = Qwen3Config.from_dict(read_config(model_dir))
         with torch.device("meta"):
             model = cls(config)
         state = load_tensors(model_dir)
         if config.tie_word_embeddings:
             state.pop("lm_head.weight", None)  # some exports keep a copy; the tie wins
-        expected = {k for k in model.state_dict() if not (config.tie_word_embeddings and k == "lm_head.weight")}
+        expected = {
+            k
+            for k in model.state_dict()
+            if not (config.tie_word_embeddings and k == "lm_head.weight")
+        }
         missing, unexpected = expected - state.keys(), state.keys() - expected
         if missing:
             raise CheckpointError(f"{model_dir}: missing tensors {sorted(missing)[:5]}")
         if unexpected:
-            raise CheckpointError(f"{model_dir}: unexpected tensors {sorted(unexpected)[:5]} (not a Qwen3 checkpoint?)")
+            raise CheckpointError(
+                f"{model_dir}: unexpected tensors {sorted(unexpected)[:5]} (not a Qwen3 checkpoint?)"
+            )
         for name, t in state.items():
             want = model.get_parameter(name).shape
             if t.shape != want:
@@ -383,7 +464,12 @@ class Qwen3(nn.Module):
         c, w = self.config, self.lm_head.weight
         for layer in self.model.layers:
             layer.self_attn.kv_cache = KVCache(
-                n_slots, c.num_key_value_heads, max_seq_len, c.head_dim, dtype=w.dtype, device=w.device
+                n_slots,
+                c.num_key_value_heads,
+                max_seq_len,
+                c.head_dim,
+                dtype=w.dtype,
+                device=w.device,
             )
         cos, sin = rope_tables(c.head_dim, c.rope_theta, max_seq_len)
         # fp32 like HF; they are cast to the activation dtype where applied.
@@ -421,10 +507,23 @@ class Qwen3(nn.Module):
             cache_positions = positions
         if kv_len is None:
             kv_len = int(torch.where(valid, cache_positions, 0).max()) + 1
-        write_pos = torch.where(valid, cache_positions, self.max_seq_len)  # padding -> the scratch position
+        write_pos = torch.where(
+            valid, cache_positions, self.max_seq_len
+        )  # padding -> the scratch position
         q_limit = torch.where(valid, cache_positions, 0)
         rope_pos = torch.where(valid, positions, 0)
         logit_rows = logits_mask.reshape(-1).nonzero()[:, 0]
         feature_rows = valid.reshape(-1).nonzero()[:, 0]
-        return padded_step(self, tokens, rope_pos, slots, write_pos, q_limit, logit_rows, feature_rows,
-                           tuple(feature_layers), kv_len, attn_mask)
+        return padded_step(
+            self,
+            tokens,
+            rope_pos,
+            slots,
+            write_pos,
+            q_limit,
+            logit_rows,
+            feature_rows,
+            tuple(feature_layers),
+            kv_len,
+            attn_mask,
+        )

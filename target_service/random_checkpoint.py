@@ -98,7 +98,10 @@ def make_random_qwen3(
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = _make_tokenizer(vocab_size) if with_tokenizer else None
     if tokenizer is not None:
-        eos = [tokenizer.convert_tokens_to_ids(EOS_TOKEN), tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+        eos = [
+            tokenizer.convert_tokens_to_ids(EOS_TOKEN),
+            tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        ]
     else:
         eos = [vocab_size - 1]
     std = default_init_std(hidden_size) if init_std is None else float(init_std)
@@ -138,7 +141,9 @@ def _make_tokenizer(vocab_size: int):
 
     n_base = 256 + len(SPECIAL_TOKENS)  # every byte plus the special tokens
     if vocab_size < n_base:
-        raise ValueError(f"vocab_size {vocab_size} is too small for a byte-level tokenizer (needs >= {n_base})")
+        raise ValueError(
+            f"vocab_size {vocab_size} is too small for a byte-level tokenizer (needs >= {n_base})"
+        )
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

@@ -5,9 +5,23 @@ See target_service/kernels.py for what each computes and the torch op it must ma
 import triton
 import triton.language as tl
 
+
 @triton.jit
-def rms_norm_kernel(X, R, W, Y, S, stride_x, stride_r, stride_y, stride_s, N, eps,
-                    HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+def rms_norm_kernel(
+    X,
+    R,
+    W,
+    Y,
+    S,
+    stride_x,
+    stride_r,
+    stride_y,
+    stride_s,
+    N,
+    eps,
+    HAS_RES: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < N
@@ -21,6 +35,7 @@ def rms_norm_kernel(X, R, W, Y, S, stride_x, stride_r, stride_y, stride_s, N, ep
     y = (xf * rstd).to(x.dtype)
     w = tl.load(W + cols, mask=m, other=0.0)
     tl.store(Y + row * stride_y + cols, (w.to(tl.float32) * y.to(tl.float32)).to(x.dtype), mask=m)
+
 
 @triton.jit
 def _norm_rope(x1, x2, W, c1, c2, s1, s2, eps, HALF: tl.constexpr):
@@ -38,10 +53,32 @@ def _norm_rope(x1, x2, W, c1, c2, s1, s2, eps, HALF: tl.constexpr):
     o2 = ((n2 * c2).to(dt).to(tl.float32) + (n1 * s2).to(dt).to(tl.float32)).to(dt)
     return o1, o2
 
+
 @triton.jit
-def qk_rope_kernel(QKV, QW, KW, COS, SIN, ROPE_POS, WSLOT, WPOS, QO, CK, CV,
-                   stride_qkv, stride_qo_m, stride_qo_h, stride_cs, stride_ch, stride_ct, stride_tab, eps,
-                   H: tl.constexpr, KV: tl.constexpr, HALF: tl.constexpr):
+def qk_rope_kernel(
+    QKV,
+    QW,
+    KW,
+    COS,
+    SIN,
+    ROPE_POS,
+    WSLOT,
+    WPOS,
+    QO,
+    CK,
+    CV,
+    stride_qkv,
+    stride_qo_m,
+    stride_qo_h,
+    stride_cs,
+    stride_ch,
+    stride_ct,
+    stride_tab,
+    eps,
+    H: tl.constexpr,
+    KV: tl.constexpr,
+    HALF: tl.constexpr,
+):
     m = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)  # head: q 0..H-1, k H..H+KV-1, v after
     half = tl.arange(0, HALF)
@@ -71,12 +108,33 @@ def qk_rope_kernel(QKV, QW, KW, COS, SIN, ROPE_POS, WSLOT, WPOS, QO, CK, CV,
         tl.store(out + half, x1)
         tl.store(out + HALF + half, x2)
 
+
 @triton.jit
-def attention_kernel(Q, CK, CV, SLOTS, QLIM, O, L,
-                     stride_qb, stride_ql, stride_qh, stride_ob, stride_ol, stride_oh,
-                     stride_cs, stride_ch, stride_ct, stride_limb, scale_log2,
-                     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     IEEE: tl.constexpr):
+def attention_kernel(
+    Q,
+    CK,
+    CV,
+    SLOTS,
+    QLIM,
+    O,
+    L,
+    stride_qb,
+    stride_ql,
+    stride_qh,
+    stride_ob,
+    stride_ol,
+    stride_oh,
+    stride_cs,
+    stride_ch,
+    stride_ct,
+    stride_limb,
+    scale_log2,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # row r = query l * G + group g
@@ -84,8 +142,11 @@ def attention_kernel(Q, CK, CV, SLOTS, QLIM, O, L,
     h = kvh * G + rows % G
     ok = ql < L
     d = tl.arange(0, D)
-    q = tl.load(Q + b * stride_qb + ql[:, None] * stride_ql + h[:, None] * stride_qh + d[None, :],
-                mask=ok[:, None], other=0.0)
+    q = tl.load(
+        Q + b * stride_qb + ql[:, None] * stride_ql + h[:, None] * stride_qh + d[None, :],
+        mask=ok[:, None],
+        other=0.0,
+    )
     lim = tl.load(QLIM + b * stride_limb + ql, mask=ok, other=0).to(tl.int32)  # last visible key
     slot = tl.load(SLOTS + b).to(tl.int64)
     kb = CK + slot * stride_cs + kvh * stride_ch
@@ -97,17 +158,23 @@ def attention_kernel(Q, CK, CV, SLOTS, QLIM, O, L,
     for start in range(0, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         live = n < hi
-        k = tl.load(kb + n[:, None].to(tl.int64) * stride_ct + d[None, :], mask=live[:, None], other=0.0)
+        k = tl.load(
+            kb + n[:, None].to(tl.int64) * stride_ct + d[None, :], mask=live[:, None], other=0.0
+        )
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        s = tl.where(n[None, :] <= lim[:, None], s * scale_log2, float("-inf"))  # [BLOCK_M, BLOCK_N]
+        s = tl.where(
+            n[None, :] <= lim[:, None], s * scale_log2, float("-inf")
+        )  # [BLOCK_M, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(vb + n[:, None].to(tl.int64) * stride_ct + d[None, :], mask=live[:, None], other=0.0)
+        v = tl.load(
+            vb + n[:, None].to(tl.int64) * stride_ct + d[None, :], mask=live[:, None], other=0.0
+        )
         if IEEE:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -115,8 +182,12 @@ def attention_kernel(Q, CK, CV, SLOTS, QLIM, O, L,
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     out = acc / l_i[:, None]
-    tl.store(O + b * stride_ob + ql[:, None] * stride_ol + h[:, None] * stride_oh + d[None, :],
-             out.to(O.dtype.element_ty), mask=ok[:, None])
+    tl.store(
+        O + b * stride_ob + ql[:, None] * stride_ol + h[:, None] * stride_oh + d[None, :],
+        out.to(O.dtype.element_ty),
+        mask=ok[:, None],
+    )
+
 
 @triton.jit
 def silu_mul_kernel(GU, OUT, stride_gu, stride_o, I, BLOCK: tl.constexpr):

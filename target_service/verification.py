@@ -48,7 +48,9 @@ def process_logits(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Te
     largest logit; top-p removes the smallest tokens whose cumulative mass is
     <= 1 - top_p and always keeps the largest.
     """
-    temperature, top_k, top_p = (torch.as_tensor(x, device=logits.device) for x in (temperature, top_k, top_p))
+    temperature, top_k, top_p = (
+        torch.as_tensor(x, device=logits.device) for x in (temperature, top_k, top_p)
+    )
     scaled = logits.float() / temperature.float()[:, None]  # [N, V]
     k_on, p_on = bool((top_k > 0).any()), bool((top_p < 1).any())
     if not (k_on or p_on):
@@ -77,8 +79,12 @@ def argmax_ids(logits: Tensor) -> np.ndarray:
     return logits.argmax(-1).cpu().numpy().astype(np.int64)
 
 
-def verification_stats(logits: Tensor, rows: list[VerifyRow], argmax: np.ndarray | None = None,
-                       starts: list[int] | None = None) -> list[RowStats]:
+def verification_stats(
+    logits: Tensor,
+    rows: list[VerifyRow],
+    argmax: np.ndarray | None = None,
+    starts: list[int] | None = None,
+) -> list[RowStats]:
     """Statistics of each row's last K+1 positions, rows in order.
 
     logits [N, V]: row i's positions are logits[starts[i] : starts[i] + K_i + 1] (default:
@@ -89,7 +95,7 @@ def verification_stats(logits: Tensor, rows: list[VerifyRow], argmax: np.ndarray
     if starts is None:
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64).tolist()
     top = argmax_ids(logits) if argmax is None else argmax
-    argmaxes = [np.asarray(top[s:s + c], np.int64) for s, c in zip(starts, counts)]
+    argmaxes = [np.asarray(top[s : s + c], np.int64) for s, c in zip(starts, counts)]
     sampled = _sample_rows(logits, rows, counts, starts)
     out = []
     for i, r in enumerate(rows):
@@ -98,7 +104,9 @@ def verification_stats(logits: Tensor, rows: list[VerifyRow], argmax: np.ndarray
         else:
             S = r.support_ids.shape[1]
             none = np.full(counts[i], -1, np.int64)
-            out.append(RowStats(argmaxes[i], np.zeros((0, S), np.float32), np.zeros(0, np.float32), none))
+            out.append(
+                RowStats(argmaxes[i], np.zeros((0, S), np.float32), np.zeros(0, np.float32), none)
+            )
     return out
 
 
@@ -110,8 +118,9 @@ def _sample_rows(
     if not picked:
         return {}
     device, V = logits.device, logits.shape[-1]
-    index = torch.as_tensor(np.concatenate([np.arange(starts[i], starts[i] + counts[i]) for i in picked]),
-                            device=device)
+    index = torch.as_tensor(
+        np.concatenate([np.arange(starts[i], starts[i] + counts[i]) for i in picked]), device=device
+    )
     n = [counts[i] for i in picked]
     offsets = np.concatenate([[0], np.cumsum(n)])  # of each picked row in the [M, ...] tensors
 
@@ -145,7 +154,9 @@ def _sample_rows(
     residual = residual.masked_fill(empty, -1)
     complement = complement.masked_fill(empty, 0.0)
 
-    support_probs, complement, residual = (t.cpu().numpy() for t in (support_probs, complement, residual))
+    support_probs, complement, residual = (
+        t.cpu().numpy() for t in (support_probs, complement, residual)
+    )
     out = {}
     for j, i in enumerate(picked):
         lo, K = offsets[j], counts[i] - 1

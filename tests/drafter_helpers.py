@@ -25,7 +25,17 @@ def distilled_world(root, n_prompts: int, max_new_tokens: int):
     target = make_random_qwen3(root / "target", with_tokenizer=False)
     engine = TargetEngine(target, n_slots=4, max_seq_len=96)
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, 500, size=int(rng.integers(3, 9))).tolist() for _ in range(n_prompts)]
+    prompts = [
+        rng.integers(0, 500, size=int(rng.integers(3, 9))).tolist() for _ in range(n_prompts)
+    ]
     data = root / "data"
-    dd.build(engine, prompts, data, max_new_tokens=max_new_tokens, chunk_size=4, target_dir=target, progress=False)
+    dd.build(
+        engine,
+        prompts,
+        data,
+        max_new_tokens=max_new_tokens,
+        chunk_size=4,
+        target_dir=target,
+        progress=False,
+    )
     return target, data, engine, prompts

@@ -27,8 +27,9 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from datetime import UTC
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Sequence
 
 import pytest
 import yaml
@@ -111,6 +112,7 @@ class PrometheusServer:
 
     def config(self) -> dict:
         """The scrape configuration this server runs with."""
+
         # Sub-second intervals are legal Prometheus durations; write them in milliseconds.
         def dur(seconds: float) -> str:
             return f"{int(round(seconds * 1000))}ms"
@@ -124,13 +126,16 @@ class PrometheusServer:
             },
             "rule_files": self.rule_files,
             "scrape_configs": [
-                {"job_name": job, "static_configs": [{"targets": addrs}]} for job, addrs in self.targets.items()
+                {"job_name": job, "static_configs": [{"targets": addrs}]}
+                for job, addrs in self.targets.items()
             ],
         }
 
-    def start(self, timeout: float = 30.0) -> "PrometheusServer":
+    def start(self, timeout: float = 30.0) -> PrometheusServer:
         if not self.binary:
-            raise PrometheusError("prometheus binary not found (apt-get install prometheus, or set PROMETHEUS_BIN)")
+            raise PrometheusError(
+                "prometheus binary not found (apt-get install prometheus, or set PROMETHEUS_BIN)"
+            )
         if self.workdir is None:
             self.workdir = Path(tempfile.mkdtemp(prefix="flashmap-prom-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -164,7 +169,9 @@ class PrometheusServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise PrometheusError(f"prometheus exited with {self.proc.returncode}:\n{self.log_text()}")
+                raise PrometheusError(
+                    f"prometheus exited with {self.proc.returncode}:\n{self.log_text()}"
+                )
             try:
                 with urllib.request.urlopen(f"{self.url}/-/ready", timeout=1) as r:
                     if r.status == 200:
@@ -190,7 +197,7 @@ class PrometheusServer:
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None
 
-    def __enter__(self) -> "PrometheusServer":
+    def __enter__(self) -> PrometheusServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -244,7 +251,9 @@ class PrometheusServer:
 
     # -- waiting -----------------------------------------------------------------------------
 
-    def wait_until(self, predicate: Callable[[], object], timeout: float = 30.0, what: str = "condition") -> object:
+    def wait_until(
+        self, predicate: Callable[[], object], timeout: float = 30.0, what: str = "condition"
+    ) -> object:
         """Poll predicate until it returns something truthy (returned) or the timeout passes."""
         deadline = time.monotonic() + timeout
         last_exc: Exception | None = None
@@ -256,7 +265,9 @@ class PrometheusServer:
             except PrometheusError as e:
                 last_exc = e
             time.sleep(0.2)
-        raise PrometheusError(f"timed out after {timeout}s waiting for {what} (last error: {last_exc})\n{self.log_text()}")
+        raise PrometheusError(
+            f"timed out after {timeout}s waiting for {what} (last error: {last_exc})\n{self.log_text()}"
+        )
 
     def _targets_of(self, jobs: Iterable[str] | None) -> tuple[list[dict], int]:
         """Active targets of the given jobs (all when None) and how many there should be."""
@@ -273,7 +284,9 @@ class PrometheusServer:
 
         self.wait_until(all_up, timeout, "all targets up")
 
-    def wait_for_scrape_after(self, t: float, timeout: float = 30.0, jobs: Iterable[str] | None = None) -> None:
+    def wait_for_scrape_after(
+        self, t: float, timeout: float = 30.0, jobs: Iterable[str] | None = None
+    ) -> None:
         """Every target (of the given jobs) has a successful scrape that *started* after time t.
 
         Call with the wall-clock time your traffic ended; afterwards instant queries see its final
@@ -291,7 +304,7 @@ class PrometheusServer:
 
 def _rfc3339(stamp: str) -> float:
     """Prometheus' lastScrape ("2026-11-29T23:30:01.123456789Z") as a Unix time."""
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     m = re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?(Z|[+-]\d\d:\d\d)$", stamp)
     if not m:
@@ -299,8 +312,10 @@ def _rfc3339(stamp: str) -> float:
     base = datetime.strptime(m.group(1), "%Y-%m-%dT%H:%M:%S")
     frac = float(m.group(2) or 0.0)
     tz = m.group(3)
-    offset = 0 if tz == "Z" else (1 if tz[0] == "+" else -1) * (int(tz[1:3]) * 3600 + int(tz[4:6]) * 60)
-    return base.replace(tzinfo=timezone.utc).timestamp() + frac - offset
+    offset = (
+        0 if tz == "Z" else (1 if tz[0] == "+" else -1) * (int(tz[1:3]) * 3600 + int(tz[4:6]) * 60)
+    )
+    return base.replace(tzinfo=UTC).timestamp() + frac - offset
 
 
 # --------------------------------------------------------------------------------------------
@@ -311,7 +326,9 @@ def _rfc3339(stamp: str) -> float:
 GRAFANA_INTERVALS = ("__rate_interval", "__interval", "__range")
 
 
-def grafana_to_promql(expr: str, variables: Mapping[str, str] | None = None, interval: str = "1m") -> str:
+def grafana_to_promql(
+    expr: str, variables: Mapping[str, str] | None = None, interval: str = "1m"
+) -> str:
     """Replace Grafana macros and template variables so Prometheus accepts the expression.
 
     Dashboard variables only ever appear inside regex label matchers (``model=~"$model"``), so
@@ -346,13 +363,20 @@ def dashboard_panels(panels: list[dict]):
         yield from dashboard_panels(p.get("panels", []))
 
 
-def dashboard_expressions(path: Path = DASHBOARD_JSON, interval: str = "1m") -> list[tuple[str, str]]:
+def dashboard_expressions(
+    path: Path = DASHBOARD_JSON, interval: str = "1m"
+) -> list[tuple[str, str]]:
     """(where, PromQL with Grafana variables substituted) for every query of the dashboard."""
     dash = json.loads(Path(path).read_text())
     out = []
     for p in dashboard_panels(dash["panels"]):
         for t in p.get("targets", []):
-            out.append((f"dashboard panel {p['title']!r} {t['refId']}", grafana_to_promql(t["expr"], interval=interval)))
+            out.append(
+                (
+                    f"dashboard panel {p['title']!r} {t['refId']}",
+                    grafana_to_promql(t["expr"], interval=interval),
+                )
+            )
     return out
 
 
@@ -389,7 +413,9 @@ def selectors(expr: str) -> list:
 
 def referenced_metrics() -> set[str]:
     """Every metric name the dashboard and the alert rules use (the live test checks a scrape)."""
-    names = {sel.name for _, e in dashboard_expressions() + alert_expressions() for sel in selectors(e)}
+    names = {
+        sel.name for _, e in dashboard_expressions() + alert_expressions() for sel in selectors(e)
+    }
     names |= {metric for _, metric, _ in dashboard_variable_metrics()}
     return names - set(PROMETHEUS_SYNTHETIC)
 
@@ -397,6 +423,7 @@ def referenced_metrics() -> set[str]:
 # --------------------------------------------------------------------------------------------
 # What the services export
 # --------------------------------------------------------------------------------------------
+
 
 def scrape(url: str, timeout: float = 5.0) -> dict[str, set[str]]:
     """GET a /metrics endpoint; {series name: label names}."""

@@ -4,7 +4,6 @@ thread per process."""
 
 from __future__ import annotations
 
-import time
 import urllib.request
 from pathlib import Path
 
@@ -26,7 +25,11 @@ def _samples(port: int) -> list:
 
 def _total(samples, name: str, **labels) -> float:
     """Sum of every sample called `name` whose labels include `labels`."""
-    return sum(s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+    return sum(
+        s.value
+        for s in samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def _poll(what: str, fn, timeout_s: float = 20.0, interval_s: float = 0.05):
@@ -50,12 +53,17 @@ class Reference:
 
     def __call__(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:
         from flashmap.inprocess import decode
-        from flashmap.types import SamplingParams
-        from flashmap.types import GenerationRequest
+        from flashmap.types import GenerationRequest, SamplingParams
 
-        todo = list(dict.fromkeys(tuple(p) for p in prompts if (tuple(p), max_new) not in self.cache))
+        todo = list(
+            dict.fromkeys(tuple(p) for p in prompts if (tuple(p), max_new) not in self.cache)
+        )
         if todo:
-            results = decode(self.engine, [GenerationRequest(list(p), max_new, SamplingParams()) for p in todo], proposer=None)
+            results = decode(
+                self.engine,
+                [GenerationRequest(list(p), max_new, SamplingParams()) for p in todo],
+                proposer=None,
+            )
             for p, r in zip(todo, results):
                 assert r.finish_reason == "length" and len(r.token_ids) == max_new
                 self._check_no_near_tie(list(p), r.token_ids)
@@ -66,7 +74,9 @@ class Reference:
         torch = self.torch
         with torch.inference_mode():
             logits = self.hf(torch.tensor([prompt + out]), use_cache=False).logits[0]
-        gen = logits[len(prompt) - 1: len(prompt) + len(out) - 1]  # the logits that chose each output token
+        gen = logits[
+            len(prompt) - 1 : len(prompt) + len(out) - 1
+        ]  # the logits that chose each output token
         assert gen.argmax(-1).tolist() == out, "in-process decoder disagrees with transformers"
         top2 = torch.topk(gen, 2, dim=-1).values
         gap = float((top2[:, 0] - top2[:, 1]).min())
@@ -81,11 +91,13 @@ def target_dir(tmp_path_factory) -> Path:
     """A tiny random Qwen3 with a tokenizer (the stack tests' target)."""
     from target_service.random_checkpoint import make_random_qwen3
 
-    return make_random_qwen3(tmp_path_factory.mktemp("stack") / "tiny-qwen3", vocab_size=VOCAB, seed=3)
+    return make_random_qwen3(
+        tmp_path_factory.mktemp("stack") / "tiny-qwen3", vocab_size=VOCAB, seed=3
+    )
 
 
 @pytest.fixture(scope="module")
-def ref(target_dir) -> "Reference":
+def ref(target_dir) -> Reference:
     return Reference(target_dir)
 
 

@@ -28,27 +28,52 @@ def test_ratio_interval_is_a_t_interval_on_the_logs():
 
 def test_chunks_are_whole_batches_covering_every_prompt_once():
     prompts = list(range(64))
-    for c, n, sizes in ((1, 4, [16] * 4), (16, 4, [16] * 4), (32, 4, [32, 32]), (4, 3, [24, 24, 16]),
-                        (5, 4, [20, 20, 20, 4]), (64, 4, [64]), (1, 1, [64])):
+    for c, n, sizes in (
+        (1, 4, [16] * 4),
+        (16, 4, [16] * 4),
+        (32, 4, [32, 32]),
+        (4, 3, [24, 24, 16]),
+        (5, 4, [20, 20, 20, 4]),
+        (64, 4, [64]),
+        (1, 1, [64]),
+    ):
         parts = bench_stack.chunks_of(prompts, c, n)
         assert [len(p) for p in parts] == sizes, (c, n)
         assert [x for p in parts for x in p] == prompts
         assert all(len(p) % c == 0 for p in parts[:-1])
 
 
-@pytest.mark.skipif(not (REPO / "checkpoints" / "demo-flashmap" / "model.safetensors").is_file(),
-                    reason="demo checkpoints not present")
+@pytest.mark.skipif(
+    not (REPO / "checkpoints" / "demo-flashmap" / "model.safetensors").is_file(),
+    reason="demo checkpoints not present",
+)
 def test_a_tiny_run_reports_and_resumes(tmp_path, capsys):
     out = tmp_path / "bench.md"
-    argv = ["--concurrency", "1,2", "--max-new-tokens", "4", "--repeats", "2", "--prompts", "2", "--threads", "1",
-            "--out", str(out)]
+    argv = [
+        "--concurrency",
+        "1,2",
+        "--max-new-tokens",
+        "4",
+        "--repeats",
+        "2",
+        "--prompts",
+        "2",
+        "--threads",
+        "1",
+        "--out",
+        str(out),
+    ]
     bench_stack.main(argv)
     text = out.read_text()
     assert "| random ids | 2 |" in text and "| held-out text | 1 |" in text
     assert out.with_suffix(".png").stat().st_size > 0 and out.with_suffix(".json").is_file()
     parts = text.split("The parts of auto / target alone")[1]
-    row = next(line for line in parts.splitlines() if line.startswith("| random ids | 2 | "))  # each step's ratio
-    idle = [float(x) for x in row.strip(" |").split("|")[-1].split("/")]  # target idle per batch: Triton, off, auto
+    row = next(
+        line for line in parts.splitlines() if line.startswith("| random ids | 2 | ")
+    )  # each step's ratio
+    idle = [
+        float(x) for x in row.strip(" |").split("|")[-1].split("/")
+    ]  # target idle per batch: Triton, off, auto
     assert len(idle) == 3 and all(x >= 0 for x in idle)
     capsys.readouterr()
     notes = f"{bench_stack.NOTES_MARKER}\n\nReading. What a person wrote about the run.\n"
@@ -60,18 +85,38 @@ def test_a_tiny_run_reports_and_resumes(tmp_path, capsys):
     assert again.endswith(notes) and again.count(bench_stack.NOTES_MARKER) == 1
 
 
-@pytest.mark.skipif(not (REPO / "checkpoints" / "demo-flashmap" / "model.safetensors").is_file(),
-                    reason="demo checkpoints not present")
+@pytest.mark.skipif(
+    not (REPO / "checkpoints" / "demo-flashmap" / "model.safetensors").is_file(),
+    reason="demo checkpoints not present",
+)
 def test_pairing_designs_report_and_resume(tmp_path, capsys):
     """bench.pairing: two designs on one real stack (2 requests at a time), every path's ratio
     per pass and over all, then a second call that only reads what was saved."""
     from bench import pairing
 
     out = tmp_path / "pairing.md"
-    argv = ["--designs", "ip,off/ip,ipk,tr", "--passes", "1", "--concurrency", "2", "--prompts", "4", "--chunks", "2",
-            "--max-new-tokens", "4", "--slots", "2", "--out", str(out)]
+    argv = [
+        "--designs",
+        "ip,off/ip,ipk,tr",
+        "--passes",
+        "1",
+        "--concurrency",
+        "2",
+        "--prompts",
+        "4",
+        "--chunks",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--slots",
+        "2",
+        "--out",
+        str(out),
+    ]
     pairing.main(argv)
-    assert not _children_running("orchestrator.server")  # the extra orchestrator stopped with its stack
+    assert not _children_running(
+        "orchestrator.server"
+    )  # the extra orchestrator stopped with its stack
     text = out.read_text()
     for design, path in (("ip,off", "off"), ("ip,ipk,tr", "ipk"), ("ip,ipk,tr", "tr")):
         assert f"| {design} | {path} | 0 | " in text and f"| {design} | {path} | all | " in text
@@ -113,8 +158,10 @@ def test_handoff_times_pings_between_two_cpus(capsys):
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
-@pytest.mark.skipif(not (REPO / "checkpoints" / "demo-flashmap" / "model.safetensors").is_file(),
-                    reason="demo checkpoints not present")
+@pytest.mark.skipif(
+    not (REPO / "checkpoints" / "demo-flashmap" / "model.safetensors").is_file(),
+    reason="demo checkpoints not present",
+)
 def test_drafter_cpus_moves_the_forward_and_reports_both_places(capsys):
     """bench.drafter_cpus on a real stack: both modes on both CPU sets, outputs checked against
     the target alone (the script asserts it), a row per mode and place and a ratio per mode."""

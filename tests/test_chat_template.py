@@ -15,9 +15,13 @@ from flashmap_cli.stack import DEMO_TARGET
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 2?"},
-     {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3 + 3?"}],
-    [{"role": "user", "content": "unicode: \u00e9\u4e2d\U0001f600 and <tags> & \"quotes\""}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2 + 2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And 3 + 3?"},
+    ],
+    [{"role": "user", "content": 'unicode: \u00e9\u4e2d\U0001f600 and <tags> & "quotes"'}],
 ]
 
 # Shaped like Qwen3's template: a namespace carried through a reversed loop, loop.last,
@@ -49,8 +53,9 @@ def _hf(template: str):
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()), chat_template=template,
-                                   eos_token="<|im_end|>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.BPE()), chat_template=template, eos_token="<|im_end|>"
+    )
 
 
 @pytest.mark.parametrize("source", ["demo", "qwen-style"])
@@ -93,7 +98,14 @@ def test_template_from_tokenizer_config(tmp_path):
     """Without chat_template.jinja, tokenizer_config.json's template (a string, or named
     templates) is used; the special tokens are variables of the template."""
     (tmp_path / "tokenizer.json").write_text((DEMO_TARGET / "tokenizer.json").read_text())
-    cfg = {"eos_token": {"content": "<|im_end|>"}, "chat_template": [
-        {"name": "tool_use", "template": "tools"}, {"name": "default", "template": "{{ messages[0].content }}{{ eos_token }}"}]}
+    cfg = {
+        "eos_token": {"content": "<|im_end|>"},
+        "chat_template": [
+            {"name": "tool_use", "template": "tools"},
+            {"name": "default", "template": "{{ messages[0].content }}{{ eos_token }}"},
+        ],
+    }
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
-    assert TextTokenizer(tmp_path).render_chat([{"role": "user", "content": "hi"}]) == "hi<|im_end|>"
+    assert (
+        TextTokenizer(tmp_path).render_chat([{"role": "user", "content": "hi"}]) == "hi<|im_end|>"
+    )

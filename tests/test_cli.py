@@ -15,10 +15,18 @@ from target_service.random_checkpoint import make_random_qwen3
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli")
     target = make_random_qwen3(root / "target", max_position_embeddings=128)
-    other = make_random_qwen3(root / "other", seed=1, max_position_embeddings=128)  # same shapes, other weights
+    other = make_random_qwen3(
+        root / "other", seed=1, max_position_embeddings=128
+    )  # same shapes, other weights
     small = make_random_qwen3(root / "small-vocab", vocab_size=300, max_position_embeddings=128)
     drafter = save_drafter(init_drafter(target, dim=64, n_blocks=1, n_heads=4), root / "drafter")
-    return {"target": str(target), "other": str(other), "small": str(small), "drafter": str(drafter), "root": root}
+    return {
+        "target": str(target),
+        "other": str(other),
+        "small": str(small),
+        "drafter": str(drafter),
+        "root": root,
+    }
 
 
 def _run(capsys, *args):
@@ -28,7 +36,16 @@ def _run(capsys, *args):
 
 
 def test_generate_json_ar_and_speculative_agree(ckpts, capsys):
-    base = ["--target", ckpts["target"], "--prompt-ids", "5,6,7,8", "--max-new-tokens", "12", "--ignore-eos", "--json"]
+    base = [
+        "--target",
+        ckpts["target"],
+        "--prompt-ids",
+        "5,6,7,8",
+        "--max-new-tokens",
+        "12",
+        "--ignore-eos",
+        "--json",
+    ]
     code, out, _ = _run(capsys, *base, "--ar")
     assert code == 0
     ar = json.loads(out)
@@ -54,29 +71,43 @@ def test_in_process_options_need_in_process(capsys):
 
 
 def test_text_prompt_prints_text(ckpts, capsys):
-    code, out, err = _run(capsys, "--target", ckpts["target"], "--prompt", "hello world", "--max-new-tokens", "5",
-                          "--temperature", "0.9", "--seed", "3")
+    code, out, err = _run(
+        capsys,
+        "--target",
+        ckpts["target"],
+        "--prompt",
+        "hello world",
+        "--max-new-tokens",
+        "5",
+        "--temperature",
+        "0.9",
+        "--seed",
+        "3",
+    )
     assert code == 0 and out.strip() != ""
     assert "mean acceptance length" in err
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--prompt-ids", ""], "prompt is empty"),
-    (["--prompt", ""], "prompt is empty"),
-    (["--prompt-ids", ",".join(["1"] * 200)], "context"),
-    (["--prompt-ids", "1,2,999999"], "outside the vocabulary"),
-    (["--prompt-ids", "1,-3"], "outside the vocabulary"),
-    (["--prompt-ids", "1,2", "--max-new-tokens", "0"], "max_new_tokens must be > 0"),
-    (["--prompt-ids", "1,2", "--max-new-tokens", "-4"], "max_new_tokens must be > 0"),
-    (["--prompt-ids", "1,2", "--max-new-tokens", "500"], "exceeds the context"),
-    (["--prompt-ids", "1,2", "--temperature", "-1"], "temperature must be >= 0"),
-    (["--prompt-ids", "1,2", "--top-p", "0"], "top_p must be in (0, 1]"),
-    (["--prompt-ids", "1,2", "--top-p", "1.5"], "top_p must be in (0, 1]"),
-    (["--prompt-ids", "1,x"], "comma-separated integers"),
-    (["--prompt-ids", "1,2", "--tree-blocks", "2", "--temperature", "0.5"], "greedy-only"),
-    (["--prompt-ids", "1,2", "--tree-blocks", "0"], "--tree-blocks must be >= 1"),
-    (["--prompt-ids", "1,2", "--min-confidence", "1.5"], "min_confidence must be in [0, 1)"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--prompt-ids", ""], "prompt is empty"),
+        (["--prompt", ""], "prompt is empty"),
+        (["--prompt-ids", ",".join(["1"] * 200)], "context"),
+        (["--prompt-ids", "1,2,999999"], "outside the vocabulary"),
+        (["--prompt-ids", "1,-3"], "outside the vocabulary"),
+        (["--prompt-ids", "1,2", "--max-new-tokens", "0"], "max_new_tokens must be > 0"),
+        (["--prompt-ids", "1,2", "--max-new-tokens", "-4"], "max_new_tokens must be > 0"),
+        (["--prompt-ids", "1,2", "--max-new-tokens", "500"], "exceeds the context"),
+        (["--prompt-ids", "1,2", "--temperature", "-1"], "temperature must be >= 0"),
+        (["--prompt-ids", "1,2", "--top-p", "0"], "top_p must be in (0, 1]"),
+        (["--prompt-ids", "1,2", "--top-p", "1.5"], "top_p must be in (0, 1]"),
+        (["--prompt-ids", "1,x"], "comma-separated integers"),
+        (["--prompt-ids", "1,2", "--tree-blocks", "2", "--temperature", "0.5"], "greedy-only"),
+        (["--prompt-ids", "1,2", "--tree-blocks", "0"], "--tree-blocks must be >= 1"),
+        (["--prompt-ids", "1,2", "--min-confidence", "1.5"], "min_confidence must be in [0, 1)"),
+    ],
+)
 def test_bad_input_is_one_line(ckpts, capsys, args, message):
     code, out, err = _run(capsys, "--target", ckpts["target"], *args)
     assert code == 2
@@ -86,17 +117,29 @@ def test_bad_input_is_one_line(ckpts, capsys, args, message):
 
 def test_drafter_for_another_target(ckpts, capsys):
     # Same shapes, other embedding: the hash check must catch it.
-    code, _, err = _run(capsys, "--target", ckpts["other"], "--drafter", ckpts["drafter"], "--prompt-ids", "1,2")
+    code, _, err = _run(
+        capsys, "--target", ckpts["other"], "--drafter", ckpts["drafter"], "--prompt-ids", "1,2"
+    )
     assert code == 2 and "error: " in err and err.count("\n") == 1
     # Other vocabulary: a shape mismatch.
-    code, _, err = _run(capsys, "--target", ckpts["small"], "--drafter", ckpts["drafter"], "--prompt-ids", "1,2")
+    code, _, err = _run(
+        capsys, "--target", ckpts["small"], "--drafter", ckpts["drafter"], "--prompt-ids", "1,2"
+    )
     assert code == 2 and "error: " in err and err.count("\n") == 1
 
 
 def test_missing_and_corrupt_checkpoints(ckpts, capsys, tmp_path):
     code, _, err = _run(capsys, "--target", str(tmp_path / "nope"), "--prompt-ids", "1,2")
     assert code == 2 and "config.json" in err and err.count("\n") == 1
-    code, _, err = _run(capsys, "--target", ckpts["target"], "--drafter", str(tmp_path / "nope"), "--prompt-ids", "1,2")
+    code, _, err = _run(
+        capsys,
+        "--target",
+        ckpts["target"],
+        "--drafter",
+        str(tmp_path / "nope"),
+        "--prompt-ids",
+        "1,2",
+    )
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1
     import shutil
 
@@ -108,14 +151,32 @@ def test_missing_and_corrupt_checkpoints(ckpts, capsys, tmp_path):
     badd = tmp_path / "corrupt-drafter"
     shutil.copytree(ckpts["drafter"], badd)
     (badd / "config.json").write_text("{not json")
-    code, _, err = _run(capsys, "--target", ckpts["target"], "--drafter", str(badd), "--prompt-ids", "1,2")
+    code, _, err = _run(
+        capsys, "--target", ckpts["target"], "--drafter", str(badd), "--prompt-ids", "1,2"
+    )
     assert code == 2 and "config.json" in err and err.count("\n") == 1
 
 
 def test_process_exit_status_and_no_traceback(ckpts):
     """The real console entry point: non-zero exit, one line, no traceback."""
-    p = subprocess.run([sys.executable, "-m", "flashmap_cli.main", "generate", "--in-process", "--target", ckpts["target"],
-                        "--prompt-ids", "1,2", "--temperature", "-2"], capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flashmap_cli.main",
+            "generate",
+            "--in-process",
+            "--target",
+            ckpts["target"],
+            "--prompt-ids",
+            "1,2",
+            "--temperature",
+            "-2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 2
     assert p.stderr.strip().splitlines() == ["error: temperature must be >= 0, got -2.0"]
 
@@ -126,15 +187,25 @@ def test_chat_prompt_goes_through_the_chat_template(ckpts, capsys):
     from flashmap.tokenizer import TextTokenizer
 
     tok = TextTokenizer(ckpts["target"])
-    ids = tok.encode(tok.render_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]))
+    ids = tok.encode(
+        tok.render_chat(
+            [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+        )
+    )
     base = ["--target", ckpts["target"], "--max-new-tokens", "6", "--ignore-eos", "--json", "--ar"]
     code, out, _ = _run(capsys, *base, "--chat", "--system", "Be brief.", "--prompt", "hi")
     assert code == 0
     chat = json.loads(out)
     code, out, _ = _run(capsys, *base, "--prompt-ids", ",".join(map(str, ids)))
-    assert code == 0 and json.loads(out)["token_ids"] == chat["token_ids"] and len(chat["token_ids"]) == 6
-    for args, message in ((["--chat", "--prompt-ids", "1,2"], "--chat takes a text prompt"),
-                          (["--system", "x", "--prompt", "hi"], "--system goes with --chat")):
+    assert (
+        code == 0
+        and json.loads(out)["token_ids"] == chat["token_ids"]
+        and len(chat["token_ids"]) == 6
+    )
+    for args, message in (
+        (["--chat", "--prompt-ids", "1,2"], "--chat takes a text prompt"),
+        (["--system", "x", "--prompt", "hi"], "--system goes with --chat"),
+    ):
         code, _, err = _run(capsys, "--target", ckpts["target"], *args)
         assert code == 2 and message in err and err.count("\n") == 1
 
@@ -176,4 +247,8 @@ def test_up_refuses_ports_another_server_holds(capsys, tmp_path):
         assert stack.triton is None and stack.drafter_proc is None and stack.orch_proc is None
         assert main(["up", "--port", str(port)]) == 1
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and err[0].startswith("flashmap up: ") and f":{port} (port) in use" in err[0]
+        assert (
+            len(err) == 1
+            and err[0].startswith("flashmap up: ")
+            and f":{port} (port) in use" in err[0]
+        )

@@ -7,7 +7,14 @@ import threading
 
 import pytest
 
-from flashmap.cpus import format_cpu_list, on_cpus, parse_cpu_list, pin_thread, pin_worker, split_cpus
+from flashmap.cpus import (
+    format_cpu_list,
+    on_cpus,
+    parse_cpu_list,
+    pin_thread,
+    pin_worker,
+    split_cpus,
+)
 
 
 def test_cpu_lists_round_trip():

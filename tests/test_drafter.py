@@ -10,16 +10,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from drafter_helpers import randomize
 
 from drafter_service.checkpoint import init_drafter, load_drafter, save_drafter
 from drafter_service.config import DrafterConfig
-from drafter_service.flashmap_dit import FlashMapDiT, greedy_summary, jump, noise_factor
-from drafter_service.flashmap_proposer import (ContextTooLong, FlashMapProposer, SlotsExhausted, draw_noise,
-                                               request_generator)
+from drafter_service.flashmap_dit import greedy_summary, jump, noise_factor
+from drafter_service.flashmap_proposer import (
+    ContextTooLong,
+    FlashMapProposer,
+    SlotsExhausted,
+    draw_noise,
+    request_generator,
+)
 from drafter_service.oracle import OracleProposer
-from flashmap.types import ProposeRequest
 from flashmap.checkpoint import CheckpointError
-from drafter_helpers import randomize
+from flashmap.types import ProposeRequest
 
 SMALL = dict(dim=64, n_blocks=2, n_heads=4, block_size=16, time_freq_dim=32)
 
@@ -28,8 +33,16 @@ def make_target(path: Path, vocab_size: int = 512, seed: int = 0) -> Path:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
+    cfg = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+    )
     Qwen3ForCausalLM(cfg).save_pretrained(path)
     return path
 
@@ -37,8 +50,11 @@ def make_target(path: Path, vocab_size: int = 512, seed: int = 0) -> Path:
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory):
     root = tmp_path_factory.mktemp("targets")
-    return {"main": make_target(root / "main"), "other_seed": make_target(root / "other_seed", seed=1),
-            "other_vocab": make_target(root / "other_vocab", vocab_size=256)}
+    return {
+        "main": make_target(root / "main"),
+        "other_seed": make_target(root / "other_seed", seed=1),
+        "other_vocab": make_target(root / "other_vocab", vocab_size=256),
+    }
 
 
 @pytest.fixture(scope="module", params=["flashmap", "dflash"])
@@ -64,11 +80,15 @@ def fill(prop: FlashMapProposer, lengths: dict[str, int]) -> dict[str, np.ndarra
 
 
 def same(a, b) -> bool:
-    return (np.array_equal(a.tokens, b.tokens) and np.array_equal(a.support_ids, b.support_ids)
-            and np.allclose(a.support_probs, b.support_probs, atol=1e-5))
+    return (
+        np.array_equal(a.tokens, b.tokens)
+        and np.array_equal(a.support_ids, b.support_ids)
+        and np.allclose(a.support_probs, b.support_probs, atol=1e-5)
+    )
 
 
 # ----------------------------------------------------------------------------- config / model
+
 
 def test_config_json_round_trip(flashmap):
     cfg = flashmap.cfg
@@ -76,8 +96,15 @@ def test_config_json_round_trip(flashmap):
     assert cfg.feature_layers == [1] and cfg.feature_dim == 64 and cfg.vocab_size == 512
     d = DrafterConfig()
     # The paper's architecture; noise per slot, not the paper's shared draw (see DrafterConfig.shared_noise).
-    assert (d.dim, d.n_blocks, d.n_heads, d.block_size, d.draft_steps, d.shared_noise, d.slot_loss_decay) == \
-        (2048, 6, 16, 16, 1, False, 7.0)
+    assert (
+        d.dim,
+        d.n_blocks,
+        d.n_heads,
+        d.block_size,
+        d.draft_steps,
+        d.shared_noise,
+        d.slot_loss_decay,
+    ) == (2048, 6, 16, 16, 1, False, 7.0)
     with pytest.raises(ValueError, match="unknown"):
         DrafterConfig.from_dict({**cfg.to_dict(), "bogus": 1})
     with pytest.raises(ValueError, match="kind"):
@@ -106,9 +133,13 @@ def test_adaln_zero_blocks_start_as_identity(targets):
     h, c = torch.randn(2, 17, 64), torch.randn(2, 64)
     ctx = m.context(torch.randn(2, 4, 64), torch.tensor([4, 3]))
     for blk, (k, v) in zip(m.blocks, ctx.kv):
-        assert torch.count_nonzero(blk.adaln.weight) == 0 and torch.count_nonzero(blk.adaln.bias) == 0
+        assert (
+            torch.count_nonzero(blk.adaln.weight) == 0 and torch.count_nonzero(blk.adaln.bias) == 0
+        )
         mask = torch.ones(2, 1, 1, 4, dtype=torch.bool)
-        out = blk(h, blk.modulation(c), k, v, mask, torch.arange(17).expand(2, 17), torch.ones(2, 1, 1))
+        out = blk(
+            h, blk.modulation(c), k, v, mask, torch.arange(17).expand(2, 17), torch.ones(2, 1, 1)
+        )
         assert torch.equal(out, h)
 
 
@@ -117,7 +148,9 @@ def test_modulation_cache_follows_the_weights(targets):
     ctx = m.context(torch.randn(3, 4, 64), torch.tensor([4, 3, 0]))
     x, anchor = torch.randn(3, 16, m.cfg.vocab_size), torch.tensor([1, 2, 3])
     with torch.no_grad():
-        fresh = m(x, torch.full((3,), 0.0), torch.full((3,), 1.0), anchor, ctx)  # tensor times: never cached
+        fresh = m(
+            x, torch.full((3,), 0.0), torch.full((3,), 1.0), anchor, ctx
+        )  # tensor times: never cached
         first = m(x, 0.0, 1.0, anchor, ctx)  # fills the cache
         again = m(x, 0.0, 1.0, anchor, ctx)  # served from it
         torch.testing.assert_close(first, fresh, rtol=1e-5, atol=1e-5)
@@ -141,9 +174,12 @@ def test_jump_endpoints():
 
 # ----------------------------------------------------------------------------- proposer cache
 
+
 def test_greedy_summary_is_argmax_and_its_probability():
     logits = torch.randn(3, 5, 50) * 4
-    logits[0, 0, 7] = logits[0, 0, 3] = logits[0, 0].max() + 1  # a tie: the first index wins, like argmax
+    logits[0, 0, 7] = logits[0, 0, 3] = (
+        logits[0, 0].max() + 1
+    )  # a tie: the first index wins, like argmax
     ids, prob = greedy_summary(logits)
     assert torch.equal(ids, logits.argmax(-1)) and ids[0, 0] == 3
     torch.testing.assert_close(prob, logits.softmax(-1).amax(-1))
@@ -156,7 +192,7 @@ def test_cache_path_equals_training_path(model):
     T = max(lengths.values())
     padded = torch.zeros(3, T, 64)
     for i, f in enumerate(feats.values()):
-        padded[i, :len(f)] = torch.from_numpy(f)
+        padded[i, : len(f)] = torch.from_numpy(f)
     train_ctx = model.context(padded, torch.tensor(list(lengths.values())))
     cache_ctx = prop.cross_context(list(lengths))
     x, anchor = torch.randn(3, 16, 512), torch.tensor([5, 6, 7])
@@ -166,13 +202,27 @@ def test_cache_path_equals_training_path(model):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     # select(): rows of one encoded context, cut to shorter lengths (training: many anchors per sequence)
     with torch.no_grad():
-        cut = model(x[:2], 0.2, 0.7, anchor[:2], train_ctx.select(torch.tensor([0, 0]), torch.tensor([7, 3])))
+        cut = model(
+            x[:2],
+            0.2,
+            0.7,
+            anchor[:2],
+            train_ctx.select(torch.tensor([0, 0]), torch.tensor([7, 3])),
+        )
         ref = model(x[1:2], 0.2, 0.7, anchor[1:2], model.context(padded[:1, :3], torch.tensor([3])))
     torch.testing.assert_close(cut[0], want[0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(cut[1], ref[0], atol=1e-5, rtol=1e-5)  # row a's context cut to 3 positions
+    torch.testing.assert_close(
+        cut[1], ref[0], atol=1e-5, rtol=1e-5
+    )  # row a's context cut to 3 positions
     # the context matters (guards against a vacuous comparison)
     with torch.no_grad():
-        other = model(x, 0.2, 0.7, anchor, model.context(padded + torch.randn_like(padded), torch.tensor(list(lengths.values()))))
+        other = model(
+            x,
+            0.2,
+            0.7,
+            anchor,
+            model.context(padded + torch.randn_like(padded), torch.tensor(list(lengths.values()))),
+        )
     assert not torch.allclose(other[:2], want[:2], atol=1e-3)
 
 
@@ -220,11 +270,14 @@ def test_slots_release_and_limits(flashmap):
 
 # ----------------------------------------------------------------------------- drafting
 
+
 def requests_mix():
-    return [ProposeRequest("a", anchor=11, seed=1),
-            ProposeRequest("b", anchor=12, temperature=1.0, top_m=4, seed=2),
-            ProposeRequest("c", anchor=13, temperature=0.7, top_m=3, seed=3, steps=3),
-            ProposeRequest("new", anchor=14, temperature=1.0, seed=4, steps=2)]
+    return [
+        ProposeRequest("a", anchor=11, seed=1),
+        ProposeRequest("b", anchor=12, temperature=1.0, top_m=4, seed=2),
+        ProposeRequest("c", anchor=13, temperature=0.7, top_m=3, seed=3, steps=3),
+        ProposeRequest("new", anchor=14, temperature=1.0, seed=4, steps=2),
+    ]
 
 
 def test_batched_propose_equals_one_at_a_time(model):
@@ -256,7 +309,9 @@ def test_min_confidence_cuts_greedy_drafts_only(model):
     with torch.no_grad():  # the drafted block's own probabilities decide where it stops
         F = model.noise_factor()
         y = (draw_noise(torch.Generator().manual_seed(1), 16, F.shape[0]) @ F)[None]  # [1, K, H]
-        logits = model.evaluate(y, model.modulations(0.0, 1.0, 1), torch.tensor([11]), ctx.kv, ctx.lengths)
+        logits = model.evaluate(
+            y, model.modulations(0.0, 1.0, 1), torch.tensor([11]), ctx.kv, ctx.lengths
+        )
         conf = logits.softmax(-1).amax(-1)[0].numpy()
     low = np.nonzero(conf < 0.5)[0]
     n = 16 if len(low) == 0 else max(int(low[0]), 1)
@@ -272,7 +327,9 @@ def test_mode_seeking_greedy_drafting_leaves_sampled_rows_exact(flashmap):
     """greedy_estimate = "argmax" / greedy_noise_scale change T = 0 rows only: a sampled row's
     proposal (tokens, support, q) is the flow's, whatever else is in the batch."""
     base = FlashMapProposer(flashmap, n_slots=4, max_context=32)
-    mode = FlashMapProposer(flashmap, n_slots=4, max_context=32, greedy_estimate="argmax", greedy_noise_scale=0.5)
+    mode = FlashMapProposer(
+        flashmap, n_slots=4, max_context=32, greedy_estimate="argmax", greedy_noise_scale=0.5
+    )
     for p in (base, mode):
         fill(p, {"a": 9, "b": 4, "c": 1})
     reqs = requests_mix()
@@ -286,7 +343,9 @@ def test_mode_seeking_greedy_drafting_leaves_sampled_rows_exact(flashmap):
         # a greedy row drafted alone equals the same row in the mixed batch
         assert same(mode.propose(reqs[:1], steps)[0], got[0])
     # with the noise scaled to 0 every draw gives the same greedy block
-    zero = FlashMapProposer(flashmap, n_slots=2, max_context=32, greedy_estimate="argmax", greedy_noise_scale=0.0)
+    zero = FlashMapProposer(
+        flashmap, n_slots=2, max_context=32, greedy_estimate="argmax", greedy_noise_scale=0.0
+    )
     fill(zero, {"a": 9})
     blocks = zero.propose([ProposeRequest("a", 11, seed=s) for s in range(3)], 4)
     assert all(np.array_equal(b.tokens, blocks[0].tokens) for b in blocks)
@@ -328,14 +387,16 @@ def test_embedded_noise_is_the_projected_vocabulary_noise(flashmap):
     scale = (E.T @ E).diagonal().sqrt()
     for a in (y, x):  # both covariances within sampling error of E^T E
         cov = a.T @ a / n
-        assert ((cov - E.T @ E).abs() / (scale[:, None] * scale[None])).max() < 8 / n ** 0.5
+        assert ((cov - E.T @ E).abs() / (scale[:, None] * scale[None])).max() < 8 / n**0.5
     ctx = FlashMapProposer(flashmap, n_slots=1, max_context=4).cross_context(["none"])
     xs = torch.randn(1, 16, E.shape[0], generator=g)
     pi = torch.softmax(torch.randn(1, 16, E.shape[0], generator=g), -1)
     with torch.no_grad():
         want = flashmap(jump(xs, pi, 0.0, 0.5), 0.5, 1.0, torch.tensor([3]), ctx)
         ys = jump(flashmap.embed_state(xs), pi @ flashmap.embed, 0.0, 0.5)
-        got = flashmap.evaluate(ys, flashmap.modulations(0.5, 1.0, 1), torch.tensor([3]), ctx.kv, ctx.lengths)
+        got = flashmap.evaluate(
+            ys, flashmap.modulations(0.5, 1.0, 1), torch.tensor([3]), ctx.kv, ctx.lengths
+        )
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
@@ -344,17 +405,25 @@ def test_noise_factor_small_vocabulary_and_low_rank(V, H, rank):
     """V <= H (the tiny-vocabulary tests) and an embedding without full column rank still get
     a factor with F^T F = E^T E."""
     g = torch.Generator().manual_seed(V + rank)
-    E = torch.randn(V, rank, generator=g, dtype=torch.float64) @ torch.randn(rank, H, generator=g, dtype=torch.float64)
+    E = torch.randn(V, rank, generator=g, dtype=torch.float64) @ torch.randn(
+        rank, H, generator=g, dtype=torch.float64
+    )
     F = noise_factor(E.float()).double()
     assert F.shape == (min(V, H), H)
     torch.testing.assert_close(F.T @ F, E.T @ E, rtol=1e-4, atol=1e-3)
 
 
 def test_proposer_drafts_with_the_noise_the_drafter_was_trained_on(flashmap):
-    assert FlashMapProposer(flashmap, n_slots=1, max_context=8).shared_noise == flashmap.cfg.shared_noise
+    assert (
+        FlashMapProposer(flashmap, n_slots=1, max_context=8).shared_noise
+        == flashmap.cfg.shared_noise
+    )
     flashmap.cfg.shared_noise = not flashmap.cfg.shared_noise
     try:
-        assert FlashMapProposer(flashmap, n_slots=1, max_context=8).shared_noise == flashmap.cfg.shared_noise
+        assert (
+            FlashMapProposer(flashmap, n_slots=1, max_context=8).shared_noise
+            == flashmap.cfg.shared_noise
+        )
     finally:
         flashmap.cfg.shared_noise = not flashmap.cfg.shared_noise
 
@@ -371,11 +440,14 @@ def test_step_schedule(flashmap, targets, monkeypatch):
     calls = []
 
     def recorder(model):
-        real = model.modulations  # every network evaluation asks for the adaLN vectors of its (s, t)
+        real = (
+            model.modulations
+        )  # every network evaluation asks for the adaLN vectors of its (s, t)
 
         def record(s, t, n):
             calls.append((round(float(s), 6), round(float(t), 6)))
             return real(s, t, n)
+
         monkeypatch.setattr(model, "modulations", record)
 
     prop = FlashMapProposer(flashmap, n_slots=1, max_context=8, steps=1)
@@ -417,6 +489,7 @@ def test_propose_blocks(flashmap):
 
 # ----------------------------------------------------------------------------- checkpoints
 
+
 def test_save_load_round_trip(model, targets, tmp_path):
     save_drafter(model, tmp_path / "d")
     stored = json.loads((tmp_path / "d" / "config.json").read_text())
@@ -428,7 +501,10 @@ def test_save_load_round_trip(model, targets, tmp_path):
     p1, p2 = FlashMapProposer(model, 2, 16), FlashMapProposer(loaded, 2, 16)
     for p in (p1, p2):
         fill(p, {"s": 6})
-    reqs = [ProposeRequest("s", 5, temperature=1.0, seed=3), ProposeRequest("s", 5, seed=4, steps=2)]
+    reqs = [
+        ProposeRequest("s", 5, temperature=1.0, seed=3),
+        ProposeRequest("s", 5, seed=4, steps=2),
+    ]
     assert all(same(a, b) for a, b in zip(p1.propose(reqs), p2.propose(reqs)))
 
 
@@ -473,6 +549,7 @@ def test_corrupt_or_missing_files(flashmap, targets, tmp_path):
 
 # ----------------------------------------------------------------------------- oracle
 
+
 def test_oracle_proposes_continuation_with_errors():
     V = 50
     refs = [list(range(1, 31)), [7, 7, 7, 8, 9]]
@@ -482,8 +559,18 @@ def test_oracle_proposes_continuation_with_errors():
     assert d.tokens.tolist() == [4, 6, 6, 7]  # slot 2 (token 5) replaced by 5 + 1
     assert d.support_ids.tolist() == [[4], [6], [6], [7]] and np.all(d.support_probs == 1)
     o.extend("b", np.array([7, 7]), np.zeros((2, 1)))
-    assert o.propose([ProposeRequest("b", anchor=7)])[0].tokens.tolist() == [8, 10, 0, 0]  # past the end: 0
-    assert o.propose([ProposeRequest("zz", anchor=42)])[0].tokens.tolist() == [0, 1, 0, 0]  # no match
+    assert o.propose([ProposeRequest("b", anchor=7)])[0].tokens.tolist() == [
+        8,
+        10,
+        0,
+        0,
+    ]  # past the end: 0
+    assert o.propose([ProposeRequest("zz", anchor=42)])[0].tokens.tolist() == [
+        0,
+        1,
+        0,
+        0,
+    ]  # no match
     assert o.context_length("a") == 2
     o.release("a")
     assert o.context_length("a") == 0

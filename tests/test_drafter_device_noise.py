@@ -21,19 +21,30 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def proposer(device: str) -> FlashMapProposer:
-    cfg = DrafterConfig(vocab_size=256, target_hidden_size=32, target_num_layers=4, feature_layers=[1], dim=32,
-                        n_blocks=2, n_heads=4)
+    cfg = DrafterConfig(
+        vocab_size=256,
+        target_hidden_size=32,
+        target_num_layers=4,
+        feature_layers=[1],
+        dim=32,
+        n_blocks=2,
+        n_heads=4,
+    )
     g = torch.Generator().manual_seed(0)
     embed = torch.randn(256, 32, generator=g)
     torch.manual_seed(0)
     model = FlashMapDiT(cfg, embed, embed)
-    with torch.no_grad():  # an untrained adaLN-Zero block is the identity: give the drafter some signal
+    with (
+        torch.no_grad()
+    ):  # an untrained adaLN-Zero block is the identity: give the drafter some signal
         for p in model.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=g))
     prop = FlashMapProposer(model.to(device), n_slots=16, max_context=32, device=device)
     rng = np.random.default_rng(0)
     for i in range(16):
-        prop.extend(f"s{i}", rng.integers(0, 256, 5), rng.standard_normal((5, cfg.feature_dim), np.float32))
+        prop.extend(
+            f"s{i}", rng.integers(0, 256, 5), rng.standard_normal((5, cfg.feature_dim), np.float32)
+        )
     return prop
 
 
@@ -52,8 +63,12 @@ def test_draft_depends_on_its_seed_only(device):
 
 def test_noise_is_drawn_on_the_generators_device():
     z = draw_noise(request_generator(5), 16, 64)
-    assert z.device.type == "cpu" and torch.equal(z, torch.randn(64, generator=torch.Generator().manual_seed(5)).expand(16, 64))
+    assert z.device.type == "cpu" and torch.equal(
+        z, torch.randn(64, generator=torch.Generator().manual_seed(5)).expand(16, 64)
+    )
     if torch.cuda.is_available():
         g = request_generator(5, 0, "cuda")
         z = draw_noise(g, 16, 64)
-        assert z.device.type == "cuda" and torch.equal(z, draw_noise(request_generator(5, 0, "cuda"), 16, 64))
+        assert z.device.type == "cuda" and torch.equal(
+            z, draw_noise(request_generator(5, 0, "cuda"), 16, 64)
+        )

@@ -26,9 +26,15 @@ def _proposer(model, graphs: bool):
     p = FlashMapProposer(model, n_slots=8, max_context=32)
     rng = np.random.default_rng(0)
     for i, n in enumerate([3, 10, 20, 7, 1]):
-        p.extend(f"s{i}", rng.integers(0, 512, n), rng.standard_normal((n, model.cfg.feature_dim)).astype(np.float32))
+        p.extend(
+            f"s{i}",
+            rng.integers(0, 512, n),
+            rng.standard_normal((n, model.cfg.feature_dim)).astype(np.float32),
+        )
     if graphs:
-        report = p.enable_graphs(steps=(1, 2), mode="static", batch_buckets=(1, 2, 4), context_buckets=(8, 16))
+        report = p.enable_graphs(
+            steps=(1, 2), mode="static", batch_buckets=(1, 2, 4), context_buckets=(8, 16)
+        )
         assert report["graphs"] == 2 * 3 * 3  # steps x batch buckets x (8, 16, max_context 32)
     return p
 
@@ -37,7 +43,10 @@ def _proposer(model, graphs: bool):
 @pytest.mark.parametrize("n_seqs", [1, 3, 5])  # 5 > largest bucket: eager fallback
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_static_graph_path_matches_dynamic(model, steps, n_seqs, temperature):
-    reqs = [ProposeRequest(f"s{i}", anchor=7 + i, temperature=temperature, seed=11 + i) for i in range(n_seqs)]
+    reqs = [
+        ProposeRequest(f"s{i}", anchor=7 + i, temperature=temperature, seed=11 + i)
+        for i in range(n_seqs)
+    ]
     ref = _proposer(model, graphs=False).propose(reqs, steps)
     got = _proposer(model, graphs=True).propose(reqs, steps)
     for a, b in zip(ref, got):
@@ -53,12 +62,18 @@ def test_graph_run_reports_no_graph_for_uncaptured_steps(model):
 
 
 def _mixed_requests():
-    return [ProposeRequest("s1", anchor=9, seed=3), ProposeRequest("s2", anchor=4, temperature=1.0, top_m=4, seed=5),
-            ProposeRequest("s4", anchor=2, seed=6), ProposeRequest("new", anchor=1, seed=7)]
+    return [
+        ProposeRequest("s1", anchor=9, seed=3),
+        ProposeRequest("s2", anchor=4, temperature=1.0, top_m=4, seed=5),
+        ProposeRequest("s4", anchor=2, seed=6),
+        ProposeRequest("new", anchor=1, seed=7),
+    ]
 
 
-@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
-                    reason="torch.compile (inductor) needs a C++ compiler")
+@pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None,
+    reason="torch.compile (inductor) needs a C++ compiler",
+)
 def test_compiled_drafts_equal_eager(model):
     ref, comp = _proposer(model, graphs=False), _proposer(model, graphs=False)
     report = comp.enable_compile(steps=(1,))  # with the warm-up's variants
@@ -82,7 +97,9 @@ def test_compile_failure_falls_back_to_eager(model, monkeypatch, caplog):
     def broken(fn, **kw):
         def run(*a):
             raise RuntimeError("no C++ compiler (simulated)")
+
         return run
+
     monkeypatch.setattr(compiled.torch, "compile", broken)
     ref, comp = _proposer(model, graphs=False), _proposer(model, graphs=False)
     model.__dict__.pop("_compiled_methods", None)  # compile anew, through the broken torch.compile
@@ -97,8 +114,10 @@ def test_compile_failure_falls_back_to_eager(model, monkeypatch, caplog):
         model.__dict__.pop("_compiled_methods", None)
 
 
-@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
-                    reason="torch.compile (inductor) needs a C++ compiler")
+@pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None,
+    reason="torch.compile (inductor) needs a C++ compiler",
+)
 def test_compiled_drafter_sees_weight_changes(tmp_path, caplog):
     """Compiling freezes the weights into the program: after an in-place update the drafter
     must draft with the new weights (eagerly), not the frozen ones."""
@@ -111,8 +130,13 @@ def test_compiled_drafter_sees_weight_changes(tmp_path, caplog):
     # One drafting pass as the proposer runs it (one row with context, shared noise).
     H, K = fresh.cfg.target_hidden_size, fresh.cfg.block_size
     ctx = comp.cross_context(["s1"])
-    args = (torch.randn(1, 1, H).expand(1, K, H), fresh.modulations(0.0, 1.0, 1), torch.tensor([9]), ctx.kv,
-            ctx.lengths)
+    args = (
+        torch.randn(1, 1, H).expand(1, K, H),
+        fresh.modulations(0.0, 1.0, 1),
+        torch.tensor([9]),
+        ctx.kv,
+        ctx.lengths,
+    )
     with torch.inference_mode():
         old = comp._evaluate_greedy(*args)[0]
         with torch.no_grad():

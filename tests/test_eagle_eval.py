@@ -12,15 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from drafter_service.checkpoint import init_drafter, save_drafter
-from drafter_service.checkpoint import checkpoint_kind
+from drafter_service.checkpoint import checkpoint_kind, init_drafter, save_drafter
 from drafter_service.eagle import EagleProposer, init_eagle, load_eagle, rollout_mask, save_eagle
 from drafter_service.flashmap_proposer import FlashMapProposer
-from flashmap.types import ProposeRequest
-from flashmap.inprocess import decode
-from flashmap.types import SamplingParams
-from flashmap.types import GenerationRequest
 from flashmap.checkpoint import CheckpointError
+from flashmap.inprocess import decode
+from flashmap.types import GenerationRequest, ProposeRequest, SamplingParams
 
 TINY = dict(n_heads=4, n_layers=1, block_size=16, train_depth=3)
 
@@ -75,11 +72,17 @@ def test_proposer_chain_matches_training_rollout(world):
     prop.extend("a", ctx[:4], feats[:4])  # two extends: the finalized-position bookkeeping
     prop.extend("a", ctx[4:], feats[4:])
     prop.extend("b", ctx[:3], feats[:3])
-    d_b, d_a, d_new = prop.propose([ProposeRequest("b", 3), ProposeRequest("a", anchor), ProposeRequest("new", 2)])
+    d_b, d_a, d_new = prop.propose(
+        [ProposeRequest("b", 3), ProposeRequest("a", anchor), ProposeRequest("new", 2)]
+    )
     seq = np.concatenate([ctx, [anchor], d_a.tokens])
-    junk = rng.standard_normal((len(seq) - L, F)).astype(np.float32)  # features past the context are not used
+    junk = rng.standard_normal((len(seq) - L, F)).astype(
+        np.float32
+    )  # features past the context are not used
     with torch.no_grad():
-        outs = model.rollout(torch.from_numpy(np.concatenate([feats, junk]))[None], torch.from_numpy(seq)[None], 16)
+        outs = model.rollout(
+            torch.from_numpy(np.concatenate([feats, junk]))[None], torch.from_numpy(seq)[None], 16
+        )
         pred = [int(model.logits(outs[s][0, L - 1 + s]).argmax()) for s in range(16)]
     assert pred == d_a.tokens.tolist()
     # alone (no batching) it is the same chain; truncate rolls the context back
@@ -104,7 +107,12 @@ def _greedy_world(world, seed: int, n: int, max_new: int):
     model = randomize(init_eagle(target, seed=1, **TINY)).eval()
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, 500, size=int(rng.integers(3, 12))).tolist() for _ in range(n)]
-    return engine, model, prompts, lambda: [GenerationRequest(p, max_new, SamplingParams()) for p in prompts]
+    return (
+        engine,
+        model,
+        prompts,
+        lambda: [GenerationRequest(p, max_new, SamplingParams()) for p in prompts],
+    )
 
 
 def test_eagle_is_lossless_in_decode(world):
@@ -114,13 +122,21 @@ def test_eagle_is_lossless_in_decode(world):
     assert [r.token_ids for r in out] == base
     assert all(r.stats.drafts > 0 for r in out)
     # T > 0 runs through the exact sampler (support + q) without error
-    out = decode(engine, [GenerationRequest(p, 16, SamplingParams(temperature=1.0, seed=i))
-                          for i, p in enumerate(prompts)], EagleProposer(model, n_slots=2, max_context=96))
+    out = decode(
+        engine,
+        [
+            GenerationRequest(p, 16, SamplingParams(temperature=1.0, seed=i))
+            for i, p in enumerate(prompts)
+        ],
+        EagleProposer(model, n_slots=2, max_context=96),
+    )
     assert all(len(r.token_ids) > 0 for r in out)
 
 
-@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
-                    reason="torch.compile (inductor) needs a C++ compiler")
+@pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None,
+    reason="torch.compile (inductor) needs a C++ compiler",
+)
 def test_compiled_chain_is_lossless_in_decode(world):
     """enable_compile: the chain step through torch.compile, batched decode (2 slots) as above."""
     engine, model, _, reqs = _greedy_world(world, seed=2, n=3, max_new=20)
@@ -128,7 +144,11 @@ def test_compiled_chain_is_lossless_in_decode(world):
     prop = EagleProposer(model, n_slots=2, max_context=96)
     prop.enable_compile(warmup=False)
     out = decode(engine, reqs(), prop)
-    assert [r.token_ids for r in out] == [r.token_ids for r in eager] == [r.token_ids for r in decode(engine, reqs())]
+    assert (
+        [r.token_ids for r in out]
+        == [r.token_ids for r in eager]
+        == [r.token_ids for r in decode(engine, reqs())]
+    )
     assert [r.stats.accepted for r in out] == [r.stats.accepted for r in eager]  # the same drafts
     assert prop._step.failed is None
 
@@ -142,7 +162,15 @@ def test_training_step_lowers_loss_and_cli(world, tmp_path):
     prompts = [rng.integers(0, 500, size=int(rng.integers(3, 9))).tolist() for _ in range(4)]
     data = root / "data"
     if not data.exists():
-        dd.build(engine, prompts, data, max_new_tokens=16, chunk_size=4, target_dir=target, progress=False)
+        dd.build(
+            engine,
+            prompts,
+            data,
+            max_new_tokens=16,
+            chunk_size=4,
+            target_dir=target,
+            progress=False,
+        )
     model = init_eagle(target, seed=0, **TINY).train()
     batch = te.make_seq_batch(te.SequenceStream(data).take(0, 4), 256)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
@@ -157,8 +185,24 @@ def test_training_step_lowers_loss_and_cli(world, tmp_path):
     assert {"ce0", "acc0", "ce2", "acc2"} <= set(stats)
 
     out = tmp_path / "eagle"
-    common = ["--target", str(target), "--data", str(data), "--out", str(out), "--small", "--batch-size", "2",
-              "--n-heads", "4", "--train-depth", "2", "--log-every", "1", "--no-progress"]
+    common = [
+        "--target",
+        str(target),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--small",
+        "--batch-size",
+        "2",
+        "--n-heads",
+        "4",
+        "--train-depth",
+        "2",
+        "--log-every",
+        "1",
+        "--no-progress",
+    ]
     assert te.main([*common, "--steps", "2"]) == 0
     assert te.main([*common, "--steps", "3", "--resume"]) == 0
     assert torch.load(out / te.STATE_FILE, weights_only=False)["step"] == 3
@@ -174,7 +218,10 @@ def test_save_load_round_trip_and_target_check(world, tmp_path):
     cfg = json.loads((tmp_path / "e" / "config.json").read_text())
     assert cfg["kind"] == "eagle" and cfg["format"] == "flashmap-drafter"
     from safetensors.torch import load_file
-    assert not {"embed", "lm_head"} & set(load_file(str(tmp_path / "e" / "model.safetensors")))  # trainable only
+
+    assert not {"embed", "lm_head"} & set(
+        load_file(str(tmp_path / "e" / "model.safetensors"))
+    )  # trainable only
     back = load_eagle(tmp_path / "e", target)
     assert all(torch.equal(v, back.state_dict()[k]) for k, v in model.state_dict().items())
     feats = np.random.default_rng(0).standard_normal((5, model.cfg.feature_dim)).astype(np.float32)
@@ -185,10 +232,13 @@ def test_save_load_round_trip_and_target_check(world, tmp_path):
         drafts.append(p.propose([ProposeRequest("s", 3)])[0].tokens.tolist())
     assert drafts[0] == drafts[1]
     from target_service.random_checkpoint import make_random_qwen3
+
     other = make_random_qwen3(root / "other", with_tokenizer=False, seed=7)
     with pytest.raises(CheckpointError, match="another target"):
         load_eagle(tmp_path / "e", other)
-    save_drafter(init_drafter(target, dim=64, n_blocks=1, n_heads=4, time_freq_dim=32), tmp_path / "f")
+    save_drafter(
+        init_drafter(target, dim=64, n_blocks=1, n_heads=4, time_freq_dim=32), tmp_path / "f"
+    )
     with pytest.raises(CheckpointError, match="not an EAGLE"):
         load_eagle(tmp_path / "f", target)
 
@@ -198,26 +248,68 @@ def test_eval_end_to_end_and_resume(world, tmp_path):
 
     _, target, _ = world
     small = dict(dim=64, n_blocks=1, n_heads=4, time_freq_dim=32)
-    save_drafter(init_drafter(target, seed=0, shared_noise=True, **small), tmp_path / "fm")  # has a shuffle pair
+    save_drafter(
+        init_drafter(target, seed=0, shared_noise=True, **small), tmp_path / "fm"
+    )  # has a shuffle pair
     save_drafter(init_drafter(target, seed=1, kind="dflash", **small), tmp_path / "df")
     save_eagle(init_eagle(target, seed=0, **TINY), tmp_path / "eg")
     rng = np.random.default_rng(3)
     with open(tmp_path / "prompts.jsonl", "w") as f:
         for i, dom in enumerate(["code", "math", "code"]):
-            rec = {"domain": dom, "id": f"{dom}-{i}", "prompt_ids": rng.integers(0, 500, 6).tolist()}
+            rec = {
+                "domain": dom,
+                "id": f"{dom}-{i}",
+                "prompt_ids": rng.integers(0, 500, 6).tolist(),
+            }
             f.write(json.dumps(rec) + "\n")
     out = tmp_path / "results"
-    argv = ["--target", str(target), "--flashmap", str(tmp_path / "fm"), "--dflash", str(tmp_path / "df"),
-            "--dflash-start", str(tmp_path / "df"), "--eagle", str(tmp_path / "eg"), "--prompts", str(tmp_path / "prompts.jsonl"), "--max-prompts", "1",
-            "--max-new-tokens", "10", "--teacher-steps", "3", "--out-dir", str(out), "--no-progress", "--threads", "1",
-            "--min-confidence", "0.3"]
+    argv = [
+        "--target",
+        str(target),
+        "--flashmap",
+        str(tmp_path / "fm"),
+        "--dflash",
+        str(tmp_path / "df"),
+        "--dflash-start",
+        str(tmp_path / "df"),
+        "--eagle",
+        str(tmp_path / "eg"),
+        "--prompts",
+        str(tmp_path / "prompts.jsonl"),
+        "--max-prompts",
+        "1",
+        "--max-new-tokens",
+        "10",
+        "--teacher-steps",
+        "3",
+        "--out-dir",
+        str(out),
+        "--no-progress",
+        "--threads",
+        "1",
+        "--min-confidence",
+        "0.3",
+    ]
     assert ev.main(argv) == 0
     report = (out / "eval.md").read_text()
-    for needle in ("Command: `python -m training.evaluate", "Machine:", "FlashMap, 1 step", "FlashMap, 2 steps",
-                   "teacher flow, 3 Euler steps", "DFlash-style", "FlashMap's warm start", "EAGLE-style chain", "Shuffle test",
-                   "Conditional acceptance per slot", "code T=0", "math T=1"):
+    for needle in (
+        "Command: `python -m training.evaluate",
+        "Machine:",
+        "FlashMap, 1 step",
+        "FlashMap, 2 steps",
+        "teacher flow, 3 Euler steps",
+        "DFlash-style",
+        "FlashMap's warm start",
+        "EAGLE-style chain",
+        "Shuffle test",
+        "Conditional acceptance per slot",
+        "code T=0",
+        "math T=1",
+    ):
         assert needle in report, needle
-    assert (out / "eval_acceptance.png").stat().st_size > 0 and (out / "eval_conditional.png").stat().st_size > 0
+    assert (out / "eval_acceptance.png").stat().st_size > 0 and (
+        out / "eval_conditional.png"
+    ).stat().st_size > 0
     cells = json.loads((out / "eval_cells.json").read_text())["cells"]
     # 6 methods + 3 shuffle rows, 2 domains, 2 temperatures; the tree and the two cut rows at T = 0 only
     assert len(cells) == 9 * 2 * 2 + 3 * 2
@@ -253,7 +345,12 @@ def test_per_slot_counts():
     for drafted, accepted in [(4, 4), (4, 0), (2, 1), (3, 2)]:
         s.record_round(drafted, accepted)
     # slot 1: drafted in all 4 rounds, accepted in 3; slot 2: 3 rounds reached it, accepted in 2 ...
-    assert s.verified_per_slot.tolist() == [4, 3, 2, 1] and s.accepted_per_slot.tolist() == [3, 2, 1, 1]
+    assert s.verified_per_slot.tolist() == [4, 3, 2, 1] and s.accepted_per_slot.tolist() == [
+        3,
+        2,
+        1,
+        1,
+    ]
     assert s.drafted_per_slot.tolist() == [4, 4, 3, 2]
     assert np.allclose(s.conditional_acceptance(), [0.75, 2 / 3, 0.5, 1.0])
 
@@ -265,21 +362,37 @@ def test_paired_timing_runs_every_prompt_with_every_method(world, monkeypatch):
     from training import evaluate as ev
 
     _, target, engine = world
-    proposer = FlashMapProposer(init_drafter(target, seed=0, dim=64, n_blocks=1, n_heads=4), n_slots=1,
-                                max_context=engine.max_seq_len)
+    proposer = FlashMapProposer(
+        init_drafter(target, seed=0, dim=64, n_blocks=1, n_heads=4),
+        n_slots=1,
+        max_context=engine.max_seq_len,
+    )
     order, real = [], inprocess.decode
 
     def spy(engine_, reqs, proposer_, *a):
         order.append(("alone" if proposer_ is None else "fm", reqs[0].request_id))
         return real(engine_, reqs, proposer_, *a)
+
     monkeypatch.setattr(inprocess, "decode", spy)
     prompts = [{"id": f"p{i}", "ids": [3 + i, 7, 11, 2 * i]} for i in range(2)]
-    runs = ev.run_paired(engine, prompts, 0.0, 8, 0, {"alone": (None, 1, 1), "fm": (proposer, 1, 1)}, repeats=2)
-    assert order == [("alone", "p0"), ("fm", "p0"), ("alone", "p1"), ("fm", "p1"),
-                     ("fm", "p0"), ("alone", "p0"), ("fm", "p1"), ("alone", "p1")]
+    runs = ev.run_paired(
+        engine, prompts, 0.0, 8, 0, {"alone": (None, 1, 1), "fm": (proposer, 1, 1)}, repeats=2
+    )
+    assert order == [
+        ("alone", "p0"),
+        ("fm", "p0"),
+        ("alone", "p1"),
+        ("fm", "p1"),
+        ("fm", "p0"),
+        ("alone", "p0"),
+        ("fm", "p1"),
+        ("alone", "p1"),
+    ]
     once = ev.run_prompts(engine, prompts, 0.0, 8, 0, proposer)
     for name in ("alone", "fm"):
-        assert len(runs[name]["prompt_walls"]) == 2 and runs[name]["wall_s"] == sum(runs[name]["prompt_walls"])
+        assert len(runs[name]["prompt_walls"]) == 2 and runs[name]["wall_s"] == sum(
+            runs[name]["prompt_walls"]
+        )
     assert runs["fm"]["outputs"] == runs["alone"]["outputs"] == once["outputs"]
     assert (runs["fm"]["drafts"], runs["fm"]["accepted"]) == (once["drafts"], once["accepted"])
     assert runs["alone"]["drafts"] == 0 and runs["fm"]["drafts"] > 0

@@ -4,8 +4,17 @@ import numpy as np
 import pytest
 import torch
 
-from drafter_service.flow_time import (check_knots, correct_decode_prob, embedded_decode_prob, embedded_time_knots,
-                                       map_tau_of_t, map_time_grid, t_of_tau, tau_of_t, time_grid)
+from drafter_service.flow_time import (
+    check_knots,
+    correct_decode_prob,
+    embedded_decode_prob,
+    embedded_time_knots,
+    map_tau_of_t,
+    map_time_grid,
+    t_of_tau,
+    tau_of_t,
+    time_grid,
+)
 
 VOCABS = [2, 512, 151936]
 
@@ -39,7 +48,9 @@ def test_decode_prob_matches_monte_carlo(V, t):
     p_mc = (x.argmax(1) == y).mean()
     p = float(correct_decode_prob(np.array(t), V))
     assert abs(p - p_mc) < 4 * np.sqrt(p * (1 - p) / n) + 1e-3
-    assert abs(float(correct_decode_prob(np.array(0.0), V)) - 1 / V) < 1e-9  # symmetry at pure noise
+    assert (
+        abs(float(correct_decode_prob(np.array(0.0), V)) - 1 / V) < 1e-9
+    )  # symmetry at pure noise
 
 
 def test_numpy_torch_float_agree():
@@ -69,6 +80,7 @@ def test_time_grid(steps):
 
 # ----------------------------------------------------------------------------- embedded map
 
+
 def _bayes_accuracy_direct(E: torch.Tensor, t: float, n: int, seed: int) -> float:
     """Accuracy of the Bayes decoder of y from y_t = (1-t) eps @ E + t E_y, simulated in
     vocabulary space (eps ~ N(0, I_V)) and decoded with the Gaussian likelihood directly."""
@@ -78,7 +90,9 @@ def _bayes_accuracy_direct(E: torch.Tensor, t: float, n: int, seed: int) -> floa
     y = torch.randint(0, V, (n,), generator=g)
     yt = (1 - t) * torch.randn(n, V, generator=g, dtype=torch.float64) @ E + t * E[y]
     G_inv = torch.linalg.pinv(E.T @ E)
-    score = t * yt @ G_inv @ E.T - 0.5 * t * t * ((E @ G_inv) * E).sum(-1)  # log-likelihood up to a constant
+    score = t * yt @ G_inv @ E.T - 0.5 * t * t * ((E @ G_inv) * E).sum(
+        -1
+    )  # log-likelihood up to a constant
     return float((score.argmax(-1) == y).double().mean())
 
 
@@ -93,7 +107,9 @@ def test_embedded_map_with_identity_embedding_is_the_vocab_map():
 
 @pytest.mark.parametrize("t", [0.8, 0.9])
 def test_critical_snr_matches_a_direct_bayes_decoder(t):
-    E = torch.randn(128, 16, generator=torch.Generator().manual_seed(3)) * torch.linspace(0.2, 3, 16)
+    E = torch.randn(128, 16, generator=torch.Generator().manual_seed(3)) * torch.linspace(
+        0.2, 3, 16
+    )
     n = 20000
     p_e = float(embedded_decode_prob(np.array(t), E, samples=n, seed=1))
     p_direct = _bayes_accuracy_direct(E, t, n, seed=2)
@@ -124,13 +140,19 @@ def test_config_time_maps_and_legacy_configs():
     assert back.time_map == "embedded" and back.time_table_t == t_k  # stored, not recomputed
     g = map_time_grid(4, back)
     np.testing.assert_allclose(map_tau_of_t(g, back), np.linspace(0, 1, 5), atol=1e-9)
-    old = {k: v for k, v in cfg.to_dict().items() if k not in ("time_map", "state_input", "time_table_t",
-                                                               "time_table_tau", "time_map_samples")}
+    old = {
+        k: v
+        for k, v in cfg.to_dict().items()
+        if k
+        not in ("time_map", "state_input", "time_table_t", "time_table_tau", "time_map_samples")
+    }
     legacy = DrafterConfig.from_dict(old)  # a config.json written before the embedded map
     assert legacy.time_map == "vocab" and legacy.state_input == "rms"
     np.testing.assert_allclose(map_time_grid(3, legacy), time_grid(3, 256))
     with pytest.raises(ValueError):
-        DrafterConfig(**base, time_table_t=[0.0, 0.5, 1.0], time_table_tau=[0.0, 0.7, 0.6, 1.0]).validate()
+        DrafterConfig(
+            **base, time_table_t=[0.0, 0.5, 1.0], time_table_tau=[0.0, 0.7, 0.6, 1.0]
+        ).validate()
 
 
 def test_drafter_measures_its_map_and_whitens_its_state():
@@ -139,12 +161,23 @@ def test_drafter_measures_its_map_and_whitens_its_state():
 
     V, H = 512, 32
     E = torch.randn(V, H, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.1, 2.0, H)
-    cfg = DrafterConfig(dim=32, n_blocks=1, n_heads=2, time_freq_dim=16, vocab_size=V, target_hidden_size=H,
-                        target_num_layers=4, feature_layers=[1], time_map_samples=2048)
+    cfg = DrafterConfig(
+        dim=32,
+        n_blocks=1,
+        n_heads=2,
+        time_freq_dim=16,
+        vocab_size=V,
+        target_hidden_size=H,
+        target_num_layers=4,
+        feature_layers=[1],
+        time_map_samples=2048,
+    )
     model = FlashMapDiT(cfg, E, E)
     assert len(model.cfg.time_table_t) > 2  # measured on E when it was attached
     check_knots(model.cfg.time_table_t, model.cfg.time_table_tau)
-    np.testing.assert_allclose(model.time_grid(2)[1], np.interp(0.5, model.cfg.time_table_tau, model.cfg.time_table_t))
+    np.testing.assert_allclose(
+        model.time_grid(2)[1], np.interp(0.5, model.cfg.time_table_tau, model.cfg.time_table_t)
+    )
     noise = torch.randn(20000, V, generator=torch.Generator().manual_seed(1)) @ E  # eps @ E
     w = model.read_state(noise)
     np.testing.assert_allclose(torch.cov(w.T).numpy(), np.eye(H), atol=0.06)  # isotropic

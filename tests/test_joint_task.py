@@ -36,6 +36,7 @@ def test_task_is_hard_for_per_slot_marginals():
     mode0 = task.modes[c, 0].numpy()
     first = int(np.argmax(task.modes[c, 0] != task.modes[c, 1]))
     from flashmap.types import Draft
+
     g = fd.acceptance(jt.true_alpha(task, c, Draft.greedy(mode0)))
     p0 = float(task.probs[c, 0])
     assert g == pytest.approx(1 + first + p0 * (K - first))

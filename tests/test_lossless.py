@@ -22,20 +22,28 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from drafter_service.oracle import OracleProposer
 from drafter_service.factory import load_proposer
+from drafter_service.oracle import OracleProposer
 from flashmap.inprocess import decode
 from flashmap.speculation import ControllerConfig, SpeculationController
-from flashmap.types import SamplingParams
-from flashmap.types import GenerationRequest
+from flashmap.types import GenerationRequest, SamplingParams
 from target_service.engine import TargetEngine
 from target_service.random_checkpoint import make_random_qwen3
 
 CONFIGS = {
-    "4L-gqa2-untied": dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
-    "2L-mha-tied": dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
-    "6L-gqa4-untied": dict(num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2, head_dim=8,
-                           tie_word_embeddings=False),
+    "4L-gqa2-untied": dict(
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False
+    ),
+    "2L-mha-tied": dict(
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True
+    ),
+    "6L-gqa4-untied": dict(
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=False,
+    ),
 }
 N_PROMPTS, MAX_NEW = 20, 24
 
@@ -59,19 +67,25 @@ def _hf_greedy(model_dir, prompts, max_new):
                 top2 = torch.topk(logits, 2).values
                 min_gap = min(min_gap, float(top2[0] - top2[1]))
                 ids.append(int(logits.argmax()))
-            outs.append(ids[len(p):])
+            outs.append(ids[len(p) :])
     return outs, min_gap
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def target(request, tmp_path_factory):
-    path = make_random_qwen3(tmp_path_factory.mktemp(request.param), with_tokenizer=False, seed=len(request.param),
-                             **CONFIGS[request.param])
+    path = make_random_qwen3(
+        tmp_path_factory.mktemp(request.param),
+        with_tokenizer=False,
+        seed=len(request.param),
+        **CONFIGS[request.param],
+    )
     engine = TargetEngine(path, n_slots=N_PROMPTS)
     prompts = _prompts(engine.vocab_size, seed=len(request.param))
     reference, min_gap = _hf_greedy(path, prompts, MAX_NEW)
     assert min_gap > 1e-4, f"near-tie in the reference (top-2 gap {min_gap:.2e}): pick another seed"
-    return SimpleNamespace(name=request.param, path=path, engine=engine, prompts=prompts, reference=reference)
+    return SimpleNamespace(
+        name=request.param, path=path, engine=engine, prompts=prompts, reference=reference
+    )
 
 
 def _requests(prompts):
@@ -87,7 +101,9 @@ def test_engine_alone_matches_transformers(target):
 @pytest.mark.parametrize("steps", [1, 2])
 def test_untrained_drafter_is_lossless(target, steps):
     path, engine, prompts, reference = target.path, target.engine, target.prompts, target.reference
-    proposer = load_proposer("init", str(path), n_slots=N_PROMPTS, max_context=engine.max_seq_len, steps=steps)
+    proposer = load_proposer(
+        "init", str(path), n_slots=N_PROMPTS, max_context=engine.max_seq_len, steps=steps
+    )
     out = decode(engine, _requests(prompts), proposer, steps=steps)
     assert [r.token_ids for r in out] == reference
     assert all(r.stats.drafts > 0 for r in out)
@@ -100,13 +116,22 @@ def test_multi_step_decoding_is_lossless(target):
     path, engine, prompts, reference = target.path, target.engine, target.prompts, target.reference
     assert [r.token_ids for r in decode(engine, _requests(prompts), decode_steps=5)] == reference
     proposer = load_proposer("init", str(path), n_slots=N_PROMPTS, max_context=engine.max_seq_len)
-    out = decode(engine, _requests(prompts), proposer, controller=SpeculationController(
-        proposer.block_size, ControllerConfig(decode_steps=4)), decode_steps=4)
+    out = decode(
+        engine,
+        _requests(prompts),
+        proposer,
+        controller=SpeculationController(proposer.block_size, ControllerConfig(decode_steps=4)),
+        decode_steps=4,
+    )
     assert [r.token_ids for r in out] == reference
-    sampled = lambda: [GenerationRequest(p, MAX_NEW, SamplingParams(0.8, top_k=20, seed=i))  # noqa: E731
-                       for i, p in enumerate(prompts)]
+    sampled = lambda: [
+        GenerationRequest(p, MAX_NEW, SamplingParams(0.8, top_k=20, seed=i))  # noqa: E731
+        for i, p in enumerate(prompts)
+    ]
     one = decode(engine, sampled())
-    assert [r.token_ids for r in decode(engine, sampled(), decode_steps=3)] == [r.token_ids for r in one]
+    assert [r.token_ids for r in decode(engine, sampled(), decode_steps=3)] == [
+        r.token_ids for r in one
+    ]
 
 
 def test_rows_without_features_while_speculation_is_off_are_lossless(target, monkeypatch):
@@ -117,8 +142,10 @@ def test_rows_without_features_while_speculation_is_off_are_lossless(target, mon
     proposer = load_proposer("init", str(path), n_slots=N_PROMPTS, max_context=engine.max_seq_len)
     rows, verify = [], engine.verify
     monkeypatch.setattr(engine, "verify", lambda batch: rows.extend(batch) or verify(batch))
-    controller = SpeculationController(proposer.block_size, ControllerConfig(decode_steps=4, lazy_features=True,
-                                                                             probe_every=2, max_probe_every=2))
+    controller = SpeculationController(
+        proposer.block_size,
+        ControllerConfig(decode_steps=4, lazy_features=True, probe_every=2, max_probe_every=2),
+    )
     out = decode(engine, _requests(prompts), proposer, controller=controller, decode_steps=4)
     assert [r.token_ids for r in out] == reference
     assert any(not r.features for r in rows if r.start_pos > 0), "no round went without features"
@@ -127,7 +154,7 @@ def test_rows_without_features_while_speculation_is_off_are_lossless(target, mon
 
 
 def test_oracle_full_accept_and_rejection_at_every_slot(target):
-    path, engine, prompts, reference = target.path, target.engine, target.prompts, target.reference
+    engine, prompts, reference = target.engine, target.prompts, target.reference
     # The 16 error slots are split over the three configs (every slot is covered once).
     config_index = list(CONFIGS).index(target.name)
     refs = [p + r for p, r in zip(prompts, reference)]
@@ -138,15 +165,20 @@ def test_oracle_full_accept_and_rejection_at_every_slot(target):
     first_round = [r.stats.accepted_per_slot for r in out]
     assert all(a[block - 1] >= 1 for a in first_round), "a full block of 16 was never accepted"
     for slot in range(1 + config_index, block + 1, len(CONFIGS)):
-        out = decode(engine, _requests(prompts), OracleProposer(refs, block, engine.vocab_size, error_slots=[slot]))
+        out = decode(
+            engine,
+            _requests(prompts),
+            OracleProposer(refs, block, engine.vocab_size, error_slots=[slot]),
+        )
         assert [r.token_ids for r in out] == reference, f"error at slot {slot} changed the output"
         for r in out:
             # Every round rejects at the error slot; all slots before it are accepted, except
             # in a last round whose token budget was shorter than the block.
             assert r.stats.accepted_per_slot[slot - 1] == 0
             if slot > 1:
-                assert 0 < r.stats.accepted_per_slot[0] - r.stats.accepted_per_slot[slot - 2] <= 1 or (
-                    r.stats.accepted_per_slot[0] == r.stats.accepted_per_slot[slot - 2] > 0)
+                assert 0 < r.stats.accepted_per_slot[0] - r.stats.accepted_per_slot[
+                    slot - 2
+                ] <= 1 or (r.stats.accepted_per_slot[0] == r.stats.accepted_per_slot[slot - 2] > 0)
 
 
 def test_tree_verification_is_lossless_and_takes_the_best_branch(target):
@@ -162,11 +194,18 @@ def test_tree_verification_is_lossless_and_takes_the_best_branch(target):
     assert acc(tree) > acc(chain)
     # The FlashMap drafter's blocks from independent noise, 1 and 2 jumps.
     for steps in (1, 2):
-        proposer = load_proposer("init", str(path), n_slots=N_PROMPTS, max_context=engine.max_seq_len, steps=steps)
+        proposer = load_proposer(
+            "init", str(path), n_slots=N_PROMPTS, max_context=engine.max_seq_len, steps=steps
+        )
         out = decode(engine, _requests(prompts), proposer, steps=steps, tree_blocks=4)
         assert [r.token_ids for r in out] == reference
     with pytest.raises(ValueError, match="greedy-only"):
-        decode(engine, [GenerationRequest(prompts[0], 4, SamplingParams(temperature=1.0))], oracle(), tree_blocks=2)
+        decode(
+            engine,
+            [GenerationRequest(prompts[0], 4, SamplingParams(temperature=1.0))],
+            oracle(),
+            tree_blocks=2,
+        )
     # Drafts cut short by the drafter's confidence (any length is exact), alone and in a tree.
     proposer = load_proposer("init", str(path), n_slots=N_PROMPTS, max_context=engine.max_seq_len)
     proposer.min_confidence = 0.3
@@ -193,10 +232,16 @@ def _exact_first3(model_dir, prompt, params: SamplingParams):
     with torch.inference_mode():
         logits = model(seqs, use_cache=False).logits[:, -3:]  # [64, 3, V]: after prompt, t1, t2
     n = logits.shape[0] * 3
-    probs = process_logits(
-        logits.reshape(n, -1), torch.full((n,), params.temperature), torch.full((n,), params.top_k),
-        torch.full((n,), params.top_p),
-    ).reshape(len(pairs), 3, -1).double()
+    probs = (
+        process_logits(
+            logits.reshape(n, -1),
+            torch.full((n,), params.temperature),
+            torch.full((n,), params.top_k),
+            torch.full((n,), params.top_p),
+        )
+        .reshape(len(pairs), 3, -1)
+        .double()
+    )
     p1 = probs[0, 0]  # the same in every row
     p2 = probs[torch.arange(0, len(pairs), V_TINY), 1]  # [t1, V]
     p3 = probs[:, 2].reshape(V_TINY, V_TINY, V_TINY)  # [t1, t2, V]
@@ -205,9 +250,18 @@ def _exact_first3(model_dir, prompt, params: SamplingParams):
 
 
 def _tiny_vocab_target(tmp_path):
-    return make_random_qwen3(tmp_path / "tiny-vocab", vocab_size=V_TINY, hidden_size=32, intermediate_size=64,
-                             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, with_tokenizer=False,
-                             seed=3, init_std=0.3)
+    return make_random_qwen3(
+        tmp_path / "tiny-vocab",
+        vocab_size=V_TINY,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        with_tokenizer=False,
+        seed=3,
+        init_std=0.3,
+    )
 
 
 def _first3_counts(engine, prompt, params, seed0: int, **decode_kw) -> tuple[np.ndarray, int]:
@@ -215,8 +269,16 @@ def _first3_counts(engine, prompt, params, seed0: int, **decode_kw) -> tuple[np.
     counts = np.zeros(V_TINY**3)
     accepted = 0
     for b in range(N_SAMPLES // BATCH):
-        reqs = [GenerationRequest(prompt, 3, SamplingParams(params.temperature, params.top_k, params.top_p,
-                                                            seed=seed0 + b * BATCH + i)) for i in range(BATCH)]
+        reqs = [
+            GenerationRequest(
+                prompt,
+                3,
+                SamplingParams(
+                    params.temperature, params.top_k, params.top_p, seed=seed0 + b * BATCH + i
+                ),
+            )
+            for i in range(BATCH)
+        ]
         for r in decode(engine, reqs, **decode_kw):
             t1, t2, t3 = r.token_ids
             counts[(t1 * V_TINY + t2) * V_TINY + t3] += 1
@@ -236,7 +298,11 @@ def _assert_follows(counts: np.ndarray, exact: np.ndarray) -> None:
     assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
 
 
-@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_k=5, top_p=0.9)], ids=["T1", "T0.7-k5-p0.9"])
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(1.0), SamplingParams(0.7, top_k=5, top_p=0.9)],
+    ids=["T1", "T0.7-k5-p0.9"],
+)
 def test_first_three_tokens_follow_the_target(tmp_path, params):
     path = _tiny_vocab_target(tmp_path)
     prompt = [1, 5, 2]

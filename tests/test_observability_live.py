@@ -27,35 +27,32 @@ Locally, a missing prometheus or tritonserver skips with the install line; under
 
 from __future__ import annotations
 
-import os
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import pytest
-
-from flashmap.metrics import TARGET_LABELS
 from prometheus_harness import (
-    need,
     ALERT_RULES,
     PrometheusServer,
     alert_expressions,
     dashboard_expressions,
     dashboard_variable_metrics,
     find_prometheus,
+    need,
     referenced_metrics,
     scrape,
     selectors,
 )
+
+from flashmap.metrics import TARGET_LABELS
 
 pytestmark = pytest.mark.timeout(300)
 
 N_SLOTS = 4
 MAX_SEQ_LEN = 256
 JOBS = ("flashmap-orchestrator", "flashmap-drafter", "triton")  # deploy/prometheus/prometheus.yml
-
-
 
 
 def tritonserver_available() -> bool:
@@ -80,11 +77,18 @@ def stack(tmp_path_factory):
     from flashmap_cli.stack import Stack, StackConfig
     from target_service.random_checkpoint import make_random_qwen3
 
-    ckpt = make_random_qwen3(tmp_path_factory.mktemp("target") / "qwen3", max_position_embeddings=MAX_SEQ_LEN)
+    ckpt = make_random_qwen3(
+        tmp_path_factory.mktemp("target") / "qwen3", max_position_embeddings=MAX_SEQ_LEN
+    )
     # speculation="full": the dashboards' acceptance panels need drafted rounds (the untrained
     # drafter would make the speculation controller turn drafting off).
-    cfg = StackConfig.on_free_ports(target_dir=str(ckpt), n_slots=N_SLOTS, max_seq_len=MAX_SEQ_LEN,
-                                    speculation="full", log_dir=str(tmp_path_factory.mktemp("logs")))
+    cfg = StackConfig.on_free_ports(
+        target_dir=str(ckpt),
+        n_slots=N_SLOTS,
+        max_seq_len=MAX_SEQ_LEN,
+        speculation="full",
+        log_dir=str(tmp_path_factory.mktemp("logs")),
+    )
     st = Stack(cfg).start()  # start() stops whatever it started when it fails
     try:
         yield st
@@ -104,12 +108,21 @@ def metrics_urls(stack) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def prometheus(request):
     """Prometheus scraping the stack, started before the traffic so it sees the counters grow."""
-    binary = need(find_prometheus(), "prometheus", "apt-get install -y prometheus")  # before the stack starts
+    binary = need(
+        find_prometheus(), "prometheus", "apt-get install -y prometheus"
+    )  # before the stack starts
     c = request.getfixturevalue("stack").cfg
-    ports = {"flashmap-orchestrator": c.metrics_port, "flashmap-drafter": c.drafter_metrics_port,
-             "triton": c.triton_metrics_port}
-    with PrometheusServer({job: [f"{c.host}:{ports[job]}"] for job in JOBS}, scrape_interval=1.0,
-                          rule_files=[ALERT_RULES], binary=binary) as prom:
+    ports = {
+        "flashmap-orchestrator": c.metrics_port,
+        "flashmap-drafter": c.drafter_metrics_port,
+        "triton": c.triton_metrics_port,
+    }
+    with PrometheusServer(
+        {job: [f"{c.host}:{ports[job]}"] for job in JOBS},
+        scrape_interval=1.0,
+        rule_files=[ALERT_RULES],
+        binary=binary,
+    ) as prom:
         prom.wait_for_targets_up(jobs=JOBS)
         yield prom
 
@@ -126,21 +139,37 @@ def traffic(stack) -> Traffic:
     """
     from flashmap.client import Client
 
-    jobs = [dict(prompt_ids=[3 + i, 17, 33, 9, 100 + i], max_new_tokens=16, temperature=0.0) for i in range(4)]
-    jobs += [dict(prompt_ids=[50 + i, 7, 7, 200 + i], max_new_tokens=48, temperature=50.0, seed=i,
-                  **({"draft_steps": 2} if i % 2 else {})) for i in range(8)]
+    jobs = [
+        dict(prompt_ids=[3 + i, 17, 33, 9, 100 + i], max_new_tokens=16, temperature=0.0)
+        for i in range(4)
+    ]
+    jobs += [
+        dict(
+            prompt_ids=[50 + i, 7, 7, 200 + i],
+            max_new_tokens=48,
+            temperature=50.0,
+            seed=i,
+            **({"draft_steps": 2} if i % 2 else {}),
+        )
+        for i in range(8)
+    ]
     t = Traffic()
     with Client(stack.cfg.url, timeout=120) as client, ThreadPoolExecutor(N_SLOTS) as pool:
         t.completions.extend(pool.map(lambda kw: _generate(client, **kw), jobs))
     t.t_end = time.time()
-    assert all(o.finish_reason == "length" for o in t.completions), [o.finish_reason for o in t.completions]
+    assert all(o.finish_reason == "length" for o in t.completions), [
+        o.finish_reason for o in t.completions
+    ]
     return t
 
 
 def sdk_totals(completions) -> dict:
     stats = [o.stats for o in completions]
     width = max(len(s.accepted_per_slot) for s in stats)
-    per_slot = [sum(s.accepted_per_slot[k] if k < len(s.accepted_per_slot) else 0 for s in stats) for k in range(width)]
+    per_slot = [
+        sum(s.accepted_per_slot[k] if k < len(s.accepted_per_slot) else 0 for s in stats)
+        for k in range(width)
+    ]
     drafts_by_steps = Counter()
     for s in stats:
         if s.drafts:
@@ -181,12 +210,16 @@ def test_prometheus_acceptance_matches_sdk_stats(prometheus, stack, traffic):
     assert value("sum(flashmap_num_accepted_tokens_total)") == sdk["accepted"]
 
     # Mean acceptance length, DESIGN.md's definition, through the HTTP API.
-    mean_gamma = value("1 + sum(flashmap_num_accepted_tokens_total) / sum(flashmap_num_drafts_total)")
+    mean_gamma = value(
+        "1 + sum(flashmap_num_accepted_tokens_total) / sum(flashmap_num_drafts_total)"
+    )
     assert mean_gamma == pytest.approx(1 + sdk["accepted"] / sdk["drafts"], rel=1e-12)
 
     # Per-slot acceptance: position p (1-based) is SDK slot p - 1; every slot of the block is
     # exported, zero or not.
-    by_pos = prom.by_label("sum by (position) (flashmap_num_accepted_tokens_per_pos_total)", "position")
+    by_pos = prom.by_label(
+        "sum by (position) (flashmap_num_accepted_tokens_per_pos_total)", "position"
+    )
     assert by_pos == {str(k + 1): float(n) for k, n in enumerate(sdk["per_slot"])}
     assert sum(by_pos.values()) == sdk["accepted"]
 
@@ -197,7 +230,8 @@ def test_prometheus_acceptance_matches_sdk_stats(prometheus, stack, traffic):
     # Labels: drafts split by step count as the requests asked, under the model and drafter
     # names ModelInfo reports.
     assert prom.by_label("sum by (steps) (flashmap_num_drafts_total)", "steps") == {
-        s: float(n) for s, n in sdk["drafts_by_steps"].items()}
+        s: float(n) for s, n in sdk["drafts_by_steps"].items()
+    }
     with Client(stack.cfg.url, timeout=30) as client:
         info = client.model_info()
     series = prom.query("sum by (model, drafter) (flashmap_num_drafts_total)")
@@ -219,8 +253,10 @@ def test_prometheus_acceptance_matches_sdk_stats(prometheus, stack, traffic):
         note = f"{int(sdk['accepted'])} draft tokens accepted, at positions {accepted_slots}"
     else:
         note = "no draft token was accepted: the per-slot check compared all zeros"
-    print(f"\nnote: {sdk['requests']} requests, {sdk['drafts']} drafts, mean acceptance length "
-          f"{mean_gamma:.4f}; {note}")
+    print(
+        f"\nnote: {sdk['requests']} requests, {sdk['drafts']} drafts, mean acceptance length "
+        f"{mean_gamma:.4f}; {note}"
+    )
 
 
 def test_dashboard_and_alert_expressions_evaluate_on_live_data(prometheus, traffic):
@@ -231,26 +267,45 @@ def test_dashboard_and_alert_expressions_evaluate_on_live_data(prometheus, traff
         if not prom.query(expr):  # raises PrometheusError on a bad expression
             empty.append(where)
     # Panels about the traffic that just ran must show data.
-    for title in ("Mean acceptance length", "Acceptance per slot", "Acceptance length distribution",
-                  "Tokens/s", "Time to first token", "Triton requests/s"):
-        assert not [w for w in empty if f"panel {title!r}" in w], f"{title!r} has no data; empty: {empty}"
+    for title in (
+        "Mean acceptance length",
+        "Acceptance per slot",
+        "Acceptance length distribution",
+        "Tokens/s",
+        "Time to first token",
+        "Triton requests/s",
+    ):
+        assert not [w for w in empty if f"panel {title!r}" in w], (
+            f"{title!r} has no data; empty: {empty}"
+        )
     for where, metric, label in dashboard_variable_metrics():
-        assert prom.api("label/" + label + "/values", **{"match[]": metric}), f"{where}: no {label} values"
+        assert prom.api("label/" + label + "/values", **{"match[]": metric}), (
+            f"{where}: no {label} values"
+        )
 
     # The untrained drafter's mean acceptance length is far below the rule's 1.5 floor, with
     # traffic: FlashMapAcceptanceCollapse must go pending (it fires only after 10 minutes).
     sdk = sdk_totals(traffic.completions)
     if sdk["drafts"] and 1 + sdk["accepted"] / sdk["drafts"] < 1.5:
+
         def pending():
-            return [a for a in prom.api("alerts")["alerts"]
-                    if a["labels"]["alertname"] == "FlashMapAcceptanceCollapse" and a["state"] in ("pending", "firing")]
+            return [
+                a
+                for a in prom.api("alerts")["alerts"]
+                if a["labels"]["alertname"] == "FlashMapAcceptanceCollapse"
+                and a["state"] in ("pending", "firing")
+            ]
 
         alerts = prom.wait_until(pending, timeout=20, what="FlashMapAcceptanceCollapse pending")
-        drafters = {row["drafter"] for row, _ in prom.query("sum by (drafter) (flashmap_num_drafts_total)")}
+        drafters = {
+            row["drafter"] for row, _ in prom.query("sum by (drafter) (flashmap_num_drafts_total)")
+        }
         assert {a["labels"]["drafter"] for a in alerts} == drafters
     rules = [r for g in prom.api("rules")["groups"] for r in g["rules"]]
     assert len(rules) == len(alert_expressions())
-    assert all(r["health"] in ("ok", "unknown") for r in rules), [(r["name"], r.get("lastError")) for r in rules]
+    assert all(r["health"] in ("ok", "unknown") for r in rules), [
+        (r["name"], r.get("lastError")) for r in rules
+    ]
 
 
 # =============================================================================================
@@ -283,14 +338,18 @@ def test_referenced_metrics_are_in_a_live_scrape(stack, traffic):
         for name, labels in names.items():
             exported.setdefault(name, set()).update(labels)
     missing = referenced_metrics() - set(exported)
-    assert not missing, f"used by the dashboard or alert rules but not in any /metrics: {sorted(missing)}"
+    assert not missing, (
+        f"used by the dashboard or alert rules but not in any /metrics: {sorted(missing)}"
+    )
 
     # Each label an expression matches on exists on the live series.
     for where, expr in dashboard_expressions() + alert_expressions():
         for sel in selectors(expr):
             if sel.name in exported:
                 used = {m.name for m in sel.matchers.matchers} - TARGET_LABELS - {"__name__"}
-                assert used <= exported[sel.name], f"{where}: {sel.name} has labels {sorted(exported[sel.name])}"
+                assert used <= exported[sel.name], (
+                    f"{where}: {sel.name} has labels {sorted(exported[sel.name])}"
+                )
     for where, metric, label in dashboard_variable_metrics():
         assert label in exported[metric], f"{where}: {metric} has no label {label}"
 

@@ -20,10 +20,14 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from stack_helpers import (
+    _poll,
+    _samples,
+    _total,
+)  # noqa: F401 - fixtures
 
 from flashmap.tokenizer import TextTokenizer
 from flashmap_cli.stack import Stack, StackConfig
-from stack_helpers import Reference, _poll, _samples, _total, one_thread_per_process, ref, target_dir  # noqa: F401 - fixtures
 
 VOCAB = 512
 
@@ -32,8 +36,14 @@ VOCAB = 512
 def stack(target_dir, tmp_path_factory):
     # speculation="full": per-request draft settings are checked on drafted rounds (the untrained
     # drafter would make the speculation controller turn drafting off).
-    cfg = StackConfig.on_free_ports(target_dir=str(target_dir), n_slots=2, max_queue=1, max_seq_len=1024,
-                                    speculation="full", log_dir=str(tmp_path_factory.mktemp("logs-openai")))
+    cfg = StackConfig.on_free_ports(
+        target_dir=str(target_dir),
+        n_slots=2,
+        max_queue=1,
+        max_seq_len=1024,
+        speculation="full",
+        log_dir=str(tmp_path_factory.mktemp("logs-openai")),
+    )
     with Stack(cfg) as st:
         yield st
 
@@ -41,7 +51,9 @@ def stack(target_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def oai(stack) -> openai.OpenAI:
     # No retries: a 429 or 503 must reach the test, not be retried away.
-    with openai.OpenAI(base_url=stack.cfg.http_url, api_key="unused", max_retries=0, timeout=120) as c:
+    with openai.OpenAI(
+        base_url=stack.cfg.http_url, api_key="unused", max_retries=0, timeout=120
+    ) as c:
         yield c
 
 
@@ -65,8 +77,15 @@ def _idle(stack) -> bool:
         drafter_active = admin.stats().active_sequences
     finally:
         admin.close()
-    triton_active = _total(_samples(stack.cfg.triton_metrics_port), "flashmap_target_active_sequences")
-    return h["active_requests"] == 0 and h["queued_requests"] == 0 and triton_active == 0 and drafter_active == 0
+    triton_active = _total(
+        _samples(stack.cfg.triton_metrics_port), "flashmap_target_active_sequences"
+    )
+    return (
+        h["active_requests"] == 0
+        and h["queued_requests"] == 0
+        and triton_active == 0
+        and drafter_active == 0
+    )
 
 
 # ============================================================================= the openai client
@@ -93,17 +112,36 @@ def test_completions_greedy_equal_the_target_alone(oai, model, ref):
     drafts = 0
     for p, exp in zip(prompts, expected):
         extra = {"ignore_eos": True, "return_token_ids": True}
-        r = oai.completions.create(model=model, prompt=p, max_tokens=max_new, temperature=0, extra_body=extra)
+        r = oai.completions.create(
+            model=model, prompt=p, max_tokens=max_new, temperature=0, extra_body=extra
+        )
         (c,) = r.choices
         assert c.token_ids == exp and c.prompt_token_ids == p
         assert c.finish_reason == "length"
-        assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (len(p), max_new, len(p) + max_new)
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
+            len(p),
+            max_new,
+            len(p) + max_new,
+        )
         fm = r.model_extra["flashmap"]
-        assert fm["rounds"] >= 1 and len(fm["accepted_per_slot"]) == 16 and "mean_acceptance_length" in fm
+        assert (
+            fm["rounds"] >= 1
+            and len(fm["accepted_per_slot"]) == 16
+            and "mean_acceptance_length" in fm
+        )
         drafts += fm["drafts"]
 
-        chunks = list(oai.completions.create(model=model, prompt=p, max_tokens=max_new, temperature=0, stream=True,
-                                             stream_options={"include_usage": True}, extra_body=extra))
+        chunks = list(
+            oai.completions.create(
+                model=model,
+                prompt=p,
+                max_tokens=max_new,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body=extra,
+            )
+        )
         ids = [t for ch in chunks for cc in ch.choices for t in cc.token_ids]
         assert ids == exp
         assert "".join(cc.text for ch in chunks for cc in ch.choices) == c.text
@@ -123,28 +161,52 @@ def test_chat_renders_the_checkpoint_template(oai, model, ref, target_dir):
     generation prompt); the answer equals the target alone on those ids, streamed or not."""
     from transformers import AutoTokenizer
 
-    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2 + 2?"},
-                {"role": "assistant", "content": "4."}, {"role": "user", "content": "And 3 + 3?"}]
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is 2 + 2?"},
+        {"role": "assistant", "content": "4."},
+        {"role": "user", "content": "And 3 + 3?"},
+    ]
     hf = AutoTokenizer.from_pretrained(target_dir)
-    prompt_ids = hf(hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
-                    add_special_tokens=False)["input_ids"]
+    prompt_ids = hf(
+        hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
+    )["input_ids"]
     max_new = 20
     (exp,) = ref([prompt_ids], max_new)
     extra = {"ignore_eos": True, "return_token_ids": True}
-    r = oai.chat.completions.create(model=model, messages=messages, max_completion_tokens=max_new, temperature=0,
-                                    extra_body=extra)
+    r = oai.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_completion_tokens=max_new,
+        temperature=0,
+        extra_body=extra,
+    )
     (c,) = r.choices
     assert c.prompt_token_ids == prompt_ids and c.token_ids == exp
     assert c.message.role == "assistant" and c.finish_reason == "length"
-    assert c.message.content == TextTokenizer(target_dir).decode(exp) or "\ufffd" in c.message.content
+    assert (
+        c.message.content == TextTokenizer(target_dir).decode(exp) or "\ufffd" in c.message.content
+    )
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
 
-    chunks = list(oai.chat.completions.create(model=model, messages=messages, max_tokens=max_new, temperature=0,
-                                              stream=True, extra_body=extra))
+    chunks = list(
+        oai.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=max_new,
+            temperature=0,
+            stream=True,
+            extra_body=extra,
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == c.message.content
     assert [t for ch in chunks for t in ch.choices[0].token_ids] == exp
-    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].object == "chat.completion.chunk"
+    assert (
+        chunks[-1].choices[0].finish_reason == "length"
+        and chunks[-1].object == "chat.completion.chunk"
+    )
     assert len({ch.id for ch in chunks}) == 1
 
 
@@ -155,11 +217,18 @@ def test_grpc_chat_messages_equal_the_http_chat(stack, oai, model):
     from flashmap.client import Client, InvalidArgument
 
     messages = [{"role": "user", "content": "Tell me a story."}]
-    r = oai.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
-                                    extra_body={"ignore_eos": True, "return_token_ids": True})
+    r = oai.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     with Client(stack.cfg.url, timeout=60) as c:
         out = c.generate(messages=messages, max_new_tokens=12, ignore_eos=True)
-        assert out.token_ids == r.choices[0].token_ids and out.prompt_tokens == r.usage.prompt_tokens
+        assert (
+            out.token_ids == r.choices[0].token_ids and out.prompt_tokens == r.usage.prompt_tokens
+        )
         with pytest.raises(InvalidArgument, match="messages must be a non-empty list"):
             c.generate(messages=[], max_new_tokens=4)
 
@@ -168,8 +237,12 @@ def test_grpc_chat_messages_equal_the_http_chat(stack, oai, model):
 def test_chat_default_max_tokens_and_eos(oai, model):
     """Without max_tokens a chat request may use the rest of the context and ends at the
     checkpoint's end-of-turn id (or its length), like any OpenAI chat model."""
-    r = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], temperature=0,
-                                    extra_body={"return_token_ids": True})
+    r = oai.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "hi"}],
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
     c = r.choices[0]
     assert c.finish_reason in ("stop", "length")
     assert r.usage.completion_tokens == len(c.token_ids) > 0
@@ -183,8 +256,13 @@ def test_stop_seed_and_sampling(oai, model, target_dir):
     sampled answer; top_k and top_p reach the sampler."""
     from flashmap.tokenizer import IncrementalDecoder
 
-    base = dict(model=model, prompt="the quick brown fox", max_tokens=24, temperature=0,
-                extra_body={"ignore_eos": True, "return_token_ids": True})
+    base = dict(
+        model=model,
+        prompt="the quick brown fox",
+        max_tokens=24,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     full = oai.completions.create(**base).choices[0]
     text = full.text
     # The server cuts ids and text at the same token (Orchestrator.stream), so pick a stop string
@@ -193,20 +271,28 @@ def test_stop_seed_and_sampling(oai, model, target_dir):
     dec.push(full.token_ids)
     assert dec.text == text
     starts = [e for e, nxt in zip(dec.ends, dec.ends[1:]) if nxt - e >= 2 and e > 0]
-    cut = next(e for e in starts if text.index(text[e:e + 2]) == e)
-    stop = text[cut:cut + 2]
+    cut = next(e for e in starts if text.index(text[e : e + 2]) == e)
+    stop = text[cut : cut + 2]
     for s in (stop, [stop, "never-appears"]):
         r = oai.completions.create(**base, stop=s)
         c = r.choices[0]
         assert c.text == text[:cut] and c.finish_reason == "stop"
-        assert c.token_ids == full.token_ids[:len(c.token_ids)] and r.usage.completion_tokens == len(c.token_ids)
+        assert c.token_ids == full.token_ids[
+            : len(c.token_ids)
+        ] and r.usage.completion_tokens == len(c.token_ids)
     streamed = list(oai.completions.create(**base, stop=stop, stream=True))
     assert "".join(ch.choices[0].text for ch in streamed) == text[:cut]
 
     # Speculation off: with drafts, the controller's timing-dependent draft lengths change how
     # the seeded generator is consumed, so equal seeds give equally distributed, not equal, text.
-    sampled = dict(model=model, prompt="the quick brown fox", max_tokens=16, temperature=1.0, top_p=0.9,
-                   extra_body={"ignore_eos": True, "top_k": 50, "max_draft_tokens": 0})
+    sampled = dict(
+        model=model,
+        prompt="the quick brown fox",
+        max_tokens=16,
+        temperature=1.0,
+        top_p=0.9,
+        extra_body={"ignore_eos": True, "top_k": 50, "max_draft_tokens": 0},
+    )
     a = oai.completions.create(**sampled, seed=5).choices[0].text
     assert oai.completions.create(**sampled, seed=5).choices[0].text == a
     others = {oai.completions.create(**sampled, seed=s).choices[0].text for s in (6, 7, 8)}
@@ -218,12 +304,20 @@ def test_per_request_draft_steps_and_speculation_off(oai, model, ref):
     p = _prompts(1, seed=3)[0]
     (exp,) = ref([p], 20)
     base = dict(model=model, prompt=p, max_tokens=20, temperature=0)
-    r2 = oai.completions.create(**base, extra_body={"ignore_eos": True, "return_token_ids": True, "draft_steps": 2})
+    r2 = oai.completions.create(
+        **base, extra_body={"ignore_eos": True, "return_token_ids": True, "draft_steps": 2}
+    )
     assert r2.choices[0].token_ids == exp
-    assert r2.model_extra["flashmap"]["draft_steps"] == 2 and r2.model_extra["flashmap"]["drafts"] > 0
-    off = oai.completions.create(**base, extra_body={"ignore_eos": True, "return_token_ids": True, "max_draft_tokens": 0})
+    assert (
+        r2.model_extra["flashmap"]["draft_steps"] == 2 and r2.model_extra["flashmap"]["drafts"] > 0
+    )
+    off = oai.completions.create(
+        **base, extra_body={"ignore_eos": True, "return_token_ids": True, "max_draft_tokens": 0}
+    )
     assert off.choices[0].token_ids == exp
-    assert off.model_extra["flashmap"]["drafts"] == 0 and off.model_extra["flashmap"]["rounds"] >= 19
+    assert (
+        off.model_extra["flashmap"]["drafts"] == 0 and off.model_extra["flashmap"]["rounds"] >= 19
+    )
 
 
 @pytest.mark.timeout(120)
@@ -242,10 +336,25 @@ def test_bad_requests_are_openai_errors(stack, oai, model):
         (dict(prompt=["a", "b"]), openai.BadRequestError, "one prompt", "prompt"),
         (dict(seed=-3), openai.BadRequestError, "seed", None),
         (dict(logprobs=2), openai.BadRequestError, "logprobs", "logprobs"),
-        (dict(presence_penalty=0.5), openai.BadRequestError, "presence_penalty", "presence_penalty"),
-        (dict(extra_body={"draft_step": 2}), openai.BadRequestError, "unsupported field 'draft_step'", "draft_step"),
+        (
+            dict(presence_penalty=0.5),
+            openai.BadRequestError,
+            "presence_penalty",
+            "presence_penalty",
+        ),
+        (
+            dict(extra_body={"draft_step": 2}),
+            openai.BadRequestError,
+            "unsupported field 'draft_step'",
+            "draft_step",
+        ),
         (dict(extra_body={"draft_steps": 0}), openai.BadRequestError, "draft_steps", None),
-        (dict(extra_body={"max_draft_tokens": -1}), openai.BadRequestError, "max_draft_tokens", None),
+        (
+            dict(extra_body={"max_draft_tokens": -1}),
+            openai.BadRequestError,
+            "max_draft_tokens",
+            None,
+        ),
         (dict(model="gpt-4o"), openai.NotFoundError, "does not exist", "model"),
     ]
     for kw, cls, words, param in cases:
@@ -259,12 +368,21 @@ def test_bad_requests_are_openai_errors(stack, oai, model):
         oai.chat.completions.create(model=model, messages=[])
     assert "messages" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
-        oai.chat.completions.create(model=model, messages=[{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])
+        oai.chat.completions.create(
+            model=model,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}],
+                }
+            ],
+        )
     assert "text content" in e.value.body["message"]
     # Raw HTTP: not JSON, unknown route.
     base = f"http://{stack.cfg.host}:{stack.cfg.http_port}"
-    r = httpx.post(f"{base}/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"})
+    r = httpx.post(
+        f"{base}/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"}
+    )
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     r = httpx.get(f"{base}/v1/nothing-here")
     assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
@@ -276,18 +394,28 @@ def test_bad_requests_are_openai_errors(stack, oai, model):
 def test_queue_full_is_429(stack, oai, model):
     """2 KV slots and a queue of 1: with 3 long requests in, a 4th gets 429 (streamed or not),
     and the three finish normally."""
-    long = dict(model=model, prompt="x", max_tokens=300, temperature=0, extra_body={"ignore_eos": True})
+    long = dict(
+        model=model, prompt="x", max_tokens=300, temperature=0, extra_body={"ignore_eos": True}
+    )
     base = f"http://{stack.cfg.host}:{stack.cfg.http_port}"
     with ThreadPoolExecutor(3) as pool:
         futs = [pool.submit(oai.completions.create, **long) for _ in range(3)]
-        _poll("2 active and 1 queued requests", lambda: (lambda h: h["active_requests"] == 2 and h["queued_requests"] == 1)(
-            httpx.get(f"{base}/health", timeout=10).json()), 60, 0.02)
+        _poll(
+            "2 active and 1 queued requests",
+            lambda: (lambda h: h["active_requests"] == 2 and h["queued_requests"] == 1)(
+                httpx.get(f"{base}/health", timeout=10).json()
+            ),
+            60,
+            0.02,
+        )
         for stream in (False, True):
             with pytest.raises(openai.RateLimitError) as e:
                 oai.completions.create(model=model, prompt="y", max_tokens=4, stream=stream)
             assert "queue full" in e.value.body["message"] and e.value.status_code == 429
         outs = [f.result() for f in futs]
-    assert all(o.choices[0].finish_reason == "length" and o.usage.completion_tokens == 300 for o in outs)
+    assert all(
+        o.choices[0].finish_reason == "length" and o.usage.completion_tokens == 300 for o in outs
+    )
 
 
 # ============================================================================= raw HTTP
@@ -297,8 +425,15 @@ def test_queue_full_is_429(stack, oai, model):
 def test_sse_framing(stack, model):
     """The stream is text/event-stream: `data: <json>` events separated by a blank line, chunks
     of one id, the finish chunk, the usage chunk, then `data: [DONE]` and nothing after it."""
-    body = {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 12, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 12,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", f"{stack.cfg.http_url}/chat/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
@@ -309,11 +444,15 @@ def test_sse_framing(stack, model):
     payloads = []
     for ev in events[:-2]:
         assert ev.startswith("data: ") and "\n" not in ev, repr(ev)
-        payloads.append(json.loads(ev[len("data: "):]))
+        payloads.append(json.loads(ev[len("data: ") :]))
     assert len({p["id"] for p in payloads}) == 1
     assert payloads[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     finish = [p for p in payloads if p["choices"] and p["choices"][0]["finish_reason"]]
-    assert len(finish) == 1 and finish[0]["choices"][0]["finish_reason"] == "length" and "flashmap" in finish[0]
+    assert (
+        len(finish) == 1
+        and finish[0]["choices"][0]["finish_reason"] == "length"
+        and "flashmap" in finish[0]
+    )
     assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["completion_tokens"] == 12
 
 
@@ -322,7 +461,14 @@ def test_client_disconnect_frees_the_slots(stack, model):
     """A client that goes away (mid-stream, or while waiting for a whole response) aborts its
     request: orchestrator, Triton and the drafter all let go of the sequence."""
     aborts0 = _total(_samples(stack.cfg.metrics_port), "flashmap_requests_total", status="abort")
-    body = {"model": model, "prompt": "abc", "max_tokens": 800, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {
+        "model": model,
+        "prompt": "abc",
+        "max_tokens": 800,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     got = 0
     with httpx.stream("POST", f"{stack.cfg.http_url}/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():
@@ -330,12 +476,22 @@ def test_client_disconnect_frees_the_slots(stack, model):
             if got >= 3:
                 break  # leaving the block closes the connection mid-stream
     assert got >= 3
-    _poll("orchestrator, target and drafter to be idle after a dropped stream", lambda: _idle(stack), 30, 0.1)
+    _poll(
+        "orchestrator, target and drafter to be idle after a dropped stream",
+        lambda: _idle(stack),
+        30,
+        0.1,
+    )
 
     # Non-streamed: the client's read timeout fires long before 800 tokens are done.
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{stack.cfg.http_url}/completions", json={**body, "stream": False}, timeout=1.5)
-    _poll("orchestrator, target and drafter to be idle after a dropped request", lambda: _idle(stack), 30, 0.1)
+    _poll(
+        "orchestrator, target and drafter to be idle after a dropped request",
+        lambda: _idle(stack),
+        30,
+        0.1,
+    )
     aborts1 = _total(_samples(stack.cfg.metrics_port), "flashmap_requests_total", status="abort")
     assert aborts1 - aborts0 == 2
 
@@ -377,12 +533,15 @@ class _StubOrchestrator:
         yield Outcome.failed(*self.failure)
 
 
-@pytest.mark.parametrize("failure,status,code", [
-    (("UNAVAILABLE", "target verify failed: Triton is down"), 503, "unavailable"),
-    (("RESOURCE_EXHAUSTED", "queue full (1 waiting requests)"), 429, "resource_exhausted"),
-    (("INTERNAL", "something broke"), 500, "internal"),
-    (RuntimeError("a bug"), 500, "internal"),
-])
+@pytest.mark.parametrize(
+    "failure,status,code",
+    [
+        (("UNAVAILABLE", "target verify failed: Triton is down"), 503, "unavailable"),
+        (("RESOURCE_EXHAUSTED", "queue full (1 waiting requests)"), 429, "resource_exhausted"),
+        (("INTERNAL", "something broke"), 500, "internal"),
+        (RuntimeError("a bug"), 500, "internal"),
+    ],
+)
 def test_failures_map_to_http_status(failure, status, code):
     import grpc
     from fastapi.testclient import TestClient
@@ -409,7 +568,11 @@ def test_error_after_the_stream_started_is_an_error_event():
 
     from orchestrator.openai_api import create_app
 
-    app = create_app(_StubOrchestrator(("after-a-piece", grpc.StatusCode.UNAVAILABLE, "target verify failed: gone")))
+    app = create_app(
+        _StubOrchestrator(
+            ("after-a-piece", grpc.StatusCode.UNAVAILABLE, "target verify failed: gone")
+        )
+    )
     with TestClient(app) as c:
         r = c.post("/v1/completions", json={"prompt": "hi", "stream": True})
     assert r.status_code == 200
@@ -417,13 +580,20 @@ def test_error_after_the_stream_started_is_an_error_event():
     assert json.loads(events[0][6:])["choices"][0]["text"] == "five"
     assert json.loads(events[1][6:])["error"]["message"] == "target verify failed: gone"
     assert events[-1] == "data: [DONE]"
-    client = openai.OpenAI(base_url="http://stub/v1", api_key="x", max_retries=0,
-                           http_client=httpx.Client(transport=httpx.MockTransport(
-                               lambda req: httpx.Response(200, headers={"content-type": "text/event-stream"},
-                                                          content=r.content))))
+    client = openai.OpenAI(
+        base_url="http://stub/v1",
+        api_key="x",
+        max_retries=0,
+        http_client=httpx.Client(
+            transport=httpx.MockTransport(
+                lambda req: httpx.Response(
+                    200, headers={"content-type": "text/event-stream"}, content=r.content
+                )
+            )
+        ),
+    )
     with pytest.raises(openai.APIError, match="gone"):
         list(client.completions.create(model="stub", prompt="hi", stream=True))
-
 
 
 def test_body_must_be_json():
@@ -434,9 +604,15 @@ def test_body_must_be_json():
     from orchestrator.openai_api import create_app
 
     with TestClient(create_app(_StubOrchestrator((grpc.StatusCode.UNAVAILABLE, "x")))) as c:
-        r = c.post("/v1/completions", content=b'{"prompt": "hi"}',
-                   headers={"content-type": "application/x-www-form-urlencoded"})
-        assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"]
+        r = c.post(
+            "/v1/completions",
+            content=b'{"prompt": "hi"}',
+            headers={"content-type": "application/x-www-form-urlencoded"},
+        )
+        assert (
+            r.status_code == 400
+            and "Content-Type: application/json" in r.json()["error"]["message"]
+        )
         r = c.post("/v1/chat/completions", json={"messages": "hi"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
         assert c.get("/v1/completions").status_code == 405

@@ -21,7 +21,6 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from prometheus_client import start_http_server  # noqa: E402
-
 from prometheus_harness import (  # noqa: E402
     PrometheusError,
     PrometheusServer,
@@ -55,7 +54,10 @@ def prometheus_bin():
 def test_grafana_to_promql():
     expr = 'sum(rate(x_total{model=~"$model", steps=~"${steps}"}[$__rate_interval]))'
     assert grafana_to_promql(expr) == 'sum(rate(x_total{model=~".*", steps=~".*"}[1m]))'
-    assert grafana_to_promql(expr, {"steps": "2"}, interval="10m") == 'sum(rate(x_total{model=~".*", steps=~"2"}[10m]))'
+    assert (
+        grafana_to_promql(expr, {"steps": "2"}, interval="10m")
+        == 'sum(rate(x_total{model=~".*", steps=~"2"}[10m]))'
+    )
 
 
 def test_dashboard_acceptance_queries_match_the_recorded_rounds(prometheus_bin):
@@ -79,13 +81,18 @@ def test_dashboard_acceptance_queries_match_the_recorded_rounds(prometheus_bin):
     drafter.step_count.labels(drafter="flashmap-test").set(1)
 
     orch_port, drafter_port = free_port(), free_port()
-    servers = [start_http_server(orch_port, addr="127.0.0.1", registry=orch.registry),
-               start_http_server(drafter_port, addr="127.0.0.1", registry=drafter.registry)]
+    servers = [
+        start_http_server(orch_port, addr="127.0.0.1", registry=orch.registry),
+        start_http_server(drafter_port, addr="127.0.0.1", registry=drafter.registry),
+    ]
     dead_port = free_port()  # nothing listens here
     try:
         with PrometheusServer(
-            {"flashmap-orchestrator": [f"127.0.0.1:{orch_port}"], "flashmap-drafter": [f"127.0.0.1:{drafter_port}"],
-             "dead": [f"127.0.0.1:{dead_port}"]},
+            {
+                "flashmap-orchestrator": [f"127.0.0.1:{orch_port}"],
+                "flashmap-drafter": [f"127.0.0.1:{drafter_port}"],
+                "dead": [f"127.0.0.1:{dead_port}"],
+            },
             scrape_interval=0.5,
         ) as prom:
             live = ["flashmap-orchestrator", "flashmap-drafter"]
@@ -103,12 +110,17 @@ def test_dashboard_acceptance_queries_match_the_recorded_rounds(prometheus_bin):
             # A labelled series only shows up once it was touched: scrape after the traffic. What
             # the scrape returns is the live test's source of truth for metric names.
             scraped = scrape(f"http://127.0.0.1:{orch_port}/metrics")
-            assert {"flashmap_num_accepted_tokens_per_pos_total", "flashmap_acceptance_length_bucket"} <= set(scraped)
+            assert {
+                "flashmap_num_accepted_tokens_per_pos_total",
+                "flashmap_acceptance_length_bucket",
+            } <= set(scraped)
             assert "position" in scraped["flashmap_num_accepted_tokens_per_pos_total"]
 
             every = [a for acc in rounds.values() for a in acc]
             mean_gamma = 1 + sum(every) / len(every)
-            per_slot = {str(k): sum(a >= k for a in every) / len(every) for k in range(1, BLOCK + 1)}
+            per_slot = {
+                str(k): sum(a >= k for a in every) / len(every) for k in range(1, BLOCK + 1)
+            }
 
             # Exact: raw counters after the final scrape.
             drafts = prom.scalar("sum(flashmap_num_drafts_total)")
@@ -118,23 +130,38 @@ def test_dashboard_acceptance_queries_match_the_recorded_rounds(prometheus_bin):
 
             # The dashboard's own expressions, over a window that holds every sample.
             window = "10m"
-            got = prom.scalar(grafana_to_promql(dashboard_expr("Mean acceptance length"), interval=window))
+            got = prom.scalar(
+                grafana_to_promql(dashboard_expr("Mean acceptance length"), interval=window)
+            )
             assert got == pytest.approx(mean_gamma, rel=1e-9)
-            by_steps = prom.by_label(grafana_to_promql(dashboard_expr("Mean acceptance length over time", "B"),
-                                                       interval=window), "steps")
-            assert by_steps == pytest.approx({s: 1 + sum(a) / len(a) for s, a in rounds.items()}, rel=1e-9)
-            slots = prom.by_label(grafana_to_promql(dashboard_expr("Acceptance per slot"), interval=window), "position")
+            by_steps = prom.by_label(
+                grafana_to_promql(
+                    dashboard_expr("Mean acceptance length over time", "B"), interval=window
+                ),
+                "steps",
+            )
+            assert by_steps == pytest.approx(
+                {s: 1 + sum(a) / len(a) for s, a in rounds.items()}, rel=1e-9
+            )
+            slots = prom.by_label(
+                grafana_to_promql(dashboard_expr("Acceptance per slot"), interval=window),
+                "position",
+            )
             assert slots == pytest.approx(per_slot, rel=1e-9, abs=1e-12)
             # Slot acceptances add up to mean acceptance length - 1.
             assert sum(slots.values()) == pytest.approx(mean_gamma - 1, rel=1e-9)
 
             # The histogram of gamma saw every round, with gamma = accepted + 1 <= BLOCK + 1.
             assert prom.scalar("sum(flashmap_acceptance_length_count)") == len(every)
-            assert prom.scalar(f'sum(flashmap_acceptance_length_bucket{{le="{BLOCK + 1}.0"}})') == len(every)
-            assert prom.scalar("sum(flashmap_acceptance_length_bucket{le=\"1.0\"})") == every.count(0)
+            assert prom.scalar(
+                f'sum(flashmap_acceptance_length_bucket{{le="{BLOCK + 1}.0"}})'
+            ) == len(every)
+            assert prom.scalar('sum(flashmap_acceptance_length_bucket{le="1.0"})') == every.count(0)
 
             # A drafter gauge through the dashboard's step-count panel.
-            steps_now = prom.by_label(grafana_to_promql(dashboard_expr("Drafter step count")), "drafter")
+            steps_now = prom.by_label(
+                grafana_to_promql(dashboard_expr("Drafter step count")), "drafter"
+            )
             assert steps_now == {"flashmap-test": 1.0}
 
             with pytest.raises(PrometheusError, match="bad_data|parse"):
@@ -142,6 +169,6 @@ def test_dashboard_acceptance_queries_match_the_recorded_rounds(prometheus_bin):
             proc = prom.proc
         assert proc.poll() is not None, "stop() must end the prometheus process"
     finally:
-        for httpd, thread in servers:
+        for httpd, _thread in servers:
             httpd.shutdown()
             httpd.server_close()

@@ -1,7 +1,6 @@
 """The committed gRPC code is what the .proto files generate (fails when stale)."""
 
 import importlib.util
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -17,7 +16,9 @@ def test_generated_code_is_fresh(tmp_path):
     for f in fresh:
         committed = ROOT / "flashmap" / "v1" / f.name
         assert committed.is_file(), f"{committed} missing: run python proto/generate.py"
-        assert committed.read_text() == f.read_text(), f"{committed.name} is stale: run python proto/generate.py"
+        assert committed.read_text() == f.read_text(), (
+            f"{committed.name} is stale: run python proto/generate.py"
+        )
     committed_names = {p.name for p in (ROOT / "flashmap" / "v1").glob("*_pb2*.py*")}
     assert committed_names == {f.name for f in fresh}, "generated files without a .proto"
 

@@ -21,9 +21,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from stack_helpers import one_thread_per_process  # noqa: F401 - autouse fixture
 
 from flashmap_cli.stack import DEMO_DRAFTER, DEMO_TARGET, Stack, StackConfig
-from stack_helpers import one_thread_per_process  # noqa: F401 - autouse fixture
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 README = (REPO_ROOT / "README.md").read_text()
@@ -31,7 +31,7 @@ README = (REPO_ROOT / "README.md").read_text()
 # What the demo target answers (its chat bank, and the Fibonacci loop of its coding tasks).
 EXPECTED = {
     "What can you do?": "I can explain functions from the Python standard library, write small Python functions, "
-                        "and solve arithmetic and word problems step by step.",
+    "and solve arithmetic and word problems step by step.",
     "Thanks a lot!": "You're welcome!",
     "def fibonacci(n)": "    for i in range(n):\n        a, b = b, a + b\n    return a\n",
 }
@@ -43,18 +43,26 @@ def _blocks(lang: str) -> list[str]:
 
 def _commands(block: str) -> list[str]:
     """Shell commands of a block, continuation lines joined."""
-    return [c.strip() for c in block.replace("\\\n", " ").splitlines() if c.strip() and not c.startswith("#")]
+    return [
+        c.strip()
+        for c in block.replace("\\\n", " ").splitlines()
+        if c.strip() and not c.startswith("#")
+    ]
 
 
 def _expected(text: str) -> str:
     hits = [answer for prompt, answer in EXPECTED.items() if prompt in text]
-    assert len(hits) == 1, f"README example without a known answer (add it to EXPECTED): {text[:120]!r}"
+    assert len(hits) == 1, (
+        f"README example without a known answer (add it to EXPECTED): {text[:120]!r}"
+    )
     return hits[0]
 
 
 def _env(**extra) -> dict:
     env = {**os.environ, **extra}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(
+        os.pathsep
+    )
     return env
 
 
@@ -63,27 +71,42 @@ def _flashmap(cmd: str) -> str:
 
 
 def _run(cmd: str, env: dict, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "-c", cmd], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        ["bash", "-c", cmd], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_readme_opens_with_exactly_two_setup_commands():
     first = _blocks("bash")[0]
     assert README.startswith(f"# FlashMap Serve\n\n```bash\n{first}```")
-    assert [c.split("#")[0].strip() for c in _commands(first)] == ["bash scripts/run.sh", "bash scripts/test.sh"]
+    assert [c.split("#")[0].strip() for c in _commands(first)] == [
+        "bash scripts/run.sh",
+        "bash scripts/test.sh",
+    ]
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     if not (DEMO_TARGET / "config.json").is_file() or not (DEMO_DRAFTER / "config.json").is_file():
         pytest.skip("demo checkpoints missing")
-    cfg = StackConfig.on_free_ports(target_dir=str(DEMO_TARGET), drafter=str(DEMO_DRAFTER), n_slots=4,
-                                    max_seq_len=1024, log_dir=str(tmp_path_factory.mktemp("logs-readme")))
+    cfg = StackConfig.on_free_ports(
+        target_dir=str(DEMO_TARGET),
+        drafter=str(DEMO_DRAFTER),
+        n_slots=4,
+        max_seq_len=1024,
+        log_dir=str(tmp_path_factory.mktemp("logs-readme")),
+    )
     with Stack(cfg) as st:
         yield st
 
 
 def _stack_commands() -> list[str]:
-    return [c for b in _blocks("bash")[1:] for c in _commands(b) if "flashmap generate" in c and "--in-process" not in c]
+    return [
+        c
+        for b in _blocks("bash")[1:]
+        for c in _commands(b)
+        if "flashmap generate" in c and "--in-process" not in c
+    ]
 
 
 @pytest.mark.timeout(300)
@@ -98,7 +121,9 @@ def test_generate_examples_answer_recognisably(stack):
         if "--json" in cmd:
             out = json.loads(p.stdout)
             assert out["text"] == want and out["finish_reason"] == "stop"
-            assert len(out["token_ids"]) == out["completion_tokens"] > 0  # the ids are carried, not dropped
+            assert (
+                len(out["token_ids"]) == out["completion_tokens"] > 0
+            )  # the ids are carried, not dropped
             assert out["stats"]["rounds"] >= 1
         else:
             assert p.stdout.strip() == want, (cmd, p.stdout)
@@ -116,13 +141,22 @@ def test_generate_json_ids_are_the_target_alone(stack):
     from flashmap.types import GenerationRequest, SamplingParams
     from target_service.engine import TargetEngine
 
-    p = _run(_flashmap(f".venv/bin/flashmap generate --chat 'What can you do?' --json --url {stack.cfg.url}"), _env())
+    p = _run(
+        _flashmap(
+            f".venv/bin/flashmap generate --chat 'What can you do?' --json --url {stack.cfg.url}"
+        ),
+        _env(),
+    )
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     tok = TextTokenizer(DEMO_TARGET)
     engine = TargetEngine(DEMO_TARGET, n_slots=1, max_seq_len=1024)
     prompt = tok.encode(tok.render_chat([{"role": "user", "content": "What can you do?"}]))
-    (ref,) = decode(engine, [GenerationRequest(prompt, 64, SamplingParams(), tuple(engine.eos_token_ids))], proposer=None)
+    (ref,) = decode(
+        engine,
+        [GenerationRequest(prompt, 64, SamplingParams(), tuple(engine.eos_token_ids))],
+        proposer=None,
+    )
     assert out["token_ids"] == ref.token_ids
     assert out["text"] == tok.decode(ref.token_ids) == EXPECTED["What can you do?"]
     assert out["prompt_tokens"] == len(prompt)
@@ -145,10 +179,17 @@ def test_curl_example_works_as_written(stack):
             import httpx
 
             args = shlex.split(cmd)
-            body = httpx.post(next(a for a in args if a.startswith("http")), json=json.loads(args[args.index("-d") + 1]),
-                              timeout=60).json()
+            body = httpx.post(
+                next(a for a in args if a.startswith("http")),
+                json=json.loads(args[args.index("-d") + 1]),
+                timeout=60,
+            ).json()
         want = _expected(cmd)
-        content = body["choices"][0]["message"]["content"] if "/chat/" in cmd else body["choices"][0]["text"]
+        content = (
+            body["choices"][0]["message"]["content"]
+            if "/chat/" in cmd
+            else body["choices"][0]["text"]
+        )
         assert content == want, body
         assert body["usage"]["completion_tokens"] > 0 and body["flashmap"]["rounds"] >= 1
 
@@ -158,8 +199,11 @@ def test_python_examples_work_as_written(stack):
     """The README's Python blocks (OpenAI client, gRPC SDK) with the test stack's addresses."""
     blocks = _blocks("python")
     assert blocks
-    subs = {"127.0.0.1:8080": f"127.0.0.1:{stack.cfg.http_port}", "127.0.0.1:50051": stack.cfg.url,
-            "127.0.0.1:50052": stack.cfg.drafter_url}
+    subs = {
+        "127.0.0.1:8080": f"127.0.0.1:{stack.cfg.http_port}",
+        "127.0.0.1:50051": stack.cfg.url,
+        "127.0.0.1:50052": stack.cfg.drafter_url,
+    }
     from flashmap.client import DrafterAdmin
 
     admin = DrafterAdmin(stack.cfg.drafter_url, token=stack.cfg.drafter_token)
@@ -168,9 +212,17 @@ def test_python_examples_work_as_written(stack):
             code = block
             for a, b in subs.items():
                 code = code.replace(a, b)
-            env = _env(FLASHMAP_DRAFTER_TOKEN=stack.cfg.drafter_token)  # what `flashmap up` leaves for its user
-            p = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                               timeout=120)
+            env = _env(
+                FLASHMAP_DRAFTER_TOKEN=stack.cfg.drafter_token
+            )  # what `flashmap up` leaves for its user
+            p = subprocess.run(
+                [sys.executable, "-c", code],
+                cwd=REPO_ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             assert p.returncode == 0, (block, p.stderr)
             assert _expected(block) in p.stdout, (block, p.stdout)
     finally:

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from flashmap.types import Draft, VerifyResult
 from flashmap.rejection_sampler import greedy_verify, sample_verify
+from flashmap.types import Draft, VerifyResult
 
 V = 12
 N = 20_000
@@ -48,7 +48,13 @@ def _target_result(rng, ps, draft):
         if i < k:
             p[draft.support_ids[i]] = 0.0
         resid.append(rng.choice(V, p=p / p.sum()) if p.sum() > 1e-9 else -1)
-    return VerifyResult(np.array([int(np.argmax(p)) for p in ps]), sp.astype(np.float32), comp.astype(np.float32), np.array(resid), np.zeros((k + 1, 1)))
+    return VerifyResult(
+        np.array([int(np.argmax(p)) for p in ps]),
+        sp.astype(np.float32),
+        comp.astype(np.float32),
+        np.array(resid),
+        np.zeros((k + 1, 1)),
+    )
 
 
 def _check(samples, p):

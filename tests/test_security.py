@@ -24,12 +24,20 @@ def stack(tmp_path_factory):
     from flashmap_cli.stack import Stack, StackConfig
     from target_service.random_checkpoint import make_random_qwen3
 
-    target = make_random_qwen3(tmp_path_factory.mktemp("sec") / "tiny-qwen3", vocab_size=512, seed=3)
+    target = make_random_qwen3(
+        tmp_path_factory.mktemp("sec") / "tiny-qwen3", vocab_size=512, seed=3
+    )
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OMP_NUM_THREADS", "1")
-        cfg = StackConfig.on_free_ports(target_dir=str(target), n_slots=4, max_seq_len=1024, api_key="test-key",
-                                        speculation="full", target_timeout_s=BOUND_S,
-                                        log_dir=str(tmp_path_factory.mktemp("logs")))
+        cfg = StackConfig.on_free_ports(
+            target_dir=str(target),
+            n_slots=4,
+            max_seq_len=1024,
+            api_key="test-key",
+            speculation="full",
+            target_timeout_s=BOUND_S,
+            log_dir=str(tmp_path_factory.mktemp("logs")),
+        )
         with Stack(cfg) as st:
             yield st
 
@@ -89,14 +97,21 @@ def test_message_limits_refuse_before_parsing():
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             try:
                 stub = serving_pb2_grpc.FlashMapStub(ch)
-                return "".join(r.request_id for r in stub.Generate(serving_pb2.GenerateRequest(text="x" * size),
-                                                                   timeout=10))
+                return "".join(
+                    r.request_id
+                    for r in stub.Generate(serving_pb2.GenerateRequest(text="x" * size), timeout=10)
+                )
             except grpc.RpcError as e:
                 return e.code(), e.details()
 
     async def main():
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", 40_000)])
-        add_service(server, Echo(), serving_pb2.DESCRIPTOR.services_by_name["FlashMap"], max_message_bytes=10_000)
+        add_service(
+            server,
+            Echo(),
+            serving_pb2.DESCRIPTOR.services_by_name["FlashMap"],
+            max_message_bytes=10_000,
+        )
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         try:
@@ -106,7 +121,10 @@ def test_message_limits_refuse_before_parsing():
 
     small, middle, large = asyncio.run(main())
     assert small == "5000"
-    assert middle[0] == grpc.StatusCode.RESOURCE_EXHAUSTED and "more than the limit of 10000" in middle[1]
+    assert (
+        middle[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+        and "more than the limit of 10000" in middle[1]
+    )
     assert large[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
@@ -126,31 +144,81 @@ def test_orchestrator_serves_tls_and_reflection_when_asked(stack, tmp_path):
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed")
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
     port, metrics = free_ports(2)
     c = stack.cfg
-    proc = stack._spawn("orchestrator-tls", [
-        "orchestrator.server", "--host", c.host, "--port", str(port), "--metrics-port", str(metrics), "--http-port", "0",
-        "--target-url", f"{c.host}:{c.triton_grpc_port}", "--drafter-url", "", "--tokenizer-dir", c.target_dir,
-        "--tls-cert", str(cert), "--tls-key", str(key), "--reflection"])
+    proc = stack._spawn(
+        "orchestrator-tls",
+        [
+            "orchestrator.server",
+            "--host",
+            c.host,
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(metrics),
+            "--http-port",
+            "0",
+            "--target-url",
+            f"{c.host}:{c.triton_grpc_port}",
+            "--drafter-url",
+            "",
+            "--tokenizer-dir",
+            c.target_dir,
+            "--tls-cert",
+            str(cert),
+            "--tls-key",
+            str(key),
+            "--reflection",
+        ],
+    )
     try:
         creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
         with grpc.secure_channel(f"127.0.0.1:{port}", creds) as ch:
             deadline = time.monotonic() + 120
             while True:
                 try:
-                    status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2).status
+                    status = (
+                        health_pb2_grpc.HealthStub(ch)
+                        .Check(health_pb2.HealthCheckRequest(), timeout=2)
+                        .status
+                    )
                     if status == health_pb2.HealthCheckResponse.SERVING:
                         break
                 except grpc.RpcError:
                     pass
-                assert proc.poll() is None and time.monotonic() < deadline, "the TLS orchestrator did not come up"
+                assert proc.poll() is None and time.monotonic() < deadline, (
+                    "the TLS orchestrator did not come up"
+                )
                 time.sleep(0.5)
-            reply = next(reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
-                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10,
-                metadata=(("authorization", f"Bearer {c.api_key}"),)))
+            reply = next(
+                reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+                    iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                    timeout=10,
+                    metadata=(("authorization", f"Bearer {c.api_key}"),),
+                )
+            )
             names = [s.name for s in reply.list_services_response.service]
             assert "flashmap.v1.FlashMap" in names, names
     finally:

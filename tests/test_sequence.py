@@ -10,10 +10,21 @@ from flashmap.types import Draft, GenerationRequest, SamplingParams, VerifyResul
 
 
 def _prefilled(max_new: int) -> Sequence:
-    s = Sequence(1, GenerationRequest(np.arange(3, 9), max_new, SamplingParams(seed=1)))  # seeded: same draws
+    s = Sequence(
+        1, GenerationRequest(np.arange(3, 9), max_new, SamplingParams(seed=1))
+    )  # seeded: same draws
     row = s.verify_row(None)
-    s.commit(row, None, VerifyResult(np.array([7]), np.zeros((0, 1), np.float32), np.zeros(0, np.float32),
-                                     np.array([7]), np.zeros((6, 4), np.float32)))
+    s.commit(
+        row,
+        None,
+        VerifyResult(
+            np.array([7]),
+            np.zeros((0, 1), np.float32),
+            np.zeros(0, np.float32),
+            np.array([7]),
+            np.zeros((6, 4), np.float32),
+        ),
+    )
     return s
 
 
@@ -40,14 +51,23 @@ def test_a_follow_row_is_the_next_round_row_sent_early():
     follow = early.follow_row(first_early, 8)
     assert follow.tokens.tolist() == [-1] and follow.steps == 7  # 12 - 1 - 4 left
     assert early.ends_with(follow, ahead=first_early.steps)
-    result = VerifyResult(np.array([5, 6, 7, 8]), np.zeros((0, 1), np.float32), np.zeros(0, np.float32),
-                          np.full(4, -1), np.zeros((4, 4), np.float32))
+    result = VerifyResult(
+        np.array([5, 6, 7, 8]),
+        np.zeros((0, 1), np.float32),
+        np.zeros(0, np.float32),
+        np.full(4, -1),
+        np.zeros((4, 4), np.float32),
+    )
     early.commit(first_early, None, result)
     late.commit(first_late, None, result)
     nxt = late.verify_row(None, steps=8)
     fixed = early.followed(follow)
-    assert (fixed.start_pos, fixed.tokens.tolist(), fixed.round_seed, fixed.next_seeds.tolist()) == \
-        (nxt.start_pos, nxt.tokens.tolist(), nxt.round_seed, nxt.next_seeds.tolist())
+    assert (
+        fixed.start_pos,
+        fixed.tokens.tolist(),
+        fixed.round_seed,
+        fixed.next_seeds.tolist(),
+    ) == (nxt.start_pos, nxt.tokens.tolist(), nxt.round_seed, nxt.next_seeds.tolist())
     early.tokens.pop()  # a commit that ended one token short
     with pytest.raises(ValueError, match="continuation"):
         early.followed(follow)
@@ -60,12 +80,25 @@ def test_a_drafter_answer_acknowledges_only_the_context_its_call_sent():
     start, ids, feats = s.context_for_drafter()
     assert (start, len(ids)) == (0, 6)
     row = s.verify_row(None, steps=3)  # committed while the call is out: 3 more positions
-    s.commit(row, None, VerifyResult(np.array([5, 6, 7]), np.zeros((0, 1), np.float32), np.zeros(0, np.float32),
-                                     np.full(3, -1), np.arange(12, dtype=np.float32).reshape(3, 4)))
+    s.commit(
+        row,
+        None,
+        VerifyResult(
+            np.array([5, 6, 7]),
+            np.zeros((0, 1), np.float32),
+            np.zeros(0, np.float32),
+            np.full(3, -1),
+            np.arange(12, dtype=np.float32).reshape(3, 4),
+        ),
+    )
     s.drafter_acknowledged(len(ids))
     assert s.drafter_seen == 6 and s.features_known == 9 and s.context_gap() is None
     start, ids, feats = s.context_for_drafter()
-    assert start == 6 and ids.tolist() == s.tokens[6:9] and feats.tolist() == np.arange(12).reshape(3, 4).tolist()
+    assert (
+        start == 6
+        and ids.tolist() == s.tokens[6:9]
+        and feats.tolist() == np.arange(12).reshape(3, 4).tolist()
+    )
     s.drafter_acknowledged()
     assert s.drafter_seen == 9 and s.context_for_drafter() is None
 
@@ -74,12 +107,31 @@ def test_a_multi_step_row_counts_a_round_per_token_it_kept():
     """A row without drafts that decoded 4 steps counts 4 rounds; one whose second token is a
     stop id counts 2 (the steps past the stop are not the request's)."""
     for stop, rounds in ((None, 4), (6, 2)):
-        s = Sequence(1, GenerationRequest(np.arange(3, 9), 20, stop_token_ids=[] if stop is None else [stop]))
-        s.commit(s.verify_row(None), None, VerifyResult(np.array([7]), np.zeros((0, 1), np.float32),
-                                                        np.zeros(0, np.float32), np.array([7]),
-                                                        np.zeros((6, 4), np.float32)))
+        s = Sequence(
+            1, GenerationRequest(np.arange(3, 9), 20, stop_token_ids=[] if stop is None else [stop])
+        )
+        s.commit(
+            s.verify_row(None),
+            None,
+            VerifyResult(
+                np.array([7]),
+                np.zeros((0, 1), np.float32),
+                np.zeros(0, np.float32),
+                np.array([7]),
+                np.zeros((6, 4), np.float32),
+            ),
+        )
         assert s.stats.rounds == 0  # a prompt's row
         row = s.verify_row(None, steps=4)
-        s.commit(row, None, VerifyResult(np.array([5, 6, 7, 8]), np.zeros((0, 1), np.float32), np.zeros(0, np.float32),
-                                         np.full(4, -1), np.zeros((4, 4), np.float32)))
+        s.commit(
+            row,
+            None,
+            VerifyResult(
+                np.array([5, 6, 7, 8]),
+                np.zeros((0, 1), np.float32),
+                np.zeros(0, np.float32),
+                np.full(4, -1),
+                np.zeros((4, 4), np.float32),
+            ),
+        )
         assert s.stats.rounds == rounds and len(s.generated) == 1 + rounds

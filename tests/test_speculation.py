@@ -34,7 +34,9 @@ def _seqs(n: int, acceptance: float, rounds: int = 50) -> list[Sequence]:
     return out
 
 
-def _controller(verify: tuple[float, float], draft: tuple[float, float], packed: bool = True) -> SpeculationController:
+def _controller(
+    verify: tuple[float, float], draft: tuple[float, float], packed: bool = True
+) -> SpeculationController:
     """A controller whose cost fits have seen rounds of verify_s = v0 + v1 * tokens (rows and
     drafted tokens alike), draft_s = d0 + d1 * batch."""
     c = SpeculationController(K, ControllerConfig(probe_every=10**9, packed=packed))  # no probes
@@ -100,7 +102,10 @@ def test_plans_draft_for_at_most_twice_the_requests_a_measured_draft_call_had(pa
     for at most explore_factor x the most requests measured, and each wider call measured lets
     the next plans go wider."""
     c = _controller(verify=(0.010, 1e-6), draft=(0.001, 1e-5), packed=packed)
-    c.draft_cost, c.most_drafting = type(c.draft_cost)((1e-2, 1e-4), c.cfg.forget, prior_weight=1e-3), 0
+    c.draft_cost, c.most_drafting = (
+        type(c.draft_cost)((1e-2, 1e-4), c.cfg.forget, prior_weight=1e-3),
+        0,
+    )
     for _ in range(4):
         c.observe(1, 17, 0.011, 1, 0.012, [(True, K, K)])  # probes: one request per draft call
     assert c.most_drafting == 1
@@ -109,8 +114,14 @@ def test_plans_draft_for_at_most_twice_the_requests_a_measured_draft_call_had(pa
     for _ in range(4):
         plan = c.plan(seqs)
         widths.append(sum(1 for v in plan.values() if v))
-        c.observe(12, 12 + widths[-1] * K, 0.011, widths[-1], 0.012 + 0.001 * widths[-1],
-                  [(True, K, K)] * widths[-1] + [(True, 0, 0)] * (12 - widths[-1]))
+        c.observe(
+            12,
+            12 + widths[-1] * K,
+            0.011,
+            widths[-1],
+            0.012 + 0.001 * widths[-1],
+            [(True, K, K)] * widths[-1] + [(True, 0, 0)] * (12 - widths[-1]),
+        )
     assert widths == [2, 4, 8, 12]
 
 
@@ -119,7 +130,9 @@ def test_a_plain_fit_from_one_small_round_does_not_price_plain_rounds_out():
     nothing about 16 rows; its line put them at 290 ms, so drafting looked better than plain
     rounds that take ~100 ms and none ran to correct it. A round of S steps costs at most S
     one-token verifies: with that bound the controller keeps the 8-step rounds."""
-    c = SpeculationController(K, ControllerConfig(probe_every=10**9, decode_steps=8, recheck_every=1))
+    c = SpeculationController(
+        K, ControllerConfig(probe_every=10**9, decode_steps=8, recheck_every=1)
+    )
     for rows, extra in ((1, 16), (16, 0), (16, 3), (16, 16)):
         c.verify_cost.add((rows, extra), 0.010 + 0.0005 * rows + 0.0002 * extra)
     for b in (1, 2, 4, 8):
@@ -139,7 +152,9 @@ def test_a_verify_fit_that_says_zero_for_plain_rows_does_not_break_the_plan(deco
     without drafts at 0 s. plan() still chooses (no division by zero)."""
     c = SpeculationController(K, ControllerConfig(probe_every=10**9, decode_steps=decode_steps))
     # The fit's state in a run of test_mixed_probe_rounds_are_exact (two rounds, 4 rows each).
-    c.verify_cost.A = np.array([[1.98, 7.92, 47.68], [7.92, 31.68, 190.72], [47.68, 190.72, 1274.88]])
+    c.verify_cost.A = np.array(
+        [[1.98, 7.92, 47.68], [7.92, 31.68, 190.72], [47.68, 190.72, 1274.88]]
+    )
     c.verify_cost.b, c.verify_cost.n = np.array([0.005823288, 0.023293153, 0.158694597]), 2
     c.plain_cost.add(4, 0.02)
     c.draft_cost.add(1, 0.003)
@@ -164,10 +179,14 @@ def test_multi_step_plain_rounds_raise_the_rate_a_plan_must_beat():
     assert all(_controller(verify=(0.010, 1e-4), draft=(0.002, 1e-4)).plan(seqs).values())
     c = _controller(verify=(0.010, 1e-4), draft=(0.002, 1e-4))
     c.cfg.decode_steps = 8
-    assert set(c.plan(seqs).values()) == {0}  # nothing measured: the extra steps look free, so it runs them
+    assert set(c.plan(seqs).values()) == {
+        0
+    }  # nothing measured: the extra steps look free, so it runs them
     for _ in range(20):  # measured: the call's 10 ms once, then 1.5 ms a step
         c.observe(4, 4, 0.010 + 0.0004 + 7 * 0.0015, 0, 0.0, [], decode_steps=8)
-    c.observe(4, 4, 0.5, 0, 0.0, [], decode_steps=3)  # a shorter round (requests near their end): not fitted
+    c.observe(
+        4, 4, 0.5, 0, 0.0, [], decode_steps=3
+    )  # a shorter round (requests near their end): not fitted
     assert c.plain_cost.n == 20 and c.verify_cost.n == 15
     assert set(c.plan(seqs).values()) == {0}
     good = _seqs(4, acceptance=0.98)
@@ -199,7 +218,9 @@ def test_plan_price_is_what_the_round_is_charged(packed):
     for prompts in ([], [200], [30, 7]):
         for m, b in ((0, 0), (3, 5), (K, 8), (1, 1)):
             rows = prompts + [m + 1] * b + [1] * (8 - b)
-            assert c._plan_tokens(prompts, 8, np.array([max(m, 1)]), np.array([b]))[0, 0] == c.verify_tokens(rows)
+            assert c._plan_tokens(prompts, 8, np.array([max(m, 1)]), np.array([b]))[
+                0, 0
+            ] == c.verify_tokens(rows)
 
 
 def test_length_between_follows_the_per_slot_acceptance():
@@ -225,7 +246,11 @@ def test_on_a_packed_target_each_request_gets_its_best_length():
     per-request lengths (brute force over all of them), longer for requests that accept more."""
     import itertools
 
-    for verify, draft in (((0.010, 2e-4), (0.002, 0.004)), ((0.004, 1e-3), (0.001, 1e-4)), ((0.01, 1e-5), (0.003, 1e-3))):
+    for verify, draft in (
+        ((0.010, 2e-4), (0.002, 0.004)),
+        ((0.004, 1e-3), (0.001, 1e-4)),
+        ((0.01, 1e-5), (0.003, 1e-3)),
+    ):
         c = _controller(verify=verify, draft=draft)
         seqs = _seqs(1, acceptance=0.97) + _seqs(1, acceptance=0.8) + _seqs(1, acceptance=0.4)
         for i, s in enumerate(seqs):
@@ -261,8 +286,13 @@ def test_probe_turns_speculation_back_on():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = make_random_qwen3(tmp_path_factory.mktemp("spec") / "t", vocab_size=256, num_hidden_layers=2, seed=5,
-                             with_tokenizer=False)
+    path = make_random_qwen3(
+        tmp_path_factory.mktemp("spec") / "t",
+        vocab_size=256,
+        num_hidden_layers=2,
+        seed=5,
+        with_tokenizer=False,
+    )
     return TargetEngine(path, n_slots=4, max_seq_len=256)
 
 
@@ -288,12 +318,18 @@ def test_switching_speculation_on_and_off_mid_request_is_exact(tiny):
     out = decode(tiny, reqs(), oracle, controller=Alternating(K))
     assert [r.token_ids for r in out] == alone
     lens = {int(n) for r in out for n in np.nonzero(r.stats.drafted_per_slot)[0]}
-    assert Alternating.calls > 6 and max(lens) == K - 1 and 2 in lens  # full and partial drafts happened
+    assert (
+        Alternating.calls > 6 and max(lens) == K - 1 and 2 in lens
+    )  # full and partial drafts happened
     assert all(r.stats.rounds > r.stats.drafts > 0 for r in out)  # and rounds without a draft
 
     # The real controller, learning on this CPU, is exact too.
-    out = decode(tiny, reqs(), OracleProposer(refs, K, tiny.vocab_size, error_rate=0.1, seed=2),
-                 controller=SpeculationController(K))
+    out = decode(
+        tiny,
+        reqs(),
+        OracleProposer(refs, K, tiny.vocab_size, error_rate=0.1, seed=2),
+        controller=SpeculationController(K),
+    )
     assert [r.token_ids for r in out] == alone
 
 
@@ -310,7 +346,9 @@ def test_a_plan_must_beat_no_speculation_by_the_margin(packed):
     d0, d1 = c.draft_cost.coef
     lengths = [plan[s.seq_id] for s in seqs]
     tokens = c.verify_tokens([m + 1 for m in lengths])
-    promised = (4 + sum(gain[i, m] for i, m in enumerate(lengths))) / (c._verify_s(4, tokens) + d0 + d1 * sum(map(bool, lengths)))
+    promised = (4 + sum(gain[i, m] for i, m in enumerate(lengths))) / (
+        c._verify_s(4, tokens) + d0 + d1 * sum(map(bool, lengths))
+    )
     over = promised / (4 / c._verify_s(4, 4)) - 1
     c.cfg.margin = over * 0.9
     assert c.plan(seqs) == plan
@@ -345,7 +383,10 @@ def test_a_negative_weight_is_refitted_not_clipped():
     f = OnlineLinear((1e-2, 1e-4, 1e-4))
     for i in range(200):
         rows = 4 if i % 10 else 3
-        f.add((rows, 0 if i % 5 else 16), (0.0092 if rows == 4 else 0.0110) + (0.003 if i % 5 == 0 else 0.0))
+        f.add(
+            (rows, 0 if i % 5 else 16),
+            (0.0092 if rows == 4 else 0.0110) + (0.003 if i % 5 == 0 else 0.0),
+        )
     c0, c_row, c_tok = f.coef
     assert min(c0, c_row, c_tok) >= 0
     assert f((4, 0)) == pytest.approx(0.0092, rel=0.1)
@@ -391,9 +432,13 @@ def test_multi_step_rounds_give_the_drafter_the_same_context(tiny):
 
     contexts = {}
     for steps in (1, 5):
-        seq = Sequence(1, GenerationRequest([3, 4, 5, 6, 7], 13, SamplingParams()), K, handle=tiny.allocate())
+        seq = Sequence(
+            1, GenerationRequest([3, 4, 5, 6, 7], 13, SamplingParams()), K, handle=tiny.allocate()
+        )
         while not seq.finished:
-            run_local(speculative_round([seq], LocalTarget(tiny), _SilentDrafter(), decode_steps=steps))
+            run_local(
+                speculative_round([seq], LocalTarget(tiny), _SilentDrafter(), decode_steps=steps)
+            )
         tiny.release(seq.handle)
         contexts[steps] = (seq.generated, seq.context_for_drafter())
     (gen1, (start1, ids1, f1)), (gen5, (start5, ids5, f5)) = contexts[1], contexts[5]
@@ -440,15 +485,23 @@ def test_mixed_probe_rounds_are_exact(tiny):
 
     tiny.verify = recording
     try:
-        ctl = SpeculationController(K, ControllerConfig(decode_steps=8, probe_every=2, max_probe_every=2,
-                                                        verify_probe_every=2))
-        oracle = OracleProposer([p + a for p, a in zip(prompts, alone)], K, tiny.vocab_size, error_rate=0.9, seed=3)
+        ctl = SpeculationController(
+            K,
+            ControllerConfig(
+                decode_steps=8, probe_every=2, max_probe_every=2, verify_probe_every=2
+            ),
+        )
+        oracle = OracleProposer(
+            [p + a for p, a in zip(prompts, alone)], K, tiny.vocab_size, error_rate=0.9, seed=3
+        )
         out = decode(tiny, reqs(), oracle, controller=ctl, decode_steps=8)
     finally:
         del tiny.verify
     assert [r.token_ids for r in out] == alone
     mixed = [c for c in calls if any(k for k, _ in c) and any(s > 1 for _, s in c)]
-    assert mixed and all(sum(1 for k, _ in c if k) == 1 for c in mixed)  # one probing request beside 8-token rows
+    assert mixed and all(
+        sum(1 for k, _ in c if k) == 1 for c in mixed
+    )  # one probing request beside 8-token rows
 
 
 def test_peek_is_the_plan_without_making_it():
@@ -458,10 +511,24 @@ def test_peek_is_the_plan_without_making_it():
     c.cfg.probe_every = c.probe_every = 2
     seqs = _seqs(3, acceptance=0.2)
     assert not any(c.plan(seqs).values())
-    state = (c.since_probe, c.probe_every, c.probes, c._nothing, dict(c.idle), [s.draft_limit for s in seqs])
+    state = (
+        c.since_probe,
+        c.probe_every,
+        c.probes,
+        c._nothing,
+        dict(c.idle),
+        [s.draft_limit for s in seqs],
+    )
     peeked = c.peek(seqs)
     assert any(peeked.values())  # the probe is due
-    assert (c.since_probe, c.probe_every, c.probes, c._nothing, c.idle, [s.draft_limit for s in seqs]) == state
+    assert (
+        c.since_probe,
+        c.probe_every,
+        c.probes,
+        c._nothing,
+        c.idle,
+        [s.draft_limit for s in seqs],
+    ) == state
     assert c.plan(seqs) == peeked
 
 
@@ -477,13 +544,20 @@ def test_sequences_that_never_draft_ask_for_no_features(tiny):
     class Recording(LocalTarget):
         async def verify(self, rs, branches, last=None):
             out = await super().verify(rs, branches, last)
-            rows.extend((r.features, res[0].features.shape[0], len(r.tokens) + len(r.next_seeds)) for r, res in zip(rs, out))
+            rows.extend(
+                (r.features, res[0].features.shape[0], len(r.tokens) + len(r.next_seeds))
+                for r, res in zip(rs, out)
+            )
             return out
 
     def run(drafter, max_draft, lose=False):
         rows.clear()
-        seq = Sequence(1, GenerationRequest([3, 4, 5, 6, 7], 13, SamplingParams(), max_draft_tokens=max_draft), K,
-                       handle=tiny.allocate())
+        seq = Sequence(
+            1,
+            GenerationRequest([3, 4, 5, 6, 7], 13, SamplingParams(), max_draft_tokens=max_draft),
+            K,
+            handle=tiny.allocate(),
+        )
         if lose:
             seq.lose_drafter()
         while not seq.finished:
@@ -493,7 +567,11 @@ def test_sequences_that_never_draft_ask_for_no_features(tiny):
 
     text, ctx, with_features = run(_SilentDrafter(), None)
     assert ctx is not None and all(f and n == m for f, n, m in with_features)  # [L + steps - 1, F]
-    for drafter, max_draft, lose in ((None, None, False), (_SilentDrafter(), 0, False), (_SilentDrafter(), None, True)):
+    for drafter, max_draft, lose in (
+        (None, None, False),
+        (_SilentDrafter(), 0, False),
+        (_SilentDrafter(), None, True),
+    ):
         got, ctx, seen = run(drafter, max_draft, lose)
         assert got == text and ctx is None
         assert seen and all(not f and n == 0 for f, n, _ in seen)
@@ -507,7 +585,10 @@ def test_prompts_beside_a_request_that_only_catches_up_fetch_no_features():
     c = _controller(verify=(0.010, 1e-5), draft=(0.001, 1e-5))
     c.cfg.lazy_features = True
     decoding = _seqs(1, acceptance=0.9)
-    prompts = [Sequence(10 + i, GenerationRequest(list(range(3, 40)), max_new_tokens=500), K) for i in range(3)]
+    prompts = [
+        Sequence(10 + i, GenerationRequest(list(range(3, 40)), max_new_tokens=500), K)
+        for i in range(3)
+    ]
     decoding[0]._gap = 2  # its earlier rows went without features
     c.plan(decoding + prompts)
     assert decoding[0].draft_limit == 0 and not decoding[0].lazy_features  # catches up
@@ -522,6 +603,7 @@ def test_a_prompt_fetches_its_features_when_its_first_decode_round_may_draft():
     """lazy_features: a prompt row goes with its features before anything is measured (its
     first decode round is the first probe, which must not wait for a catch-up round) and after
     a plan that drafted; while the search keeps speculation off it goes without."""
+
     def prompt(i):
         return Sequence(100 + i, GenerationRequest(list(range(3, 20)), max_new_tokens=500), K)
 
@@ -568,7 +650,7 @@ def test_shadow_probes_replace_the_probes_that_do_not_measure_the_verify():
             kinds.append("verified")
         elif c.shadow:
             kinds.append("shadow")
-            (i, n), = c.shadow.items()
+            ((i, n),) = c.shadow.items()
             shadowed.append(i)
             assert n == K
     assert kinds == ["verified", "shadow", "shadow"] * 2 + ["verified", "shadow"]
@@ -577,7 +659,9 @@ def test_shadow_probes_replace_the_probes_that_do_not_measure_the_verify():
     sampling.params = SamplingParams(temperature=1.0)
     c.probe_every = c.since_probe = 2
     c.probes = 1
-    assert any(c.plan([sampling]).values()) and not c.shadow  # T > 0: acceptance needs the target's probabilities
+    assert (
+        any(c.plan([sampling]).values()) and not c.shadow
+    )  # T > 0: acceptance needs the target's probabilities
 
 
 def test_a_shadow_block_counts_what_the_committed_text_accepts():
@@ -589,7 +673,9 @@ def test_a_shadow_block_counts_what_the_committed_text_accepts():
     before = c.acceptance([s])[0]
     s.tokens += [5, 6]
     c.observe_shadows([s])
-    assert s.shadow is not None and c.shadows == 0  # every committed token matched so far: undecided
+    assert (
+        s.shadow is not None and c.shadows == 0
+    )  # every committed token matched so far: undecided
     s.tokens += [1]
     c.observe_shadows([s])
     assert s.shadow is None and c.shadows == 1
@@ -597,13 +683,19 @@ def test_a_shadow_block_counts_what_the_committed_text_accepts():
     assert s.shadow_counts[1].tolist() == [1, 1] + [0] * (K - 2)  # slots accepted
     after = c.acceptance([s])[0]
     assert after[0] > before[0] and after[2] < before[2]
-    assert s.stats.drafts == 0 and s.stats.verified_per_slot.sum() == 0  # not the request's own record
+    assert (
+        s.stats.drafts == 0 and s.stats.verified_per_slot.sum() == 0
+    )  # not the request's own record
     # A block the request ends inside counts the slots it reached, all accepted.
     s.shadow = (len(s.tokens), np.arange(20, 20 + K))
     s.tokens += [20, 21]
     s.finish("length")
     c.observe_shadows([s])
-    assert s.shadow is None and s.shadow_counts[0, :3].tolist() == [2, 2, 1] and s.shadow_counts[1, :3].tolist() == [2, 2, 0]
+    assert (
+        s.shadow is None
+        and s.shadow_counts[0, :3].tolist() == [2, 2, 1]
+        and s.shadow_counts[1, :3].tolist() == [2, 2, 0]
+    )
 
 
 def test_shadow_probes_beside_the_rounds_are_exact_and_line_up_with_the_text(tiny):
@@ -619,16 +711,24 @@ def test_shadow_probes_beside_the_rounds_are_exact_and_line_up_with_the_text(tin
     prompts = [[3, 4, 5, 6], [7, 8], [9, 10, 11, 12, 13]]
     reqs = [GenerationRequest(p, 72, SamplingParams()) for p in prompts]
     alone = [r.token_ids for r in decode(tiny, reqs)]
-    oracle = OracleProposer([p + a for p, a in zip(prompts, alone)], K, tiny.vocab_size, error_rate=0.0, seed=3)
-    ctl = SpeculationController(K, ControllerConfig(decode_steps=8, probe_every=2, max_probe_every=2,
-                                                    shadow_probes=True, margin=1e9))
+    oracle = OracleProposer(
+        [p + a for p, a in zip(prompts, alone)], K, tiny.vocab_size, error_rate=0.0, seed=3
+    )
+    ctl = SpeculationController(
+        K,
+        ControllerConfig(
+            decode_steps=8, probe_every=2, max_probe_every=2, shadow_probes=True, margin=1e9
+        ),
+    )
 
     async def run():
         target, drafter = LocalTarget(tiny), LocalDrafter(oracle)
         seqs = [Sequence(i, r, K, handle=tiny.allocate()) for i, r in enumerate(reqs)]
         while live := [s for s in seqs if not s.finished]:
             await speculative_round(live, target, drafter, controller=ctl, decode_steps=8)
-            await asyncio.sleep(0)  # the probes' drafts run between rounds, as beside the orchestrator's
+            await asyncio.sleep(
+                0
+            )  # the probes' drafts run between rounds, as beside the orchestrator's
         for s in seqs:
             tiny.release(s.handle)
         return seqs
@@ -637,7 +737,9 @@ def test_shadow_probes_beside_the_rounds_are_exact_and_line_up_with_the_text(tin
     assert [s.generated for s in seqs] == alone
     counts = np.sum([s.shadow_counts for s in seqs], axis=0)  # [2, K]
     assert ctl.shadows >= 3 and counts[0, 0] == ctl.shadows
-    np.testing.assert_array_equal(counts[1], counts[0])  # the true continuation: every slot reached is accepted
+    np.testing.assert_array_equal(
+        counts[1], counts[0]
+    )  # the true continuation: every slot reached is accepted
     assert counts[0, K // 2] > 0  # and the blocks reached far
 
 
@@ -650,8 +752,12 @@ def test_a_round_reports_what_the_controller_expected_its_drafts_to_accept(tiny)
     prompts = [[3, 4, 5, 6], [7, 8]]
     reqs = [GenerationRequest(p, 40, SamplingParams()) for p in prompts]
     alone = [r.token_ids for r in decode(tiny, reqs)]
-    oracle = OracleProposer([p + a for p, a in zip(prompts, alone)], K, tiny.vocab_size, error_rate=0.2, seed=5)
-    ctl = SpeculationController(K, ControllerConfig(margin=-0.99))  # drafting always beats a plain round
+    oracle = OracleProposer(
+        [p + a for p, a in zip(prompts, alone)], K, tiny.vocab_size, error_rate=0.2, seed=5
+    )
+    ctl = SpeculationController(
+        K, ControllerConfig(margin=-0.99)
+    )  # drafting always beats a plain round
     target, drafter = LocalTarget(tiny), LocalDrafter(oracle)
     seqs = [Sequence(i, r, K, handle=tiny.allocate()) for i, r in enumerate(reqs)]
     drafted_rounds = 0
@@ -659,7 +765,9 @@ def test_a_round_reports_what_the_controller_expected_its_drafts_to_accept(tiny)
         res = run_local(speculative_round(live, target, drafter, controller=ctl))
         rows = [r for r in res.sequences if r.drafted]
         assert res.accepted == sum(r.accepted for r in rows)
-        assert (res.expected_accepted > 0) == bool(rows) and res.expected_accepted <= sum(r.drafted for r in rows)
+        assert (res.expected_accepted > 0) == bool(rows) and res.expected_accepted <= sum(
+            r.drafted for r in rows
+        )
         drafted_rounds += bool(rows)
     for s in seqs:
         tiny.release(s.handle)

@@ -29,7 +29,6 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -62,11 +61,20 @@ def _oracle_drafter_main(argv: list[str]) -> None:
     a = ap.parse_args(argv)
     setup_logging("INFO")
     refs = json.loads(Path(a.refs).read_text())
-    proposer = OracleProposer(refs, block_size=BLOCK, vocab_size=a.vocab, error_rate=a.error_rate, seed=1)
+    proposer = OracleProposer(
+        refs, block_size=BLOCK, vocab_size=a.vocab, error_rate=a.error_rate, seed=1
+    )
     from flashmap.auth import DRAFTER_TOKEN_ENV, read_secret
 
-    asyncio.run(serve(DrafterService(proposer, name="oracle"), "127.0.0.1", a.port, a.metrics_port,
-                      token=read_secret(DRAFTER_TOKEN_ENV)))
+    asyncio.run(
+        serve(
+            DrafterService(proposer, name="oracle"),
+            "127.0.0.1",
+            a.port,
+            a.metrics_port,
+            token=read_secret(DRAFTER_TOKEN_ENV),
+        )
+    )
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--oracle-drafter"]:
@@ -74,14 +82,6 @@ if __name__ == "__main__" and sys.argv[1:2] == ["--oracle-drafter"]:
     sys.exit(0)
 
 
-from flashmap.client import (  # noqa: E402 - after the script entry point, which does not need them
-    AsyncClient,
-    Client,
-    DrafterAdmin,
-    InvalidArgument,
-    ResourceExhausted,
-)
-from flashmap_cli.stack import Stack, StackConfig  # noqa: E402
 from stack_helpers import (  # noqa: E402,F401 - one_thread_per_process is an autouse fixture
     Reference,
     _metrics_text,
@@ -93,6 +93,14 @@ from stack_helpers import (  # noqa: E402,F401 - one_thread_per_process is an au
     target_dir,
 )
 
+from flashmap.client import (  # noqa: E402 - after the script entry point, which does not need them
+    AsyncClient,
+    Client,
+    DrafterAdmin,
+    InvalidArgument,
+    ResourceExhausted,
+)
+from flashmap_cli.stack import Stack, StackConfig  # noqa: E402
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -130,8 +138,14 @@ def _stream(client: Client, progress: list | None = None, **kw):
 def stack(target_dir, tmp_path_factory):
     # The whole block every round: these tests check what drafting does (the untrained drafter
     # would make the speculation controller turn drafting off).
-    cfg = StackConfig.on_free_ports(target_dir=str(target_dir), n_slots=8, max_seq_len=1024, steps=1,
-                                    speculation="full", log_dir=str(tmp_path_factory.mktemp("logs-main")))
+    cfg = StackConfig.on_free_ports(
+        target_dir=str(target_dir),
+        n_slots=8,
+        max_seq_len=1024,
+        steps=1,
+        speculation="full",
+        log_dir=str(tmp_path_factory.mktemp("logs-main")),
+    )
     with Stack(cfg) as st:
         yield st
 
@@ -156,8 +170,12 @@ def _triton_active(stack) -> float:
 def _all_idle(stack, client, admin):
     """Orchestrator, target and drafter hold no sequence."""
     h = client.health()
-    return (h.active_requests == 0 and h.queued_requests == 0 and _triton_active(stack) == 0
-            and admin.stats().active_sequences == 0)
+    return (
+        h.active_requests == 0
+        and h.queued_requests == 0
+        and _triton_active(stack) == 0
+        and admin.stats().active_sequences == 0
+    )
 
 
 def _thread_cpus(pid: int) -> dict[int, tuple[set[int], int]]:
@@ -168,12 +186,18 @@ def _thread_cpus(pid: int) -> dict[int, tuple[set[int], int]]:
 
 
 def _children(pid: int) -> list[int]:
-    return [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
+    return [
+        int(c)
+        for t in Path(f"/proc/{pid}/task").iterdir()
+        for c in (t / "children").read_text().split()
+    ]
 
 
 class TestMainStack:
     @pytest.mark.timeout(120)
-    def test_target_worker_computes_alone_on_its_cpus_and_the_drafter_may_join(self, stack, client, ref):
+    def test_target_worker_computes_alone_on_its_cpus_and_the_drafter_may_join(
+        self, stack, client, ref
+    ):
         if stack.cpus is None:
             pytest.skip("fewer than 2 usable CPUs: the stack does not pin")
         target_cpus, rest = stack.cpus
@@ -181,7 +205,10 @@ class TestMainStack:
         (stub,) = _children(server)
         before = _thread_cpus(stub)
         prompt = _prompts(1, 11)[0]
-        assert list(client.generate(prompt_ids=prompt, max_new_tokens=24, ignore_eos=True).token_ids) == ref([prompt], 24)[0]
+        assert (
+            list(client.generate(prompt_ids=prompt, max_new_tokens=24, ignore_eos=True).token_ids)
+            == ref([prompt], 24)[0]
+        )
         after = _thread_cpus(stub)
         busiest = max(after, key=lambda t: after[t][1] - before.get(t, (None, 0))[1])
         assert after[busiest][0] == target_cpus  # the model's compute thread
@@ -203,7 +230,14 @@ class TestMainStack:
         max_new = 32
         expected = ref(prompts, max_new)
         with ThreadPoolExecutor(8) as pool:
-            outs = list(pool.map(lambda p: _stream(client, prompt_ids=p, max_new_tokens=max_new, ignore_eos=True), prompts))
+            outs = list(
+                pool.map(
+                    lambda p: _stream(
+                        client, prompt_ids=p, max_new_tokens=max_new, ignore_eos=True
+                    ),
+                    prompts,
+                )
+            )
         for p, exp, (ids, final) in zip(prompts, expected, outs):
             assert ids == exp
             assert final.finish_reason == "length"
@@ -220,16 +254,22 @@ class TestMainStack:
         max_new = 24
         expected = ref(prompts, max_new)
         orch0 = _samples(stack.cfg.metrics_port)
-        time.sleep(0.5)  # the target model sends its metrics between batches, within 0.25 s of a change
+        time.sleep(
+            0.5
+        )  # the target model sends its metrics between batches, within 0.25 s of a change
         tri0 = _samples(stack.cfg.triton_metrics_port)
 
         async def run():
             async with AsyncClient(stack.cfg.url, timeout=120) as ac:
-                assert (await ac.health()).ready and (await ac.model_info()).max_concurrent == stack.cfg.n_slots
+                assert (await ac.health()).ready and (
+                    await ac.model_info()
+                ).max_concurrent == stack.cfg.n_slots
 
                 async def one(p):
                     ids, final = [], None
-                    async for c in ac.generate_stream(prompt_ids=p, max_new_tokens=max_new, ignore_eos=True):
+                    async for c in ac.generate_stream(
+                        prompt_ids=p, max_new_tokens=max_new, ignore_eos=True
+                    ):
                         if c.finished:
                             final = c
                         else:
@@ -241,17 +281,25 @@ class TestMainStack:
         outs = asyncio.run(run())
         for exp, (ids, final) in zip(expected, outs):
             assert ids == exp
-            assert final is not None and final.finish_reason == "length" and final.completion_tokens == max_new
+            assert (
+                final is not None
+                and final.finish_reason == "length"
+                and final.completion_tokens == max_new
+            )
 
         orch1 = _samples(stack.cfg.metrics_port)
         time.sleep(0.5)
         tri1 = _samples(stack.cfg.triton_metrics_port)
         d = lambda s0, s1, name, **kw: _total(s1, name, **kw) - _total(s0, name, **kw)  # noqa: E731
-        multi = d(orch0, orch1, "flashmap_verify_batch_size_count") - d(orch0, orch1, "flashmap_verify_batch_size_bucket", le="1.0")
+        multi = d(orch0, orch1, "flashmap_verify_batch_size_count") - d(
+            orch0, orch1, "flashmap_verify_batch_size_bucket", le="1.0"
+        )
         assert multi > 0, "no orchestrator round verified more than one sequence"
         rows = d(tri0, tri1, "flashmap_target_verify_rows_total")
         batches = d(tri0, tri1, "flashmap_target_verify_batches_total")
-        assert batches > 0 and rows / batches > 1.0, f"Triton ran {batches} forwards for {rows} rows: no batching"
+        assert batches > 0 and rows / batches > 1.0, (
+            f"Triton ran {batches} forwards for {rows} rows: no batching"
+        )
 
     @pytest.mark.timeout(120)
     def test_step_count_switch_in_flight(self, stack, client, admin, ref):
@@ -262,22 +310,41 @@ class TestMainStack:
         d0 = _samples(stack.cfg.drafter_metrics_port)
         progress = [[] for _ in prompts]
         with ThreadPoolExecutor(len(prompts)) as pool:
-            futs = [pool.submit(_stream, client, progress[i], prompt_ids=p, max_new_tokens=max_new, ignore_eos=True)
-                    for i, p in enumerate(prompts)]
+            futs = [
+                pool.submit(
+                    _stream,
+                    client,
+                    progress[i],
+                    prompt_ids=p,
+                    max_new_tokens=max_new,
+                    ignore_eos=True,
+                )
+                for i, p in enumerate(prompts)
+            ]
             _poll("every request to stream a token", lambda: all(len(x) >= 1 for x in progress), 60)
             assert admin.set_steps(2) == 2
             at_switch = sum(map(len, progress))
             in_flight_up = sum(len(x) < max_new for x in progress)
-            _poll("16 more tokens at 2 steps", lambda: sum(map(len, progress)) >= at_switch + 16 or all(f.done() for f in futs), 60)
+            _poll(
+                "16 more tokens at 2 steps",
+                lambda: sum(map(len, progress)) >= at_switch + 16 or all(f.done() for f in futs),
+                60,
+            )
             assert admin.set_steps(1) == 1
             in_flight_down = sum(len(x) < max_new for x in progress)
             outs = [f.result() for f in futs]  # re-raises any failed request
-        assert in_flight_up > 0 and in_flight_down > 0, "the switches did not happen while requests were in flight"
+        assert in_flight_up > 0 and in_flight_down > 0, (
+            "the switches did not happen while requests were in flight"
+        )
         for exp, (ids, final) in zip(expected, outs):
             assert ids == exp and final.finish_reason == "length"
         d1 = _samples(stack.cfg.drafter_metrics_port)
-        assert _total(d1, "flashmap_drafter_blocks_total", steps="2") > _total(d0, "flashmap_drafter_blocks_total", steps="2")
-        assert _total(d1, "flashmap_drafter_blocks_total", steps="1") > _total(d0, "flashmap_drafter_blocks_total", steps="1")
+        assert _total(d1, "flashmap_drafter_blocks_total", steps="2") > _total(
+            d0, "flashmap_drafter_blocks_total", steps="2"
+        )
+        assert _total(d1, "flashmap_drafter_blocks_total", steps="1") > _total(
+            d0, "flashmap_drafter_blocks_total", steps="1"
+        )
         assert admin.get_steps() == 1
 
     @pytest.mark.timeout(120)
@@ -290,14 +357,23 @@ class TestMainStack:
         assert admin.get_steps() == 1
         for steps in (2, 3):
             d0 = _samples(stack.cfg.drafter_metrics_port)
-            ids, final = _stream(client, prompt_ids=p, max_new_tokens=max_new, ignore_eos=True, draft_steps=steps)
+            ids, final = _stream(
+                client, prompt_ids=p, max_new_tokens=max_new, ignore_eos=True, draft_steps=steps
+            )
             d1 = _samples(stack.cfg.drafter_metrics_port)
             assert ids == expected
             assert final.stats.draft_steps == steps and final.stats.drafts > 0
-            blocks = {k: _total(d1, "flashmap_drafter_blocks_total", steps=k) - _total(d0, "flashmap_drafter_blocks_total", steps=k)
-                      for k in ("1", "2", "3")}
-            assert blocks[str(steps)] >= final.stats.drafts > 0, blocks  # >=: a late block is not a draft
-            assert sum(blocks.values()) == blocks[str(steps)], blocks  # nothing drafted with the default
+            blocks = {
+                k: _total(d1, "flashmap_drafter_blocks_total", steps=k)
+                - _total(d0, "flashmap_drafter_blocks_total", steps=k)
+                for k in ("1", "2", "3")
+            }
+            assert blocks[str(steps)] >= final.stats.drafts > 0, (
+                blocks
+            )  # >=: a late block is not a draft
+            assert sum(blocks.values()) == blocks[str(steps)], (
+                blocks
+            )  # nothing drafted with the default
         assert admin.get_steps() == 1
 
         try:
@@ -318,7 +394,11 @@ class TestMainStack:
         cases = [
             ("empty prompt", dict(prompt_ids=[]), "empty"),
             ("prompt longer than the context", dict(prompt_ids=[1] * 1025), "context"),
-            ("prompt + max_new_tokens past the context", dict(prompt_ids=[1] * 1000, max_new_tokens=100), "context"),
+            (
+                "prompt + max_new_tokens past the context",
+                dict(prompt_ids=[1] * 1000, max_new_tokens=100),
+                "context",
+            ),
             ("token id = vocab size", dict(prompt_ids=[1, VOCAB, 2]), "vocabulary"),
             ("negative token id", dict(prompt_ids=[-1, 2]), "vocabulary"),
             ("max_new_tokens 0", dict(max_new_tokens=0), "max_new_tokens"),
@@ -332,19 +412,25 @@ class TestMainStack:
         for what, kw, word in cases:
             with pytest.raises(InvalidArgument) as e:
                 client.generate(**{**ok, **kw})
-            assert word in str(e.value), f"{what}: message {str(e.value)!r} does not mention {word!r}"
+            assert word in str(e.value), (
+                f"{what}: message {str(e.value)!r} does not mention {word!r}"
+            )
         # Still serving, exactly.
         assert client.health().ready
         p = _prompts(1, seed=51)[0]
         (expected,) = ref([p], 16)
-        assert client.generate(prompt_ids=p, max_new_tokens=16, ignore_eos=True).token_ids == expected
+        assert (
+            client.generate(prompt_ids=p, max_new_tokens=16, ignore_eos=True).token_ids == expected
+        )
 
     @pytest.mark.timeout(90)
     def test_cancel_frees_target_and_drafter_slots(self, stack, client, admin, ref):
         p = _prompts(1, seed=61, lo=5, hi=5)[0]
         max_new = 400
         (expected,) = ref([p], max_new)
-        aborts0 = _total(_samples(stack.cfg.metrics_port), "flashmap_requests_total", status="abort")
+        aborts0 = _total(
+            _samples(stack.cfg.metrics_port), "flashmap_requests_total", status="abort"
+        )
 
         # 1. The caller stops iterating: the generator is closed, the call cancelled.
         got = []
@@ -353,26 +439,50 @@ class TestMainStack:
             if len(got) >= 3:
                 # While it streams, target and drafter hold the sequence.
                 _poll("the target to hold the sequence", lambda: _triton_active(stack) >= 1, 10)
-                _poll("the drafter to hold the sequence", lambda: admin.stats().active_sequences >= 1, 10)
+                _poll(
+                    "the drafter to hold the sequence",
+                    lambda: admin.stats().active_sequences >= 1,
+                    10,
+                )
                 break
-        assert got == expected[:len(got)]
-        _poll("target, drafter and orchestrator to be idle after a cancelled stream",
-              lambda: _all_idle(stack, client, admin), 20)
+        assert got == expected[: len(got)]
+        _poll(
+            "target, drafter and orchestrator to be idle after a cancelled stream",
+            lambda: _all_idle(stack, client, admin),
+            20,
+        )
 
         # 2. Client.abort(request_id) from another thread.
         progress: list[int] = []
         with ThreadPoolExecutor(1) as pool:
-            fut = pool.submit(_stream, client, progress, prompt_ids=p, max_new_tokens=max_new, ignore_eos=True,
-                              request_id="cancel-me")
+            fut = pool.submit(
+                _stream,
+                client,
+                progress,
+                prompt_ids=p,
+                max_new_tokens=max_new,
+                ignore_eos=True,
+                request_id="cancel-me",
+            )
             _poll("the request to stream", lambda: len(progress) >= 3 or fut.done(), 30)
-            _poll("the drafter to hold the sequence", lambda: admin.stats().active_sequences >= 1 or fut.done(), 10)
+            _poll(
+                "the drafter to hold the sequence",
+                lambda: admin.stats().active_sequences >= 1 or fut.done(),
+                10,
+            )
             assert client.abort("cancel-me") is True
             ids, final = fut.result(timeout=30)
         assert final.finish_reason == "abort"
-        assert 3 <= len(ids) < max_new and ids == expected[:len(ids)]
+        assert 3 <= len(ids) < max_new and ids == expected[: len(ids)]
         assert client.abort("cancel-me") is False  # gone
-        _poll("target, drafter and orchestrator to be idle after Abort", lambda: _all_idle(stack, client, admin), 20)
-        aborts1 = _total(_samples(stack.cfg.metrics_port), "flashmap_requests_total", status="abort")
+        _poll(
+            "target, drafter and orchestrator to be idle after Abort",
+            lambda: _all_idle(stack, client, admin),
+            20,
+        )
+        aborts1 = _total(
+            _samples(stack.cfg.metrics_port), "flashmap_requests_total", status="abort"
+        )
         assert aborts1 - aborts0 == 2
 
     @pytest.mark.timeout(60)
@@ -382,18 +492,28 @@ class TestMainStack:
         client.generate(prompt_ids=[5, 6, 7], max_new_tokens=8, ignore_eos=True)
         text = _metrics_text(stack.cfg.metrics_port)
         names = [
-            "flashmap_num_drafts_total", "flashmap_num_draft_tokens_total", "flashmap_num_accepted_tokens_total",
-            "flashmap_num_accepted_tokens_per_pos_total", "flashmap_acceptance_length_bucket",
-            "flashmap_draft_latency_seconds_bucket", "flashmap_verify_latency_seconds_bucket",
-            "flashmap_round_latency_seconds_bucket", "flashmap_time_to_first_token_seconds_bucket",
-            "flashmap_inter_token_latency_seconds_bucket", "flashmap_requests_total", "flashmap_active_requests",
-            "flashmap_drafter_steps", "flashmap_fallback_rounds_total",
+            "flashmap_num_drafts_total",
+            "flashmap_num_draft_tokens_total",
+            "flashmap_num_accepted_tokens_total",
+            "flashmap_num_accepted_tokens_per_pos_total",
+            "flashmap_acceptance_length_bucket",
+            "flashmap_draft_latency_seconds_bucket",
+            "flashmap_verify_latency_seconds_bucket",
+            "flashmap_round_latency_seconds_bucket",
+            "flashmap_time_to_first_token_seconds_bucket",
+            "flashmap_inter_token_latency_seconds_bucket",
+            "flashmap_requests_total",
+            "flashmap_active_requests",
+            "flashmap_drafter_steps",
+            "flashmap_fallback_rounds_total",
         ]
         missing = [n for n in names if not re.search(rf"^{n}[{{ ]", text, re.M)]
         assert not missing, f"no sample of {missing}"
         # Latency buckets start at 100 microseconds; labels model / drafter / steps.
         assert re.search(r'^flashmap_round_latency_seconds_bucket\{.*le="0\.0001".*\}', text, re.M)
-        assert re.search(r'^flashmap_num_drafts_total\{(?=.*model=")(?=.*drafter=")(?=.*steps=").*\}', text, re.M)
+        assert re.search(
+            r'^flashmap_num_drafts_total\{(?=.*model=")(?=.*drafter=")(?=.*steps=").*\}', text, re.M
+        )
         assert re.search(r'^flashmap_requests_total\{.*status="length".*\} [1-9]', text, re.M)
 
     @pytest.mark.timeout(60)
@@ -404,13 +524,17 @@ class TestMainStack:
         p = _prompts(1, seed=81, lo=5, hi=5)[0]
         (exp,) = ref([p], 1 + 2 * steps)
         orch0, tri0 = _samples(stack.cfg.metrics_port), _samples(stack.cfg.triton_metrics_port)
-        ids, final = _stream(client, prompt_ids=p, max_new_tokens=1 + 2 * steps, ignore_eos=True, max_draft_tokens=0)
+        ids, final = _stream(
+            client, prompt_ids=p, max_new_tokens=1 + 2 * steps, ignore_eos=True, max_draft_tokens=0
+        )
         assert ids == exp and final.stats.rounds == 2 * steps and final.stats.drafts == 0
         orch1, tri1 = _samples(stack.cfg.metrics_port), _samples(stack.cfg.triton_metrics_port)
         d = lambda a, b, name: _total(b, name) - _total(a, name)  # noqa: E731
         assert d(orch0, orch1, "flashmap_decode_steps_count") == 2
         assert d(orch0, orch1, "flashmap_decode_steps_sum") == 2 * steps
-        assert d(tri0, tri1, "nv_inference_exec_count") <= 4  # prompt, 2 calls of `steps` tokens, the release
+        assert (
+            d(tri0, tri1, "nv_inference_exec_count") <= 4
+        )  # prompt, 2 calls of `steps` tokens, the release
 
     @pytest.mark.timeout(150)
     def test_drafter_killed_mid_stream_then_restarted(self, stack, client, admin, ref):
@@ -421,9 +545,22 @@ class TestMainStack:
         progress = [[] for _ in prompts]
         try:
             with ThreadPoolExecutor(len(prompts)) as pool:
-                futs = [pool.submit(_stream, client, progress[i], prompt_ids=p, max_new_tokens=max_new, ignore_eos=True)
-                        for i, p in enumerate(prompts)]
-                _poll("every request to stream 4 tokens", lambda: all(len(x) >= 4 for x in progress), 60)
+                futs = [
+                    pool.submit(
+                        _stream,
+                        client,
+                        progress[i],
+                        prompt_ids=p,
+                        max_new_tokens=max_new,
+                        ignore_eos=True,
+                    )
+                    for i, p in enumerate(prompts)
+                ]
+                _poll(
+                    "every request to stream 4 tokens",
+                    lambda: all(len(x) >= 4 for x in progress),
+                    60,
+                )
                 stack.drafter_proc.kill()
                 stack.drafter_proc.wait(10)
                 in_flight = sum(len(x) < max_new for x in progress)
@@ -446,7 +583,11 @@ class TestMainStack:
         assert ids == exp
         assert final.stats.drafts > 0, "the restarted drafter was not used"
         assert client.health().drafter_ready
-        _poll("the restarted drafter to drop the finished sequence", lambda: admin.stats().active_sequences == 0, 10)
+        _poll(
+            "the restarted drafter to drop the finished sequence",
+            lambda: admin.stats().active_sequences == 0,
+            10,
+        )
 
 
 # ============================================================================= late drafter
@@ -461,13 +602,24 @@ def test_late_drafter_falls_back_exactly_and_is_released(target_dir, ref, tmp_pa
     expected = ref(prompts, max_new)
     # speculation="full": every round wants a draft (the controller would soon stop asking a drafter
     # that never answers in time, and then no round would fall back).
-    cfg = StackConfig.on_free_ports(target_dir=str(target_dir), n_slots=4, max_seq_len=1024, draft_timeout_s=1e-4,
-                                    speculation="full", log_dir=str(tmp_path))
+    cfg = StackConfig.on_free_ports(
+        target_dir=str(target_dir),
+        n_slots=4,
+        max_seq_len=1024,
+        draft_timeout_s=1e-4,
+        speculation="full",
+        log_dir=str(tmp_path),
+    )
     with Stack(cfg) as st, Client(cfg.url, timeout=120) as c:
         admin = DrafterAdmin(cfg.drafter_url, token=cfg.drafter_token)
         try:
             with ThreadPoolExecutor(len(prompts)) as pool:
-                outs = list(pool.map(lambda p: _stream(c, prompt_ids=p, max_new_tokens=max_new, ignore_eos=True), prompts))
+                outs = list(
+                    pool.map(
+                        lambda p: _stream(c, prompt_ids=p, max_new_tokens=max_new, ignore_eos=True),
+                        prompts,
+                    )
+                )
             for exp, (ids, final) in zip(expected, outs):
                 assert ids == exp and final.finish_reason == "length"
                 # The timeout counts from when the request is written: an answer that came in
@@ -477,10 +629,19 @@ def test_late_drafter_falls_back_exactly_and_is_released(target_dir, ref, tmp_pa
             m = _samples(cfg.metrics_port)
             assert _total(m, "flashmap_fallback_rounds_total", reason="timeout") > 0
             # The drafter does the (late) work: it takes context for these sequences...
-            _poll("the drafter to answer a late call",
-                  lambda: _total(_samples(cfg.drafter_metrics_port), "flashmap_drafter_blocks_total") > 0, 20)
+            _poll(
+                "the drafter to answer a late call",
+                lambda: (
+                    _total(_samples(cfg.drafter_metrics_port), "flashmap_drafter_blocks_total") > 0
+                ),
+                20,
+            )
             # ...and must not keep it until its idle timeout (300 s) once they are finished.
-            _poll("the drafter to drop the finished sequences", lambda: admin.stats().active_sequences == 0, 10)
+            _poll(
+                "the drafter to drop the finished sequences",
+                lambda: admin.stats().active_sequences == 0,
+                10,
+            )
             _poll("the target to drop the finished sequences", lambda: _triton_active(st) == 0, 10)
         finally:
             admin.close()
@@ -492,23 +653,41 @@ def test_shadow_probes_through_the_stack_are_exact_and_released(target_dir, ref,
     pipeline on: greedy requests are probed beside the rounds sent ahead (their rows fetch the
     features the drafter lacks, the drafter drafts while the target decodes); every output equals
     the target alone's, the probes are counted, and the drafter holds nothing afterwards."""
-    prompts = _prompts(64, seed=111, lo=3, hi=20)  # enough rounds for several probes (their interval doubles)
+    prompts = _prompts(
+        64, seed=111, lo=3, hi=20
+    )  # enough rounds for several probes (their interval doubles)
     max_new = 64
     expected = ref(prompts, max_new)
-    cfg = StackConfig.on_free_ports(target_dir=str(target_dir), n_slots=4, max_seq_len=1024, log_dir=str(tmp_path))
+    cfg = StackConfig.on_free_ports(
+        target_dir=str(target_dir), n_slots=4, max_seq_len=1024, log_dir=str(tmp_path)
+    )
     assert cfg.speculation == "auto" and cfg.pipeline and cfg.decode_steps > 1
     with Stack(cfg) as st, Client(cfg.url, timeout=120) as c:
         admin = DrafterAdmin(cfg.drafter_url, token=cfg.drafter_token)
         try:
             with ThreadPoolExecutor(4) as pool:
-                outs = list(pool.map(lambda p: _stream(c, prompt_ids=p, max_new_tokens=max_new, ignore_eos=True), prompts))
+                outs = list(
+                    pool.map(
+                        lambda p: _stream(c, prompt_ids=p, max_new_tokens=max_new, ignore_eos=True),
+                        prompts,
+                    )
+                )
             for exp, (ids, final) in zip(expected, outs):
                 assert ids == exp and final.finish_reason == "length"
             m = _samples(cfg.metrics_port)
             assert _total(m, "flashmap_shadow_probes_total") > 0
-            assert _total(m, "flashmap_controller_accepted_tokens_total", kind="expected") > 0  # the first probe's
-            assert _total(m, "flashmap_speculation_off_rounds_total") > 0 and _total(m, "flashmap_rounds_ahead_total") > 0
-            _poll("the drafter to drop the finished sequences", lambda: admin.stats().active_sequences == 0, 10)
+            assert (
+                _total(m, "flashmap_controller_accepted_tokens_total", kind="expected") > 0
+            )  # the first probe's
+            assert (
+                _total(m, "flashmap_speculation_off_rounds_total") > 0
+                and _total(m, "flashmap_rounds_ahead_total") > 0
+            )
+            _poll(
+                "the drafter to drop the finished sequences",
+                lambda: admin.stats().active_sequences == 0,
+                10,
+            )
             _poll("the target to drop the finished sequences", lambda: _triton_active(st) == 0, 10)
         finally:
             admin.close()
@@ -527,12 +706,29 @@ class OracleStack(Stack):
     def start_drafter(self, wait: bool = True) -> None:
         c = self.cfg
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(
+            os.pathsep
+        )
         with open(self._log("drafter"), "ab") as f:
             self.drafter_proc = subprocess.Popen(
-                [sys.executable, __file__, "--oracle-drafter", "--refs", str(self.refs_path), "--vocab", str(VOCAB),
-                 "--port", str(c.drafter_port), "--metrics-port", str(c.drafter_metrics_port)],
-                stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(REPO_ROOT), start_new_session=True,
+                [
+                    sys.executable,
+                    __file__,
+                    "--oracle-drafter",
+                    "--refs",
+                    str(self.refs_path),
+                    "--vocab",
+                    str(VOCAB),
+                    "--port",
+                    str(c.drafter_port),
+                    "--metrics-port",
+                    str(c.drafter_metrics_port),
+                ],
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=str(REPO_ROOT),
+                start_new_session=True,
             )
         if wait:
             self.wait_drafter()
@@ -549,8 +745,15 @@ def small_stack(target_dir, ref, tmp_path_factory):
     refs_path.write_text(json.dumps(refs))
     # speculation="full": the counters are checked on drafted rounds (the earlier tests' prompts,
     # which the oracle does not know, teach the speculation controller to stop drafting).
-    cfg = StackConfig.on_free_ports(target_dir=str(target_dir), drafter="oracle", n_slots=2, max_queue=4, max_seq_len=1024,
-                                    speculation="full", log_dir=str(tmp_path_factory.mktemp("logs-small")))
+    cfg = StackConfig.on_free_ports(
+        target_dir=str(target_dir),
+        drafter="oracle",
+        n_slots=2,
+        max_queue=4,
+        max_seq_len=1024,
+        speculation="full",
+        log_dir=str(tmp_path_factory.mktemp("logs-small")),
+    )
     with OracleStack(cfg, refs_path) as st:
         yield st
 
@@ -573,9 +776,16 @@ class TestSmallStack:
         max_new = 64
         expected = ref(prompts, max_new)
         with ThreadPoolExecutor(6) as pool:
-            futs = [pool.submit(_stream, c, None, prompt_ids=p, max_new_tokens=max_new, ignore_eos=True) for p in prompts]
-            _poll("2 active and 4 queued requests",
-                  lambda: (lambda h: h.active_requests == 2 and h.queued_requests == 4)(c.health()), 30, 0.01)
+            futs = [
+                pool.submit(_stream, c, None, prompt_ids=p, max_new_tokens=max_new, ignore_eos=True)
+                for p in prompts
+            ]
+            _poll(
+                "2 active and 4 queued requests",
+                lambda: (lambda h: h.active_requests == 2 and h.queued_requests == 4)(c.health()),
+                30,
+                0.01,
+            )
             with pytest.raises(ResourceExhausted) as e:
                 c.generate(prompt_ids=[1, 2, 3], max_new_tokens=4)
             assert "queue" in str(e.value)
@@ -591,12 +801,26 @@ class TestSmallStack:
         equal the sums of their SpecStats, slot by slot, and mean gamma = 1 + accepted / drafts."""
         c = small_client
         expected = ref(ORACLE_PROMPTS, ORACLE_MAX_NEW)
-        _poll("an idle server", lambda: c.health().active_requests == 0 and c.health().queued_requests == 0, 30)
+        _poll(
+            "an idle server",
+            lambda: c.health().active_requests == 0 and c.health().queued_requests == 0,
+            30,
+        )
         m0 = _samples(small_stack.cfg.metrics_port)
         with ThreadPoolExecutor(len(ORACLE_PROMPTS)) as pool:
             # Seeded: the draft seeds, hence the oracle's injected errors, are reproducible.
-            outs = list(pool.map(lambda i: _stream(c, prompt_ids=ORACLE_PROMPTS[i], max_new_tokens=ORACLE_MAX_NEW,
-                                                   ignore_eos=True, seed=i), range(len(ORACLE_PROMPTS))))
+            outs = list(
+                pool.map(
+                    lambda i: _stream(
+                        c,
+                        prompt_ids=ORACLE_PROMPTS[i],
+                        max_new_tokens=ORACLE_MAX_NEW,
+                        ignore_eos=True,
+                        seed=i,
+                    ),
+                    range(len(ORACLE_PROMPTS)),
+                )
+            )
         m1 = _samples(small_stack.cfg.metrics_port)
         for exp, (ids, final) in zip(expected, outs):
             assert ids == exp and final.finish_reason == "length"
@@ -620,7 +844,9 @@ class TestSmallStack:
             assert pos1.get(key, 0.0) - pos0.get(key, 0.0) == per_slot[k], f"position {key}"
         assert d("flashmap_acceptance_length_count") == drafts
         assert d("flashmap_acceptance_length_sum") == drafts + accepted
-        gamma_metrics = 1.0 + d("flashmap_num_accepted_tokens_total") / d("flashmap_num_drafts_total")
+        gamma_metrics = 1.0 + d("flashmap_num_accepted_tokens_total") / d(
+            "flashmap_num_drafts_total"
+        )
         gamma_requests = 1.0 + accepted / drafts
         assert gamma_metrics == pytest.approx(gamma_requests, abs=1e-12)
         assert gamma_metrics > 1.5
@@ -647,21 +873,42 @@ def test_tree_verification_through_the_stack_is_the_in_process_round(target_dir,
     refs = [p + out for p, out in zip(prompts, expected)]
     refs_path = tmp_path / "refs.json"
     refs_path.write_text(json.dumps(refs))
-    cfg = StackConfig.on_free_ports(target_dir=str(target_dir), drafter="oracle", n_slots=4, max_seq_len=1024,
-                                    tree_blocks=3, speculation="full", log_dir=str(tmp_path / "logs"))
+    cfg = StackConfig.on_free_ports(
+        target_dir=str(target_dir),
+        drafter="oracle",
+        n_slots=4,
+        max_seq_len=1024,
+        tree_blocks=3,
+        speculation="full",
+        log_dir=str(tmp_path / "logs"),
+    )
     with OracleStack(cfg, refs_path), Client(cfg.url, timeout=120) as c:
-        outs = [_stream(c, prompt_ids=p, max_new_tokens=max_new, ignore_eos=True, seed=i) for i, p in enumerate(prompts)]
+        outs = [
+            _stream(c, prompt_ids=p, max_new_tokens=max_new, ignore_eos=True, seed=i)
+            for i, p in enumerate(prompts)
+        ]
     for exp, (ids, final) in zip(expected, outs):
         assert ids == exp and final.finish_reason == "length"
 
     def local(tree_blocks: int):
-        reqs = [GenerationRequest(p, max_new, SamplingParams(seed=i)) for i, p in enumerate(prompts)]
-        return decode(ref.engine, reqs, OracleProposer(refs, BLOCK, VOCAB, error_rate=0.2, seed=1), tree_blocks=tree_blocks)
+        reqs = [
+            GenerationRequest(p, max_new, SamplingParams(seed=i)) for i, p in enumerate(prompts)
+        ]
+        return decode(
+            ref.engine,
+            reqs,
+            OracleProposer(refs, BLOCK, VOCAB, error_rate=0.2, seed=1),
+            tree_blocks=tree_blocks,
+        )
 
     tree = local(3)
     for mine, (_, final) in zip(tree, outs):
         s = final.stats
-        assert (s.rounds, s.drafts, s.draft_tokens, s.accepted) == \
-            (mine.stats.rounds, mine.stats.drafts, mine.stats.draft_tokens, mine.stats.accepted)
+        assert (s.rounds, s.drafts, s.draft_tokens, s.accepted) == (
+            mine.stats.rounds,
+            mine.stats.drafts,
+            mine.stats.draft_tokens,
+            mine.stats.accepted,
+        )
         assert s.accepted_per_slot.tolist() == mine.stats.accepted_per_slot.tolist()
     assert sum(r.stats.accepted for r in tree) > sum(r.stats.accepted for r in local(1))

@@ -15,8 +15,14 @@ import numpy as np
 import pytest
 import torch
 
-from flashmap.types import MAX_DECODE_STEPS, InvalidRequest, SamplingParams, VerifyRow, feature_layers_for
 from flashmap.checkpoint import CheckpointError
+from flashmap.types import (
+    MAX_DECODE_STEPS,
+    InvalidRequest,
+    SamplingParams,
+    VerifyRow,
+    feature_layers_for,
+)
 from target_service.engine import NoFreeSlot, TargetEngine, _pack
 from target_service.packing import GROUP_TOKENS, length_groups
 from target_service.qwen3 import Qwen3, Qwen3Config
@@ -31,7 +37,9 @@ CONFIGS = {
     # MHA, tied embeddings, 2 layers
     "mha_tied": dict(num_hidden_layers=2, num_key_value_heads=4, tie_word_embeddings=True, seed=1),
     # GQA 4:1, head_dim 32 != 64 / 4, another RoPE base, 3 layers
-    "wide_head": dict(num_hidden_layers=3, num_key_value_heads=1, head_dim=32, rope_theta=1e6, seed=2),
+    "wide_head": dict(
+        num_hidden_layers=3, num_key_value_heads=1, head_dim=32, rope_theta=1e6, seed=2
+    ),
 }
 V = 512  # vocab of every config above
 GREEDY = SamplingParams()
@@ -41,7 +49,8 @@ GREEDY = SamplingParams()
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     return {
-        name: make_random_qwen3(root / name, with_tokenizer=(name == "gqa"), **kw) for name, kw in CONFIGS.items()
+        name: make_random_qwen3(root / name, with_tokenizer=(name == "gqa"), **kw)
+        for name, kw in CONFIGS.items()
     }
 
 
@@ -61,7 +70,9 @@ def model(checkpoints):
 def fresh_engine(model, n_slots=1) -> TargetEngine:
     """An engine with fresh caches around `model`, every layer as a feature layer. It
     replaces the model's caches: earlier engines around the same model are stale."""
-    return TargetEngine.from_model(model, n_slots=n_slots, max_seq_len=128, feature_layers=list(range(4)))
+    return TargetEngine.from_model(
+        model, n_slots=n_slots, max_seq_len=128, feature_layers=list(range(4))
+    )
 
 
 @pytest.fixture
@@ -112,7 +123,9 @@ def test_logits_and_features_match_transformers(name, checkpoints, hf_models):
     hf = hf_models[name]
     m = Qwen3.from_pretrained(checkpoints[name])
     n_layers = m.config.num_hidden_layers
-    eng = TargetEngine.from_model(m, n_slots=3, max_seq_len=64, feature_layers=list(range(n_layers)))
+    eng = TargetEngine.from_model(
+        m, n_slots=3, max_seq_len=64, feature_layers=list(range(n_layers))
+    )
     # Two rows of different lengths in one padded pass; logits for every position.
     seqs = [seq(37, 1), seq(20, 2)]
     B, L = 2, 37
@@ -140,7 +153,9 @@ def test_engine_defaults(checkpoints):
     eng = TargetEngine(checkpoints["gqa"])
     c = eng.config
     assert eng.feature_layers == feature_layers_for(4)
-    assert eng.feature_dim == len(eng.feature_layers) * 64 == eng.hidden_size * len(eng.feature_layers)
+    assert (
+        eng.feature_dim == len(eng.feature_layers) * 64 == eng.hidden_size * len(eng.feature_layers)
+    )
     assert (eng.vocab_size, eng.num_layers, eng.n_slots, eng.free_slots) == (V, 4, 8, 8)
     assert eng.max_seq_len == min(c.max_position_embeddings, 4096) == 512
     assert eng.kv_bytes_per_token == 2 * 4 * 2 * 16 * 4
@@ -164,7 +179,9 @@ def test_batched_verify_equals_each_row_alone(engine, model, hf_models):
     new = {0: seq(6, 5), 1: seq(9, 6), 2: seq(31, 7)}
     specs = {0: (5, GREEDY), 1: (4, sampled), 2: (0, sampled)}  # slot: (K, params)
 
-    rows = {s: row(s, len(history[s]), new[s], specs[s][0], specs[s][1], seed=10 + s) for s in history}
+    rows = {
+        s: row(s, len(history[s]), new[s], specs[s][0], specs[s][1], seed=10 + s) for s in history
+    }
 
     # Batched: the two histories prefilled together (different lengths), then all three rows.
     for s in history:
@@ -208,22 +225,30 @@ def test_packed_verify_equals_one_padded_pass(model, group_tokens):
         eng.group_tokens = group_tokens
         hist = [row(eng.allocate(), 0, seq(12 + s, 20 + s)) for s in range(4)]
         eng.verify(hist)
-        rows = [row(h.slot, len(h.tokens), seq(n, 30 + i), k=min(n - 1, 16)) for i, (h, n) in enumerate(zip(hist, lengths))]
+        rows = [
+            row(h.slot, len(h.tokens), seq(n, 30 + i), k=min(n - 1, 16))
+            for i, (h, n) in enumerate(zip(hist, lengths))
+        ]
         rows.append(row(eng.allocate(), 0, seq(lengths[-1], 40), k=0))  # a prefill beside them
         if mode == "packed":
             runs[mode] = eng.verify(rows)
             continue
         with torch.inference_mode():
             batch = [torch.as_tensor(a) for a in _pack(rows, max(len(r.tokens) for r in rows))]
-            logits, features = eng.model(*batch, eng._feature_layers, max(r.start_pos + len(r.tokens) for r in rows))
-        runs[mode] = (logits, np.split(features.numpy(), np.cumsum([len(r.tokens) for r in rows])[:-1]))
+            logits, features = eng.model(
+                *batch, eng._feature_layers, max(r.start_pos + len(r.tokens) for r in rows)
+            )
+        runs[mode] = (
+            logits,
+            np.split(features.numpy(), np.cumsum([len(r.tokens) for r in rows])[:-1]),
+        )
     groups = length_groups([len(r.tokens) for r in rows], group_tokens)
     assert len(groups) == {0.0: 4, 1e9: 1}.get(group_tokens, len(groups))
     logits, feats = runs["padded"]
     start = 0
     for r, got, f in zip(rows, runs["packed"], feats):
         n = r.num_draft + 1
-        np.testing.assert_array_equal(got.argmax, logits[start:start + n].argmax(-1).numpy())
+        np.testing.assert_array_equal(got.argmax, logits[start : start + n].argmax(-1).numpy())
         assert rel_err(got.features, f) < 1e-5
         start += n
 
@@ -245,11 +270,16 @@ def test_length_groups_minimise_padding_plus_group_cost():
             return total
 
         G = len(values)
-        best = min(cost([*inner, G]) for k in range(G) for inner in itertools.combinations(range(1, G), k))
+        best = min(
+            cost([*inner, G]) for k in range(G) for inner in itertools.combinations(range(1, G), k)
+        )
         groups = length_groups(lengths, gt)
         assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
         assert sum(len(g) * max(lengths[i] for i in g) + gt for g in groups) == pytest.approx(best)
-        assert all(max(lengths[i] for i in g) < min(lengths[i] for i in h) for g, h in zip(groups, groups[1:]))
+        assert all(
+            max(lengths[i] for i in g) < min(lengths[i] for i in h)
+            for g, h in zip(groups, groups[1:])
+        )
     assert length_groups([1] * 15 + [17], 8) == [list(range(15)), [15]]
     assert length_groups([5] * 8, 0) == [list(range(8))]  # equal rows: one group
 
@@ -283,24 +313,50 @@ def test_next_seeds_decode_as_separate_one_token_calls(engine):
         return a, b, c
 
     a, b, c = start()
-    multi = engine.verify([
-        dataclasses.replace(row(a, 0, prompt), round_seed=1, next_seeds=np.array([2, 3, 4])),
-        dataclasses.replace(row(b, 9, [int(other[-1])], params=sampled), round_seed=11, next_seeds=np.array([12, 13])),
-        row(c, 7, seq(4, 23), k=3)])
+    multi = engine.verify(
+        [
+            dataclasses.replace(row(a, 0, prompt), round_seed=1, next_seeds=np.array([2, 3, 4])),
+            dataclasses.replace(
+                row(b, 9, [int(other[-1])], params=sampled),
+                round_seed=11,
+                next_seeds=np.array([12, 13]),
+            ),
+            row(c, 7, seq(4, 23), k=3),
+        ]
+    )
     lengths = [engine.length(s) for s in (a, b, c)]
     for s in (a, b, c):
         engine.release(s)
 
     a, b, c = start()
     ref_a = [engine.verify([dataclasses.replace(row(a, 0, prompt), round_seed=1)])[0]]
-    ref_b = [engine.verify([dataclasses.replace(row(b, 9, [int(other[-1])], params=sampled), round_seed=11)])[0]]
+    ref_b = [
+        engine.verify(
+            [dataclasses.replace(row(b, 9, [int(other[-1])], params=sampled), round_seed=11)]
+        )[0]
+    ]
     ref_c = engine.verify([row(c, 7, seq(4, 23), k=3)])[0]
     for seed in (2, 3, 4):
-        ref_a.append(engine.verify([dataclasses.replace(row(a, engine.length(a), [int(ref_a[-1].argmax[-1])]),
-                                                        round_seed=seed)])[0])
+        ref_a.append(
+            engine.verify(
+                [
+                    dataclasses.replace(
+                        row(a, engine.length(a), [int(ref_a[-1].argmax[-1])]), round_seed=seed
+                    )
+                ]
+            )[0]
+        )
     for seed in (12, 13):
-        ref_b.append(engine.verify([dataclasses.replace(row(b, engine.length(b), [int(ref_b[-1].residual[-1])],
-                                                            params=sampled), round_seed=seed)])[0])
+        ref_b.append(
+            engine.verify(
+                [
+                    dataclasses.replace(
+                        row(b, engine.length(b), [int(ref_b[-1].residual[-1])], params=sampled),
+                        round_seed=seed,
+                    )
+                ]
+            )[0]
+        )
     assert lengths == [engine.length(s) for s in (a, b, c)] == [15, 12, 11]
     for got, ref in ((multi[0], ref_a), (multi[1], ref_b)):
         np.testing.assert_array_equal(got.argmax, np.concatenate([r.argmax for r in ref]))
@@ -319,14 +375,29 @@ def test_rows_without_features_get_the_same_statistics_and_no_features(engine):
 
     def run(features: bool):
         a, b, c = engine.allocate(), engine.allocate(), engine.allocate()
-        first = engine.verify([dataclasses.replace(row(a, 0, seq(12, 30)), features=features),
-                               row(b, 0, seq(9, 31), params=sampled), row(c, 0, seq(7, 32))])
-        second = engine.verify([
-            dataclasses.replace(row(a, 12, [int(first[0].argmax[-1])]), round_seed=5, next_seeds=np.array([6, 7]),
-                                features=features),
-            dataclasses.replace(row(b, 9, [int(first[1].residual[-1])], params=sampled), round_seed=8,
-                                next_seeds=np.array([9])),
-            row(c, 7, seq(4, 33), k=3)])
+        first = engine.verify(
+            [
+                dataclasses.replace(row(a, 0, seq(12, 30)), features=features),
+                row(b, 0, seq(9, 31), params=sampled),
+                row(c, 0, seq(7, 32)),
+            ]
+        )
+        second = engine.verify(
+            [
+                dataclasses.replace(
+                    row(a, 12, [int(first[0].argmax[-1])]),
+                    round_seed=5,
+                    next_seeds=np.array([6, 7]),
+                    features=features,
+                ),
+                dataclasses.replace(
+                    row(b, 9, [int(first[1].residual[-1])], params=sampled),
+                    round_seed=8,
+                    next_seeds=np.array([9]),
+                ),
+                row(c, 7, seq(4, 33), k=3),
+            ]
+        )
         for s in (a, b, c):
             engine.release(s)
         return first + second
@@ -350,26 +421,44 @@ def test_a_row_fetches_the_features_earlier_rows_went_without(engine, model):
     def run(features: bool):
         a = engine.allocate()
         out = [engine.verify([dataclasses.replace(row(a, 0, prompt), features=features)])[0]]
-        out.append(engine.verify([dataclasses.replace(row(a, 14, [int(out[0].argmax[-1])]), next_seeds=np.array([1, 2]),
-                                                      features=features)])[0])
+        out.append(
+            engine.verify(
+                [
+                    dataclasses.replace(
+                        row(a, 14, [int(out[0].argmax[-1])]),
+                        next_seeds=np.array([1, 2]),
+                        features=features,
+                    )
+                ]
+            )[0]
+        )
         draft = np.concatenate([[int(out[1].argmax[-1])], seq(3, 41)])
         res, _ = engine.verify_tree(row(a, 17, draft, k=3), [seq(3, 42), seq(3, 43)])
         out.append(res)
-        last = engine.verify([dataclasses.replace(row(a, 21, [int(res.argmax[-1])]), features_from=0 if not features
-                                                  else -1)])[0]
+        last = engine.verify(
+            [
+                dataclasses.replace(
+                    row(a, 21, [int(res.argmax[-1])]), features_from=0 if not features else -1
+                )
+            ]
+        )[0]
         engine.release(a)
         return out, last
 
     (full, full_last), (lean, lean_last) = run(True), run(False)
     assert lean[0].features.shape[0] == lean[1].features.shape[0] == 0
     # The tree's winner is kept at the row's positions; a tree row always returns its features.
-    expected = np.concatenate([full[0].features, full[1].features, full[2].features, full_last.features])
+    expected = np.concatenate(
+        [full[0].features, full[1].features, full[2].features, full_last.features]
+    )
     assert lean_last.features.shape == expected.shape == (22, engine.feature_dim)
     assert rel_err(lean_last.features, expected) < 1e-5
     a = engine.allocate()
     engine.verify([row(a, 0, prompt)])
-    for bad in (dataclasses.replace(row(a, 14, [5]), features_from=15),
-                dataclasses.replace(row(a, 14, [5]), features_from=3, features=False)):
+    for bad in (
+        dataclasses.replace(row(a, 14, [5]), features_from=15),
+        dataclasses.replace(row(a, 14, [5]), features_from=3, features=False),
+    ):
         with pytest.raises(InvalidRequest, match="features_from"):
             engine.verify([bad])
     engine.release(a)
@@ -379,12 +468,18 @@ def test_tree_verify_equals_verifying_the_winning_branch_alone(model):
     prompt, K = seq(30, 12), 6
     ref = fresh_engine(model)
     slot = ref.allocate()
-    greedy = [int(ref.verify([row(slot, 0, prompt)])[0].argmax[-1])]  # the anchor, then its continuation
+    greedy = [
+        int(ref.verify([row(slot, 0, prompt)])[0].argmax[-1])
+    ]  # the anchor, then its continuation
     for i in range(K):
         greedy.append(int(ref.verify([row(slot, 30 + i, greedy[-1:])])[0].argmax[-1]))
     anchor, cont = greedy[0], np.array(greedy[1:])
     rnd = seq(3 * K, 13).reshape(3, K)
-    blocks = [rnd[0], np.r_[cont[:4], rnd[1, 4:]], np.r_[cont[:2], rnd[2, 2:]]]  # branch 1 goes furthest
+    blocks = [
+        rnd[0],
+        np.r_[cont[:4], rnd[1, 4:]],
+        np.r_[cont[:2], rnd[2, 2:]],
+    ]  # branch 1 goes furthest
 
     tree = fresh_engine(model)
     a = tree.allocate()
@@ -408,7 +503,9 @@ def test_tree_verify_equals_verifying_the_winning_branch_alone(model):
     res0, best0 = tree.verify_tree(row(a, 30, np.r_[anchor, blocks[1]], k=K), [blocks[0]])
     assert best0 == 0 and np.array_equal(res0.argmax, want.argmax)
     with pytest.raises(InvalidRequest, match="greedy-only"):
-        tree.verify_tree(row(a, 30, np.r_[anchor, blocks[0]], k=K, params=SamplingParams(temperature=1.0)), [])
+        tree.verify_tree(
+            row(a, 30, np.r_[anchor, blocks[0]], k=K, params=SamplingParams(temperature=1.0)), []
+        )
     with pytest.raises(InvalidRequest, match="branch 1"):
         tree.verify_tree(row(a, 30, np.r_[anchor, blocks[0]], k=K), [blocks[1][:3]])
 
@@ -434,7 +531,11 @@ def test_incremental_decoding_equals_one_forward(engine, model, hf_models):
 
 
 def hf_probs(logits: torch.Tensor, t: float, k: int, p: float) -> torch.Tensor:
-    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     x = TemperatureLogitsWarper(t)(None, logits.clone())
     if k:
@@ -448,11 +549,20 @@ def test_process_logits_matches_transformers_warpers():
     torch.manual_seed(0)
     logits = torch.randn(6, 300) * 3
     logits[5, :3] = 10.0  # a tie at the top-k boundary: every tied token stays
-    params = [(1.0, 0, 1.0), (0.7, 50, 1.0), (1.3, 0, 0.9), (0.5, 20, 0.8), (1.0, 0, 1e-4), (1.0, 2, 1.0)]
+    params = [
+        (1.0, 0, 1.0),
+        (0.7, 50, 1.0),
+        (1.3, 0, 0.9),
+        (0.5, 20, 0.8),
+        (1.0, 0, 1e-4),
+        (1.0, 2, 1.0),
+    ]
     t, k, p = (torch.tensor(x) for x in zip(*params))
     got = process_logits(logits, t.float(), k, p.double())
     for i, (ti, ki, pi) in enumerate(params):
-        torch.testing.assert_close(got[i], hf_probs(logits[i : i + 1], ti, ki, pi)[0], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(
+            got[i], hf_probs(logits[i : i + 1], ti, ki, pi)[0], rtol=1e-5, atol=1e-7
+        )
     assert (got[4] > 0).sum() == 1  # top_p tiny keeps exactly the top token
     assert (got[5] > 0).sum() == 3 and (got[1] > 0).sum() == 50
 
@@ -460,7 +570,10 @@ def test_process_logits_matches_transformers_warpers():
 def synthetic_rows(n_rows, supports, params, seed0=0):
     """Rows for verification_stats with given per-position supports (tokens are unused)."""
     sup = np.asarray(supports, np.int64)
-    return [VerifyRow(0, 0, np.zeros(len(sup) + 1, np.int64), params, sup, seed0 + i) for i in range(n_rows)]
+    return [
+        VerifyRow(0, 0, np.zeros(len(sup) + 1, np.int64), params, sup, seed0 + i)
+        for i in range(n_rows)
+    ]
 
 
 def test_support_probs_complement_and_seeded_samples():
@@ -496,10 +609,17 @@ def test_support_probs_complement_and_seeded_samples():
 
 def test_greedy_rows_have_argmax_only():
     logits = torch.randn(5, 32)
-    rows = [row(0, 0, np.zeros(3), k=2), row(1, 0, np.zeros(1), params=SamplingParams(temperature=1.0))]
+    rows = [
+        row(0, 0, np.zeros(3), k=2),
+        row(1, 0, np.zeros(1), params=SamplingParams(temperature=1.0)),
+    ]
     g, s = verification_stats(torch.cat([logits[:3], logits[3:4]]), rows)
     assert g.argmax.tolist() == logits[:3].argmax(-1).tolist()
-    assert g.support_probs.shape == (0, 1) and g.complement.shape == (0,) and g.residual.tolist() == [-1] * 3
+    assert (
+        g.support_probs.shape == (0, 1)
+        and g.complement.shape == (0,)
+        and g.residual.tolist() == [-1] * 3
+    )
     assert s.support_probs.shape == (0, 1) and s.residual.shape == (1,) and s.residual[0] >= 0
 
 
@@ -551,12 +671,18 @@ def test_invalid_requests(engine):
         dict(slot=99),
         dict(support_ids=np.array([[1], [2], [3]])),  # K+1 = 4 > L = 3
         dict(support_ids=np.array([[1, 1]])),
-        dict(support_ids=np.array([[1, -1, -1], [2, -1, 2]])),  # a repeat in slot 1, padding around it
+        dict(
+            support_ids=np.array([[1, -1, -1], [2, -1, 2]])
+        ),  # a repeat in slot 1, padding around it
         dict(support_ids=np.array([[V]])),
         dict(params=SamplingParams(temperature=-1.0)),
         dict(params=SamplingParams(top_p=0.0)),
-        dict(tokens=np.array([1, 2]), support_ids=np.array([[2]]), next_seeds=np.array([5])),  # drafts: one step
-        dict(start_pos=10, tokens=np.zeros(100, np.int64), next_seeds=np.arange(19)),  # 10 + 100 + 19 > 128
+        dict(
+            tokens=np.array([1, 2]), support_ids=np.array([[2]]), next_seeds=np.array([5])
+        ),  # drafts: one step
+        dict(
+            start_pos=10, tokens=np.zeros(100, np.int64), next_seeds=np.arange(19)
+        ),  # 10 + 100 + 19 > 128
         dict(next_seeds=np.arange(MAX_DECODE_STEPS)),
         dict(next_seeds=np.zeros((2, 2), np.int64)),
     ]
@@ -590,13 +716,20 @@ def test_slots_allocate_release(engine):
 # -- config parsing and the random checkpoint ----------------------------------------
 
 BASE_CFG = dict(
-    vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, rms_norm_eps=1e-6,
+    vocab_size=V,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-6,
 )
 
 
 def test_config_parsing_variants():
-    old = Qwen3Config.from_dict({**BASE_CFG, "rope_theta": 1e6, "rope_scaling": None, "eos_token_id": 7})
+    old = Qwen3Config.from_dict(
+        {**BASE_CFG, "rope_theta": 1e6, "rope_scaling": None, "eos_token_id": 7}
+    )
     assert (old.rope_theta, old.head_dim, old.eos_token_id) == (1e6, 16, (7,))
     rope = {"rope_type": "default", "rope_theta": 5e5}
     new = Qwen3Config.from_dict({**BASE_CFG, "head_dim": 32, "rope_parameters": rope})
@@ -620,9 +753,14 @@ def test_random_checkpoint_is_seeded_and_leaves_global_rng(tmp_path, checkpoints
     state = torch.random.get_rng_state()
     path = make_random_qwen3(tmp_path / "again", with_tokenizer=False)
     assert torch.equal(state, torch.random.get_rng_state())
-    a, b = load_file(path / "model.safetensors"), load_file(checkpoints["gqa"] / "model.safetensors")
+    a, b = (
+        load_file(path / "model.safetensors"),
+        load_file(checkpoints["gqa"] / "model.safetensors"),
+    )
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     tok = transformers.AutoTokenizer.from_pretrained(checkpoints["gqa"])
-    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert text.endswith("<|im_start|>assistant\n")
     assert tok.decode(tok("The sky is blue.")["input_ids"]) == "The sky is blue."

@@ -11,6 +11,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from drafter_helpers import distilled_world, randomize
 
 from drafter_service.checkpoint import init_drafter, load_drafter
 from drafter_service.flashmap_dit import jump
@@ -18,7 +19,6 @@ from drafter_service.flashmap_proposer import FlashMapProposer
 from flashmap.types import ProposeRequest
 from training import drafter_data as dd
 from training import train_drafter as td
-from drafter_helpers import distilled_world, randomize
 
 TINY = dict(dim=64, n_blocks=1, n_heads=4, block_size=16, time_freq_dim=32)
 
@@ -36,6 +36,7 @@ def a_batch(data, n_seqs=3, anchors=4, seed=0):
 
 # ----------------------------------------------------------------------------- data
 
+
 def test_data_shards_features_and_resume(world):
     target, data, engine, prompts = world
     shards = dd.list_shards(data)
@@ -43,23 +44,37 @@ def test_data_shards_features_and_resume(world):
     seqs = [s for p in shards for s in dd.read_shard(p)]
     assert len(seqs) == 6
     for p, s in zip(prompts, seqs):
-        assert s.tokens[:s.prompt_len].tolist() == p
+        assert s.tokens[: s.prompt_len].tolist() == p
         assert len(s.tokens) > s.prompt_len  # a response
         assert s.features.shape == (len(s.tokens), engine.feature_dim)
     # The response is the target's greedy continuation.
     s = seqs[0]
     feats = dd.target_features(engine, [s.tokens.tolist()])[0]
-    assert np.allclose(feats, s.features.float().numpy(), rtol=1e-2, atol=1e-2)  # stored as bfloat16
+    assert np.allclose(
+        feats, s.features.float().numpy(), rtol=1e-2, atol=1e-2
+    )  # stored as bfloat16
     lazy = dd.Shard(shards[0])
     assert len(lazy) == 4 and lazy[1].prompt_len == seqs[1].prompt_len
-    assert torch.equal(lazy[1].features, seqs[1].features) and torch.equal(lazy[1].tokens, seqs[1].tokens)
+    assert torch.equal(lazy[1].features, seqs[1].features) and torch.equal(
+        lazy[1].tokens, seqs[1].tokens
+    )
     # Resuming skips existing shards (no shard is rewritten) ...
     mtimes = [p.stat().st_mtime_ns for p in shards]
-    dd.build(engine, prompts, data, max_new_tokens=20, chunk_size=4, target_dir=target, progress=False)
+    dd.build(
+        engine, prompts, data, max_new_tokens=20, chunk_size=4, target_dir=target, progress=False
+    )
     assert [p.stat().st_mtime_ns for p in shards] == mtimes
     # ... and refuses other settings.
     with pytest.raises(ValueError, match="other settings"):
-        dd.build(engine, prompts, data, max_new_tokens=21, chunk_size=4, target_dir=target, progress=False)
+        dd.build(
+            engine,
+            prompts,
+            data,
+            max_new_tokens=21,
+            chunk_size=4,
+            target_dir=target,
+            progress=False,
+        )
 
 
 def test_data_cli_and_prompt_files(world, tmp_path):
@@ -68,8 +83,29 @@ def test_data_cli_and_prompt_files(world, tmp_path):
     f.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in prompts[:3]))
     assert dd.read_prompts(f) == prompts[:3]
     out = tmp_path / "data"
-    assert dd.main(["--target", str(target), "--prompts", str(f), "--out", str(out), "--limit", "2",
-                    "--max-new-tokens", "3", "--chunk-size", "1", "--slots", "2", "--max-seq-len", "64"]) == 0
+    assert (
+        dd.main(
+            [
+                "--target",
+                str(target),
+                "--prompts",
+                str(f),
+                "--out",
+                str(out),
+                "--limit",
+                "2",
+                "--max-new-tokens",
+                "3",
+                "--chunk-size",
+                "1",
+                "--slots",
+                "2",
+                "--max-seq-len",
+                "64",
+            ]
+        )
+        == 0
+    )
     assert [dd.shard_count(p) for p in dd.list_shards(out)] == [1, 1]
     assert dd.read_meta(out)["n_prompts"] == 2
     f.write_text('{"text": "no prompt here"}\n')
@@ -81,13 +117,16 @@ def test_batch_anchors_inside_responses(world):
     stream = td.SequenceStream(data, seed=0)
     seqs = stream.take(0, 4)
     b = td.make_batch(seqs, 16, 3, 256, np.random.default_rng(1))
-    assert b.anchor.shape == b.lengths.shape == b.seq_index.shape and b.target.shape == (len(b.anchor), 16)
+    assert b.anchor.shape == b.lengths.shape == b.seq_index.shape and b.target.shape == (
+        len(b.anchor),
+        16,
+    )
     for i in range(len(b.anchor)):
         seq, a = seqs[int(b.seq_index[i])], int(b.lengths[i])
         assert seq.prompt_len <= a <= len(seq.tokens) - 2
         assert int(b.anchor[i]) == int(seq.tokens[a])
         n = int(b.mask[i].sum())
-        assert b.target[i, :n].tolist() == seq.tokens[a + 1:a + 1 + n].tolist()
+        assert b.target[i, :n].tolist() == seq.tokens[a + 1 : a + 1 + n].tolist()
         assert n == min(16, len(seq.tokens) - a - 1)
         # context = features strictly before the anchor
         assert torch.equal(b.features[int(b.seq_index[i]), :a], seq.features[:a].float())
@@ -104,11 +143,14 @@ def test_batch_anchors_inside_responses(world):
 
 # ----------------------------------------------------------------------------- losses
 
+
 def _fit(model, loss_fn, batch, steps=6, lr=3e-3):
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
     losses = []
     for _ in range(steps):
-        loss, _ = loss_fn(model, batch, torch.Generator().manual_seed(0))  # same noise / times every step
+        loss, _ = loss_fn(
+            model, batch, torch.Generator().manual_seed(0)
+        )  # same noise / times every step
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -131,7 +173,9 @@ def test_slot_weights_and_weighted_ce():
     target = torch.randint(0, 10, (3, 16))
     mask = torch.ones(3, 16, dtype=torch.bool)
     mask[1, 5:] = False
-    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none").view(3, 16)
+    ce = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), target.flatten(), reduction="none"
+    ).view(3, 16)
     wm = w * mask
     assert torch.allclose(td.weighted_ce(logits, target, mask, w), (ce * wm).sum() / wm.sum())
 
@@ -148,7 +192,10 @@ def test_noisy_state_shares_one_draw():
 def _jumps(n, seed=0, vocab=512):
     g = torch.Generator().manual_seed(seed)
     a, b = torch.rand(2, n, generator=g)
-    s, t = torch.minimum(a, b) * 0.95, torch.maximum(a, b) * 0.95 + 0.05 * (torch.rand(n, generator=g) > 0.5)
+    s, t = (
+        torch.minimum(a, b) * 0.95,
+        torch.maximum(a, b) * 0.95 + 0.05 * (torch.rand(n, generator=g) > 0.5),
+    )
     u = s + (t - s) * torch.rand(n, generator=g)
     x = torch.randn(n, 16, vocab, generator=g)
     return x, s, u, t
@@ -173,9 +220,15 @@ def test_semigroup_mixture_is_the_composed_jump(world):
 def _semigroup_loss(fn, x, s, u, t):
     """Distillation loss with only semigroup rows, student = EMA side = fn."""
     n = len(s)
-    w, mask, zero = td.slot_weights(16, 7.0), torch.ones(n, 16, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)
+    w, mask, zero = (
+        td.slot_weights(16, 7.0),
+        torch.ones(n, 16, dtype=torch.bool),
+        torch.zeros(n, dtype=torch.bool),
+    )
     with torch.no_grad():
-        loss, stats = td.distill_loss_terms(fn, None, lambda xx, a, b, rows: fn(xx, a, b), x, s, u, t, zero, mask, w)
+        loss, stats = td.distill_loss_terms(
+            fn, None, lambda xx, a, b, rows: fn(xx, a, b), x, s, u, t, zero, mask, w
+        )
     return loss.item()
 
 
@@ -210,8 +263,13 @@ def test_zero_length_jump_loss_vanishes_for_student_equal_teacher(world):
 
 
 def test_jump_sampling_fractions():
-    cfg = td.DrafterConfig(vocab_size=512, target_hidden_size=64, target_num_layers=4, feature_layers=[1],
-                           time_map="vocab")  # a bare config: no embedding to measure the embedded map on
+    cfg = td.DrafterConfig(
+        vocab_size=512,
+        target_hidden_size=64,
+        target_num_layers=4,
+        feature_layers=[1],
+        time_map="vocab",
+    )  # a bare config: no embedding to measure the embedded map on
     s, u, t, zero = td.sample_jumps(20000, 512, cfg, torch.Generator().manual_seed(0), "cpu")
     full = (s == 0) & (t == 1)
     assert abs(zero.float().mean().item() - 0.5) < 0.02
@@ -226,10 +284,16 @@ def test_lr_schedule():
     assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(f[10:], f[11:])) and f[99] == pytest.approx(0.1, abs=1e-3)
     paper = td.TrainConfig.for_stage("flow"), td.TrainConfig.for_stage("distill")
-    assert (paper[0].steps, paper[0].lr, paper[1].steps, paper[1].lr) == (39_000, 6e-4, 23_000, 5e-5)
+    assert (paper[0].steps, paper[0].lr, paper[1].steps, paper[1].lr) == (
+        39_000,
+        6e-4,
+        23_000,
+        5e-5,
+    )
 
 
 # ----------------------------------------------------------------------------- CLI + checkpoints
+
 
 def test_warm_start_from_dflash_drafts_what_dflash_drafts(world):
     target, data, _, _ = world
@@ -268,12 +332,33 @@ def _drafts(model):
 
 def test_cli_stages_resume_and_checkpoint(world, tmp_path):
     target, data, _, _ = world
-    common = ["--target", str(target), "--data", str(data), "--small", "--no-progress", "--n-blocks", "1",
-              "--batch-size", "6", "--anchors-per-seq", "3", "--log-every", "1"]
+    common = [
+        "--target",
+        str(target),
+        "--data",
+        str(data),
+        "--small",
+        "--no-progress",
+        "--n-blocks",
+        "1",
+        "--batch-size",
+        "6",
+        "--anchors-per-seq",
+        "3",
+        "--log-every",
+        "1",
+    ]
     flow = tmp_path / "flow"
-    assert td.main(["--stage", "flow", "--out", str(flow), "--steps", "2", "--save-every", "2", *common]) == 0
+    assert (
+        td.main(
+            ["--stage", "flow", "--out", str(flow), "--steps", "2", "--save-every", "2", *common]
+        )
+        == 0
+    )
     assert torch.load(flow / td.STATE_FILE, weights_only=False)["step"] == 2
-    assert td.main(["--stage", "flow", "--out", str(flow), "--steps", "3", "--resume", *common]) == 0
+    assert (
+        td.main(["--stage", "flow", "--out", str(flow), "--steps", "3", "--resume", *common]) == 0
+    )
     assert torch.load(flow / td.STATE_FILE, weights_only=False)["step"] == 3
     assert _csv_steps(flow / td.CSV_FILE) == [1, 2, 3]
     assert (flow / td.PNG_FILE).stat().st_size > 0
@@ -285,7 +370,22 @@ def test_cli_stages_resume_and_checkpoint(world, tmp_path):
     assert d.tokens.shape == (16,) and ((0 <= d.tokens) & (d.tokens < 512)).all()
 
     dist = tmp_path / "distill"
-    assert td.main(["--stage", "distill", "--teacher", str(flow), "--out", str(dist), "--steps", "1", *common]) == 0
+    assert (
+        td.main(
+            [
+                "--stage",
+                "distill",
+                "--teacher",
+                str(flow),
+                "--out",
+                str(dist),
+                "--steps",
+                "1",
+                *common,
+            ]
+        )
+        == 0
+    )
     with open(dist / td.CSV_FILE) as f:
         row = list(csv.DictReader(f))[-1]
     assert {"loss", "zero", "semigroup"} <= set(row)
@@ -297,35 +397,108 @@ def test_cli_stages_resume_and_checkpoint(world, tmp_path):
     assert m.cfg.kind == "dflash" and _drafts(m).tokens.shape == (16,)
 
     warm = tmp_path / "warm"
-    assert td.main(["--stage", "flow", "--init-from", str(base), "--out", str(warm), "--steps", "1",
-                    "--lr", "0", *common]) == 0
+    assert (
+        td.main(
+            [
+                "--stage",
+                "flow",
+                "--init-from",
+                str(base),
+                "--out",
+                str(warm),
+                "--steps",
+                "1",
+                "--lr",
+                "0",
+                *common,
+            ]
+        )
+        == 0
+    )
     w = load_drafter(warm, target)
     assert w.cfg.kind == "flashmap" and w.cfg.n_blocks == m.cfg.n_blocks
-    assert np.array_equal(_drafts(w).tokens, _drafts(m).tokens)  # lr 0: still the baseline's 1-jump draft
+    assert np.array_equal(
+        _drafts(w).tokens, _drafts(m).tokens
+    )  # lr 0: still the baseline's 1-jump draft
     more = tmp_path / "dflash_more"
-    assert td.main(["--stage", "dflash", "--init-from", str(base), "--out", str(more), "--steps", "1",
-                    "--lr", "0", *common]) == 0
+    assert (
+        td.main(
+            [
+                "--stage",
+                "dflash",
+                "--init-from",
+                str(base),
+                "--out",
+                str(more),
+                "--steps",
+                "1",
+                "--lr",
+                "0",
+                *common,
+            ]
+        )
+        == 0
+    )
     assert np.array_equal(_drafts(load_drafter(more, target)).tokens, _drafts(m).tokens)
-    assert td.main(["--stage", "dflash", "--init-from", str(warm), "--out", str(tmp_path / "y"), "--steps", "1",
-                    *common]) == 2  # not a dflash drafter
+    assert (
+        td.main(
+            [
+                "--stage",
+                "dflash",
+                "--init-from",
+                str(warm),
+                "--out",
+                str(tmp_path / "y"),
+                "--steps",
+                "1",
+                *common,
+            ]
+        )
+        == 2
+    )  # not a dflash drafter
     on = tmp_path / "flow_more"  # a flow-stage drafter trained on, with another pure-noise share
-    assert td.main(["--stage", "flow", "--init-from", str(warm), "--out", str(on), "--steps", "1", "--lr", "0",
-                    "--pure-noise-fraction", "0.5", *common]) == 0
+    assert (
+        td.main(
+            [
+                "--stage",
+                "flow",
+                "--init-from",
+                str(warm),
+                "--out",
+                str(on),
+                "--steps",
+                "1",
+                "--lr",
+                "0",
+                "--pure-noise-fraction",
+                "0.5",
+                *common,
+            ]
+        )
+        == 0
+    )
     w2 = load_drafter(on, target)
-    assert w2.cfg.pure_noise_fraction == 0.5 and np.array_equal(_drafts(w2).tokens, _drafts(w).tokens)
+    assert w2.cfg.pure_noise_fraction == 0.5 and np.array_equal(
+        _drafts(w2).tokens, _drafts(w).tokens
+    )
 
     # export: bf16 weights, no training state; loads back into fp32 for the same target
     from training import export_drafter
 
     assert export_drafter.main([str(dist), str(tmp_path / "exported")]) == 0
-    assert not (tmp_path / "exported" / td.STATE_FILE).exists() and (tmp_path / "exported" / td.CSV_FILE).is_file()
+    assert (
+        not (tmp_path / "exported" / td.STATE_FILE).exists()
+        and (tmp_path / "exported" / td.CSV_FILE).is_file()
+    )
     a, b = load_drafter(dist, target), load_drafter(tmp_path / "exported", target)
     for k, v in a.state_dict().items():
         torch.testing.assert_close(b.state_dict()[k], v, rtol=1e-2, atol=1e-2)
     assert export_drafter.main([str(tmp_path / "nothing"), str(tmp_path / "e2")]) == 2
 
     # one-line errors
-    assert td.main(["--stage", "distill", "--out", str(tmp_path / "x"), "--steps", "1", *common]) == 2
+    assert (
+        td.main(["--stage", "distill", "--out", str(tmp_path / "x"), "--steps", "1", *common]) == 2
+    )
 
 
 def test_distillation_loss_is_not_zero_for_a_student_that_ignores_its_inputs(world):
@@ -343,6 +516,8 @@ def test_distillation_loss_is_not_zero_for_a_student_that_ignores_its_inputs(wor
     b = a_batch(data)
     with torch.no_grad():
         _, stats = td.distill_loss(student, teacher, student, b, torch.Generator().manual_seed(0))
-        _, self_stats = td.distill_loss(student, student, student, b, torch.Generator().manual_seed(0))
+        _, self_stats = td.distill_loss(
+            student, student, student, b, torch.Generator().manual_seed(0)
+        )
     assert self_stats["loss"] < 1e-6  # it is consistent with itself ...
     assert stats["zero"] > 1e-2 and stats["loss"] > 1e-3  # ... but not the teacher

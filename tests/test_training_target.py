@@ -34,14 +34,21 @@ SAMPLE_TEXTS = [
     'def add(a, b):\n    """Return a + b."""\n    return a + b\n',
     "class Foo:\n    def __init__(self, x=12345):\n        self.x = x  # note\n",
     "Question: What is 48 + 27?\nAnswer: 48 + 27 = 75. The answer is 75.",
-    render_chat([{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello! How can I help?"}]),
+    render_chat(
+        [
+            {"role": "user", "content": "Hi!"},
+            {"role": "assistant", "content": "Hello! How can I help?"},
+        ]
+    ),
     "Unicode: café, naïve, 数学, emoji \U0001f600, tabs\tand\r\nCRLF",
 ]
 
 
 @pytest.fixture(scope="module")
 def tiny_tokenizer(tmp_path_factory):
-    texts = SAMPLE_TEXTS * 20 + [C.format_math(*C.math_problem(random.Random(i))) for i in range(200)]
+    texts = SAMPLE_TEXTS * 20 + [
+        C.format_math(*C.math_problem(random.Random(i))) for i in range(200)
+    ]
     tok = train_tokenizer(texts, vocab_size=400)
     out = tmp_path_factory.mktemp("tok")
     save_tokenizer(tok, out)
@@ -69,13 +76,19 @@ def test_autotokenizer_chat_template(tiny_tokenizer):
     assert hf.eos_token == IM_END and hf.pad_token == ENDOFTEXT
     for msgs in (
         [{"role": "user", "content": "What is 2 + 3?"}],
-        [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"},
-         {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}],
+        [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "Bye"},
+        ],
     ):
         for gen in (False, True):
             text = hf.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=False)
             assert text == render_chat(msgs, add_generation_prompt=gen)
-    text = hf.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True, tokenize=False)
+    text = hf.apply_chat_template(
+        [{"role": "user", "content": "x"}], add_generation_prompt=True, tokenize=False
+    )
     assert text.endswith(f"{IM_START}assistant\n")
     s = SAMPLE_TEXTS[0]
     assert hf.decode(hf(s)["input_ids"]) == s
@@ -96,15 +109,32 @@ def test_math_generator_is_deterministic_and_correct():
 
 
 def test_docstring_extraction():
-    src = 'def public(a, b=1):\n    """Add things.\n\n    More text."""\n    return a + b\n\ndef _private():\n    """Hidden."""\n'
+    src = (
+        'def public(a, b=1):\n    """Add things.\n\n    More text."""\n    return a + b\n\n'
+        'def _private():\n    """Hidden."""\n'
+    )
     defs = C._collect_defs(src, "mod")
-    assert [(d.qualname, d.kind, d.args, d.doc) for d in defs] == [("public", "function", "a, b=1", "Add things.")]
+    assert [(d.qualname, d.kind, d.args, d.doc) for d in defs] == [
+        ("public", "function", "a, b=1", "Add things.")
+    ]
     assert defs[0].header.startswith("def public") and defs[0].body.strip() == "return a + b"
 
 
 def _tiny_args(**kw):
-    base = dict(hidden=32, intermediate=64, layers=2, heads=2, kv_heads=1, head_dim=16, max_positions=128, seed=0,
-                lr=1e-2, warmup=3, steps=30, min_lr_ratio=0.1)
+    base = dict(
+        hidden=32,
+        intermediate=64,
+        layers=2,
+        heads=2,
+        kv_heads=1,
+        head_dim=16,
+        max_positions=128,
+        seed=0,
+        lr=1e-2,
+        warmup=3,
+        steps=30,
+        min_lr_ratio=0.1,
+    )
     base.update(kw)
     return Namespace(**base)
 
@@ -114,7 +144,10 @@ def test_a_few_training_steps_lower_the_loss():
     args = _tiny_args()
     model = make_model(64, args)
     assert type(model).__name__ == "Qwen3ForCausalLM" and model.config.tie_word_embeddings
-    streams = {"code": torch.arange(2000, dtype=torch.int32) % 17 + 3, "math": (torch.arange(2000, dtype=torch.int32) * 7) % 29 + 3}
+    streams = {
+        "code": torch.arange(2000, dtype=torch.int32) % 17 + 3,
+        "math": (torch.arange(2000, dtype=torch.int32) * 7) % 29 + 3,
+    }
     sampler = WindowSampler(streams, {"code": 0.5, "math": 0.5}, seq_len=24, seed=1)
     x, names = sampler.sample(8)
     assert x.shape == (8, 25) and set(names) <= {"code", "math"}
@@ -132,7 +165,9 @@ def test_a_few_training_steps_lower_the_loss():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0], losses
-    assert lr_at(0, args) < lr_at(2, args) <= args.lr and lr_at(args.steps, args) == pytest.approx(args.lr * 0.1)
+    assert lr_at(0, args) < lr_at(2, args) <= args.lr and lr_at(args.steps, args) == pytest.approx(
+        args.lr * 0.1
+    )
 
 
 @pytest.mark.skipif(not (DEMO / "config.json").is_file(), reason="no committed demo checkpoint")
@@ -149,7 +184,10 @@ def test_committed_demo_checkpoint_loads():
     model = AutoModelForCausalLM.from_pretrained(str(DEMO))
     assert type(model).__name__ == "Qwen3ForCausalLM" and model.dtype == torch.float32
     # It learned its domains: low loss on held-out math answers.
-    prompts = [json.loads(line) for line in (REPO / "training" / "data" / "heldout_prompts.jsonl").read_text().splitlines()]
+    prompts = [
+        json.loads(line)
+        for line in (REPO / "training" / "data" / "heldout_prompts.jsonl").read_text().splitlines()
+    ]
     assert {p["domain"] for p in prompts} == {"code", "math", "chat"}
     p = next(p for p in prompts if p["domain"] == "math")
     ids = tok(p["prompt"] + p["reference"])["input_ids"]
@@ -157,5 +195,7 @@ def test_committed_demo_checkpoint_loads():
     assert ids[:n_prompt] == tok(p["prompt"])["input_ids"]  # prompts end on a token boundary
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([ids])).logits[0]
-    loss = torch.nn.functional.cross_entropy(logits[n_prompt - 1 : -1], torch.tensor(ids[n_prompt:]))
+    loss = torch.nn.functional.cross_entropy(
+        logits[n_prompt - 1 : -1], torch.tensor(ids[n_prompt:])
+    )
     assert loss.item() < 1.5, loss.item()

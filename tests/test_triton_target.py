@@ -12,10 +12,10 @@ Skipped when no tritonserver is available (e.g. the 'triton' extra is not instal
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
-from pathlib import Path
 import re
 import time
+from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,13 +30,13 @@ MAX_SEQ_LEN = 200  # not the checkpoint default (256): checks the setting reache
 GREEDY = SamplingParams()
 
 
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     from target_service.random_checkpoint import make_random_qwen3
 
-    return make_random_qwen3(tmp_path_factory.mktemp("target") / "qwen3", max_position_embeddings=256)
+    return make_random_qwen3(
+        tmp_path_factory.mktemp("target") / "qwen3", max_position_embeddings=256
+    )
 
 
 def _start(checkpoint, log: Path, **kw):
@@ -47,9 +47,18 @@ def _start(checkpoint, log: Path, **kw):
     except launcher.TritonStartError as e:
         pytest.skip(str(e))
     grpc_port, http_port, metrics_port = free_ports(3)
-    return launcher.start_triton(checkpoint, grpc_port=grpc_port, http_port=http_port, metrics_port=metrics_port,
-                                 max_seq_len=MAX_SEQ_LEN, device="cpu", dtype="float32", log_path=log,
-                                 ready_timeout_s=180, **kw)
+    return launcher.start_triton(
+        checkpoint,
+        grpc_port=grpc_port,
+        http_port=http_port,
+        metrics_port=metrics_port,
+        max_seq_len=MAX_SEQ_LEN,
+        device="cpu",
+        dtype="float32",
+        log_path=log,
+        ready_timeout_s=180,
+        **kw,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +76,9 @@ def engine(checkpoint):
 
     from target_service.engine import TargetEngine
 
-    return TargetEngine(checkpoint, n_slots=4, max_seq_len=MAX_SEQ_LEN, device="cpu", dtype=torch.float32)
+    return TargetEngine(
+        checkpoint, n_slots=4, max_seq_len=MAX_SEQ_LEN, device="cpu", dtype=torch.float32
+    )
 
 
 def run(coro_fn, server, **kw):
@@ -133,20 +144,31 @@ def settled_active(server, want: int) -> None:
 
 def test_write_model_repository_sets_serving_values(tmp_path):
     repo = launcher.write_model_repository(
-        tmp_path / "repo", n_slots=3, idle_timeout_s=1.5, max_queue_delay_us=250,
+        tmp_path / "repo",
+        n_slots=3,
+        idle_timeout_s=1.5,
+        max_queue_delay_us=250,
         features_dtype="float16",
     )
     cfg = (repo / "flashmap_target" / "config.pbtxt").read_text()
-    assert re.search(r"max_batch_size: 3\b", cfg) and re.search(r"max_candidate_sequences: 3\b", cfg)
+    assert re.search(r"max_batch_size: 3\b", cfg) and re.search(
+        r"max_candidate_sequences: 3\b", cfg
+    )
     assert "max_sequence_idle_microseconds: 1500000" in cfg
     assert "max_queue_delay_microseconds: 250" in cfg
     assert re.search(r'name: "FEATURES"\s+data_type: TYPE_FP16', cfg)
     assert (repo / "flashmap_target" / "1" / "model.py").is_file()
     env = launcher.model_env(tmp_path, max_seq_len=99, dtype="float32", feature_layers=[1, 2])
-    assert env == {"FLASHMAP_TARGET_DIR": str(tmp_path.resolve()), "FLASHMAP_TARGET_MAX_SEQ_LEN": "99",
-                   "FLASHMAP_TARGET_DTYPE": "float32", "FLASHMAP_TARGET_FEATURE_LAYERS": "1,2"}
+    assert env == {
+        "FLASHMAP_TARGET_DIR": str(tmp_path.resolve()),
+        "FLASHMAP_TARGET_MAX_SEQ_LEN": "99",
+        "FLASHMAP_TARGET_DTYPE": "float32",
+        "FLASHMAP_TARGET_FEATURE_LAYERS": "1,2",
+    }
     assert launcher.model_env(cuda_graphs=False) == {"FLASHMAP_TARGET_CUDA_GRAPHS": "false"}
-    assert 'key: "cuda_graphs"     value: { string_value: "auto" }' in cfg  # graphs wherever the device is CUDA
+    assert (
+        'key: "cuda_graphs"     value: { string_value: "auto" }' in cfg
+    )  # graphs wherever the device is CUDA
 
 
 def test_side_channel_sends_what_is_due_and_keeps_what_a_failed_call_did_not_send(monkeypatch):
@@ -160,10 +182,14 @@ def test_side_channel_sends_what_is_due_and_keeps_what_a_failed_call_did_not_sen
 
     logged = []
     fake = types.ModuleType("triton_python_backend_utils")
-    fake.Logger = types.SimpleNamespace(log_info=lambda m: logged.append(("info", m)),
-                                        log_error=lambda m: logged.append(("error", m)))
+    fake.Logger = types.SimpleNamespace(
+        log_info=lambda m: logged.append(("info", m)),
+        log_error=lambda m: logged.append(("error", m)),
+    )
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake)
-    path = Path(launcher.__file__).parent / "model_repository" / "flashmap_target" / "1" / "model.py"
+    path = (
+        Path(launcher.__file__).parent / "model_repository" / "flashmap_target" / "1" / "model.py"
+    )
     spec = importlib.util.spec_from_file_location("flashmap_target_model", path)
     model = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(model)
@@ -182,7 +208,9 @@ def test_side_channel_sends_what_is_due_and_keeps_what_a_failed_call_did_not_sen
             self.value = v
 
     rows, gauge, wakes = Metric(fail=1), Metric(), []
-    side = model._SideChannel({"rows": rows, "gauge": gauge}, interval_s=3600, wake=lambda: wakes.append(1))
+    side = model._SideChannel(
+        {"rows": rows, "gauge": gauge}, interval_s=3600, wake=lambda: wakes.append(1)
+    )
     assert side.wait_s() is None
     side.inc("rows", 5)
     side.set("gauge", 2)
@@ -200,7 +228,10 @@ def test_side_channel_sends_what_is_due_and_keeps_what_a_failed_call_did_not_sen
     side._due = time.monotonic()  # due now
     assert side.wait_s() == 0
     side.flush()
-    assert (rows.value, gauge.value) == (8, 7) and logged == [("info", "first"), ("error", "second")]
+    assert (rows.value, gauge.value) == (8, 7) and logged == [
+        ("info", "first"),
+        ("error", "second"),
+    ]
     assert side.wait_s() is None and len(wakes) == 2
 
 
@@ -215,9 +246,15 @@ def test_info_matches_engine(server, engine, checkpoint):
     assert info.feature_dim == engine.feature_dim
     assert info.max_seq_len == engine.max_seq_len
     assert info.eos_token_ids == engine.eos_token_ids
-    assert info.n_slots == N_SLOTS and info.idle_timeout_s == IDLE_S and info.max_seq_len == MAX_SEQ_LEN
+    assert (
+        info.n_slots == N_SLOTS
+        and info.idle_timeout_s == IDLE_S
+        and info.max_seq_len == MAX_SEQ_LEN
+    )
     assert info.hidden_size == engine.hidden_size and info.num_layers == engine.num_layers
-    assert info.packed_verify == engine.packed_verify  # the controller prices verifies as the engine runs them
+    assert (
+        info.packed_verify == engine.packed_verify
+    )  # the controller prices verifies as the engine runs them
     assert info.extra["cuda_graphs"] is False  # CPU: eager
 
 
@@ -253,8 +290,15 @@ def _script(engine, rng):
                 support[1, 1] = -1
                 params, seed = sampled, 1000 + s
             tokens = np.concatenate([[anchor], drafts])
-            nxt[s] = VerifyRow(slots[s], start, tokens, params, support_ids=support, round_seed=seed,
-                               features=not (s == 2 and r >= 2))  # NO_FEATURES: a sequence that never drafts
+            nxt[s] = VerifyRow(
+                slots[s],
+                start,
+                tokens,
+                params,
+                support_ids=support,
+                round_seed=seed,
+                features=not (s == 2 and r >= 2),
+            )  # NO_FEATURES: a sequence that never drafts
             length[s] = start + len(tokens)
         rows = nxt
     for s in slots.values():
@@ -269,7 +313,9 @@ def test_results_equal_inprocess_engine(server, engine):
         got = []
         try:
             for i, rows in enumerate(rounds):
-                res = await asyncio.gather(*[c.verify(s, row, start=(i == 0)) for s, row in rows.items()])
+                res = await asyncio.gather(
+                    *[c.verify(s, row, start=(i == 0)) for s, row in rows.items()]
+                )
                 got.append(dict(zip(rows, res)))
         finally:
             await asyncio.gather(*[c.release(s) for s in rounds[0]])
@@ -289,11 +335,19 @@ def _assert_same_results(expected, got, features_dtype=np.float32):
             np.testing.assert_array_equal(g.argmax, exp.argmax, err_msg=where)
             np.testing.assert_array_equal(g.residual, exp.residual, err_msg=where)
             assert g.support_probs.shape == exp.support_probs.shape, where
-            np.testing.assert_allclose(g.support_probs, exp.support_probs, rtol=1e-4, atol=1e-6, err_msg=where)
-            np.testing.assert_allclose(g.complement, exp.complement, rtol=1e-4, atol=1e-6, err_msg=where)
-            assert g.features.dtype == features_dtype and g.features.shape == exp.features.shape, where
+            np.testing.assert_allclose(
+                g.support_probs, exp.support_probs, rtol=1e-4, atol=1e-6, err_msg=where
+            )
+            np.testing.assert_allclose(
+                g.complement, exp.complement, rtol=1e-4, atol=1e-6, err_msg=where
+            )
+            assert g.features.dtype == features_dtype and g.features.shape == exp.features.shape, (
+                where
+            )
             tol = 1e-4 if features_dtype == np.float32 else 2e-3  # float16: 11 bits of mantissa
-            np.testing.assert_allclose(g.features.astype(np.float32), exp.features, rtol=tol, atol=tol, err_msg=where)
+            np.testing.assert_allclose(
+                g.features.astype(np.float32), exp.features, rtol=tol, atol=tol, err_msg=where
+            )
 
 
 def _assert_sampled(got):
@@ -322,7 +376,9 @@ def test_packed_rounds_equal_inprocess_engine_one_forward_each(server, engine):
                 out = out[:2]
             got.append({s: res for s, (res, best) in zip(rows, out)})
         settled_active(server, 2)
-        released = await c.verify_rows([(s, None, [], False, True) for s in rounds[0]] + [(999, None, [], False, True)])
+        released = await c.verify_rows(
+            [(s, None, [], False, True) for s in rounds[0]] + [(999, None, [], False, True)]
+        )
         assert released[:2] == [None, None] and isinstance(released[2], InvalidRequest)
         return got
 
@@ -339,13 +395,19 @@ def test_multi_step_rows_equal_the_engine_and_continue_where_they_end(server, en
     rng = np.random.default_rng(3)
     sampled = SamplingParams(temperature=0.9, top_k=30)
     prompts = {21: rng.integers(3, 500, 9), 22: rng.integers(3, 500, 5)}
-    first = {21: VerifyRow(-1, 0, prompts[21], GREEDY, round_seed=4, next_seeds=np.array([5, 6, 7])),
-             22: VerifyRow(-1, 0, prompts[22], sampled, round_seed=8)}
+    first = {
+        21: VerifyRow(-1, 0, prompts[21], GREEDY, round_seed=4, next_seeds=np.array([5, 6, 7])),
+        22: VerifyRow(-1, 0, prompts[22], sampled, round_seed=8),
+    }
     before = at_rest(server, "flashmap_target_verify_rows_total")
     slots = {s: engine.allocate() for s in prompts}
     exp1 = engine.verify([replace(r, slot=slots[s]) for s, r in first.items()])
-    second = {21: VerifyRow(-1, 12, exp1[0].argmax[-1:], GREEDY),
-              22: VerifyRow(-1, 5, exp1[1].residual[-1:], sampled, round_seed=9, next_seeds=np.array([10, 11]))}
+    second = {
+        21: VerifyRow(-1, 12, exp1[0].argmax[-1:], GREEDY),
+        22: VerifyRow(
+            -1, 5, exp1[1].residual[-1:], sampled, round_seed=9, next_seeds=np.array([10, 11])
+        ),
+    }
     exp2 = engine.verify([replace(r, slot=slots[s]) for s, r in second.items()])
     for s in slots.values():
         engine.release(s)
@@ -358,11 +420,18 @@ def test_multi_step_rows_equal_the_engine_and_continue_where_they_end(server, en
 
     got1, bad, got2 = run(body, server)
     assert isinstance(bad[0], InvalidRequest) and "START_POS" in str(bad[0])
-    _assert_same_results([dict(zip(first, exp1)), dict(zip(second, exp2))],
-                         [{s: res for s, (res, _) in zip(first, got1)}, {s: res for s, (res, _) in zip(second, got2)}])
+    _assert_same_results(
+        [dict(zip(first, exp1)), dict(zip(second, exp2))],
+        [
+            {s: res for s, (res, _) in zip(first, got1)},
+            {s: res for s, (res, _) in zip(second, got2)},
+        ],
+    )
     assert len(got1[0][0].argmax) == 4 and len(got2[1][0].residual) == 3
     settled_active(server, 0)
-    settled(server, "flashmap_target_verify_rows_total", before + 4)  # a row, however many steps, counts once
+    settled(
+        server, "flashmap_target_verify_rows_total", before + 4
+    )  # a row, however many steps, counts once
 
 
 def test_continuation_rows_follow_the_last_decoded_token_in_order(server, engine):
@@ -376,29 +445,48 @@ def test_continuation_rows_follow_the_last_decoded_token_in_order(server, engine
     sampled = SamplingParams(temperature=0.9, top_k=30)
     prompt = np.arange(3, 12)
     first = VerifyRow(-1, 0, prompt, sampled, round_seed=3, next_seeds=np.array([4, 5]))
-    follow = VerifyRow(-1, 11, np.array([FOLLOW_TOKEN]), sampled, round_seed=6, next_seeds=np.array([7]))
+    follow = VerifyRow(
+        -1, 11, np.array([FOLLOW_TOKEN]), sampled, round_seed=6, next_seeds=np.array([7])
+    )
     slot = engine.allocate()
     exp1 = engine.verify([replace(first, slot=slot)])[0]
     exp2 = engine.verify([replace(follow, slot=slot, tokens=exp1.residual[-1:])])[0]
-    exp3 = engine.verify([VerifyRow(slot, 13, np.array([int(exp2.residual[-1]), 7]), GREEDY,
-                                    support_ids=np.array([[7]]))])[0]
+    exp3 = engine.verify(
+        [
+            VerifyRow(
+                slot, 13, np.array([int(exp2.residual[-1]), 7]), GREEDY, support_ids=np.array([[7]])
+            )
+        ]
+    )[0]
     engine.release(slot)
     batches = at_rest(server, "flashmap_target_verify_batches_total")
 
     async def body(c):
         got = await c.verify_rows([(41, first, [], True, False), (41, follow, [], False, False)])
-        drafted = VerifyRow(-1, 13, np.array([int(got[1][0].residual[-1]), 7]), GREEDY, support_ids=np.array([[7]]))
+        drafted = VerifyRow(
+            -1, 13, np.array([int(got[1][0].residual[-1]), 7]), GREEDY, support_ids=np.array([[7]])
+        )
         third = await c.verify_rows([(41, drafted, [], False, False)])
-        refused = await c.verify_rows([(41, replace(follow, start_pos=15), [], False, False),
-                                       (42, replace(follow, start_pos=0), [], True, False)])
+        refused = await c.verify_rows(
+            [
+                (41, replace(follow, start_pos=15), [], False, False),
+                (42, replace(follow, start_pos=0), [], True, False),
+            ]
+        )
         released = await c.verify_rows([(41, None, [], False, True)])
         return got, third, refused, released
 
     got, third, refused, released = run(body, server)
-    _assert_same_results([{1: exp1, 2: exp2, 3: exp3}], [{1: got[0][0], 2: got[1][0], 3: third[0][0]}])
-    assert all(isinstance(r, InvalidRequest) and str(r).startswith(FOLLOW_REFUSED) for r in refused), refused
+    _assert_same_results(
+        [{1: exp1, 2: exp2, 3: exp3}], [{1: got[0][0], 2: got[1][0], 3: third[0][0]}]
+    )
+    assert all(
+        isinstance(r, InvalidRequest) and str(r).startswith(FOLLOW_REFUSED) for r in refused
+    ), refused
     assert released == [None]
-    settled(server, "flashmap_target_verify_batches_total", batches + 3)  # the row, its continuation, the drafted row
+    settled(
+        server, "flashmap_target_verify_batches_total", batches + 3
+    )  # the row, its continuation, the drafted row
     settled_active(server, 0)
 
 
@@ -417,9 +505,11 @@ def test_pipelined_rounds_give_the_text_of_one_token_rounds(server, engine):
     rng = np.random.default_rng(7)
     prompts = [rng.integers(3, 500, n).tolist() for n in (6, 9, 4)]
     greedy_text = decode(engine, [GenerationRequest(prompts[2], 30)])[0].token_ids
-    requests = lambda: [GenerationRequest(prompts[0], 13),  # noqa: E731
-                        GenerationRequest(prompts[1], 20, SamplingParams(temperature=0.9, top_k=50, seed=11)),
-                        GenerationRequest(prompts[2], 30, stop_token_ids=(greedy_text[9],))]
+    requests = lambda: [
+        GenerationRequest(prompts[0], 13),  # noqa: E731
+        GenerationRequest(prompts[1], 20, SamplingParams(temperature=0.9, top_k=50, seed=11)),
+        GenerationRequest(prompts[2], 30, stop_token_ids=(greedy_text[9],)),
+    ]
     expected = [r.token_ids for r in decode(engine, requests())]
     assert len(expected[2]) < 30  # the stop token ended it
 
@@ -433,7 +523,11 @@ def test_pipelined_rounds_give_the_text_of_one_token_rounds(server, engine):
             if len(calls) == 1:
                 await asyncio.sleep(0.05)
             out = await send(items, timeout_s)
-            refused.extend(o for o in out if isinstance(o, InvalidRequest) and str(o).startswith(FOLLOW_REFUSED))
+            refused.extend(
+                o
+                for o in out
+                if isinstance(o, InvalidRequest) and str(o).startswith(FOLLOW_REFUSED)
+            )
             return out
 
         c.verify_rows = verify_rows
@@ -446,7 +540,9 @@ def test_pipelined_rounds_give_the_text_of_one_token_rounds(server, engine):
         while live := [s for s in seqs if not s.finished]:
             if ahead is not None and all(s.finished for s in ahead.seqs):
                 ahead = None
-            res = await speculative_round(live, target, decode_steps=4, ahead=ahead, send_ahead=True)
+            res = await speculative_round(
+                live, target, decode_steps=4, ahead=ahead, send_ahead=True
+            )
             ahead, sent = res.ahead, sent + (res.ahead is not None)
             assert all(r.error is None for r in res.sequences), res.sequences
         for s in seqs:
@@ -475,7 +571,9 @@ def test_float16_features_come_back_as_float16(checkpoint, engine, tmp_path):
         async def body(c):
             got = []
             for i, rows in enumerate(rounds):
-                out = await c.verify_rows([(s, row, [], i == 0, i == len(rounds) - 1) for s, row in rows.items()])
+                out = await c.verify_rows(
+                    [(s, row, [], i == 0, i == len(rounds) - 1) for s, row in rows.items()]
+                )
                 got.append({s: res for s, (res, best) in zip(rows, out)})
             return got
 
@@ -489,7 +587,12 @@ async def _generated(orch, prompt, max_new: int) -> list[int]:
     from orchestrator.server import Piece
 
     gen = orch.make_request(token_ids=prompt, max_new_tokens=max_new, ignore_eos=True)
-    return [t for item in [x async for x in orch.stream(gen)] if isinstance(item, Piece) for t in item.token_ids]
+    return [
+        t
+        for item in [x async for x in orch.stream(gen)]
+        if isinstance(item, Piece)
+        for t in item.token_ids
+    ]
 
 
 def test_a_lone_prompt_sends_its_first_decode_ahead_and_a_burst_does_not(server, engine):
@@ -509,12 +612,17 @@ def test_a_lone_prompt_sends_its_first_decode_ahead_and_a_burst_does_not(server,
     expected = [r.token_ids for r in decode(engine, [GenerationRequest(p, 10) for p in prompts])]
 
     async def serve(first: int, later: int, sent_before: int):
-        orch = Orchestrator(OrchestratorConfig(target_url=server.grpc_url, drafter_url="", metrics_port=0,
-                                               decode_steps=4))
+        orch = Orchestrator(
+            OrchestratorConfig(
+                target_url=server.grpc_url, drafter_url="", metrics_port=0, decode_steps=4
+            )
+        )
         await orch.start()
         calls, gate, send = [], asyncio.Event(), orch.target.verify_rows
 
-        async def verify_rows(items, timeout_s=None):  # the first call's answer is held until the gate opens
+        async def verify_rows(
+            items, timeout_s=None
+        ):  # the first call's answer is held until the gate opens
             calls.append([(corrid, row.steps) for corrid, row, *_ in items])
             held = len(calls) == 1
             answer = await send(items, timeout_s)
@@ -531,7 +639,7 @@ def test_a_lone_prompt_sends_its_first_decode_ahead_and_a_burst_does_not(server,
             tasks = [asyncio.create_task(generate(p)) for p in prompts[:first]]
             while len(calls) < sent_before:
                 await asyncio.sleep(0.01)
-            tasks += [asyncio.create_task(generate(p)) for p in prompts[first:first + later]]
+            tasks += [asyncio.create_task(generate(p)) for p in prompts[first : first + later]]
             while len(orch.waiting) < later:
                 await asyncio.sleep(0.01)
             await asyncio.sleep(0.05)  # anything else the scheduler would send before the answer
@@ -544,9 +652,11 @@ def test_a_lone_prompt_sends_its_first_decode_ahead_and_a_burst_does_not(server,
     texts, calls, sent = asyncio.run(serve(1, 2, 2))
     assert texts == expected
     assert sent == 2, calls  # the prompt, and behind it the first decode round
-    (first, _), = calls[0]
+    ((first, _),) = calls[0]
     assert calls[1] == [(first, 4)]
-    assert len(calls[2]) == 2 and first not in {c for c, _ in calls[2]}  # the late prompts, on their own
+    assert len(calls[2]) == 2 and first not in {
+        c for c, _ in calls[2]
+    }  # the late prompts, on their own
     assert all(len(c) == 3 for c in calls[3:5]), calls  # then one call for all three
 
     texts, calls, sent = asyncio.run(serve(2, 0, 1))
@@ -571,8 +681,15 @@ def test_requests_sent_together_start_in_one_round(server, engine):
     expected = [r.token_ids for r in decode(engine, [GenerationRequest(p, 6) for p in prompts])]
 
     async def serve():
-        orch = Orchestrator(OrchestratorConfig(target_url=server.grpc_url, drafter_url="", metrics_port=0,
-                                               burst_window_s=2.0, burst_gap_s=0.25))
+        orch = Orchestrator(
+            OrchestratorConfig(
+                target_url=server.grpc_url,
+                drafter_url="",
+                metrics_port=0,
+                burst_window_s=2.0,
+                burst_gap_s=0.25,
+            )
+        )
         await orch.start()
         calls, send = [], orch.target.verify_rows
 
@@ -592,13 +709,16 @@ def test_requests_sent_together_start_in_one_round(server, engine):
             texts = await asyncio.gather(*burst)
             first_call = calls[0]
             await asyncio.sleep(0.3)  # the gap passes: the next request is not part of a burst
+
             def wait_s():
-                return orch.metrics.registry.get_sample_value("flashmap_burst_wait_seconds_sum",
-                                                              {"model": orch.info.model_name})
+                return orch.metrics.registry.get_sample_value(
+                    "flashmap_burst_wait_seconds_sum", {"model": orch.info.model_name}
+                )
 
             def ahead():
-                return orch.metrics.registry.get_sample_value("flashmap_rounds_ahead_total",
-                                                              {"model": orch.info.model_name})
+                return orch.metrics.registry.get_sample_value(
+                    "flashmap_rounds_ahead_total", {"model": orch.info.model_name}
+                )
 
             waited, sent_ahead = [wait_s()], []
             for p in prompts[3:]:
@@ -624,17 +744,26 @@ def test_requests_sent_together_start_in_one_round(server, engine):
 
 def test_concurrent_sequences_share_forward_passes(server):
     rng = np.random.default_rng(2)
-    before = {n: at_rest(server, n) for n in (
-        "flashmap_target_verify_batches_total", "flashmap_target_verify_rows_total",
-        "nv_inference_exec_count", "nv_inference_count",
-        "flashmap_target_batch_run_seconds_total", "flashmap_target_batch_answer_seconds_total",
-        "flashmap_target_batch_cpu_seconds_total")}
+    before = {
+        n: at_rest(server, n)
+        for n in (
+            "flashmap_target_verify_batches_total",
+            "flashmap_target_verify_rows_total",
+            "nv_inference_exec_count",
+            "nv_inference_count",
+            "flashmap_target_batch_run_seconds_total",
+            "flashmap_target_batch_answer_seconds_total",
+            "flashmap_target_batch_cpu_seconds_total",
+        )
+    }
     seqs = list(range(101, 101 + N_SLOTS))
     n_rounds = 3
 
     async def body(c):
         prompts = {s: rng.integers(3, 500, int(rng.integers(4, 20))) for s in seqs}
-        res = await asyncio.gather(*[c.verify(s, VerifyRow(-1, 0, prompts[s], GREEDY), start=True) for s in seqs])
+        res = await asyncio.gather(
+            *[c.verify(s, VerifyRow(-1, 0, prompts[s], GREEDY), start=True) for s in seqs]
+        )
         lengths = {s: len(prompts[s]) for s in seqs}
         anchors = {s: int(r.argmax[-1]) for s, r in zip(seqs, res)}
         try:
@@ -644,8 +773,13 @@ def test_concurrent_sequences_share_forward_passes(server):
                 for s in seqs:
                     k = int(rng.integers(0, 5))  # ragged: different K (and L) per sequence
                     drafts = rng.integers(3, 500, k)
-                    rows[s] = VerifyRow(-1, lengths[s], np.concatenate([[anchors[s]], drafts]), GREEDY,
-                                        support_ids=drafts[:, None])
+                    rows[s] = VerifyRow(
+                        -1,
+                        lengths[s],
+                        np.concatenate([[anchors[s]], drafts]),
+                        GREEDY,
+                        support_ids=drafts[:, None],
+                    )
                 out = await asyncio.gather(*[c.verify(s, rows[s], start=False) for s in seqs])
                 for s, r in zip(seqs, out):
                     assert r.argmax.shape == (rows[s].num_draft + 1,)
@@ -657,15 +791,27 @@ def test_concurrent_sequences_share_forward_passes(server):
 
     run(body, server)
     n_requests = len(seqs) * (n_rounds + 1)
-    settled(server, "flashmap_target_verify_rows_total", before["flashmap_target_verify_rows_total"] + n_requests)
+    settled(
+        server,
+        "flashmap_target_verify_rows_total",
+        before["flashmap_target_verify_rows_total"] + n_requests,
+    )
     delta = {n: at_rest(server, n) - v for n, v in before.items()}
     # Fewer forwards than requests: the sequence batcher put several sequences in one execute().
     assert delta["flashmap_target_verify_batches_total"] < n_requests, delta
     assert delta["nv_inference_exec_count"] < delta["nv_inference_count"], delta
     # Handing the answers to Triton is part of a batch's run, and takes some of it.
-    assert 0 < delta["flashmap_target_batch_answer_seconds_total"] < delta["flashmap_target_batch_run_seconds_total"], delta
+    assert (
+        0
+        < delta["flashmap_target_batch_answer_seconds_total"]
+        < delta["flashmap_target_batch_run_seconds_total"]
+    ), delta
     # The worker's CPU time in its runs: some, and no more than the runs' wall time (one thread).
-    assert 0 < delta["flashmap_target_batch_cpu_seconds_total"] <= delta["flashmap_target_batch_run_seconds_total"], delta
+    assert (
+        0
+        < delta["flashmap_target_batch_cpu_seconds_total"]
+        <= delta["flashmap_target_batch_run_seconds_total"]
+    ), delta
     settled_active(server, 0)
 
 
@@ -673,8 +819,12 @@ def test_end_and_release_free_the_slot(server):
     async def body(c):
         await c.verify(201, VerifyRow(-1, 0, np.arange(3, 9), GREEDY), start=True)
         settled_active(server, 1)
-        r = await c.verify(201, VerifyRow(-1, 6, np.array([5, 6]), GREEDY, support_ids=np.array([[6]])),
-                           start=False, end=True)
+        r = await c.verify(
+            201,
+            VerifyRow(-1, 6, np.array([5, 6]), GREEDY, support_ids=np.array([[6]])),
+            start=False,
+            end=True,
+        )
         assert r.argmax.shape == (2,)
         settled_active(server, 0)
         await c.verify(202, VerifyRow(-1, 0, np.arange(3, 9), GREEDY), start=True)
@@ -699,8 +849,10 @@ def test_a_sequences_last_round_frees_its_slot_without_a_release_call(server):
 
     async def body(c):
         target = TritonTarget(c, MAX_SEQ_LEN)
-        seqs = [Sequence(301 + i, GenerationRequest(np.arange(3, 10 + i), n), handle=301 + i)
-                for i, n in enumerate((1, 5, 12))]
+        seqs = [
+            Sequence(301 + i, GenerationRequest(np.arange(3, 10 + i), n), handle=301 + i)
+            for i, n in enumerate((1, 5, 12))
+        ]
         while live := [s for s in seqs if not s.finished]:
             await speculative_round(live, target, decode_steps=4)
         assert [len(s.generated) for s in seqs] == [1, 5, 12]
@@ -729,7 +881,9 @@ def test_idle_timeout_frees_the_slot(server):
         await c.verify(301, VerifyRow(-1, 0, np.arange(3, 9), GREEDY), start=True)
         settled_active(server, 1)
         # No request arrives: the model's reaper thread must free the slot by itself.
-        await asyncio.to_thread(wait_for, lambda: active(server) == 0, IDLE_S + 5, "the idle slot to be freed")
+        await asyncio.to_thread(
+            wait_for, lambda: active(server) == 0, IDLE_S + 5, "the idle slot to be freed"
+        )
         settled(server, "flashmap_target_idle_released_total", freed_before + 1)
         with pytest.raises(InvalidRequest, match="START"):
             await c.verify(301, VerifyRow(-1, 6, np.array([5]), GREEDY), start=False)
@@ -743,7 +897,9 @@ def test_bad_requests_get_clear_errors_and_server_keeps_serving(server):
         bad = VerifyRow(-1, 0, np.array([3, 4, 100_000]), GREEDY)
         # Bad and good requests in flight together: only the bad one fails.
         results = await asyncio.gather(
-            c.verify(401, good, start=True), c.verify(402, bad, start=True), c.verify(403, good, start=True),
+            c.verify(401, good, start=True),
+            c.verify(402, bad, start=True),
+            c.verify(403, good, start=True),
             return_exceptions=True,
         )
         assert isinstance(results[1], InvalidRequest), results[1]
@@ -756,7 +912,9 @@ def test_bad_requests_get_clear_errors_and_server_keeps_serving(server):
         with pytest.raises(InvalidRequest, match="^START_POS does not continue this sequence$"):
             await c.verify(401, VerifyRow(-1, 2, np.array([3]), GREEDY), start=False)
         with pytest.raises(InvalidRequest, match="temperature"):
-            await c.verify(401, VerifyRow(-1, 6, np.array([3]), SamplingParams(temperature=-1.0)), start=False)
+            await c.verify(
+                401, VerifyRow(-1, 6, np.array([3]), SamplingParams(temperature=-1.0)), start=False
+            )
         # Sequence 401 still works after its errors.
         r = await c.verify(401, VerifyRow(-1, 6, np.array([3]), GREEDY), start=False)
         assert r.features.shape == (1, (await c.info()).feature_dim)
@@ -795,7 +953,13 @@ def test_the_model_answers_on_its_grpc_stream_only(server):
         t = tc.InferInput("INFO", [1, 1], "BOOL")
         t.set_data_from_numpy(np.ones((1, 1), np.bool_))
         with pytest.raises(InferenceServerException, match="decoupled"):
-            c.infer("flashmap_target", [t], sequence_id=(1 << 62) + 5, sequence_start=True, sequence_end=True)
+            c.infer(
+                "flashmap_target",
+                [t],
+                sequence_id=(1 << 62) + 5,
+                sequence_start=True,
+                sequence_end=True,
+            )
     finally:
         c.close()
 
@@ -810,10 +974,11 @@ def test_a_timed_out_call_leaves_the_stream_to_the_next(server):
         row = VerifyRow(-1, 0, np.arange(3, 40), GREEDY)
         with pytest.raises(TargetTimeout):
             await c.verify_rows([(501, row, [], True, True)], timeout_s=1e-4)
-        out = await asyncio.gather(*[c.info(refresh=True) for _ in range(3)],
-                                   c.verify_rows([(502, row, [], True, True)]))
+        out = await asyncio.gather(
+            *[c.info(refresh=True) for _ in range(3)], c.verify_rows([(502, row, [], True, True)])
+        )
         assert out[:3] == [want] * 3
-        (res, _best), = out[3]
+        ((res, _best),) = out[3]
         assert res.argmax.shape == (1,)
 
     run(body, server)

@@ -12,15 +12,41 @@ from flashmap.types import InvalidRequest, SamplingParams, VerifyRow
 
 def _round():
     rng = np.random.default_rng(0)
-    greedy = VerifyRow(-1, 40, rng.integers(0, 500, 1), SamplingParams(), support_ids=np.zeros((0, 1), np.int64),
-                       next_seeds=rng.integers(0, 2**62, 7), features=False)
-    drafted = VerifyRow(-1, 12, rng.integers(0, 500, 17), SamplingParams(), support_ids=rng.integers(0, 500, (16, 1)))
-    sampled = VerifyRow(-1, 7, rng.integers(0, 500, 5), SamplingParams(temperature=0.7, top_k=20, top_p=0.9),
-                        support_ids=rng.integers(0, 500, (4, 3)), round_seed=123456789)
-    prompt = VerifyRow(-1, 0, rng.integers(0, 500, 30), SamplingParams(), support_ids=np.zeros((0, 1), np.int64))
+    greedy = VerifyRow(
+        -1,
+        40,
+        rng.integers(0, 500, 1),
+        SamplingParams(),
+        support_ids=np.zeros((0, 1), np.int64),
+        next_seeds=rng.integers(0, 2**62, 7),
+        features=False,
+    )
+    drafted = VerifyRow(
+        -1,
+        12,
+        rng.integers(0, 500, 17),
+        SamplingParams(),
+        support_ids=rng.integers(0, 500, (16, 1)),
+    )
+    sampled = VerifyRow(
+        -1,
+        7,
+        rng.integers(0, 500, 5),
+        SamplingParams(temperature=0.7, top_k=20, top_p=0.9),
+        support_ids=rng.integers(0, 500, (4, 3)),
+        round_seed=123456789,
+    )
+    prompt = VerifyRow(
+        -1, 0, rng.integers(0, 500, 30), SamplingParams(), support_ids=np.zeros((0, 1), np.int64)
+    )
     branches = [rng.integers(0, 500, 16) for _ in range(2)]
-    return [(11, False, False, greedy, []), (12, False, False, drafted, branches), (13, False, True, sampled, []),
-            (14, True, False, prompt, []), (15, False, True, None, [])]
+    return [
+        (11, False, False, greedy, []),
+        (12, False, False, drafted, branches),
+        (13, False, True, sampled, []),
+        (14, True, False, prompt, []),
+        (15, False, True, None, []),
+    ]
 
 
 def test_a_packed_round_parses_back_to_its_rows():
@@ -40,7 +66,9 @@ def test_a_packed_round_parses_back_to_its_rows():
         assert got.next_seeds.tolist() == row.next_seeds.tolist()
         assert got.features == row.features
         assert got.params.temperature == pytest.approx(row.params.temperature)
-        assert (got.params.top_k, got.params.top_p) == pytest.approx((row.params.top_k, row.params.top_p))
+        assert (got.params.top_k, got.params.top_p) == pytest.approx(
+            (row.params.top_k, row.params.top_p)
+        )
         assert [b.tolist() for b in got_branches] == [b.tolist() for b in branches]
     # A greedy decode row carries only what differs from the defaults.
     assert len(blob) < sum(len(wire.packed_round([i])[0]) for i in items) + 8
@@ -54,7 +82,9 @@ def test_every_truncation_and_corruption_is_refused_cleanly():
     with pytest.raises(InvalidRequest):
         wire.parse_packed_round(blob + b"\0")
     rng = np.random.default_rng(1)
-    for _ in range(300):  # flipped bytes: a clean refusal or rows that parse; never another exception
+    for _ in range(
+        300
+    ):  # flipped bytes: a clean refusal or rows that parse; never another exception
         b = bytearray(blob)
         b[int(rng.integers(len(b)))] = int(rng.integers(256))
         try:
@@ -69,12 +99,27 @@ def test_packed_outputs_parse_back_to_their_results():
 
     rng = np.random.default_rng(2)
     feats = lambda n: rng.random((n, 8)).astype(np.float32)  # noqa: E731
-    greedy = VerifyResult(np.array([5, 6, 7]), np.zeros((0, 1), np.float32), np.zeros(0, np.float32),
-                          np.full(3, -1), features=feats(3))
-    sampled = VerifyResult(np.array([1, 2]), rng.random((1, 3)).astype(np.float32), np.array([0.25], np.float32),
-                           np.array([9, 4]), features=feats(2))
-    rows = [wire.verify_outputs(greedy, 0), wire.verify_outputs(sampled, 0), wire.verify_outputs(greedy, 2),
-            wire.empty_outputs(8), (wire.ROW_INVALID, "bad row")]
+    greedy = VerifyResult(
+        np.array([5, 6, 7]),
+        np.zeros((0, 1), np.float32),
+        np.zeros(0, np.float32),
+        np.full(3, -1),
+        features=feats(3),
+    )
+    sampled = VerifyResult(
+        np.array([1, 2]),
+        rng.random((1, 3)).astype(np.float32),
+        np.array([0.25], np.float32),
+        np.array([9, 4]),
+        features=feats(2),
+    )
+    rows = [
+        wire.verify_outputs(greedy, 0),
+        wire.verify_outputs(sampled, 0),
+        wire.verify_outputs(greedy, 2),
+        wire.empty_outputs(8),
+        (wire.ROW_INVALID, "bad row"),
+    ]
     out = wire.parse_packed_outputs(wire.packed_outputs(rows))
     for (got, best), (want, want_best) in zip(out[:3], [(greedy, 0), (sampled, 0), (greedy, 2)]):
         assert best == want_best
@@ -88,5 +133,8 @@ def test_packed_outputs_parse_back_to_their_results():
 
 def test_error_messages_carry_their_row_code():
     for code in (wire.ROW_INVALID, wire.ROW_UNAVAILABLE, wire.ROW_INTERNAL):
-        assert wire.split_error(wire.tag_error(code, "START_POS does not continue")) == (code, "START_POS does not continue")
+        assert wire.split_error(wire.tag_error(code, "START_POS does not continue")) == (
+            code,
+            "START_POS does not continue",
+        )
     assert wire.split_error("must specify the START flag") == (None, "must specify the START flag")

@@ -45,15 +45,29 @@ SHARD_FMT = "shard-{:05d}.safetensors"
 FORMAT = "flashmap-drafter-data"
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 # Settings that must agree between a run and the run that resumes it.
-_RESUME_KEYS = ("format", "target_vocab_size", "feature_layers", "feature_dim", "embed_hash", "chunk_size",
-                "n_prompts", "max_new_tokens", "temperature", "seed", "feature_dtype", "prompts_hash",
-                "samples_per_prompt")
+_RESUME_KEYS = (
+    "format",
+    "target_vocab_size",
+    "feature_layers",
+    "feature_dim",
+    "embed_hash",
+    "chunk_size",
+    "n_prompts",
+    "max_new_tokens",
+    "temperature",
+    "seed",
+    "feature_dtype",
+    "prompts_hash",
+    "samples_per_prompt",
+)
 
 
 # ----------------------------------------------------------------------------- prompts
 
-def read_prompt_lines(path: str | Path,
-                      target_dir: str | Path | None = None) -> list[tuple[int, dict, list[int]]]:
+
+def read_prompt_lines(
+    path: str | Path, target_dir: str | Path | None = None
+) -> list[tuple[int, dict, list[int]]]:
     """(line number, record, token ids) per non-empty line of a JSONL prompt file: each line has
     "prompt_ids" (token ids) or "prompt" (text, encoded with the target checkpoint's
     tokenizer, special tokens included as text). Shared by read_prompts and evaluate."""
@@ -75,12 +89,15 @@ def read_prompt_lines(path: str | Path,
                     raise ValueError(f"{path}:{n}: text prompts need the target's tokenizer")
                 tj = Path(target_dir) / "tokenizer.json"
                 if not tj.is_file():
-                    raise ValueError(f"{path}:{n}: text prompts need the target's tokenizer ({tj} is missing)")
+                    raise ValueError(
+                        f"{path}:{n}: text prompts need the target's tokenizer ({tj} is missing)"
+                    )
                 from tokenizers import Tokenizer
+
                 tok = Tokenizer.from_file(str(tj))
             ids = tok.encode(rec["prompt"], add_special_tokens=False).ids
         else:
-            raise ValueError(f"{path}:{n}: a prompt line needs \"prompt_ids\" or \"prompt\"")
+            raise ValueError(f'{path}:{n}: a prompt line needs "prompt_ids" or "prompt"')
         if not ids:
             raise ValueError(f"{path}:{n}: empty prompt")
         out.append((n, rec, ids))
@@ -94,6 +111,7 @@ def read_prompts(path: str | Path, target_dir: str | Path | None = None) -> list
 
 def _prompts_hash(prompts: list[list[int]]) -> str:
     import hashlib
+
     h = hashlib.sha256()
     for p in prompts:
         h.update(np.asarray(p, np.int64).tobytes())
@@ -103,8 +121,15 @@ def _prompts_hash(prompts: list[list[int]]) -> str:
 
 # ----------------------------------------------------------------------------- generation
 
-def generate_responses(engine, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
-                       seed: int = 0, first_index: int = 0) -> list[list[int]]:
+
+def generate_responses(
+    engine,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    first_index: int = 0,
+) -> list[list[int]]:
     """The target's own responses (stop token kept) for prompts, batched over the engine's
     slots. Sampling is seeded per prompt by (seed, global prompt index), so a chunk gives
     the same responses whether or not earlier chunks ran in the same process."""
@@ -115,10 +140,21 @@ def generate_responses(engine, prompts: list[list[int]], max_new_tokens: int, te
     for i, p in enumerate(prompts):
         room = engine.max_seq_len - len(p)
         if room < 1:
-            raise ValueError(f"prompt {first_index + i} has {len(p)} tokens; the target holds {engine.max_seq_len}")
-        params = SamplingParams(temperature=float(temperature), seed=int(seed) * 1_000_003 + first_index + i)
-        reqs.append(GenerationRequest(list(p), max_new_tokens=min(max_new_tokens, room), params=params,
-                                      stop_token_ids=tuple(engine.eos_token_ids), request_id=str(first_index + i)))
+            raise ValueError(
+                f"prompt {first_index + i} has {len(p)} tokens; the target holds {engine.max_seq_len}"
+            )
+        params = SamplingParams(
+            temperature=float(temperature), seed=int(seed) * 1_000_003 + first_index + i
+        )
+        reqs.append(
+            GenerationRequest(
+                list(p),
+                max_new_tokens=min(max_new_tokens, room),
+                params=params,
+                stop_token_ids=tuple(engine.eos_token_ids),
+                request_id=str(first_index + i),
+            )
+        )
     return [r.token_ids for r in decode(engine, reqs)]
 
 
@@ -127,11 +163,15 @@ def target_features(engine, sequences: list[list[int]]) -> list[np.ndarray]:
     sequence, as many rows per verify pass as the engine has slots."""
     out: list[np.ndarray] = []
     for b in range(0, len(sequences), engine.n_slots):
-        group = sequences[b:b + engine.n_slots]
+        group = sequences[b : b + engine.n_slots]
         slots = [engine.allocate() for _ in group]
         try:
-            rows = [VerifyRow(slot=s, start_pos=0, tokens=np.asarray(seq, np.int64), params=SamplingParams())
-                    for s, seq in zip(slots, group)]
+            rows = [
+                VerifyRow(
+                    slot=s, start_pos=0, tokens=np.asarray(seq, np.int64), params=SamplingParams()
+                )
+                for s, seq in zip(slots, group)
+            ]
             out.extend(r.features for r in engine.verify(rows))
         finally:
             for s in slots:
@@ -141,8 +181,14 @@ def target_features(engine, sequences: list[list[int]]) -> list[np.ndarray]:
 
 # ----------------------------------------------------------------------------- shards
 
-def write_shard(path: str | Path, prompts: list[list[int]], responses: list[list[int]],
-                features: list[np.ndarray], feature_dtype: str = "bfloat16") -> Path:
+
+def write_shard(
+    path: str | Path,
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    features: list[np.ndarray],
+    feature_dtype: str = "bfloat16",
+) -> Path:
     """One shard (atomic: temporary file + rename)."""
     path = Path(path)
     seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
@@ -154,7 +200,9 @@ def write_shard(path: str | Path, prompts: list[list[int]], responses: list[list
         "tokens": torch.tensor([t for s in seqs for t in s], dtype=torch.int64),
         "offsets": torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int64),
         "prompt_lens": torch.tensor([len(p) for p in prompts], dtype=torch.int64),
-        "features": torch.from_numpy(np.concatenate(features, 0)).to(DTYPES[feature_dtype]).contiguous(),
+        "features": torch.from_numpy(np.concatenate(features, 0))
+        .to(DTYPES[feature_dtype])
+        .contiguous(),
     }
     tmp = path.with_name("." + path.name + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": FORMAT, "count": str(len(seqs))})
@@ -193,8 +241,10 @@ def read_shard(path: str | Path) -> list[Sequence]:
     """All sequences of a shard, in memory."""
     t = load_file(str(path))
     off = t["offsets"].tolist()
-    return [Sequence(t["tokens"][a:b], t["features"][a:b], int(p))
-            for a, b, p in zip(off[:-1], off[1:], t["prompt_lens"].tolist())]
+    return [
+        Sequence(t["tokens"][a:b], t["features"][a:b], int(p))
+        for a, b, p in zip(off[:-1], off[1:], t["prompt_lens"].tolist())
+    ]
 
 
 def shard_count(path: str | Path) -> int:
@@ -212,7 +262,9 @@ def shard_index(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
 def list_shards(data_dir: str | Path) -> list[Path]:
     shards = sorted(Path(data_dir).glob("shard-*.safetensors"))
     if not shards:
-        raise FileNotFoundError(f"{data_dir}: no shard-*.safetensors (run python -m training.drafter_data first)")
+        raise FileNotFoundError(
+            f"{data_dir}: no shard-*.safetensors (run python -m training.drafter_data first)"
+        )
     return shards
 
 
@@ -228,9 +280,21 @@ def read_meta(data_dir: str | Path) -> dict:
 
 # ----------------------------------------------------------------------------- build
 
-def build(engine, prompts: list[list[int]], out_dir: str | Path, *, max_new_tokens: int = 256,
-          temperature: float = 0.0, seed: int = 0, chunk_size: int = 64, feature_dtype: str = "bfloat16",
-          target_dir: str | Path | None = None, progress: bool = True, samples_per_prompt: int = 1) -> list[Path]:
+
+def build(
+    engine,
+    prompts: list[list[int]],
+    out_dir: str | Path,
+    *,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    seed: int = 0,
+    chunk_size: int = 64,
+    feature_dtype: str = "bfloat16",
+    target_dir: str | Path | None = None,
+    progress: bool = True,
+    samples_per_prompt: int = 1,
+) -> list[Path]:
     """Generate responses and features for all prompts into out_dir; returns the shard paths.
     Chunks whose shard exists are skipped. samples_per_prompt > 1 (with temperature > 0):
     each prompt answered that many times (consecutive sequences, each seeded by its own
@@ -238,7 +302,9 @@ def build(engine, prompts: list[list[int]], out_dir: str | Path, *, max_new_toke
     if samples_per_prompt < 1:
         raise ValueError("samples_per_prompt must be >= 1")
     if samples_per_prompt > 1 and temperature == 0:
-        raise ValueError("several samples per prompt need temperature > 0 (greedy answers are all the same)")
+        raise ValueError(
+            "several samples per prompt need temperature > 0 (greedy answers are all the same)"
+        )
     prompts = [p for p in prompts for _ in range(samples_per_prompt)]
     from tqdm import tqdm
 
@@ -252,21 +318,36 @@ def build(engine, prompts: list[list[int]], out_dir: str | Path, *, max_new_toke
     if target_dir is not None:
         from drafter_service.checkpoint import tensor_hash
         from flashmap.checkpoint import load_embeddings
+
         embed_hash = tensor_hash(load_embeddings(target_dir)[0])
-    meta = dict(format=FORMAT, target=str(target_dir or ""), target_vocab_size=engine.vocab_size,
-                target_hidden_size=engine.hidden_size, target_num_layers=engine.num_layers,
-                feature_layers=engine.feature_layers, feature_dim=engine.feature_dim, embed_hash=embed_hash,
-                chunk_size=chunk_size, n_prompts=len(prompts), max_new_tokens=max_new_tokens,
-                temperature=float(temperature), seed=seed, feature_dtype=feature_dtype,
-                prompts_hash=_prompts_hash(prompts), samples_per_prompt=samples_per_prompt)
+    meta = dict(
+        format=FORMAT,
+        target=str(target_dir or ""),
+        target_vocab_size=engine.vocab_size,
+        target_hidden_size=engine.hidden_size,
+        target_num_layers=engine.num_layers,
+        feature_layers=engine.feature_layers,
+        feature_dim=engine.feature_dim,
+        embed_hash=embed_hash,
+        chunk_size=chunk_size,
+        n_prompts=len(prompts),
+        max_new_tokens=max_new_tokens,
+        temperature=float(temperature),
+        seed=seed,
+        feature_dtype=feature_dtype,
+        prompts_hash=_prompts_hash(prompts),
+        samples_per_prompt=samples_per_prompt,
+    )
     meta_path = out_dir / META_FILE
     if meta_path.is_file():
         old = json.loads(meta_path.read_text())
         old.setdefault("samples_per_prompt", 1)  # written before the option existed
         diff = [k for k in _RESUME_KEYS if old.get(k) != meta[k]]
         if diff:
-            raise ValueError(f"{out_dir} holds data made with other settings ({', '.join(diff)}); "
-                             f"use another --out or delete it")
+            raise ValueError(
+                f"{out_dir} holds data made with other settings ({', '.join(diff)}); "
+                f"use another --out or delete it"
+            )
     else:
         meta_path.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
 
@@ -278,8 +359,10 @@ def build(engine, prompts: list[list[int]], out_dir: str | Path, *, max_new_toke
         paths.append(path)
         if path.is_file():
             continue  # resumed: written by an earlier run
-        chunk = prompts[c * chunk_size:(c + 1) * chunk_size]
-        responses = generate_responses(engine, chunk, max_new_tokens, temperature, seed, c * chunk_size)
+        chunk = prompts[c * chunk_size : (c + 1) * chunk_size]
+        responses = generate_responses(
+            engine, chunk, max_new_tokens, temperature, seed, c * chunk_size
+        )
         feats = target_features(engine, [list(p) + list(r) for p, r in zip(chunk, responses)])
         write_shard(path, chunk, responses, feats, feature_dtype)
         bar.set_postfix(resp_tokens=sum(len(r) for r in responses))
@@ -287,36 +370,68 @@ def build(engine, prompts: list[list[int]], out_dir: str | Path, *, max_new_toke
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m training.drafter_data", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m training.drafter_data", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--target", required=True, help="target checkpoint directory (HF Qwen3)")
-    ap.add_argument("--prompts", required=True, help="JSONL with \"prompt\" (text) or \"prompt_ids\" per line")
+    ap.add_argument(
+        "--prompts", required=True, help='JSONL with "prompt" (text) or "prompt_ids" per line'
+    )
     ap.add_argument("--out", required=True, help="output directory (resumable)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy responses")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--samples-per-prompt", type=int, default=1,
-                    help="answers per prompt (temperature > 0): several continuations of one context")
-    ap.add_argument("--chunk-size", type=int, default=64,
-                    help="prompts per shard (Qwen3-8B: 5 x 4096 features = 40 KB per token in bf16)")
+    ap.add_argument(
+        "--samples-per-prompt",
+        type=int,
+        default=1,
+        help="answers per prompt (temperature > 0): several continuations of one context",
+    )
+    ap.add_argument(
+        "--chunk-size",
+        type=int,
+        default=64,
+        help="prompts per shard (Qwen3-8B: 5 x 4096 features = 40 KB per token in bf16)",
+    )
     ap.add_argument("--limit", type=int, default=0, help="use only the first N prompts (0 = all)")
     ap.add_argument("--slots", type=int, default=8, help="sequences decoded / prefilled at once")
     ap.add_argument("--max-seq-len", type=int, default=None)
-    ap.add_argument("--feature-dtype", choices=sorted(DTYPES), default="bfloat16",
-                    help="stored feature dtype (bf16 keeps the range of large activations)")
+    ap.add_argument(
+        "--feature-dtype",
+        choices=sorted(DTYPES),
+        default="bfloat16",
+        help="stored feature dtype (bf16 keeps the range of large activations)",
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="target compute dtype")
+    ap.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="float32", help="target compute dtype"
+    )
     args = ap.parse_args(argv)
     from target_service.engine import TargetEngine
 
     try:
         prompts = read_prompts(args.prompts, args.target)
         if args.limit:
-            prompts = prompts[:args.limit]
-        engine = TargetEngine(args.target, n_slots=args.slots, max_seq_len=args.max_seq_len, device=args.device,
-                              dtype=DTYPES[args.dtype])
-        paths = build(engine, prompts, args.out, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                      seed=args.seed, chunk_size=args.chunk_size, feature_dtype=args.feature_dtype,
-                      target_dir=args.target, samples_per_prompt=args.samples_per_prompt)
+            prompts = prompts[: args.limit]
+        engine = TargetEngine(
+            args.target,
+            n_slots=args.slots,
+            max_seq_len=args.max_seq_len,
+            device=args.device,
+            dtype=DTYPES[args.dtype],
+        )
+        paths = build(
+            engine,
+            prompts,
+            args.out,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+            chunk_size=args.chunk_size,
+            feature_dtype=args.feature_dtype,
+            target_dir=args.target,
+            samples_per_prompt=args.samples_per_prompt,
+        )
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

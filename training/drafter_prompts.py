@@ -32,7 +32,9 @@ def _cut(rng: random.Random, doc: str, domain: str, max_chars: int) -> str | Non
     return prefix[-max_chars:] if prefix.strip() else None
 
 
-def make_prompts(per_domain: int, seed: int = 0, max_chars: int = 600, max_passes: int = 10) -> list[dict]:
+def make_prompts(
+    per_domain: int, seed: int = 0, max_chars: int = 600, max_passes: int = 10
+) -> list[dict]:
     corpus = build_corpus(seed=0)  # the corpus the demo target was trained on
     rng = random.Random(seed)
     out = []
@@ -46,7 +48,9 @@ def make_prompts(per_domain: int, seed: int = 0, max_chars: int = 600, max_passe
                 prompt = _cut(rng, doc, domain, max_chars)
                 if prompt and prompt not in seen:
                     seen.add(prompt)
-                    out.append({"domain": domain, "id": f"{domain}-train-{picked:05d}", "prompt": prompt})
+                    out.append(
+                        {"domain": domain, "id": f"{domain}-train-{picked:05d}", "prompt": prompt}
+                    )
                     picked += 1
                     if picked == per_domain:
                         break
@@ -56,10 +60,16 @@ def make_prompts(per_domain: int, seed: int = 0, max_chars: int = 600, max_passe
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--per-domain", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "data" / "drafter_prompts.jsonl")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=Path(__file__).resolve().parent / "data" / "drafter_prompts.jsonl",
+    )
     a = ap.parse_args(argv)
     prompts = make_prompts(a.per_domain, a.seed)
     a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -39,7 +39,9 @@ def export(src: str | Path, dst: str | Path, dtype: str = "bfloat16") -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m training.export_drafter", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m training.export_drafter", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("src", help="a training output directory (train_drafter / train_eagle --out)")
     ap.add_argument("dst", help="the checkpoint directory to write")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")

@@ -50,6 +50,7 @@ READS_STATE_MARGIN = 0.05  # denoiser accuracy at tau = 0.9 must beat tau = 0 by
 
 # ----------------------------------------------------------------------------- denoiser vs tau
 
+
 class EmbeddedReader:
     """The Bayes decoder of a token from one slot's embedded state y_t = (1-t) eps@E + t E_y
     (eps ~ N(0, I_V)): y_t | y ~ N(t E_y, (1-t)^2 G), G = E^T E, so the log-likelihood of
@@ -73,8 +74,14 @@ def _hits(logits: Tensor, target: Tensor, mask: Tensor) -> tuple[float, int]:
 
 
 @torch.no_grad()
-def denoiser_curve(model: FlashMapDiT, batches: list, taus=DEFAULT_TAUS, seed: int = 0,
-                   prior: FlashMapDiT | None = None, time_map: str = "own") -> list[dict]:
+def denoiser_curve(
+    model: FlashMapDiT,
+    batches: list,
+    taus=DEFAULT_TAUS,
+    seed: int = 0,
+    prior: FlashMapDiT | None = None,
+    time_map: str = "own",
+) -> list[dict]:
     """Per tau (under the drafter's own time map, or time_map = "vocab" / "embedded"): the
     per-slot accuracy against the true block of the denoiser (diagonal s = t) on the noisy
     state of one shared draw, of the state's own vocabulary-space argmax, of the embedded
@@ -86,11 +93,16 @@ def denoiser_curve(model: FlashMapDiT, batches: list, taus=DEFAULT_TAUS, seed: i
     cfg, V = model.cfg, model.cfg.vocab_size
     E = model.embed
     reader = EmbeddedReader(E)
-    knots = (cfg.time_table_t, cfg.time_table_tau) if cfg.time_table_t else embedded_time_knots(E, samples=4096)
+    knots = (
+        (cfg.time_table_t, cfg.time_table_tau)
+        if cfg.time_table_t
+        else embedded_time_knots(E, samples=4096)
+    )
     if time_map == "own":
         t_of = lambda tau: float(model.t_of_tau(tau))  # noqa: E731
     elif time_map == "vocab":
         from drafter_service.flow_time import t_of_tau
+
         t_of = lambda tau: float(t_of_tau(tau, V))  # noqa: E731
     elif time_map == "embedded":
         t_of = lambda tau: float(np.interp(tau, knots[1], knots[0]))  # noqa: E731
@@ -104,14 +116,27 @@ def denoiser_curve(model: FlashMapDiT, batches: list, taus=DEFAULT_TAUS, seed: i
     for tau in taus:
         t = min(t_of(tau), 1 - 1e-6)
         gen = torch.Generator(device=E.device).manual_seed(seed)
-        acc = {k: [0.0, 0] for k in ("denoiser", "denoiser_other_noise", "state_argmax", "state_bayes", "prior",
-                                     "prior_state_bayes")}
+        acc = {
+            k: [0.0, 0]
+            for k in (
+                "denoiser",
+                "denoiser_other_noise",
+                "state_argmax",
+                "state_bayes",
+                "prior",
+                "prior_state_bayes",
+            )
+        }
         for i, b in enumerate(batches):
             tt = torch.full((len(b.anchor),), t, device=E.device)
-            x = noisy_state(b.target, tt, V, gen, shared=cfg.shared_noise)  # [N, K, V], the noise it was trained on
+            x = noisy_state(
+                b.target, tt, V, gen, shared=cfg.shared_noise
+            )  # [N, K, V], the noise it was trained on
             ctx = b.context(model)
             parts = {"denoiser": model(x, tt, tt, b.anchor, ctx), "state_argmax": x}
-            if t > 0:  # the other noise kind at the same t: does the denoiser lean on how the noise is drawn?
+            if (
+                t > 0
+            ):  # the other noise kind at the same t: does the denoiser lean on how the noise is drawn?
                 x_other = noisy_state(b.target, tt, V, gen, shared=not cfg.shared_noise)
                 parts["denoiser_other_noise"] = model(x_other, tt, tt, b.anchor, ctx)
             ll = reader.log_likelihood(model.embed_state(x), t)  # [N, K, V]
@@ -123,8 +148,12 @@ def denoiser_curve(model: FlashMapDiT, batches: list, taus=DEFAULT_TAUS, seed: i
                 h, n = _hits(logits, b.target, b.mask)
                 acc[k][0] += h
                 acc[k][1] += n
-        row = dict(tau=float(tau), t=t, tau_vocab=float(tau_of_t(t, V)),
-                   tau_embedded=float(np.interp(t, knots[0], knots[1])))
+        row = dict(
+            tau=float(tau),
+            t=t,
+            tau_vocab=float(tau_of_t(t, V)),
+            tau_embedded=float(np.interp(t, knots[0], knots[1])),
+        )
         row.update({k: (h / n if n else float("nan")) for k, (h, n) in acc.items() if n})
         rows.append(row)
     return rows
@@ -135,7 +164,12 @@ def time_map_table(E: Tensor, taus=(0.1, 0.5, 0.9, 0.97, 0.99), samples: int = 1
     vocab-space tau, t, the state's argmax accuracy in vocabulary space (what tau_vocab
     counts) and the Bayes decoder's accuracy from one slot's embedded state (P_E, tokens
     uniform), and the t at which the embedded map reaches the same tau."""
-    from drafter_service.flow_time import correct_decode_prob, critical_snr, embedded_decode_prob, t_of_tau
+    from drafter_service.flow_time import (
+        correct_decode_prob,
+        critical_snr,
+        embedded_decode_prob,
+        t_of_tau,
+    )
 
     V = E.shape[0]
     crit = critical_snr(E, samples)
@@ -143,9 +177,15 @@ def time_map_table(E: Tensor, taus=(0.1, 0.5, 0.9, 0.97, 0.99), samples: int = 1
     rows = []
     for tau in taus:
         t = float(t_of_tau(tau, V))
-        rows.append(dict(tau=float(tau), t_vocab=t, p_vocab=float(correct_decode_prob(np.array(t), V)),
-                         p_embedded=float(embedded_decode_prob(np.array(t), E, critical=crit)),
-                         t_embedded=float(np.interp(tau, tau_k, t_k))))
+        rows.append(
+            dict(
+                tau=float(tau),
+                t_vocab=t,
+                p_vocab=float(correct_decode_prob(np.array(t), V)),
+                p_embedded=float(embedded_decode_prob(np.array(t), E, critical=crit)),
+                t_embedded=float(np.interp(tau, tau_k, t_k)),
+            )
+        )
     return rows
 
 
@@ -162,17 +202,32 @@ def reads_state(curve: list[dict], margin: float = READS_STATE_MARGIN) -> bool:
 
 def format_curve(curve: list[dict]) -> str:
     """A plain-text table of a `denoiser_curve`."""
-    keys = [k for k in ("denoiser", "denoiser_other_noise", "state_argmax", "state_bayes", "prior",
-                        "prior_state_bayes") if k in curve[-1]]
-    head = f"{'tau':>5} {'t':>7} {'tau_voc':>7} {'tau_emb':>7} " + " ".join(f"{k:>17}" for k in keys)
+    keys = [
+        k
+        for k in (
+            "denoiser",
+            "denoiser_other_noise",
+            "state_argmax",
+            "state_bayes",
+            "prior",
+            "prior_state_bayes",
+        )
+        if k in curve[-1]
+    ]
+    head = f"{'tau':>5} {'t':>7} {'tau_voc':>7} {'tau_emb':>7} " + " ".join(
+        f"{k:>17}" for k in keys
+    )
     lines = [head]
     for r in curve:
-        lines.append(f"{r['tau']:5.2f} {r['t']:7.4f} {r['tau_vocab']:7.3f} {r['tau_embedded']:7.3f} "
-                     + " ".join(f"{r.get(k, float('nan')):17.3f}" for k in keys))
+        lines.append(
+            f"{r['tau']:5.2f} {r['t']:7.4f} {r['tau_vocab']:7.3f} {r['tau_embedded']:7.3f} "
+            + " ".join(f"{r.get(k, float('nan')):17.3f}" for k in keys)
+        )
     return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- drafts
+
 
 @dataclass
 class DraftVariants:
@@ -207,7 +262,9 @@ def permutation_shuffle(blocks: list[Draft]) -> Draft:
     return Draft(np.array([blocks[k].tokens[k] for k in range(K)], np.int64), ids, probs)
 
 
-def draft_variants(proposer, requests: list, steps: int, slot_noise: bool = True) -> list[DraftVariants]:
+def draft_variants(
+    proposer, requests: list, steps: int, slot_noise: bool = True
+) -> list[DraftVariants]:
     """For each request (drafter_service.proposer.ProposeRequest): the shared-noise block
     (= proposer.propose), the permutation shuffle and a second draw from K independent
     shared-noise runs (propose_blocks), and with slot_noise the block of one pass with an
@@ -222,7 +279,9 @@ def draft_variants(proposer, requests: list, steps: int, slot_noise: bool = True
             indep = proposer.propose(requests, steps)
         finally:
             proposer.shared_noise = was
-    return [DraftVariants(r[0], permutation_shuffle(r), r[1], s, list(r)) for r, s in zip(runs, indep)]
+    return [
+        DraftVariants(r[0], permutation_shuffle(r), r[1], s, list(r)) for r, s in zip(runs, indep)
+    ]
 
 
 def acceptance(alpha: np.ndarray) -> float:
@@ -239,8 +298,15 @@ def proposal_prob(draft: Draft) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- statistics
 
-def paired_bootstrap(a: np.ndarray, b: np.ndarray | None = None, clusters: np.ndarray | None = None,
-                     n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> dict:
+
+def paired_bootstrap(
+    a: np.ndarray,
+    b: np.ndarray | None = None,
+    clusters: np.ndarray | None = None,
+    n_boot: int = 2000,
+    seed: int = 0,
+    level: float = 0.95,
+) -> dict:
     """Mean of a (or of a - b, paired) with a percentile bootstrap interval; resampling whole
     clusters (e.g. the anchors of one sequence) when given. Returns mean, lo, hi, n."""
     d = np.asarray(a, np.float64) - (0.0 if b is None else np.asarray(b, np.float64))
@@ -256,7 +322,9 @@ def paired_bootstrap(a: np.ndarray, b: np.ndarray | None = None, clusters: np.nd
 
 # ----------------------------------------------------------------------------- held-out anchors
 
-SELECTION = range(10, 26)  # per-domain prompt indices for choosing settings (the timed eval uses 0..9)
+SELECTION = range(
+    10, 26
+)  # per-domain prompt indices for choosing settings (the timed eval uses 0..9)
 
 
 @dataclass
@@ -276,8 +344,14 @@ class HeldoutSequence:
         return range(self.prompt_len, len(self.tokens) - block_size)
 
 
-def heldout_sequences(data_dir: str | Path, prompts: str | Path, target_dir: str | Path | None = None,
-                      exclude=SELECTION, domains: tuple[str, ...] | None = None, only=None) -> list[HeldoutSequence]:
+def heldout_sequences(
+    data_dir: str | Path,
+    prompts: str | Path,
+    target_dir: str | Path | None = None,
+    exclude=SELECTION,
+    domains: tuple[str, ...] | None = None,
+    only=None,
+) -> list[HeldoutSequence]:
     """The sequences of a drafter data directory made from `prompts` (training.drafter_data on
     a held-out prompt file), without those whose per-domain index is in `exclude` (default:
     the selection prompts 11-26 of each domain); with `only`, just those per-domain indices
@@ -287,17 +361,29 @@ def heldout_sequences(data_dir: str | Path, prompts: str | Path, target_dir: str
     lines = read_prompt_lines(prompts, target_dir)
     seqs = [s for path in list_shards(data_dir) for s in read_shard(path)]
     if len(seqs) != len(lines):
-        raise ValueError(f"{data_dir} holds {len(seqs)} sequences, {prompts} has {len(lines)} prompts")
+        raise ValueError(
+            f"{data_dir} holds {len(seqs)} sequences, {prompts} has {len(lines)} prompts"
+        )
     out, seen = [], {}
     for i, ((_, rec, ids), s) in enumerate(zip(lines, seqs)):
         dom = str(rec.get("domain", "all"))
         j = seen[dom] = seen.get(dom, -1) + 1
-        if list(s.tokens[:len(ids)].tolist()) != list(ids):
-            raise ValueError(f"{data_dir}: sequence {i} does not start with prompt {i} of {prompts}")
+        if list(s.tokens[: len(ids)].tolist()) != list(ids):
+            raise ValueError(
+                f"{data_dir}: sequence {i} does not start with prompt {i} of {prompts}"
+            )
         if j in exclude or (only is not None and j not in only) or (domains and dom not in domains):
             continue
-        out.append(HeldoutSequence(i, dom, j, s.tokens.numpy().astype(np.int64), s.features.float().numpy(),
-                                   int(s.prompt_len)))
+        out.append(
+            HeldoutSequence(
+                i,
+                dom,
+                j,
+                s.tokens.numpy().astype(np.int64),
+                s.features.float().numpy(),
+                int(s.prompt_len),
+            )
+        )
     return out
 
 
@@ -316,7 +402,7 @@ class AnchorDrafts:
 def _alpha(res, draft: Draft, temperature: float) -> np.ndarray:
     """Per-slot acceptance probability [K] from a target VerifyResult of this draft."""
     if temperature == 0:
-        return (draft.tokens == res.argmax[:len(draft.tokens)]).astype(np.float64)
+        return (draft.tokens == res.argmax[: len(draft.tokens)]).astype(np.float64)
     hit = draft.support_ids == draft.tokens[:, None]  # [K, S]
     p = np.where(hit, res.support_probs, 0.0).sum(-1)
     return np.minimum(1.0, p / np.maximum(proposal_prob(draft), 1e-12))
@@ -330,8 +416,15 @@ def spread_anchors(s: HeldoutSequence, block_size: int, max_anchors: int | None)
     return a
 
 
-def anchor_rounds(proposer, group: list[HeldoutSequence], anchors: list[list[int]], temperature: float, top_m: int,
-                  seed: int, prefix: str = "h"):
+def anchor_rounds(
+    proposer,
+    group: list[HeldoutSequence],
+    anchors: list[list[int]],
+    temperature: float,
+    top_m: int,
+    seed: int,
+    prefix: str = "h",
+):
     """Walk a group of held-out sequences anchor by anchor: per round r yields (r, live, requests),
     live the indices into group that still have an anchor and one ProposeRequest each, the
     proposer's context extended up to that anchor. Seeds depend on (seed, sequence, anchor)
@@ -347,10 +440,17 @@ def anchor_rounds(proposer, group: list[HeldoutSequence], anchors: list[list[int
             for i in live:
                 s, a = group[i], anchors[i][r]
                 if a > have[i]:
-                    proposer.extend(names[i], s.tokens[have[i]:a], s.features[have[i]:a])
+                    proposer.extend(names[i], s.tokens[have[i] : a], s.features[have[i] : a])
                     have[i] = a
-                reqs.append(ProposeRequest(names[i], int(s.tokens[a]), temperature=float(temperature), top_m=top_m,
-                                           seed=int(np.random.SeedSequence([seed, s.index, a]).generate_state(1)[0])))
+                reqs.append(
+                    ProposeRequest(
+                        names[i],
+                        int(s.tokens[a]),
+                        temperature=float(temperature),
+                        top_m=top_m,
+                        seed=int(np.random.SeedSequence([seed, s.index, a]).generate_state(1)[0]),
+                    )
+                )
             yield r, live, reqs
     finally:
         for n in names:
@@ -358,9 +458,20 @@ def anchor_rounds(proposer, group: list[HeldoutSequence], anchors: list[list[int
 
 
 @torch.no_grad()
-def offline_acceptance(engine, proposer, seqs: list[HeldoutSequence], *, temperature: float = 0.0, steps: int = 1,
-                       top_m: int = 4, shuffles: bool = True, max_anchors: int | None = None, seed: int = 0,
-                       progress: bool = False, averaged: bool = False) -> AnchorDrafts:
+def offline_acceptance(
+    engine,
+    proposer,
+    seqs: list[HeldoutSequence],
+    *,
+    temperature: float = 0.0,
+    steps: int = 1,
+    top_m: int = 4,
+    shuffles: bool = True,
+    max_anchors: int | None = None,
+    seed: int = 0,
+    progress: bool = False,
+    averaged: bool = False,
+) -> AnchorDrafts:
     """Draft a block at every anchor of seqs with `proposer` (the serving FlashMapProposer or
     any SlotCacheProposer; context = the target's features of the reference tokens before the
     anchor) and verify it with the target `engine` (TargetEngine): alpha_k = [d_k = argmax]
@@ -372,8 +483,9 @@ def offline_acceptance(engine, proposer, seqs: list[HeldoutSequence], *, tempera
     and "perm_avg", gamma averaged over all K shared-noise runs and over their K cyclic
     shuffles (2K - 2 more verifies per anchor, no more drafting): the same Delta in expectation,
     without the noise of one draw per anchor."""
-    from flashmap.types import SamplingParams, VerifyRow
     from tqdm import tqdm
+
+    from flashmap.types import SamplingParams, VerifyRow
 
     K = proposer.block_size
     n_par = min(engine.n_slots, proposer.n_slots)
@@ -382,10 +494,12 @@ def offline_acceptance(engine, proposer, seqs: list[HeldoutSequence], *, tempera
     seq_ids, gam, changed = [], {}, []
     bar = tqdm(total=len(seqs), disable=not progress, desc="anchors")
     for g0 in range(0, len(seqs), n_par):
-        group = seqs[g0:g0 + n_par]
+        group = seqs[g0 : g0 + n_par]
         anchors = [spread_anchors(s, K, max_anchors) for s in group]
         slots = [engine.allocate() for _ in group]
-        ref_kv = [0] * len(group)  # leading positions of the engine's cache that hold reference tokens
+        ref_kv = [0] * len(
+            group
+        )  # leading positions of the engine's cache that hold reference tokens
         try:
             for r, live, reqs in anchor_rounds(proposer, group, anchors, temperature, top_m, seed):
                 if shuffles and getattr(proposer.model.cfg, "kind", "") == "flashmap":
@@ -396,21 +510,34 @@ def offline_acceptance(engine, proposer, seqs: list[HeldoutSequence], *, tempera
                 blocks = {k: [getattr(v, k) for v in variants] for k in kinds}
                 if averaged and shuffles and variants[0].runs is not None:
                     cyc = [cyclic_shuffles(v.runs) for v in variants]
-                    for j in range(1, K):  # run 0 is "shared" and its shuffle 0 is "perm", verified above
+                    for j in range(
+                        1, K
+                    ):  # run 0 is "shared" and its shuffle 0 is "perm", verified above
                         blocks[f"run{j}"] = [v.runs[j] for v in variants]
                         blocks[f"cyc{j}"] = [c[j] for c in cyc]
                 for kind, ds in blocks.items():
                     rows = []
                     for i, d in zip(live, ds):
                         s, a = group[i], anchors[i][r]
-                        start = min(a, ref_kv[i])  # the cache past it holds drafts of an earlier anchor
-                        rows.append(VerifyRow(slots[i], start, np.concatenate([s.tokens[start:a + 1], d.tokens]),
-                                              params, support_ids=d.support_ids))
+                        start = min(
+                            a, ref_kv[i]
+                        )  # the cache past it holds drafts of an earlier anchor
+                        rows.append(
+                            VerifyRow(
+                                slots[i],
+                                start,
+                                np.concatenate([s.tokens[start : a + 1], d.tokens]),
+                                params,
+                                support_ids=d.support_ids,
+                            )
+                        )
                     res = engine.verify(rows)
                     for d, rr in zip(ds, res):
                         gam.setdefault(kind, []).append(acceptance(_alpha(rr, d, temperature)))
                 for i in live:
-                    ref_kv[i] = anchors[i][r] + 1  # the anchor is reference; the positions after it, drafts
+                    ref_kv[i] = (
+                        anchors[i][r] + 1
+                    )  # the anchor is reference; the positions after it, drafts
                 for i, v in zip(live, variants):
                     seq_ids.append(group[i].index)
                     out.domain.append(group[i].domain)
@@ -424,7 +551,9 @@ def offline_acceptance(engine, proposer, seqs: list[HeldoutSequence], *, tempera
     out.seq = np.array(seq_ids, np.int64)
     out.gamma = {k: np.array(v) for k, v in gam.items() if not k.startswith(("run", "cyc"))}
     if "run1" in gam:
-        out.gamma["shared_avg"] = np.mean([gam["shared"]] + [gam[f"run{j}"] for j in range(1, K)], 0)
+        out.gamma["shared_avg"] = np.mean(
+            [gam["shared"]] + [gam[f"run{j}"] for j in range(1, K)], 0
+        )
         out.gamma["perm_avg"] = np.mean([gam["perm"]] + [gam[f"cyc{j}"] for j in range(1, K)], 0)
     out.changed = np.array(changed)
     return out
@@ -437,15 +566,24 @@ def agreement(a: AnchorDrafts, b: AnchorDrafts) -> float:
     return float(np.mean([np.mean(x == y) for x, y in zip(a.tokens, b.tokens)]))
 
 
-def heldout_batches(seqs: list[HeldoutSequence], block_size: int, n_batches: int = 8, seqs_per_batch: int = 8,
-                    anchors_per_seq: int = 8, seed: int = 0) -> list:
+def heldout_batches(
+    seqs: list[HeldoutSequence],
+    block_size: int,
+    n_batches: int = 8,
+    seqs_per_batch: int = 8,
+    anchors_per_seq: int = 8,
+    seed: int = 0,
+) -> list:
     """Training-style Batches of held-out blocks (for `denoiser_curve`)."""
     from training.drafter_data import Sequence
     from training.train_drafter import make_batch
 
     rng = np.random.default_rng(seed)
-    pool = [Sequence(torch.from_numpy(s.tokens), torch.from_numpy(s.features), s.prompt_len) for s in seqs
-            if len(s.anchors(block_size))]
+    pool = [
+        Sequence(torch.from_numpy(s.tokens), torch.from_numpy(s.features), s.prompt_len)
+        for s in seqs
+        if len(s.anchors(block_size))
+    ]
     out = []
     for _ in range(n_batches):
         pick = rng.choice(len(pool), size=min(seqs_per_batch, len(pool)), replace=False)
@@ -455,20 +593,35 @@ def heldout_batches(seqs: list[HeldoutSequence], block_size: int, n_batches: int
 
 # ----------------------------------------------------------------------------- one call for eval / CLI
 
+
 @dataclass
 class DrafterSpec:
     name: str
     path: str
     steps: tuple[int, ...] = (1,)
-    greedy_estimate: str = "soft"  # FlashMapProposer's drafting of T = 0 rows ("argmax": mode-seeking)
+    greedy_estimate: str = (
+        "soft"  # FlashMapProposer's drafting of T = 0 rows ("argmax": mode-seeking)
+    )
     greedy_noise_scale: float = 1.0
 
 
-def diagnose(target: str | Path, data: str | Path, prompts: str | Path, drafters: list[DrafterSpec],
-             dflash: str | Path | None = None, temperatures: tuple[float, ...] = (0.0,), *,
-             max_anchors: int | None = None, domains: tuple[str, ...] | None = None, curve: bool = True,
-             device: str = "cpu", progress: bool = False, seed: int = 0, selection: bool = False,
-             averaged: bool = False) -> dict:
+def diagnose(
+    target: str | Path,
+    data: str | Path,
+    prompts: str | Path,
+    drafters: list[DrafterSpec],
+    dflash: str | Path | None = None,
+    temperatures: tuple[float, ...] = (0.0,),
+    *,
+    max_anchors: int | None = None,
+    domains: tuple[str, ...] | None = None,
+    curve: bool = True,
+    device: str = "cpu",
+    progress: bool = False,
+    seed: int = 0,
+    selection: bool = False,
+    averaged: bool = False,
+) -> dict:
     """Everything this module measures, on the held-out anchors of `data` (training.drafter_data
     run on `prompts` with the target; the selection prompts are left out): per FlashMap
     drafter its denoiser curve (with the DFlash-style drafter as the prior), and per drafter,
@@ -481,8 +634,11 @@ def diagnose(target: str | Path, data: str | Path, prompts: str | Path, drafters
     from drafter_service.flashmap_proposer import FlashMapProposer
     from target_service.engine import TargetEngine
 
-    seqs = (heldout_sequences(data, prompts, target, exclude=(), only=SELECTION, domains=domains) if selection
-            else heldout_sequences(data, prompts, target, domains=domains))
+    seqs = (
+        heldout_sequences(data, prompts, target, exclude=(), only=SELECTION, domains=domains)
+        if selection
+        else heldout_sequences(data, prompts, target, domains=domains)
+    )
     engine = TargetEngine(target, n_slots=16, device=device)
     K = None
     base = load_drafter(dflash, target, device=device) if dflash else None
@@ -493,34 +649,61 @@ def diagnose(target: str | Path, data: str | Path, prompts: str | Path, drafters
         K = m.cfg.block_size
         spec = next((d for d in drafters if d.name == name), DrafterSpec(name, ""))
         steps = (1,) if m.cfg.kind == "dflash" else spec.steps
-        prop = FlashMapProposer(m, n_slots=16, max_context=engine.max_seq_len, device=device,
-                                greedy_estimate=spec.greedy_estimate, greedy_noise_scale=spec.greedy_noise_scale)
+        prop = FlashMapProposer(
+            m,
+            n_slots=16,
+            max_context=engine.max_seq_len,
+            device=device,
+            greedy_estimate=spec.greedy_estimate,
+            greedy_noise_scale=spec.greedy_noise_scale,
+        )
         for T in temperatures:
             for n in steps:
-                runs[(name, n, T)] = offline_acceptance(engine, prop, seqs, temperature=T, steps=n,
-                                                        max_anchors=max_anchors, seed=seed, progress=progress,
-                                                        averaged=averaged)
+                runs[(name, n, T)] = offline_acceptance(
+                    engine,
+                    prop,
+                    seqs,
+                    temperature=T,
+                    steps=n,
+                    max_anchors=max_anchors,
+                    seed=seed,
+                    progress=progress,
+                    averaged=averaged,
+                )
         if curve and m.cfg.kind == "flashmap":
             res["curves"][name] = denoiser_curve(m, heldout_batches(seqs, K, seed=seed), prior=base)
     for (name, n, T), a in runs.items():
-        row = dict(drafter=name, steps=n, temperature=T, anchors=len(a.seq), noise_changes=float(a.changed.mean()))
+        row = dict(
+            drafter=name,
+            steps=n,
+            temperature=T,
+            anchors=len(a.seq),
+            noise_changes=float(a.changed.mean()),
+        )
         doms = sorted(set(a.domain))
         dom = np.array(a.domain)
         for d in doms + ["all"]:
             sel = np.ones(len(dom), bool) if d == "all" else dom == d
-            row[f"gamma_{d}"] = paired_bootstrap(a.gamma["shared"][sel], clusters=a.seq[sel], seed=seed)
+            row[f"gamma_{d}"] = paired_bootstrap(
+                a.gamma["shared"][sel], clusters=a.seq[sel], seed=seed
+            )
             for v in ("perm", "slot_noise"):
                 if v in a.gamma:
-                    row[f"delta_{v}_{d}"] = paired_bootstrap(a.gamma["shared"][sel], a.gamma[v][sel], a.seq[sel],
-                                                             seed=seed)
+                    row[f"delta_{v}_{d}"] = paired_bootstrap(
+                        a.gamma["shared"][sel], a.gamma[v][sel], a.seq[sel], seed=seed
+                    )
             if "perm_avg" in a.gamma:
-                row[f"avg_gamma_{d}"] = paired_bootstrap(a.gamma["shared_avg"][sel], clusters=a.seq[sel], seed=seed)
-                row[f"delta_perm_avg_{d}"] = paired_bootstrap(a.gamma["shared_avg"][sel], a.gamma["perm_avg"][sel],
-                                                              a.seq[sel], seed=seed)
+                row[f"avg_gamma_{d}"] = paired_bootstrap(
+                    a.gamma["shared_avg"][sel], clusters=a.seq[sel], seed=seed
+                )
+                row[f"delta_perm_avg_{d}"] = paired_bootstrap(
+                    a.gamma["shared_avg"][sel], a.gamma["perm_avg"][sel], a.seq[sel], seed=seed
+                )
             ref = runs.get(("dflash", 1, T))
             if ref is not None and name != "dflash":
-                row[f"vs_dflash_{d}"] = paired_bootstrap(a.gamma["shared"][sel], ref.gamma["shared"][sel],
-                                                         a.seq[sel], seed=seed)
+                row[f"vs_dflash_{d}"] = paired_bootstrap(
+                    a.gamma["shared"][sel], ref.gamma["shared"][sel], a.seq[sel], seed=seed
+                )
         if ("dflash", 1, T) in runs and name != "dflash":
             row["agree_dflash"] = agreement(a, runs[("dflash", 1, T)])
         res["acceptance"].append(row)
@@ -535,30 +718,56 @@ def report_markdown(res: dict) -> str:
     """Tables of a `diagnose` result."""
     lines = []
     for name, curve in res["curves"].items():
-        lines += [f"Denoiser of `{name}` against tau (its own time map), per-slot accuracy:", "", "```",
-                  format_curve(curve), "```", ""]
+        lines += [
+            f"Denoiser of `{name}` against tau (its own time map), per-slot accuracy:",
+            "",
+            "```",
+            format_curve(curve),
+            "```",
+            "",
+        ]
     rows = res["acceptance"]
     if rows:
-        doms = sorted({k[len("gamma_"):] for r in rows for k in r if k.startswith("gamma_")} - {"all"}) + ["all"]
-        lines += ["| drafter | steps | T | " + " | ".join(f"gamma {d}" for d in doms)
-                  + " | Delta perm (all) | Delta perm, K draws averaged (all) | Delta per-slot noise (all) "
-                    "| vs DFlash (all) | slots a new draw changes | agrees with DFlash |",
-                  "|---|---:|---:|" + "---:|" * (len(doms) + 6)]
+        doms = sorted(
+            {k[len("gamma_") :] for r in rows for k in r if k.startswith("gamma_")} - {"all"}
+        ) + ["all"]
+        lines += [
+            "| drafter | steps | T | "
+            + " | ".join(f"gamma {d}" for d in doms)
+            + " | Delta perm (all) | Delta perm, K draws averaged (all) | Delta per-slot noise (all) "
+            "| vs DFlash (all) | slots a new draw changes | agrees with DFlash |",
+            "|---|---:|---:|" + "---:|" * (len(doms) + 6),
+        ]
         for r in rows:
             cell = lambda k: _ci(r[k]) if k in r else "-"  # noqa: E731
-            lines.append(f"| {r['drafter']} | {r['steps']} | {r['temperature']:g} | "
-                         + " | ".join(cell(f"gamma_{d}") for d in doms)
-                         + f" | {cell('delta_perm_all')} | {cell('delta_perm_avg_all')} | {cell('delta_slot_noise_all')} "
-                           f"| {cell('vs_dflash_all')} "
-                           f"| {r['noise_changes']:.3f} | {r.get('agree_dflash', float('nan')):.3f} |")
+            lines.append(
+                f"| {r['drafter']} | {r['steps']} | {r['temperature']:g} | "
+                + " | ".join(cell(f"gamma_{d}") for d in doms)
+                + f" | {cell('delta_perm_all')} | {cell('delta_perm_avg_all')} | {cell('delta_slot_noise_all')} "
+                f"| {cell('vs_dflash_all')} "
+                f"| {r['noise_changes']:.3f} | {r.get('agree_dflash', float('nan')):.3f} |"
+            )
         avg = [r for r in rows if "delta_perm_avg_all" in r]
         if avg:
-            lines += ["", "Delta perm per domain (K draws averaged):", "",
-                      "| drafter | steps | T | " + " | ".join(doms) + " |", "|---|---:|---:|" + "---:|" * len(doms)]
-            lines += [f"| {r['drafter']} | {r['steps']} | {r['temperature']:g} | "
-                      + " | ".join(_ci(r[f"delta_perm_avg_{d}"]) for d in doms) + " |" for r in avg]
-        lines += ["", f"{rows[0]['anchors']} held-out anchors per row ({res['n_sequences']} sequences); 95% "
-                      "intervals from a bootstrap over sequences, paired where two rows are compared.", ""]
+            lines += [
+                "",
+                "Delta perm per domain (K draws averaged):",
+                "",
+                "| drafter | steps | T | " + " | ".join(doms) + " |",
+                "|---|---:|---:|" + "---:|" * len(doms),
+            ]
+            lines += [
+                f"| {r['drafter']} | {r['steps']} | {r['temperature']:g} | "
+                + " | ".join(_ci(r[f"delta_perm_avg_{d}"]) for d in doms)
+                + " |"
+                for r in avg
+            ]
+        lines += [
+            "",
+            f"{rows[0]['anchors']} held-out anchors per row ({res['n_sequences']} sequences); 95% "
+            "intervals from a bootstrap over sequences, paired where two rows are compared.",
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -568,32 +777,52 @@ def _spec(text: str) -> DrafterSpec:
     name, _, rest = text.partition("=")
     path, *more = rest.split(":")
     if not name or not path or len(more) > 3:
-        raise argparse.ArgumentTypeError(f"expected NAME=DIR[:STEPS,...[:ESTIMATE[:NOISE_SCALE]]], got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected NAME=DIR[:STEPS,...[:ESTIMATE[:NOISE_SCALE]]], got {text!r}"
+        )
     steps = tuple(int(x) for x in more[0].split(",")) if more and more[0] else (1,)
     return DrafterSpec(name, path, steps, *(more[1:2] or ["soft"]), *[float(x) for x in more[2:3]])
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m training.flow_diagnostics", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m training.flow_diagnostics", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--target", required=True)
     ap.add_argument("--data", help="training.drafter_data output for --prompts (held-out answers)")
     ap.add_argument("--prompts", default="training/data/heldout_prompts.jsonl")
-    ap.add_argument("--drafter", type=_spec, action="append", default=[],
-                    help="NAME=DIR[:STEPS,...[:ESTIMATE[:NOISE_SCALE]]] (repeatable; ESTIMATE soft|argmax and "
-                         "NOISE_SCALE: how T = 0 blocks are drafted, FlashMapProposer greedy_estimate / "
-                         "greedy_noise_scale)")
-    ap.add_argument("--dflash", help="DFlash-style checkpoint: the baseline, prior and agreement reference")
+    ap.add_argument(
+        "--drafter",
+        type=_spec,
+        action="append",
+        default=[],
+        help="NAME=DIR[:STEPS,...[:ESTIMATE[:NOISE_SCALE]]] (repeatable; ESTIMATE soft|argmax and "
+        "NOISE_SCALE: how T = 0 blocks are drafted, FlashMapProposer greedy_estimate / "
+        "greedy_noise_scale)",
+    )
+    ap.add_argument(
+        "--dflash", help="DFlash-style checkpoint: the baseline, prior and agreement reference"
+    )
     ap.add_argument("--temperature", type=float, action="append", help="repeatable (default 0)")
     ap.add_argument("--max-anchors", type=int, help="at most this many anchors per sequence")
     ap.add_argument("--domain", action="append", help="only these domains (repeatable)")
     ap.add_argument("--no-curve", action="store_true")
-    ap.add_argument("--selection", action="store_true",
-                    help="the selection prompts (11-26 of each domain) instead of the held-out rest")
-    ap.add_argument("--time-maps", action="store_true",
-                    help="only print where the vocabulary map puts tau and what the embedded state tells there")
-    ap.add_argument("--averaged", action="store_true",
-                    help="Delta also averaged over all K shared-noise runs and their K cyclic shuffles "
-                         "(2K - 2 more target verifies per anchor)")
+    ap.add_argument(
+        "--selection",
+        action="store_true",
+        help="the selection prompts (11-26 of each domain) instead of the held-out rest",
+    )
+    ap.add_argument(
+        "--time-maps",
+        action="store_true",
+        help="only print where the vocabulary map puts tau and what the embedded state tells there",
+    )
+    ap.add_argument(
+        "--averaged",
+        action="store_true",
+        help="Delta also averaged over all K shared-noise runs and their K cyclic shuffles "
+        "(2K - 2 more target verifies per anchor)",
+    )
     ap.add_argument("--out", help="JSON result (a .md table beside it)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
@@ -602,18 +831,33 @@ def main(argv: list[str] | None = None) -> int:
     if args.time_maps:
         from target_service.checkpoint import load_embeddings
 
-        print(f"{'tau':>5} {'t (vocab map)':>14} {'P argmax x_t':>13} {'P Bayes y_t':>12} {'t (embedded map)':>17}")
+        print(
+            f"{'tau':>5} {'t (vocab map)':>14} {'P argmax x_t':>13} {'P Bayes y_t':>12} {'t (embedded map)':>17}"
+        )
         for r in time_map_table(load_embeddings(args.target)[0].float()):
-            print(f"{r['tau']:5.2f} {r['t_vocab']:14.4f} {r['p_vocab']:13.3f} {r['p_embedded']:12.3f} "
-                  f"{r['t_embedded']:17.4f}")
+            print(
+                f"{r['tau']:5.2f} {r['t_vocab']:14.4f} {r['p_vocab']:13.3f} {r['p_embedded']:12.3f} "
+                f"{r['t_embedded']:17.4f}"
+            )
         return 0
     if not args.out or not args.data:
         ap.error("--data and --out are required (but for --time-maps)")
     try:
-        res = diagnose(args.target, args.data, args.prompts, args.drafter, args.dflash,
-                       tuple(args.temperature or [0.0]), max_anchors=args.max_anchors,
-                       domains=tuple(args.domain) if args.domain else None, curve=not args.no_curve,
-                       device=args.device, progress=True, selection=args.selection, averaged=args.averaged)
+        res = diagnose(
+            args.target,
+            args.data,
+            args.prompts,
+            args.drafter,
+            args.dflash,
+            tuple(args.temperature or [0.0]),
+            max_anchors=args.max_anchors,
+            domains=tuple(args.domain) if args.domain else None,
+            curve=not args.no_curve,
+            device=args.device,
+            progress=True,
+            selection=args.selection,
+            averaged=args.averaged,
+        )
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -621,8 +865,12 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1) + "\n")
     md = report_markdown(res)
-    out.with_suffix(".md").write_text(md + "\n```\npython -m training.flow_diagnostics "
-                                      + " ".join(argv if argv is not None else sys.argv[1:]) + "\n```\n")
+    out.with_suffix(".md").write_text(
+        md
+        + "\n```\npython -m training.flow_diagnostics "
+        + " ".join(argv if argv is not None else sys.argv[1:])
+        + "\n```\n"
+    )
     print(md)
     return 0
 

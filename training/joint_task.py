@@ -28,7 +28,7 @@ import json
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -42,8 +42,8 @@ from flashmap.types import ProposeRequest
 from training import flow_diagnostics as fd
 from training.train_drafter import Batch, TrainConfig, run_stage
 
-
 # ----------------------------------------------------------------------------- the task
+
 
 @dataclass
 class JointTaskConfig:
@@ -55,7 +55,9 @@ class JointTaskConfig:
     diverge_window: int = 8  # ... chosen among the first slots, where acceptance is decided
     block_size: int = 16
     context_len: int = 4
-    spectrum: float = 46.0  # largest / smallest singular value of E (demo target: sqrt(cond(E^T E)) ~ 46)
+    spectrum: float = (
+        46.0  # largest / smallest singular value of E (demo target: sqrt(cond(E^T E)) ~ 46)
+    )
     seed: int = 0
     # drafter and training
     dim: int = 128
@@ -79,20 +81,37 @@ class JointTaskConfig:
     device: str = "cpu"
 
     @classmethod
-    def small(cls) -> "JointTaskConfig":
+    def small(cls) -> JointTaskConfig:
         """CI size: well under a minute on two CPU cores."""
-        return cls(vocab_size=128, hidden_size=16, n_contexts=8, n_modes=2, diverge=4, dim=64, batch_size=64,
-                   flow_steps=400, flow_lr=2e-3, distill_steps=250, distill_lr=5e-4, draws=24, teacher_steps=(16,),
-                   ablations=())
+        return cls(
+            vocab_size=128,
+            hidden_size=16,
+            n_contexts=8,
+            n_modes=2,
+            diverge=4,
+            dim=64,
+            batch_size=64,
+            flow_steps=400,
+            flow_lr=2e-3,
+            distill_steps=250,
+            distill_lr=5e-4,
+            draws=24,
+            teacher_steps=(16,),
+            ablations=(),
+        )
 
 
 # Teachers trained beside the recipe's, each changing it in one or more DrafterConfig fields.
 ABLATIONS = {
     "vocab-map": dict(time_map="vocab"),  # tau of the state's argmax in vocabulary space
-    "mix-map": dict(time_map_candidates=[2, 0]),  # embedded map, half of it for a two-candidate reader
+    "mix-map": dict(
+        time_map_candidates=[2, 0]
+    ),  # embedded map, half of it for a two-candidate reader
     "rms-input": dict(state_input="rms"),  # the state rms-normalised, not whitened
     "shared-noise": dict(shared_noise=True),  # one noise draw for all K slots
-    "old-recipe": dict(time_map="vocab", state_input="rms", shared_noise=True, pure_noise_fraction=0.3),
+    "old-recipe": dict(
+        time_map="vocab", state_input="rms", shared_noise=True, pure_noise_fraction=0.3
+    ),
 }
 
 
@@ -113,13 +132,13 @@ def make_task(cfg: JointTaskConfig) -> JointTask:
     # embedding's Gram matrix is far from isotropic).
     q, _ = torch.linalg.qr(torch.randn(H, H, generator=g))
     s = torch.exp(torch.linspace(0, float(np.log(cfg.spectrum)), H))
-    embed = (torch.randn(V, H, generator=g) / H ** 0.5 * s) @ q
+    embed = (torch.randn(V, H, generator=g) / H**0.5 * s) @ q
     embed = embed / embed.norm(dim=1).mean()  # rows of norm ~1, as the demo target's
     features = torch.randn(C, cfg.context_len, H, generator=g)
     anchors = torch.randint(0, V, (C,), generator=g)
     modes = torch.randint(0, V, (C, 1, K), generator=g).repeat(1, M, 1)
     for c in range(C):
-        slots = torch.randperm(cfg.diverge_window, generator=g)[:cfg.diverge]
+        slots = torch.randperm(cfg.diverge_window, generator=g)[: cfg.diverge]
         for k in slots.tolist():  # M distinct tokens, one per mode
             modes[c, :, k] = torch.randperm(V, generator=g)[:M]
     w = torch.ones(C, M)
@@ -133,26 +152,52 @@ def sample_batch(task: JointTask, n: int, gen: torch.Generator) -> Batch:
     ctx = torch.randint(0, C, (n,), generator=gen)
     mode = torch.multinomial(task.probs[ctx], 1, generator=gen)[:, 0]
     target = task.modes[ctx, mode]  # [n, K]
-    return Batch(task.features, ctx, torch.full((n,), T), task.anchors[ctx], target,
-                 torch.ones_like(target, dtype=torch.bool)).to(task.cfg.device)
+    return Batch(
+        task.features,
+        ctx,
+        torch.full((n,), T),
+        task.anchors[ctx],
+        target,
+        torch.ones_like(target, dtype=torch.bool),
+    ).to(task.cfg.device)
 
 
 def drafter_config(task: JointTask, kind: str = "flashmap", **overrides) -> DrafterConfig:
     c = task.cfg
-    return DrafterConfig(kind=kind, dim=c.dim, n_blocks=c.n_blocks, n_heads=c.n_heads, block_size=c.block_size,
-                         time_freq_dim=32, vocab_size=c.vocab_size, target_hidden_size=c.hidden_size,
-                         target_num_layers=1, feature_layers=[0], target_name="joint-task",
-                         **{**dict(time_map=c.time_map, time_map_candidates=list(c.time_map_candidates),
-                                   state_input=c.state_input, shared_noise=c.shared_noise,
-                                   pure_noise_fraction=c.pure_noise_fraction), **overrides})
+    return DrafterConfig(
+        kind=kind,
+        dim=c.dim,
+        n_blocks=c.n_blocks,
+        n_heads=c.n_heads,
+        block_size=c.block_size,
+        time_freq_dim=32,
+        vocab_size=c.vocab_size,
+        target_hidden_size=c.hidden_size,
+        target_num_layers=1,
+        feature_layers=[0],
+        target_name="joint-task",
+        **{
+            **dict(
+                time_map=c.time_map,
+                time_map_candidates=list(c.time_map_candidates),
+                state_input=c.state_input,
+                shared_noise=c.shared_noise,
+                pure_noise_fraction=c.pure_noise_fraction,
+            ),
+            **overrides,
+        },
+    )
 
 
 def new_drafter(task: JointTask, kind: str = "flashmap", seed: int = 0, **overrides) -> FlashMapDiT:
     torch.manual_seed(seed)
-    return FlashMapDiT(drafter_config(task, kind, **overrides), task.embed, task.embed).to(task.cfg.device)
+    return FlashMapDiT(drafter_config(task, kind, **overrides), task.embed, task.embed).to(
+        task.cfg.device
+    )
 
 
 # ----------------------------------------------------------------------------- exact acceptance
+
 
 def prefix_probs(task: JointTask, c: int, tokens: np.ndarray) -> np.ndarray:
     """[K+1] P(the continuation starts with tokens[:k]) under context c, k = 0..K."""
@@ -180,24 +225,53 @@ def which_mode(task: JointTask, c: int, tokens: np.ndarray) -> int:
 
 # ----------------------------------------------------------------------------- training
 
+
 def train_config(task: JointTask, stage: str, steps: int, lr: float) -> TrainConfig:
     c = task.cfg
-    return TrainConfig(stage=stage, steps=steps, lr=lr, warmup_steps=min(50, steps // 10), batch_size=c.batch_size,
-                       ema_decay=0.99, seed=c.seed, log_every=max(1, steps // 20), save_every=steps, amp=False,
-                       check_batches=0)
+    return TrainConfig(
+        stage=stage,
+        steps=steps,
+        lr=lr,
+        warmup_steps=min(50, steps // 10),
+        batch_size=c.batch_size,
+        ema_decay=0.99,
+        seed=c.seed,
+        log_every=max(1, steps // 20),
+        save_every=steps,
+        amp=False,
+        check_batches=0,
+    )
 
 
-def train(task: JointTask, model: FlashMapDiT, stage: str, steps: int, lr: float, out: Path,
-          teacher: FlashMapDiT | None = None, check: bool = True) -> FlashMapDiT:
+def train(
+    task: JointTask,
+    model: FlashMapDiT,
+    stage: str,
+    steps: int,
+    lr: float,
+    out: Path,
+    teacher: FlashMapDiT | None = None,
+    check: bool = True,
+) -> FlashMapDiT:
     """One stage of the real trainer (train_drafter.run_stage) on this task's batches."""
     tcfg = train_config(task, stage, steps, lr)
 
     def batch_fn(step: int) -> Batch:
-        return sample_batch(task, tcfg.batch_size, torch.Generator().manual_seed(task.cfg.seed * 1_000_003 + step))
+        return sample_batch(
+            task, tcfg.batch_size, torch.Generator().manual_seed(task.cfg.seed * 1_000_003 + step)
+        )
 
     checks = check_batches(task) if check and stage == "flow" else None
-    return run_stage(model, tcfg, batch_fn, out=out, teacher=teacher, progress=False, check_batches=checks,
-                     device=task.cfg.device)
+    return run_stage(
+        model,
+        tcfg,
+        batch_fn,
+        out=out,
+        teacher=teacher,
+        progress=False,
+        check_batches=checks,
+        device=task.cfg.device,
+    )
 
 
 def check_batches(task: JointTask, n: int = 4) -> list[Batch]:
@@ -213,16 +287,26 @@ def train_all(task: JointTask, workdir: Path, log=print) -> dict[str, FlashMapDi
     c = task.cfg
     models = {}
     t0 = time.perf_counter()
-    models["teacher"] = train(task, new_drafter(task), "flow", c.flow_steps, c.flow_lr, workdir / "flow")
+    models["teacher"] = train(
+        task, new_drafter(task), "flow", c.flow_steps, c.flow_lr, workdir / "flow"
+    )
     log(f"flow stage: {time.perf_counter() - t0:.0f} s")
     t0 = time.perf_counter()
     student = copy.deepcopy(models["teacher"]).train().requires_grad_(True)
     frozen = copy.deepcopy(models["teacher"]).eval().requires_grad_(False)
-    models["map"] = train(task, student, "distill", c.distill_steps, c.distill_lr, workdir / "map", teacher=frozen)
+    models["map"] = train(
+        task, student, "distill", c.distill_steps, c.distill_lr, workdir / "map", teacher=frozen
+    )
     log(f"distillation: {time.perf_counter() - t0:.0f} s")
     t0 = time.perf_counter()
-    models["dflash"] = train(task, new_drafter(task, "dflash"), "dflash", c.flow_steps + c.distill_steps,
-                             c.flow_lr, workdir / "dflash")
+    models["dflash"] = train(
+        task,
+        new_drafter(task, "dflash"),
+        "dflash",
+        c.flow_steps + c.distill_steps,
+        c.flow_lr,
+        workdir / "dflash",
+    )
     log(f"DFlash-style: {time.perf_counter() - t0:.0f} s")
     for name in c.ablations:
         t0 = time.perf_counter()
@@ -234,6 +318,7 @@ def train_all(task: JointTask, workdir: Path, log=print) -> dict[str, FlashMapDi
 
 # ----------------------------------------------------------------------------- evaluation
 
+
 def proposer_for(task: JointTask, model: FlashMapDiT) -> FlashMapProposer:
     """The serving proposer with every context cached (sequence id "c<i>")."""
     C, T = task.features.shape[:2]
@@ -243,17 +328,28 @@ def proposer_for(task: JointTask, model: FlashMapDiT) -> FlashMapProposer:
     return prop
 
 
-def requests(task: JointTask, temperature: float = 0.0, seed0: int = 0) -> tuple[list[ProposeRequest], np.ndarray]:
+def requests(
+    task: JointTask, temperature: float = 0.0, seed0: int = 0
+) -> tuple[list[ProposeRequest], np.ndarray]:
     """cfg.draws requests per context (distinct seeds); returns them and their contexts."""
     C, n = task.features.shape[0], task.cfg.draws
     ctx = np.repeat(np.arange(C), n)
-    reqs = [ProposeRequest(f"c{c}", int(task.anchors[c]), temperature=temperature, top_m=task.cfg.vocab_size,
-                           seed=seed0 + i) for i, c in enumerate(ctx)]
+    reqs = [
+        ProposeRequest(
+            f"c{c}",
+            int(task.anchors[c]),
+            temperature=temperature,
+            top_m=task.cfg.vocab_size,
+            seed=seed0 + i,
+        )
+        for i, c in enumerate(ctx)
+    ]
     return reqs, ctx
 
 
-def evaluate_drafter(task: JointTask, model: FlashMapDiT, steps: int, temperature: float = 0.0,
-                     chunk: int = 256) -> dict:
+def evaluate_drafter(
+    task: JointTask, model: FlashMapDiT, steps: int, temperature: float = 0.0, chunk: int = 256
+) -> dict:
     """Drafting metrics of one drafter / step count against the true conditional: in-support
     rate, expected accepted length (shared noise, permutation shuffle, per-slot noise), the
     two Deltas with 95% intervals clustered by context, the share of slots a second noise
@@ -262,9 +358,13 @@ def evaluate_drafter(task: JointTask, model: FlashMapDiT, steps: int, temperatur
     reqs, ctx = requests(task, temperature)
     variants = []
     for i in range(0, len(reqs), chunk):
-        variants += fd.draft_variants(prop, reqs[i:i + chunk], steps)
-    g = {k: np.array([fd.acceptance(true_alpha(task, c, getattr(v, k))) for v, c in zip(variants, ctx)])
-         for k in ("shared", "perm", "slot_noise")}
+        variants += fd.draft_variants(prop, reqs[i : i + chunk], steps)
+    g = {
+        k: np.array(
+            [fd.acceptance(true_alpha(task, c, getattr(v, k))) for v, c in zip(variants, ctx)]
+        )
+        for k in ("shared", "perm", "slot_noise")
+    }
     support = np.array([in_support(task, c, v.shared.tokens) for v, c in zip(variants, ctx)])
     changed = np.mean([np.mean(v.shared.tokens != v.other.tokens) for v in variants])
     picked = np.array([which_mode(task, c, v.shared.tokens) for v, c in zip(variants, ctx)])
@@ -275,11 +375,16 @@ def evaluate_drafter(task: JointTask, model: FlashMapDiT, steps: int, temperatur
         if len(p):
             freq = np.bincount(p, minlength=task.cfg.n_modes) / len(p)
             tv.append(0.5 * np.abs(freq - task.probs[c].numpy()).sum())
-    return dict(in_support=float(support.mean()), gamma=float(g["shared"].mean()),
-                gamma_perm=float(g["perm"].mean()), gamma_slot=float(g["slot_noise"].mean()),
-                delta_perm=fd.paired_bootstrap(g["shared"], g["perm"], ctx),
-                delta_slot=fd.paired_bootstrap(g["shared"], g["slot_noise"], ctx),
-                noise_changes=float(changed), mode_tv=float(np.mean(tv)) if tv else float("nan"))
+    return dict(
+        in_support=float(support.mean()),
+        gamma=float(g["shared"].mean()),
+        gamma_perm=float(g["perm"].mean()),
+        gamma_slot=float(g["slot_noise"].mean()),
+        delta_perm=fd.paired_bootstrap(g["shared"], g["perm"], ctx),
+        delta_slot=fd.paired_bootstrap(g["shared"], g["slot_noise"], ctx),
+        noise_changes=float(changed),
+        mode_tv=float(np.mean(tv)) if tv else float("nan"),
+    )
 
 
 @torch.no_grad()
@@ -287,8 +392,14 @@ def marginal_product_support(task: JointTask, dflash: FlashMapDiT) -> float:
     """In-support probability of a block sampled slot by slot from the DFlash-style marginals,
     sum_m prod_k q_k(mode_m,k), averaged over contexts (exact)."""
     C, T = task.features.shape[:2]
-    b = Batch(task.features, torch.arange(C), torch.full((C,), T), task.anchors, task.modes[:, 0],
-              torch.ones(C, task.cfg.block_size, dtype=torch.bool)).to(task.cfg.device)
+    b = Batch(
+        task.features,
+        torch.arange(C),
+        torch.full((C,), T),
+        task.anchors,
+        task.modes[:, 0],
+        torch.ones(C, task.cfg.block_size, dtype=torch.bool),
+    ).to(task.cfg.device)
     logq = dflash(None, 0.0, 1.0, b.anchor, b.context(dflash)).log_softmax(-1).cpu()  # [C, K, V]
     per_mode = logq.gather(-1, task.modes.transpose(1, 2)).sum(1).exp()  # [C, M]
     return float(per_mode.sum(1).mean())
@@ -303,26 +414,55 @@ def run(cfg: JointTaskConfig, workdir: Path | None = None, log=print) -> dict:
     t0 = time.perf_counter()
     rows = []
     for n in cfg.teacher_steps:
-        rows.append(dict(drafter=f"teacher, {n} Euler steps", **evaluate_drafter(task, models["teacher"], n)))
+        rows.append(
+            dict(
+                drafter=f"teacher, {n} Euler steps", **evaluate_drafter(task, models["teacher"], n)
+            )
+        )
     for n in (1, 2):
-        rows.append(dict(drafter=f"flow map, {n} jump{'s' if n > 1 else ''}", **evaluate_drafter(task, models["map"], n)))
+        rows.append(
+            dict(
+                drafter=f"flow map, {n} jump{'s' if n > 1 else ''}",
+                **evaluate_drafter(task, models["map"], n),
+            )
+        )
     rows.append(dict(drafter="DFlash-style, greedy", **evaluate_drafter(task, models["dflash"], 1)))
-    rows.append(dict(drafter="DFlash-style, sampled per slot (T = 1)",
-                     **evaluate_drafter(task, models["dflash"], 1, temperature=1.0)))
+    rows.append(
+        dict(
+            drafter="DFlash-style, sampled per slot (T = 1)",
+            **evaluate_drafter(task, models["dflash"], 1, temperature=1.0),
+        )
+    )
     for name in [k for k in models if k.startswith("teacher, ")]:
-        rows.append(dict(drafter=f"{name}, {max(cfg.teacher_steps)} Euler steps",
-                         **evaluate_drafter(task, models[name], max(cfg.teacher_steps))))
+        rows.append(
+            dict(
+                drafter=f"{name}, {max(cfg.teacher_steps)} Euler steps",
+                **evaluate_drafter(task, models[name], max(cfg.teacher_steps)),
+            )
+        )
     log(f"drafting metrics: {time.perf_counter() - t0:.0f} s")
     checks = check_batches(task)
-    curves = {name: fd.denoiser_curve(m, checks, prior=models["dflash"], time_map="embedded")
-              for name, m in models.items() if m.cfg.kind == "flashmap" and name != "map"}
-    curves_own = {name: fd.denoiser_curve(m, checks) for name, m in models.items()
-                  if m.cfg.kind == "flashmap" and name != "map"}
-    return dict(config=asdict(cfg), rows=rows, product_of_marginals=marginal_product_support(task, models["dflash"]),
-                curves=curves, curves_own_map=curves_own)
+    curves = {
+        name: fd.denoiser_curve(m, checks, prior=models["dflash"], time_map="embedded")
+        for name, m in models.items()
+        if m.cfg.kind == "flashmap" and name != "map"
+    }
+    curves_own = {
+        name: fd.denoiser_curve(m, checks)
+        for name, m in models.items()
+        if m.cfg.kind == "flashmap" and name != "map"
+    }
+    return dict(
+        config=asdict(cfg),
+        rows=rows,
+        product_of_marginals=marginal_product_support(task, models["dflash"]),
+        curves=curves,
+        curves_own_map=curves_own,
+    )
 
 
 # ----------------------------------------------------------------------------- report
+
 
 def _ci(d: dict) -> str:
     return f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]"
@@ -330,35 +470,57 @@ def _ci(d: dict) -> str:
 
 def report_markdown(res: dict, command: str, png: str | None) -> str:
     c = res["config"]
-    lines = ["# Controlled joint-structure task", "",
-             "| drafter | in support | gamma (shared noise) | Delta, permutation shuffle [95% CI] | "
-             "Delta, per-slot noise [95% CI] | slots a new draw changes | mode TV |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "# Controlled joint-structure task",
+        "",
+        "| drafter | in support | gamma (shared noise) | Delta, permutation shuffle [95% CI] | "
+        "Delta, per-slot noise [95% CI] | slots a new draw changes | mode TV |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in res["rows"]:
-        lines.append(f"| {r['drafter']} | {r['in_support']:.3f} | {r['gamma']:.2f} | {_ci(r['delta_perm'])} | "
-                     f"{_ci(r['delta_slot'])} | {r['noise_changes']:.3f} | {r['mode_tv']:.3f} |")
-    lines += ["", f"Product of the DFlash-style marginals, exact in-support probability of a block sampled slot by "
-                  f"slot: {res['product_of_marginals']:.3f}.", "",
-              "Denoiser accuracy per slot against tau of the embedded map (same t for every drafter), beside the "
-              "state's vocabulary-space argmax, the Bayes decoder of one slot's embedded state, the DFlash-style "
-              "prior and prior + embedded likelihood:", ""]
+        lines.append(
+            f"| {r['drafter']} | {r['in_support']:.3f} | {r['gamma']:.2f} | {_ci(r['delta_perm'])} | "
+            f"{_ci(r['delta_slot'])} | {r['noise_changes']:.3f} | {r['mode_tv']:.3f} |"
+        )
+    lines += [
+        "",
+        f"Product of the DFlash-style marginals, exact in-support probability of a block sampled slot by "
+        f"slot: {res['product_of_marginals']:.3f}.",
+        "",
+        "Denoiser accuracy per slot against tau of the embedded map (same t for every drafter), beside the "
+        "state's vocabulary-space argmax, the Bayes decoder of one slot's embedded state, the DFlash-style "
+        "prior and prior + embedded likelihood:",
+        "",
+    ]
     names = list(res["curves"])
-    lines.append("| tau (embedded) | t | tau (vocab) | " + " | ".join(names)
-                 + " | state argmax | embedded Bayes | DFlash prior | prior + embedded likelihood |")
+    lines.append(
+        "| tau (embedded) | t | tau (vocab) | "
+        + " | ".join(names)
+        + " | state argmax | embedded Bayes | DFlash prior | prior + embedded likelihood |"
+    )
     lines.append("|" + "---:|" * (len(names) + 7))
     ref = res["curves"][names[0]]
     for i, r in enumerate(ref):
-        lines.append(f"| {r['tau']:.2f} | {r['t']:.4f} | {r['tau_vocab']:.3f} | "
-                     + " | ".join(f"{res['curves'][n][i]['denoiser']:.3f}" for n in names)
-                     + f" | {r['state_argmax']:.3f} | {r['state_bayes']:.3f} | {r['prior']:.3f} | "
-                       f"{r['prior_state_bayes']:.3f} |")
-    lines += ["", "The same teachers against tau of their own time map (where they were trained):", "",
-              "| tau (own map) | " + " | ".join(f"{n} (t / acc)" for n in res["curves_own_map"]) + " |",
-              "|" + "---:|" * (len(res["curves_own_map"]) + 1)]
+        lines.append(
+            f"| {r['tau']:.2f} | {r['t']:.4f} | {r['tau_vocab']:.3f} | "
+            + " | ".join(f"{res['curves'][n][i]['denoiser']:.3f}" for n in names)
+            + f" | {r['state_argmax']:.3f} | {r['state_bayes']:.3f} | {r['prior']:.3f} | "
+            f"{r['prior_state_bayes']:.3f} |"
+        )
+    lines += [
+        "",
+        "The same teachers against tau of their own time map (where they were trained):",
+        "",
+        "| tau (own map) | " + " | ".join(f"{n} (t / acc)" for n in res["curves_own_map"]) + " |",
+        "|" + "---:|" * (len(res["curves_own_map"]) + 1),
+    ]
     own = res["curves_own_map"]
     for i, r in enumerate(next(iter(own.values()))):
-        lines.append(f"| {r['tau']:.2f} | " + " | ".join(f"{own[n][i]['t']:.3f} / {own[n][i]['denoiser']:.3f}"
-                                                          for n in own) + " |")
+        lines.append(
+            f"| {r['tau']:.2f} | "
+            + " | ".join(f"{own[n][i]['t']:.3f} / {own[n][i]['denoiser']:.3f}" for n in own)
+            + " |"
+        )
     lines += ["", "```", command, "```", ""]
     if png:
         lines += [f"![joint task]({png})", ""]
@@ -373,12 +535,15 @@ def report_markdown(res: dict, command: str, png: str | None) -> str:
         "alpha_j = p(d_j | c, d_<j) (exact, greedy drafts) or min(1, p/q) (sampled). Delta = gamma(shared) - "
         "gamma(shuffled): permutation shuffle = slot k from an independent shared-noise run k; per-slot noise "
         "= one pass with an independent draw per slot. Mode TV: total variation between how often each mode is "
-        "drafted (in-support blocks) and its probability, mean over contexts.", ""]
+        "drafted (in-support blocks) and its probability, mean over contexts.",
+        "",
+    ]
     return "\n".join(lines)
 
 
 def plot(res: dict, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -387,11 +552,18 @@ def plot(res: dict, path: Path) -> None:
     x = np.arange(len(rows))
     a.bar(x - 0.2, [r["in_support"] for r in rows], 0.4, label="in support")
     d = [r["delta_perm"] for r in rows]
-    a.bar(x + 0.2, [r["mean"] for r in d], 0.4, yerr=[[r["mean"] - r["lo"] for r in d], [r["hi"] - r["mean"] for r in d]],
-          label="Delta (permutation shuffle)")
+    a.bar(
+        x + 0.2,
+        [r["mean"] for r in d],
+        0.4,
+        yerr=[[r["mean"] - r["lo"] for r in d], [r["hi"] - r["mean"] for r in d]],
+        label="Delta (permutation shuffle)",
+    )
     a.axhline(res["product_of_marginals"], color="k", ls=":", lw=1, label="product of marginals")
     a.set_xticks(x)
-    a.set_xticklabels([r["drafter"].replace(", ", "\n", 1) for r in rows], fontsize=6, rotation=30, ha="right")
+    a.set_xticklabels(
+        [r["drafter"].replace(", ", "\n", 1) for r in rows], fontsize=6, rotation=30, ha="right"
+    )
     a.legend(fontsize=7)
     a.set_title("coherence and joint structure")
     for name, curve in res["curves"].items():
@@ -411,26 +583,40 @@ def plot(res: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m training.joint_task", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m training.joint_task", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--out", required=True, help="markdown report (a .png and a .json beside it)")
     ap.add_argument("--small", action="store_true", help="the CI-sized task")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--ablations", nargs="*", choices=sorted(ABLATIONS),
-                    help="teachers trained beside the recipe's (default: all; none: no teachers)")
+    ap.add_argument(
+        "--ablations",
+        nargs="*",
+        choices=sorted(ABLATIONS),
+        help="teachers trained beside the recipe's (default: all; none: no teachers)",
+    )
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--workdir", help="keep the trained drafters here (default: a temporary directory)")
+    ap.add_argument(
+        "--workdir", help="keep the trained drafters here (default: a temporary directory)"
+    )
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     cfg = JointTaskConfig.small() if args.small else JointTaskConfig()
-    cfg = replace(cfg, seed=args.seed, device=args.device,
-                  ablations=cfg.ablations if args.ablations is None else tuple(args.ablations))
+    cfg = replace(
+        cfg,
+        seed=args.seed,
+        device=args.device,
+        ablations=cfg.ablations if args.ablations is None else tuple(args.ablations),
+    )
     res = run(cfg, Path(args.workdir) if args.workdir else None)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     png = out.with_suffix(".png")
     plot(res, png)
-    command = "python -m training.joint_task " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m training.joint_task " + " ".join(
+        argv if argv is not None else sys.argv[1:]
+    )
     out.write_text(report_markdown(res, command, png.name))
     out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
     print(out.read_text())

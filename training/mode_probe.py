@@ -39,7 +39,12 @@ import numpy as np
 import torch
 
 from training import flow_diagnostics as fd
-from training.flow_diagnostics import (SELECTION, heldout_batches, heldout_sequences, paired_bootstrap)
+from training.flow_diagnostics import (
+    SELECTION,
+    heldout_batches,
+    heldout_sequences,
+    paired_bootstrap,
+)
 
 
 @dataclass
@@ -92,12 +97,18 @@ def _averaged(blocks, V: int):
     K = len(blocks[0].tokens)
     q = np.zeros((K, V))
     for b in blocks:
-        np.add.at(q, (np.arange(K)[:, None].repeat(b.support_ids.shape[1], 1), b.support_ids), b.support_probs)
+        np.add.at(
+            q,
+            (np.arange(K)[:, None].repeat(b.support_ids.shape[1], 1), b.support_ids),
+            b.support_probs,
+        )
     return Draft.greedy(q.argmax(1))
 
 
 @torch.no_grad()
-def draft_all(proposer, seqs, v: Variant, max_anchors: int | None, seed: int = 0, engine=None) -> Drafted:
+def draft_all(
+    proposer, seqs, v: Variant, max_anchors: int | None, seed: int = 0, engine=None
+) -> Drafted:
     """Draft at every anchor (seeds as in flow_diagnostics.offline_acceptance) and score the
     block against the reference continuation; with `engine`, against the target's argmax."""
     from flashmap.types import SamplingParams, VerifyRow
@@ -106,24 +117,37 @@ def draft_all(proposer, seqs, v: Variant, max_anchors: int | None, seed: int = 0
     out = Drafted()
     n_par = proposer.n_slots if engine is None else min(proposer.n_slots, engine.n_slots)
     for g0 in range(0, len(seqs), n_par):
-        group = seqs[g0:g0 + n_par]
+        group = seqs[g0 : g0 + n_par]
         anchors = [fd.spread_anchors(s, K, max_anchors) for s in group]
         slots = [engine.allocate() for _ in group] if engine is not None else []
         try:
-            for r, live, reqs in fd.anchor_rounds(proposer, group, anchors, 1.0 if v.sample or v.avg > 1 else 0.0,
-                                                  V, seed, prefix="p"):
-                if v.avg > 1:  # mean of the full softmax over v.avg independent draws, then its argmax
-                    drafts = [_averaged(blocks, V) for blocks in proposer.propose_blocks(reqs, v.steps, n_blocks=v.avg)]
+            for r, live, reqs in fd.anchor_rounds(
+                proposer, group, anchors, 1.0 if v.sample or v.avg > 1 else 0.0, V, seed, prefix="p"
+            ):
+                if (
+                    v.avg > 1
+                ):  # mean of the full softmax over v.avg independent draws, then its argmax
+                    drafts = [
+                        _averaged(blocks, V)
+                        for blocks in proposer.propose_blocks(reqs, v.steps, n_blocks=v.avg)
+                    ]
                 else:
                     drafts = proposer.propose(reqs, v.steps)
                 if engine is not None:
-                    rows = [VerifyRow(slots[i], 0, group[i].tokens[:anchors[i][r] + 1].tolist() + d.tokens.tolist(),
-                                      SamplingParams(temperature=0.0), support_ids=d.tokens[:, None])
-                            for i, d in zip(live, drafts)]
+                    rows = [
+                        VerifyRow(
+                            slots[i],
+                            0,
+                            group[i].tokens[: anchors[i][r] + 1].tolist() + d.tokens.tolist(),
+                            SamplingParams(temperature=0.0),
+                            support_ids=d.tokens[:, None],
+                        )
+                        for i, d in zip(live, drafts)
+                    ]
                     res = engine.verify(rows)
                 for j, (i, d) in enumerate(zip(live, drafts)):
                     s, a = group[i], anchors[i][r]
-                    ref = engine_ref = s.tokens[a + 1:a + 1 + K]
+                    ref = engine_ref = s.tokens[a + 1 : a + 1 + K]
                     if engine is not None:
                         engine_ref = np.asarray(res[j].argmax[:K])
                     out.seq.append(s.index)
@@ -148,8 +172,19 @@ def tau0_table(model, prior, batches, draws: int = 16, seed: int = 0) -> dict:
     from training.train_drafter import noisy_state
 
     V = model.cfg.vocab_size
-    acc = {k: [0.0, 0] for k in ("one_draw", "avg_logits", "avg_probs", "zero_state", "p_right", "prior",
-                                  "prior_p_right", "agree_prior")}
+    acc = {
+        k: [0.0, 0]
+        for k in (
+            "one_draw",
+            "avg_logits",
+            "avg_probs",
+            "zero_state",
+            "p_right",
+            "prior",
+            "prior_p_right",
+            "agree_prior",
+        )
+    }
     gen = torch.Generator().manual_seed(seed)
     for b in batches:
         ctx = b.context(model)
@@ -165,29 +200,49 @@ def tau0_table(model, prior, batches, draws: int = 16, seed: int = 0) -> dict:
         n = int(m.sum())
         right = lambda lg: float(((lg.argmax(-1) == b.target) & m).sum())  # noqa: E731
         p_true = lambda lg: float((lg.exp().gather(-1, b.target[..., None])[..., 0] * m).sum())  # noqa: E731
-        for k, h in (("one_draw", right(L[0])), ("avg_logits", right(L.mean(0))),
-                     ("avg_probs", right(L.exp().mean(0).log())), ("zero_state", right(zero)),
-                     ("p_right", float(np.mean([p_true(x) for x in L]))), ("prior", right(pl)),
-                     ("prior_p_right", p_true(pl)),
-                     ("agree_prior", float(((L[0].argmax(-1) == pl.argmax(-1)) & m).sum()))):
+        for k, h in (
+            ("one_draw", right(L[0])),
+            ("avg_logits", right(L.mean(0))),
+            ("avg_probs", right(L.exp().mean(0).log())),
+            ("zero_state", right(zero)),
+            ("p_right", float(np.mean([p_true(x) for x in L]))),
+            ("prior", right(pl)),
+            ("prior_p_right", p_true(pl)),
+            ("agree_prior", float(((L[0].argmax(-1) == pl.argmax(-1)) & m).sum())),
+        ):
             acc[k][0] += h
             acc[k][1] += n
     return {k: h / n for k, (h, n) in acc.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m training.mode_probe", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m training.mode_probe", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--target", required=True)
-    ap.add_argument("--data", required=True, help="held-out answers at T = 0 (training.drafter_data)")
+    ap.add_argument(
+        "--data", required=True, help="held-out answers at T = 0 (training.drafter_data)"
+    )
     ap.add_argument("--prompts", default="training/data/heldout_prompts.jsonl")
     ap.add_argument("--variant", type=_variant, action="append", default=[])
-    ap.add_argument("--tau0", action="append", default=[], help="NAME=DIR: the denoiser at pure noise")
-    ap.add_argument("--dflash", help="the DFlash-style prior for --tau0; the reference of paired differences")
+    ap.add_argument(
+        "--tau0", action="append", default=[], help="NAME=DIR: the denoiser at pure noise"
+    )
+    ap.add_argument(
+        "--dflash", help="the DFlash-style prior for --tau0; the reference of paired differences"
+    )
     ap.add_argument("--baseline", help="variant name the paired differences are taken against")
-    ap.add_argument("--pair", action="append", default=[], help="A:B: also the paired difference gamma(A) - gamma(B)")
+    ap.add_argument(
+        "--pair",
+        action="append",
+        default=[],
+        help="A:B: also the paired difference gamma(A) - gamma(B)",
+    )
     ap.add_argument("--selection", action="store_true")
     ap.add_argument("--max-anchors", type=int)
-    ap.add_argument("--verify", action="store_true", help="score against the target's argmax (slower)")
+    ap.add_argument(
+        "--verify", action="store_true", help="score against the target's argmax (slower)"
+    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
@@ -195,11 +250,15 @@ def main(argv: list[str] | None = None) -> int:
     from drafter_service.checkpoint import load_drafter
     from drafter_service.flashmap_proposer import FlashMapProposer
 
-    seqs = (heldout_sequences(args.data, args.prompts, args.target, exclude=(), only=SELECTION) if args.selection
-            else heldout_sequences(args.data, args.prompts, args.target))
+    seqs = (
+        heldout_sequences(args.data, args.prompts, args.target, exclude=(), only=SELECTION)
+        if args.selection
+        else heldout_sequences(args.data, args.prompts, args.target)
+    )
     engine = None
     if args.verify:
         from target_service.engine import TargetEngine
+
         engine = TargetEngine(args.target, n_slots=16)
     res: dict = dict(n_sequences=len(seqs), selection=args.selection, tau0={}, variants={})
     models: dict = {}
@@ -211,18 +270,29 @@ def main(argv: list[str] | None = None) -> int:
         for spec in args.tau0:
             name, _, path = spec.partition("=")
             res["tau0"][name] = tau0_table(load(path), prior, batches)
-            print(name, json.dumps({k: round(v, 4) for k, v in res["tau0"][name].items()}), flush=True)
+            print(
+                name, json.dumps({k: round(v, 4) for k, v in res["tau0"][name].items()}), flush=True
+            )
     runs = {}
     for v in args.variant:
         m = load(v.path)
-        kw = {} if m.cfg.kind == "dflash" else dict(greedy_estimate=v.estimate, greedy_noise_scale=v.scale)
+        kw = (
+            {}
+            if m.cfg.kind == "dflash"
+            else dict(greedy_estimate=v.estimate, greedy_noise_scale=v.scale)
+        )
         prop = FlashMapProposer(m, n_slots=16, max_context=2048, **kw)
         runs[v.name] = d = draft_all(prop, seqs, v, args.max_anchors, engine=engine)
         seq = np.array(d.seq)
         g = d.gamma()
         hits = np.array(d.hits, np.float64)
-        row = dict(variant=v.__dict__, anchors=len(seq), gamma=paired_bootstrap(g, clusters=seq),
-                   slot_acc=float(hits.mean()), slot_acc_k=hits.mean(0).round(4).tolist())
+        row = dict(
+            variant=v.__dict__,
+            anchors=len(seq),
+            gamma=paired_bootstrap(g, clusters=seq),
+            slot_acc=float(hits.mean()),
+            slot_acc_k=hits.mean(0).round(4).tolist(),
+        )
         for dom in sorted(set(d.domain)):
             sel = np.array(d.domain) == dom
             row[f"gamma_{dom}"] = paired_bootstrap(g[sel], clusters=seq[sel])
@@ -231,15 +301,23 @@ def main(argv: list[str] | None = None) -> int:
         if args.baseline and args.baseline in runs and v.name != args.baseline:
             base = runs[args.baseline]
             row["vs_baseline"] = paired_bootstrap(g, base.gamma(), seq)
-            row["agree_baseline"] = float(np.mean([np.mean(a == b) for a, b in zip(d.tokens, base.tokens)]))
+            row["agree_baseline"] = float(
+                np.mean([np.mean(a == b) for a, b in zip(d.tokens, base.tokens)])
+            )
         row["per_anchor"] = dict(seq=seq.tolist(), gamma=g.tolist())
         res["variants"][v.name] = row
-        print(v.name, f"gamma {row['gamma']['mean']:.3f} [{row['gamma']['lo']:.3f}, {row['gamma']['hi']:.3f}]",
-              f"slot_acc {row['slot_acc']:.3f}", "expected" if d.expected else "",
-              f"{row['expected_gamma']['mean']:.3f}" if d.expected else "",
-              f"vs {args.baseline} {row['vs_baseline']['mean']:+.3f} [{row['vs_baseline']['lo']:+.3f}, "
-              f"{row['vs_baseline']['hi']:+.3f}] agree {row['agree_baseline']:.3f}" if "vs_baseline" in row else "",
-              flush=True)
+        print(
+            v.name,
+            f"gamma {row['gamma']['mean']:.3f} [{row['gamma']['lo']:.3f}, {row['gamma']['hi']:.3f}]",
+            f"slot_acc {row['slot_acc']:.3f}",
+            "expected" if d.expected else "",
+            f"{row['expected_gamma']['mean']:.3f}" if d.expected else "",
+            f"vs {args.baseline} {row['vs_baseline']['mean']:+.3f} [{row['vs_baseline']['lo']:+.3f}, "
+            f"{row['vs_baseline']['hi']:+.3f}] agree {row['agree_baseline']:.3f}"
+            if "vs_baseline" in row
+            else "",
+            flush=True,
+        )
     res["pairs"] = {}
     for pair in args.pair:
         a, _, b = pair.partition(":")
@@ -248,7 +326,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{a} - {b}: {d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    res["command"] = "python -m training.mode_probe " + " ".join(argv if argv is not None else sys.argv[1:])
+    res["command"] = "python -m training.mode_probe " + " ".join(
+        argv if argv is not None else sys.argv[1:]
+    )
     out.write_text(json.dumps(res, indent=1) + "\n")
     return 0
 

@@ -74,7 +74,9 @@ def build_empty_tokenizer() -> Tokenizer:
     return tok
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = 6144, min_frequency: int = 2) -> Tokenizer:
+def train_tokenizer(
+    texts: Iterable[str], vocab_size: int = 6144, min_frequency: int = 2
+) -> Tokenizer:
     """Train a byte-level BPE on ``texts`` (deterministic for a given input order)."""
     tok = build_empty_tokenizer()
     trainer = trainers.BpeTrainer(
@@ -125,10 +127,16 @@ def save_tokenizer(tok: Tokenizer, out_dir: str | Path, model_max_length: int = 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(model_max_length), indent=2) + "\n")
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(tokenizer_config(model_max_length), indent=2) + "\n"
+    )
     (out / "special_tokens_map.json").write_text(
         json.dumps(
-            {"eos_token": IM_END, "pad_token": ENDOFTEXT, "additional_special_tokens": [IM_START, IM_END]},
+            {
+                "eos_token": IM_END,
+                "pad_token": ENDOFTEXT,
+                "additional_special_tokens": [IM_START, IM_END],
+            },
             indent=2,
         )
         + "\n"

@@ -71,6 +71,7 @@ PNG_FILE = "loss.png"
 
 # ----------------------------------------------------------------------------- config
 
+
 class ConfigDict:
     """JSON dict form of a training-config dataclass (TrainConfig, train_eagle.EagleTrainConfig):
     betas as a list; unknown keys (older / newer runs) are dropped on the way back."""
@@ -122,16 +123,29 @@ class TrainConfig(ConfigDict):
     check_data: str = ""
     check_prior: str = ""
     # Drafter architecture for flow / dflash (distill copies the teacher's): DrafterConfig fields.
-    arch: dict = field(default_factory=lambda: dict(dim=2048, n_blocks=6, n_heads=16, block_size=16))
+    arch: dict = field(
+        default_factory=lambda: dict(dim=2048, n_blocks=6, n_heads=16, block_size=16)
+    )
 
     @classmethod
-    def for_stage(cls, stage: str, small: bool = False) -> "TrainConfig":
+    def for_stage(cls, stage: str, small: bool = False) -> TrainConfig:
         if stage not in STAGES:
             raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
         if small:
-            cfg = cls(stage=stage, steps=300, lr=1e-3, warmup_steps=20, batch_size=32, anchors_per_seq=4,
-                      max_len=256, ema_decay=0.99, log_every=5, save_every=100, amp=False,
-                      arch=dict(dim=64, n_blocks=2, n_heads=4, block_size=16, time_freq_dim=32))
+            cfg = cls(
+                stage=stage,
+                steps=300,
+                lr=1e-3,
+                warmup_steps=20,
+                batch_size=32,
+                anchors_per_seq=4,
+                max_len=256,
+                ema_decay=0.99,
+                log_every=5,
+                save_every=100,
+                amp=False,
+                arch=dict(dim=64, n_blocks=2, n_heads=4, block_size=16, time_freq_dim=32),
+            )
             if stage == "distill":
                 cfg = replace(cfg, steps=200, lr=3e-4)
             return cfg
@@ -151,6 +165,7 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
 
 # ----------------------------------------------------------------------------- data
 
+
 @dataclass
 class Batch:
     features: Tensor  # [S, T, F] context features of S sequences, zero-padded
@@ -160,16 +175,20 @@ class Batch:
     target: Tensor  # [N, K] int64 next K tokens (0 where masked)
     mask: Tensor  # [N, K] bool: slot k has a target token
 
-    def to(self, device) -> "Batch":
+    def to(self, device) -> Batch:
         return Batch(*(getattr(self, f.name).to(device) for f in fields(self)))
 
     def context(self, model: FlashMapDiT) -> CrossContext:
         """The blocks' context as `model` projects it (one encoding per sequence)."""
-        full = torch.full((self.features.shape[0],), self.features.shape[1], device=self.features.device)
+        full = torch.full(
+            (self.features.shape[0],), self.features.shape[1], device=self.features.device
+        )
         return model.context(self.features, full).select(self.seq_index, self.lengths)
 
 
-def make_batch(seqs: list, block_size: int, anchors_per_seq: int, max_len: int, gen: np.random.Generator) -> Batch:
+def make_batch(
+    seqs: list, block_size: int, anchors_per_seq: int, max_len: int, gen: np.random.Generator
+) -> Batch:
     """Blocks from sequences (training.drafter_data.Sequence): anchors inside each response."""
     feats, rows = [], []
     for seq in seqs:
@@ -182,25 +201,33 @@ def make_batch(seqs: list, block_size: int, anchors_per_seq: int, max_len: int, 
         n = min(anchors_per_seq, hi - lo + 1)
         anchors = np.sort(gen.choice(np.arange(lo, hi + 1), size=n, replace=False))
         s = len(feats)
-        feats.append(seq.features[:int(anchors[-1])])  # context never reaches past the last anchor
+        feats.append(seq.features[: int(anchors[-1])])  # context never reaches past the last anchor
         tok = seq.tokens[:L]
         for a in anchors.tolist():
-            rows.append((s, a, tok[a], tok[a + 1:a + 1 + block_size]))
+            rows.append((s, a, tok[a], tok[a + 1 : a + 1 + block_size]))
     if not rows:
-        raise ValueError("no sequence in this batch has a response token to predict (prompts >= max_len?)")
+        raise ValueError(
+            "no sequence in this batch has a response token to predict (prompts >= max_len?)"
+        )
     T = max(f.shape[0] for f in feats)
     F_ = feats[0].shape[1]
     fbuf = torch.zeros(len(feats), T, F_, dtype=torch.float32)
     for i, f in enumerate(feats):
-        fbuf[i, :f.shape[0]] = f.float()
+        fbuf[i, : f.shape[0]] = f.float()
     N = len(rows)
     target = torch.zeros(N, block_size, dtype=torch.int64)
     mask = torch.zeros(N, block_size, dtype=torch.bool)
     for i, (_, _, _, y) in enumerate(rows):
-        target[i, :len(y)] = y
-        mask[i, :len(y)] = True
-    return Batch(fbuf, torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows]),
-                 torch.tensor([int(r[2]) for r in rows]), target, mask)
+        target[i, : len(y)] = y
+        mask[i, : len(y)] = True
+    return Batch(
+        fbuf,
+        torch.tensor([r[0] for r in rows]),
+        torch.tensor([r[1] for r in rows]),
+        torch.tensor([int(r[2]) for r in rows]),
+        target,
+        mask,
+    )
 
 
 class SequenceStream:
@@ -209,7 +236,9 @@ class SequenceStream:
     the stream depends only on (seed, p), so a resumed run sees the same data.
     Only sequences with an anchor inside the response (after cutting to max_len) are used."""
 
-    def __init__(self, data_dir: str | Path, seed: int = 0, max_len: int | None = None, cache_shards: int = 2):
+    def __init__(
+        self, data_dir: str | Path, seed: int = 0, max_len: int | None = None, cache_shards: int = 2
+    ):
         self.shards = list_shards(data_dir)
         self.index = []  # per shard: the usable sequence numbers
         for path in self.shards:
@@ -221,7 +250,9 @@ class SequenceStream:
         self.counts = [len(ix) for ix in self.index]
         self.total = sum(self.counts)
         if self.total == 0:
-            raise ValueError(f"{data_dir}: no sequence has a response of >= 2 tokens within max_len {max_len}")
+            raise ValueError(
+                f"{data_dir}: no sequence has a response of >= 2 tokens within max_len {max_len}"
+            )
         self.seed = seed
         self._cache: OrderedDict[int, Shard] = OrderedDict()
         self._cache_size = cache_shards
@@ -240,7 +271,9 @@ class SequenceStream:
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self.shards))
         for i in order:
             if r < self.counts[i]:
-                idx = self.index[i][np.random.default_rng([self.seed, epoch, int(i)]).permutation(self.counts[i])[r]]
+                idx = self.index[i][
+                    np.random.default_rng([self.seed, epoch, int(i)]).permutation(self.counts[i])[r]
+                ]
                 return self._shard(int(i))[int(idx)]
             r -= self.counts[i]
         raise AssertionError("unreachable")
@@ -250,6 +283,7 @@ class SequenceStream:
 
 
 # ----------------------------------------------------------------------------- losses
+
 
 def slot_weights(block_size: int, decay: float, device=None) -> Tensor:
     """[K] exp(-(k-1)/decay) for slots k = 1..K."""
@@ -264,7 +298,9 @@ def _weighted_mean(per_slot: Tensor, mask: Tensor, w: Tensor) -> Tensor:
 
 def weighted_ce(logits: Tensor, target: Tensor, mask: Tensor, w: Tensor) -> Tensor:
     """Slot-weighted cross-entropy: logits [N, K, V], target [N, K], mask [N, K], w [K]."""
-    ce = F.cross_entropy(logits.float().flatten(0, 1), target.flatten(), reduction="none").view(target.shape)
+    ce = F.cross_entropy(logits.float().flatten(0, 1), target.flatten(), reduction="none").view(
+        target.shape
+    )
     return _weighted_mean(ce, mask, w)
 
 
@@ -274,22 +310,31 @@ def weighted_kl(p: Tensor, logits: Tensor, mask: Tensor, w: Tensor) -> Tensor:
     return _weighted_mean(kl, mask, w)
 
 
-def sample_times(n: int, vocab_size: int, cfg: DrafterConfig, gen: torch.Generator, device) -> Tensor:
+def sample_times(
+    n: int, vocab_size: int, cfg: DrafterConfig, gen: torch.Generator, device
+) -> Tensor:
     """[n] flow times t = t_of_tau(tau) under cfg's time map, tau ~ U(0, 1)."""
     tau = torch.rand(n, generator=gen, device=device, dtype=torch.float64)
     if cfg.pure_noise_fraction > 0:
-        pure = torch.rand(n, generator=gen, device=device, dtype=torch.float64) < cfg.pure_noise_fraction
+        pure = (
+            torch.rand(n, generator=gen, device=device, dtype=torch.float64)
+            < cfg.pure_noise_fraction
+        )
         tau = torch.where(pure, torch.zeros_like(tau), tau)
     return map_t_of_tau(tau, cfg).float()
 
 
-def noisy_state(target: Tensor, t: Tensor, vocab_size: int, gen: torch.Generator, shared: bool = True) -> Tensor:
+def noisy_state(
+    target: Tensor, t: Tensor, vocab_size: int, gen: torch.Generator, shared: bool = True
+) -> Tensor:
     """x_t = (1-t)*eps + t*onehot(target): [N, K, V]; eps is one [V] draw per block when shared."""
     N, K = target.shape
     eps = torch.randn(N, 1 if shared else K, vocab_size, generator=gen, device=target.device)
     t = t.float().view(N, 1, 1)
     x = ((1 - t) * eps).expand(N, K, vocab_size).contiguous()
-    return x.scatter_add_(-1, target[..., None], t.expand(N, K, 1).contiguous())  # + t * onehot, no [N, K, V] one-hot
+    return x.scatter_add_(
+        -1, target[..., None], t.expand(N, K, 1).contiguous()
+    )  # + t * onehot, no [N, K, V] one-hot
 
 
 def flow_loss(model: FlashMapDiT, batch: Batch, gen: torch.Generator) -> tuple[Tensor, dict]:
@@ -299,16 +344,27 @@ def flow_loss(model: FlashMapDiT, batch: Batch, gen: torch.Generator) -> tuple[T
     t = sample_times(len(batch.anchor), V, cfg, gen, batch.anchor.device)
     x_t = noisy_state(batch.target, t, V, gen, cfg.shared_noise)
     logits = model(x_t, t, t, batch.anchor, ctx)
-    loss = weighted_ce(logits, batch.target, batch.mask, slot_weights(cfg.block_size, cfg.slot_loss_decay, t.device))
+    loss = weighted_ce(
+        logits,
+        batch.target,
+        batch.mask,
+        slot_weights(cfg.block_size, cfg.slot_loss_decay, t.device),
+    )
     return loss, {"loss": loss.item()}
 
 
-def dflash_loss(model: FlashMapDiT, batch: Batch, gen: torch.Generator | None = None) -> tuple[Tensor, dict]:
+def dflash_loss(
+    model: FlashMapDiT, batch: Batch, gen: torch.Generator | None = None
+) -> tuple[Tensor, dict]:
     """DFlash-style baseline: cross-entropy of one pass over the masked block."""
     cfg = model.cfg
     logits = model(None, 0.0, 1.0, batch.anchor, batch.context(model))
-    loss = weighted_ce(logits, batch.target, batch.mask, slot_weights(cfg.block_size, cfg.slot_loss_decay,
-                                                                     logits.device))
+    loss = weighted_ce(
+        logits,
+        batch.target,
+        batch.mask,
+        slot_weights(cfg.block_size, cfg.slot_loss_decay, logits.device),
+    )
     return loss, {"loss": loss.item()}
 
 
@@ -357,8 +413,18 @@ def bind(model: FlashMapDiT, batch: Batch, rows: Tensor | None = None):
     return lambda x, s, t: model(x, s, t, anchor, ctx)
 
 
-def distill_loss_terms(student_fn, teacher_fn, ema_fn, x_s: Tensor, s: Tensor, u: Tensor, t: Tensor,
-                       zero: Tensor, mask: Tensor, w: Tensor) -> tuple[Tensor, dict]:
+def distill_loss_terms(
+    student_fn,
+    teacher_fn,
+    ema_fn,
+    x_s: Tensor,
+    s: Tensor,
+    u: Tensor,
+    t: Tensor,
+    zero: Tensor,
+    mask: Tensor,
+    w: Tensor,
+) -> tuple[Tensor, dict]:
     """Flow-map distillation on one set of blocks.
 
     student_fn(x, s, t) -> logits of all N blocks (with grad); teacher_fn / ema_fn(x, s, t,
@@ -371,7 +437,9 @@ def distill_loss_terms(student_fn, teacher_fn, ema_fn, x_s: Tensor, s: Tensor, u
         if len(zi):
             target[zi] = teacher_fn(x_s[zi], s[zi], t[zi], zi).float().softmax(-1)
         if len(si):
-            target[si] = semigroup_target(lambda x, a, b: ema_fn(x, a, b, si), x_s[si], s[si], u[si], t[si])
+            target[si] = semigroup_target(
+                lambda x, a, b: ema_fn(x, a, b, si), x_s[si], s[si], u[si], t[si]
+            )
     kl = F.kl_div(logits.float().log_softmax(-1), target, reduction="none").sum(-1)  # [N, K]
     loss = _weighted_mean(kl, mask, w)
     stats = {"loss": loss.item()}
@@ -382,8 +450,9 @@ def distill_loss_terms(student_fn, teacher_fn, ema_fn, x_s: Tensor, s: Tensor, u
     return loss, stats
 
 
-def distill_loss(student: FlashMapDiT, teacher: FlashMapDiT, ema: FlashMapDiT, batch: Batch,
-                 gen: torch.Generator) -> tuple[Tensor, dict]:
+def distill_loss(
+    student: FlashMapDiT, teacher: FlashMapDiT, ema: FlashMapDiT, batch: Batch, gen: torch.Generator
+) -> tuple[Tensor, dict]:
     cfg, V = student.cfg, student.cfg.vocab_size
     s, u, t, zero = sample_jumps(len(batch.anchor), V, cfg, gen, batch.anchor.device)
     x_s = noisy_state(batch.target, s, V, gen, cfg.shared_noise)
@@ -391,8 +460,18 @@ def distill_loss(student: FlashMapDiT, teacher: FlashMapDiT, ema: FlashMapDiT, b
         t_ctx, e_ctx = batch.context(teacher), batch.context(ema)
     teacher_fn = lambda x, a, b, rows: teacher(x, a, b, batch.anchor[rows], t_ctx.select(rows))  # noqa: E731
     ema_fn = lambda x, a, b, rows: ema(x, a, b, batch.anchor[rows], e_ctx.select(rows))  # noqa: E731
-    return distill_loss_terms(bind(student, batch), teacher_fn, ema_fn, x_s, s, u, t, zero, batch.mask,
-                              slot_weights(cfg.block_size, cfg.slot_loss_decay, x_s.device))
+    return distill_loss_terms(
+        bind(student, batch),
+        teacher_fn,
+        ema_fn,
+        x_s,
+        s,
+        u,
+        t,
+        zero,
+        batch.mask,
+        slot_weights(cfg.block_size, cfg.slot_loss_decay, x_s.device),
+    )
 
 
 # ----------------------------------------------------------------------------- trainer
@@ -421,9 +500,13 @@ def warm_start_from_dflash(src: FlashMapDiT, **config_overrides) -> FlashMapDiT:
         raise ValueError(f"the architecture comes from the --init-from drafter; do not set {bad}")
     # A new flow drafter reads its state and keeps time as new drafters do, whatever the source
     # checkpoint's config says (a dflash config from before these fields carries the legacy values).
-    new = {f: _field_default(DrafterConfig, f)
-           for f in ("time_map", "state_input", "shared_noise", "time_map_candidates")}
-    cfg = replace(src.cfg, kind="flashmap", time_table_t=[], time_table_tau=[], **{**new, **config_overrides})
+    new = {
+        f: _field_default(DrafterConfig, f)
+        for f in ("time_map", "state_input", "shared_noise", "time_map_candidates")
+    }
+    cfg = replace(
+        src.cfg, kind="flashmap", time_table_t=[], time_table_tau=[], **{**new, **config_overrides}
+    )
     model = FlashMapDiT(cfg).to(src.pos_embed.device, src.pos_embed.dtype)
     model.set_target(src.embed, src.lm_head)
     state = {k: v for k, v in src.state_dict().items() if k != "mask_embed"}
@@ -437,9 +520,13 @@ def warm_start_from_dflash(src: FlashMapDiT, **config_overrides) -> FlashMapDiT:
 
 def _check_data(meta: dict, model_cfg: DrafterConfig) -> None:
     if meta["target_vocab_size"] != model_cfg.vocab_size:
-        raise ValueError(f"data vocab {meta['target_vocab_size']} != drafter vocab {model_cfg.vocab_size}")
+        raise ValueError(
+            f"data vocab {meta['target_vocab_size']} != drafter vocab {model_cfg.vocab_size}"
+        )
     if list(meta["feature_layers"]) != list(model_cfg.feature_layers):
-        raise ValueError(f"data feature layers {meta['feature_layers']} != drafter's {model_cfg.feature_layers}")
+        raise ValueError(
+            f"data feature layers {meta['feature_layers']} != drafter's {model_cfg.feature_layers}"
+        )
     if meta.get("embed_hash") and meta["embed_hash"] != model_cfg.embed_hash:
         raise ValueError("the data were made with another target (embedding hash differs)")
 
@@ -449,7 +536,10 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     for name, p in model.named_parameters():
         if p.requires_grad:
             (decay if p.ndim >= 2 and name != "pos_embed" else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
 
 
 def _step_generator(seed: int, step: int, device) -> torch.Generator:
@@ -460,6 +550,7 @@ def _step_generator(seed: int, step: int, device) -> torch.Generator:
 def plot_losses(csv_path: Path, png_path: Path, cols: list[str] | None = None) -> None:
     """Plot of the loss columns of csv_path (default: every column but step, lr, elapsed_s)."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -485,9 +576,17 @@ def plot_losses(csv_path: Path, png_path: Path, cols: list[str] | None = None) -
     plt.close(fig)
 
 
-def train(tcfg: TrainConfig, *, target: str | Path, data: str | Path, out: str | Path,
-          teacher: str | Path | None = None, resume: bool = False, device: str = "cpu",
-          progress: bool = True) -> FlashMapDiT:
+def train(
+    tcfg: TrainConfig,
+    *,
+    target: str | Path,
+    data: str | Path,
+    out: str | Path,
+    teacher: str | Path | None = None,
+    resume: bool = False,
+    device: str = "cpu",
+    progress: bool = True,
+) -> FlashMapDiT:
     """Run one stage; returns the trained model (also saved in out)."""
     if tcfg.stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, got {tcfg.stage!r}")
@@ -496,12 +595,16 @@ def train(tcfg: TrainConfig, *, target: str | Path, data: str | Path, out: str |
     teacher_model = None
     if tcfg.stage == "distill":
         if tcfg.init_from:
-            raise ValueError("--init-from is for the flow and dflash stages (distill starts from --teacher)")
+            raise ValueError(
+                "--init-from is for the flow and dflash stages (distill starts from --teacher)"
+            )
         if teacher is None:
             raise ValueError("--stage distill needs --teacher (a flow-stage drafter checkpoint)")
         teacher_model = load_drafter(teacher, target, device=device)
         if teacher_model.cfg.kind != "flashmap":
-            raise ValueError(f"the teacher must be a flashmap drafter, got kind {teacher_model.cfg.kind!r}")
+            raise ValueError(
+                f"the teacher must be a flashmap drafter, got kind {teacher_model.cfg.kind!r}"
+            )
         teacher_model.requires_grad_(False).eval()
         model = copy.deepcopy(teacher_model).requires_grad_(True).train()
     elif tcfg.init_from:
@@ -513,9 +616,13 @@ def train(tcfg: TrainConfig, *, target: str | Path, data: str | Path, out: str |
             if src.cfg.kind != want:
                 raise ValueError(f"--init-from needs a {want} drafter, got kind {src.cfg.kind!r}")
             model = src.train()
-            model.cfg = replace(src.cfg, **{k: v for k, v in tcfg.arch.items() if k not in ARCH_FIELDS}).validate()
+            model.cfg = replace(
+                src.cfg, **{k: v for k, v in tcfg.arch.items() if k not in ARCH_FIELDS}
+            ).validate()
         else:
-            model = warm_start_from_dflash(src, **{k: v for k, v in tcfg.arch.items() if k not in ARCH_FIELDS}).train()
+            model = warm_start_from_dflash(
+                src, **{k: v for k, v in tcfg.arch.items() if k not in ARCH_FIELDS}
+            ).train()
     else:
         kind = "dflash" if tcfg.stage == "dflash" else "flashmap"
         model = init_drafter(target, seed=tcfg.seed, device=device, kind=kind, **tcfg.arch).train()
@@ -526,8 +633,13 @@ def train(tcfg: TrainConfig, *, target: str | Path, data: str | Path, out: str |
 
     def batch_fn(step: int) -> Batch:
         rng = np.random.default_rng([tcfg.seed, step, 1])
-        return make_batch(stream.take(step * seqs_per_step, seqs_per_step), K, tcfg.anchors_per_seq,
-                          tcfg.max_len, rng).to(device)
+        return make_batch(
+            stream.take(step * seqs_per_step, seqs_per_step),
+            K,
+            tcfg.anchors_per_seq,
+            tcfg.max_len,
+            rng,
+        ).to(device)
 
     check_batches = prior = None
     if tcfg.stage == "flow" and tcfg.check_batches > 0:
@@ -536,8 +648,18 @@ def train(tcfg: TrainConfig, *, target: str | Path, data: str | Path, out: str |
         check_batches = flow_check_batches(tcfg.check_data or data, tcfg, K, device)
         if tcfg.check_prior:
             prior = load_drafter(tcfg.check_prior, target, device=device).eval()
-    return run_stage(model, tcfg, batch_fn, out=out, teacher=teacher_model, resume=resume, device=device,
-                     progress=progress, check_batches=check_batches, check_prior=prior)
+    return run_stage(
+        model,
+        tcfg,
+        batch_fn,
+        out=out,
+        teacher=teacher_model,
+        resume=resume,
+        device=device,
+        progress=progress,
+        check_batches=check_batches,
+        check_prior=prior,
+    )
 
 
 def flow_check_batches(data: str | Path, tcfg: TrainConfig, block_size: int, device) -> list[Batch]:
@@ -546,13 +668,27 @@ def flow_check_batches(data: str | Path, tcfg: TrainConfig, block_size: int, dev
     stream = SequenceStream(data, seed=tcfg.seed + 7919, max_len=tcfg.max_len)
     n = max(1, -(-tcfg.batch_size // tcfg.anchors_per_seq))
     rng = np.random.default_rng([tcfg.seed, 7919])
-    return [make_batch(stream.take(i * n, n), block_size, tcfg.anchors_per_seq, tcfg.max_len, rng).to(device)
-            for i in range(tcfg.check_batches)]
+    return [
+        make_batch(stream.take(i * n, n), block_size, tcfg.anchors_per_seq, tcfg.max_len, rng).to(
+            device
+        )
+        for i in range(tcfg.check_batches)
+    ]
 
 
-def run_stage(model: FlashMapDiT, tcfg: TrainConfig, batch_fn, *, out: str | Path,
-              teacher: FlashMapDiT | None = None, resume: bool = False, device: str = "cpu", progress: bool = True,
-              check_batches: list[Batch] | None = None, check_prior: FlashMapDiT | None = None) -> FlashMapDiT:
+def run_stage(
+    model: FlashMapDiT,
+    tcfg: TrainConfig,
+    batch_fn,
+    *,
+    out: str | Path,
+    teacher: FlashMapDiT | None = None,
+    resume: bool = False,
+    device: str = "cpu",
+    progress: bool = True,
+    check_batches: list[Batch] | None = None,
+    check_prior: FlashMapDiT | None = None,
+) -> FlashMapDiT:
     """Train `model` for one stage (tcfg.stage) on batch_fn(step) -> Batch; distill: `teacher`
     is the frozen flow model (model starts as its copy). Flow stage with check_batches: at
     every save the denoiser's accuracy against tau on those blocks is logged and written to
@@ -563,7 +699,11 @@ def run_stage(model: FlashMapDiT, tcfg: TrainConfig, batch_fn, *, out: str | Pat
     if tcfg.stage == "distill":
         ema = copy.deepcopy(model).requires_grad_(False).eval() if tcfg.ema_decay > 0 else model
 
-    cols = ["step", "lr", "loss"] + (["zero", "semigroup"] if tcfg.stage == "distill" else []) + ["elapsed_s"]
+    cols = (
+        ["step", "lr", "loss"]
+        + (["zero", "semigroup"] if tcfg.stage == "distill" else [])
+        + ["elapsed_s"]
+    )
 
     def batch_gen(step: int) -> tuple[Batch, torch.Generator]:
         return batch_fn(step), _step_generator(tcfg.seed, step, device)
@@ -585,17 +725,30 @@ def run_stage(model: FlashMapDiT, tcfg: TrainConfig, batch_fn, *, out: str | Pat
     on_save = None
     if tcfg.stage == "flow" and check_batches:
         on_save = lambda step: flow_check(model, check_batches, step, Path(out), prior=check_prior)  # noqa: E731
-    return run_training(model, tcfg, stage=tcfg.stage, out=out, resume=resume, device=device, progress=progress,
-                        cols=cols, batch_fn=batch_gen, loss_fn=loss_fn, extra_modules={"ema": own_ema},
-                        after_step=ema_update if own_ema is not None else None, on_save=on_save,
-                        postfix=lambda stats, lr: dict(loss=f"{stats['loss']:.4f}", lr=f"{lr:.2e}"))
+    return run_training(
+        model,
+        tcfg,
+        stage=tcfg.stage,
+        out=out,
+        resume=resume,
+        device=device,
+        progress=progress,
+        cols=cols,
+        batch_fn=batch_gen,
+        loss_fn=loss_fn,
+        extra_modules={"ema": own_ema},
+        after_step=ema_update if own_ema is not None else None,
+        on_save=on_save,
+        postfix=lambda stats, lr: dict(loss=f"{stats['loss']:.4f}", lr=f"{lr:.2e}"),
+    )
 
 
 FLOW_SUMMARY = "flow_summary.json"
 
 
-def flow_check(model: FlashMapDiT, batches: list[Batch], step: int, out: Path,
-               prior: FlashMapDiT | None = None) -> dict:
+def flow_check(
+    model: FlashMapDiT, batches: list[Batch], step: int, out: Path, prior: FlashMapDiT | None = None
+) -> dict:
     """The flow stage's gate: the denoiser's accuracy against tau on `batches`
     (flow_diagnostics.denoiser_curve), logged, and OUT/flow_summary.json rewritten with it
     and its history; a WARNING line when the denoiser does not improve with tau."""
@@ -611,28 +764,62 @@ def flow_check(model: FlashMapDiT, batches: list[Batch], step: int, out: Path,
     path = out / FLOW_SUMMARY
     old = json.loads(path.read_text()) if path.is_file() else {}
     history = [h for h in old.get("history", []) if h["step"] < step]
-    history.append(dict(step=step, acc_tau0=fd.accuracy_at(curve, 0.0), acc_tau09=fd.accuracy_at(curve, 0.9),
-                        reads_state=ok))
-    summary = dict(step=step, reads_state=ok, margin=fd.READS_STATE_MARGIN, time_map=model.cfg.time_map,
-                   state_input=model.cfg.state_input, shared_noise=model.cfg.shared_noise, curve=curve,
-                   history=history)
+    history.append(
+        dict(
+            step=step,
+            acc_tau0=fd.accuracy_at(curve, 0.0),
+            acc_tau09=fd.accuracy_at(curve, 0.9),
+            reads_state=ok,
+        )
+    )
+    summary = dict(
+        step=step,
+        reads_state=ok,
+        margin=fd.READS_STATE_MARGIN,
+        time_map=model.cfg.time_map,
+        state_input=model.cfg.state_input,
+        shared_noise=model.cfg.shared_noise,
+        curve=curve,
+        history=history,
+    )
     if not ok:
-        summary["warning"] = ("the denoiser does not improve with tau: it does not read its noisy state, so "
-                              "this is not a flow (per-slot marginals at best); do not distil it")
+        summary["warning"] = (
+            "the denoiser does not improve with tau: it does not read its noisy state, so "
+            "this is not a flow (per-slot marginals at best); do not distil it"
+        )
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(summary, indent=2) + "\n")
     tmp.replace(path)
     print(f"\nflow check, step {step}:\n{fd.format_curve(curve)}", flush=True)
     if not ok:
-        print(f"WARNING: step {step}: {summary['warning']} (accuracy {fd.accuracy_at(curve, 0.0):.3f} at tau = 0, "
-              f"{fd.accuracy_at(curve, 0.9):.3f} at tau = 0.9; {path})", file=sys.stderr, flush=True)
+        print(
+            f"WARNING: step {step}: {summary['warning']} (accuracy {fd.accuracy_at(curve, 0.0):.3f} at tau = 0, "
+            f"{fd.accuracy_at(curve, 0.9):.3f} at tau = 0.9; {path})",
+            file=sys.stderr,
+            flush=True,
+        )
     return summary
 
 
-def run_training(model: torch.nn.Module, tcfg, *, stage: str, out: str | Path, resume: bool, device: str,
-                 progress: bool, cols: list[str], batch_fn, loss_fn, extra_modules: dict | None = None,
-                 after_step=None, postfix=None, plot_cols: list[str] | None = None,
-                 stage_name: str | None = None, on_save=None) -> torch.nn.Module:
+def run_training(
+    model: torch.nn.Module,
+    tcfg,
+    *,
+    stage: str,
+    out: str | Path,
+    resume: bool,
+    device: str,
+    progress: bool,
+    cols: list[str],
+    batch_fn,
+    loss_fn,
+    extra_modules: dict | None = None,
+    after_step=None,
+    postfix=None,
+    plot_cols: list[str] | None = None,
+    stage_name: str | None = None,
+    on_save=None,
+) -> torch.nn.Module:
     """The training loop every drafter shares (this module's stages, train_eagle).
 
     AdamW with `_param_groups` and the `lr_factor` schedule; resume from OUT/train_state.pt
@@ -655,7 +842,9 @@ def run_training(model: torch.nn.Module, tcfg, *, stage: str, out: str | Path, r
     if resume and state_path.is_file():
         st = torch.load(state_path, map_location=device, weights_only=False)
         if st.get("stage") != stage:
-            raise ValueError(f"{state_path} is a {st.get('stage')!r} run, not {stage_name or repr(stage)}")
+            raise ValueError(
+                f"{state_path} is a {st.get('stage')!r} run, not {stage_name or repr(stage)}"
+            )
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["optimizer"])
         sched.load_state_dict(st["scheduler"])
@@ -678,9 +867,20 @@ def run_training(model: torch.nn.Module, tcfg, *, stage: str, out: str | Path, r
     def save(step: int) -> None:
         save_drafter(model, out)
         tmp = out / (STATE_FILE + ".tmp")
-        torch.save({"stage": stage, "step": step, "train_config": tcfg.to_dict(), "model": model.state_dict(),
-                    "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                    **{name: None if m is None else m.state_dict() for name, m in extra_modules.items()}}, tmp)
+        torch.save(
+            {
+                "stage": stage,
+                "step": step,
+                "train_config": tcfg.to_dict(),
+                "model": model.state_dict(),
+                "optimizer": opt.state_dict(),
+                "scheduler": sched.state_dict(),
+                **{
+                    name: None if m is None else m.state_dict() for name, m in extra_modules.items()
+                },
+            },
+            tmp,
+        )
         tmp.replace(state_path)
         plot_losses(csv_path, out / PNG_FILE, plot_cols)
         if on_save is not None:
@@ -689,7 +889,9 @@ def run_training(model: torch.nn.Module, tcfg, *, stage: str, out: str | Path, r
     t0 = time.perf_counter()
     csv_f = open(csv_path, "a", newline="")
     writer = csv.DictWriter(csv_f, cols, extrasaction="ignore")
-    bar = tqdm(range(start, tcfg.steps), initial=start, total=tcfg.steps, desc=stage, disable=not progress)
+    bar = tqdm(
+        range(start, tcfg.steps), initial=start, total=tcfg.steps, desc=stage, disable=not progress
+    )
     try:
         for step in bar:
             batch = batch_fn(step)
@@ -708,8 +910,14 @@ def run_training(model: torch.nn.Module, tcfg, *, stage: str, out: str | Path, r
                 after_step()
             done = step + 1
             if done % tcfg.log_every == 0 or done == tcfg.steps or step == start:
-                writer.writerow({"step": done, "lr": f"{lr:.3e}", "elapsed_s": f"{time.perf_counter() - t0:.2f}",
-                                 **{k: f"{v:.6f}" for k, v in stats.items()}})
+                writer.writerow(
+                    {
+                        "step": done,
+                        "lr": f"{lr:.3e}",
+                        "elapsed_s": f"{time.perf_counter() - t0:.2f}",
+                        **{k: f"{v:.6f}" for k, v in stats.items()},
+                    }
+                )
                 csv_f.flush()
                 if postfix is not None:
                     bar.set_postfix(**postfix(stats, lr))
@@ -724,15 +932,28 @@ def run_training(model: torch.nn.Module, tcfg, *, stage: str, out: str | Path, r
 
 # ----------------------------------------------------------------------------- CLI
 
-RUN_OPTIONS = ("steps", "lr", "warmup_steps", "batch_size", "max_len", "seed", "save_every", "log_every")
+RUN_OPTIONS = (
+    "steps",
+    "lr",
+    "warmup_steps",
+    "batch_size",
+    "max_len",
+    "seed",
+    "save_every",
+    "log_every",
+)
 
 
 def add_common_args(ap: argparse.ArgumentParser, *, small_help: str, batch_help: str) -> None:
     """The options of every drafter training CLI (this one, train_eagle); each adds its own
     (stage, architecture, ...). The RUN_OPTIONS ones override training-config fields."""
-    ap.add_argument("--target", required=True, help="target checkpoint directory (embedding / LM head, hashes)")
+    ap.add_argument(
+        "--target", required=True, help="target checkpoint directory (embedding / LM head, hashes)"
+    )
     ap.add_argument("--data", required=True, help="directory written by training.drafter_data")
-    ap.add_argument("--out", required=True, help="output directory (drafter checkpoint + training state)")
+    ap.add_argument(
+        "--out", required=True, help="output directory (drafter checkpoint + training state)"
+    )
     ap.add_argument("--small", action="store_true", help=small_help)
     ap.add_argument("--steps", type=int)
     ap.add_argument("--lr", type=float, help="peak learning rate (cosine schedule with warmup)")
@@ -742,23 +963,37 @@ def add_common_args(ap: argparse.ArgumentParser, *, small_help: str, batch_help:
     ap.add_argument("--seed", type=int)
     ap.add_argument("--save-every", type=int)
     ap.add_argument("--log-every", type=int)
-    ap.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt if present")
+    ap.add_argument(
+        "--resume", action="store_true", help="continue from OUT/train_state.pt if present"
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-progress", action="store_true")
 
 
-def config_from_args(cfg, args: argparse.Namespace, run_options: tuple[str, ...] = (),
-                     arch_options: tuple[str, ...] = ()):
+def config_from_args(
+    cfg,
+    args: argparse.Namespace,
+    run_options: tuple[str, ...] = (),
+    arch_options: tuple[str, ...] = (),
+):
     """cfg with the options given on the command line: RUN_OPTIONS and run_options replace
     its fields, arch_options its `arch` entries."""
     given = lambda keys: {k: getattr(args, k) for k in keys if getattr(args, k) is not None}  # noqa: E731
-    return replace(cfg, **given(RUN_OPTIONS + run_options), arch={**cfg.arch, **given(arch_options)})
+    return replace(
+        cfg, **given(RUN_OPTIONS + run_options), arch={**cfg.arch, **given(arch_options)}
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m training.train_drafter", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m training.train_drafter", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--stage", choices=STAGES, required=True)
-    add_common_args(ap, small_help="CPU-sized preset (tiny drafter, short run)", batch_help="blocks (anchors) per step")
+    add_common_args(
+        ap,
+        small_help="CPU-sized preset (tiny drafter, short run)",
+        batch_help="blocks (anchors) per step",
+    )
     ap.add_argument("--teacher", help="distill: the flow-stage drafter checkpoint")
     ap.add_argument("--anchors-per-seq", type=int)
     ap.add_argument("--ema-decay", type=float)
@@ -766,32 +1001,79 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-blocks", type=int)
     ap.add_argument("--n-heads", type=int)
     ap.add_argument("--block-size", type=int)
-    ap.add_argument("--pure-noise-fraction", type=float, help="flow: share of blocks at tau = 0 (paper: 0)")
-    ap.add_argument("--time-map", choices=("embedded", "vocab"),
-                    help="flow: tau <-> t map (default embedded: measured on what the embedded state tells)")
-    ap.add_argument("--time-map-candidates", type=int, nargs="+",
-                    help="flow, embedded map: the readers tau averages over, tokens each chooses between (0 = all V)")
-    ap.add_argument("--state-input", choices=("whiten", "rms"), help="flow: how the network reads the embedded state")
-    ap.add_argument("--noise", choices=("slot", "shared"),
-                    help="flow: an independent noise draw per slot (default) or one draw shared by the K slots")
-    ap.add_argument("--check-data", help="flow: held-out drafter data for the flow check (default: training data)")
-    ap.add_argument("--check-prior", help="flow: a DFlash-style drafter shown beside the denoiser in the flow check")
-    ap.add_argument("--check-batches", type=int, help="flow: batches of the flow check at every save (0 = off)")
-    ap.add_argument("--init-from", help="flow: start from a DFlash-style drafter (warm start, not the paper's) or train "
-                                        "a flow-stage drafter on; dflash: train a DFlash-style drafter on")
+    ap.add_argument(
+        "--pure-noise-fraction", type=float, help="flow: share of blocks at tau = 0 (paper: 0)"
+    )
+    ap.add_argument(
+        "--time-map",
+        choices=("embedded", "vocab"),
+        help="flow: tau <-> t map (default embedded: measured on what the embedded state tells)",
+    )
+    ap.add_argument(
+        "--time-map-candidates",
+        type=int,
+        nargs="+",
+        help="flow, embedded map: the readers tau averages over, tokens each chooses between (0 = all V)",
+    )
+    ap.add_argument(
+        "--state-input",
+        choices=("whiten", "rms"),
+        help="flow: how the network reads the embedded state",
+    )
+    ap.add_argument(
+        "--noise",
+        choices=("slot", "shared"),
+        help="flow: an independent noise draw per slot (default) or one draw shared by the K slots",
+    )
+    ap.add_argument(
+        "--check-data",
+        help="flow: held-out drafter data for the flow check (default: training data)",
+    )
+    ap.add_argument(
+        "--check-prior",
+        help="flow: a DFlash-style drafter shown beside the denoiser in the flow check",
+    )
+    ap.add_argument(
+        "--check-batches", type=int, help="flow: batches of the flow check at every save (0 = off)"
+    )
+    ap.add_argument(
+        "--init-from",
+        help="flow: start from a DFlash-style drafter (warm start, not the paper's) or train "
+        "a flow-stage drafter on; dflash: train a DFlash-style drafter on",
+    )
     args = ap.parse_args(argv)
 
     if args.noise is not None:
         args.shared_noise = args.noise == "shared"
     else:
         args.shared_noise = None
-    cfg = config_from_args(TrainConfig.for_stage(args.stage, small=args.small), args,
-                           ("anchors_per_seq", "ema_decay", "init_from", "check_data", "check_prior", "check_batches"),
-                           ("dim", "n_blocks", "n_heads", "block_size", "pure_noise_fraction", "time_map", "state_input",
-                            "shared_noise", "time_map_candidates"))
+    cfg = config_from_args(
+        TrainConfig.for_stage(args.stage, small=args.small),
+        args,
+        ("anchors_per_seq", "ema_decay", "init_from", "check_data", "check_prior", "check_batches"),
+        (
+            "dim",
+            "n_blocks",
+            "n_heads",
+            "block_size",
+            "pure_noise_fraction",
+            "time_map",
+            "state_input",
+            "shared_noise",
+            "time_map_candidates",
+        ),
+    )
     try:
-        train(cfg, target=args.target, data=args.data, out=args.out, teacher=args.teacher, resume=args.resume,
-              device=args.device, progress=not args.no_progress)
+        train(
+            cfg,
+            target=args.target,
+            data=args.data,
+            out=args.out,
+            teacher=args.teacher,
+            resume=args.resume,
+            device=args.device,
+            progress=not args.no_progress,
+        )
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -31,8 +31,14 @@ from torch import Tensor
 
 from drafter_service.eagle import EagleDrafter, init_eagle
 from training.drafter_data import read_meta
-from training.train_drafter import (CSV_FILE, PNG_FILE, STATE_FILE, ConfigDict, SequenceStream,  # noqa: F401
-                                    _check_data, add_common_args, config_from_args, run_training)
+from training.train_drafter import (
+    ConfigDict,
+    SequenceStream,  # noqa: F401
+    _check_data,
+    add_common_args,
+    config_from_args,
+    run_training,
+)
 
 STAGE = "eagle"
 
@@ -56,12 +62,23 @@ class EagleTrainConfig(ConfigDict):
     save_every: int = 1_000
     amp: bool = True  # bf16 autocast on CUDA
     # EagleConfig fields; dim None = the target's hidden size.
-    arch: dict = field(default_factory=lambda: dict(dim=None, n_layers=1, n_heads=32, block_size=16, train_depth=7))
+    arch: dict = field(
+        default_factory=lambda: dict(dim=None, n_layers=1, n_heads=32, block_size=16, train_depth=7)
+    )
 
     @classmethod
-    def small(cls) -> "EagleTrainConfig":
-        return cls(steps=300, lr=1e-3, warmup_steps=20, batch_size=8, max_len=256, log_every=5, save_every=100,
-                   amp=False, arch=dict(dim=None, n_layers=1, n_heads=4, block_size=16, train_depth=4))
+    def small(cls) -> EagleTrainConfig:
+        return cls(
+            steps=300,
+            lr=1e-3,
+            warmup_steps=20,
+            batch_size=8,
+            max_len=256,
+            log_every=5,
+            save_every=100,
+            amp=False,
+            arch=dict(dim=None, n_layers=1, n_heads=4, block_size=16, train_depth=4),
+        )
 
 
 @dataclass
@@ -71,7 +88,7 @@ class SeqBatch:
     lengths: Tensor  # [B] int64
     prompt_lens: Tensor  # [B] int64
 
-    def to(self, device) -> "SeqBatch":
+    def to(self, device) -> SeqBatch:
         return SeqBatch(*(getattr(self, f.name).to(device) for f in fields(self)))
 
 
@@ -90,7 +107,9 @@ def make_seq_batch(seqs: list, max_len: int) -> SeqBatch:
     return SeqBatch(tokens, feats, torch.tensor(lens), torch.tensor([s.prompt_len for s in seqs]))
 
 
-def eagle_loss(model: EagleDrafter, batch: SeqBatch, depth: int | None = None) -> tuple[Tensor, dict]:
+def eagle_loss(
+    model: EagleDrafter, batch: SeqBatch, depth: int | None = None
+) -> tuple[Tensor, dict]:
     """Step-weighted cross-entropy over the rollout; stats: loss, per-step loss and top-1 accuracy."""
     cfg = model.cfg
     depth = cfg.train_depth if depth is None else depth
@@ -121,27 +140,54 @@ def eagle_loss(model: EagleDrafter, batch: SeqBatch, depth: int | None = None) -
     return loss, stats
 
 
-def train(tcfg: EagleTrainConfig, *, target: str | Path, data: str | Path, out: str | Path, resume: bool = False,
-          device: str = "cpu", progress: bool = True) -> EagleDrafter:
+def train(
+    tcfg: EagleTrainConfig,
+    *,
+    target: str | Path,
+    data: str | Path,
+    out: str | Path,
+    resume: bool = False,
+    device: str = "cpu",
+    progress: bool = True,
+) -> EagleDrafter:
     """Train (or continue); returns the model (also saved in out)."""
     torch.manual_seed(tcfg.seed)
     model = init_eagle(target, seed=tcfg.seed, device=device, **tcfg.arch).train()
     _check_data(read_meta(data), model.cfg)
-    cols = ["step", "lr", "loss"] + [f"acc{s}" for s in range(model.cfg.train_depth)] + ["elapsed_s"]
+    cols = (
+        ["step", "lr", "loss"] + [f"acc{s}" for s in range(model.cfg.train_depth)] + ["elapsed_s"]
+    )
     stream = SequenceStream(data, seed=tcfg.seed)
     return run_training(
-        model, tcfg, stage=STAGE, stage_name="an eagle run", out=out, resume=resume, device=device,
-        progress=progress, cols=cols,
-        batch_fn=lambda step: make_seq_batch(stream.take(step * tcfg.batch_size, tcfg.batch_size),
-                                             tcfg.max_len).to(device),
+        model,
+        tcfg,
+        stage=STAGE,
+        stage_name="an eagle run",
+        out=out,
+        resume=resume,
+        device=device,
+        progress=progress,
+        cols=cols,
+        batch_fn=lambda step: make_seq_batch(
+            stream.take(step * tcfg.batch_size, tcfg.batch_size), tcfg.max_len
+        ).to(device),
         loss_fn=lambda batch: eagle_loss(model, batch),
-        postfix=lambda stats, lr: dict(loss=f"{stats['loss']:.4f}", acc0=f"{stats.get('acc0', float('nan')):.3f}"),
-        plot_cols=["loss"])  # loss.png: the loss column only (per-step accuracies stay in the CSV)
+        postfix=lambda stats, lr: dict(
+            loss=f"{stats['loss']:.4f}", acc0=f"{stats.get('acc0', float('nan')):.3f}"
+        ),
+        plot_cols=["loss"],
+    )  # loss.png: the loss column only (per-step accuracies stay in the CSV)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m training.train_eagle", description=__doc__.split("\n\n")[0])
-    add_common_args(ap, small_help="CPU-sized preset (short run, depth-4 rollout)", batch_help="sequences per step")
+    ap = argparse.ArgumentParser(
+        prog="python -m training.train_eagle", description=__doc__.split("\n\n")[0]
+    )
+    add_common_args(
+        ap,
+        small_help="CPU-sized preset (short run, depth-4 rollout)",
+        batch_help="sequences per step",
+    )
     ap.add_argument("--dim", type=int, help="drafter width (default: the target's hidden size)")
     ap.add_argument("--n-layers", type=int)
     ap.add_argument("--n-heads", type=int)
@@ -149,11 +195,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train-depth", type=int, help="training-time-test rollout steps")
     args = ap.parse_args(argv)
 
-    cfg = config_from_args(EagleTrainConfig.small() if args.small else EagleTrainConfig(), args,
-                           arch_options=("dim", "n_layers", "n_heads", "block_size", "train_depth"))
+    cfg = config_from_args(
+        EagleTrainConfig.small() if args.small else EagleTrainConfig(),
+        args,
+        arch_options=("dim", "n_layers", "n_heads", "block_size", "train_depth"),
+    )
     try:
-        train(cfg, target=args.target, data=args.data, out=args.out, resume=args.resume, device=args.device,
-              progress=not args.no_progress)
+        train(
+            cfg,
+            target=args.target,
+            data=args.data,
+            out=args.out,
+            resume=args.resume,
+            device=args.device,
+            progress=not args.no_progress,
+        )
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

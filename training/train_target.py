@@ -40,7 +40,6 @@ import json
 import math
 import platform
 import random
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -93,7 +92,9 @@ def lr_at(step: int, args) -> float:
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
     progress = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
-    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    return args.lr * (
+        args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    )
 
 
 # --------------------------------------------------------------------------- data
@@ -116,7 +117,9 @@ class Streams:
 class WindowSampler:
     """Random windows of seq_len+1 tokens; each row's domain is drawn from the mix."""
 
-    def __init__(self, streams: dict[str, torch.Tensor], mix: dict[str, float], seq_len: int, seed: int):
+    def __init__(
+        self, streams: dict[str, torch.Tensor], mix: dict[str, float], seq_len: int, seed: int
+    ):
         self.names = [n for n in DOMAIN_ORDER if mix.get(n, 0) > 0]
         self.streams = streams
         self.weights = torch.tensor([mix[n] for n in self.names], dtype=torch.float64)
@@ -148,7 +151,9 @@ def fixed_windows(stream: torch.Tensor, seq_len: int, n: int, seed: int) -> torc
 
 def window_loss(model, x: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     logits = model(input_ids=x[:, :-1]).logits
-    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), x[:, 1:].reshape(-1), reduction="none")
+    loss = F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)).float(), x[:, 1:].reshape(-1), reduction="none"
+    )
     loss = loss.view(x.size(0), -1).mean(dim=1)
     return loss.mean() if reduction == "mean" else loss
 
@@ -182,7 +187,9 @@ def file_sha(path: Path) -> str:
 
 
 @torch.no_grad()
-def greedy(model, tok, prompt: str, max_new_tokens: int, stop_ids: list[int]) -> tuple[str, list[int]]:
+def greedy(
+    model, tok, prompt: str, max_new_tokens: int, stop_ids: list[int]
+) -> tuple[str, list[int]]:
     model.eval()
     ids = tok.encode(prompt, add_special_tokens=False).ids
     x = torch.tensor([ids])
@@ -209,7 +216,9 @@ def _answer(text: str) -> str | None:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     ap.add_argument("--out", default="checkpoints/demo-target", help="output checkpoint directory")
     ap.add_argument("--steps", type=int, default=900)
     ap.add_argument("--seq-len", type=int, default=384)
@@ -220,14 +229,31 @@ def parse_args(argv=None):
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--grad-clip", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (keep 1-2 on a shared machine)")
-    ap.add_argument("--resume", action="store_true", help="continue from the training state in --state-dir")
-    ap.add_argument("--state-dir", default=None, help="where the resumable training state lives (default runs/train_target/<out name>)")
+    ap.add_argument(
+        "--threads", type=int, default=2, help="torch CPU threads (keep 1-2 on a shared machine)"
+    )
+    ap.add_argument(
+        "--resume", action="store_true", help="continue from the training state in --state-dir"
+    )
+    ap.add_argument(
+        "--state-dir",
+        default=None,
+        help="where the resumable training state lives (default runs/train_target/<out name>)",
+    )
     ap.add_argument("--save-every", type=int, default=100)
-    ap.add_argument("--stop-after", type=int, default=None,
-                    help="leave after this many steps in this invocation (state saved; continue with --resume)")
+    ap.add_argument(
+        "--stop-after",
+        type=int,
+        default=None,
+        help="leave after this many steps in this invocation (state saved; continue with --resume)",
+    )
     ap.add_argument("--eval-every", type=int, default=100)
-    ap.add_argument("--eval-windows", type=int, default=12, help="held-out windows per domain at each periodic eval")
+    ap.add_argument(
+        "--eval-windows",
+        type=int,
+        default=12,
+        help="held-out windows per domain at each periodic eval",
+    )
     ap.add_argument("--final-eval-windows", type=int, default=32)
     ap.add_argument("--mix", default="code=0.4,math=0.25,chat=0.35", help="domain sampling weights")
     ap.add_argument("--vocab-size", type=int, default=4096)
@@ -238,11 +264,26 @@ def parse_args(argv=None):
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--max-positions", type=int, default=2048)
-    ap.add_argument("--corpus-scale", type=float, default=1.0, help="shrink the generated domains (quick tests)")
-    ap.add_argument("--tokenizer-chars", type=int, default=8_000_000, help="characters of text the BPE is trained on")
-    ap.add_argument("--prompts-out", default=None, help="held-out prompts file (default training/data/heldout_prompts.jsonl)")
-    ap.add_argument("--samples", type=int, default=3, help="greedy samples per domain in the model card")
-    ap.add_argument("--no-card", action="store_true", help="skip the final sample generations / model card")
+    ap.add_argument(
+        "--corpus-scale", type=float, default=1.0, help="shrink the generated domains (quick tests)"
+    )
+    ap.add_argument(
+        "--tokenizer-chars",
+        type=int,
+        default=8_000_000,
+        help="characters of text the BPE is trained on",
+    )
+    ap.add_argument(
+        "--prompts-out",
+        default=None,
+        help="held-out prompts file (default training/data/heldout_prompts.jsonl)",
+    )
+    ap.add_argument(
+        "--samples", type=int, default=3, help="greedy samples per domain in the model card"
+    )
+    ap.add_argument(
+        "--no-card", action="store_true", help="skip the final sample generations / model card"
+    )
     return ap.parse_args(argv)
 
 
@@ -269,12 +310,20 @@ def main(argv=None) -> dict:
     from tqdm import tqdm
 
     from training.corpus import DOMAINS, HELDOUT_PROMPTS_PATH, build_corpus, write_heldout_prompts
-    from training.tokenizer import ENDOFTEXT, IM_END, load_tokenizer, save_tokenizer, train_tokenizer
+    from training.tokenizer import (
+        ENDOFTEXT,
+        IM_END,
+        load_tokenizer,
+        save_tokenizer,
+        train_tokenizer,
+    )
 
     out = Path(args.out)
     if not out.is_absolute():
         out = REPO / out
-    state_dir = Path(args.state_dir) if args.state_dir else REPO / "runs" / "train_target" / out.name
+    state_dir = (
+        Path(args.state_dir) if args.state_dir else REPO / "runs" / "train_target" / out.name
+    )
     state_path = state_dir / "train_state.pt"
     resume = args.resume and state_path.is_file()
     out.mkdir(parents=True, exist_ok=True)
@@ -282,14 +331,18 @@ def main(argv=None) -> dict:
     if args.resume and not resume:
         log(f"--resume: no state at {state_path}, starting fresh")
     log(f"args: {json.dumps(vars(args))}")
-    log(f"python {platform.python_version()} torch {torch.__version__} threads {torch.get_num_threads()}")
+    log(
+        f"python {platform.python_version()} torch {torch.__version__} threads {torch.get_num_threads()}"
+    )
 
     # ---- corpus, held-out prompts
     t0 = time.time()
     corpus = build_corpus(args.seed, scale=args.corpus_scale)
     prompts_path = write_heldout_prompts(corpus, args.prompts_out or HELDOUT_PROMPTS_PATH)
     stats = corpus.stats()
-    log(f"corpus {corpus.fingerprint()} from {corpus.stdlib} in {time.time() - t0:.1f}s: {json.dumps(stats)}")
+    log(
+        f"corpus {corpus.fingerprint()} from {corpus.stdlib} in {time.time() - t0:.1f}s: {json.dumps(stats)}"
+    )
     log(f"held-out prompts -> {prompts_path}")
 
     # ---- tokenizer
@@ -339,7 +392,8 @@ def main(argv=None) -> dict:
     mix = {k: float(v) for k, v in (kv.split("=") for kv in args.mix.split(","))}
     sampler = WindowSampler(streams.train, mix, args.seq_len, args.seed + 1)
     eval_windows = {
-        n: fixed_windows(streams.heldout[n], args.seq_len, args.eval_windows, args.seed + 2) for n in DOMAINS
+        n: fixed_windows(streams.heldout[n], args.seq_len, args.eval_windows, args.seed + 2)
+        for n in DOMAINS
     }
 
     # ---- model, optimizer
@@ -348,7 +402,10 @@ def main(argv=None) -> dict:
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        [
+            {"params": decay, "weight_decay": args.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
         lr=args.lr,
         betas=(0.9, 0.95),
         eps=1e-8,
@@ -357,10 +414,14 @@ def main(argv=None) -> dict:
     if resume:
         st = torch.load(state_path, map_location="cpu", weights_only=False)
         if st["tokenizer_sha"] != tok_sha or st["corpus"] != corpus.fingerprint():
-            raise SystemExit(f"{state_path}: made with another tokenizer or corpus; remove it or drop --resume")
+            raise SystemExit(
+                f"{state_path}: made with another tokenizer or corpus; remove it or drop --resume"
+            )
         for k in ("steps", "seq_len", "batch_size", "lr", "seed", "hidden", "layers", "mix"):
             if st["args"][k] != vars(args)[k]:
-                raise SystemExit(f"{state_path}: --{k.replace('_', '-')} was {st['args'][k]}, now {vars(args)[k]}")
+                raise SystemExit(
+                    f"{state_path}: --{k.replace('_', '-')} was {st['args'][k]}, now {vars(args)[k]}"
+                )
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["optimizer"])
         sampler.gen.set_state(st["sampler_rng"])
@@ -389,7 +450,14 @@ def main(argv=None) -> dict:
 
     # ---- train
     model.train()
-    bar = tqdm(total=args.steps, initial=step, desc="train", mininterval=5, dynamic_ncols=True, file=sys.stderr)
+    bar = tqdm(
+        total=args.steps,
+        initial=step,
+        desc="train",
+        mininterval=5,
+        dynamic_ncols=True,
+        file=sys.stderr,
+    )
     ema = rows[-1]["loss_ema"] if rows else None
     stop_at = args.steps if args.stop_after is None else min(args.steps, step + args.stop_after)
     while step < stop_at:
@@ -408,8 +476,15 @@ def main(argv=None) -> dict:
         elapsed += time.time() - t_step
         lv = loss.item()
         ema = lv if ema is None else 0.95 * ema + 0.05 * lv
-        row = {"step": step, "tokens": step * args.batch_size * args.seq_len, "lr": lr, "loss": lv, "loss_ema": ema,
-               "grad_norm": gnorm, "elapsed_s": round(elapsed, 2)}
+        row = {
+            "step": step,
+            "tokens": step * args.batch_size * args.seq_len,
+            "lr": lr,
+            "loss": lv,
+            "loss_ema": ema,
+            "grad_norm": gnorm,
+            "elapsed_s": round(elapsed, 2),
+        }
         for n in DOMAINS:
             vals = [v for v, nm in zip(per_row.tolist(), names) if nm == n]
             row[f"train_{n}"] = sum(vals) / len(vals) if vals else ""
@@ -445,23 +520,36 @@ def main(argv=None) -> dict:
     for n in DOMAINS:
         tr = fixed_windows(streams.train[n], args.seq_len, args.final_eval_windows, args.seed + 3)
         he = fixed_windows(streams.heldout[n], args.seq_len, args.final_eval_windows, args.seed + 4)
-        final[n] = {"train_loss": round(eval_loss(model, tr), 4), "heldout_loss": round(eval_loss(model, he), 4)}
-    log(f"final losses (nats/token, {args.final_eval_windows} windows of {args.seq_len}): {json.dumps(final)} ({time.time() - t0:.0f}s)")
+        final[n] = {
+            "train_loss": round(eval_loss(model, tr), 4),
+            "heldout_loss": round(eval_loss(model, he), 4),
+        }
+    log(
+        f"final losses (nats/token, {args.final_eval_windows} windows of {args.seq_len}): {json.dumps(final)} ({time.time() - t0:.0f}s)"
+    )
 
     # ---- save the HF checkpoint
     from transformers import GenerationConfig
 
     model.eval()
     model.generation_config = GenerationConfig(
-        bos_token_id=eot, eos_token_id=[im_end, eot], pad_token_id=eot, do_sample=False, max_new_tokens=256
+        bos_token_id=eot,
+        eos_token_id=[im_end, eot],
+        pad_token_id=eot,
+        do_sample=False,
+        max_new_tokens=256,
     )
     model.save_pretrained(out, safe_serialization=True)
     # Also state rope_theta at the top level, as transformers 4.x and other readers expect.
     cfg_path = out / "config.json"
     cfg_json = json.loads(cfg_path.read_text())
-    cfg_json.setdefault("rope_theta", cfg_json.get("rope_parameters", {}).get("rope_theta", 10000.0))
+    cfg_json.setdefault(
+        "rope_theta", cfg_json.get("rope_parameters", {}).get("rope_theta", 10000.0)
+    )
     cfg_path.write_text(json.dumps(cfg_json, indent=2, sort_keys=True) + "\n")
-    save_tokenizer(tok, out, model_max_length=args.max_positions)  # after save_pretrained, so ours win
+    save_tokenizer(
+        tok, out, model_max_length=args.max_positions
+    )  # after save_pretrained, so ours win
 
     # ---- greedy samples and the model card
     summary = {
@@ -473,8 +561,13 @@ def main(argv=None) -> dict:
         "threads": args.threads,
         "seed": args.seed,
         "final": final,
-        "corpus": {"fingerprint": corpus.fingerprint(), "stdlib": corpus.stdlib, "python": platform.python_version(),
-                   "stats": stats, "tokens": tok_stats},
+        "corpus": {
+            "fingerprint": corpus.fingerprint(),
+            "stdlib": corpus.stdlib,
+            "python": platform.python_version(),
+            "stats": stats,
+            "tokens": tok_stats,
+        },
         "tokenizer_sha": tok_sha,
         "argv": sys.argv[1:] if argv is None else list(argv),
         "args": vars(args),
@@ -483,7 +576,9 @@ def main(argv=None) -> dict:
         t0 = time.time()
         samples, math_eval = make_samples(model, tok, corpus, args, stop_ids=[im_end, eot])
         summary["math_heldout_exact"] = math_eval
-        log(f"greedy samples in {time.time() - t0:.0f}s; held-out math exact-answer accuracy {math_eval}")
+        log(
+            f"greedy samples in {time.time() - t0:.0f}s; held-out math exact-answer accuracy {math_eval}"
+        )
         for s in samples:
             log(f"--- sample {s['id']}\n{s['prompt']}<<<GEN>>>{s['output']}")
         with (out / "samples.jsonl").open("w", encoding="utf-8") as f:
@@ -492,7 +587,9 @@ def main(argv=None) -> dict:
         write_card(out, summary, samples, args)
     summary["checkpoint_bytes"] = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     (out / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    log(f"saved {out} ({summary['checkpoint_bytes'] / 1e6:.1f} MB); training time {train_time:.0f}s")
+    log(
+        f"saved {out} ({summary['checkpoint_bytes'] / 1e6:.1f} MB); training time {train_time:.0f}s"
+    )
     return summary
 
 
@@ -502,7 +599,15 @@ def make_samples(model, tok, corpus, args, stop_ids):
     for n in DOMAIN_ORDER:
         for p in corpus.domains[n].prompts[: args.samples]:
             text, _ = greedy(model, tok, p["prompt"], budget[n], stop_ids)
-            samples.append({"domain": n, "id": p["id"], "prompt": p["prompt"], "output": text, "reference": p["reference"]})
+            samples.append(
+                {
+                    "domain": n,
+                    "id": p["id"],
+                    "prompt": p["prompt"],
+                    "output": text,
+                    "reference": p["reference"],
+                }
+            )
     # Exact-answer accuracy on all held-out math prompts (the number after "The answer is").
     right = 0
     mp = corpus.domains["math"].prompts
@@ -576,9 +681,9 @@ def write_card(out: Path, s: dict, samples: list[dict], args) -> None:
         "",
         "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        f"tok = AutoTokenizer.from_pretrained(\"{out.relative_to(REPO) if out.is_relative_to(REPO) else out}\")",
-        f"model = AutoModelForCausalLM.from_pretrained(\"{out.relative_to(REPO) if out.is_relative_to(REPO) else out}\")",
-        "ids = tok.apply_chat_template([{\"role\": \"user\", \"content\": \"What is 12 + 30?\"}], add_generation_prompt=True, return_tensors=\"pt\")",
+        f'tok = AutoTokenizer.from_pretrained("{out.relative_to(REPO) if out.is_relative_to(REPO) else out}")',
+        f'model = AutoModelForCausalLM.from_pretrained("{out.relative_to(REPO) if out.is_relative_to(REPO) else out}")',
+        'ids = tok.apply_chat_template([{"role": "user", "content": "What is 12 + 30?"}], add_generation_prompt=True, return_tensors="pt")',
         "```",
         "",
         "## Model",
@@ -592,7 +697,7 @@ def write_card(out: Path, s: dict, samples: list[dict], args) -> None:
         "| embeddings | tied input embedding / LM head |",
         f"| context | trained on {args.seq_len}-token windows; `max_position_embeddings` {c['max_position_embeddings']} (quality drops past {args.seq_len}) |",
         "| special tokens | `<\\|endoftext\\|>` = 0 (document separator, pad, bos), `<\\|im_start\\|>` = 1, `<\\|im_end\\|>` = 2 (eos) |",
-        "| chat template | ChatML (Qwen2.5 style), default system prompt \"You are a helpful assistant.\" |",
+        '| chat template | ChatML (Qwen2.5 style), default system prompt "You are a helpful assistant." |',
         "",
         "## Data (all local, nothing downloaded)",
         "",
@@ -613,7 +718,9 @@ def write_card(out: Path, s: dict, samples: list[dict], args) -> None:
     ]
     mix = dict(kv.split("=") for kv in args.mix.split(","))
     for n in DOMAIN_ORDER:
-        lines.append(f"| {n} | {tk[n]['train_tokens']:,} | {tk[n]['heldout_tokens']:,} | {tk[n]['chars_per_token']} | {mix.get(n, 0)} |")
+        lines.append(
+            f"| {n} | {tk[n]['train_tokens']:,} | {tk[n]['heldout_tokens']:,} | {tk[n]['chars_per_token']} | {mix.get(n, 0)} |"
+        )
     hours = s["train_time_s"]
     lines += [
         "",
@@ -640,7 +747,10 @@ def write_card(out: Path, s: dict, samples: list[dict], args) -> None:
         f = s["final"][n]
         lines.append(f"| {n} | {f['train_loss']:.3f} | {f['heldout_loss']:.3f} |")
     if "math_heldout_exact" in s:
-        lines += ["", f"Greedy exact-answer accuracy on the held-out math prompts: **{s['math_heldout_exact']}**."]
+        lines += [
+            "",
+            f"Greedy exact-answer accuracy on the held-out math prompts: **{s['math_heldout_exact']}**.",
+        ]
     lines += [
         "",
         "## Greedy samples (held-out prompts, `training/data/heldout_prompts.jsonl`)",

@@ -58,16 +58,33 @@ def resolve(requirements: list[str], no_deps: bool) -> list[dict]:
         req = Path(tmp, "requirements.txt")
         req.write_text("\n".join(requirements) + "\n")
         report = Path(tmp, "report.json")
-        cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--only-binary=:all:",
-               "--quiet", "--report", str(report), "-r", str(req)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--ignore-installed",
+            "--only-binary=:all:",
+            "--quiet",
+            "--report",
+            str(report),
+            "-r",
+            str(req),
+        ]
         if no_deps:
             cmd.append("--no-deps")
         subprocess.run(cmd, check=True)
         out = []
         for item in json.loads(report.read_text())["install"]:
             meta, info = item["metadata"], item["download_info"]
-            out.append({"name": canonical(meta["name"]), "version": meta["version"],
-                        "sha256": info["archive_info"]["hashes"]["sha256"]})
+            out.append(
+                {
+                    "name": canonical(meta["name"]),
+                    "version": meta["version"],
+                    "sha256": info["archive_info"]["hashes"]["sha256"],
+                }
+            )
         return out
 
 
@@ -77,18 +94,26 @@ def render() -> str:
     pkgs = {p["name"]: p for p in resolve(service_requirements(), no_deps=False)}
     for p in resolve(NO_DEPS, no_deps=True):
         pkgs[p["name"]] = p
-    body = "".join(f"{n}=={p['version']} \\\n    --hash=sha256:{p['sha256']}\n" for n, p in sorted(pkgs.items()))
+    body = "".join(
+        f"{n}=={p['version']} \\\n    --hash=sha256:{p['sha256']}\n"
+        for n, p in sorted(pkgs.items())
+    )
     return HEADER + body
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="compare with the committed lock instead of writing it")
+    ap.add_argument(
+        "--check", action="store_true", help="compare with the committed lock instead of writing it"
+    )
     args = ap.parse_args()
     text = render()
     if args.check:
         if LOCK.read_text() != text:
-            print(f"{LOCK.relative_to(ROOT)} is stale: run python deploy/base/lock.py", file=sys.stderr)
+            print(
+                f"{LOCK.relative_to(ROOT)} is stale: run python deploy/base/lock.py",
+                file=sys.stderr,
+            )
             return 1
         print(f"{LOCK.relative_to(ROOT)} is up to date")
         return 0

@@ -18,7 +18,9 @@ decoded by flashmap.wire on both sides):
        NO_FEATURES BOOL [1] (true: FEATURES [0, F]; a sequence that does not draft needs none),
        FEATURES_FROM INT64 [1] (FEATURES start at this earlier position: the engine keeps them)
   out: ARGMAX INT64 [K+1], SUPPORT_PROBS FP32 [K, S], COMPLEMENT FP32 [K], RESIDUAL INT64 [K+1],
-       FEATURES FP32|FP16 [L, F] (with FEATURES_FROM p: [START_POS - p + L, F]; with NEXT_SEEDS: ARGMAX and RESIDUAL [steps], FEATURES [L + steps - 1, F]), BEST INT64 [1] (the winning block; 0 = TOKENS' own), INFO_JSON BYTES [1]
+       FEATURES FP32|FP16 [L, F] (with FEATURES_FROM p: [START_POS - p + L, F]; with NEXT_SEEDS:
+       ARGMAX and RESIDUAL [steps], FEATURES [L + steps - 1, F]), BEST INT64 [1] (the winning
+       block; 0 = TOKENS' own), INFO_JSON BYTES [1]
 A row with BRANCHES is verified on its own (TargetEngine.verify_tree), the others in one forward.
 A row whose TOKENS are [-1] (flashmap.types.FOLLOW_TOKEN, a continuation) is fed the last
 token its sequence's previous verify decoded: that verify had no drafts and ended where this
@@ -120,7 +122,9 @@ class TritonPythonModel:
                 params[key] = os.environ[env]
         model_dir = params.get("model_dir", "")
         if not model_dir:
-            raise ValueError("flashmap_target: no checkpoint; set $FLASHMAP_TARGET_DIR or the model_dir parameter")
+            raise ValueError(
+                "flashmap_target: no checkpoint; set $FLASHMAP_TARGET_DIR or the model_dir parameter"
+            )
         device = params.get("device", "auto") or "auto"
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -129,13 +133,19 @@ class TritonPythonModel:
             dtype_name = "bfloat16" if device.startswith("cuda") else "float32"
         dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
         if dtype_name not in dtypes:
-            raise ValueError(f"flashmap_target: dtype must be auto or one of {sorted(dtypes)}, got {dtype_name!r}")
+            raise ValueError(
+                f"flashmap_target: dtype must be auto or one of {sorted(dtypes)}, got {dtype_name!r}"
+            )
         dtype = dtypes[dtype_name]
         graphs = (params.get("cuda_graphs", "auto") or "auto").lower()
         if graphs not in ("auto", "true", "false"):
-            raise ValueError(f"flashmap_target: cuda_graphs must be auto, true or false, got {graphs!r}")
+            raise ValueError(
+                f"flashmap_target: cuda_graphs must be auto, true or false, got {graphs!r}"
+            )
         if graphs == "true" and not device.startswith("cuda"):
-            raise ValueError(f"flashmap_target: cuda_graphs=true needs a CUDA device, the model runs on {device}")
+            raise ValueError(
+                f"flashmap_target: cuda_graphs=true needs a CUDA device, the model runs on {device}"
+            )
         max_seq_len = int(params["max_seq_len"]) if params.get("max_seq_len") else None
         try:
             self.cpus = parse_cpu_list(params["cpus"]) if params.get("cpus", "").strip() else None
@@ -179,11 +189,17 @@ class TritonPythonModel:
             "cuda_graphs": e.graphs is not None,
             "eos_token_ids": [int(x) for x in e.eos_token_ids],
             "kv_bytes_per_token": int(e.kv_bytes_per_token),
-            "feature_bytes_per_token": int(e.feature_bytes_per_token),  # kept features (VerifyRow.features_from)
+            "feature_bytes_per_token": int(
+                e.feature_bytes_per_token
+            ),  # kept features (VerifyRow.features_from)
             "idle_timeout_s": self.idle_timeout_s,
             "device": str(device),
             "dtype": dtype_name,
-            "cpus": "" if self.cpus is None else format_cpu_list(self.cpus),  # asked for the worker ("" = none); the log warns if it could not be
+            "cpus": ""
+            if self.cpus is None
+            else format_cpu_list(
+                self.cpus
+            ),  # asked for the worker ("" = none); the log warns if it could not be
         }
         self.info_bytes = json.dumps(self.info).encode()
 
@@ -202,7 +218,9 @@ class TritonPythonModel:
         self._jobs = queue.SimpleQueue()
         self._init_metrics()
         self._stop = threading.Event()
-        self._reaper = threading.Thread(target=self._reap_loop, name="flashmap-idle-reaper", daemon=True)
+        self._reaper = threading.Thread(
+            target=self._reap_loop, name="flashmap-idle-reaper", daemon=True
+        )
         self._reaper.start()
         self._worker = threading.Thread(target=self._work_loop, name="flashmap-worker", daemon=True)
         self._worker.start()
@@ -214,11 +232,17 @@ class TritonPythonModel:
         labels = {"model": self.info["model_name"]}
         kinds = {"gauge": pb_utils.MetricFamily.GAUGE, "counter": pb_utils.MetricFamily.COUNTER}
         # Keep the families alive as long as the model: its metrics die with them.
-        self._families = [pb_utils.MetricFamily(name=m.name, description=m.help, kind=kinds[m.kind])
-                          for m in TARGET_MODEL]
-        self.metrics = _SideChannel({spec.name: fam.Metric(labels=labels)
-                                     for spec, fam in zip(TARGET_MODEL, self._families)},
-                                    wake=lambda: self._jobs.put(()))  # an empty job: the worker flushes when due
+        self._families = [
+            pb_utils.MetricFamily(name=m.name, description=m.help, kind=kinds[m.kind])
+            for m in TARGET_MODEL
+        ]
+        self.metrics = _SideChannel(
+            {
+                spec.name: fam.Metric(labels=labels)
+                for spec, fam in zip(TARGET_MODEL, self._families)
+            },
+            wake=lambda: self._jobs.put(()),
+        )  # an empty job: the worker flushes when due
         self._log = self.metrics.log
         self.metrics.set("flashmap_target_slots", self.engine.n_slots)
         self.metrics.set("flashmap_target_active_sequences", 0)
@@ -283,7 +307,9 @@ class TritonPythonModel:
         return None  # decoupled: the worker answers each request
 
     def _work_loop(self):
-        if why := pin_worker(self.cpus, "worker"):  # a CPU outside the container's set: run unpinned, say so
+        if why := pin_worker(
+            self.cpus, "worker"
+        ):  # a CPU outside the container's set: run unpinned, say so
             self._log("warn", f"flashmap_target: {why}")
         while True:
             try:
@@ -312,7 +338,9 @@ class TritonPythonModel:
                 responses = self._execute(requests)
         except Exception as e:  # never leave a request unanswered
             self._log("error", "flashmap_target: " + traceback.format_exc())
-            responses = [_error(f"internal error: {type(e).__name__}: {e}", wire.ROW_INTERNAL)] * len(requests)
+            responses = [
+                _error(f"internal error: {type(e).__name__}: {e}", wire.ROW_INTERNAL)
+            ] * len(requests)
         t1 = time.perf_counter()
         for request, response in zip(requests, responses):
             try:
@@ -380,7 +408,9 @@ class TritonPythonModel:
                 packed[i][j] = o
         for i, outs in packed.items():
             blob = wire.packed_outputs([self._row_outputs(o) for o in outs])
-            responses[i] = pb_utils.InferenceResponse([pb_utils.Tensor("ROWS_OUT", np.array([[blob]], np.object_))])
+            responses[i] = pb_utils.InferenceResponse(
+                [pb_utils.Tensor("ROWS_OUT", np.array([[blob]], np.object_))]
+            )
         # Triton needs one response per request; none is left empty above, but never crash on it.
         return [r if r is not None else _error("no response", wire.ROW_INTERNAL) for r in responses]
 
@@ -395,7 +425,10 @@ class TritonPythonModel:
                 outcome[key] = result
                 if result[0] == "ok" and row.num_draft == 0:  # what a continuation of it is fed
                     decoded = result[1].decoded(row.params.greedy)
-                    self.follow[corrid] = (row.start_pos + len(row.tokens) + len(row.next_seeds), int(decoded[-1]))
+                    self.follow[corrid] = (
+                        row.start_pos + len(row.tokens) + len(row.next_seeds),
+                        int(decoded[-1]),
+                    )
                 else:
                     self.follow.pop(corrid, None)
                 if end:
@@ -413,7 +446,9 @@ class TritonPythonModel:
         queued for this execute's forward. Raises InvalidRequest."""
         if row is None:
             if not end:
-                raise InvalidRequest("TOKENS is empty (send END without tokens to release the sequence)")
+                raise InvalidRequest(
+                    "TOKENS is empty (send END without tokens to release the sequence)"
+                )
             # Release / cancel of a sequence this model holds; no other id is acknowledged.
             if not self._release(corrid):
                 raise InvalidRequest("unknown sequence")
@@ -422,14 +457,19 @@ class TritonPythonModel:
         if len(row.tokens) == 1 and row.tokens[0] == FOLLOW_TOKEN:
             pos, token = self.follow.get(corrid, (None, 0))
             if start or branches or row.num_draft or pos != row.start_pos:
-                raise InvalidRequest(FOLLOW_REFUSED + " a verify of its sequence without drafts that ended at "
-                                     "its START_POS, with no drafts of its own")
+                raise InvalidRequest(
+                    FOLLOW_REFUSED + " a verify of its sequence without drafts that ended at "
+                    "its START_POS, with no drafts of its own"
+                )
             row.tokens = np.array([token], np.int64)
         if start:
             self._release(corrid)  # a restarted sequence gets a fresh slot
             slot = self._allocate(now)
             if slot is None:
-                outcome[key] = (wire.ROW_UNAVAILABLE, f"no free KV slot (all {self.engine.n_slots} in use)")
+                outcome[key] = (
+                    wire.ROW_UNAVAILABLE,
+                    f"no free KV slot (all {self.engine.n_slots} in use)",
+                )
                 return
             self.slots[corrid] = slot
         elif corrid not in self.slots:
@@ -439,7 +479,9 @@ class TritonPythonModel:
         lo, hi = self.next_pos.get(corrid, (0, 0))
         if not lo <= row.start_pos <= hi:
             raise InvalidRequest("START_POS does not continue this sequence")
-        n = len(row.tokens) + len(row.next_seeds)  # NEXT_SEEDS: the decoded tokens but the last are cached too
+        n = len(row.tokens) + len(
+            row.next_seeds
+        )  # NEXT_SEEDS: the decoded tokens but the last are cached too
         self.next_pos[corrid] = (row.start_pos + n - row.num_draft, row.start_pos + n)
         self.last_use[corrid] = now
         row.slot = self.slots[corrid]
@@ -487,6 +529,7 @@ class TritonPythonModel:
 
     def _parse(self, request):
         """-> (kind, corrid, start, end, VerifyRow | None, branches); raises InvalidRequest."""
+
         def get(name):
             t = pb_utils.get_input_tensor_by_name(request, name)
             return None if t is None else t.as_numpy()
@@ -531,9 +574,13 @@ class _SideChannel:
     worker's responses, could stop returning (a counter stood still for good; shutdown waited
     on one past Triton's exit timeout)."""
 
-    def __init__(self, metrics: dict, interval_s: float = 0.25, wake=lambda: None, max_logs: int = 1000):
+    def __init__(
+        self, metrics: dict, interval_s: float = 0.25, wake=lambda: None, max_logs: int = 1000
+    ):
         self._metrics = metrics  # name -> pb_utils Metric
-        self._wake = wake  # called when something is recorded and nothing was: the worker may be idle
+        self._wake = (
+            wake  # called when something is recorded and nothing was: the worker may be idle
+        )
         self._counts: dict[str, float] = {}  # name -> increment not sent yet
         self._gauges: dict[str, float] = {}  # name -> value to set
         self._shown: dict[str, float] = {}  # name -> value Triton shows
@@ -562,7 +609,7 @@ class _SideChannel:
         """level: "info", "warn" or "error" (pb_utils.Logger.log_<level>)."""
         with self._lock:
             self._logs.append((level, message))
-            del self._logs[:-self._max_logs]
+            del self._logs[: -self._max_logs]
             self._record()
 
     def wait_s(self) -> float | None:
@@ -606,7 +653,9 @@ class _SideChannel:
 def _triton_code(row_code: int):
     # pb_utils.TritonError exists only once the stub runs the model, not at import.
     e = pb_utils.TritonError
-    return {wire.ROW_INVALID: e.INVALID_ARG, wire.ROW_UNAVAILABLE: e.UNAVAILABLE}.get(row_code, e.INTERNAL)
+    return {wire.ROW_INVALID: e.INVALID_ARG, wire.ROW_UNAVAILABLE: e.UNAVAILABLE}.get(
+        row_code, e.INTERNAL
+    )
 
 
 def _single_bytes(a) -> bytes:
@@ -617,9 +666,10 @@ def _single_bytes(a) -> bytes:
     return v if isinstance(v, bytes) else bytes(v)
 
 
-def _error(message: str, row_code: int) -> "pb_utils.InferenceResponse":
+def _error(message: str, row_code: int) -> pb_utils.InferenceResponse:
     # Each response answers one row: the engine's "row N: " prefix would only confuse. A gRPC
     # stream carries an error's message but not its code: the message leads with it (wire.tag_error).
     message = wire.tag_error(row_code, re.sub(r"^row \d+: ", "", message))
-    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message, _triton_code(row_code)))
-
+    return pb_utils.InferenceResponse(
+        output_tensors=[], error=pb_utils.TritonError(message, _triton_code(row_code))
+    )
