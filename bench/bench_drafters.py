@@ -2,7 +2,7 @@
 
 The quick counterpart of `flashmap eval`'s speed columns, for trying drafter settings:
 checkpoints given by path with their step count and draft cut, one domain at T = 0, request
-seeds as in `flashmap eval`. The timing is the eval's own (`training.evaluate.run_paired`):
+seeds as in `flashmap eval`. The timing is the eval's own (`flashmap.measure.run_paired`):
 every prompt is decoded by every method back to back, in a rotating order, `repeats` times;
 each method keeps its fastest run per prompt, and the speedup is the ratio of the summed
 fastest times (equal tokens at T = 0: the outputs are asserted identical).
@@ -27,14 +27,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 def main(argv: list[str] | None = None) -> int:
     from drafter_service.factory import load_model, make_proposer
+    from flashmap.measure import machine, run_paired, run_prompts
+    from flashmap.prompts import HELDOUT_PROMPTS, read_domain_prompts
     from target_service.engine import TargetEngine
-    from training.evaluate import (
-        DEFAULT_PROMPTS,
-        machine,
-        read_domain_prompts,
-        run_paired,
-        run_prompts,
-    )
 
     ap = argparse.ArgumentParser(
         prog="python -m bench.bench_drafters", description=__doc__.split("\n\n")[0]
@@ -69,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
 
     prompts = [
-        p for p in read_domain_prompts(DEFAULT_PROMPTS, args.target) if p["domain"] == args.domain
+        p for p in read_domain_prompts(HELDOUT_PROMPTS, args.target) if p["domain"] == args.domain
     ]
     prompts = prompts[args.offset : args.offset + args.prompts]
     engine = TargetEngine(

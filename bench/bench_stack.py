@@ -53,14 +53,15 @@ from drafter_service.factory import load_proposer
 from flashmap.client import AsyncClient, DrafterAdmin
 from flashmap.cpus import format_cpu_list, on_cpus
 from flashmap.inprocess import decode
+from flashmap.measure import machine
 from flashmap.metrics import scrape, totals
+from flashmap.prompts import HELDOUT_PROMPTS, read_domain_prompts
 from flashmap.rounds import speculative_round
 from flashmap.sequence import Sequence
 from flashmap.types import GenerationRequest
 from flashmap_cli.stack import Stack, StackConfig, default_checkpoints, threads_per_service
 from orchestrator.target_client import TargetClient, TritonTarget
 from target_service.engine import TargetEngine
-from training.evaluate import DEFAULT_PROMPTS, machine, read_domain_prompts
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "results"
 
@@ -487,7 +488,7 @@ def prompt_sets(target: str, vocab: int, n: int) -> dict[str, list[list[int]]]:
         ]
     }
     try:
-        text = [p["ids"] for p in read_domain_prompts(DEFAULT_PROMPTS, target)]
+        text = [p["ids"] for p in read_domain_prompts(HELDOUT_PROMPTS, target)]
         sets["held-out text"] = [text[i % len(text)] for i in range(n)]
     except (OSError, ValueError):  # a target without a tokenizer
         pass

@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from training.evaluate import machine
+from flashmap.measure import machine
 
 
 def _echo(r: int, w: int, cpu: int) -> None:

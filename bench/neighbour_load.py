@@ -69,9 +69,9 @@ def main(argv=None) -> int:
 
     from bench.bench_stack import NOTES_MARKER, fmt_ci, inprocess_run, prompt_sets, ratio_ci
     from flashmap.cpus import on_cpus, split_cpus
+    from flashmap.measure import machine
     from flashmap_cli.stack import default_checkpoints
     from target_service.engine import TargetEngine
-    from training.evaluate import machine
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     cpus = split_cpus(1)

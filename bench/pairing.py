@@ -29,9 +29,9 @@ from pathlib import Path
 
 from bench.bench_stack import OUT, chunks_of, fmt_ci, prompt_sets, ratio_ci, run_mode, warm_up
 from drafter_service.factory import load_proposer
+from flashmap.measure import machine
 from flashmap_cli.stack import Stack, StackConfig, default_checkpoints
 from target_service.engine import TargetEngine
-from training.evaluate import machine
 
 # The paths' short names and bench_stack's modes.
 PATHS = {

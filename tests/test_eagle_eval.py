@@ -359,7 +359,7 @@ def test_paired_timing_runs_every_prompt_with_every_method(world, monkeypatch):
     """run_paired: each prompt decoded by every runner back to back in rotating order, each
     runner keeps per prompt its fastest run; counts and outputs are those of one decode."""
     from flashmap import inprocess
-    from training import evaluate as ev
+    from flashmap.measure import run_paired, run_prompts
 
     _, target, engine = world
     proposer = FlashMapProposer(
@@ -375,7 +375,7 @@ def test_paired_timing_runs_every_prompt_with_every_method(world, monkeypatch):
 
     monkeypatch.setattr(inprocess, "decode", spy)
     prompts = [{"id": f"p{i}", "ids": [3 + i, 7, 11, 2 * i]} for i in range(2)]
-    runs = ev.run_paired(
+    runs = run_paired(
         engine, prompts, 0.0, 8, 0, {"alone": (None, 1, 1), "fm": (proposer, 1, 1)}, repeats=2
     )
     assert order == [
@@ -388,7 +388,7 @@ def test_paired_timing_runs_every_prompt_with_every_method(world, monkeypatch):
         ("fm", "p1"),
         ("alone", "p1"),
     ]
-    once = ev.run_prompts(engine, prompts, 0.0, 8, 0, proposer)
+    once = run_prompts(engine, prompts, 0.0, 8, 0, proposer)
     for name in ("alone", "fm"):
         assert len(runs[name]["prompt_walls"]) == 2 and runs[name]["wall_s"] == sum(
             runs[name]["prompt_walls"]

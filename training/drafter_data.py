@@ -38,6 +38,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from flashmap.prompts import read_prompt_lines
 from flashmap.types import SamplingParams, VerifyRow
 
 META_FILE = "meta.json"
@@ -63,45 +64,6 @@ _RESUME_KEYS = (
 
 
 # ----------------------------------------------------------------------------- prompts
-
-
-def read_prompt_lines(
-    path: str | Path, target_dir: str | Path | None = None
-) -> list[tuple[int, dict, list[int]]]:
-    """(line number, record, token ids) per non-empty line of a JSONL prompt file: each line has
-    "prompt_ids" (token ids) or "prompt" (text, encoded with the target checkpoint's
-    tokenizer, special tokens included as text). Shared by read_prompts and evaluate."""
-    path = Path(path)
-    tok = None
-    out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not JSON ({e})") from None
-        if "prompt_ids" in rec:
-            ids = [int(x) for x in rec["prompt_ids"]]
-        elif "prompt" in rec:
-            if tok is None:
-                if target_dir is None:
-                    raise ValueError(f"{path}:{n}: text prompts need the target's tokenizer")
-                tj = Path(target_dir) / "tokenizer.json"
-                if not tj.is_file():
-                    raise ValueError(
-                        f"{path}:{n}: text prompts need the target's tokenizer ({tj} is missing)"
-                    )
-                from tokenizers import Tokenizer
-
-                tok = Tokenizer.from_file(str(tj))
-            ids = tok.encode(rec["prompt"], add_special_tokens=False).ids
-        else:
-            raise ValueError(f'{path}:{n}: a prompt line needs "prompt_ids" or "prompt"')
-        if not ids:
-            raise ValueError(f"{path}:{n}: empty prompt")
-        out.append((n, rec, ids))
-    return out
 
 
 def read_prompts(path: str | Path, target_dir: str | Path | None = None) -> list[list[int]]:

@@ -28,7 +28,7 @@ and the conditional acceptance per slot P(slot k accepted | slots < k accepted, 
 drafted), counted from every round. At T = 0 every method's output must equal the
 target's (asserted).
 
-Timing is paired (`run_paired`): each prompt is decoded by the target alone and by every
+Timing is paired (`flashmap.measure.run_paired`): each prompt is decoded by the target alone and by every
 method back to back, --repeats times in rotating order, and per prompt the fastest run of
 each counts, so a slow stretch of a shared machine hits a method and its baseline alike.
 Resumable: the cells of each finished (domain, temperature) are written to a JSON cache
@@ -51,10 +51,8 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shlex
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,9 +60,10 @@ import numpy as np
 import torch
 
 from flashmap.checkpoint import read_config
+from flashmap.measure import machine, run_paired, run_prompts
+from flashmap.prompts import HELDOUT_PROMPTS, read_domain_prompts
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_PROMPTS = REPO / "training" / "data" / "heldout_prompts.jsonl"
 DEFAULT_OUT = REPO / "docs" / "results"
 DOMAIN_ORDER = ("code", "math", "chat")
 CACHE_FORMAT = "flashmap-eval-cells-v1"
@@ -99,20 +98,6 @@ class Method:
 
 
 # ----------------------------------------------------------------------------- inputs
-
-
-def read_domain_prompts(path: str | Path, target_dir: str | Path | None) -> list[dict]:
-    """[{domain, id, ids}] from a JSONL with "domain" and "prompt" (text, target tokenizer) or
-    "prompt_ids" per line (parsed by training.drafter_data.read_prompt_lines)."""
-    from training.drafter_data import read_prompt_lines
-
-    out = [
-        {"domain": str(rec.get("domain", "all")), "id": str(rec.get("id", n)), "ids": ids}
-        for n, rec, ids in read_prompt_lines(path, target_dir)
-    ]
-    if not out:
-        raise ValueError(f"{path}: no prompts")
-    return out
 
 
 def build_methods(args) -> tuple[list[Method], list[str]]:
@@ -235,89 +220,6 @@ def _trained_shared(checkpoint: str) -> bool:
 # ----------------------------------------------------------------------------- measuring
 
 
-def make_requests(prompts: list[dict], temperature: float, max_new: int, seed: int, eos: list[int]):
-    from flashmap.types import GenerationRequest, SamplingParams
-
-    return [
-        GenerationRequest(
-            list(p["ids"]),
-            max_new,
-            SamplingParams(temperature=float(temperature), seed=seed * 1_000_003 + i),
-            stop_token_ids=tuple(eos),
-            request_id=p["id"],
-        )
-        for i, p in enumerate(prompts)
-    ]
-
-
-def run_prompts(
-    engine, prompts, temperature, max_new, seed, proposer=None, steps=1, bar=None, tree_blocks=1
-) -> dict:
-    """Decode every prompt alone (concurrency 1) once with one method; see `run_paired`."""
-    return run_paired(
-        engine, prompts, temperature, max_new, seed, {"run": (proposer, steps, tree_blocks)}, 1, bar
-    )["run"]
-
-
-def run_paired(
-    engine, prompts, temperature, max_new, seed, runners: dict, repeats: int, bar=None
-) -> dict:
-    """Decode every prompt alone (concurrency 1) with every runner, name -> (proposer or None,
-    steps, tree_blocks), back to back, `repeats` times with the runners' order rotated.
-
-    Per runner and prompt the fastest run counts (its wall, draft and verify seconds): on a
-    shared machine the least disturbed run is the best estimate of the cost, and since a
-    prompt's runs by all runners lie within seconds of each other, a slow stretch of the
-    machine hits the baseline and the methods alike instead of one table cell. Counts and
-    outputs are the first repeat's (decoding is seeded: every repeat is the same).
-    Returns name -> totals, outputs, per-slot counts (cond_den: rounds that reached slot k,
-    cond_num: of those, rounds that accepted it)."""
-    from flashmap.inprocess import decode
-
-    names = list(runners)
-    requests = make_requests(
-        prompts, temperature, max_new, seed, engine.eos_token_ids
-    )  # read-only in decode
-    best: dict[str, list] = {m: [None] * len(prompts) for m in names}  # (wall, draft_s, verify_s)
-    first: dict[str, list] = {m: [None] * len(prompts) for m in names}  # (result, rounds)
-    for rep in range(max(1, repeats)):
-        for i, req in enumerate(requests):
-            for m in names[rep % len(names) :] + names[: rep % len(names)]:
-                proposer, steps, tree_blocks = runners[m]
-                t0 = time.perf_counter()
-                (res,) = decode(engine, [req], proposer, steps, tree_blocks)
-                wall = time.perf_counter() - t0
-                if best[m][i] is None or wall < best[m][i][0]:
-                    best[m][i] = (wall, res.stats.draft_s, res.stats.verify_s)
-                if first[m][i] is None:
-                    first[m][i] = res
-                if bar is not None:
-                    bar.update(1)
-    out = {}
-    for m in names:
-        outs = first[m]
-        walls = [b[0] for b in best[m]]
-        wall, drafts = sum(walls), sum(r.stats.drafts for r in outs)
-        accepted, tokens = sum(r.stats.accepted for r in outs), sum(len(r.token_ids) for r in outs)
-        out[m] = {
-            "outputs": [r.token_ids for r in outs],
-            "tokens": tokens,
-            "wall_s": wall,
-            "prompt_walls": walls,
-            "tok_s": tokens / max(wall, 1e-12),
-            "drafts": drafts,
-            "accepted": accepted,
-            "draft_tokens": sum(r.stats.draft_tokens for r in outs),
-            "rounds": sum(r.stats.rounds for r in outs),
-            "gamma": 1.0 + accepted / drafts if drafts else float("nan"),
-            "draft_s": sum(b[1] for b in best[m]),
-            "verify_s": sum(b[2] for b in best[m]),
-            "cond_den": np.sum([r.stats.verified_per_slot for r in outs], 0).tolist(),
-            "cond_num": np.sum([r.stats.accepted_per_slot for r in outs], 0).tolist(),
-        }
-    return out
-
-
 def make_proposer(m: Method, target: str, engine, device: str, cache: dict, compile: bool = False):
     """A fresh proposer for the method (the loaded model is shared between methods, and so are
     its compilations: SlotCacheProposer.enable_compile)."""
@@ -375,23 +277,6 @@ def cell_key(method: str, domain: str, temperature: float) -> str:
 
 
 # ----------------------------------------------------------------------------- report
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    gpu = f", GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""
-    return (
-        f"{platform.node() or 'host'}: {cpu}, {os.cpu_count()} CPU cores{gpu}, {platform.system()} "
-        f"{platform.release()}, Python {platform.python_version()}, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} torch threads"
-    )
 
 
 def _show(path) -> str:
@@ -866,7 +751,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m training.evaluate
         "at T = 0 (0 or 1: no tree row)",
     )
     ap.add_argument(
-        "--prompts", default=str(DEFAULT_PROMPTS), help="JSONL: domain + prompt (or prompt_ids)"
+        "--prompts", default=str(HELDOUT_PROMPTS), help="JSONL: domain + prompt (or prompt_ids)"
     )
     ap.add_argument(
         "--domains", default="", help="comma-separated (default: every domain in the prompts)"

@@ -356,7 +356,8 @@ def heldout_sequences(
     a held-out prompt file), without those whose per-domain index is in `exclude` (default:
     the selection prompts 11-26 of each domain); with `only`, just those per-domain indices
     (only=SELECTION, exclude=(): the selection prompts)."""
-    from training.drafter_data import list_shards, read_prompt_lines, read_shard
+    from flashmap.prompts import read_prompt_lines
+    from training.drafter_data import list_shards, read_shard
 
     lines = read_prompt_lines(prompts, target_dir)
     seqs = [s for path in list_shards(data_dir) for s in read_shard(path)]

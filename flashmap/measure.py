@@ -1,0 +1,120 @@
+"""What a measurement records beside its numbers: the machine it ran on, and paired timing of
+decoding methods in one process.
+
+Numpy only; torch is described when the caller has imported it.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def machine() -> str:
+    """One line: host, CPU, cores, GPU, OS, Python and (when imported) torch and its threads."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    torch = sys.modules.get("torch")
+    gpu = torch_info = ""
+    if torch is not None:
+        if torch.cuda.is_available():
+            gpu = f", GPU {torch.cuda.get_device_name(0)}"
+        torch_info = f", torch {torch.__version__}, {torch.get_num_threads()} torch threads"
+    return (
+        f"{platform.node() or 'host'}: {cpu}, {os.cpu_count()} CPU cores{gpu}, {platform.system()} "
+        f"{platform.release()}, Python {platform.python_version()}{torch_info}"
+    )
+
+
+def make_requests(prompts: list[dict], temperature: float, max_new: int, seed: int, eos: list[int]):
+    from flashmap.types import GenerationRequest, SamplingParams
+
+    return [
+        GenerationRequest(
+            list(p["ids"]),
+            max_new,
+            SamplingParams(temperature=float(temperature), seed=seed * 1_000_003 + i),
+            stop_token_ids=tuple(eos),
+            request_id=p["id"],
+        )
+        for i, p in enumerate(prompts)
+    ]
+
+
+def run_prompts(
+    engine, prompts, temperature, max_new, seed, proposer=None, steps=1, bar=None, tree_blocks=1
+) -> dict:
+    """Decode every prompt alone (concurrency 1) once with one method; see `run_paired`."""
+    return run_paired(
+        engine, prompts, temperature, max_new, seed, {"run": (proposer, steps, tree_blocks)}, 1, bar
+    )["run"]
+
+
+def run_paired(
+    engine, prompts, temperature, max_new, seed, runners: dict, repeats: int, bar=None
+) -> dict:
+    """Decode every prompt alone (concurrency 1) with every runner, name -> (proposer or None,
+    steps, tree_blocks), back to back, `repeats` times with the runners' order rotated.
+
+    Per runner and prompt the fastest run counts (its wall, draft and verify seconds): on a
+    shared machine the least disturbed run is the best estimate of the cost, and since a
+    prompt's runs by all runners lie within seconds of each other, a slow stretch of the
+    machine hits the baseline and the methods alike instead of one table cell. Counts and
+    outputs are the first repeat's (decoding is seeded: every repeat is the same).
+    Returns name -> totals, outputs, per-slot counts (cond_den: rounds that reached slot k,
+    cond_num: of those, rounds that accepted it)."""
+    from flashmap.inprocess import decode
+
+    names = list(runners)
+    requests = make_requests(
+        prompts, temperature, max_new, seed, engine.eos_token_ids
+    )  # read-only in decode
+    best: dict[str, list] = {m: [None] * len(prompts) for m in names}  # (wall, draft_s, verify_s)
+    first: dict[str, list] = {m: [None] * len(prompts) for m in names}  # (result, rounds)
+    for rep in range(max(1, repeats)):
+        for i, req in enumerate(requests):
+            for m in names[rep % len(names) :] + names[: rep % len(names)]:
+                proposer, steps, tree_blocks = runners[m]
+                t0 = time.perf_counter()
+                (res,) = decode(engine, [req], proposer, steps, tree_blocks)
+                wall = time.perf_counter() - t0
+                if best[m][i] is None or wall < best[m][i][0]:
+                    best[m][i] = (wall, res.stats.draft_s, res.stats.verify_s)
+                if first[m][i] is None:
+                    first[m][i] = res
+                if bar is not None:
+                    bar.update(1)
+    out = {}
+    for m in names:
+        outs = first[m]
+        walls = [b[0] for b in best[m]]
+        wall, drafts = sum(walls), sum(r.stats.drafts for r in outs)
+        accepted, tokens = sum(r.stats.accepted for r in outs), sum(len(r.token_ids) for r in outs)
+        out[m] = {
+            "outputs": [r.token_ids for r in outs],
+            "tokens": tokens,
+            "wall_s": wall,
+            "prompt_walls": walls,
+            "tok_s": tokens / max(wall, 1e-12),
+            "drafts": drafts,
+            "accepted": accepted,
+            "draft_tokens": sum(r.stats.draft_tokens for r in outs),
+            "rounds": sum(r.stats.rounds for r in outs),
+            "gamma": 1.0 + accepted / drafts if drafts else float("nan"),
+            "draft_s": sum(b[1] for b in best[m]),
+            "verify_s": sum(b[2] for b in best[m]),
+            "cond_den": np.sum([r.stats.verified_per_slot for r in outs], 0).tolist(),
+            "cond_num": np.sum([r.stats.accepted_per_slot for r in outs], 0).tolist(),
+        }
+    return out
