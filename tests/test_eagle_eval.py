@@ -156,6 +156,7 @@ def test_compiled_chain_is_lossless_in_decode(world):
 def test_training_step_lowers_loss_and_cli(world, tmp_path):
     from training import drafter_data as dd
     from training import train_eagle as te
+    from training import trainer
 
     root, target, engine = world
     rng = np.random.default_rng(0)
@@ -172,7 +173,7 @@ def test_training_step_lowers_loss_and_cli(world, tmp_path):
             progress=False,
         )
     model = init_eagle(target, seed=0, **TINY).train()
-    batch = te.make_seq_batch(te.SequenceStream(data).take(0, 4), 256)
+    batch = te.make_seq_batch(trainer.SequenceStream(data).take(0, 4), 256)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     losses = []
     for _ in range(5):
@@ -205,8 +206,8 @@ def test_training_step_lowers_loss_and_cli(world, tmp_path):
     ]
     assert te.main([*common, "--steps", "2"]) == 0
     assert te.main([*common, "--steps", "3", "--resume"]) == 0
-    assert torch.load(out / te.STATE_FILE, weights_only=False)["step"] == 3
-    assert (out / te.PNG_FILE).stat().st_size > 0
+    assert torch.load(out / trainer.STATE_FILE, weights_only=False)["step"] == 3
+    assert (out / trainer.PNG_FILE).stat().st_size > 0
     assert checkpoint_kind(out) == "eagle"
     assert load_eagle(out, target).cfg.train_depth == 2
 

@@ -1,5 +1,6 @@
-"""Flow diagnostics (training/flow_diagnostics.py): the denoiser curve and its gate, shuffles,
-acceptance, bootstrap intervals, and offline acceptance against a real (tiny, random) target.
+"""Flow diagnostics: the denoiser curve and its gate (training/denoiser_curve.py), shuffles,
+acceptance and bootstrap intervals (training/shuffle_test.py), and offline acceptance against a
+real (tiny, random) target (training/offline_acceptance.py, training/flow_diagnostics.py).
 
 Tiny random target (V = 512, H = 64) and drafters (dim 64, 1 block): seconds on two CPU cores.
 """
@@ -12,8 +13,10 @@ from drafter_helpers import distilled_world, randomize
 from drafter_service.checkpoint import init_drafter
 from drafter_service.flashmap_proposer import FlashMapProposer
 from flashmap.types import Draft, SamplingParams, VerifyRow
-from training import flow_diagnostics as fd
-from training import train_drafter as td
+from training import denoiser_curve as dc
+from training import flow, heldout, trainer
+from training import offline_acceptance as oa
+from training import shuffle_test as st
 
 TINY = dict(dim=64, n_blocks=1, n_heads=4, block_size=16, time_freq_dim=32, time_map_samples=2048)
 
@@ -30,13 +33,13 @@ def world(tmp_path_factory):
 
 
 def test_acceptance_and_proposal_probability():
-    assert fd.acceptance(np.ones(16)) == 17.0  # every slot and the bonus token
-    assert fd.acceptance(np.r_[0.0, np.ones(15)]) == 1.0  # the target's own token only
-    assert fd.acceptance(np.r_[1, 1, 0.5, 1]) == pytest.approx(1 + 1 + 1 + 0.5 + 0.5)
+    assert st.acceptance(np.ones(16)) == 17.0  # every slot and the bonus token
+    assert st.acceptance(np.r_[0.0, np.ones(15)]) == 1.0  # the target's own token only
+    assert st.acceptance(np.r_[1, 1, 0.5, 1]) == pytest.approx(1 + 1 + 1 + 0.5 + 0.5)
     d = Draft(
         np.array([3, 4]), np.array([[3, 9], [7, 4]]), np.array([[0.6, 0.4], [0.3, 0.7]], np.float32)
     )
-    np.testing.assert_allclose(fd.proposal_prob(d), [0.6, 0.7], rtol=1e-6)
+    np.testing.assert_allclose(st.proposal_prob(d), [0.6, 0.7], rtol=1e-6)
 
 
 def test_permutation_shuffle_takes_slot_k_from_block_k():
@@ -49,32 +52,32 @@ def test_permutation_shuffle_takes_slot_k_from_block_k():
         )
         for b in range(K)
     ]
-    s = fd.permutation_shuffle(blocks)
+    s = st.permutation_shuffle(blocks)
     np.testing.assert_array_equal(s.tokens, [0, 10, 20, 30])
     assert (
         s.support_ids[1, 1] == 10 and s.support_ids[0, 1] == -1
     )  # padded where block k had less support
     with pytest.raises(ValueError):
-        fd.permutation_shuffle(blocks[:3])
+        st.permutation_shuffle(blocks[:3])
 
 
 def test_paired_bootstrap_clusters():
     g = np.random.default_rng(0)
     a = g.normal(1.0, 1.0, 400)
-    r = fd.paired_bootstrap(a, np.zeros(400))
+    r = st.paired_bootstrap(a, np.zeros(400))
     assert r["lo"] < r["mean"] < r["hi"] and r["lo"] > 0.7 and r["hi"] < 1.3
     # Correlated anchors: 20 clusters whose members share their value. The cluster bootstrap
     # sees 20 observations, not 400, and its interval is wider.
     cl = np.repeat(np.arange(20), 20)
     b = np.repeat(g.normal(0.0, 1.0, 20), 20)
-    wide, narrow = fd.paired_bootstrap(b, clusters=cl), fd.paired_bootstrap(b)
+    wide, narrow = st.paired_bootstrap(b, clusters=cl), st.paired_bootstrap(b)
     assert (wide["hi"] - wide["lo"]) > 3 * (narrow["hi"] - narrow["lo"])
 
 
 def test_embedded_reader_is_the_gaussian_log_likelihood():
     g = torch.Generator().manual_seed(0)
     E = torch.randn(40, 8, generator=g, dtype=torch.float64)
-    reader = fd.EmbeddedReader(E)
+    reader = dc.EmbeddedReader(E)
     t = 0.7
     y = (1 - t) * torch.randn(3, 2, 40, generator=g, dtype=torch.float64) @ E + t * E[
         torch.tensor([[1, 2], [3, 4], [5, 6]])
@@ -97,30 +100,32 @@ def test_denoiser_curve_and_gate(world):
     with torch.no_grad():
         model.state_in.weight.zero_()
     batches = [
-        td.make_batch(td.SequenceStream(data).take(0, 4), 16, 4, 256, np.random.default_rng(0))
+        flow.make_batch(
+            trainer.SequenceStream(data).take(0, 4), 16, 4, 256, np.random.default_rng(0)
+        )
     ]
-    curve = fd.denoiser_curve(model, batches, taus=(0.0, 0.5, 0.9))
+    curve = dc.denoiser_curve(model, batches, taus=(0.0, 0.5, 0.9))
     assert [r["tau"] for r in curve] == [0.0, 0.5, 0.9]
     assert curve[0]["t"] == 0.0 and 0 < curve[1]["t"] < curve[2]["t"] < 1
     assert abs(curve[0]["denoiser"] - curve[2]["denoiser"]) < 1e-6  # the state is not read
-    assert not fd.reads_state(curve)
+    assert not dc.reads_state(curve)
     assert (
         curve[2]["state_bayes"] > curve[0]["state_bayes"] + 0.5
     )  # tau is what the embedded state tells
-    assert fd.reads_state([dict(tau=0.0, denoiser=0.5), dict(tau=0.9, denoiser=0.7)])
+    assert dc.reads_state([dict(tau=0.0, denoiser=0.5), dict(tau=0.9, denoiser=0.7)])
 
 
 def test_offline_acceptance_matches_a_fresh_target_pass(world):
     """T = 0: gamma = 1 + the drafted prefix the target's greedy decoding repeats, recomputed
     here without the cache reuse offline_acceptance does."""
     target, data, engine, prompts = world
-    seqs = fd.heldout_sequences(data, prompts, exclude=())
+    seqs = heldout.heldout_sequences(data, prompts, exclude=())
     assert [s.domain for s in seqs] == ["d0", "d1", "d0", "d1"] and [
         s.domain_index for s in seqs
     ] == [0, 0, 1, 1]
     model = randomize(init_drafter(target, seed=0, **TINY)).eval()
     prop = FlashMapProposer(model, n_slots=4, max_context=96)
-    res = fd.offline_acceptance(engine, prop, seqs[:2], temperature=0.0, steps=1, max_anchors=3)
+    res = oa.offline_acceptance(engine, prop, seqs[:2], temperature=0.0, steps=1, max_anchors=3)
     assert len(res.seq) == len(res.gamma["shared"]) == len(res.tokens) and len(res.seq) > 2
     assert set(res.gamma) == {"shared", "perm", "slot_noise"}
     anchors = {s.index: [a for a in s.anchors(16)] for s in seqs[:2]}
@@ -150,12 +155,12 @@ def test_offline_acceptance_matches_a_fresh_target_pass(world):
     finally:
         engine.release(slot)
     # T = 1: acceptance probabilities, so gamma is anywhere in [1, K + 1]
-    res1 = fd.offline_acceptance(
+    res1 = oa.offline_acceptance(
         engine, prop, seqs[:1], temperature=1.0, steps=1, max_anchors=2, shuffles=False
     )
     assert all(1.0 <= g <= 17.0 for g in res1.gamma["shared"])
     # averaged: the mean over all K runs and their K cyclic shuffles, one value per anchor
-    avg = fd.offline_acceptance(
+    avg = oa.offline_acceptance(
         engine, prop, seqs[:1], temperature=0.0, steps=1, max_anchors=2, averaged=True
     )
     assert set(avg.gamma) == {"shared", "perm", "slot_noise", "shared_avg", "perm_avg"}
@@ -169,7 +174,7 @@ def test_cyclic_shuffles_take_every_slot_from_another_run():
         Draft(np.full(K, j, np.int64), np.full((K, 1), j, np.int64), np.ones((K, 1), np.float32))
         for j in range(K)
     ]
-    shuffles = fd.cyclic_shuffles(blocks)
+    shuffles = st.cyclic_shuffles(blocks)
     assert len(shuffles) == K
     for j, s in enumerate(shuffles):
         assert s.tokens.tolist() == [(k + j) % K for k in range(K)]  # slot k from run (k + j) mod K

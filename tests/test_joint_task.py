@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from training import flow_diagnostics as fd
 from training import joint_task as jt
+from training.denoiser_curve import accuracy_at, denoiser_curve, reads_state
+from training.shuffle_test import acceptance
 
 
 @pytest.fixture(scope="module")
@@ -37,16 +38,16 @@ def test_task_is_hard_for_per_slot_marginals():
     first = int(np.argmax(task.modes[c, 0] != task.modes[c, 1]))
     from flashmap.types import Draft
 
-    g = fd.acceptance(jt.true_alpha(task, c, Draft.greedy(mode0)))
+    g = acceptance(jt.true_alpha(task, c, Draft.greedy(mode0)))
     p0 = float(task.probs[c, 0])
     assert g == pytest.approx(1 + first + p0 * (K - first))
 
 
 def test_flow_stage_makes_the_denoiser_read_its_state(trained):
     task, models = trained
-    curve = fd.denoiser_curve(models["teacher"], jt.check_batches(task))
-    assert fd.reads_state(curve)
-    assert fd.accuracy_at(curve, 0.9) > fd.accuracy_at(curve, 0.0) + 0.05
+    curve = denoiser_curve(models["teacher"], jt.check_batches(task))
+    assert reads_state(curve)
+    assert accuracy_at(curve, 0.9) > accuracy_at(curve, 0.0) + 0.05
 
 
 def test_flow_drafts_coherent_blocks_and_dflash_marginals_do_not(trained):

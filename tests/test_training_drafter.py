@@ -14,10 +14,12 @@ import torch
 from drafter_helpers import distilled_world, randomize
 
 from drafter_service.checkpoint import init_drafter, load_drafter
+from drafter_service.config import DrafterConfig
 from drafter_service.flashmap_dit import jump
 from drafter_service.flashmap_proposer import FlashMapProposer
 from flashmap.types import ProposeRequest
 from training import drafter_data as dd
+from training import flow, trainer
 from training import train_drafter as td
 
 TINY = dict(dim=64, n_blocks=1, n_heads=4, block_size=16, time_freq_dim=32)
@@ -30,8 +32,8 @@ def world(tmp_path_factory):
 
 
 def a_batch(data, n_seqs=3, anchors=4, seed=0):
-    stream = td.SequenceStream(data, seed=seed)
-    return td.make_batch(stream.take(0, n_seqs), 16, anchors, 256, np.random.default_rng(seed))
+    stream = trainer.SequenceStream(data, seed=seed)
+    return flow.make_batch(stream.take(0, n_seqs), 16, anchors, 256, np.random.default_rng(seed))
 
 
 # ----------------------------------------------------------------------------- data
@@ -114,9 +116,9 @@ def test_data_cli_and_prompt_files(world, tmp_path):
 
 def test_batch_anchors_inside_responses(world):
     _, data, _, _ = world
-    stream = td.SequenceStream(data, seed=0)
+    stream = trainer.SequenceStream(data, seed=0)
     seqs = stream.take(0, 4)
-    b = td.make_batch(seqs, 16, 3, 256, np.random.default_rng(1))
+    b = flow.make_batch(seqs, 16, 3, 256, np.random.default_rng(1))
     assert b.anchor.shape == b.lengths.shape == b.seq_index.shape and b.target.shape == (
         len(b.anchor),
         16,
@@ -131,12 +133,12 @@ def test_batch_anchors_inside_responses(world):
         # context = features strictly before the anchor
         assert torch.equal(b.features[int(b.seq_index[i]), :a], seq.features[:a].float())
     # the stream is a deterministic function of (seed, position) and covers every sequence per epoch
-    again = td.SequenceStream(data, seed=0)
+    again = trainer.SequenceStream(data, seed=0)
     assert all(torch.equal(x.tokens, y.tokens) for x, y in zip(seqs, again.take(0, 4)))
     assert len({tuple(s.tokens.tolist()) for s in stream.take(0, stream.total)}) == stream.total
     # sequences without an anchor inside the response (once cut to max_len) are left out
     _, _, _, prompts = world
-    short = td.SequenceStream(data, seed=0, max_len=9)
+    short = trainer.SequenceStream(data, seed=0, max_len=9)
     assert short.total == sum(len(p) <= 7 for p in prompts) < stream.total
     assert all(len(q.tokens[:9]) - 2 >= q.prompt_len for q in short.take(0, short.total))
 
@@ -158,7 +160,9 @@ def _fit(model, loss_fn, batch, steps=6, lr=3e-3):
     return losses
 
 
-@pytest.mark.parametrize("kind,loss_fn", [("flashmap", td.flow_loss), ("dflash", td.dflash_loss)])
+@pytest.mark.parametrize(
+    "kind,loss_fn", [("flashmap", flow.flow_loss), ("dflash", flow.dflash_loss)]
+)
 def test_training_step_lowers_loss(world, kind, loss_fn):
     target, data, _, _ = world
     model = init_drafter(target, seed=0, kind=kind, **TINY).train()
@@ -167,7 +171,7 @@ def test_training_step_lowers_loss(world, kind, loss_fn):
 
 
 def test_slot_weights_and_weighted_ce():
-    w = td.slot_weights(16, 7.0)
+    w = flow.slot_weights(16, 7.0)
     assert torch.allclose(w, torch.exp(-torch.arange(16) / 7.0))
     logits = torch.randn(3, 16, 10)
     target = torch.randint(0, 10, (3, 16))
@@ -177,13 +181,13 @@ def test_slot_weights_and_weighted_ce():
         logits.flatten(0, 1), target.flatten(), reduction="none"
     ).view(3, 16)
     wm = w * mask
-    assert torch.allclose(td.weighted_ce(logits, target, mask, w), (ce * wm).sum() / wm.sum())
+    assert torch.allclose(flow.weighted_ce(logits, target, mask, w), (ce * wm).sum() / wm.sum())
 
 
 def test_noisy_state_shares_one_draw():
     target = torch.randint(0, 50, (2, 16))
     t = torch.tensor([0.0, 0.3])
-    x = td.noisy_state(target, t, 50, torch.Generator().manual_seed(0))
+    x = flow.noisy_state(target, t, 50, torch.Generator().manual_seed(0))
     assert torch.equal(x[0], x[0, :1].expand(16, 50))  # t = 0: the same noise in every slot
     eps = x[1] - 0.3 * torch.nn.functional.one_hot(target[1], 50)
     assert torch.allclose(eps, eps[:1].expand(16, 50), atol=1e-6)
@@ -206,11 +210,11 @@ def test_semigroup_mixture_is_the_composed_jump(world):
     target, data, _, _ = world
     model = randomize(init_drafter(target, seed=0, **TINY)).eval()
     b = a_batch(data)
-    fn = td.bind(model, b)
+    fn = flow.bind(model, b)
     n = len(b.anchor)
     x, s, u, t = _jumps(n)
     with torch.no_grad():
-        pi_star = td.semigroup_target(fn, x, s, u, t)
+        pi_star = flow.semigroup_target(fn, x, s, u, t)
         x_u = jump(x, fn(x, s, u).softmax(-1), s, u)
         x_t = jump(x_u, fn(x_u, u, t).softmax(-1), u, t)
     assert torch.allclose(jump(x, pi_star, s, t), x_t, atol=1e-5)
@@ -221,12 +225,12 @@ def _semigroup_loss(fn, x, s, u, t):
     """Distillation loss with only semigroup rows, student = EMA side = fn."""
     n = len(s)
     w, mask, zero = (
-        td.slot_weights(16, 7.0),
+        flow.slot_weights(16, 7.0),
         torch.ones(n, 16, dtype=torch.bool),
         torch.zeros(n, dtype=torch.bool),
     )
     with torch.no_grad():
-        loss, stats = td.distill_loss_terms(
+        loss, stats = flow.distill_loss_terms(
             fn, None, lambda xx, a, b, rows: fn(xx, a, b), x, s, u, t, zero, mask, w
         )
     return loss.item()
@@ -236,7 +240,7 @@ def test_semigroup_loss_vanishes_where_it_must(world):
     target, data, _, _ = world
     model = randomize(init_drafter(target, seed=0, **TINY)).eval()
     b = a_batch(data)
-    fn = td.bind(model, b)
+    fn = flow.bind(model, b)
     x, s, u, t = _jumps(len(b.anchor))
     # u = s or u = t: both sides are the same single jump.
     at_s, at_t = _semigroup_loss(fn, x, s, s, t), _semigroup_loss(fn, x, s, t, t)
@@ -253,24 +257,24 @@ def test_zero_length_jump_loss_vanishes_for_student_equal_teacher(world):
     model = randomize(init_drafter(target, seed=0, **TINY)).eval()
     b = a_batch(data)
     with torch.no_grad():
-        loss, stats = td.distill_loss(model, model, model, b, torch.Generator().manual_seed(0))
+        loss, stats = flow.distill_loss(model, model, model, b, torch.Generator().manual_seed(0))
     assert stats["zero"] < 1e-5
     # A different teacher is not matched.
     other = randomize(init_drafter(target, seed=1, **TINY), seed=1).eval()
     with torch.no_grad():
-        _, stats = td.distill_loss(model, other, model, b, torch.Generator().manual_seed(0))
+        _, stats = flow.distill_loss(model, other, model, b, torch.Generator().manual_seed(0))
     assert stats["zero"] > 1e-3
 
 
 def test_jump_sampling_fractions():
-    cfg = td.DrafterConfig(
+    cfg = DrafterConfig(
         vocab_size=512,
         target_hidden_size=64,
         target_num_layers=4,
         feature_layers=[1],
         time_map="vocab",
     )  # a bare config: no embedding to measure the embedded map on
-    s, u, t, zero = td.sample_jumps(20000, 512, cfg, torch.Generator().manual_seed(0), "cpu")
+    s, u, t, zero = flow.sample_jumps(20000, 512, cfg, torch.Generator().manual_seed(0), "cpu")
     full = (s == 0) & (t == 1)
     assert abs(zero.float().mean().item() - 0.5) < 0.02
     assert abs(full.float().mean().item() - 1 / 16) < 0.01
@@ -280,7 +284,7 @@ def test_jump_sampling_fractions():
 
 def test_lr_schedule():
     cfg = td.TrainConfig(steps=100, warmup_steps=10, lr=1.0, min_lr_ratio=0.1)
-    f = [td.lr_factor(i, cfg) for i in range(100)]
+    f = [trainer.lr_factor(i, cfg) for i in range(100)]
     assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(f[10:], f[11:])) and f[99] == pytest.approx(0.1, abs=1e-3)
     paper = td.TrainConfig.for_stage("flow"), td.TrainConfig.for_stage("distill")
@@ -310,7 +314,7 @@ def test_warm_start_from_dflash_drafts_what_dflash_drafts(world):
         got = model(x, 0.0, 1.0, batch.anchor, ctx)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # ... and the state can be learnt: the flow loss moves the state projection off zero.
-    _fit(model.train(), td.flow_loss, batch, steps=2)
+    _fit(model.train(), flow.flow_loss, batch, steps=2)
     assert model.state_in.weight.abs().sum() > 0
     with pytest.raises(ValueError, match="dflash"):
         td.warm_start_from_dflash(model)
@@ -355,16 +359,16 @@ def test_cli_stages_resume_and_checkpoint(world, tmp_path):
         )
         == 0
     )
-    assert torch.load(flow / td.STATE_FILE, weights_only=False)["step"] == 2
+    assert torch.load(flow / trainer.STATE_FILE, weights_only=False)["step"] == 2
     assert (
         td.main(["--stage", "flow", "--out", str(flow), "--steps", "3", "--resume", *common]) == 0
     )
-    assert torch.load(flow / td.STATE_FILE, weights_only=False)["step"] == 3
-    assert _csv_steps(flow / td.CSV_FILE) == [1, 2, 3]
-    assert (flow / td.PNG_FILE).stat().st_size > 0
+    assert torch.load(flow / trainer.STATE_FILE, weights_only=False)["step"] == 3
+    assert _csv_steps(flow / trainer.CSV_FILE) == [1, 2, 3]
+    assert (flow / trainer.PNG_FILE).stat().st_size > 0
 
     model = load_drafter(flow, target)
-    st = torch.load(flow / td.STATE_FILE, weights_only=False)
+    st = torch.load(flow / trainer.STATE_FILE, weights_only=False)
     assert all(torch.equal(v, st["model"][k]) for k, v in model.state_dict().items())
     d = _drafts(model)
     assert d.tokens.shape == (16,) and ((0 <= d.tokens) & (d.tokens < 512)).all()
@@ -386,7 +390,7 @@ def test_cli_stages_resume_and_checkpoint(world, tmp_path):
         )
         == 0
     )
-    with open(dist / td.CSV_FILE) as f:
+    with open(dist / trainer.CSV_FILE) as f:
         row = list(csv.DictReader(f))[-1]
     assert {"loss", "zero", "semigroup"} <= set(row)
     assert _drafts(load_drafter(dist, target)).tokens.shape == (16,)
@@ -487,8 +491,8 @@ def test_cli_stages_resume_and_checkpoint(world, tmp_path):
 
     assert export_drafter.main([str(dist), str(tmp_path / "exported")]) == 0
     assert (
-        not (tmp_path / "exported" / td.STATE_FILE).exists()
-        and (tmp_path / "exported" / td.CSV_FILE).is_file()
+        not (tmp_path / "exported" / trainer.STATE_FILE).exists()
+        and (tmp_path / "exported" / trainer.CSV_FILE).is_file()
     )
     a, b = load_drafter(dist, target), load_drafter(tmp_path / "exported", target)
     for k, v in a.state_dict().items():
@@ -515,8 +519,8 @@ def test_distillation_loss_is_not_zero_for_a_student_that_ignores_its_inputs(wor
                 m.weight.zero_()  # ignores (s, t): the adaLN input is a constant
     b = a_batch(data)
     with torch.no_grad():
-        _, stats = td.distill_loss(student, teacher, student, b, torch.Generator().manual_seed(0))
-        _, self_stats = td.distill_loss(
+        _, stats = flow.distill_loss(student, teacher, student, b, torch.Generator().manual_seed(0))
+        _, self_stats = flow.distill_loss(
             student, student, student, b, torch.Generator().manual_seed(0)
         )
     assert self_stats["loss"] < 1e-6  # it is consistent with itself ...

@@ -9,12 +9,12 @@ from its marginal mostly gives blocks that are no continuation at all ("new dieg
 The frozen embedding E [V, H] is random with a spread spectrum like a trained one
 (V/H = 16 as in the demo target), so the state is read through the same squeeze.
 
-Everything else is the real pipeline: FlashMapDiT, `flow_loss` / `distill_loss` /
-`dflash_loss` and the training loop (train_drafter.run_stage, fed Batches built here),
-drafting by FlashMapProposer, the shuffle variants and the flow check of
-training/flow_diagnostics. The expected accepted length of a drafted block d against
-the true conditional is exact: 1 + sum_k prod_{j<=k} alpha_j with alpha_j =
-p(d_j | c, d_<j) for greedy drafts (min(1, p/q) for sampled ones).
+Everything else is the real pipeline: FlashMapDiT, the losses of training.flow and the
+training loop (train_drafter.run_stage, fed Batches built here), drafting by
+FlashMapProposer, the shuffle variants (training.shuffle_test) and the denoiser curve
+(training.denoiser_curve). The expected accepted length of a drafted block d against the
+true conditional is exact: 1 + sum_k prod_{j<=k} alpha_j with alpha_j = p(d_j | c, d_<j)
+for greedy drafts (min(1, p/q) for sampled ones). The report: training.joint_task_report.
 
     python -m training.joint_task --out docs/results/joint_task.md      # the full report (minutes)
     python -m training.joint_task --small --out /tmp/joint.md          # the CI-sized run
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import tempfile
 import time
@@ -39,8 +38,11 @@ from drafter_service.config import DrafterConfig
 from drafter_service.flashmap_dit import FlashMapDiT
 from drafter_service.flashmap_proposer import FlashMapProposer
 from flashmap.types import ProposeRequest
-from training import flow_diagnostics as fd
-from training.train_drafter import Batch, TrainConfig, run_stage
+from training.denoiser_curve import denoiser_curve
+from training.flow import Batch
+from training.joint_task_report import write_report
+from training.shuffle_test import acceptance, draft_variants, paired_bootstrap, proposal_prob
+from training.train_drafter import TrainConfig, run_stage
 
 # ----------------------------------------------------------------------------- the task
 
@@ -55,9 +57,7 @@ class JointTaskConfig:
     diverge_window: int = 8  # ... chosen among the first slots, where acceptance is decided
     block_size: int = 16
     context_len: int = 4
-    spectrum: float = (
-        46.0  # largest / smallest singular value of E (demo target: sqrt(cond(E^T E)) ~ 46)
-    )
+    spectrum: float = 46.0  # largest / smallest singular value of E, about the demo target's
     seed: int = 0
     # drafter and training
     dim: int = 128
@@ -211,7 +211,7 @@ def true_alpha(task: JointTask, c: int, draft) -> np.ndarray:
     min(1, p(d_k | c, d_<k) / q_k(d_k)) (q = 1 for greedy drafts)."""
     pre = prefix_probs(task, c, draft.tokens)
     cond = np.divide(pre[1:], pre[:-1], out=np.zeros(len(pre) - 1), where=pre[:-1] > 0)
-    return np.minimum(1.0, cond / np.maximum(fd.proposal_prob(draft), 1e-12))
+    return np.minimum(1.0, cond / np.maximum(proposal_prob(draft), 1e-12))
 
 
 def in_support(task: JointTask, c: int, tokens: np.ndarray) -> bool:
@@ -358,11 +358,9 @@ def evaluate_drafter(
     reqs, ctx = requests(task, temperature)
     variants = []
     for i in range(0, len(reqs), chunk):
-        variants += fd.draft_variants(prop, reqs[i : i + chunk], steps)
+        variants += draft_variants(prop, reqs[i : i + chunk], steps)
     g = {
-        k: np.array(
-            [fd.acceptance(true_alpha(task, c, getattr(v, k))) for v, c in zip(variants, ctx)]
-        )
+        k: np.array([acceptance(true_alpha(task, c, getattr(v, k))) for v, c in zip(variants, ctx)])
         for k in ("shared", "perm", "slot_noise")
     }
     support = np.array([in_support(task, c, v.shared.tokens) for v, c in zip(variants, ctx)])
@@ -380,8 +378,8 @@ def evaluate_drafter(
         gamma=float(g["shared"].mean()),
         gamma_perm=float(g["perm"].mean()),
         gamma_slot=float(g["slot_noise"].mean()),
-        delta_perm=fd.paired_bootstrap(g["shared"], g["perm"], ctx),
-        delta_slot=fd.paired_bootstrap(g["shared"], g["slot_noise"], ctx),
+        delta_perm=paired_bootstrap(g["shared"], g["perm"], ctx),
+        delta_slot=paired_bootstrap(g["shared"], g["slot_noise"], ctx),
         noise_changes=float(changed),
         mode_tv=float(np.mean(tv)) if tv else float("nan"),
     )
@@ -443,12 +441,12 @@ def run(cfg: JointTaskConfig, workdir: Path | None = None, log=print) -> dict:
     log(f"drafting metrics: {time.perf_counter() - t0:.0f} s")
     checks = check_batches(task)
     curves = {
-        name: fd.denoiser_curve(m, checks, prior=models["dflash"], time_map="embedded")
+        name: denoiser_curve(m, checks, prior=models["dflash"], time_map="embedded")
         for name, m in models.items()
         if m.cfg.kind == "flashmap" and name != "map"
     }
     curves_own = {
-        name: fd.denoiser_curve(m, checks)
+        name: denoiser_curve(m, checks)
         for name, m in models.items()
         if m.cfg.kind == "flashmap" and name != "map"
     }
@@ -459,127 +457,6 @@ def run(cfg: JointTaskConfig, workdir: Path | None = None, log=print) -> dict:
         curves=curves,
         curves_own_map=curves_own,
     )
-
-
-# ----------------------------------------------------------------------------- report
-
-
-def _ci(d: dict) -> str:
-    return f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]"
-
-
-def report_markdown(res: dict, command: str, png: str | None) -> str:
-    c = res["config"]
-    lines = [
-        "# Controlled joint-structure task",
-        "",
-        "| drafter | in support | gamma (shared noise) | Delta, permutation shuffle [95% CI] | "
-        "Delta, per-slot noise [95% CI] | slots a new draw changes | mode TV |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in res["rows"]:
-        lines.append(
-            f"| {r['drafter']} | {r['in_support']:.3f} | {r['gamma']:.2f} | {_ci(r['delta_perm'])} | "
-            f"{_ci(r['delta_slot'])} | {r['noise_changes']:.3f} | {r['mode_tv']:.3f} |"
-        )
-    lines += [
-        "",
-        f"Product of the DFlash-style marginals, exact in-support probability of a block sampled slot by "
-        f"slot: {res['product_of_marginals']:.3f}.",
-        "",
-        "Denoiser accuracy per slot against tau of the embedded map (same t for every drafter), beside the "
-        "state's vocabulary-space argmax, the Bayes decoder of one slot's embedded state, the DFlash-style "
-        "prior and prior + embedded likelihood:",
-        "",
-    ]
-    names = list(res["curves"])
-    lines.append(
-        "| tau (embedded) | t | tau (vocab) | "
-        + " | ".join(names)
-        + " | state argmax | embedded Bayes | DFlash prior | prior + embedded likelihood |"
-    )
-    lines.append("|" + "---:|" * (len(names) + 7))
-    ref = res["curves"][names[0]]
-    for i, r in enumerate(ref):
-        lines.append(
-            f"| {r['tau']:.2f} | {r['t']:.4f} | {r['tau_vocab']:.3f} | "
-            + " | ".join(f"{res['curves'][n][i]['denoiser']:.3f}" for n in names)
-            + f" | {r['state_argmax']:.3f} | {r['state_bayes']:.3f} | {r['prior']:.3f} | "
-            f"{r['prior_state_bayes']:.3f} |"
-        )
-    lines += [
-        "",
-        "The same teachers against tau of their own time map (where they were trained):",
-        "",
-        "| tau (own map) | " + " | ".join(f"{n} (t / acc)" for n in res["curves_own_map"]) + " |",
-        "|" + "---:|" * (len(res["curves_own_map"]) + 1),
-    ]
-    own = res["curves_own_map"]
-    for i, r in enumerate(next(iter(own.values()))):
-        lines.append(
-            f"| {r['tau']:.2f} | "
-            + " | ".join(f"{own[n][i]['t']:.3f} / {own[n][i]['denoiser']:.3f}" for n in own)
-            + " |"
-        )
-    lines += ["", "```", command, "```", ""]
-    if png:
-        lines += [f"![joint task]({png})", ""]
-    lines += [
-        f"Task: {c['n_contexts']} contexts, {c['n_modes']} modes each (equally likely in even contexts, "
-        f"4:2:1-like in odd ones), differing jointly in {c['diverge']} of the first {c['diverge_window']} of "
-        f"{c['block_size']} slots; V = {c['vocab_size']}, H = {c['hidden_size']}, random frozen E with singular "
-        f"values spread {c['spectrum']:.0f}x. Drafter: width {c['dim']}, {c['n_blocks']} DiT blocks; flow stage "
-        f"{c['flow_steps']} steps at {c['flow_lr']:g}, distillation {c['distill_steps']} at {c['distill_lr']:g}, "
-        f"DFlash-style {c['flow_steps'] + c['distill_steps']} steps from the same initialisation; batch "
-        f"{c['batch_size']}; {c['draws']} noise draws per context. gamma = 1 + sum_k prod_(j<=k) alpha_j with "
-        "alpha_j = p(d_j | c, d_<j) (exact, greedy drafts) or min(1, p/q) (sampled). Delta = gamma(shared) - "
-        "gamma(shuffled): permutation shuffle = slot k from an independent shared-noise run k; per-slot noise "
-        "= one pass with an independent draw per slot. Mode TV: total variation between how often each mode is "
-        "drafted (in-support blocks) and its probability, mean over contexts.",
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def plot(res: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
-    rows = res["rows"]
-    x = np.arange(len(rows))
-    a.bar(x - 0.2, [r["in_support"] for r in rows], 0.4, label="in support")
-    d = [r["delta_perm"] for r in rows]
-    a.bar(
-        x + 0.2,
-        [r["mean"] for r in d],
-        0.4,
-        yerr=[[r["mean"] - r["lo"] for r in d], [r["hi"] - r["mean"] for r in d]],
-        label="Delta (permutation shuffle)",
-    )
-    a.axhline(res["product_of_marginals"], color="k", ls=":", lw=1, label="product of marginals")
-    a.set_xticks(x)
-    a.set_xticklabels(
-        [r["drafter"].replace(", ", "\n", 1) for r in rows], fontsize=6, rotation=30, ha="right"
-    )
-    a.legend(fontsize=7)
-    a.set_title("coherence and joint structure")
-    for name, curve in res["curves"].items():
-        b.plot([r["t"] for r in curve], [r["denoiser"] for r in curve], "o-", ms=3, label=name)
-    ref = next(iter(res["curves"].values()))
-    t = [r["t"] for r in ref]
-    b.plot(t, [r["state_bayes"] for r in ref], "k--", lw=1, label="embedded Bayes decoder")
-    b.plot(t, [r["state_argmax"] for r in ref], "k:", lw=1, label="state argmax (vocab space)")
-    b.plot(t, [r["prior"] for r in ref], color="gray", lw=1, label="DFlash-style prior")
-    b.set_xlabel("t")
-    b.set_ylabel("per-slot accuracy")
-    b.set_title("denoiser against flow time")
-    b.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -611,14 +488,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     res = run(cfg, Path(args.workdir) if args.workdir else None)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    png = out.with_suffix(".png")
-    plot(res, png)
     command = "python -m training.joint_task " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )
-    out.write_text(report_markdown(res, command, png.name))
-    out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
+    write_report(res, out, command)
     print(out.read_text())
     return 0
 

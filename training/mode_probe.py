@@ -38,13 +38,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from training import flow_diagnostics as fd
-from training.flow_diagnostics import (
+from training.flow import noisy_state
+from training.heldout import (
     SELECTION,
+    anchor_rounds,
     heldout_batches,
     heldout_sequences,
-    paired_bootstrap,
+    spread_anchors,
 )
+from training.shuffle_test import paired_bootstrap
 
 
 @dataclass
@@ -118,10 +120,10 @@ def draft_all(
     n_par = proposer.n_slots if engine is None else min(proposer.n_slots, engine.n_slots)
     for g0 in range(0, len(seqs), n_par):
         group = seqs[g0 : g0 + n_par]
-        anchors = [fd.spread_anchors(s, K, max_anchors) for s in group]
+        anchors = [spread_anchors(s, K, max_anchors) for s in group]
         slots = [engine.allocate() for _ in group] if engine is not None else []
         try:
-            for r, live, reqs in fd.anchor_rounds(
+            for r, live, reqs in anchor_rounds(
                 proposer, group, anchors, 1.0 if v.sample or v.avg > 1 else 0.0, V, seed, prefix="p"
             ):
                 if (
@@ -169,8 +171,6 @@ def tau0_table(model, prior, batches, draws: int = 16, seed: int = 0) -> dict:
     """The denoiser at pure noise (t = 0) on held-out blocks: per-slot accuracy of one noise
     draw, of the logits averaged over `draws` draws, of the mean probability given to the
     right token, at a zero state; and the prior's accuracy and mean right-token probability."""
-    from training.train_drafter import noisy_state
-
     V = model.cfg.vocab_size
     acc = {
         k: [0.0, 0]

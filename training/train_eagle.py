@@ -14,7 +14,7 @@ as FlashMap's slot weights: step s drafts slot s+1).
 OUT holds the drafter checkpoint (config.json with kind "eagle" + model.safetensors, via
 save_eagle), train_state.pt (model, optimizer, scheduler, step), loss.csv and loss.png.
 The optimiser, schedule, data stream, loop, resume, logging and CLI options are those of
-training.train_drafter (run_training, SequenceStream, add_common_args: shared code, not copies).
+the FlashMap drafter's training (training.trainer).
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ from torch import Tensor
 
 from drafter_service.eagle import EagleDrafter, init_eagle
 from training.drafter_data import read_meta
-from training.train_drafter import (
+from training.trainer import (
     ConfigDict,
-    SequenceStream,  # noqa: F401
-    _check_data,
+    SequenceStream,
     add_common_args,
+    check_data,
     config_from_args,
     run_training,
 )
@@ -153,7 +153,7 @@ def train(
     """Train (or continue); returns the model (also saved in out)."""
     torch.manual_seed(tcfg.seed)
     model = init_eagle(target, seed=tcfg.seed, device=device, **tcfg.arch).train()
-    _check_data(read_meta(data), model.cfg)
+    check_data(read_meta(data), model.cfg)
     cols = (
         ["step", "lr", "loss"] + [f"acc{s}" for s in range(model.cfg.train_depth)] + ["elapsed_s"]
     )

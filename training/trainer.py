@@ -1,0 +1,351 @@
+"""What every drafter trainer shares (train_drafter's three stages, train_eagle): the data
+stream over the drafter data's shards, the optimiser and its schedule, the training loop
+with resume, logging and plots, and the command-line options.
+
+OUT (a run's output directory) holds the drafter checkpoint (config.json +
+model.safetensors, via save_drafter), train_state.pt (model, optimizer, scheduler, step and
+the trainer's extra modules), loss.csv and loss.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import time
+from collections import OrderedDict
+from dataclasses import asdict, fields, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from drafter_service.checkpoint import save_drafter
+from training.drafter_data import Shard, list_shards, shard_index
+
+STATE_FILE = "train_state.pt"
+CSV_FILE = "loss.csv"
+PNG_FILE = "loss.png"
+
+
+class ConfigDict:
+    """JSON dict form of a training-config dataclass (TrainConfig, train_eagle.EagleTrainConfig):
+    betas as a list; unknown keys (older / newer runs) are dropped on the way back."""
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        known = {f.name for f in fields(cls)}
+        d = {k: v for k, v in d.items() if k in known}
+        if "betas" in d:
+            d["betas"] = tuple(d["betas"])
+        return cls(**d)
+
+
+def lr_factor(step: int, cfg) -> float:
+    """Multiplier of the peak LR at `step` (0-based) for a training config `cfg` (warmup_steps,
+    steps, min_lr_ratio): linear warmup, then cosine."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    span = max(cfg.steps - cfg.warmup_steps, 1)
+    p = min((step - cfg.warmup_steps) / span, 1.0)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p))
+
+
+# ----------------------------------------------------------------------------- data
+
+
+class SequenceStream:
+    """A deterministic endless stream of sequences over the shards: epoch e visits the
+    shards in a seeded order and each shard's sequences in a seeded order. Position p of
+    the stream depends only on (seed, p), so a resumed run sees the same data.
+    Only sequences with an anchor inside the response (after cutting to max_len) are used."""
+
+    def __init__(
+        self, data_dir: str | Path, seed: int = 0, max_len: int | None = None, cache_shards: int = 2
+    ):
+        self.shards = list_shards(data_dir)
+        self.index = []  # per shard: the usable sequence numbers
+        for path in self.shards:
+            offsets, prompt_lens = shard_index(path)
+            lengths = np.diff(offsets)
+            if max_len is not None:
+                lengths = np.minimum(lengths, max_len)
+            self.index.append(np.nonzero(lengths - 2 >= prompt_lens)[0])
+        self.counts = [len(ix) for ix in self.index]
+        self.total = sum(self.counts)
+        if self.total == 0:
+            raise ValueError(
+                f"{data_dir}: no sequence has a response of >= 2 tokens within max_len {max_len}"
+            )
+        self.seed = seed
+        self._cache: OrderedDict[int, Shard] = OrderedDict()
+        self._cache_size = cache_shards
+
+    def _shard(self, i: int) -> Shard:
+        if i in self._cache:
+            self._cache.move_to_end(i)
+        else:
+            self._cache[i] = Shard(self.shards[i])
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return self._cache[i]
+
+    def get(self, p: int):
+        epoch, r = divmod(p, self.total)
+        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.shards))
+        for i in order:
+            if r < self.counts[i]:
+                idx = self.index[i][
+                    np.random.default_rng([self.seed, epoch, int(i)]).permutation(self.counts[i])[r]
+                ]
+                return self._shard(int(i))[int(idx)]
+            r -= self.counts[i]
+        raise AssertionError("unreachable")
+
+    def take(self, start: int, n: int) -> list:
+        return [self.get(p) for p in range(start, start + n)]
+
+
+def check_data(meta: dict, model_cfg) -> None:
+    """Refuse drafter data (their meta.json) made for another target than the drafter's config."""
+    if meta["target_vocab_size"] != model_cfg.vocab_size:
+        raise ValueError(
+            f"data vocab {meta['target_vocab_size']} != drafter vocab {model_cfg.vocab_size}"
+        )
+    if list(meta["feature_layers"]) != list(model_cfg.feature_layers):
+        raise ValueError(
+            f"data feature layers {meta['feature_layers']} != drafter's {model_cfg.feature_layers}"
+        )
+    if meta.get("embed_hash") and meta["embed_hash"] != model_cfg.embed_hash:
+        raise ValueError("the data were made with another target (embedding hash differs)")
+
+
+# ----------------------------------------------------------------------------- loop
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 and name != "pos_embed" else no_decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def plot_losses(csv_path: Path, png_path: Path, cols: list[str] | None = None) -> None:
+    """Plot of the loss columns of csv_path (default: every column but step, lr, elapsed_s)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(csv_path) as f:
+        rows = list(csv.DictReader(f))
+    if not rows:
+        return
+    cols = cols or [c for c in rows[0] if c not in ("step", "lr", "elapsed_s")]
+    steps = [int(r["step"]) for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for c in cols:
+        ys = [float(r[c]) if r[c] not in ("", "nan") else float("nan") for r in rows]
+        ax.plot(steps, ys, label=c)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    if all(float(r["loss"]) > 0 for r in rows):
+        ax.set_yscale("log")
+    ax.set_title(csv_path.parent.name)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+def run_training(
+    model: torch.nn.Module,
+    tcfg,
+    *,
+    stage: str,
+    out: str | Path,
+    resume: bool,
+    device: str,
+    progress: bool,
+    cols: list[str],
+    batch_fn,
+    loss_fn,
+    extra_modules: dict | None = None,
+    after_step=None,
+    postfix=None,
+    plot_cols: list[str] | None = None,
+    stage_name: str | None = None,
+    on_save=None,
+) -> torch.nn.Module:
+    """The training loop every drafter shares (train_drafter's stages, train_eagle).
+
+    AdamW with `_param_groups` and the `lr_factor` schedule; resume from OUT/train_state.pt
+    (refused when its "stage" is not `stage`; stage_name names the expected run in the
+    error, default repr(stage)); loss.csv keeps exactly the rows of steps already done; per
+    step batch_fn(step) (outside autocast) then loss_fn(batch) -> (loss, stats) under bf16
+    autocast when tcfg.amp on CUDA, gradient clipping, after_step() after the optimizer
+    step; every save_every steps the drafter checkpoint (save_drafter), train_state.pt
+    (model, optimizer, scheduler, step, train config, and extra_modules' state dicts: None
+    for a None module) and loss.png (plot_cols), then on_save(step). Returns the model in eval mode."""
+    from tqdm import tqdm
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    state_path, csv_path = out / STATE_FILE, out / CSV_FILE
+    extra_modules = extra_modules or {}
+    opt = torch.optim.AdamW(_param_groups(model, tcfg.weight_decay), lr=tcfg.lr, betas=tcfg.betas)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(i, tcfg))
+    start = 0
+    if resume and state_path.is_file():
+        st = torch.load(state_path, map_location=device, weights_only=False)
+        if st.get("stage") != stage:
+            raise ValueError(
+                f"{state_path} is a {st.get('stage')!r} run, not {stage_name or repr(stage)}"
+            )
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["optimizer"])
+        sched.load_state_dict(st["scheduler"])
+        for name, m in extra_modules.items():
+            if m is not None and st.get(name) is not None:
+                m.load_state_dict(st[name])
+        start = int(st["step"])
+    # The CSV keeps exactly the rows of steps already done (a crash may have logged past the last save).
+    old_rows = []
+    if start and csv_path.is_file():
+        with open(csv_path) as f:
+            old_rows = [r for r in csv.DictReader(f) if int(r["step"]) <= start]
+    with open(csv_path, "w", newline="") as f:
+        w = csv.DictWriter(f, cols)
+        w.writeheader()
+        w.writerows(old_rows)
+
+    amp = tcfg.amp and torch.device(device).type == "cuda"
+
+    def save(step: int) -> None:
+        save_drafter(model, out)
+        tmp = out / (STATE_FILE + ".tmp")
+        torch.save(
+            {
+                "stage": stage,
+                "step": step,
+                "train_config": tcfg.to_dict(),
+                "model": model.state_dict(),
+                "optimizer": opt.state_dict(),
+                "scheduler": sched.state_dict(),
+                **{
+                    name: None if m is None else m.state_dict() for name, m in extra_modules.items()
+                },
+            },
+            tmp,
+        )
+        tmp.replace(state_path)
+        plot_losses(csv_path, out / PNG_FILE, plot_cols)
+        if on_save is not None:
+            on_save(step)
+
+    t0 = time.perf_counter()
+    csv_f = open(csv_path, "a", newline="")
+    writer = csv.DictWriter(csv_f, cols, extrasaction="ignore")
+    bar = tqdm(
+        range(start, tcfg.steps), initial=start, total=tcfg.steps, desc=stage, disable=not progress
+    )
+    try:
+        for step in bar:
+            batch = batch_fn(step)
+            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=amp):
+                loss, stats = loss_fn(batch)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"step {step}: loss is {loss.item()}")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if tcfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
+            lr = opt.param_groups[0]["lr"]
+            opt.step()
+            sched.step()
+            if after_step is not None:
+                after_step()
+            done = step + 1
+            if done % tcfg.log_every == 0 or done == tcfg.steps or step == start:
+                writer.writerow(
+                    {
+                        "step": done,
+                        "lr": f"{lr:.3e}",
+                        "elapsed_s": f"{time.perf_counter() - t0:.2f}",
+                        **{k: f"{v:.6f}" for k, v in stats.items()},
+                    }
+                )
+                csv_f.flush()
+                if postfix is not None:
+                    bar.set_postfix(**postfix(stats, lr))
+            if done % tcfg.save_every == 0 or done == tcfg.steps:
+                save(done)
+    finally:
+        csv_f.close()
+    if start >= tcfg.steps:  # nothing to do: still leave a complete checkpoint behind
+        save(start)
+    return model.eval()
+
+
+# ----------------------------------------------------------------------------- CLI
+
+RUN_OPTIONS = (
+    "steps",
+    "lr",
+    "warmup_steps",
+    "batch_size",
+    "max_len",
+    "seed",
+    "save_every",
+    "log_every",
+)
+
+
+def add_common_args(ap: argparse.ArgumentParser, *, small_help: str, batch_help: str) -> None:
+    """The options of every drafter training CLI (train_drafter, train_eagle); each adds its own
+    (stage, architecture, ...). The RUN_OPTIONS ones override training-config fields."""
+    ap.add_argument(
+        "--target", required=True, help="target checkpoint directory (embedding / LM head, hashes)"
+    )
+    ap.add_argument("--data", required=True, help="directory written by training.drafter_data")
+    ap.add_argument(
+        "--out", required=True, help="output directory (drafter checkpoint + training state)"
+    )
+    ap.add_argument("--small", action="store_true", help=small_help)
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--lr", type=float, help="peak learning rate (cosine schedule with warmup)")
+    ap.add_argument("--warmup-steps", type=int)
+    ap.add_argument("--batch-size", type=int, help=batch_help)
+    ap.add_argument("--max-len", type=int)
+    ap.add_argument("--seed", type=int)
+    ap.add_argument("--save-every", type=int)
+    ap.add_argument("--log-every", type=int)
+    ap.add_argument(
+        "--resume", action="store_true", help="continue from OUT/train_state.pt if present"
+    )
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--no-progress", action="store_true")
+
+
+def config_from_args(
+    cfg,
+    args: argparse.Namespace,
+    run_options: tuple[str, ...] = (),
+    arch_options: tuple[str, ...] = (),
+):
+    """cfg with the options given on the command line: RUN_OPTIONS and run_options replace
+    its fields, arch_options its `arch` entries."""
+    given = lambda keys: {k: getattr(args, k) for k in keys if getattr(args, k) is not None}  # noqa: E731
+    return replace(
+        cfg, **given(RUN_OPTIONS + run_options), arch={**cfg.arch, **given(arch_options)}
+    )
