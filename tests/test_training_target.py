@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from training import corpus as C
+from training.target_data import WindowSampler
 from training.tokenizer import (
     CHAT_TEMPLATE,
     ENDOFTEXT,
@@ -25,7 +26,7 @@ from training.tokenizer import (
     save_tokenizer,
     train_tokenizer,
 )
-from training.train_target import WindowSampler, lr_at, make_model, window_loss
+from training.train_target import lr_at, make_model, window_loss
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "checkpoints" / "demo-target"
