@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from training import corpus as C
+from training.corpus_code import collect_defs
+from training.corpus_math import format_math, math_problem
 from training.target_data import WindowSampler
 from training.tokenizer import (
     CHAT_TEMPLATE,
@@ -47,9 +48,7 @@ SAMPLE_TEXTS = [
 
 @pytest.fixture(scope="module")
 def tiny_tokenizer(tmp_path_factory):
-    texts = SAMPLE_TEXTS * 20 + [
-        C.format_math(*C.math_problem(random.Random(i))) for i in range(200)
-    ]
+    texts = SAMPLE_TEXTS * 20 + [format_math(*math_problem(random.Random(i))) for i in range(200)]
     tok = train_tokenizer(texts, vocab_size=400)
     out = tmp_path_factory.mktemp("tok")
     save_tokenizer(tok, out)
@@ -96,12 +95,12 @@ def test_autotokenizer_chat_template(tiny_tokenizer):
 
 
 def test_math_generator_is_deterministic_and_correct():
-    a = [C.math_problem(random.Random(7)) for _ in range(3)]
-    b = [C.math_problem(random.Random(7)) for _ in range(3)]
+    a = [math_problem(random.Random(7)) for _ in range(3)]
+    b = [math_problem(random.Random(7)) for _ in range(3)]
     assert a == b
     rng = random.Random(0)
     for _ in range(500):
-        q, ans = C.math_problem(rng)
+        q, ans = math_problem(rng)
         assert re.search(r"The answer is (x = )?\d+\.$", ans), ans
         # Every chain "expr = expr = ..." in the worked solution is true arithmetic.
         for m in re.finditer(r"[\d(][\d\s+\-*/()]*(?:=[\d\s+\-*/()]+)+", ans):
@@ -114,7 +113,7 @@ def test_docstring_extraction():
         'def public(a, b=1):\n    """Add things.\n\n    More text."""\n    return a + b\n\n'
         'def _private():\n    """Hidden."""\n'
     )
-    defs = C._collect_defs(src, "mod")
+    defs = collect_defs(src, "mod")
     assert [(d.qualname, d.kind, d.args, d.doc) for d in defs] == [
         ("public", "function", "a, b=1", "Add things.")
     ]
