@@ -148,7 +148,9 @@ def collect_defs(text: str, module: str) -> list[Definition]:
                     # Headers that start with a decorator line are not used as prompts.
                     if not lines[start].lstrip().startswith(("def ", "async def ", "class ")):
                         header = ""
-                    out.append(Definition(module, qual, child.name, kind, args, para, src, header, body))
+                    out.append(
+                        Definition(module, qual, child.name, kind, args, para, src, header, body)
+                    )
                 if isinstance(child, ast.ClassDef):
                     visit(child, qual + ".", True)
 
@@ -203,4 +205,3 @@ def build_code(rng: random.Random, heldout_frac: float = 0.04, n_prompts: int = 
             {"domain": "code", "id": f"code-{j:03d}", "prompt": prompt, "reference": body}
         )
     return (train, heldout, prompts), train_defs, held_defs
-
