@@ -1,0 +1,400 @@
+"""DFlash as published (z-lab `dflash/model.py`): model, checkpoint layout and loader.
+
+A DFlash drafter is a stack of Qwen3-style decoder layers that drafts a whole block in one
+pass. The block is [anchor, mask, ..., mask] (`block_size` positions, the anchor at the
+position after the committed context), embedded with the target's embedding; its
+`block_size - 1` outputs after the anchor, through the final norm and the target's LM head,
+are the draft's logits. The target's context enters by "KV injection": the hidden states of
+the layers `target_layer_ids` of every committed position, concatenated and fused,
+
+    c_p = hidden_norm(fc([h_p^(l1), ..., h_p^(ln)]))                      [H]
+
+are projected by each layer's own k_proj / v_proj (k_norm, RoPE at position p) and
+prepended to that layer's keys and values, so every block position attends to the whole
+context and to the whole block (no causal mask). Only committed positions enter the
+context; the block's own keys are never kept.
+
+Checkpoint directory (the published layout): config.json, a Qwen3 config with
+`architectures: ["DFlashDraftModel"]`, `block_size` and `dflash_config: {target_layer_ids,
+mask_token_id}` (read at the top level too, as the reference does), and model.safetensors
+with `layers.{i}.self_attn.{q,k,v,o}_proj.weight`, `layers.{i}.self_attn.{q,k}_norm.weight`,
+`layers.{i}.mlp.{gate,up,down}_proj.weight`, `layers.{i}.{input,post_attention}_layernorm
+.weight`, `fc.weight`, `hidden_norm.weight`, `norm.weight`. The embedding and LM head are
+the target's.
+
+The context projection of all layers is one matmul over stacked k/v weights
+(`context_kv`), so a round's new positions of every sequence are written in one pass.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from drafter_service.flashmap_dit import FrozenTarget
+from flashmap.checkpoint import CheckpointError, load_embeddings, load_tensors, read_config
+
+ARCHITECTURE = "DFlashDraftModel"
+WEIGHTS_FILE = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    """The fields of a published DFlash config.json that the model reads."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    block_size: int = 16  # positions of the block: the anchor and block_size - 1 drafts
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    attention_bias: bool = False
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+
+    @property
+    def target_hidden_size(self) -> int:  # FrozenTarget: the embedding / LM head width
+        return self.hidden_size
+
+    @property
+    def feature_dim(self) -> int:
+        return len(self.target_layer_ids) * self.hidden_size
+
+    @staticmethod
+    def from_json(d: dict, where: str = "config.json") -> DFlashConfig:
+        """From a published config dict: `dflash_config` first, then the top level."""
+        sub = d.get("dflash_config") or {}
+        get = lambda k, default=None: sub.get(k, d.get(k, default))  # noqa: E731
+        rope = d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta")
+        try:
+            heads = int(d["num_attention_heads"])
+            ids = get("target_layer_ids")
+            if not ids:
+                raise KeyError("dflash_config.target_layer_ids")
+            if get("mask_token_id") is None:
+                raise KeyError("dflash_config.mask_token_id")
+            softcap = get("final_logit_softcapping")
+            return DFlashConfig(
+                hidden_size=int(d["hidden_size"]),
+                intermediate_size=int(d["intermediate_size"]),
+                num_hidden_layers=int(d["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(d.get("num_key_value_heads", heads)),
+                head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
+                vocab_size=int(d["vocab_size"]),
+                target_layer_ids=tuple(int(i) for i in ids),
+                mask_token_id=int(get("mask_token_id")),
+                block_size=int(get("block_size", 16)),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(rope or 1_000_000.0),
+                attention_bias=bool(d.get("attention_bias", False)),
+                output_multiplier=float(get("output_multiplier", 1.0)),
+                final_logit_softcapping=None if softcap is None else float(softcap),
+            )
+        except KeyError as e:
+            raise CheckpointError(f"{where}: missing field {e}") from None
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{where}: bad field ({e})") from None
+
+
+def is_dflash(config: dict) -> bool:
+    """Whether a config.json dict is a published DFlash drafter."""
+    return ARCHITECTURE in (config.get("architectures") or [])
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def rope(x: Tensor, pos: Tensor, theta: float) -> Tensor:
+    """Rotary embedding (Qwen3 / Llama "rotate half" layout) of x [..., n, heads, d] at
+    positions pos [..., n]."""
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+    ang = pos.float()[..., None] * inv  # [..., n, d/2]
+    cos = torch.cat([ang.cos(), ang.cos()], -1)[..., None, :].to(x.dtype)  # [..., n, 1, d]
+    sin = torch.cat([ang.sin(), ang.sin()], -1)[..., None, :].to(x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        h, kv, d, b = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.attention_bias
+        self.q_proj = nn.Linear(c.hidden_size, h * d, bias=b)
+        self.k_proj = nn.Linear(c.hidden_size, kv * d, bias=b)
+        self.v_proj = nn.Linear(c.hidden_size, kv * d, bias=b)
+        self.o_proj = nn.Linear(h * d, c.hidden_size, bias=b)
+        self.q_norm = nn.RMSNorm(d, eps=c.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(d, eps=c.rms_norm_eps)
+
+
+class MLP(nn.Module):
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.self_attn = Attention(c)
+        self.mlp = MLP(c)
+        self.input_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+
+
+class DFlashDrafter(FrozenTarget):
+    """The published DFlash network over the target's frozen embedding / LM head."""
+
+    def __init__(
+        self, cfg: DFlashConfig, embed: Tensor | None = None, lm_head: Tensor | None = None
+    ):
+        super().__init__()
+        self.cfg = cfg
+        self._init_target(embed, lm_head)
+        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.fc = nn.Linear(cfg.feature_dim, cfg.hidden_size, bias=False)
+        self.hidden_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self._stacked: tuple | None = None  # (weight versions, stacked k/v weights)
+
+    @property
+    def block_size(self) -> int:
+        """Draft tokens per block: the block's positions after the anchor."""
+        return self.cfg.block_size - 1
+
+    def _kv_weights(self) -> tuple[Tensor, Tensor | None, Tensor]:
+        """Every layer's k_proj and v_proj stacked: weight [n * 2 * kv * d, H], bias or None,
+        k_norm weights [n, 1, d]; rebuilt only when a weight changed (training)."""
+        attn = [layer.self_attn for layer in self.layers]
+        params = [p for a in attn for p in (*a.k_proj.parameters(), *a.v_proj.parameters())]
+        params += [a.k_norm.weight for a in attn]
+        key = tuple((id(p), p._version) for p in params)
+        if self._stacked is None or self._stacked[0] != key:
+            w = torch.cat([torch.cat([a.k_proj.weight, a.v_proj.weight]) for a in attn])
+            b = (
+                torch.cat([torch.cat([a.k_proj.bias, a.v_proj.bias]) for a in attn])
+                if self.cfg.attention_bias
+                else None
+            )
+            norms = torch.stack([a.k_norm.weight for a in attn])[:, None]  # [n, 1, d]
+            self._stacked = (key, (w.detach(), None if b is None else b.detach(), norms.detach()))
+        return self._stacked[1]
+
+    def context_kv(self, features: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """The injected keys and values of context positions, every layer in one pass.
+
+        features [N, n_feat * H] (the target's layers, concatenated), positions [N]
+        -> k, v [n_layers, N, kv_heads, head_dim] (k normalised and rotated)."""
+        c = self.cfg
+        n, kv, d = c.num_hidden_layers, c.num_key_value_heads, c.head_dim
+        ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))  # [N, H]
+        w, b, k_norm = self._kv_weights()
+        kvs = F.linear(ctx, w, b).view(-1, n, 2, kv, d)  # [N, n, 2, kv, d]
+        k = F.rms_norm(kvs[:, :, 0], (d,), eps=c.rms_norm_eps) * k_norm  # [N, n, kv, d]
+        k = rope(k.transpose(0, 1), positions[None].expand(n, -1), c.rope_theta)
+        return k, kvs[:, :, 1].transpose(0, 1)
+
+    def block_logits(
+        self,
+        anchor: Tensor,
+        start: Tensor,
+        ctx_k: list[Tensor],
+        ctx_v: list[Tensor],
+        lengths: Tensor,
+    ) -> Tensor:
+        """Draft logits [B, K, V] of the blocks after `anchor` [B] at positions `start` [B]
+        (the anchor's), attending to context keys / values [B, kv, W, d] per layer, of which
+        the first `lengths` [B] positions are real."""
+        c = self.cfg
+        B, S = anchor.shape[0], c.block_size
+        W = ctx_k[0].shape[2]
+        ids = torch.full((B, S), c.mask_token_id, dtype=torch.long, device=anchor.device)
+        ids[:, 0] = anchor
+        x = F.embedding(ids, self.embed)  # [B, S, H]
+        pos = start[:, None] + torch.arange(S, device=anchor.device)  # [B, S]
+        seen = torch.arange(W, device=anchor.device)[None] < lengths[:, None]  # [B, W]
+        mask = torch.cat([seen, seen.new_ones(B, S)], 1)[:, None, None]  # [B, 1, 1, W + S]
+        for layer, k_ctx, v_ctx in zip(self.layers, ctx_k, ctx_v):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = rope(a.q_norm(a.q_proj(h).view(B, S, -1, c.head_dim)), pos, c.rope_theta)
+            k = rope(a.k_norm(a.k_proj(h).view(B, S, -1, c.head_dim)), pos, c.rope_theta)
+            v = a.v_proj(h).view(B, S, -1, c.head_dim)
+            k = torch.cat([k_ctx, k.transpose(1, 2)], 2)  # [B, kv, W + S, d]
+            v = torch.cat([v_ctx, v.transpose(1, 2)], 2)
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, mask, enable_gqa=True)
+            x = x + a.o_proj(o.transpose(1, 2).reshape(B, S, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        logits = self.norm(x[:, 1:]) @ self.lm_head.T * c.output_multiplier  # [B, K, V]
+        if c.final_logit_softcapping:
+            logits = torch.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
+        return logits
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def check_fits(cfg: DFlashConfig, target: dict, where: str) -> None:
+    """Refuse a drafter whose shapes do not fit the target's config.json, naming the field."""
+    n = int(target["num_hidden_layers"])
+    if cfg.hidden_size != int(target["hidden_size"]):
+        raise CheckpointError(
+            f"{where}: hidden_size {cfg.hidden_size} does not fit the target's "
+            f"hidden_size {target['hidden_size']}"
+        )
+    if cfg.vocab_size != int(target["vocab_size"]):
+        raise CheckpointError(
+            f"{where}: vocab_size {cfg.vocab_size} does not fit the target's "
+            f"vocab_size {target['vocab_size']}"
+        )
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < n]
+    if bad or len(set(cfg.target_layer_ids)) != len(cfg.target_layer_ids):
+        raise CheckpointError(
+            f"{where}: target_layer_ids {list(cfg.target_layer_ids)} do not fit a target of "
+            f"{n} layers (distinct ids in [0, {n}))"
+        )
+    if not 0 <= cfg.mask_token_id < cfg.vocab_size:
+        raise CheckpointError(
+            f"{where}: mask_token_id {cfg.mask_token_id} is outside the vocabulary [0, {cfg.vocab_size})"
+        )
+
+
+def load_dflash(
+    directory: str | Path,
+    target_dir: str | Path,
+    device: str = "cpu",
+    dtype: torch.dtype | None = None,
+) -> DFlashDrafter:
+    """A published DFlash checkpoint directory over the target in target_dir."""
+    directory = Path(directory)
+    where = str(directory / "config.json")
+    cfg = DFlashConfig.from_json(read_config(directory), where)
+    check_fits(cfg, read_config(target_dir), where)
+    embed, lm_head = load_embeddings(target_dir)
+    model = DFlashDrafter(cfg)
+    state = load_tensors(directory)
+    want = model.state_dict()
+    missing = sorted(set(want) - set(state))
+    unknown = sorted(set(state) - set(want))
+    if missing or unknown:
+        raise CheckpointError(
+            f"{directory}: not the DFlash layout (missing {missing[:4]}, unexpected {unknown[:4]})"
+        )
+    for name, t in state.items():
+        if tuple(t.shape) != tuple(want[name].shape):
+            raise CheckpointError(
+                f"{directory}: {name} has shape {tuple(t.shape)}, the config wants "
+                f"{tuple(want[name].shape)}"
+            )
+    if dtype is None:
+        dtype = (
+            next(iter(state.values())).dtype if str(device).startswith("cuda") else torch.float32
+        )
+    model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
+    model.set_target(embed.float(), lm_head.float())
+    return model.to(device, dtype).eval()
+
+
+def published_config(cfg: DFlashConfig) -> dict:
+    """config.json of a DFlash checkpoint in the published layout."""
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "qwen3",
+        "block_size": cfg.block_size,
+        "dflash_config": {
+            "target_layer_ids": list(cfg.target_layer_ids),
+            "mask_token_id": cfg.mask_token_id,
+        },
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "num_target_layers": None,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "attention_bias": cfg.attention_bias,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "dtype": "bfloat16",
+    }
+
+
+def save_dflash(model: DFlashDrafter, directory: str | Path, num_target_layers: int) -> Path:
+    """Write model in the published layout (bf16 weights, as released)."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = published_config(model.cfg) | {"num_target_layers": num_target_layers}
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    state = {
+        k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in model.state_dict().items()
+    }
+    save_file(state, str(directory / WEIGHTS_FILE))
+    return directory
+
+
+def init_dflash(
+    target_dir: str | Path,
+    *,
+    num_hidden_layers: int = 1,
+    block_size: int = 16,
+    target_layer_ids: list[int] | None = None,
+    mask_token_id: int | None = None,
+    seed: int = 0,
+) -> DFlashDrafter:
+    """A freshly initialised DFlash for the target (its width, heads and vocabulary), e.g. to
+    write a tiny checkpoint in the published layout for tests, or to train one."""
+    from flashmap.types import feature_layers_for
+
+    t = read_config(target_dir)
+    n = int(t["num_hidden_layers"])
+    heads = int(t["num_attention_heads"])
+    cfg = DFlashConfig(
+        hidden_size=int(t["hidden_size"]),
+        intermediate_size=int(t["intermediate_size"]),
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=int(t.get("num_key_value_heads", heads)),
+        head_dim=int(t.get("head_dim") or int(t["hidden_size"]) // heads),
+        vocab_size=int(t["vocab_size"]),
+        target_layer_ids=tuple(target_layer_ids or feature_layers_for(n)),
+        mask_token_id=int(t["vocab_size"]) - 1 if mask_token_id is None else mask_token_id,
+        block_size=block_size,
+        rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(
+            t.get("rope_theta") or (t.get("rope_parameters") or {}).get("rope_theta", 1e6)
+        ),
+    )
+    check_fits(cfg, t, str(Path(target_dir) / "config.json"))
+    g = torch.Generator().manual_seed(seed)
+    model = DFlashDrafter(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, 0.02, generator=g)
+    embed, lm_head = load_embeddings(target_dir)
+    model.set_target(embed.float(), lm_head.float())
+    return model
