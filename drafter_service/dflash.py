@@ -392,7 +392,7 @@ def init_dflash(
     g = torch.Generator().manual_seed(seed)
     model = DFlashDrafter(cfg)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.ndim == 2:
                 p.normal_(0.0, 0.02, generator=g)
     embed, lm_head = load_embeddings(target_dir)
