@@ -1,0 +1,265 @@
+"""Serving proposer of a published EAGLE-3 drafter (drafter_service.eagle3): chains, and at
+temperature 0 EAGLE-2's dynamic tree.
+
+Per sequence a slot in static caches of the layer's keys / values ([n_slots, kv, max_context,
+d]) and of the fused features g ([n_slots, max_context, H]). Position p's key needs the token
+at p + 1, so the caches hold keys for positions 0..L-2 of a context of L; the last position
+runs with the anchor when drafting. `extend_many` writes every sequence's new positions with
+one fc and one k/v projection (keys need no attention: one layer).
+
+Tree (greedy rows): step 0 runs the last context position; each later step expands the
+`top_k` best nodes so far (by the sum of their path's log-probabilities), each with its own
+`top_k` children, attending to the context, the step-0 position and its ancestors; after
+`depth` steps the `tree_tokens` best of all children are the draft, a tree closed under
+parents (a child's score is at most its parent's). Sampling rows draft a chain of
+`tree_tokens` tokens, slot k drawn from the top-m of the drafter's law given the drafted
+prefix, as exact speculative sampling needs (drafter_service.proposals' rule).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from drafter_service.eagle3 import Eagle3Drafter
+from drafter_service.flashmap_proposer import request_generator
+from drafter_service.proposer import Proposer
+from drafter_service.slots import SlotTable
+from flashmap.types import Draft, ProposeRequest
+
+
+class Eagle3Proposer(Proposer):
+    def __init__(
+        self,
+        model: Eagle3Drafter,
+        n_slots: int = 64,
+        max_context: int = 4096,
+        device: str = "cpu",
+        tree_tokens: int = 16,
+        depth: int = 6,
+        top_k: int = 4,
+    ):
+        if not 1 <= top_k <= model.cfg.draft_vocab_size or depth < 1 or tree_tokens < 1:
+            raise ValueError(
+                f"need depth >= 1, tree_tokens >= 1 and 1 <= top_k <= the draft vocabulary, "
+                f"got depth {depth}, tree_tokens {tree_tokens}, top_k {top_k}"
+            )
+        self.device = torch.device(device)
+        self.model = model.to(self.device).eval()
+        c = model.cfg
+        self.cfg = c
+        self.block_size = tree_tokens
+        self.depth, self.top_k = depth, top_k
+        self.feature_dim = c.feature_dim
+        self.vocab_size = c.vocab_size
+        self.slots = SlotTable(n_slots, max_context)
+        dtype = model.fc.weight.dtype
+        shape = (n_slots, c.num_key_value_heads, max_context, c.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.g_cache = torch.zeros(
+            n_slots, max_context, c.hidden_size, dtype=dtype, device=self.device
+        )
+
+    @property
+    def n_slots(self) -> int:
+        return self.slots.n_slots
+
+    @property
+    def bytes_per_context_token(self) -> int:
+        c = self.cfg
+        return (
+            2 * c.num_key_value_heads * c.head_dim + c.hidden_size
+        ) * self.k_cache.element_size()
+
+    def release(self, seq_id: str) -> None:
+        self.slots.release(seq_id)
+
+    def context_length(self, seq_id: str) -> int:
+        return self.slots.context_length(seq_id)
+
+    def truncate(self, seq_id: str, length: int) -> None:
+        self.slots.truncate(seq_id, length)
+
+    def extend(self, seq_id: str, token_ids: np.ndarray, features) -> None:
+        self.extend_many([(seq_id, token_ids, features)])
+
+    @torch.inference_mode()
+    def extend_many(self, items: list[tuple[str, np.ndarray, object]]) -> None:
+        """Append committed positions of several sequences: (seq_id, token_ids [m],
+        features [m, F]) each. Position p's key is written once the token at p + 1 is known."""
+        g_slot, g_pos, feats = [], [], []
+        k_slot, k_pos, k_next = [], [], []
+        for seq_id, token_ids, f in items:
+            token_ids = np.asarray(token_ids, np.int64).reshape(-1)
+            m = len(token_ids)
+            if tuple(f.shape) != (m, self.feature_dim):
+                raise ValueError(
+                    f"features must be [{m}, {self.feature_dim}] for {m} tokens, got {tuple(f.shape)}"
+                )
+            slot, start = self.slots.reserve(seq_id, m)
+            if not m:
+                continue
+            g_slot.append(np.full(m, slot))
+            g_pos.append(np.arange(start, start + m))
+            feats.append(torch.as_tensor(f))
+            first = max(start - 1, 0)  # positions first..start+m-2 now know their next token
+            k_slot.append(np.full(start + m - 1 - first, slot))
+            k_pos.append(np.arange(first, start + m - 1))
+            k_next.append(token_ids[first + 1 - start :])
+            self.slots.lengths[slot] = start + m
+        if not feats:
+            return
+        dev = self.device
+        gs, gp = (torch.from_numpy(np.concatenate(a)).to(dev) for a in (g_slot, g_pos))
+        self.g_cache[gs, gp] = self.model.fuse(torch.cat([f.to(dev) for f in feats]))
+        ks, kp = (torch.from_numpy(np.concatenate(a)).to(dev) for a in (k_slot, k_pos))
+        if len(kp):
+            nxt = torch.from_numpy(np.concatenate(k_next)).to(dev)
+            _, k, v = self.model.qkv(self.g_cache[ks, kp], nxt, kp)  # [N, kv, d]
+            self.k_cache[ks, :, kp] = k
+            self.v_cache[ks, :, kp] = v
+
+    # ------------------------------------------------------------------ drafting
+    @torch.inference_mode()
+    def propose(self, requests: list[ProposeRequest], steps: int | None = None) -> list[Draft]:
+        """A tree per greedy request, a chain per sampling one (steps: accepted and ignored)."""
+        for r in requests:
+            if r.temperature < 0 or (r.temperature > 0 and r.top_m < 1):
+                raise ValueError(f"request {r.seq_id!r}: need temperature >= 0 and top_m >= 1")
+        out: list[Draft | None] = [None] * len(requests)
+        greedy = [i for i, r in enumerate(requests) if r.temperature == 0]
+        sampled = [i for i, r in enumerate(requests) if r.temperature > 0]
+        if greedy:
+            for i, d in zip(greedy, self._trees([requests[i] for i in greedy])):
+                out[i] = d
+        if sampled:
+            for i, d in zip(sampled, self._chains([requests[i] for i in sampled])):
+                out[i] = d
+        return out
+
+    def _start(self, requests: list[ProposeRequest], n_new: int):
+        """Keys / values of the cached context with room for n_new drafted positions, and the
+        step-0 inputs. Returns (k, v [B, kv, W + n_new, d], lengths [B], p0 [B], g0 [B, 1, H])."""
+        rows = [self.slots.lookup(r.seq_id) for r in requests]
+        L = torch.tensor([n for _, n in rows], device=self.device)
+        slot = torch.tensor([max(s, 0) for s, _ in rows], device=self.device)
+        p0 = (L - 1).clamp(min=0)  # the last context position, run with the anchor
+        W = int(p0.max())
+        k = self.k_cache.new_zeros(
+            len(rows), self.cfg.num_key_value_heads, W + n_new, self.cfg.head_dim
+        )
+        v = torch.zeros_like(k)
+        k[:, :, :W] = self.k_cache[slot, :, :W]
+        v[:, :, :W] = self.v_cache[slot, :, :W]
+        g0 = torch.where((L > 0)[:, None], self.g_cache[slot, p0], 0)[:, None]  # [B, 1, H]
+        return k, v, p0, W, g0
+
+    def _trees(self, requests: list[ProposeRequest]) -> list[Draft]:
+        B, kk, D, N = len(requests), self.top_k, self.depth, self.block_size
+        dev = self.device
+        n_new = 1 + kk * (D - 1)  # scratch positions: step 0, then kk nodes per later step
+        k, v, p0, W, g = self._start(requests, n_new)
+        T = W + n_new
+        key = torch.arange(T, device=dev)
+        ctx_seen = key[None] < p0[:, None]  # [B, T]: cached context keys
+        anchor = torch.tensor([int(r.anchor) for r in requests], device=dev)
+        # Step 0: the last context position with the anchor.
+        o, logp = self._step(
+            k, v, g, anchor[:, None], p0[:, None], W, (ctx_seen | (key == W))[:, None]
+        )
+        score, tok = logp[:, 0].topk(kk, -1)  # [B, kk]
+        cand_tok, cand_score, cand_parent = [tok], [score], [torch.full_like(tok, -1)]
+        seen = (ctx_seen | (key == W))[:, None].expand(
+            B, kk, T
+        )  # [B, kk, T]: each frontier node's keys
+        front_tok, front_score, front_o = tok, score, o.expand(B, kk, -1)
+        front_idx = torch.arange(kk, device=dev).expand(
+            B, kk
+        )  # candidate index of each frontier node
+        n_cand = kk
+        for i in range(1, D):
+            col = W + 1 + (i - 1) * kk + torch.arange(kk, device=dev)  # this step's key columns
+            seen = seen.clone()
+            seen[:, torch.arange(kk), col] = True  # a node sees itself
+            pos = (p0 + i)[:, None].expand(B, kk)
+            o, logp = self._step(
+                k, v, front_o, front_tok, pos, col, seen
+            )  # [B, kk, H], [B, kk, Vd]
+            child_score, child_tok = (front_score[..., None] + logp).topk(kk, -1)  # [B, kk, kk]
+            cand_tok.append(child_tok.flatten(1))
+            cand_score.append(child_score.flatten(1))
+            cand_parent.append(front_idx[..., None].expand(B, kk, kk).flatten(1))
+            best = child_score.flatten(1).topk(kk, -1).indices  # [B, kk] among kk * kk
+            parent = best // kk
+            front_tok = child_tok.flatten(1).gather(1, best)
+            front_score = child_score.flatten(1).gather(1, best)
+            front_o = o.gather(1, parent[..., None].expand(-1, -1, o.shape[-1]))
+            seen = seen.gather(1, parent[..., None].expand(-1, -1, T))
+            front_idx = n_cand + best
+            n_cand += kk * kk
+        tokens = torch.cat(cand_tok, 1).cpu().numpy()  # [B, n_cand] target ids
+        scores = torch.cat(cand_score, 1).float().cpu().numpy()
+        parents = torch.cat(cand_parent, 1).cpu().numpy()
+        return [_select(tokens[b], scores[b], parents[b], N) for b in range(B)]
+
+    def _step(self, k, v, g, tok, pos, col, seen) -> tuple[Tensor, Tensor]:
+        """One drafting step of n queries per row: hidden g [B, n, H], tokens / positions [B, n],
+        their keys go to columns col (an int, or [n]) of k / v; seen [B, n, T] masks the keys.
+        Returns the layer's output [B, n, H] and log-probs [B, n, Vd] mapped to target ids."""
+        q, kn, vn = self.model.qkv(g, tok, pos)  # [B, n, h|kv, d]
+        k[:, :, col] = kn.transpose(1, 2)
+        v[:, :, col] = vn.transpose(1, 2)
+        o = self.model.finish(g, q, k, v, seen[:, None])
+        logp, ids = self.model.log_probs(o)
+        full = logp.new_full((*logp.shape[:-1], self.vocab_size), float("-inf"))
+        return o, full.index_copy_(-1, ids, logp)
+
+    def _chains(self, requests: list[ProposeRequest]) -> list[Draft]:
+        B, N, dev = len(requests), self.block_size, self.device
+        k, v, p0, W, g = self._start(requests, N)
+        T = W + N
+        key = torch.arange(T, device=dev)
+        seen = (key[None] < p0[:, None])[:, None]  # [B, 1, T]
+        tok = torch.tensor([int(r.anchor) for r in requests], device=dev)[:, None]
+        gens = [request_generator(r.seed) for r in requests]
+        m_max = min(max(r.top_m for r in requests), self.vocab_size)
+        tokens = np.zeros((B, N), np.int64)
+        sup = np.full((B, N, m_max), -1, np.int64)
+        q_sup = np.zeros((B, N, m_max), np.float32)
+        for i in range(N):
+            seen = seen | (key == W + i)[None, None]
+            g, logp = self._step(k, v, g, tok, (p0 + i)[:, None], [W + i], seen)
+            top_l, top_i = (x.cpu() for x in logp[:, 0].topk(m_max, -1))
+            for b, r in enumerate(requests):
+                m = min(r.top_m, self.vocab_size)
+                q = (top_l[b, :m].double() / r.temperature).softmax(-1)
+                pick = int(torch.multinomial(q, 1, generator=gens[b])[0])
+                tokens[b, i] = int(top_i[b, pick])
+                sup[b, i, :m], q_sup[b, i, :m] = top_i[b, :m].numpy(), q.float().numpy()
+            tok = torch.from_numpy(tokens[:, i : i + 1]).to(dev)
+        return [
+            Draft(tokens[b].copy(), sup[b, :, : r.top_m].copy(), q_sup[b, :, : r.top_m].copy())
+            for b, r in enumerate(requests)
+        ]
+
+
+def _select(tokens: np.ndarray, scores: np.ndarray, parents: np.ndarray, n: int) -> Draft:
+    """The n best candidates as a tree closed under parents, parents before children: a Draft
+    whose `parents` index its own tokens (-1: the anchor)."""
+    order = np.argsort(-scores, kind="stable")
+    keep: set[int] = set()
+    for c in order:
+        if len(keep) >= n:
+            break
+        chain = []
+        while c >= 0 and c not in keep:
+            chain.append(int(c))
+            c = parents[c]
+        if len(keep) + len(chain) <= n:
+            keep.update(chain)
+    ids = sorted(keep)  # candidates are numbered level by level: parents come first
+    where = {c: i for i, c in enumerate(ids)}
+    par = np.array([where.get(int(parents[c]), -1) for c in ids], np.int64)
+    return Draft.tree(tokens[ids].astype(np.int64), par)
