@@ -167,7 +167,7 @@ class Eagle3Proposer(Proposer):
         anchor = torch.tensor([int(r.anchor) for r in requests], device=dev)
         # Step 0: the last context position with the anchor.
         o, logp = self._step(
-            k, v, g, anchor[:, None], p0[:, None], W, (ctx_seen | (key == W))[:, None]
+            k, v, g, anchor[:, None], p0[:, None], [W], (ctx_seen | (key == W))[:, None]
         )
         score, tok = logp[:, 0].topk(kk, -1)  # [B, kk]
         cand_tok, cand_score, cand_parent = [tok], [score], [torch.full_like(tok, -1)]
