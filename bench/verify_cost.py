@@ -1,23 +1,26 @@
 """What a verify costs on this machine: the engine's packed pass (target_service.packing)
 against one pass padded to the longest row, over the row mixes a serving round has.
 
-    python -m bench.verify_cost --target checkpoints/demo-target --threads 1
+    python -m bench.verify_cost --threads 1
 
-Prints, per row mix (16 rows by default, contexts of 100 tokens): the packed and the padded
-time (medians), their ratio, and the line seconds = c0 + c1 * tokens fitted to the packed
-times over the rows' total tokens (what the speculation controller's verify fit learns online).
-`--group-tokens` compares values of target_service.packing.GROUP_TOKENS.
+Per row mix (16 rows by default, contexts of 100 tokens; a prompt row is prefilled from
+position 0): the packed and the padded time (medians of --repeats), their ratio, and the line
+seconds = c0 + c1 * tokens fitted to the packed times of the decode rounds over the rows'
+total tokens (what the speculation controller's verify fit learns online). Each time is what
+`TargetEngine.verify` costs: validation, forward, statistics, features. `--group-tokens`
+compares values of target_service.packing.GROUP_TOKENS (printed, not in the report).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
 import numpy as np
-import torch
 
+from bench.common import RESULTS, add_options, set_threads, write_report
 from flashmap.types import SamplingParams, VerifyRow
 
 
@@ -49,25 +52,29 @@ def _median_s(fn, reps: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from target_service.engine import TargetEngine, _pack
-    from target_service.verification import verification_stats
-
     ap = argparse.ArgumentParser(
-        prog="python -m bench.verify_cost", description=__doc__.split("\n\n")[0]
+        prog="python -m bench.verify_cost",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--target", default="checkpoints/demo-target")
+    add_options(ap, target=None, repeats=15, threads=1, out=RESULTS / "verify_cost.md")
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--context", type=int, default=100)
     ap.add_argument("--prompt", type=int, default=64)
-    ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument(
         "--group-tokens", default="", help="comma-separated GROUP_TOKENS values to compare"
     )
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
+    import torch
+
+    from flashmap_cli.stack import default_checkpoints
+    from target_service.engine import TargetEngine, _pack
+    from target_service.verification import verification_stats
+
+    target, _, notes = default_checkpoints(args.target, "init")
     rng = np.random.default_rng(0)
-    engine = TargetEngine(args.target, n_slots=args.rows + 1)
+    engine = TargetEngine(target, n_slots=args.rows + 1)
     slots = [engine.allocate() for _ in range(args.rows)]
     spare = engine.allocate()
     engine.verify(
@@ -100,26 +107,46 @@ def main(argv: list[str] | None = None) -> int:
         "1 x 1": [1],
         "1 x 17": [17],
     }
-    print(f"{'rows':>28} {'tokens':>6} {'packed ms':>10} {'padded ms':>10} {'padded/packed':>14}")
+    table = [
+        "| rows | tokens | packed ms | padded ms | padded / packed |",
+        "|---|---:|---:|---:|---:|",
+    ]
     xs, ys = [], []
     for name, lengths in mixes.items():
         rows = _rows(engine, slots, spare, args.context, lengths, rng)
-        packed_s = _median_s(lambda: engine.verify(rows), args.reps)
-        padded_s = _median_s(lambda: padded(rows), args.reps)
+        packed_s = _median_s(lambda: engine.verify(rows), args.repeats)
+        padded_s = _median_s(lambda: padded(rows), args.repeats)
         if max(lengths) <= 17:
             xs.append(sum(lengths))
             ys.append(packed_s)
-        print(
-            f"{name:>28} {sum(lengths):6d} {packed_s * 1e3:10.2f} {padded_s * 1e3:10.2f} {padded_s / packed_s:14.2f}"
+        table.append(
+            f"| {name} | {sum(lengths)} | {packed_s * 1e3:.2f} | {padded_s * 1e3:.2f} | "
+            f"{padded_s / packed_s:.2f} |"
         )
+        print(table[-1], flush=True)
     c1, c0 = np.polyfit(xs, ys, 1)
-    print(f"packed decode rounds: {c0 * 1e3:.2f} ms + {c1 * 1e6:.1f} us per query token")
+    about = (
+        f"{n} rows at a context of {args.context} tokens, a {p}-token prompt prefilled from "
+        f"position 0; medians of {args.repeats}; target `{os.path.relpath(target)}`. Fit over "
+        f"the packed decode rounds: {c0 * 1e3:.2f} ms + {c1 * 1e6:.1f} us per query token."
+        + "".join(f" Note: {x}" for x in notes)
+    )
+    print(
+        write_report(
+            args.out,
+            "Verify cost: packed against padded (CPU)",
+            table,
+            about,
+            "bench.verify_cost",
+            argv,
+        )
+    )
     for gt in [float(v) for v in args.group_tokens.split(",") if v]:
         engine.group_tokens = gt
         times = [
             _median_s(
                 lambda: engine.verify(_rows(engine, slots, spare, args.context, lengths, rng)),
-                args.reps,
+                args.repeats,
             )
             for lengths in mixes.values()
         ]

@@ -1,5 +1,5 @@
-"""What a measurement records beside its numbers: the machine it ran on, and paired timing of
-decoding methods in one process.
+"""What a measurement records beside its numbers: the machine it ran on, the CPU time and peak
+memory of processes (from /proc), and paired timing of decoding methods in one process.
 
 Numpy only; torch is described when the caller has imported it.
 """
@@ -35,6 +35,38 @@ def machine() -> str:
         f"{platform.node() or 'host'}: {cpu}, {os.cpu_count()} CPU cores{gpu}, {platform.system()} "
         f"{platform.release()}, Python {platform.python_version()}{torch_info}"
     )
+
+
+def thread_ticks(pid: int) -> dict[int, int]:
+    """CPU ticks so far (user + system) of each thread of a process."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        out[int(task.name)] = int(fields[11]) + int(fields[12])
+    return out
+
+
+def peak_rss_mb(pid: int) -> float:
+    """Peak resident memory (VmHWM) of a process and all its descendants, summed, in MiB."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = Path(f"/proc/{d}/stat").read_text()
+                children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(d))
+            except (OSError, IndexError, ValueError):
+                pass
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        todo.extend(children.get(p, []))
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    total += int(line.split()[1])
+        except OSError:
+            pass
+    return total / 1024
 
 
 def make_requests(prompts: list[dict], temperature: float, max_new: int, seed: int, eos: list[int]):

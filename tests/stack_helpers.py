@@ -4,12 +4,11 @@ thread per process."""
 
 from __future__ import annotations
 
+import time
 import urllib.request
 from pathlib import Path
 
 import pytest
-
-from bench.probe_security import wait_until
 
 
 def _metrics_text(port: int) -> str:
@@ -30,6 +29,18 @@ def _total(samples, name: str, **labels) -> float:
         for s in samples
         if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
     )
+
+
+def wait_until(what: str, fn, timeout_s: float = 30.0, interval_s: float = 0.1):
+    """Call fn until it returns a truthy value, and return that; fail with `what` after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        last = fn()
+        if last:
+            return last
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what} (last: {last!r})")
 
 
 def _poll(what: str, fn, timeout_s: float = 20.0, interval_s: float = 0.05):

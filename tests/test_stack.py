@@ -180,7 +180,7 @@ def _all_idle(stack, client, admin):
 
 def _thread_cpus(pid: int) -> dict[int, tuple[set[int], int]]:
     """Each thread of a process: (the CPUs it may run on, its CPU ticks so far)."""
-    from bench.drafter_cpus import thread_ticks
+    from flashmap.measure import thread_ticks
 
     return {t: (os.sched_getaffinity(t), n) for t, n in thread_ticks(pid).items()}
 

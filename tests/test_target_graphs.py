@@ -474,7 +474,7 @@ def test_triton_kernels_match_torch_in_the_interpreter(ckpt_small):
     assert out["argmax_equal"] and out["feature_err"] < 1e-5, out
 
 
-# ------------------------------------------------------------------ bench/gpu_check.py
+# ------------------------------------------------------------------ bench/gpu.py
 
 
 def test_gpu_check_smoke_runs_every_section(tmp_path):
@@ -482,7 +482,7 @@ def test_gpu_check_smoke_runs_every_section(tmp_path):
     section runs without error, the JSON is written and the summary table comes last."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="2")
     p = subprocess.run(
-        [sys.executable, "bench/gpu_check.py", "--smoke", "--out", str(tmp_path)],
+        [sys.executable, "bench/gpu.py", "--smoke", "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         env=env,
