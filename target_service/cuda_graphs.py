@@ -1,8 +1,8 @@
 """CUDA graphs of the target's decode / verify pass, one per (batch bucket, query bucket[, context bucket]).
 
-Why: eagerly, a Qwen3-8B step on an H200 is launch-bound (docs/results/gpu_h200.md: 9 ms
-of GPU work behind 75 ms of CPU). Captured once per shape and replayed, a step costs one
-launch from the host (the gpt-fast / SGLang approach).
+Why: eagerly, a large target's step on a fast GPU is launch-bound: the host takes longer to
+issue the step's kernels than the GPU takes to run them. Captured once per shape and
+replayed, a step costs one launch from the host (the gpt-fast / SGLang approach).
 
 What is captured is `qwen3.padded_step` (the model's one forward over a [b, q] block), over static buffers:
 tokens and positions [b, q] (position -1 = padding) and slots [b]. A batch of B rows of at

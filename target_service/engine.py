@@ -29,24 +29,19 @@ Not thread-safe: callers (the Triton model) serialise calls.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from flashmap.host_memory import keep_freed_memory
-from flashmap.types import (
-    MAX_DECODE_STEPS,
-    InvalidRequest,
-    SamplingParams,
-    VerifyResult,
-    VerifyRow,
-    feature_layers_for,
-)
+from flashmap.types import VerifyResult, VerifyRow, feature_layers_for
 from target_service.kernels import self_check
 from target_service.packing import GROUP_TOKENS, pack
-from target_service.qwen3 import Qwen3, Qwen3Config, cast_features, forward_step
+from target_service.qwen3 import Qwen3, cast_features, forward_step
+from target_service.qwen3_config import Qwen3Config, generation_eos
+from target_service.row_checks import check_branches, check_slot, validate_rows
+from target_service.tree import best_branch, move_kv, tree_layout
 from target_service.verification import argmax_ids, verification_stats
 
 DEFAULT_MAX_SEQ_LEN = 4096
@@ -72,7 +67,7 @@ class TargetEngine:
         buckets at start-up (`enable_graphs` for other buckets or the batch-invariant mode).
         features_dtype: of the features handed back (float16 halves what travels to the drafter)."""
         model = Qwen3.from_pretrained(model_dir, device=device, dtype=dtype)
-        eos = list(model.config.eos_token_id) + _generation_eos(Path(model_dir))
+        eos = list(model.config.eos_token_id) + generation_eos(Path(model_dir))
         self._setup(model, n_slots, max_seq_len, feature_layers, eos, cuda_graphs, features_dtype)
 
     @classmethod
@@ -121,16 +116,11 @@ class TargetEngine:
         self.model = model
         self._feature_layers = tuple(layers)
         # Every cached position's features (rows without features, features_from), [slots, positions, F].
-        shape, dev = (
-            (n_slots, max_seq_len, len(layers) * c.hidden_size),
-            model.lm_head.weight.device,
-        )
-        self._features_np = (
-            np.float16 if features_dtype == torch.float16 else np.float32
-        )  # on the host
-        if (
-            dev.type == "cpu"
-        ):  # numpy's zeros leave untouched pages unmapped; torch's would write them all
+        shape = (n_slots, max_seq_len, len(layers) * c.hidden_size)
+        dev = model.lm_head.weight.device
+        self._features_np = np.float16 if features_dtype == torch.float16 else np.float32  # host
+        # numpy's zeros leave untouched pages unmapped; torch's would write them all.
+        if dev.type == "cpu":
             self._features = torch.from_numpy(np.zeros(shape, self._features_np))
         else:
             self._features = torch.zeros(shape, dtype=features_dtype, device=dev)
@@ -140,14 +130,13 @@ class TargetEngine:
         w = model.lm_head.weight
         self._device, self._dtype = w.device, w.dtype
         # Cast by torch where the features are made (on the device before a GPU's copy): numpy's
-        # float16 casts cost ~6x torch's.
+        # float16 casts are several times slower than torch's.
         self.features_dtype = features_dtype
         if w.device.type == "cpu":
             keep_freed_memory()  # the step's buffers stay mapped (flashmap.host_memory)
         self.graphs = None  # TargetGraphs after enable_graphs()
-        self.group_tokens = (
-            GROUP_TOKENS  # eager verifies: rows grouped for attention (target_service.packing)
-        )
+        # Eager verifies: rows grouped for attention (target_service.packing).
+        self.group_tokens = GROUP_TOKENS
         self.kernel_check: dict = {}  # the fused kernels' self-check on this device (kernels.self_check)
         if w.device.type == "cuda":
             self.kernel_check = self_check(
@@ -268,20 +257,14 @@ class TargetEngine:
     def release(self, slot: int) -> None:
         """Free a slot. Releasing a free slot is an error: it would hide a double release
         that, after reuse, frees another sequence's slot."""
-        self._check_slot(slot)
+        check_slot(slot, self._allocated)
         self._allocated[slot] = False
         self._length[slot] = 0
 
     def length(self, slot: int) -> int:
         """Tokens currently held by an allocated slot."""
-        self._check_slot(slot)
+        check_slot(slot, self._allocated)
         return self._length[slot]
-
-    def _check_slot(self, slot: int, where: str = "") -> None:
-        if not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.n_slots:
-            raise InvalidRequest(f"{where}slot {slot!r} out of range [0, {self.n_slots})")
-        if not self._allocated[slot]:
-            raise InvalidRequest(f"{where}slot {slot} is not allocated")
 
     # -- verify ----------------------------------------------------------------------
     def verify(self, rows: list[VerifyRow]) -> list[VerifyResult]:
@@ -442,95 +425,46 @@ class TargetEngine:
         return [VerifyResult(*s, features=f) for s, f in zip(stats, own)]
 
     def verify_tree(self, row: VerifyRow, branches: list[np.ndarray]) -> tuple[VerifyResult, int]:
-        """Greedy (T = 0) verification of several draft blocks after one anchor, in one pass.
-
-        row is the sequence's ordinary round, [.., anchor, d_1..d_K] (branch 0); branches are
-        more blocks of K tokens drafted after the same anchor. They are written after the row
-        at their own cache indices, with RoPE at their positions in the sequence and a tree
-        mask (each sees the context, the anchor and its own prefix), so every branch gets the
-        logits a plain verify of it would get. The branch with the longest prefix equal to the
-        target's argmax wins (the first on ties); its K/V entries are moved to the row's
-        positions, leaving the cache exactly as after `verify` of that branch alone. Returns
-        (that branch's VerifyResult, its index)."""
+        """Greedy (T = 0) verification of several draft blocks after one anchor, in one pass
+        (target_service.tree): row is the sequence's ordinary round, [.., anchor, d_1..d_K]
+        (branch 0); branches are more blocks of K tokens drafted after the same anchor. The
+        branch with the longest prefix equal to the target's argmax wins (the first on ties),
+        leaving the cache exactly as after `verify` of that branch alone. Returns (that
+        branch's VerifyResult, its index)."""
         (row,) = self._validate([row])
-        if len(row.next_seeds):
-            raise InvalidRequest("tree verification decodes one step: next_seeds must be empty")
-        if not row.params.greedy:
-            raise InvalidRequest("tree verification is greedy-only (temperature 0)")
+        blocks = check_branches(row, branches, self.vocab_size, self.max_seq_len)
         K, n = row.num_draft, len(row.tokens)
-        blocks = [np.asarray(b, np.int64) for b in branches]
-        if K == 0 and blocks:
-            raise InvalidRequest("tree verification needs a drafted row (num_draft > 0)")
-        for i, b in enumerate(blocks):
-            if b.shape != (K,) or ((b < 0) | (b >= self.vocab_size)).any():
-                raise InvalidRequest(
-                    f"branch {i + 1}: need {K} token ids in [0, {self.vocab_size}), got {b.tolist()}"
-                )
-        total = n + K * len(blocks)
-        if row.start_pos + total > self.max_seq_len:
-            raise InvalidRequest(
-                f"start_pos + tree tokens = {row.start_pos + total} > max_seq_len {self.max_seq_len}"
-            )
-        anchor = row.start_pos + n - K - 1  # the anchor's position
-        seq_pos = np.concatenate(
-            [row.start_pos + np.arange(n)] + [anchor + 1 + np.arange(K)] * len(blocks)
-        )
-        cache_pos = row.start_pos + np.arange(total)
-        # Visible: cache indices up to the anchor, then the query's own branch up to itself.
-        branch_start = np.concatenate(
-            [np.full(n, anchor + 1)]
-            + [np.full(K, row.start_pos + n + i * K) for i in range(len(blocks))]
-        )
-        j = np.arange(row.start_pos + total)
-        mask = (j[None] <= cache_pos[:, None]) & (
-            (j[None] <= anchor) | (j[None] >= branch_start[:, None])
-        )
-        dev = self._device
-        tokens = torch.as_tensor(np.concatenate([row.tokens, *blocks]), device=dev)[None]
-        want = np.zeros(total, bool)
-        want[n - K - 1 :] = True  # the anchor, branch 0 and the other branches
+        t = tree_layout(row, blocks)
+        total, dev = len(t.tokens), self._device
         try:
             with torch.inference_mode():
                 logits, features = self.model(
-                    tokens,
-                    torch.as_tensor(seq_pos, device=dev)[None],
+                    torch.as_tensor(t.tokens, device=dev)[None],
+                    torch.as_tensor(t.seq_pos, device=dev)[None],
                     torch.tensor([row.slot], device=dev),
                     torch.ones(1, total, dtype=torch.bool, device=dev),
-                    torch.as_tensor(want, device=dev)[None],
+                    torch.as_tensor(t.want, device=dev)[None],
                     self._feature_layers,
                     row.start_pos + total,
-                    torch.as_tensor(cache_pos, device=dev)[None],
-                    torch.as_tensor(mask, device=dev)[None, None],
+                    torch.as_tensor(t.cache_pos, device=dev)[None],
+                    torch.as_tensor(t.mask, device=dev)[None, None],
                 )
         except BaseException:
             self._length[row.slot] = min(self._length[row.slot], row.start_pos)
             raise
-        top = argmax_ids(logits)  # [1 + K * (1 + len(blocks))]
-        drafts = [row.tokens[n - K :], *blocks]
-        argmax = [
-            np.concatenate([top[:1], top[1 + i * K : 1 + (i + 1) * K]]) for i in range(len(drafts))
-        ]
-        accepted = [int(np.cumprod(d == a[:K]).sum()) for d, a in zip(drafts, argmax)]
-        best = int(np.argmax(accepted))
-        keep = (
-            np.concatenate([np.arange(n - K), n + (best - 1) * K + np.arange(K)])
-            if best
-            else np.arange(n)
-        )
-        if best:  # move the winner's K/V to the row's draft positions
+        argmax, best, keep = best_branch(argmax_ids(logits), row, blocks)
+        if best:  # the winner's K/V to the row's draft positions
             src = torch.as_tensor(row.start_pos + keep[n - K :], device=dev)
-            dst = torch.arange(anchor + 1, anchor + 1 + K, device=dev)
-            for layer in self.model.model.layers:
-                c = layer.self_attn.kv_cache
-                c.k[row.slot, :, dst] = c.k[row.slot, :, src]
-                c.v[row.slot, :, dst] = c.v[row.slot, :, src]
+            move_kv(
+                self.model, row.slot, src, torch.arange(t.anchor + 1, t.anchor + 1 + K, device=dev)
+            )
         self._length[row.slot] = row.start_pos + n
         (feats,) = self._keep_features(
             [row], cast_features(features, self.features_dtype).reshape(total, -1), [keep]
         )
         S = row.support_ids.shape[1]
         result = VerifyResult(
-            argmax[best],
+            argmax,
             np.zeros((0, S), np.float32),
             np.zeros(0, np.float32),
             np.full(K + 1, -1, np.int64),
@@ -539,107 +473,7 @@ class TargetEngine:
         return result, best
 
     def _validate(self, rows: list[VerifyRow]) -> list[VerifyRow]:
-        """Raise InvalidRequest (one line, naming the row) for any bad row; return the rows
-        with tokens [L] and support_ids [K, S] as int64 arrays."""
-        seen: set[int] = set()
-        out = []
-        V = self.vocab_size
-        for i, r in enumerate(rows):
-            where = f"row {i}: "
-            self._check_slot(r.slot, where)
-            if r.slot in seen:
-                raise InvalidRequest(f"{where}slot {r.slot} appears twice in one verify batch")
-            seen.add(r.slot)
-            t = np.asarray(r.tokens)
-            if t.ndim != 1 or t.size == 0:
-                raise InvalidRequest(
-                    f"{where}tokens must be a non-empty 1-D array, got shape {t.shape}"
-                )
-            if not np.issubdtype(t.dtype, np.integer):
-                raise InvalidRequest(f"{where}tokens must be integers, got dtype {t.dtype}")
-            bad = t[(t < 0) | (t >= V)]
-            if bad.size:
-                raise InvalidRequest(
-                    f"{where}token id {int(bad[0])} outside the vocabulary [0, {V})"
-                )
-            n, start, have = len(t), r.start_pos, self._length[r.slot]
-            if not 0 <= start <= have:
-                raise InvalidRequest(
-                    f"{where}start_pos {start} outside [0, {have}] (the slot holds {have} tokens)"
-                )
-            if start + n > self.max_seq_len:
-                raise InvalidRequest(
-                    f"{where}start_pos + len(tokens) = {start + n} > max_seq_len {self.max_seq_len}"
-                )
-            if not isinstance(r.params, SamplingParams):
-                raise InvalidRequest(
-                    f"{where}params must be SamplingParams, got {type(r.params).__name__}"
-                )
-            try:
-                r.params.validate()
-            except InvalidRequest as e:
-                raise InvalidRequest(f"{where}{e}") from None
-            sup = self._validate_support(r.support_ids, n, where)
-            seeds = np.asarray(r.next_seeds)
-            if seeds.ndim != 1 or not (np.issubdtype(seeds.dtype, np.integer) or seeds.size == 0):
-                raise InvalidRequest(
-                    f"{where}next_seeds must be a 1-D integer array, got shape {seeds.shape}"
-                )
-            if seeds.size:
-                if sup.shape[0]:
-                    raise InvalidRequest(
-                        f"{where}a row with drafts decodes one step: next_seeds must be empty"
-                    )
-                if seeds.size >= MAX_DECODE_STEPS:
-                    raise InvalidRequest(
-                        f"{where}{seeds.size + 1} decode steps; at most {MAX_DECODE_STEPS}"
-                    )
-                if start + n + seeds.size > self.max_seq_len:
-                    raise InvalidRequest(
-                        f"{where}start_pos + len(tokens) + len(next_seeds) = {start + n + seeds.size}"
-                        f" > max_seq_len {self.max_seq_len}"
-                    )
-            ff = r.features_from
-            if (
-                not isinstance(ff, (int, np.integer))
-                or not -1 <= ff <= start
-                or (ff >= 0 and not r.features)
-            ):
-                raise InvalidRequest(
-                    f"{where}features_from {ff!r}: -1, or a position in [0, start_pos {start}] "
-                    "of a row with features"
-                )
-            out.append(
-                dataclasses.replace(
-                    r,
-                    tokens=t.astype(np.int64, copy=False),
-                    support_ids=sup,
-                    next_seeds=seeds.astype(np.int64, copy=False),
-                )
-            )
-        return out
-
-    def _validate_support(self, sup: np.ndarray, n_tokens: int, where: str) -> np.ndarray:
-        sup = np.asarray(sup)
-        if sup.ndim != 2 or not (np.issubdtype(sup.dtype, np.integer) or sup.size == 0):
-            raise InvalidRequest(
-                f"{where}support_ids must be a 2-D integer array [K, S], got shape {sup.shape}"
-            )
-        K = sup.shape[0]
-        if K + 1 > n_tokens:
-            raise InvalidRequest(
-                f"{where}{K} draft tokens need at least {K + 1} input tokens, got {n_tokens}"
-            )
-        bad = sup[(sup < -1) | (sup >= self.vocab_size)]
-        if bad.size:
-            raise InvalidRequest(f"{where}support id {int(bad[0])} outside [-1, {self.vocab_size})")
-        # Sorted, a repeat is two equal neighbours; padding (-1) may repeat. One vectorised
-        # test: a loop of np.unique per slot cost ~70 us per 16-slot verify.
-        srt = np.sort(sup, axis=1)
-        dup = ((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any(axis=1)  # [K]
-        if dup.any():
-            raise InvalidRequest(f"{where}support_ids[{int(dup.argmax())}] repeats a token id")
-        return sup.astype(np.int64, copy=False)
+        return validate_rows(rows, self._allocated, self._length, self.vocab_size, self.max_seq_len)
 
 
 def _pack(rows: list[VerifyRow], L: int) -> tuple[np.ndarray, ...]:
@@ -656,14 +490,3 @@ def _pack(rows: list[VerifyRow], L: int) -> tuple[np.ndarray, ...]:
         want_logits[b, n - r.num_draft - 1 : n] = True
     slots = np.array([r.slot for r in rows], np.int64)
     return tokens, positions, slots, valid, want_logits
-
-
-def _generation_eos(model_dir: Path) -> list[int]:
-    """Extra stop ids from generation_config.json (Qwen3 lists <|endoftext|> there too)."""
-    try:
-        eos = json.loads((model_dir / "generation_config.json").read_text()).get("eos_token_id")
-    except (OSError, json.JSONDecodeError, AttributeError):
-        return []
-    if eos is None:
-        return []
-    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]

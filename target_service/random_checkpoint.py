@@ -6,11 +6,11 @@ that both transformers and target_service load. Nothing is downloaded: the weigh
 come from a seeded generator and the tokenizer is trained on the text below.
 
 Initialisation: transformers' default std of 0.02 makes the logits of a 64-wide
-model nearly uniform (logit std ~0.16, top-1 probability ~1/V), so the top-2 gap
-at temperature 0 is often within float rounding and greedy-equality tests flake.
-The default here is std = 2.5 / sqrt(hidden_size): logits then have a std of about
-2.5 (top-1 probability ~0.2, entropy ~3.7 nats for V=512), peaked like a language
-model yet far from one-hot, so top-k / top-p also have something to cut. RMSNorm
+model nearly uniform (top-1 probability close to 1/V), so the top-2 gap at
+temperature 0 is often within float rounding and greedy-equality tests flake.
+The default here is std = 2.5 / sqrt(hidden_size), which puts the logits' std near
+2.5: peaked like a language model yet far from one-hot, so top-k / top-p also have
+something to cut. RMSNorm
 gains are drawn around 1 (not all ones) so that a forward that ignores a gain
 cannot pass a comparison with transformers.
 """

@@ -25,7 +25,8 @@ from flashmap.types import (
 )
 from target_service.engine import NoFreeSlot, TargetEngine, _pack
 from target_service.packing import GROUP_TOKENS, length_groups
-from target_service.qwen3 import Qwen3, Qwen3Config
+from target_service.qwen3 import Qwen3
+from target_service.qwen3_config import Qwen3Config
 from target_service.random_checkpoint import make_random_qwen3
 from target_service.verification import argmax_ids, process_logits, verification_stats
 

@@ -171,28 +171,20 @@ def test_write_model_repository_sets_serving_values(tmp_path):
     )  # graphs wherever the device is CUDA
 
 
-def test_side_channel_sends_what_is_due_and_keeps_what_a_failed_call_did_not_send(monkeypatch):
+def test_side_channel_sends_what_is_due_and_keeps_what_a_failed_call_did_not_send():
     """Metric updates and log lines are IPC calls to the server, recorded anywhere and sent by
     the worker: the first record wakes it, nothing goes out before it is due (`wait_s` says
     when), and a call that raises leaves what it did not send for the next flush (a counter
     never loses increments, the newest gauge value wins, logs keep their order)."""
-    import importlib.util
-    import sys
     import types
 
+    from target_service.side_channel import SideChannel
+
     logged = []
-    fake = types.ModuleType("triton_python_backend_utils")
-    fake.Logger = types.SimpleNamespace(
+    logger = types.SimpleNamespace(
         log_info=lambda m: logged.append(("info", m)),
         log_error=lambda m: logged.append(("error", m)),
     )
-    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake)
-    path = (
-        Path(launcher.__file__).parent / "model_repository" / "flashmap_target" / "1" / "model.py"
-    )
-    spec = importlib.util.spec_from_file_location("flashmap_target_model", path)
-    model = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(model)
 
     class Metric:
         def __init__(self, fail: int = 0):
@@ -208,8 +200,8 @@ def test_side_channel_sends_what_is_due_and_keeps_what_a_failed_call_did_not_sen
             self.value = v
 
     rows, gauge, wakes = Metric(fail=1), Metric(), []
-    side = model._SideChannel(
-        {"rows": rows, "gauge": gauge}, interval_s=3600, wake=lambda: wakes.append(1)
+    side = SideChannel(
+        {"rows": rows, "gauge": gauge}, logger, interval_s=3600, wake=lambda: wakes.append(1)
     )
     assert side.wait_s() is None
     side.inc("rows", 5)
@@ -233,6 +225,34 @@ def test_side_channel_sends_what_is_due_and_keeps_what_a_failed_call_did_not_sen
         ("error", "second"),
     ]
     assert side.wait_s() is None and len(wakes) == 2
+
+
+def test_sequence_slots_admit_only_what_continues_a_sequence(engine):
+    """The model's bookkeeping without a server: START takes a slot, a row must start inside
+    what its sequence's last row left, a continuation row is fed the token the last row
+    without drafts decoded, END frees the slot, unknown and idle sequences are refused."""
+    import types
+
+    from flashmap.types import FOLLOW_TOKEN
+    from target_service.sequence_slots import SequenceSlots
+
+    seqs = SequenceSlots(engine, 60.0, types.SimpleNamespace(inc=print, log=print))
+    greedy = SamplingParams(temperature=0.0)
+    row = VerifyRow(-1, 0, np.array([5, 6, 7]), greedy)
+    assert seqs.admit(7, True, False, row, [], 0.0) is None and row.slot == seqs.slots[7]
+    result = engine.verify([row])[0]
+    seqs.verified(7, row, ("ok", result, 0))
+    with pytest.raises(InvalidRequest, match="START_POS"):
+        seqs.admit(7, False, False, VerifyRow(-1, 2, np.array([1]), greedy), [], 1.0)
+    follow = VerifyRow(-1, 3, np.array([FOLLOW_TOKEN]), greedy)
+    assert seqs.admit(7, False, False, follow, [], 1.0) is None
+    assert follow.tokens.tolist() == [int(result.decoded(True)[-1])]
+    assert seqs.admit(7, False, True, None, [], 2.0) == ("released",) and len(seqs) == 0
+    for corrid, start in ((7, False), (8, False)):
+        with pytest.raises(InvalidRequest, match="unknown sequence"):
+            seqs.admit(corrid, start, False, VerifyRow(-1, 0, np.array([1]), greedy), [], 3.0)
+    assert seqs.admit(9, True, False, VerifyRow(-1, 0, np.array([1]), greedy), [], 3.0) is None
+    assert seqs.reap_idle(3.0 + 61.0) == [9] and engine.free_slots == engine.n_slots
 
 
 # --------------------------------------------------------------------------- server

@@ -6,7 +6,8 @@ Each Triton sequence (correlation id) owns one KV slot of the engine:
   execute() call are verified by ONE engine.verify (one forward pass);
 - a request with END releases the slot after its verify (END with no tokens = release/cancel);
 - slots of sequences idle longer than max_sequence_idle_microseconds are freed here, because
-  Triton's sequence batcher drops idle sequences without telling the model;
+  Triton's sequence batcher drops idle sequences without telling the model
+  (target_service.sequence_slots keeps who holds which slot);
 - a request with INFO = true answers INFO_JSON (vocab size, feature layers, ...) instead.
 
 Tensor contract (config.pbtxt; every tensor has a leading batch dimension of 1; encoded and
@@ -64,7 +65,7 @@ flashmap_target_batch_answer_seconds_total (the answers handed to Triton: each s
 the server to take it) and flashmap_target_batch_cpu_seconds_total (the worker thread's CPU time
 in its runs: a run longer than its CPU time waited); sent with the model's log lines by the
 worker, between batches, at most every 0.25 s, so that one thread makes all of the model's calls
-into the stub (_SideChannel).
+into the stub (target_service.side_channel).
 """
 
 from __future__ import annotations
@@ -88,8 +89,10 @@ try:  # a clear message beats a bare ModuleNotFoundError in the server log
     from flashmap import wire
     from flashmap.cpus import TARGET_CPUS_ENV, format_cpu_list, parse_cpu_list, pin_worker
     from flashmap.metrics import TARGET_MODEL
-    from flashmap.types import FOLLOW_REFUSED, FOLLOW_TOKEN, InvalidRequest
+    from flashmap.types import InvalidRequest
     from target_service import engine as engine_module
+    from target_service.sequence_slots import SequenceSlots
+    from target_service.side_channel import SideChannel
 except ImportError as e:  # pragma: no cover - only in a misconfigured server
     raise ImportError(
         f"flashmap_target: cannot import the FlashMap project ({e}). Put the project root and an "
@@ -203,20 +206,12 @@ class TritonPythonModel:
         }
         self.info_bytes = json.dumps(self.info).encode()
 
-        self.slots: dict[int, int] = {}  # correlation id -> engine slot
-        # correlation id -> (lo, hi): the START_POS its next request may have (the anchor
-        # follows the last verify's accepted prefix), so no request can read or overwrite
-        # positions its sequence did not commit.
-        self.next_pos: dict[int, tuple[int, int]] = {}
-        self.last_use: dict[int, float] = {}  # correlation id -> time.monotonic() of last request
-        # correlation id -> (position, token): the last token a row without drafts decoded,
-        # not yet in the cache; what a continuation row (TOKENS [FOLLOW_TOKEN]) is fed.
-        self.follow: dict[int, tuple[int, int]] = {}
-        # The reaper thread and execute() both touch the engine's slots: one lock for both.
+        # The reaper thread and the worker both touch the engine's slots: one lock for both.
         self.lock = threading.Lock()
         # Decoupled: execute() queues, the worker runs the batches in order and answers them.
         self._jobs = queue.SimpleQueue()
         self._init_metrics()
+        self.seqs = SequenceSlots(self.engine, self.idle_timeout_s, self.metrics)
         self._stop = threading.Event()
         self._reaper = threading.Thread(
             target=self._reap_loop, name="flashmap-idle-reaper", daemon=True
@@ -236,59 +231,20 @@ class TritonPythonModel:
             pb_utils.MetricFamily(name=m.name, description=m.help, kind=kinds[m.kind])
             for m in TARGET_MODEL
         ]
-        self.metrics = _SideChannel(
+        self.metrics = SideChannel(
             {
                 spec.name: fam.Metric(labels=labels)
                 for spec, fam in zip(TARGET_MODEL, self._families)
             },
-            wake=lambda: self._jobs.put(()),
-        )  # an empty job: the worker flushes when due
+            pb_utils.Logger,
+            wake=lambda: self._jobs.put(()),  # an empty job: the worker flushes when due
+        )
         self._log = self.metrics.log
         self.metrics.set("flashmap_target_slots", self.engine.n_slots)
         self.metrics.set("flashmap_target_active_sequences", 0)
 
     def _update_active(self):
-        self.metrics.set("flashmap_target_active_sequences", len(self.slots))
-
-    # ------------------------------------------------------------------ slots
-
-    def _release(self, corrid: int) -> bool:
-        slot = self.slots.pop(corrid, None)
-        self.last_use.pop(corrid, None)
-        self.next_pos.pop(corrid, None)
-        self.follow.pop(corrid, None)
-        if slot is None:
-            return False
-        self.engine.release(slot)
-        return True
-
-    def _allocate(self, now: float) -> int | None:
-        """A free slot, or None. Triton admits at most n_slots sequences, so a new one finding
-        every slot taken means Triton already dropped an idle sequence that our reaper has not
-        freed yet (the two idle clocks start at slightly different times): free the least
-        recently used one if it has been idle for a while."""
-        try:
-            return self.engine.allocate()
-        except engine_module.NoFreeSlot:
-            pass
-        if not self.last_use:
-            return None
-        lru = min(self.last_use, key=self.last_use.get)
-        if now - self.last_use[lru] < self.idle_timeout_s / 2:
-            return None
-        self._release(lru)
-        self.metrics.inc("flashmap_target_idle_released_total")
-        self._log("info", f"flashmap_target: freed idle sequence {lru} for a new one")
-        return self.engine.allocate()
-
-    def _reap_idle(self, now: float) -> None:
-        stale = [c for c, t in self.last_use.items() if now - t > self.idle_timeout_s]
-        for c in stale:
-            self._release(c)
-        if stale:
-            self.metrics.inc("flashmap_target_idle_released_total", len(stale))
-            self._update_active()
-            self._log("info", f"flashmap_target: freed {len(stale)} idle sequence(s): {stale}")
+        self.metrics.set("flashmap_target_active_sequences", len(self.seqs))
 
     def _reap_loop(self):
         # Idle sequences must be freed even when no request arrives to trigger execute().
@@ -296,7 +252,8 @@ class TritonPythonModel:
         while not self._stop.wait(interval):
             try:
                 with self.lock:
-                    self._reap_idle(time.monotonic())
+                    if self.seqs.reap_idle(time.monotonic()):
+                        self._update_active()
             except Exception:  # never let the reaper die silently
                 self._log("error", "flashmap_target reaper: " + traceback.format_exc())
 
@@ -329,8 +286,7 @@ class TritonPythonModel:
 
     def _run_job(self, requests, t_queued: float) -> None:
         # Answers go out from this thread, before the next batch: a second Python thread sending
-        # them while the next forward ran gained nothing, measured twice (the second time 1.007x
-        # over 72 requests, bench_stack_c1.md notes).
+        # them while the next forward ran was tried, and gained nothing.
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         t0, cpu0 = time.perf_counter(), time.thread_time()
         try:
@@ -358,7 +314,8 @@ class TritonPythonModel:
         """Every row of every request (a one-row request, or each row of a packed round) is
         admitted on its own; the admitted rows without branches share one forward."""
         now = time.monotonic()
-        self._reap_idle(now)
+        if self.seqs.reap_idle(now):
+            self._update_active()
         responses = [None] * len(requests)
         packed: dict[int, list] = {}  # request index -> outcome per row of its ROWS
         outcome = {}  # (request index, row index or None) -> ("ok", result, best) | ("released",) | error
@@ -372,7 +329,13 @@ class TritonPythonModel:
                 trees.clear()
                 queued.clear()
             queued.add(corrid)
-            self._admit(key, corrid, start, end, row, branches, now, outcome, rows, trees)
+            done = self.seqs.admit(corrid, start, end, row, branches, now)
+            if done is not None:
+                outcome[key] = done
+            elif branches:
+                trees.append((key, corrid, end, row, branches))
+            else:
+                rows.append((key, corrid, end, row))
 
         for i, request in enumerate(requests):
             try:
@@ -423,72 +386,16 @@ class TritonPythonModel:
             self.metrics.set("flashmap_target_batch_size", len(rows))
             for (key, corrid, end, row), result in zip(rows, results):
                 outcome[key] = result
-                if result[0] == "ok" and row.num_draft == 0:  # what a continuation of it is fed
-                    decoded = result[1].decoded(row.params.greedy)
-                    self.follow[corrid] = (
-                        row.start_pos + len(row.tokens) + len(row.next_seeds),
-                        int(decoded[-1]),
-                    )
-                else:
-                    self.follow.pop(corrid, None)
+                self.seqs.verified(corrid, row, result)
                 if end:
-                    self._release(corrid)
+                    self.seqs.release(corrid)
         for key, corrid, end, row, branches in trees:
             outcome[key] = self._verify_tree(row, branches)
-            self.follow.pop(corrid, None)
+            self.seqs.follow.pop(corrid, None)
             self.metrics.inc("flashmap_target_verify_batches_total")
             self.metrics.inc("flashmap_target_verify_rows_total")
             if end:
-                self._release(corrid)
-
-    def _admit(self, key, corrid, start, end, row, branches, now, outcome, rows, trees) -> None:
-        """One row of a sequence: its release, or its slot and START_POS checked and the row
-        queued for this execute's forward. Raises InvalidRequest."""
-        if row is None:
-            if not end:
-                raise InvalidRequest(
-                    "TOKENS is empty (send END without tokens to release the sequence)"
-                )
-            # Release / cancel of a sequence this model holds; no other id is acknowledged.
-            if not self._release(corrid):
-                raise InvalidRequest("unknown sequence")
-            outcome[key] = ("released",)
-            return
-        if len(row.tokens) == 1 and row.tokens[0] == FOLLOW_TOKEN:
-            pos, token = self.follow.get(corrid, (None, 0))
-            if start or branches or row.num_draft or pos != row.start_pos:
-                raise InvalidRequest(
-                    FOLLOW_REFUSED + " a verify of its sequence without drafts that ended at "
-                    "its START_POS, with no drafts of its own"
-                )
-            row.tokens = np.array([token], np.int64)
-        if start:
-            self._release(corrid)  # a restarted sequence gets a fresh slot
-            slot = self._allocate(now)
-            if slot is None:
-                outcome[key] = (
-                    wire.ROW_UNAVAILABLE,
-                    f"no free KV slot (all {self.engine.n_slots} in use)",
-                )
-                return
-            self.slots[corrid] = slot
-        elif corrid not in self.slots:
-            raise InvalidRequest(
-                f"unknown sequence (never started, ended, or idle for more than {self.idle_timeout_s:g}s); send START"
-            )
-        lo, hi = self.next_pos.get(corrid, (0, 0))
-        if not lo <= row.start_pos <= hi:
-            raise InvalidRequest("START_POS does not continue this sequence")
-        n = len(row.tokens) + len(
-            row.next_seeds
-        )  # NEXT_SEEDS: the decoded tokens but the last are cached too
-        self.next_pos[corrid] = (row.start_pos + n - row.num_draft, row.start_pos + n)
-        self.last_use[corrid] = now
-        row.slot = self.slots[corrid]
-        if branches:
-            trees.append((key, corrid, end, row, branches))
-        else:
-            rows.append((key, corrid, end, row))
+                self.seqs.release(corrid)
 
     def _verify(self, rows):
         """One forward for all rows; if the engine rejects the batch, find the bad rows alone.
@@ -554,100 +461,11 @@ class TritonPythonModel:
         self._stop.set()
         self._reaper.join(timeout=2)
         with self.lock:
-            for corrid in list(self.slots):
-                self._release(corrid)
+            self.seqs.release_all()
         # Not cancelled: a stub still not gone FINALIZE_DUMP_S after this began dumps too (Python's exit cancels it).
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-class _SideChannel:
-    """Triton custom metrics and log lines, recorded anywhere and sent by the worker thread.
-
-    Every metric update and log line is an IPC round trip from the stub to the server (about
-    0.18 ms on a 2-core CPU host). The worker and the reaper record them here; the worker sends
-    them (`flush`) once it has sent a batch's responses, at most every `interval_s` and when
-    it has waited that long for the next batch: coalesced (counts summed, a gauge only when it
-    changed), logs in order, at most `max_logs` kept (the oldest dropped). All of the model's
-    calls into the stub are made by one thread: metric updates from a second thread, beside the
-    worker's responses, could stop returning (a counter stood still for good; shutdown waited
-    on one past Triton's exit timeout)."""
-
-    def __init__(
-        self, metrics: dict, interval_s: float = 0.25, wake=lambda: None, max_logs: int = 1000
-    ):
-        self._metrics = metrics  # name -> pb_utils Metric
-        self._wake = (
-            wake  # called when something is recorded and nothing was: the worker may be idle
-        )
-        self._counts: dict[str, float] = {}  # name -> increment not sent yet
-        self._gauges: dict[str, float] = {}  # name -> value to set
-        self._shown: dict[str, float] = {}  # name -> value Triton shows
-        self._logs: list[tuple[str, str]] = []  # (level, message) not sent yet
-        self._max_logs = max_logs  # a stub that keeps refusing them must not grow this without end
-        self._lock = threading.Lock()  # the reaper records too
-        self._interval_s = interval_s
-        self._due: float | None = None  # time.monotonic() when what is recorded should go out
-
-    def _record(self) -> None:
-        if self._due is None:
-            self._due = time.monotonic() + self._interval_s
-            self._wake()
-
-    def inc(self, name: str, n: float = 1) -> None:
-        with self._lock:
-            self._counts[name] = self._counts.get(name, 0) + n
-            self._record()
-
-    def set(self, name: str, value: float) -> None:
-        with self._lock:
-            self._gauges[name] = value
-            self._record()
-
-    def log(self, level: str, message: str) -> None:
-        """level: "info", "warn" or "error" (pb_utils.Logger.log_<level>)."""
-        with self._lock:
-            self._logs.append((level, message))
-            del self._logs[: -self._max_logs]
-            self._record()
-
-    def wait_s(self) -> float | None:
-        """Seconds until what is recorded is due (0: now), None when nothing is."""
-        due = self._due
-        return None if due is None else max(0.0, due - time.monotonic())
-
-    def flush(self) -> None:
-        """Send what is recorded, if it is due."""
-        with self._lock:
-            if self._due is None or time.monotonic() < self._due:
-                return
-            counts, self._counts = self._counts, {}
-            gauges, self._gauges = self._gauges, {}
-            logs, self._logs = self._logs, []
-            self._due = None
-        try:
-            while logs:
-                getattr(pb_utils.Logger, f"log_{logs[0][0]}")(logs[0][1])
-                del logs[0]
-            for name, n in list(counts.items()):
-                if n:
-                    self._metrics[name].increment(n)
-                del counts[name]
-            for name, v in list(gauges.items()):
-                if self._shown.get(name) != v:
-                    self._metrics[name].set(v)
-                    self._shown[name] = v
-                del gauges[name]
-        finally:  # what a failed call did not send goes with the next flush, not lost
-            with self._lock:
-                for name, n in counts.items():
-                    self._counts[name] = self._counts.get(name, 0) + n
-                for name, v in gauges.items():
-                    self._gauges.setdefault(name, v)
-                self._logs[:0] = logs
-                if counts or gauges or logs:
-                    self._record()
 
 
 def _triton_code(row_code: int):
