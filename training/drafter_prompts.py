@@ -41,7 +41,7 @@ def make_prompts(
     for domain in DOMAINS:
         docs = corpus.domains[domain].train
         picked, seen = 0, set()
-        # A domain with fewer documents than prompts wanted (code: ~540 stdlib files) is cut
+        # A domain with fewer documents than prompts wanted (code: one per stdlib file) is cut
         # again at other random points, pass after pass, until the count is reached.
         for _ in range(max_passes):
             for doc in rng.sample(docs, min(len(docs), per_domain * 3)):

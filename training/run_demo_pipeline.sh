@@ -18,7 +18,7 @@ S_FLOW="${STEPS_FLOW:-1000}"      # FlashMap flow stage on top of the DFlash-sty
 S_MAP="${STEPS_DISTILL:-500}"     # flow-map distillation
 LR_FLOW="${LR_FLOW:-1e-4}"        # flow stage, and the baseline's steps past the start
 # 1e-4 rather than 3e-4: a short flow stage at 3e-4 moved the 1-jump drafts further from the start's
-# (held-out prompts 11-26, code gamma 3.78 vs 3.84; checkpoints/README.md).
+# (on the selection prompts 11-26; checkpoints/README.md).
 
 [ -f "$T/model.safetensors" ] || $PY -m training.train_target --out "$T"
 [ -f training/data/drafter_prompts.jsonl ] || $PY -m training.drafter_prompts --per-domain "${PROMPTS_PER_DOMAIN:-1200}"
@@ -42,7 +42,7 @@ flashmap_chain() {
     local more=$!
     wait $flow
     # Distillation LR: the paper's 5e-5 (3e-4 did worse on held-out prompts outside the evaluation
-    # set: code gamma 3.25 vs 3.36 in an earlier demo, checkpoints/README.md).
+    # set in an earlier demo, checkpoints/README.md).
     $PY -m training.train_drafter --stage distill --lr "${LR_DISTILL:-5e-5}" --steps "$S_MAP" --teacher "$RUNS/flow" \
         --out "$RUNS/map" "${common[@]}"
     wait $more
