@@ -111,7 +111,7 @@ def _averaged(blocks, V: int):
 def draft_all(
     proposer, seqs, v: Variant, max_anchors: int | None, seed: int = 0, engine=None
 ) -> Drafted:
-    """Draft at every anchor (seeds as in flow_diagnostics.offline_acceptance) and score the
+    """Draft at every anchor (seeds as in training.offline_acceptance) and score the
     block against the reference continuation; with `engine`, against the target's argmax."""
     from flashmap.types import SamplingParams, VerifyRow
 
