@@ -29,6 +29,15 @@ from training.flow import Batch, noisy_state
 DEFAULT_TAUS = (0.0, 0.25, 0.5, 0.75, 0.9, 0.97)
 
 
+# A curve row's accuracies (`denoiser_curve`), in the order tables show them.
+CURVE_KEYS = (
+    "denoiser",
+    "denoiser_other_noise",
+    "state_argmax",
+    "state_bayes",
+    "prior",
+    "prior_state_bayes",
+)
 READS_STATE_MARGIN = 0.05  # denoiser accuracy at tau = 0.9 must beat tau = 0 by this much
 
 
@@ -95,17 +104,7 @@ def denoiser_curve(
     for tau in taus:
         t = min(t_of(tau), 1 - 1e-6)
         gen = torch.Generator(device=E.device).manual_seed(seed)
-        acc = {
-            k: [0.0, 0]
-            for k in (
-                "denoiser",
-                "denoiser_other_noise",
-                "state_argmax",
-                "state_bayes",
-                "prior",
-                "prior_state_bayes",
-            )
-        }
+        acc = {k: [0.0, 0] for k in CURVE_KEYS}
         for i, b in enumerate(batches):
             tt = torch.full((len(b.anchor),), t, device=E.device)
             x = noisy_state(
@@ -181,18 +180,7 @@ def reads_state(curve: list[dict], margin: float = READS_STATE_MARGIN) -> bool:
 
 def format_curve(curve: list[dict]) -> str:
     """A plain-text table of a `denoiser_curve`."""
-    keys = [
-        k
-        for k in (
-            "denoiser",
-            "denoiser_other_noise",
-            "state_argmax",
-            "state_bayes",
-            "prior",
-            "prior_state_bayes",
-        )
-        if k in curve[-1]
-    ]
+    keys = [k for k in CURVE_KEYS if k in curve[-1]]
     head = f"{'tau':>5} {'t':>7} {'tau_voc':>7} {'tau_emb':>7} " + " ".join(
         f"{k:>17}" for k in keys
     )

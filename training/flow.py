@@ -152,9 +152,8 @@ def noisy_state(
     eps = torch.randn(N, 1 if shared else K, vocab_size, generator=gen, device=target.device)
     t = t.float().view(N, 1, 1)
     x = ((1 - t) * eps).expand(N, K, vocab_size).contiguous()
-    return x.scatter_add_(
-        -1, target[..., None], t.expand(N, K, 1).contiguous()
-    )  # + t * onehot, no [N, K, V] one-hot
+    # + t * onehot, without an [N, K, V] one-hot
+    return x.scatter_add_(-1, target[..., None], t.expand(N, K, 1).contiguous())
 
 
 def flow_loss(model: FlashMapDiT, batch: Batch, gen: torch.Generator) -> tuple[Tensor, dict]:
@@ -163,28 +162,20 @@ def flow_loss(model: FlashMapDiT, batch: Batch, gen: torch.Generator) -> tuple[T
     ctx = batch.context(model)
     t = sample_times(len(batch.anchor), V, cfg, gen, batch.anchor.device)
     x_t = noisy_state(batch.target, t, V, gen, cfg.shared_noise)
-    logits = model(x_t, t, t, batch.anchor, ctx)
-    loss = weighted_ce(
-        logits,
-        batch.target,
-        batch.mask,
-        slot_weights(cfg.block_size, cfg.slot_loss_decay, t.device),
-    )
-    return loss, {"loss": loss.item()}
+    return block_ce(model(x_t, t, t, batch.anchor, ctx), batch, cfg)
 
 
 def dflash_loss(
     model: FlashMapDiT, batch: Batch, gen: torch.Generator | None = None
 ) -> tuple[Tensor, dict]:
     """DFlash-style baseline: cross-entropy of one pass over the masked block."""
-    cfg = model.cfg
-    logits = model(None, 0.0, 1.0, batch.anchor, batch.context(model))
-    loss = weighted_ce(
-        logits,
-        batch.target,
-        batch.mask,
-        slot_weights(cfg.block_size, cfg.slot_loss_decay, logits.device),
-    )
+    return block_ce(model(None, 0.0, 1.0, batch.anchor, batch.context(model)), batch, model.cfg)
+
+
+def block_ce(logits: Tensor, batch: Batch, cfg: DrafterConfig) -> tuple[Tensor, dict]:
+    """The slot-weighted cross-entropy of logits [N, K, V] against the batch's blocks."""
+    w = slot_weights(cfg.block_size, cfg.slot_loss_decay, logits.device)
+    loss = weighted_ce(logits, batch.target, batch.mask, w)
     return loss, {"loss": loss.item()}
 
 
