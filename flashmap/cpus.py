@@ -4,10 +4,9 @@ On a CPU host the target model's worker thread (target_service's Triton model) d
 the stack's work, and it shares the cores with Triton's server threads, the stub's request
 thread, the orchestrator, the drafter and the clients. Each of them that the scheduler runs on
 the worker's core preempts it or moves it to the other core, and the worker's caches are then
-someone else's. With the worker alone on its core and everything else on the other, the stack
-with speculation off ran 1.07x [1.01, 1.14] as fast at concurrency 16 on a 2-core VM, and the
-same (1.00x [0.96, 1.05]) at concurrency 1 (`python -m bench.cpu_pinning`,
-docs/results/bench_stack.md#cpus).
+someone else's; with the worker alone on its core and everything else on the other, the stack
+runs faster under load (measured in docs/experiments/2026-12-02-cpus.md; `python -m bench.stack
+--no-pin-cpus` runs the stack benchmark without the split).
 
 `split_cpus` makes the split: the first `target_n` usable CPUs for the target's compute, the
 others for every other thread. `flashmap_cli.stack.Stack` starts the services on the rest and
@@ -20,10 +19,8 @@ The drafter's forward thread is the exception: it gets every CPU ($FLASHMAP_DRAF
 two sets together). A round drafts and then verifies, so while it drafts the target's core
 is idle and the scheduler wakes the forward there, away from the other core's gRPC threads
 and the client reading the last round's tokens; a shadow probe drafted beside a verify runs
-where a core is free. Against the forward on the services' core, fixed-K speculation ran
-1.06x [1.00, 1.12] as fast at concurrency 1, 1.02x [0.98, 1.07] at 4 and 1.07x [1.01, 1.13]
-at 16, the controller's rounds 0.98-0.99x (`python -m bench.drafter_cpus`,
-docs/results/bench_stack.md#cpus). Every other thread on every CPU as well gained nothing more.
+where a core is free. Only the forward moves: every other thread on every CPU as well gained
+nothing more (the same page).
 
 Standard library only; a no-op where the OS has no sched_setaffinity.
 """

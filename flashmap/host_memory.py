@@ -5,12 +5,10 @@ each row's cache, [B, KV, S, D], one position longer every step). glibc's malloc
 allocation above its mmap threshold with a fresh mmap and, by default, moves that threshold up
 only to the largest size freed so far, so a buffer that grows by one position per step is a new
 mapping every step, and the heap's top is trimmed whenever enough is free: every step then
-page-faults its buffers in again. The demo target at 16 rows and 270-320 positions took 8,700
-minor faults per step, in one process and inside Triton's model alike, and 43 ms per step in one
-process (57 ms per call through Triton); with the thresholds fixed, 0 faults inside Triton (26 in
-one process) and 25 ms per call (20 ms per step) in the same script (a decode loop beside
-Triton, 2-core VM). jemalloc or tcmalloc, which
-PyTorch's CPU tuning guides preload, avoid it the same way.
+page-faults its buffers in again, in one process and inside Triton's model alike.
+`keep_freed_memory` fixes both thresholds once per process, so the buffers stay mapped (what it
+saved on the demo target: docs/experiments/2026-12-01-host-memory.md). jemalloc or tcmalloc,
+which PyTorch's CPU tuning guides preload, avoid it the same way.
 
 Numpy only (ctypes); a no-op where the C library is not glibc.
 """

@@ -30,16 +30,17 @@ any prefix of a draft is a valid proposal.
 
 A plan lets at most `explore_factor` times as many requests draft as the largest draft call
 measured so far (probes measure one): draft_cost is a line fitted to the batch sizes seen,
-and far beyond them it can say anything (fitted on probes alone it priced a call for 30
-requests like one for one, and the first plans had 30 of 31 requests draft).
+and far beyond them it can say anything (fitted on probes alone it can price a call for many
+requests like one for one, and the first plans would let nearly every request draft).
 Each round that drafts more widens what the next may try, so the fit grows with the batches.
 
 The first decode round probes. While speculation is off, every `probe_every` rounds one
 request (the one longest without a draft) drafts its whole block, so the per-slot acceptance
 and the draft cost stay current and speculation can come back; each probe doubles the interval (up to `max_probe_every`)
 until the search lets a round draft again; `probe_budget` can cap the share of the time all
-probes take (a probe costs about one drafting request's call and K tokens; a 2-5% cap slowed
-the return of speculation on held-out text at c = 1, so by default only the schedule bounds them).
+probes take (a probe costs about one drafting request's call and K tokens; a cap delays the
+return of speculation, so by default only the schedule bounds them:
+docs/experiments/2026-12-01-speculation-controller.md).
 With decode_steps > 1 a probe is a mixed round (`probing`): the other requests still decode
 decode_steps tokens each, so a probe costs about what the probing request gives up, not
 decode_steps - 1 tokens of every request. A mixed round's seconds fit neither cost model;
@@ -63,12 +64,12 @@ needs them only when drafting resumes. A request chosen to draft (or probe) whos
 has a gap (Sequence.context_gap) catches up instead: its row fetches the missing features
 and it drafts from the next round on; a probe waits for it without counting. A round whose
 only requests chosen to draft are catching up counts as one without drafts: otherwise the
-prompts beside them fetch every prompt position's features (a request prefilling next to
-the first one to decode made auto about 5% slower than speculation off at c = 16 on held-out
-text, while it never drafted). A prompt row fetches its features only when its first
-decode round is likely to draft: before anything is measured (that round is the first probe)
-or after a plan that drafted. Else a lone request's first probe would wait behind a
-catch-up round, and with rounds sent ahead a second one (1 + 2 x decode_steps tokens).
+prompts beside them fetch every prompt position's features, a cost paid for a request that
+does not draft (docs/experiments/2026-12-02-prompt-rounds-catching-up.md). A prompt row
+fetches its features only when its first decode round is likely to draft: before anything is
+measured (that round is the first probe) or after a plan that drafted. Else a lone request's
+first probe would wait behind a catch-up round, and with rounds sent ahead a second one
+(1 + 2 x decode_steps tokens).
 Numpy only.
 """
 
@@ -446,9 +447,9 @@ class SpeculationController:
         fit measured (until it has a round: as if the extra steps were free, so the first
         round without drafts runs them and measures). A round of S steps costs at most S
         one-token verifies (the same forwards, one call instead of S): the bound keeps a plain
-        fit that has not seen this many rows from pricing plain rounds out (one round of one
-        row put 290 ms on 16 rows that took 100, and the plans drafted, so no plain round came
-        to correct it); a plain round chosen is measured."""
+        fit that has not seen this many rows from pricing plain rounds out (a fit from one round
+        of one row can price many rows far above their cost, and if the plans then draft, no
+        plain round comes to correct it); a plain round chosen is measured."""
         S = self.cfg.decode_steps
         if S == 1 or prompts:
             return n / max(verify_s, 1e-9)
