@@ -52,6 +52,18 @@ OPTIONS: dict[str, tuple[str, dict]] = {
 }
 
 
+def parser(module: str, doc: str, **defaults) -> argparse.ArgumentParser:
+    """A tool's parser (`python -m module`, its docstring as the help) with the shared options
+    named in `defaults`."""
+    ap = argparse.ArgumentParser(
+        prog=f"python -m {module}",
+        description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_options(ap, **defaults)
+    return ap
+
+
 def add_options(ap: argparse.ArgumentParser, **defaults) -> None:
     """Add the shared options named in `defaults` (name=default) to a tool's parser."""
     for name, default in defaults.items():

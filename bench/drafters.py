@@ -23,13 +23,12 @@ Writes a section per run into the report (`--append` adds it to the ones there).
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import sys
 
 import numpy as np
 
-from bench.common import RESULTS, add_options, bootstrap_ratio, fmt_ci, set_threads, stamp
+from bench.common import RESULTS, bootstrap_ratio, fmt_ci, parser, set_threads, stamp
 
 DOMAINS = ("code", "math", "chat", "random")
 TITLE = "# Drafters against the target alone (in process, CPU)"
@@ -90,13 +89,9 @@ def table(runs: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.drafters",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_options(
-        ap,
+    ap = parser(
+        "bench.drafters",
+        __doc__,
         target=None,
         max_new_tokens=64,
         prompts=10,

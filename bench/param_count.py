@@ -9,11 +9,9 @@ default DrafterConfig, and writes a per-component breakdown with the arithmetic 
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
-from bench.common import RESULTS, add_options, write_report
+from bench.common import RESULTS, parser, write_report
 from drafter_service.config import DrafterConfig
 from drafter_service.flashmap_dit import FlashMapDiT
 from flashmap.types import feature_layers_for
@@ -127,8 +125,7 @@ def report() -> tuple[list[str], str, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.param_count", description=__doc__)
-    add_options(ap, out=RESULTS / "param_count.md")
+    ap = parser("bench.param_count", __doc__, out=RESULTS / "param_count.md")
     a = ap.parse_args(argv)
     table, about, more = report()
     title = "Drafter parameter counts (Qwen3-8B target)"

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import RESULTS, add_options, fmt_ci, ratio_ci, set_threads, write_report
+from bench.common import RESULTS, fmt_ci, parser, ratio_ci, set_threads, write_report
 from bench.stack_paths import (
     MODES,
     STACK_MODES,
@@ -302,13 +302,9 @@ def tables(rows, modes: list[str], first_level: int) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.stack",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_options(
-        ap,
+    ap = parser(
+        "bench.stack",
+        __doc__,
         target=None,
         drafter=None,
         max_new_tokens=48,

@@ -13,14 +13,13 @@ compares values of target_service.packing.GROUP_TOKENS (printed, not in the repo
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 
 import numpy as np
 
-from bench.common import RESULTS, add_options, set_threads, write_report
+from bench.common import RESULTS, parser, set_threads, write_report
 from flashmap.types import SamplingParams, VerifyRow
 
 
@@ -52,12 +51,14 @@ def _median_s(fn, reps: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.verify_cost",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    ap = parser(
+        "bench.verify_cost",
+        __doc__,
+        target=None,
+        repeats=15,
+        threads=1,
+        out=RESULTS / "verify_cost.md",
     )
-    add_options(ap, target=None, repeats=15, threads=1, out=RESULTS / "verify_cost.md")
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--context", type=int, default=100)
     ap.add_argument("--prompt", type=int, default=64)
