@@ -10,6 +10,8 @@ them goes on; many concurrent cancels and deadlines, after which every slot is f
 three parts and a full batch is exact; a paused Triton ending requests within the bound with
 Health answering; a killed Triton Python stub seen by health and repaired by the supervisor,
 exact output again. Every request ends with one status: none is lost.
+
+Over 500 lines in one file because every test shares one stack, which takes seconds to start.
 """
 
 from __future__ import annotations
