@@ -14,7 +14,7 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 
 from drafter_service.flow_time import TIME_MAPS, check_knots
-from flashmap.types import BLOCK_SIZE
+from flashmap.types import BLOCK_SIZE, DRAFT_STEPS
 
 KINDS = ("flashmap", "dflash")
 STATE_INPUTS = ("whiten", "rms")
@@ -98,7 +98,8 @@ class DrafterConfig(TargetRefConfig):
     lm_head_hash: str = ""  # checkpoint.tensor_hash of the target's LM head [V, H]
 
     # --- flow settings
-    draft_steps: int = 1  # default step count when serving (1 = one jump 0 -> 1)
+    # Recorded with the checkpoint; what serves is the drafter service's --steps.
+    draft_steps: int = DRAFT_STEPS
     # One noise draw [V] shared by all K slots (True), or one per slot (False). Shared noise makes
     # the slots' differences noise-free (x_t,k - x_t,j = t (e_yk - e_yj)): the states of
     # different blocks lie on disjoint subspaces for every t > 0, no smooth flow from one

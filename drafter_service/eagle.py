@@ -309,7 +309,7 @@ class EagleProposer(SlotCacheProposer):
     def __init__(
         self, model: EagleDrafter, n_slots: int = 64, max_context: int = 4096, device: str = "cpu"
     ):
-        # steps = 1: no flow; accepted (set_steps / per-request steps) and ignored
+        # No flow: draft_steps (set_steps, a request's) is accepted and ignored
         super().__init__(model, n_slots, max_context, device, cache_layers=model.cfg.n_layers)
         self.g_cache = torch.zeros(
             n_slots, max_context, self.cfg.dim, dtype=self.k_cache.dtype, device=self.device
@@ -347,8 +347,10 @@ class EagleProposer(SlotCacheProposer):
             )
 
     @torch.inference_mode()
-    def propose(self, requests: list[ProposeRequest], steps: int | None = None) -> list[Draft]:
-        """One chain of block_size tokens per request (steps: accepted and ignored)."""
+    def propose(
+        self, requests: list[ProposeRequest], draft_steps: int | None = None
+    ) -> list[Draft]:
+        """One chain of block_size tokens per request (draft_steps: accepted and ignored)."""
         if not requests:
             return []
         for r in requests:

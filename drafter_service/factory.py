@@ -15,6 +15,7 @@ from drafter_service.flashmap_proposer import FlashMapProposer
 from drafter_service.proposer import Proposer
 from flashmap.checkpoint import read_config
 from flashmap.host_memory import keep_freed_memory
+from flashmap.types import DRAFT_STEPS
 
 
 def load_model(drafter: str | Path, target_dir: str | Path, device: str = "cpu"):
@@ -35,7 +36,7 @@ def make_proposer(
     device: str = "cpu",
     n_slots: int = 8,
     max_context: int = 4096,
-    steps: int = 1,
+    steps: int = DRAFT_STEPS,
     min_confidence: float = 0.0,
     shared_noise: bool | None = None,
     compile: bool = False,
@@ -76,7 +77,7 @@ def load_proposer(
     device: str = "cpu",
     n_slots: int = 8,
     max_context: int = 4096,
-    steps: int = 1,
+    steps: int = DRAFT_STEPS,
     min_confidence: float = 0.0,
     compile: bool = False,
     greedy_estimate: str = "soft",

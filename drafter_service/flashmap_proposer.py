@@ -48,7 +48,7 @@ from torch import Tensor
 
 from drafter_service.flashmap_dit import CrossContext, FlashMapDiT, greedy_summary, jump
 from drafter_service.slots import ContextTooLong, ProposerError, SlotCacheProposer, SlotsExhausted  # noqa: F401
-from flashmap.types import Draft, ProposeRequest
+from flashmap.types import DRAFT_STEPS, Draft, ProposeRequest
 
 
 def request_generator(
@@ -109,7 +109,7 @@ class FlashMapProposer(SlotCacheProposer):
         n_slots: int = 64,
         max_context: int = 4096,
         device: str = "cpu",
-        steps: int = 1,
+        steps: int = DRAFT_STEPS,
         shared_noise: bool | None = None,
         min_confidence: float = 0.0,
         greedy_estimate: Literal["soft", "argmax"] = "soft",
@@ -167,22 +167,21 @@ class FlashMapProposer(SlotCacheProposer):
         return 2 * self.cfg.n_blocks * self.cfg.dim * self.k_cache.element_size()
 
     # ------------------------------------------------------------------ drafting
-    def propose(self, requests: list[ProposeRequest], steps: int | None = None) -> list[Draft]:
-        """One block per request, in request order. steps: this call's default (falls back to
-        self.steps); a request's own `steps` overrides it."""
-        return [blocks[0] for blocks in self.propose_blocks(requests, steps, n_blocks=1)]
+    def propose(
+        self, requests: list[ProposeRequest], draft_steps: int | None = None
+    ) -> list[Draft]:
+        """One block per request, in request order. draft_steps: this call's step count (None:
+        self.steps); a request's own draft_steps overrides it."""
+        return [blocks[0] for blocks in self.propose_blocks(requests, draft_steps, n_blocks=1)]
 
     def propose_blocks(
-        self, requests: list[ProposeRequest], steps: int | None = None, n_blocks: int = 1
+        self, requests: list[ProposeRequest], draft_steps: int | None = None, n_blocks: int = 1
     ) -> list[list[Draft]]:
         """n_blocks blocks per request from independent noise draws (block 0 = `propose`'s)."""
-        default = self.steps if steps is None else steps
+        default = self.steps if draft_steps is None else draft_steps
         rows: list[_Row] = []
-        row_steps: list[int] = []
+        steps: list[int] = []  # each row's draft_steps
         for r in requests:
-            n = default if r.steps is None else r.steps
-            if int(n) != n or n < 1:
-                raise ValueError(f"request {r.seq_id!r}: steps must be an integer >= 1, got {n}")
             if r.temperature < 0 or (r.temperature > 0 and r.top_m < 1):
                 raise ValueError(f"request {r.seq_id!r}: need temperature >= 0 and top_m >= 1")
             slot, length = self.slots.lookup(r.seq_id)
@@ -192,13 +191,14 @@ class FlashMapProposer(SlotCacheProposer):
                 rows.append(
                     _Row(slot, length, int(r.anchor), gen, r.temperature, r.top_m, noise_gen)
                 )
-                row_steps.append(1 if self.cfg.kind == "dflash" else int(n))
+                n = default if r.draft_steps is None else r.draft_steps
+                steps.append(1 if self.cfg.kind == "dflash" else int(n))
         drafts: list[Draft | None] = [None] * len(rows)
-        for n in sorted(set(row_steps)):  # one batched pass per distinct step count
-            idx = [i for i, k in enumerate(row_steps) if k == n]
+        for n in sorted(set(steps)):  # one batched pass per distinct step count
+            idx = [i for i, k in enumerate(steps) if k == n]
             group = [rows[i] for i in idx]
             for i, d in zip(idx, self._propose_rows(group, n)):
-                d.steps = n
+                d.draft_steps = n
                 drafts[i] = d
         return [drafts[i * n_blocks : (i + 1) * n_blocks] for i in range(len(requests))]
 

@@ -43,7 +43,6 @@ class OracleProposer(Proposer):
         self.block_size, self.vocab_size = block_size, vocab_size
         self.error_slots = sorted(set(error_slots))
         self.error_rate, self.seed = error_rate, seed
-        self.steps = 1  # accepted and ignored: the oracle has no flow
         self.feature_dim = feature_dim  # features are accepted and ignored
         self.committed: dict[str, list[int]] = {}
         self._match: dict[str, int] = {}  # seq_id -> index of the last matching reference
@@ -78,11 +77,13 @@ class OracleProposer(Proposer):
                 return ref
         return None
 
-    def propose(self, requests: list[ProposeRequest], steps: int | None = None) -> list[Draft]:
-        return [blocks[0] for blocks in self.propose_blocks(requests, steps)]
+    def propose(
+        self, requests: list[ProposeRequest], draft_steps: int | None = None
+    ) -> list[Draft]:
+        return [blocks[0] for blocks in self.propose_blocks(requests, draft_steps)]
 
     def propose_blocks(
-        self, requests: list[ProposeRequest], steps: int | None = None, n_blocks: int = 1
+        self, requests: list[ProposeRequest], draft_steps: int | None = None, n_blocks: int = 1
     ) -> list[list[Draft]]:
         """n_blocks per request (tree verification); block b > 0 draws its own random errors."""
         return [[self._propose(r, b) for b in range(n_blocks)] for r in requests]

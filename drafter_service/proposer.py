@@ -15,13 +15,15 @@ import abc
 
 import numpy as np
 
-from flashmap.types import Draft, ProposeRequest
+from flashmap.types import DRAFT_STEPS, Draft, ProposeRequest
 
 
 class Proposer(abc.ABC):
     block_size: int
     feature_dim: int  # width of the target features `extend` takes
-    steps: int = 1  # default step count of `propose` (flow-map jumps; a chain drafter ignores it)
+    steps: int = (
+        DRAFT_STEPS  # the draft_steps of a request without its own (a chain drafter ignores it)
+    )
     max_blocks: int = 1  # blocks per request `propose_blocks` can draw from independent noise
 
     @abc.abstractmethod
@@ -29,16 +31,18 @@ class Proposer(abc.ABC):
         """Append committed positions: token_ids [m] int64, features [m, F] float32 or float16."""
 
     @abc.abstractmethod
-    def propose(self, requests: list[ProposeRequest], steps: int | None = None) -> list[Draft]:
-        """One batched draft: a block per request, in request order. steps: this call's default
-        (None: self.steps); a request's own `steps` overrides it."""
+    def propose(
+        self, requests: list[ProposeRequest], draft_steps: int | None = None
+    ) -> list[Draft]:
+        """One batched draft: a block per request, in request order. draft_steps: this call's
+        step count (None: self.steps); a request's own draft_steps overrides it."""
 
     @abc.abstractmethod
     def release(self, seq_id: str) -> None:
         """Forget a sequence (finish, cancel, idle timeout). Unknown ids are ignored."""
 
     def propose_blocks(
-        self, requests: list[ProposeRequest], steps: int | None = None, n_blocks: int = 1
+        self, requests: list[ProposeRequest], draft_steps: int | None = None, n_blocks: int = 1
     ) -> list[list[Draft]]:
         """n_blocks blocks per request from independent noise (block 0 = `propose`'s), for tree
         verification; at most `max_blocks`."""
@@ -47,12 +51,21 @@ class Proposer(abc.ABC):
                 f"{type(self).__name__} drafts at most {self.max_blocks} block(s) per request, "
                 f"asked for {n_blocks}"
             )
-        return [[d] for d in self.propose(requests, steps)]
+        return [[d] for d in self.propose(requests, draft_steps)]
+
+    def draft(self, requests: list[ProposeRequest], n_blocks: int = 1) -> list[list[Draft]]:
+        """What the serving runtimes call (the drafter service, flashmap.inprocess): each
+        request's n_blocks blocks, cut to its max_draft_tokens (the one place drafts are cut;
+        the round loop trusts them)."""
+        out = self.propose_blocks(requests, None, n_blocks)
+        return [
+            ds if r.max_draft_tokens is None else [d.truncate(r.max_draft_tokens) for d in ds]
+            for r, ds in zip(requests, out)
+        ]
 
     def set_steps(self, n: int) -> None:
-        """Run-time switch of the default step count (takes effect at the next propose)."""
-        if int(n) != n or n < 1:
-            raise ValueError(f"steps must be an integer >= 1, got {n}")
+        """Run-time switch of the default step count (takes effect at the next propose); n was
+        checked where it came in (flashmap.types.check_draft_steps)."""
         self.steps = int(n)
 
     @property

@@ -8,11 +8,12 @@ an in-flight batch finishes with the count it started with. Sequences are droppe
 Release and after an idle timeout.
 
   python -m drafter_service.server --target-dir DIR --drafter DIR|init --port 50052 --metrics-port 9401
+
+Its options: drafter_service.service_config.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -27,17 +28,18 @@ from grpc_health.v1 import health, health_pb2
 from drafter_service.factory import load_proposer
 from drafter_service.metrics import DrafterMetrics
 from drafter_service.proposer import Proposer
-from flashmap.auth import DRAFTER_TOKEN_ENV, DRAFTER_TOKEN_HEADER, read_secret
-from flashmap.cpus import DRAFTER_CPUS_ENV, parse_cpu_list, pin_worker
+from drafter_service.service_config import DrafterServiceConfig
+from flashmap.auth import DRAFTER_TOKEN_ENV, DRAFTER_TOKEN_HEADER
+from flashmap.config import parse
+from flashmap.cpus import parse_cpu_list, pin_worker
 from flashmap.grpc_serving import TokenAuth, add_service, run, serve_grpc
 from flashmap.logs import fields, setup_logging
-from flashmap.types import ProposeRequest
+from flashmap.types import InvalidRequest, ProposeRequest, check_draft_steps
 from flashmap.v1 import drafter_pb2, drafter_pb2_grpc
 from flashmap.wire import draft_to_block, features_to_tensor, tensor_to_features
 
 log = logging.getLogger("flashmap.drafter")
 
-MAX_STEPS = 64  # N Euler steps of the teacher beyond this are a mistake, not a request
 PROBE_ID = "__flashmap_health_probe__"
 
 
@@ -68,7 +70,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         self.name = name
         self.metrics = metrics or DrafterMetrics()
         self.idle_timeout_s = idle_timeout_s
-        self.available_steps = available_steps or proposer.available_steps  # None: any 1..MAX_STEPS
+        self.available_steps = available_steps or proposer.available_steps  # None: any
         self._queue: asyncio.Queue[_Job] = asyncio.Queue()
         self._pool = ThreadPoolExecutor(
             max_workers=1,
@@ -137,13 +139,17 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             t.cancel()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _check_steps(self, steps: int) -> str:
-        if steps == 0:
-            return ""
-        if self.available_steps is not None and steps not in self.available_steps:
-            return f"steps {steps} not available (captured: {list(self.available_steps)})"
-        if not (1 <= steps <= MAX_STEPS):
-            return f"steps must be in 1..{MAX_STEPS}, got {steps}"
+    def _steps_error(self, draft_steps: int) -> str:
+        """The drafter's edge (a Draft stream's sequence, SetSteps): the limit every entry point
+        checks (flashmap.types.check_draft_steps), then what this drafter can run; "" = fine."""
+        try:
+            check_draft_steps(draft_steps)
+        except InvalidRequest as e:
+            return str(e)
+        if self.available_steps is not None and draft_steps not in self.available_steps:
+            return (
+                f"draft_steps {draft_steps} not available (captured: {list(self.available_steps)})"
+            )
         return ""
 
     # -- batching worker -------------------------------------------------------------
@@ -180,19 +186,20 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
     def _run_batch(
         self, requests: list[drafter_pb2.DraftRequest]
     ) -> list[drafter_pb2.DraftResponse]:
-        """Worker thread: extend contexts, then one batched propose per distinct step count."""
+        """Worker thread: extend contexts, then one batched draft per distinct step count (and
+        number of blocks). Unset draft_steps / max_draft_tokens (proto3 optional): the
+        proposer's step count / the whole block."""
         p = self.proposer
         now = time.monotonic()
         blocks: dict[tuple[int, int], drafter_pb2.Block] = {}
-        todo: dict[
-            tuple[int, int], list[tuple[tuple[int, int], ProposeRequest, int]]
-        ] = {}  # (steps, blocks)
+        todo: dict[tuple[int, int], list[tuple[tuple[int, int], ProposeRequest]]] = {}
         for ri, req in enumerate(requests):
             for si, s in enumerate(req.sequences):
                 key = (ri, si)
                 n_blocks = max(int(s.num_blocks), 1)
+                steps = s.draft_steps if s.HasField("draft_steps") else p.steps
                 err = (
-                    self._check_steps(s.steps)
+                    (self._steps_error(steps) if s.HasField("draft_steps") else "")
                     or self._extend(s)
                     or (
                         f"{n_blocks} blocks asked, this drafter draws at most {p.max_blocks}"
@@ -204,7 +211,6 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                     blocks[key] = drafter_pb2.Block(seq_id=s.seq_id, error=err)
                     continue
                 self._last_use[s.seq_id] = now
-                steps = s.steps or p.steps
                 pr = ProposeRequest(
                     s.seq_id,
                     int(s.anchor),
@@ -212,30 +218,27 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                     int(s.top_m or 4),
                     int(s.seed),
                     steps,
+                    s.max_draft_tokens if s.HasField("max_draft_tokens") else None,
                 )
-                todo.setdefault((steps, n_blocks), []).append((key, pr, int(s.max_tokens)))
+                todo.setdefault((steps, n_blocks), []).append((key, pr))
         for (steps, n_blocks), items in todo.items():
             t0 = time.perf_counter()
             try:
-                drafts = p.propose_blocks([pr for _, pr, _ in items], steps, n_blocks)
+                drafts = p.draft([pr for _, pr in items], n_blocks)
             except Exception as e:  # noqa: BLE001 - e.g. slots exhausted: these sequences fall back
-                for key, pr, _ in items:
+                for key, pr in items:
                     blocks[key] = drafter_pb2.Block(seq_id=pr.seq_id, error=str(e))
                 continue
-            served = sum(
-                pr.seq_id != PROBE_ID for _, pr, _ in items
-            )  # the health probe is not traffic
+            served = sum(pr.seq_id != PROBE_ID for _, pr in items)  # the probe is not traffic
             if served:
                 self.metrics.forward_latency.labels(drafter=self.name, steps=str(steps)).observe(
                     time.perf_counter() - t0
                 )
                 self.metrics.batch_size.labels(drafter=self.name).observe(served)
                 self.metrics.blocks.labels(drafter=self.name, steps=str(steps)).inc(served)
-            for (key, pr, max_tokens), ds in zip(items, drafts):
-                if max_tokens:
-                    ds = [d.truncate(max_tokens) for d in ds]
+            for (key, pr), ds in zip(items, drafts):
                 for d in ds:
-                    d.steps = steps
+                    d.draft_steps = steps
                 blocks[key] = draft_to_block(pr.seq_id, ds)
         self._update_gauges()
         return [
@@ -302,10 +305,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         return self._steps_response()
 
     async def SetSteps(self, request, context):
-        err = self._check_steps(request.steps) or (
-            "steps must be >= 1" if request.steps == 0 else ""
-        )
-        if err:
+        if err := self._steps_error(request.steps):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
         # Through the worker thread, so the switch lands between batches.
         await asyncio.get_running_loop().run_in_executor(
@@ -377,111 +377,48 @@ async def serve(
 
 
 def main(argv: list[str] | None = None) -> None:
-    env = os.environ.get
-    ap = argparse.ArgumentParser(description="FlashMap drafter service")
-    ap.add_argument(
-        "--target-dir",
-        default=env("FLASHMAP_TARGET_DIR"),
-        required=env("FLASHMAP_TARGET_DIR") is None,
+    c = parse(
+        DrafterServiceConfig, argv, "FlashMap drafter service", "python -m drafter_service.server"
     )
-    ap.add_argument(
-        "--drafter", default=env("FLASHMAP_DRAFTER_DIR", "init"), help="checkpoint dir or 'init'"
-    )
-    ap.add_argument("--host", default=env("FLASHMAP_HOST", "127.0.0.1"))
-    ap.add_argument("--port", type=int, default=int(env("FLASHMAP_DRAFTER_PORT", "50052")))
-    ap.add_argument(
-        "--metrics-port", type=int, default=int(env("FLASHMAP_DRAFTER_METRICS_PORT", "9401"))
-    )
-    ap.add_argument("--steps", type=int, default=int(env("FLASHMAP_DRAFT_STEPS", "1")))
-    ap.add_argument(
-        "--min-confidence",
-        type=float,
-        default=float(env("FLASHMAP_DRAFT_MIN_CONFIDENCE", "0")),
-        help="cut greedy drafts before the first slot whose token has a lower drafter probability (0: off)",
-    )
-    ap.add_argument(
-        "--greedy-estimate",
-        choices=("soft", "argmax"),
-        default=env("FLASHMAP_GREEDY_ESTIMATE", "soft"),
-        help="T = 0 requests: clean-block estimate between flow steps (argmax: mode-seeking drafting)",
-    )
-    ap.add_argument(
-        "--greedy-noise-scale",
-        type=float,
-        default=float(env("FLASHMAP_GREEDY_NOISE_SCALE", "1")),
-        help="T = 0 requests: scale of the initial flow noise (1: the flow's own)",
-    )
-    ap.add_argument("--n-slots", type=int, default=64)
-    ap.add_argument("--max-context", type=int, default=4096)
-    ap.add_argument("--idle-timeout-s", type=float, default=300.0)
-    ap.add_argument("--device", default=env("FLASHMAP_DEVICE", "cuda" if _cuda() else "cpu"))
-    ap.add_argument(
-        "--no-cuda-graphs",
-        dest="cuda_graphs",
-        action="store_false",
-        help="on CUDA, draft eagerly instead of replaying graphs captured at start-up",
-    )
-    ap.add_argument(
-        "--compile",
-        action="store_true",
-        default=env("FLASHMAP_DRAFT_COMPILE", "0") == "1",
-        help="on CPU, torch.compile the drafter at start-up (about a minute; env FLASHMAP_DRAFT_COMPILE=1)",
-    )
-    ap.add_argument(
-        "--reflection", action="store_true", help="serve gRPC reflection (off: less to probe)"
-    )
-    ap.add_argument(
-        "--probe-interval-s",
-        type=float,
-        default=5.0,
-        help="health: a tiny draft this often (0: off)",
-    )
-    ap.add_argument(
-        "--cpus",
-        type=parse_cpu_list,
-        default=env(DRAFTER_CPUS_ENV),
-        help="CPU list for the forward thread, e.g. 0-1 (flashmap.cpus; default: the process's)",
-    )
-    ap.add_argument("--log-level", default="INFO")
-    a = ap.parse_args(argv)
-    setup_logging(a.log_level)
-    token = read_secret(DRAFTER_TOKEN_ENV)
-    if not token and a.host not in ("127.0.0.1", "localhost", "::1"):
+    setup_logging(c.log_level)
+    if not c.token and c.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning(
             "no %s: any client that reaches %s:%d can drive this drafter",
             DRAFTER_TOKEN_ENV,
-            a.host,
-            a.port,
+            c.host,
+            c.port,
         )
+    device = c.device or ("cuda" if _cuda() else "cpu")
     proposer = load_proposer(
-        a.drafter,
-        a.target_dir,
-        device=a.device,
-        n_slots=a.n_slots,
-        max_context=a.max_context,
-        steps=a.steps,
-        min_confidence=a.min_confidence,
-        greedy_estimate=a.greedy_estimate,
-        greedy_noise_scale=a.greedy_noise_scale,
+        c.drafter,
+        c.target_dir,
+        device=device,
+        n_slots=c.n_slots,
+        max_context=c.max_context,
+        steps=c.steps,
+        min_confidence=c.min_confidence,
+        greedy_estimate=c.greedy_estimate,
+        greedy_noise_scale=c.greedy_noise_scale,
     )
-    if a.device.startswith("cuda") and a.cuda_graphs:
-        steps = tuple(sorted({1, 2, a.steps}))
+    steps = tuple(sorted({1, 2, c.steps}))
+    if device.startswith("cuda") and c.cuda_graphs:
         report = proposer.enable_graphs(steps=steps)  # logs capture time and memory
         log.info("CUDA graphs captured", extra=fields(**report))
-    elif a.compile:
-        report = proposer.enable_compile(steps=tuple(sorted({1, 2, a.steps})))
+    elif c.compile:
+        report = proposer.enable_compile(steps=steps)
         log.info("drafter compiled", extra=fields(**report))
-    name = "init" if a.drafter == "init" else os.path.basename(os.path.normpath(a.drafter))
-    service = DrafterService(proposer, name=name, idle_timeout_s=a.idle_timeout_s, cpus=a.cpus)
+    name = "init" if c.drafter == "init" else os.path.basename(os.path.normpath(c.drafter))
+    cpus = parse_cpu_list(c.cpus) if c.cpus else None
+    service = DrafterService(proposer, name=name, idle_timeout_s=c.idle_timeout_s, cpus=cpus)
     run(
         serve(
             service,
-            a.host,
-            a.port,
-            a.metrics_port,
-            token=token,
-            reflection_on=a.reflection,
-            probe_interval_s=a.probe_interval_s,
+            c.host,
+            c.port,
+            c.metrics_port,
+            token=c.token,
+            reflection_on=c.reflection,
+            probe_interval_s=c.probe_interval_s,
         )
     )
 

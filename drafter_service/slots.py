@@ -106,7 +106,6 @@ class SlotCacheProposer(Proposer):
         self.feature_dim = cfg.feature_dim
         self.vocab_size = cfg.vocab_size
         self.slots = SlotTable(n_slots, max_context)
-        self.steps = 1
         dtype = next(model.parameters()).dtype
         shape = (cache_layers, n_slots, cfg.n_heads, max_context, cfg.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
@@ -188,7 +187,9 @@ class SlotCacheProposer(Proposer):
                 ]:
                     self.propose(
                         [
-                            ProposeRequest(seq_id=q, anchor=0, temperature=0.0, seed=0, steps=n)
+                            ProposeRequest(
+                                seq_id=q, anchor=0, temperature=0.0, seed=0, draft_steps=n
+                            )
                             for q in batch
                         ]
                     )

@@ -34,37 +34,39 @@ class GenerationResult:
 
 
 class LocalDrafter:
-    """A proposer (drafter_service.proposer.Proposer) as the round loop's Drafter."""
+    """A proposer (drafter_service.proposer.Proposer) as the round loop's Drafter. draft_steps:
+    every request's unless it has its own (None: the proposer's step count)."""
 
-    def __init__(self, proposer, steps: int = 1):
+    def __init__(self, proposer, draft_steps: int | None = None):
         self.proposer = proposer
-        self.steps = steps
+        self.draft_steps = draft_steps
         self.block_size = proposer.block_size
 
     async def draft(
-        self, seqs: list[Sequence], n_blocks: list[int], budgets: list[int] | None = None
+        self, seqs: list[Sequence], n_blocks: list[int], max_draft_tokens: list[int] | None = None
     ) -> DraftBatch:
-        # Whole blocks whatever the budgets: the round loop cuts them (a proposer drafts K at once).
         p = self.proposer
         for s in seqs:
             ctx = s.context_for_drafter()
             if ctx is not None:
                 p.extend(str(s.seq_id), ctx[1], ctx[2])
                 s.drafter_acknowledged()
+        most = max_draft_tokens or [s.draft_budget() for s in seqs]
         out = DraftBatch()
         for n in sorted(set(n_blocks)):
-            group = [s for s, k in zip(seqs, n_blocks) if k == n]
+            group = [(s, m) for s, k, m in zip(seqs, n_blocks, most) if k == n]
             reqs = [
                 ProposeRequest(
                     str(s.seq_id),
                     s.anchor,
                     s.params.temperature,
                     seed=s.draft_seed(),
-                    steps=s.request.draft_steps,
+                    draft_steps=s.request.draft_steps or self.draft_steps,
+                    max_draft_tokens=m,
                 )
-                for s in group
+                for s, m in group
             ]
-            for s, blocks in zip(group, p.propose_blocks(reqs, self.steps, n)):
+            for (s, _), blocks in zip(group, p.draft(reqs, n)):
                 out.blocks[s.seq_id] = blocks
         return out
 
@@ -101,12 +103,13 @@ def decode(
     engine,
     requests: list[GenerationRequest],
     proposer=None,
-    steps: int = 1,
+    draft_steps: int | None = None,
     tree_blocks: int = 1,
     controller=None,
     decode_steps: int = 1,
 ) -> list[GenerationResult]:
-    """Decode all requests to completion; results come back in request order.
+    """Decode all requests to completion; results come back in request order. draft_steps:
+    every request's unless it has its own (None: the proposer's step count).
 
     tree_blocks > 1 (greedy requests): each round drafts that many blocks from independent
     noise and verifies them as a tree (TargetEngine.verify_tree); the sequence commits the
@@ -124,7 +127,7 @@ def decode(
             raise ValueError("tree verification is greedy-only: every request needs temperature 0")
     block = proposer.block_size if proposer is not None else BLOCK_SIZE
     target = LocalTarget(engine)
-    drafter = LocalDrafter(proposer, steps) if proposer is not None else None
+    drafter = LocalDrafter(proposer, draft_steps) if proposer is not None else None
     waiting = deque(enumerate(requests))
     active: dict[
         int, Sequence

@@ -56,10 +56,11 @@ class Drafter(Protocol):
     block_size: int
 
     async def draft(
-        self, seqs: list[Sequence], n_blocks: list[int], budgets: list[int] | None = None
+        self, seqs: list[Sequence], n_blocks: list[int], max_draft_tokens: list[int] | None = None
     ) -> DraftBatch:
         """Blocks after each sequence's anchor, n_blocks[i] of them for seqs[i], of at most
-        budgets[i] tokens (default Sequence.draft_budget). Sends the sequence's unacknowledged
+        max_draft_tokens[i] tokens (default Sequence.draft_budget: the round loop takes them as
+        they come). Sends the sequence's unacknowledged
         context first (Sequence.context_for_drafter); calls Sequence.lose_drafter when the
         drafter can no longer serve a sequence. A drafter whose calls can overlap (a shadow
         probe's beside a round's) says so in `busy`; while it is not busy, `draft` reads the
@@ -105,7 +106,7 @@ class RoundResult:
     sequences: list[SequenceRound]
     draft_s: float = 0.0
     verify_s: float = 0.0
-    steps: int = 0  # step count of this round's blocks (0: none drafted)
+    draft_steps: int = 0  # step count of this round's blocks (0: none drafted)
     decode_steps: int = 1  # most tokens a row without a draft decoded in the verify call
     plan: dict[int, int] | None = (
         None  # the controller's draft length per sequence id (None: no controller)
@@ -206,8 +207,8 @@ async def speculative_round(
         # task, started when this one first waits), and a local round needs no event loop.
         call = target.verify(rows, branches, [s.ends_with(r) for s, r in zip(seqs, rows)])
     for draft in drafts:
-        if draft is not None and draft.steps:
-            out.steps = draft.steps
+        if draft is not None and draft.draft_steps:
+            out.draft_steps = draft.draft_steps
     out.decode_steps = max(r.steps for r in rows)
     if send_ahead and not any(r.num_draft for r in rows):
         out.ahead = _send_ahead(seqs, rows, target, drafter, controller, decode_steps)
@@ -236,7 +237,7 @@ async def speculative_round(
             continue
         result, best = res
         if best:  # the winning branch, committed as if it alone had been verified
-            win = Draft.greedy(more[best - 1], draft.steps)
+            win = Draft.greedy(more[best - 1], draft.draft_steps)
             row = replace(
                 row,
                 tokens=np.concatenate(
@@ -285,7 +286,7 @@ def _rows(
     rows, drafts, branches, picked = [], [], [], []
     for s in seqs:
         blocks = batch.blocks.get(s.seq_id, [])
-        n = min([s.draft_budget()] + [len(b.tokens) for b in blocks])  # a tree's branches share K
+        n = min(len(b.tokens) for b in blocks) if blocks else 0  # a tree's branches share K
         picked.append(
             (blocks[0].truncate(n) if blocks else None, [b.tokens[:n] for b in blocks[1:]])
         )
@@ -384,10 +385,10 @@ async def _shadow_probe(
     if not batch.blocks:
         return
     controller.observe_draft(len(seqs), time.perf_counter() - t0)
-    for s, n, start in zip(seqs, lengths, starts):
+    for s, start in zip(seqs, starts):
         blocks = batch.blocks.get(s.seq_id)
         if blocks and len(blocks[0].tokens):
-            s.shadow = (start, np.asarray(blocks[0].tokens[:n], np.int64))
+            s.shadow = (start, np.asarray(blocks[0].tokens, np.int64))
     controller.observe_shadows(seqs)
 
 

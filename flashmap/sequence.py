@@ -94,10 +94,10 @@ class Sequence:
         return self.tokens[-1]
 
     def draft_budget(self, context: bool = True) -> int:
-        """Most draft tokens this round may carry: within max_new_tokens, the request's
-        max_draft_tokens and the controller's choice for this round (draft_limit); 0 while
-        the drafter's context has a gap, unless `context` is False (what the sequence could
-        draft once it has caught up)."""
+        """This round's max_draft_tokens (what the drafter is asked for): within the block, the
+        tokens max_new_tokens leaves, the request's max_draft_tokens and the controller's choice
+        for this round (draft_limit); 0 while the drafter's context has a gap, unless `context`
+        is False (what the sequence could draft once it has caught up)."""
         if not self.prefilled or self.finished or (context and self.context_gap() is not None):
             return 0
         left = self.request.max_new_tokens - len(self.generated) - 1
@@ -289,8 +289,8 @@ class Sequence:
         # A multi-step row: one round per step whose token was kept (not those past a stop).
         for _ in range(1 if k else len(kept) - prompt):
             self.stats.record_round(k, n_acc)
-        if k and draft is not None and draft.steps:
-            self.stats.draft_steps = draft.steps
+        if k and draft is not None and draft.draft_steps:
+            self.stats.draft_steps = draft.draft_steps
         return kept, n_acc
 
     def _append(self, new: list[int]) -> list[int]:

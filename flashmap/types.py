@@ -14,11 +14,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 BLOCK_SIZE = 16  # draft tokens per block (K): the paper's, and every drafter's default
-MAX_DECODE_STEPS = (
-    64  # tokens one verify row may decode (VerifyRow.next_seeds): bounds one call's time
-)
+# The limits every entry point enforces (check_draft_steps / GenerationRequest.validate at the
+# edge: gRPC Generate, the OpenAI API, the CLI, the drafter's Draft stream and SetSteps, the
+# services' configs); the parts behind an edge trust them.
+DRAFT_STEPS = 1  # flow-map jumps per draft unless a request or SetSteps says (the paper's one jump)
+MAX_DRAFT_STEPS = 64  # more Euler steps of the teacher than this are a mistake, not a request
 DECODE_STEPS = (
     16  # tokens per request of a serving round without drafts (orchestrator --decode-steps)
+)
+MAX_DECODE_STEPS = (
+    64  # tokens one verify row may decode (VerifyRow.next_seeds): bounds a call's time
 )
 # A row whose tokens are [FOLLOW_TOKEN] continues its sequence with the last token the
 # target decoded for it: a round sent before the round it follows has answered.
@@ -30,6 +35,22 @@ FOLLOW_REFUSED = "a continuation (TOKENS [-1]) follows"
 
 class InvalidRequest(ValueError):
     """Bad user input; servers map it to INVALID_ARGUMENT, the CLI to a one-line error."""
+
+
+def check_draft_steps(n: int) -> int:
+    """n as a step count of the flow-map drafter (1 or 2 jumps, or N Euler steps of the teacher),
+    or InvalidRequest: the one check of draft_steps, wherever it comes in."""
+    if not (isinstance(n, (int, np.integer)) and 1 <= n <= MAX_DRAFT_STEPS):
+        raise InvalidRequest(f"draft_steps must be in 1..{MAX_DRAFT_STEPS}, got {n}")
+    return n
+
+
+def check_max_draft_tokens(n: int) -> int:
+    """n as a cap on the draft tokens of a round (above the block size: the whole block), or
+    InvalidRequest."""
+    if not (isinstance(n, (int, np.integer)) and n >= 0):
+        raise InvalidRequest(f"max_draft_tokens must be >= 0 (0 = speculation off), got {n}")
+    return n
 
 
 @dataclass(frozen=True)
@@ -87,10 +108,10 @@ class GenerationRequest:
                 f"prompt ({len(self.prompt_ids)}) + max_new_tokens ({self.max_new_tokens})"
                 f" exceeds the context ({max_seq_len})"
             )
-        if self.draft_steps is not None and self.draft_steps < 1:
-            raise InvalidRequest(f"draft_steps must be >= 1, got {self.draft_steps}")
-        if self.max_draft_tokens is not None and self.max_draft_tokens < 0:
-            raise InvalidRequest(f"max_draft_tokens must be >= 0, got {self.max_draft_tokens}")
+        if self.draft_steps is not None:
+            check_draft_steps(self.draft_steps)
+        if self.max_draft_tokens is not None:
+            check_max_draft_tokens(self.max_draft_tokens)
         self.params.validate()
 
 
@@ -238,7 +259,8 @@ class ProposeRequest:
     temperature: float = 0.0  # 0: greedy proposals (support = {x_k}); > 0: sample from top-m
     top_m: int = 4  # support size when sampling
     seed: int = 0  # seeds the flow noise and the proposal sampling
-    steps: int | None = None  # per-request override of the proposer's step count
+    draft_steps: int | None = None  # None: the proposer's step count (Proposer.steps)
+    max_draft_tokens: int | None = None  # the block is cut to this many tokens; None: whole
 
 
 @dataclass
@@ -248,15 +270,19 @@ class Draft:
     tokens: np.ndarray  # [K] int64
     support_ids: np.ndarray  # [K, S] int64, -1 = padding
     support_probs: np.ndarray  # [K, S] float32, q_k(s); sum over S is 1 per slot
-    steps: int = 0  # the step count that drafted it (0: not reported)
+    draft_steps: int = 0  # the step count that drafted it (0: not reported)
 
     @staticmethod
-    def greedy(tokens: np.ndarray, steps: int = 0) -> Draft:
+    def greedy(tokens: np.ndarray, draft_steps: int = 0) -> Draft:
         tokens = np.asarray(tokens, np.int64)
-        return Draft(tokens, tokens[:, None].copy(), np.ones((len(tokens), 1), np.float32), steps)
+        return Draft(
+            tokens, tokens[:, None].copy(), np.ones((len(tokens), 1), np.float32), draft_steps
+        )
 
     def truncate(self, k: int) -> Draft:
-        return Draft(self.tokens[:k], self.support_ids[:k], self.support_probs[:k], self.steps)
+        return Draft(
+            self.tokens[:k], self.support_ids[:k], self.support_probs[:k], self.draft_steps
+        )
 
 
 def feature_layers_for(num_layers: int, count: int = 5) -> list[int]:

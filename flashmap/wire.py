@@ -49,7 +49,7 @@ def draft_to_block(seq_id: str, blocks: list[Draft]) -> drafter_pb2.Block:
         support_ids=d.support_ids.reshape(-1).tolist(),
         support_probs=d.support_probs.reshape(-1).tolist(),
         support_size=d.support_ids.shape[1],
-        steps=d.steps,
+        draft_steps=d.draft_steps,
         branches=[drafter_pb2.Branch(tokens=b.tokens.tolist()) for b in blocks[1:]],
     )
 
@@ -60,10 +60,10 @@ def block_to_drafts(block: drafter_pb2.Block) -> list[Draft]:
         np.asarray(block.tokens, np.int64),
         np.asarray(block.support_ids, np.int64).reshape(k, s),
         np.asarray(block.support_probs, np.float32).reshape(k, s),
-        int(block.steps),
+        int(block.draft_steps),
     )
     return [main] + [
-        Draft.greedy(np.asarray(b.tokens, np.int64), int(block.steps)) for b in block.branches
+        Draft.greedy(np.asarray(b.tokens, np.int64), int(block.draft_steps)) for b in block.branches
     ]
 
 

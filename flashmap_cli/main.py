@@ -13,10 +13,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from flashmap.types import InvalidRequest, SamplingParams, SpecStats
+from drafter_service.service_config import DrafterServiceConfig
+from flashmap.config import Config, add_arguments, from_args, option, same_as
+from flashmap.types import DRAFT_STEPS, InvalidRequest, SamplingParams, SpecStats, check_draft_steps
+from orchestrator.config import OrchestratorConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_TARGET = REPO_ROOT / "checkpoints" / "demo-target"
@@ -34,10 +40,10 @@ def _parse_ids(text: str) -> list[int]:
         raise UsageError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
 
 
-def _messages(args) -> list[dict]:
+def _messages(a: GenerateConfig) -> list[dict]:
     """--chat: the prompt as one user turn (after --system's, when given)."""
-    system = [{"role": "system", "content": args.system}] if args.system else []
-    return system + [{"role": "user", "content": args.prompt}]
+    system = [{"role": "system", "content": a.system}] if a.system else []
+    return system + [{"role": "user", "content": a.prompt}]
 
 
 def stats_report(
@@ -75,96 +81,137 @@ def stats_report(
     return "\n".join(lines)
 
 
-def _sampling(args) -> SamplingParams:
-    return SamplingParams(args.temperature, args.top_k, args.top_p, args.seed).validate()
+@dataclass
+class GenerateConfig(Config):
+    """`flashmap generate`'s options."""
+
+    prompt_text: str | None = option(None, "prompt text (same as --prompt)", flag="prompt_text")
+    prompt: str | None = option(None, "prompt text")
+    prompt_ids: str | None = option(None, "comma-separated token ids")
+    chat: bool = option(
+        False,
+        "send the prompt as a user message through the target's chat template (what a chat "
+        "model expects)",
+    )
+    system: str | None = option(None, "--chat: a system message before the prompt")
+    url: str = option("127.0.0.1:50051", "the orchestrator's address", env="FLASHMAP_URL")
+    in_process: bool = option(False, "run target and drafter in this process")
+    target: str | None = option(None, "--in-process: target checkpoint dir (HF Qwen3)")
+    drafter: str = option(
+        "init", "--in-process: drafter checkpoint dir, or 'init' for an untrained drafter"
+    )
+    ar: bool = option(False, "--in-process: the target alone (autoregressive baseline)")
+    min_confidence: float = same_as(
+        DrafterServiceConfig,
+        "min_confidence",
+        env=None,
+        help="--in-process: cut greedy drafts before the first slot the drafter is less sure of",
+    )
+    compile: bool = option(
+        False, "--in-process: torch.compile the drafter (the first call compiles)"
+    )
+    tree_blocks: int = same_as(
+        OrchestratorConfig,
+        "tree_blocks",
+        env=None,
+        help="--in-process, temperature 0: verify this many drafted blocks as a tree per round",
+    )
+    max_new_tokens: int = option(64, "tokens to generate at most")
+    temperature: float = option(0.0, "0 = greedy")
+    top_k: int = option(0, "0 = off")
+    top_p: float = option(1.0, "1 = off")
+    seed: int | None = option(None, "a seeded request is reproducible")
+    draft_steps: int | None = option(
+        None, "flow-map jumps (1, 2) or N Euler steps of the teacher (default: the drafter's)"
+    )
+    max_draft_tokens: int | None = option(
+        None, "most draft tokens verified per round (0: speculation off; default: the block)"
+    )
+    stop_id: list[int] = option(help="extra stop token id (repeatable)", default_factory=list)
+    ignore_eos: bool = option(False, "do not stop at the target's end-of-sequence ids")
+    json: bool = option(False, "print one JSON object instead of text")
 
 
-def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument(
-        "--draft-steps",
-        type=int,
-        default=None,
-        help="flow-map jumps (1, 2) or N Euler steps of the teacher",
+@dataclass
+class StepsConfig(Config):
+    """`flashmap steps`'s options."""
+
+    steps: int | None = option(
+        None,
+        "the drafter's new step count (1 or 2 jumps, or N); omit to show it",
+        flag="steps",
+        check=check_draft_steps,
     )
-    p.add_argument(
-        "--stop-id", type=int, action="append", default=[], help="extra stop token id (repeatable)"
-    )
-    p.add_argument(
-        "--ignore-eos", action="store_true", help="do not stop at the target's end-of-sequence ids"
-    )
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    drafter_url: str = same_as(OrchestratorConfig, "drafter_url", help="the drafter's address")
 
 
 def _cmd_generate(args) -> int:
-    if args.chat and args.prompt_ids is not None:
+    a = from_args(GenerateConfig, args)
+    if a.prompt is None:
+        a.prompt = a.prompt_text
+    if a.chat and a.prompt_ids is not None:
         raise UsageError("--chat takes a text prompt, not --prompt-ids")
-    if args.system is not None and not args.chat:
+    if a.system is not None and not a.chat:
         raise UsageError("--system goes with --chat")
-    if not args.in_process:
-        if args.tree_blocks != 1 or args.min_confidence or args.compile:
+    if not a.in_process:
+        if a.tree_blocks != 1 or a.min_confidence or a.compile:
             raise UsageError(
                 "--tree-blocks, --min-confidence and --compile are --in-process options "
                 "(for the stack: the drafter service's --min-confidence and --compile)"
             )
-        return _generate_remote(args)
-    if not args.target:
+        return _generate_remote(a)
+    if not a.target:
         raise UsageError("--in-process needs --target DIR")
-    if args.prompt is None and args.prompt_ids is None:
+    if a.prompt is None and a.prompt_ids is None:
         raise UsageError("give --prompt TEXT or --prompt-ids 1,2,3")
+    return _generate_in_process(a)
+
+
+def _generate_in_process(a: GenerateConfig) -> int:
     from drafter_service.factory import load_proposer
     from flashmap.inprocess import decode
     from flashmap.types import GenerationRequest
     from target_service.engine import TargetEngine
 
-    params = _sampling(args)
-    engine = TargetEngine(args.target, n_slots=1)
+    params = SamplingParams(a.temperature, a.top_k, a.top_p, a.seed)
+    engine = TargetEngine(a.target, n_slots=1)
     tokenizer = None
-    if args.prompt_ids is not None:
-        prompt_ids = _parse_ids(args.prompt_ids)
+    if a.prompt_ids is not None:
+        prompt_ids = _parse_ids(a.prompt_ids)
     else:
         from flashmap.tokenizer import TextTokenizer
 
-        tokenizer = TextTokenizer(args.target)
-        prompt_ids = tokenizer.encode(
-            tokenizer.render_chat(_messages(args)) if args.chat else args.prompt
-        )
-    stop = () if args.ignore_eos else tuple(engine.eos_token_ids)
+        tokenizer = TextTokenizer(a.target)
+        prompt_ids = tokenizer.encode(tokenizer.render_chat(_messages(a)) if a.chat else a.prompt)
+    stop = () if a.ignore_eos else tuple(engine.eos_token_ids)
     req = GenerationRequest(
-        prompt_ids, args.max_new_tokens, params, stop + tuple(args.stop_id), args.draft_steps
+        prompt_ids,
+        a.max_new_tokens,
+        params,
+        stop + tuple(a.stop_id),
+        a.draft_steps,
+        max_draft_tokens=a.max_draft_tokens,
     )
-    req.validate(engine.vocab_size, engine.max_seq_len)
+    req.validate(engine.vocab_size, engine.max_seq_len)  # the edge: trusted from here on
     proposer = (
         None
-        if args.ar
+        if a.ar
         else load_proposer(
-            args.drafter,
-            args.target,
+            a.drafter,
+            a.target,
             n_slots=1,
             max_context=engine.max_seq_len,
-            steps=args.draft_steps or 1,
-            min_confidence=args.min_confidence,
-            compile=args.compile,
+            steps=a.draft_steps or DRAFT_STEPS,  # what --compile compiles
+            min_confidence=a.min_confidence,
+            compile=a.compile,
         )
     )
-    if args.tree_blocks < 1:
-        raise UsageError(f"--tree-blocks must be >= 1, got {args.tree_blocks}")
-    (res,) = decode(
-        engine,
-        [req],
-        proposer,
-        steps=args.draft_steps or 1,
-        tree_blocks=1 if args.ar else args.tree_blocks,
-    )
+    (res,) = decode(engine, [req], proposer, tree_blocks=1 if a.ar else a.tree_blocks)
     s = res.stats
     out = {
         "token_ids": res.token_ids,
         "finish_reason": res.finish_reason,
-        "mode": "autoregressive" if args.ar else "speculative",
+        "mode": "autoregressive" if a.ar else "speculative",
         "rounds": s.rounds,
         "drafts": s.drafts,
         "accepted": s.accepted,
@@ -173,13 +220,13 @@ def _cmd_generate(args) -> int:
         "seconds": round(res.wall_s, 4),
         "tokens_per_s": round(len(res.token_ids) / max(res.wall_s, 1e-9), 2),
     }
-    if tokenizer is None and (Path(args.target) / "tokenizer.json").is_file():
+    if tokenizer is None and (Path(a.target) / "tokenizer.json").is_file():
         from flashmap.tokenizer import TextTokenizer
 
-        tokenizer = TextTokenizer(args.target)
+        tokenizer = TextTokenizer(a.target)
     if tokenizer is not None:
         out["text"] = tokenizer.decode(res.token_ids)
-    if args.json:
+    if a.json:
         print(json.dumps(out))
     else:
         print(out.get("text", ",".join(map(str, res.token_ids))))
@@ -190,28 +237,29 @@ def _cmd_generate(args) -> int:
     return 0
 
 
-def _generate_remote(args) -> int:
+def _generate_remote(a: GenerateConfig) -> int:
     from flashmap.client import Client
 
-    if args.prompt is None and args.prompt_ids is None:
+    if a.prompt is None and a.prompt_ids is None:
         raise UsageError("give a prompt")
-    with Client(args.url) as client:
+    with Client(a.url) as client:
         kwargs = dict(
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            seed=args.seed,
-            draft_steps=args.draft_steps,
-            stop_token_ids=args.stop_id,
-            ignore_eos=args.ignore_eos,
+            max_new_tokens=a.max_new_tokens,
+            temperature=a.temperature,
+            top_k=a.top_k,
+            top_p=a.top_p,
+            seed=a.seed,
+            draft_steps=a.draft_steps,
+            max_draft_tokens=a.max_draft_tokens,
+            stop_token_ids=a.stop_id,
+            ignore_eos=a.ignore_eos,
         )
-        if args.prompt_ids is not None:
-            kwargs["prompt_ids"] = _parse_ids(args.prompt_ids)
-        elif args.chat:
-            kwargs["messages"] = _messages(args)
+        if a.prompt_ids is not None:
+            kwargs["prompt_ids"] = _parse_ids(a.prompt_ids)
+        elif a.chat:
+            kwargs["messages"] = _messages(a)
         else:
-            kwargs["prompt"] = args.prompt
+            kwargs["prompt"] = a.prompt
         final, ids, text = None, [], []
         for chunk in client.generate_stream(**kwargs):
             if chunk.finished:
@@ -219,10 +267,10 @@ def _generate_remote(args) -> int:
                 continue
             ids.extend(chunk.token_ids)
             text.append(chunk.text)
-            if not args.json:
+            if not a.json:
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
-        if args.json:
+        if a.json:
             out = {**final.as_dict(), "token_ids": ids, "text": "".join(text)}
             del out["finished"]
             print(json.dumps(out))
@@ -245,9 +293,10 @@ def _generate_remote(args) -> int:
 def _cmd_steps(args) -> int:
     from flashmap.client import DrafterAdmin
 
-    admin = DrafterAdmin(args.drafter_url)  # the token: the environment's, or `flashmap up`'s
+    a = from_args(StepsConfig, args)
+    admin = DrafterAdmin(a.drafter_url)  # the token: the environment's, or `flashmap up`'s
     try:
-        steps = admin.set_steps(args.steps) if args.steps is not None else admin.get_steps()
+        steps = admin.set_steps(a.steps) if a.steps is not None else admin.get_steps()
     finally:
         admin.close()
     print(steps)
@@ -255,9 +304,48 @@ def _cmd_steps(args) -> int:
 
 
 def _cmd_up(args) -> int:
-    from flashmap_cli.stack import run_stack
+    from flashmap.auth import DRAFTER_TOKEN_LOCAL, write_local_secret
+    from flashmap_cli.stack import PortsInUse, Stack, StackConfig, Supervisor, default_checkpoints
 
-    return run_stack(args)
+    target_dir, drafter, notes = default_checkpoints(args.target_dir, args.drafter)
+    for n in notes:
+        print(f"note: {n}", flush=True)
+    cfg = from_args(StackConfig, args, target_dir=target_dir, drafter=drafter)
+    # SIGTERM (docker stop, kill, a supervisor) must stop the three children like Ctrl-C does.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    print(
+        f"starting Triton target, drafter and orchestrator (logs in {cfg.log_dir}) ...", flush=True
+    )
+    try:
+        stack = Stack(cfg).start()
+    except PortsInUse as e:
+        print(f"flashmap up: {e}", file=sys.stderr, flush=True)
+        return 1
+    # For `flashmap steps` and DrafterAdmin in this user's other shells.
+    write_local_secret(DRAFTER_TOKEN_LOCAL, cfg.drafter_token)
+    lines = [
+        "FlashMap Serve is up",
+        f'  Generate (gRPC)      {cfg.url}        try: flashmap generate --chat "What can you do?" --url {cfg.url}',
+        f"  OpenAI API (HTTP)    {cfg.http_url}  (/completions, /chat/completions, /models)"
+        if cfg.http_port
+        else "",
+        f"  orchestrator metrics http://{cfg.host}:{cfg.metrics_port}/metrics",
+        f"  drafter (gRPC)       {cfg.drafter_url}  metrics http://{cfg.host}:{cfg.drafter_metrics_port}/metrics",
+        f"  Triton               grpc {cfg.host}:{cfg.triton_grpc_port}  metrics http://{cfg.host}:{cfg.triton_metrics_port}/metrics",
+        f"  target {cfg.target_dir}\n  drafter {cfg.drafter} (steps {cfg.steps})",
+        "Ctrl-C stops all three.",
+    ]
+    print("\n".join(x for x in lines if x), flush=True)
+    supervisor = Supervisor(stack, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    try:
+        while True:
+            supervisor.step()
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        print("stopping ...", flush=True)
+    finally:
+        stack.stop()
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -270,73 +358,22 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser(
         "generate", help="generate from a prompt (against the stack, or --in-process)"
     )
-    g.add_argument("prompt_text", nargs="?", default=None, help="prompt text (same as --prompt)")
-    g.add_argument("--prompt", default=None)
-    g.add_argument("--prompt-ids", default=None, help="comma-separated token ids")
-    g.add_argument(
-        "--chat",
-        action="store_true",
-        help="send the prompt as a user message through the target's chat template (what a chat model expects)",
-    )
-    g.add_argument("--system", default=None, help="--chat: a system message before the prompt")
-    g.add_argument(
-        "--in-process", action="store_true", help="run target and drafter in this process"
-    )
-    g.add_argument("--target", default=None, help="target checkpoint dir (HF Qwen3)")
-    g.add_argument(
-        "--drafter",
-        default="init",
-        help="drafter checkpoint dir, or 'init' for an untrained drafter",
-    )
-    g.add_argument(
-        "--ar", action="store_true", help="decode with the target alone (autoregressive baseline)"
-    )
-    g.add_argument(
-        "--min-confidence",
-        type=float,
-        default=0.0,
-        help="--in-process: cut greedy drafts before the first slot the drafter is less sure of",
-    )
-    g.add_argument(
-        "--compile",
-        action="store_true",
-        help="--in-process: torch.compile the drafter (CPU; the first call compiles, ~1 min)",
-    )
-    g.add_argument(
-        "--tree-blocks",
-        type=int,
-        default=1,
-        help="--in-process, temperature 0: verify this many drafted blocks as a tree per round",
-    )
-    g.add_argument(
-        "--url",
-        default=os.environ.get("FLASHMAP_URL", "127.0.0.1:50051"),
-        help="orchestrator address",
-    )
-    _add_sampling_args(g)
+    add_arguments(g, GenerateConfig)
     g.set_defaults(func=_cmd_generate)
 
     st = sub.add_parser("steps", help="show or switch the drafter's step count at run time")
-    st.add_argument(
-        "steps",
-        nargs="?",
-        type=int,
-        default=None,
-        help="new step count (1 or 2 jumps, or N); omit to show",
-    )
-    st.add_argument(
-        "--drafter-url", default=os.environ.get("FLASHMAP_DRAFTER_URL", "127.0.0.1:50052")
-    )
+    add_arguments(st, StepsConfig)
     st.set_defaults(func=_cmd_steps)
 
     sub.add_parser(
         "eval", help="acceptance / speedup tables of the drafters (flashmap eval --help)"
     )
 
-    u = sub.add_parser("up", help="start target (Triton), drafter and orchestrator locally")
-    from flashmap_cli.stack import add_stack_args
+    from flashmap_cli.stack import StackConfig
 
-    add_stack_args(u)
+    u = sub.add_parser("up", help="start target (Triton), drafter and orchestrator locally")
+    # The checkpoints, unless given, are the ones default_checkpoints finds.
+    add_arguments(u, StackConfig, defaults={"target_dir": None, "drafter": None})
     u.set_defaults(func=_cmd_up)
     return ap
 
@@ -348,8 +385,6 @@ def main(argv: list[str] | None = None) -> int:
 
         return eval_main(argv[1:], prog="flashmap eval")
     args = build_parser().parse_args(argv)
-    if getattr(args, "prompt_text", None) is not None and args.prompt is None:
-        args.prompt = args.prompt_text
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -7,9 +7,7 @@ Ctrl-C stops all three.
 
 from __future__ import annotations
 
-import argparse
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -18,19 +16,25 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from drafter_service.service_config import DrafterServiceConfig
 from flashmap.auth import (
     API_KEY_ENV,
     DRAFTER_TOKEN_ENV,
-    DRAFTER_TOKEN_LOCAL,
     TARGET_KEY_ENV,
     new_secret,
-    read_secret,
-    write_local_secret,
 )
-from flashmap.cpus import DRAFTER_CPUS_ENV, format_cpu_list, on_cpus, split_cpus
+from flashmap.config import (
+    Config,
+    at_least,
+    from_env,
+    option,
+    same_as,
+    to_argv,
+)
+from flashmap.cpus import format_cpu_list, on_cpus, split_cpus
 from flashmap.grpc_serving import free_ports, ports_in_use, wait_grpc_health
-from flashmap.types import DECODE_STEPS
-from orchestrator.admission import BurstConfig
+from orchestrator.config import OrchestratorConfig
+from target_service.launcher import TritonConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_TARGET = REPO_ROOT / "checkpoints" / "demo-target"
@@ -38,48 +42,60 @@ DEMO_DRAFTER = REPO_ROOT / "checkpoints" / "demo-flashmap"
 
 
 @dataclass
-class StackConfig:
-    target_dir: str
-    drafter: str = "init"  # checkpoint dir or "init"
-    steps: int = 1
-    host: str = "127.0.0.1"
-    port: int = 50051
-    metrics_port: int = 9400
-    http_port: int = 8080  # the OpenAI-compatible API; 0 = off
-    drafter_port: int = 50052
-    drafter_metrics_port: int = 9401
-    triton_http_port: int = 8000
-    triton_grpc_port: int = 8001
-    triton_metrics_port: int = 8002
-    n_slots: int = 8
-    max_seq_len: int = 1024
-    max_queue: int = 256
-    max_queue_delay_us: int | None = (
-        None  # Triton's sequence-batcher wait for a fuller batch (None: config.pbtxt)
+class StackConfig(Config):
+    """The local stack: where each part listens and the options `flashmap up` passes on. A
+    part's own option is the part's (flashmap.config.same_as: its default, help, variable and
+    check), so a default lives in the part's config alone; `orchestrator_config`,
+    `drafter_config` and `triton_config` make each part's config from this one."""
+
+    target_dir: str = option(
+        help="target checkpoint dir (flashmap up: the demo target, else a tiny random one)",
+        flag="--target",
+        env="FLASHMAP_TARGET_DIR",
     )
-    draft_timeout_s: float = 2.0
-    drafter_idle_timeout_s: float = 300.0
-    tree_blocks: int = 1  # > 1: greedy requests verify that many blocks as a tree
-    speculation: str = (
-        "auto"  # auto: draft lengths from measured costs; full: the whole block every round
+    drafter: str = same_as(
+        DrafterServiceConfig,
+        "drafter",
+        help="drafter checkpoint dir or 'init' (flashmap up: the demo drafter with the demo "
+        "target, else init)",
     )
-    decode_steps: int = DECODE_STEPS  # tokens per request of a round without drafts (the orchestrator's --decode-steps)
-    pipeline: bool = (
-        True  # the orchestrator's --pipeline: the next round without drafts queued while one runs
-    )
-    burst_window_ms: float = (
-        BurstConfig.window_s * 1e3
-    )  # the orchestrator's --burst-window-ms: requests sent together start in one round
+    steps: int = same_as(DrafterServiceConfig, "steps")
+    host: str = "127.0.0.1"  # `flashmap up` serves loopback; a deployment uses deploy/
+    port: int = same_as(OrchestratorConfig, "port")
+    metrics_port: int = same_as(OrchestratorConfig, "metrics_port")
+    http_port: int = same_as(OrchestratorConfig, "http_port")
+    drafter_port: int = same_as(DrafterServiceConfig, "port")
+    drafter_metrics_port: int = same_as(DrafterServiceConfig, "metrics_port")
+    triton_http_port: int = same_as(TritonConfig, "http_port")
+    triton_grpc_port: int = same_as(TritonConfig, "grpc_port")
+    triton_metrics_port: int = same_as(TritonConfig, "metrics_port")
+    n_slots: int = option(8, "target KV slots (concurrent sequences)", check=at_least(1))
+    max_seq_len: int = option(1024, "the target's context length", check=at_least(2))
+    max_queue: int = same_as(OrchestratorConfig, "max_queue")
+    # Triton's sequence-batcher wait for a fuller batch (None: config.pbtxt)
+    max_queue_delay_us: int | None = same_as(TritonConfig, "max_queue_delay_us")
+    draft_timeout_s: float = same_as(OrchestratorConfig, "draft_timeout_s")
+    drafter_idle_timeout_s: float = same_as(DrafterServiceConfig, "idle_timeout_s")
+    tree_blocks: int = same_as(OrchestratorConfig, "tree_blocks")
+    speculation: str = same_as(OrchestratorConfig, "speculation")
+    decode_steps: int = same_as(OrchestratorConfig, "decode_steps")
+    pipeline: bool = same_as(OrchestratorConfig, "pipeline")
+    burst_window_s: float = same_as(OrchestratorConfig, "burst_window_s")
+    target_timeout_s: float = same_as(OrchestratorConfig, "target_timeout_s")
     # Secrets between the parts (flashmap.auth): fresh random ones unless given.
     target_key: str = field(default_factory=new_secret)
     drafter_token: str = field(default_factory=new_secret)
-    api_key: str = ""  # the public API's key; "" = none (loopback)
-    target_timeout_s: float = 30.0  # the orchestrator's deadline for every call to Triton
-    log_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="flashmap-logs-"))
+    api_key: str = same_as(OrchestratorConfig, "api_key")  # the public API's; "" = none
+    log_dir: str | None = option(None, "the parts' logs (default: a new temporary directory)")
     with_drafter: bool = True
     # The target model's compute thread on cores of its own, every other process on the rest
     # (flashmap.cpus); off, or fewer than 2 usable CPUs: the scheduler places everything.
-    pin_cpus: bool = True
+    pin_cpus: bool = option(True, "the target model's compute thread on cores of its own")
+
+    def __post_init__(self) -> None:
+        if self.log_dir is None:
+            self.log_dir = tempfile.mkdtemp(prefix="flashmap-logs-")
+        super().__post_init__()
 
     PORTS = (
         "port",
@@ -115,6 +131,58 @@ class StackConfig:
         """The drafter's context slots: room beyond the target's for sequences it still holds."""
         return max(64, 2 * self.n_slots)
 
+    # The parts' configs: this one's values, the rest as the part would read them from the
+    # environment (from_env), so that to_argv passes every option explicitly.
+    def orchestrator_config(self) -> OrchestratorConfig:
+        return from_env(
+            OrchestratorConfig,
+            host=self.host,
+            port=self.port,
+            metrics_port=self.metrics_port,
+            http_port=self.http_port,
+            target_url=f"{self.host}:{self.triton_grpc_port}",
+            drafter_url=self.drafter_url if self.with_drafter else "",
+            tokenizer_dir=self.target_dir,
+            max_queue=self.max_queue,
+            draft_timeout_s=self.draft_timeout_s,
+            tree_blocks=self.tree_blocks,
+            speculation=self.speculation,
+            decode_steps=self.decode_steps,
+            pipeline=self.pipeline,
+            burst_window_s=self.burst_window_s,
+            target_timeout_s=self.target_timeout_s,
+            api_key=self.api_key,
+            target_key=self.target_key,
+            drafter_token=self.drafter_token,
+        )
+
+    def drafter_config(self) -> DrafterServiceConfig:
+        return from_env(
+            DrafterServiceConfig,
+            target_dir=self.target_dir,
+            drafter=self.drafter,
+            host=self.host,
+            port=self.drafter_port,
+            metrics_port=self.drafter_metrics_port,
+            steps=self.steps,
+            n_slots=self.drafter_slots,
+            max_context=self.max_seq_len,
+            idle_timeout_s=self.drafter_idle_timeout_s,
+            token=self.drafter_token,
+        )
+
+    def triton_config(self) -> TritonConfig:
+        return TritonConfig(
+            model_dir=self.target_dir,
+            host=self.host,
+            http_port=self.triton_http_port,
+            grpc_port=self.triton_grpc_port,
+            metrics_port=self.triton_metrics_port,
+            n_slots=self.n_slots,
+            max_seq_len=self.max_seq_len,
+            max_queue_delay_us=self.max_queue_delay_us,
+        )
+
 
 class PortsInUse(RuntimeError):
     """A port of the stack is held by another process."""
@@ -135,7 +203,8 @@ class Stack:
     def _log(self, name: str) -> Path:
         return Path(self.cfg.log_dir) / f"{name}.log"
 
-    def _spawn(self, name: str, args: list[str], **extra_env: str) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        """`python -m` args, with the secrets in its environment (flags would show them)."""
         c = self.cfg
         env = {
             **os.environ,
@@ -143,7 +212,6 @@ class Stack:
             DRAFTER_TOKEN_ENV: c.drafter_token,
             TARGET_KEY_ENV: c.target_key,
             API_KEY_ENV: c.api_key,
-            **extra_env,
         }
         env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(
             os.pathsep
@@ -164,52 +232,17 @@ class Stack:
     def start_target(self) -> None:
         from target_service.launcher import start_triton
 
-        c = self.cfg
+        t = self.cfg.triton_config()
         self.triton = start_triton(
-            c.target_dir,
-            host=c.host,
-            http_port=c.triton_http_port,
-            grpc_port=c.triton_grpc_port,
-            metrics_port=c.triton_metrics_port,
-            n_slots=c.n_slots,
-            max_seq_len=c.max_seq_len,
-            max_queue_delay_us=c.max_queue_delay_us,
-            log_path=str(self._log("triton")),
-            key=c.target_key,
+            **{**vars(t), "log_path": str(self._log("triton"))},
+            key=self.cfg.target_key,
             cpus=self.cpus,
         )
 
     def start_drafter(self, wait: bool = True) -> None:
-        c = self.cfg
-        self.drafter_proc = self._spawn(
-            "drafter",
-            [
-                "drafter_service.server",
-                "--target-dir",
-                c.target_dir,
-                "--drafter",
-                c.drafter,
-                "--host",
-                c.host,
-                "--port",
-                str(c.drafter_port),
-                "--metrics-port",
-                str(c.drafter_metrics_port),
-                "--steps",
-                str(c.steps),
-                "--n-slots",
-                str(c.drafter_slots),
-                "--max-context",
-                str(c.max_seq_len),
-                "--idle-timeout-s",
-                str(c.drafter_idle_timeout_s),
-            ],
-            **(
-                {}
-                if self.cpus is None
-                else {DRAFTER_CPUS_ENV: format_cpu_list(self.cpus[0] | self.cpus[1])}
-            ),
-        )
+        cpus = {} if self.cpus is None else {"cpus": format_cpu_list(self.cpus[0] | self.cpus[1])}
+        d = replace(self.cfg.drafter_config(), **cpus)
+        self.drafter_proc = self._spawn("drafter", ["drafter_service.server", *to_argv(d)])
         if wait:
             self.wait_drafter()
 
@@ -224,41 +257,7 @@ class Stack:
         self.orch_proc = self._orchestrator(self.cfg, "orchestrator")
 
     def _orchestrator(self, c: StackConfig, name: str) -> subprocess.Popen:
-        proc = self._spawn(
-            name,
-            [
-                "orchestrator.server",
-                "--host",
-                c.host,
-                "--port",
-                str(c.port),
-                "--metrics-port",
-                str(c.metrics_port),
-                "--http-port",
-                str(c.http_port),
-                "--target-url",
-                f"{c.host}:{c.triton_grpc_port}",
-                "--drafter-url",
-                c.drafter_url if c.with_drafter else "",
-                "--tokenizer-dir",
-                c.target_dir,
-                "--max-queue",
-                str(c.max_queue),
-                "--draft-timeout-s",
-                str(c.draft_timeout_s),
-                "--tree-blocks",
-                str(c.tree_blocks),
-                "--speculation",
-                c.speculation,
-                "--decode-steps",
-                str(c.decode_steps),
-                "--pipeline" if c.pipeline else "--no-pipeline",
-                "--burst-window-ms",
-                str(c.burst_window_ms),
-                "--target-timeout-s",
-                str(c.target_timeout_s),
-            ],
-        )
+        proc = self._spawn(name, ["orchestrator.server", *to_argv(c.orchestrator_config())])
         wait_grpc_health(c.url, 300, proc, self._log(name))
         return proc
 
@@ -409,9 +408,8 @@ class Supervisor:
 
 def threads_per_service() -> int:
     """Torch threads each service gets unless OMP_NUM_THREADS says: half the cores. Three
-    torch processes on a small CPU box each default to one thread per core and fight over the
-    cores (verify rounds ran 10x slower); on 2 cores, 2 threads per service halve the stack's
-    throughput while one process alone gains from them (bench.threads_per_service)."""
+    torch processes on a small CPU box would each default to one thread per core and fight over
+    the cores (bench.threads_per_service measures it)."""
     return max(1, (os.cpu_count() or 2) // 2)
 
 
@@ -457,87 +455,3 @@ def default_checkpoints(target: str | None, drafter: str | None) -> tuple[str, s
                 "no trained drafter for this target: using an untrained FlashMap drafter (exact, low acceptance)"
             )
     return target, drafter, notes
-
-
-def add_stack_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--target",
-        default=os.environ.get("FLASHMAP_TARGET_DIR"),
-        help="target checkpoint dir (default: demo)",
-    )
-    p.add_argument(
-        "--drafter",
-        default=os.environ.get("FLASHMAP_DRAFTER_DIR"),
-        help="drafter checkpoint dir or 'init'",
-    )
-    p.add_argument("--steps", type=int, default=int(os.environ.get("FLASHMAP_DRAFT_STEPS", "1")))
-    p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--metrics-port", type=int, default=9400)
-    p.add_argument(
-        "--http-port", type=int, default=8080, help="OpenAI-compatible HTTP API; 0 = off"
-    )
-    p.add_argument("--drafter-port", type=int, default=50052)
-    p.add_argument("--drafter-metrics-port", type=int, default=9401)
-    p.add_argument("--triton-ports", default="8000,8001,8002", help="HTTP,gRPC,metrics")
-    p.add_argument("--n-slots", type=int, default=8, help="target KV slots (concurrent sequences)")
-    p.add_argument("--max-seq-len", type=int, default=1024)
-    p.add_argument("--log-dir", default=None)
-
-
-def run_stack(args) -> int:
-    target, drafter, notes = default_checkpoints(args.target, args.drafter)
-    for n in notes:
-        print(f"note: {n}", flush=True)
-    http, grpc_port, metrics = (int(x) for x in args.triton_ports.split(","))
-    cfg = StackConfig(
-        target_dir=target,
-        drafter=drafter,
-        steps=args.steps,
-        port=args.port,
-        metrics_port=args.metrics_port,
-        http_port=args.http_port,
-        drafter_port=args.drafter_port,
-        drafter_metrics_port=args.drafter_metrics_port,
-        triton_http_port=http,
-        triton_grpc_port=grpc_port,
-        triton_metrics_port=metrics,
-        n_slots=args.n_slots,
-        max_seq_len=args.max_seq_len,
-        api_key=read_secret(API_KEY_ENV),  # clients must send it when set
-        **({"log_dir": args.log_dir} if args.log_dir else {}),
-    )
-    # SIGTERM (docker stop, kill, a supervisor) must stop the three children like Ctrl-C does.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    print(
-        f"starting Triton target, drafter and orchestrator (logs in {cfg.log_dir}) ...", flush=True
-    )
-    try:
-        stack = Stack(cfg).start()
-    except PortsInUse as e:
-        print(f"flashmap up: {e}", file=sys.stderr, flush=True)
-        return 1
-    # For `flashmap steps` and DrafterAdmin in this user's other shells.
-    write_local_secret(DRAFTER_TOKEN_LOCAL, cfg.drafter_token)
-    lines = [
-        "FlashMap Serve is up",
-        f'  Generate (gRPC)      {cfg.url}        try: flashmap generate --chat "What can you do?" --url {cfg.url}',
-        f"  OpenAI API (HTTP)    {cfg.http_url}  (/completions, /chat/completions, /models)"
-        if cfg.http_port
-        else "",
-        f"  orchestrator metrics http://{cfg.host}:{cfg.metrics_port}/metrics",
-        f"  drafter (gRPC)       {cfg.drafter_url}  metrics http://{cfg.host}:{cfg.drafter_metrics_port}/metrics",
-        f"  Triton               grpc {cfg.host}:{cfg.triton_grpc_port}  metrics http://{cfg.host}:{cfg.triton_metrics_port}/metrics",
-        f"  target {target}\n  drafter {drafter} (steps {cfg.steps})",
-        "Ctrl-C stops all three.",
-    ]
-    print("\n".join(x for x in lines if x), flush=True)
-    supervisor = Supervisor(stack, log=lambda msg: print(msg, file=sys.stderr, flush=True))
-    try:
-        while True:
-            supervisor.step()
-            time.sleep(1.0)
-    except KeyboardInterrupt:
-        print("stopping ...", flush=True)
-    finally:
-        stack.stop()
-    return 0

@@ -30,7 +30,7 @@ import numpy as np
 from flashmap.auth import DRAFTER_TOKEN_HEADER
 from flashmap.rounds import DraftBatch
 from flashmap.sequence import Sequence
-from flashmap.types import BLOCK_SIZE
+from flashmap.types import BLOCK_SIZE, DRAFT_STEPS
 from flashmap.v1 import drafter_pb2, drafter_pb2_grpc
 from flashmap.wire import block_to_drafts, features_to_tensor
 
@@ -53,7 +53,7 @@ class DrafterClient:
         self._last_attempt = 0.0
         self.connected = False
         self.block_size = BLOCK_SIZE  # until Stats says
-        self.steps = 1
+        self.steps = DRAFT_STEPS  # until Stats says
         self.name = "flashmap"
 
     async def _connect(self) -> bool:
@@ -210,16 +210,17 @@ class ServiceDrafter:
         return self.client.block_size
 
     async def draft(
-        self, seqs: list[Sequence], n_blocks: list[int], budgets: list[int] | None = None
+        self, seqs: list[Sequence], n_blocks: list[int], max_draft_tokens: list[int] | None = None
     ) -> DraftBatch:
         async with self._one:  # taken at once when free: the request below is built before any wait
-            return await self._draft(seqs, n_blocks, budgets or [s.draft_budget() for s in seqs])
+            most = max_draft_tokens or [s.draft_budget() for s in seqs]
+            return await self._draft(seqs, n_blocks, most)
 
     async def _draft(
-        self, seqs: list[Sequence], n_blocks: list[int], budgets: list[int]
+        self, seqs: list[Sequence], n_blocks: list[int], max_draft_tokens: list[int]
     ) -> DraftBatch:
         msgs = []
-        for s, n, budget in zip(seqs, n_blocks, budgets):
+        for s, n, most in zip(seqs, n_blocks, max_draft_tokens):
             ctx = s.context_for_drafter()
             start, ids, feats = (
                 ctx
@@ -233,12 +234,12 @@ class ServiceDrafter:
                     new_token_ids=ids.tolist(),
                     new_features=features_to_tensor(feats),
                     anchor=s.anchor,
-                    steps=s.request.draft_steps or 0,
+                    draft_steps=s.request.draft_steps,
                     num_blocks=n,
                     temperature=s.params.temperature,
                     top_m=self.top_m,
                     seed=s.draft_seed(),
-                    max_tokens=budget,
+                    max_draft_tokens=most,
                 )
             )
         self.asked.update(s.seq_id for s in seqs)
@@ -255,10 +256,8 @@ class ServiceDrafter:
                 continue
             s.drafter_acknowledged(len(m.new_token_ids))
             out.blocks[s.seq_id] = block_to_drafts(block)
-            if (
-                not m.steps
-            ):  # drafted with the drafter's default: follow run-time switches (SetSteps)
-                self.client.steps = block.steps
+            if not m.HasField("draft_steps"):  # the drafter's own: follow SetSteps switches
+                self.client.steps = block.draft_steps
         return out
 
     async def release(self, seqs: list[Sequence]) -> None:

@@ -43,6 +43,25 @@ class OrchestratorMetrics:
         self.prompt_tokens = m["flashmap_prompt_tokens"]
         self.verify_batch_size = m["flashmap_verify_batch_size"]
 
+    def start_at_zero(self, model: str) -> None:
+        """Export the series that alerts divide by, at 0, from the start: a series that first
+        appears at its first increment has no rate() for that increment."""
+        for reason in ("unavailable", "timeout", "context_lost"):
+            self.fallback_rounds.labels(model=model, reason=reason)
+        for status in ("length", "stop", "abort", "error"):
+            self.requests.labels(model=model, status=status)
+        for kind in ("expected", "accepted"):
+            self.controller_accepted.labels(model=model, kind=kind)
+        for metric in (
+            self.draft_length,
+            self.speculation_off_rounds,
+            self.rounds_ahead,
+            self.shadow_probes,
+            self.burst_wait,
+            self.decode_steps,
+        ):
+            metric.labels(model=model)
+
     def record_round(self, labels: dict, num_draft: int, num_accepted: int) -> None:
         """One verified draft of num_draft tokens of which the first num_accepted were accepted."""
         if num_draft == 0:

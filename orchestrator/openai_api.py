@@ -38,6 +38,7 @@ from starlette.responses import Response, StreamingResponse
 
 from flashmap.auth import bearer
 from flashmap.types import InvalidRequest
+from orchestrator.requests import Outcome
 
 log = logging.getLogger("flashmap.openai")
 
@@ -279,12 +280,6 @@ class _Shape:
         return {**self.head(True), "choices": [self._choice(text, ids, finish, True, first)]}
 
 
-def _is_outcome(item) -> bool:
-    """Outcome (else a Piece) by its shape, not its type: `python -m orchestrator.server` runs
-    the server as __main__, whose Outcome class is not orchestrator.server.Outcome."""
-    return hasattr(item, "finish_reason")
-
-
 def _sse(obj: Any) -> str:
     return f"data: {obj if isinstance(obj, str) else _dumps(obj)}\n\n"
 
@@ -300,7 +295,7 @@ async def _events(
             yield _sse(with_usage(shape.chunk("", [], first=True)))
         item = first
         while True:
-            if not _is_outcome(item):
+            if not isinstance(item, Outcome):
                 if item.text or shape.ids:
                     yield _sse(with_usage(shape.chunk(item.text, item.token_ids)))
             elif item.error is not None:
@@ -456,7 +451,7 @@ def create_app(orch) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        ready = orch.target_ok  # what the health loop last learned: never a call that could hang
+        ready = orch.health.ok  # what the health loop last learned: never a call that could hang
         body = {
             "status": "ok" if ready else "unavailable",
             "target_ready": ready,
@@ -538,7 +533,7 @@ def create_app(orch) -> FastAPI:
         ok, first = await _unless_disconnected(request.receive, items.__anext__())
         if not ok:
             return Response(status_code=499)
-        if _is_outcome(first) and first.error is not None:
+        if isinstance(first, Outcome) and first.error is not None:
             await items.aclose()
             return _error(ApiError.from_status(*first.error))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -551,7 +546,7 @@ async def _collect(items: AsyncIterator) -> tuple[str, list[int], Any]:
     text, ids = [], []
     async with contextlib.aclosing(items):
         async for item in items:
-            if not _is_outcome(item):
+            if not isinstance(item, Outcome):
                 text.append(item.text)
                 ids.extend(item.token_ids)
             else:

@@ -1,5 +1,8 @@
 """Start a local Triton Inference Server that hosts the FlashMap target model.
 
+One module for one job, a tritonserver serving this model: the binary, its repository and
+environment, the process and its health, the command line (options: TritonConfig).
+
     python -m target_service.launcher --model-dir CHECKPOINT [--grpc-port 8001 --http-port 8000
         --metrics-port 8002 --host 127.0.0.1 --n-slots 8 --max-seq-len N --idle-timeout-s 60]
 
@@ -31,7 +34,6 @@ In NVIDIA's container the same repository is served directly (no launcher needed
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shutil
@@ -43,10 +45,11 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from flashmap.auth import TARGET_KEY_ENV, TARGET_KEY_HEADER, read_secret
+from flashmap.config import Config, at_least, option, parse
 from flashmap.cpus import TARGET_CPUS_ENV, format_cpu_list, on_cpus
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -288,50 +291,89 @@ def log_tail(path: Path, n: int = 60) -> str:
     return "\n".join(lines[-n:])
 
 
+def _layer_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+
+
+@dataclass
+class TritonConfig(Config):
+    """The launcher's options (flags: flashmap.config); start_triton takes the same names.
+    Model settings left as None keep config.pbtxt's values (8 slots, a 60 s idle timeout) or
+    the model's own choice (device and dtype by the hardware, the engine's feature layers)."""
+
+    model_dir: str | None = option(help="Hugging Face Qwen3 checkpoint directory")
+    host: str = option("127.0.0.1", "listen address of Triton's three endpoints")
+    grpc_port: int = option(8001, "Triton gRPC", check=at_least(0))
+    http_port: int = option(8000, "Triton HTTP", check=at_least(0))
+    metrics_port: int = option(8002, "Triton /metrics", check=at_least(0))
+    n_slots: int | None = option(None, "KV slots = concurrent sequences", check=at_least(1))
+    max_seq_len: int | None = option(None, "context length of a slot", check=at_least(2))
+    idle_timeout_s: float | None = option(
+        None, "free a sequence's slot after this idle time", check=at_least(0.001)
+    )
+    max_queue_delay_us: int | None = option(
+        None, "how long Triton waits to fill a batch", check=at_least(0)
+    )
+    device: str | None = option(None, "cpu, cuda, cuda:N (default: cuda if available)")
+    dtype: str | None = option(
+        None, "float32, bfloat16, float16 (default: bf16 on cuda, fp32 on cpu)"
+    )
+    feature_layers: str | None = option(
+        None, "comma-separated decoder layers the drafter reads", check=_layer_list
+    )
+    features_dtype: str | None = option(
+        None, "the features' type on the wire", choices=("float32", "float16")
+    )
+    log_path: str | None = option(
+        None,
+        "server log ('-': this process' output; default for the CLI: "
+        "$TMPDIR/flashmap-triton-<grpc port>.log, for start_triton: in the workspace)",
+    )
+    log_verbose: int = option(0, "tritonserver --log-verbose", check=at_least(0))
+    ready_timeout_s: float = option(600.0, "give up when not ready after this long")
+    watchdog_s: float = option(
+        10.0,
+        "the CLI probes the model this often and exits when 3 probes in a row fail, so a "
+        "supervisor (compose, k8s, flashmap up) restarts the server (0: off)",
+        check=at_least(0),
+    )
+
+
 def start_triton(
     model_dir: str | Path | None,
     *,
-    host: str = "127.0.0.1",
-    grpc_port: int = 8001,
-    http_port: int = 8000,
-    metrics_port: int = 8002,
-    n_slots: int | None = None,
-    max_seq_len: int | None = None,
-    idle_timeout_s: float | None = None,
-    max_queue_delay_us: int | None = None,
-    device: str | None = None,
-    dtype: str | None = None,
-    feature_layers: list[int] | None = None,
-    features_dtype: str | None = None,
-    log_path: str | Path | None = None,
-    log_verbose: int = 0,
-    ready_timeout_s: float = 300.0,
-    extra_env: dict[str, str] | None = None,
-    keep_workspace: bool = False,
     key: str = "",
     cpus: tuple[set[int], set[int]] | None = None,
+    extra_env: dict[str, str] | None = None,
+    keep_workspace: bool = False,
+    **settings,
 ) -> TritonHandle:
     """Start tritonserver with the FlashMap target model and wait until it is ready.
 
     model_dir: Qwen3 checkpoint directory (None: the model reads $FLASHMAP_TARGET_DIR or
-    its config parameter). Settings left as None keep config.pbtxt's values (n_slots 8,
-    idle timeout 60 s, device/dtype auto). log_path None: inside the workspace, which
-    stop() removes. key: Triton's restricted protocols (inference, shared memory, model
-    control, statistics, trace, logging; not health or metadata) then need the header
-    flashmap.auth.TARGET_KEY_HEADER with this value. Raises TritonStartError (with the log
-    tail) when it does not become ready. cpus: (the model worker's CPUs, the server's):
-    the server and its stub run on the second set, the model's compute thread on the first
-    (flashmap.cpus); None: wherever the caller runs.
+    its config parameter); settings: TritonConfig's fields (its defaults for the rest).
+    log_path None: inside the workspace, which stop() removes. key: Triton's restricted
+    protocols (inference, shared memory, model control, statistics, trace, logging; not health
+    or metadata) then need the header flashmap.auth.TARGET_KEY_HEADER with this value. Raises
+    TritonStartError (with the log tail) when it does not become ready. cpus: (the model
+    worker's CPUs, the server's): the server and its stub run on the second set, the model's
+    compute thread on the first (flashmap.cpus); None: wherever the caller runs.
     """
+    c = TritonConfig(model_dir=None if model_dir is None else str(model_dir), **settings)
+    host, grpc_port, http_port, metrics_port = c.host, c.grpc_port, c.http_port, c.metrics_port
+    log_path = c.log_path
     dist = find_tritonserver()
     workspace = Path(tempfile.mkdtemp(prefix="flashmap-triton-"))
     try:
         repo = write_model_repository(
             workspace / "models",
-            n_slots=n_slots,
-            idle_timeout_s=idle_timeout_s,
-            max_queue_delay_us=max_queue_delay_us,
-            features_dtype=features_dtype,
+            n_slots=c.n_slots,
+            idle_timeout_s=c.idle_timeout_s,
+            max_queue_delay_us=c.max_queue_delay_us,
+            features_dtype=c.features_dtype,
         )
         backend_dir = dist.backend_dir
         if dist.stub is not None:
@@ -363,7 +405,7 @@ def start_triton(
             "--disable-auto-complete-config",
             "--strict-readiness=true",
             "--exit-timeout-secs=15",
-            f"--log-verbose={log_verbose}",
+            f"--log-verbose={c.log_verbose}",
         ]
         if backend_dir is not None:
             cmd.append(f"--backend-directory={backend_dir}")
@@ -371,11 +413,11 @@ def start_triton(
         env = server_env(dist)
         env.update(
             model_env(
-                model_dir,
-                max_seq_len=max_seq_len,
-                device=device,
-                dtype=dtype,
-                feature_layers=feature_layers,
+                c.model_dir,
+                max_seq_len=c.max_seq_len,
+                device=c.device,
+                dtype=c.dtype,
+                feature_layers=_layer_list(c.feature_layers) if c.feature_layers else None,
                 cpus=None if cpus is None else cpus[0],
             )
         )
@@ -404,7 +446,7 @@ def start_triton(
         process, host, grpc_port, http_port, metrics_port, log_path, workspace, keep_workspace
     )
     try:
-        wait_ready(handle, ready_timeout_s)
+        wait_ready(handle, c.ready_timeout_s)
     except BaseException:
         handle.stop(timeout=10)
         raise
@@ -495,64 +537,17 @@ def wait_ready(handle: TritonHandle, timeout_s: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m target_service.launcher", description=__doc__.split("\n")[0]
-    )
-    p.add_argument("--model-dir", required=True, help="Hugging Face Qwen3 checkpoint directory")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--grpc-port", type=int, default=8001)
-    p.add_argument("--http-port", type=int, default=8000)
-    p.add_argument("--metrics-port", type=int, default=8002)
-    p.add_argument(
-        "--n-slots",
-        type=int,
-        default=None,
-        help="KV slots = concurrent sequences (default: config.pbtxt)",
-    )
-    p.add_argument("--max-seq-len", type=int, default=None)
-    p.add_argument(
-        "--idle-timeout-s",
-        type=float,
-        default=None,
-        help="free a sequence's slot after this idle time",
-    )
-    p.add_argument(
-        "--max-queue-delay-us", type=int, default=None, help="how long Triton waits to fill a batch"
-    )
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
-    p.add_argument(
-        "--dtype",
-        default=None,
-        help="float32, bfloat16, float16 (default: bf16 on cuda, fp32 on cpu)",
-    )
-    p.add_argument(
-        "--feature-layers",
-        default=None,
-        help="comma-separated decoder layers (default: the engine's)",
-    )
-    p.add_argument("--features-dtype", choices=["float32", "float16"], default=None)
-    p.add_argument(
-        "--log-path",
-        default=None,
-        help="server log (default: $TMPDIR/flashmap-triton-<grpc port>.log; '-': this process' output)",
-    )
-    p.add_argument("--log-verbose", type=int, default=0)
-    p.add_argument("--ready-timeout-s", type=float, default=600.0)
-    p.add_argument(
-        "--watchdog-s",
-        type=float,
-        default=10.0,
-        help="probe the model this often and exit when 3 probes in a row fail, so a supervisor "
-        "(compose, k8s, flashmap up) restarts the server (0: off)",
-    )
-    args = p.parse_args(argv)
-
-    if not Path(args.model_dir, "config.json").is_file():
-        p.error(f"{args.model_dir}: no config.json (not a Hugging Face checkpoint directory)")
+    c = parse(TritonConfig, argv, __doc__.split("\n")[0], "python -m target_service.launcher")
+    if not Path(c.model_dir, "config.json").is_file():
+        print(
+            f"error: {c.model_dir}: no config.json (not a Hugging Face checkpoint directory)",
+            file=sys.stderr,
+        )
+        return 2
     log_path = Path(
-        args.log_path or Path(tempfile.gettempdir()) / f"flashmap-triton-{args.grpc_port}.log"
+        c.log_path or Path(tempfile.gettempdir()) / f"flashmap-triton-{c.grpc_port}.log"
     )
-    if args.log_path != "-":
+    if c.log_path != "-":
         log_path.unlink(missing_ok=True)
 
     def interrupt(signum, frame):
@@ -563,39 +558,22 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, interrupt)
     handle = None
     try:
+        settings = {f.name: getattr(c, f.name) for f in fields(c) if f.name != "watchdog_s"}
         handle = start_triton(
-            args.model_dir,
-            host=args.host,
-            grpc_port=args.grpc_port,
-            http_port=args.http_port,
-            metrics_port=args.metrics_port,
-            n_slots=args.n_slots,
-            max_seq_len=args.max_seq_len,
-            idle_timeout_s=args.idle_timeout_s,
-            max_queue_delay_us=args.max_queue_delay_us,
-            device=args.device,
-            dtype=args.dtype,
-            feature_layers=[int(x) for x in args.feature_layers.split(",")]
-            if args.feature_layers
-            else None,
-            features_dtype=args.features_dtype,
-            log_path=log_path,
-            log_verbose=args.log_verbose,
-            ready_timeout_s=args.ready_timeout_s,
-            key=read_secret(TARGET_KEY_ENV),
+            **{**settings, "log_path": str(log_path)}, key=read_secret(TARGET_KEY_ENV)
         )
         print(
             f"triton ready: grpc {handle.grpc_url}  http {handle.http_url}  metrics {handle.metrics_url}  "
             f"log {handle.log_path}",
             flush=True,
         )
-        failed, next_probe = 0, time.monotonic() + args.watchdog_s
+        failed, next_probe = 0, time.monotonic() + c.watchdog_s
         while handle.alive():
             time.sleep(0.5)
-            if args.watchdog_s > 0 and time.monotonic() >= next_probe:
+            if c.watchdog_s > 0 and time.monotonic() >= next_probe:
                 ok, detail = probe(handle.grpc_url, read_secret(TARGET_KEY_ENV))
                 failed = 0 if ok else failed + 1
-                next_probe = time.monotonic() + args.watchdog_s
+                next_probe = time.monotonic() + c.watchdog_s
                 if failed >= 3:
                     print(
                         f"error: the model failed 3 probes in a row ({detail}); stopping tritonserver",

@@ -104,8 +104,8 @@ def test_text_prompt_prints_text(ckpts, capsys):
         (["--prompt-ids", "1,2", "--top-p", "1.5"], "top_p must be in (0, 1]"),
         (["--prompt-ids", "1,x"], "comma-separated integers"),
         (["--prompt-ids", "1,2", "--tree-blocks", "2", "--temperature", "0.5"], "greedy-only"),
-        (["--prompt-ids", "1,2", "--tree-blocks", "0"], "--tree-blocks must be >= 1"),
-        (["--prompt-ids", "1,2", "--min-confidence", "1.5"], "min_confidence must be in [0, 1)"),
+        (["--prompt-ids", "1,2", "--tree-blocks", "0"], "--tree-blocks: must be >= 1"),
+        (["--prompt-ids", "1,2", "--min-confidence", "1.5"], "--min-confidence: must be in [0, 1)"),
     ],
 )
 def test_bad_input_is_one_line(ckpts, capsys, args, message):

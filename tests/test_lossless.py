@@ -104,7 +104,7 @@ def test_untrained_drafter_is_lossless(target, steps):
     proposer = load_proposer(
         "init", str(path), n_slots=N_PROMPTS, max_context=engine.max_seq_len, steps=steps
     )
-    out = decode(engine, _requests(prompts), proposer, steps=steps)
+    out = decode(engine, _requests(prompts), proposer, draft_steps=steps)
     assert [r.token_ids for r in out] == reference
     assert all(r.stats.drafts > 0 for r in out)
 
@@ -197,7 +197,7 @@ def test_tree_verification_is_lossless_and_takes_the_best_branch(target):
         proposer = load_proposer(
             "init", str(path), n_slots=N_PROMPTS, max_context=engine.max_seq_len, steps=steps
         )
-        out = decode(engine, _requests(prompts), proposer, steps=steps, tree_blocks=4)
+        out = decode(engine, _requests(prompts), proposer, draft_steps=steps, tree_blocks=4)
         assert [r.token_ids for r in out] == reference
     with pytest.raises(ValueError, match="greedy-only"):
         decode(

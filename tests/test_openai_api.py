@@ -20,11 +20,14 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from stack_helpers import (
+from stack_helpers import (  # noqa: F401 - target_dir, ref, one_thread_per_process: fixtures
     _poll,
     _samples,
     _total,
-)  # noqa: F401 - fixtures
+    one_thread_per_process,
+    ref,
+    target_dir,
+)
 
 from flashmap.tokenizer import TextTokenizer
 from flashmap_cli.stack import Stack, StackConfig
@@ -505,11 +508,11 @@ class _StubOrchestrator:
     def __init__(self, failure):
         from types import SimpleNamespace
 
-        from orchestrator.server import OrchestratorConfig
+        from orchestrator.config import OrchestratorConfig
 
         self.info = SimpleNamespace(model_name="stub", max_seq_len=64)
         self.cfg = OrchestratorConfig()
-        self.target_ok = True
+        self.health = SimpleNamespace(ok=True)
         self.failure = failure
         self.active, self.waiting, self.drafter = {}, [], None
 
@@ -522,7 +525,7 @@ class _StubOrchestrator:
         return build(*args)
 
     async def stream(self, gen, stops):
-        from orchestrator.server import Outcome, Piece
+        from orchestrator.requests import Outcome, Piece
 
         if isinstance(self.failure, Exception):
             raise self.failure

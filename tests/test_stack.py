@@ -424,6 +424,33 @@ class TestMainStack:
         )
 
     @pytest.mark.timeout(90)
+    def test_limits_at_the_public_apis(self, stack, client):
+        """gRPC Generate and the OpenAI API refuse what every entry point refuses, with the
+        same message (the cases and the other entry points: tests/test_limits.py)."""
+        import httpx
+        from test_limits import DRAFT_STEPS_CASES, MAX_DRAFT_TOKENS_CASES
+
+        ok = dict(prompt_ids=[1, 2, 3], max_new_tokens=4, ignore_eos=True)
+        body = dict(model=client.model_info().model, prompt="hello", max_tokens=4)
+        for name, cases in (
+            ("draft_steps", DRAFT_STEPS_CASES),
+            ("max_draft_tokens", MAX_DRAFT_TOKENS_CASES),
+        ):
+            for value, message in cases:
+                r = httpx.post(
+                    f"{stack.cfg.http_url}/completions", json={**body, name: value}, timeout=60
+                )
+                if message is None:
+                    assert r.status_code == 200, r.text
+                    assert len(client.generate(**ok, **{name: value}).token_ids) == 4
+                    continue
+                assert r.status_code == 400 and r.json()["error"]["message"] == message
+                if value >= 0:  # the gRPC field is unsigned: a negative cannot be sent
+                    with pytest.raises(InvalidArgument) as e:
+                        client.generate(**ok, **{name: value})
+                    assert str(e.value).endswith(message), e.value
+
+    @pytest.mark.timeout(90)
     def test_cancel_frees_target_and_drafter_slots(self, stack, client, admin, ref):
         p = _prompts(1, seed=61, lo=5, hi=5)[0]
         max_new = 400

@@ -17,30 +17,30 @@ class Tensor(_message.Message):
     def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class SequenceDraft(_message.Message):
-    __slots__ = ("seq_id", "context_start", "new_token_ids", "new_features", "anchor", "steps", "num_blocks", "temperature", "top_m", "seed", "max_tokens")
+    __slots__ = ("seq_id", "context_start", "new_token_ids", "new_features", "anchor", "draft_steps", "num_blocks", "temperature", "top_m", "seed", "max_draft_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_START_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NEW_FEATURES_FIELD_NUMBER: _ClassVar[int]
     ANCHOR_FIELD_NUMBER: _ClassVar[int]
-    STEPS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_STEPS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_M_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
-    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     context_start: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     new_features: Tensor
     anchor: int
-    steps: int
+    draft_steps: int
     num_blocks: int
     temperature: float
     top_m: int
     seed: int
-    max_tokens: int
-    def __init__(self, seq_id: _Optional[str] = ..., context_start: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_features: _Optional[_Union[Tensor, _Mapping]] = ..., anchor: _Optional[int] = ..., steps: _Optional[int] = ..., num_blocks: _Optional[int] = ..., temperature: _Optional[float] = ..., top_m: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+    max_draft_tokens: int
+    def __init__(self, seq_id: _Optional[str] = ..., context_start: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_features: _Optional[_Union[Tensor, _Mapping]] = ..., anchor: _Optional[int] = ..., draft_steps: _Optional[int] = ..., num_blocks: _Optional[int] = ..., temperature: _Optional[float] = ..., top_m: _Optional[int] = ..., seed: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("call_id", "sequences")
@@ -51,13 +51,13 @@ class DraftRequest(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceDraft, _Mapping]]] = ...) -> None: ...
 
 class Block(_message.Message):
-    __slots__ = ("seq_id", "tokens", "support_ids", "support_probs", "support_size", "steps", "error", "branches")
+    __slots__ = ("seq_id", "tokens", "support_ids", "support_probs", "support_size", "draft_steps", "error", "branches")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SUPPORT_IDS_FIELD_NUMBER: _ClassVar[int]
     SUPPORT_PROBS_FIELD_NUMBER: _ClassVar[int]
     SUPPORT_SIZE_FIELD_NUMBER: _ClassVar[int]
-    STEPS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_STEPS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     BRANCHES_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
@@ -65,10 +65,10 @@ class Block(_message.Message):
     support_ids: _containers.RepeatedScalarFieldContainer[int]
     support_probs: _containers.RepeatedScalarFieldContainer[float]
     support_size: int
-    steps: int
+    draft_steps: int
     error: str
     branches: _containers.RepeatedCompositeFieldContainer[Branch]
-    def __init__(self, seq_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., support_ids: _Optional[_Iterable[int]] = ..., support_probs: _Optional[_Iterable[float]] = ..., support_size: _Optional[int] = ..., steps: _Optional[int] = ..., error: _Optional[str] = ..., branches: _Optional[_Iterable[_Union[Branch, _Mapping]]] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., support_ids: _Optional[_Iterable[int]] = ..., support_probs: _Optional[_Iterable[float]] = ..., support_size: _Optional[int] = ..., draft_steps: _Optional[int] = ..., error: _Optional[str] = ..., branches: _Optional[_Iterable[_Union[Branch, _Mapping]]] = ...) -> None: ...
 
 class Branch(_message.Message):
     __slots__ = ("tokens",)

@@ -1,0 +1,493 @@
+"""The orchestrator's scheduler: continuous batching of speculative rounds over every request.
+
+One loop serves every active request. Each iteration is one round for all of them
+(flashmap.rounds.speculative_round): one batched call to the drafter (a DraftRequest carrying
+every sequence that can draft), then one packed verify request to Triton carrying every row
+(one forward), then rejection sampling and the tokens to each request's stream. Requests
+beyond the target's KV slots wait in a queue; past `max_queue` they are refused with
+RESOURCE_EXHAUSTED; requests sent together start in one round (orchestrator.admission). A
+drafter that is down or late costs speed, not correctness: the round runs without drafts
+(autoregressive) and is counted; health says what the target's calls say (orchestrator.health).
+
+The front ends (orchestrator.grpc_api, orchestrator.openai_api) build a request with
+`make_request` (orchestrator.requests) and run it with `stream`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+
+from flashmap.logs import fields
+from flashmap.rounds import Ahead, speculative_round
+from flashmap.sequence import Sequence
+from flashmap.speculation import ControllerConfig, SpeculationController
+from flashmap.tokenizer import IncrementalDecoder
+from flashmap.types import BLOCK_SIZE, GenerationRequest, InvalidRequest
+from flashmap.v1 import serving_pb2
+from orchestrator.admission import BurstConfig, BurstGate
+from orchestrator.config import OrchestratorConfig
+from orchestrator.drafter_client import DrafterClient, ServiceDrafter
+from orchestrator.health import TargetHealth
+from orchestrator.metrics import OrchestratorMetrics
+from orchestrator.requests import Outcome, Piece, TextPieces, build_request
+from orchestrator.target_client import TargetClient, TritonTarget
+
+log = logging.getLogger("flashmap.orchestrator")
+SERVICE_NAME = serving_pb2.DESCRIPTOR.services_by_name["FlashMap"].full_name
+
+
+@dataclass
+class _Active:
+    seq: Sequence
+    queue: asyncio.Queue  # token lists, then None when finished
+    request_id: str
+    t_arrival: float
+    t_first: float | None = None
+    t_last: float | None = None
+    deadline: float | None = (
+        None  # time.monotonic() after which the request ends (DEADLINE_EXCEEDED)
+    )
+
+
+class Orchestrator:
+    def __init__(self, cfg: OrchestratorConfig):
+        self.cfg = cfg
+        self.target = TargetClient(
+            cfg.target_url, cfg.target_model, timeout_s=cfg.target_timeout_s, key=cfg.target_key
+        )
+        self.drafter = (
+            DrafterClient(cfg.drafter_url, token=cfg.drafter_token) if cfg.drafter_url else None
+        )
+        self.drafter_port = (
+            ServiceDrafter(self.drafter, cfg.draft_timeout_s, cfg.top_m) if self.drafter else None
+        )
+        # After start(): they need the target's context length and the drafter's block size.
+        self.target_port: TritonTarget | None = None
+        self.controller: SpeculationController | None = None
+        self.tokenizer = None
+        if cfg.tokenizer_dir:
+            from flashmap.tokenizer import TextTokenizer
+
+            try:
+                self.tokenizer = TextTokenizer(cfg.tokenizer_dir)
+            except FileNotFoundError as e:  # serve token ids; text prompts get INVALID_ARGUMENT
+                log.warning("no tokenizer: %s", e)
+        self.info = None
+        self.metrics: OrchestratorMetrics | None = None
+        self.waiting: deque[_Active] = deque()
+        self.active: dict[int, _Active] = {}
+        self.by_request: dict[str, _Active] = {}
+        self._wake = asyncio.Event()
+        self.burst = BurstGate(BurstConfig(cfg.burst_window_s, cfg.burst_gap_s))
+        self._loop_task: asyncio.Task | None = None
+        self._health_task: asyncio.Task | None = None
+        self._releases: set[asyncio.Task] = set()  # slots being freed on the target and the drafter
+        self._outbox: list[tuple[_Active, list[int] | None]] = []  # not yet on their streams
+        self.health = TargetHealth(SERVICE_NAME, cfg.health_interval_s)
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="orchestrator-tokenize")
+
+    # -- lifecycle ---------------------------------------------------------------
+    async def start(self) -> None:
+        for _ in range(600):  # Triton may still be loading the model
+            try:
+                if await self.target.ready():
+                    break
+            except Exception:  # noqa: BLE001 - not up yet
+                pass
+            await asyncio.sleep(0.5)
+        self.info = await self.target.info()
+        self.target_port = TritonTarget(self.target, self.info.max_seq_len)
+        if self.drafter is not None:
+            await self.drafter.ensure_connected()
+        self.metrics = OrchestratorMetrics(block_size=self._block_size())
+        if self.cfg.speculation == "auto" and self.drafter is not None:
+            self.controller = SpeculationController(
+                self._block_size(),
+                ControllerConfig(
+                    packed=self.info.packed_verify,
+                    decode_steps=self.cfg.decode_steps,
+                    lazy_features=self.info.feature_bytes_per_token > 0,
+                    shadow_probes=self.cfg.pipeline,
+                ),
+            )
+        self.metrics.drafter_steps.labels(drafter=self.drafter_name()).set(
+            self.drafter.steps if self.drafter else 0
+        )
+        self.metrics.start_at_zero(self.info.model_name)
+        self.max_concurrent = self.cfg.max_concurrent or self.info.n_slots
+        self._loop_task = asyncio.create_task(self._scheduler())
+        self._health_task = asyncio.create_task(
+            self.health.watch(self.target, lambda: bool(self.active))
+        )
+        log.info(
+            "orchestrator ready: target %s (%d slots, vocab %d), drafter %s",
+            self.info.model_name,
+            self.info.n_slots,
+            self.info.vocab_size,
+            self.cfg.drafter_url or "none",
+        )
+
+    async def stop(self) -> None:
+        for task in (self._loop_task, self._health_task):
+            if task:
+                task.cancel()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.drafter:
+            await self.drafter.close()
+        await self.target.close()
+
+    def _block_size(self) -> int:
+        return self.drafter.block_size if self.drafter is not None else BLOCK_SIZE
+
+    def drafter_name(self) -> str:
+        return self.drafter.name if self.drafter is not None else "none"
+
+    def _labels(self, steps: int) -> dict:
+        return {"model": self.info.model_name, "drafter": self.drafter_name(), "steps": str(steps)}
+
+    # -- requests ----------------------------------------------------------------
+    def make_request(self, **fields) -> GenerationRequest:
+        """A validated GenerationRequest from a front end's fields (orchestrator.requests.
+        build_request: its arguments); InvalidRequest for anything the server refuses."""
+        return build_request(self.cfg, self.tokenizer, self.info, **fields)
+
+    async def request_async(self, build, *args) -> GenerationRequest:
+        """build(*args) (make_request, grpc_api.request_from_proto) on a worker thread:
+        tokenising a long prompt must not stall every other stream."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, build, *args)
+
+    def submit(self, gen: GenerationRequest, deadline: float | None = None) -> _Active:
+        if len(self.waiting) >= self.cfg.max_queue and len(self.active) >= self.max_concurrent:
+            raise OverflowError(f"queue full ({self.cfg.max_queue} waiting requests)")
+        if gen.request_id in self.by_request:
+            raise InvalidRequest(f"request_id {gen.request_id!r} is already running")
+        # Random ids: a client that reaches Triton or the drafter cannot guess another request's.
+        sid = secrets.randbelow(2**62 - 1) + 1
+        while sid in self.active:
+            sid = secrets.randbelow(2**62 - 1) + 1
+        a = _Active(
+            Sequence(sid, gen, self._block_size(), handle=sid),
+            asyncio.Queue(),
+            gen.request_id,
+            time.perf_counter(),
+            deadline=deadline,
+        )
+        self.waiting.append(a)
+        self.by_request[gen.request_id] = a
+        self.metrics.queued_requests.labels(model=self.info.model_name).set(len(self.waiting))
+        self.burst.arrived(a.t_arrival)
+        self._wake.set()
+        return a
+
+    def abort(self, request_id: str) -> bool:
+        a = self.by_request.get(request_id)
+        if a is None:
+            return False
+        a.seq.abort()
+        self._wake.set()
+        return True
+
+    # -- scheduling ----------------------------------------------------------------
+    async def _scheduler(self) -> None:
+        ahead: Ahead | None = None  # the next round, already sent
+        while True:
+            try:
+                if await self._admit_and_reap():
+                    await asyncio.sleep(
+                        0
+                    )  # the releases just created start (TritonTarget.verify waits for them)
+                if ahead is not None and all(s.finished for s in ahead.seqs):
+                    ahead = None  # nothing left to commit (releases wait for its call)
+                if not self.active:
+                    self._flush()
+                    self._wake.clear()
+                    await self._wake.wait()
+                    if self.waiting:
+                        if self.burst.open(time.perf_counter(), len(self.waiting)):
+                            await self._gather_burst()
+                        self.burst.started(min(len(self.waiting), self.max_concurrent))
+                    continue
+                # The last round's tokens reach their streams once this round's first call
+                # (draft or verify) is on the wire: the task's first step runs before the
+                # flush, and the flush queues the stream handlers behind the call's send, so
+                # the clients' chunks are written while the target computes.
+                this_round = asyncio.ensure_future(self._round(ahead))
+                asyncio.get_running_loop().call_soon(self._flush)
+                ahead = await this_round
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the loop must survive any single bad round
+                log.exception("scheduler round failed")
+                ahead = None
+                self._flush()
+                await asyncio.sleep(0.05)
+
+    async def _gather_burst(self) -> None:
+        """Wait for the rest of the burst the scheduler woke into (orchestrator.admission),
+        while slots are free for it."""
+        t0 = now = time.perf_counter()
+        while (
+            len(self.waiting) < self.max_concurrent - len(self.active)
+            and (t := self.burst.until(now)) is not None
+        ):
+            await asyncio.sleep(t - now)
+            now = time.perf_counter()
+        self.metrics.burst_wait.labels(model=self.info.model_name).observe(now - t0)
+
+    def _flush(self) -> None:
+        """Hand the held pieces and ends to their streams, in the order they were made."""
+        out, self._outbox = self._outbox, []
+        for a, item in out:
+            a.queue.put_nowait(item)
+
+    async def _admit_and_reap(self) -> bool:
+        """Fail requests past their deadline, free finished ones, admit waiting ones. True when
+        a release was started."""
+        name = self.info.model_name
+        released = False
+        now = time.monotonic()
+        for a in [*self.waiting, *self.active.values()]:
+            if a.deadline is not None and now > a.deadline:
+                a.seq.fail(TimeoutError("the request's deadline passed"))
+        # Aborted or cancelled requests leave before their next round.
+        for a in list(self.waiting):
+            if a.seq.finished:
+                self.waiting.remove(a)
+                self._finish(a, "abort")
+        for sid, a in list(self.active.items()):
+            if a.seq.finished:
+                await self._release(sid, a)
+                released = True
+        while self.waiting and len(self.active) < self.max_concurrent:
+            a = self.waiting.popleft()
+            self.active[a.seq.seq_id] = a
+        self.metrics.active_requests.labels(model=name).set(len(self.active))
+        self.metrics.queued_requests.labels(model=name).set(len(self.waiting))
+        return released
+
+    async def _release(self, sid: int, a: _Active) -> None:
+        """Free the request's slots on both sides, in the background: a stalled part must not
+        hold up the other requests' rounds (its slot is freed by its idle timeout at worst)."""
+        del self.active[sid]
+        task = asyncio.create_task(self._release_parts(sid, a))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+        self._finish(a, a.seq.finish_reason or "abort")
+
+    async def _release_parts(self, sid: int, a: _Active) -> None:
+        try:
+            await self.target_port.release(a.seq.handle)
+        except Exception as e:  # noqa: BLE001 - Triton's idle timeout frees it anyway
+            log.warning("release of sequence %d on the target failed: %s", sid, e)
+        if self.drafter_port is not None:
+            await self.drafter_port.release([a.seq])
+
+    def _finish(self, a: _Active, reason: str) -> None:
+        """The request holds nothing any more: its stream ends (Orchestrator.stream counts it)."""
+        self.by_request.pop(a.request_id, None)
+        self._outbox.append((a, None))
+
+    async def _round(self, ahead: Ahead | None) -> Ahead | None:
+        """One round: of every active request, or the round sent ahead (its requests; one that
+        ended since commits nothing) and, beside it, the prompts of the requests admitted since
+        it was sent, so they wait for no more than the round in flight. Returns the next round
+        if this one sent it ahead: only when no request waits or is new."""
+        t_round = time.perf_counter()
+        seqs = ahead.seqs if ahead is not None else [a.seq for a in self.active.values()]
+        ids = {s.seq_id for s in seqs}
+        fresh = [a.seq for sid, a in self.active.items() if sid not in ids]
+        # A new prompt with slots free: requests arrive in bursts. A round sent ahead now would
+        # run this prompt's sequence alone while the ones arriving meanwhile prefill in a call
+        # of their own (a forward more), and it would end a round before them. A lone request
+        # that came in no burst (one client at a time) sends its first decode behind its prompt,
+        # which would otherwise idle the target while the prompt's answer travels back.
+        burst = (
+            len(self.active) < self.max_concurrent
+            and not all(s.prefilled for s in seqs)
+            and (len(self.active) > 1 or self.burst.in_burst)
+        )
+        send = self.cfg.pipeline and not self.waiting and not fresh and not burst
+        rounds = [
+            speculative_round(
+                seqs,
+                self.target_port,
+                self.drafter_port,
+                self.cfg.tree_blocks,
+                self.controller,
+                self.cfg.decode_steps,
+                ahead=ahead,
+                send_ahead=send,
+            )
+        ]
+        if (
+            fresh
+        ):  # prompts only: nothing to draft or plan, their call queues behind the one in flight
+            rounds.append(speculative_round(fresh, self.target_port))
+        results = await asyncio.gather(*rounds)
+        for res in results:
+            await self._account(res, t_round)
+        return results[0].ahead
+
+    async def _account(self, res, t_round: float) -> None:
+        """A finished round's metrics, the target's health, and its tokens to their streams."""
+        name = self.info.model_name
+        decoding = [r for r in res.sequences if not r.prefill and r.error is None]
+        for r in decoding:
+            self.metrics.draft_length.labels(model=name).observe(r.drafted)
+        if res.plan is not None and decoding and not any(res.plan.values()):
+            self.metrics.speculation_off_rounds.labels(model=name).inc()
+        if decoding and not any(r.drafted for r in decoding):
+            self.metrics.decode_steps.labels(model=name).observe(res.decode_steps)
+        if res.ahead is not None:
+            self.metrics.rounds_ahead.labels(model=name).inc()
+        if res.shadows:
+            self.metrics.shadow_probes.labels(model=name).inc(res.shadows)
+        if res.expected_accepted:
+            self.metrics.controller_accepted.labels(model=name, kind="expected").inc(
+                res.expected_accepted
+            )
+            self.metrics.controller_accepted.labels(model=name, kind="accepted").inc(res.accepted)
+        if self.drafter is not None:
+            self.metrics.drafter_steps.labels(drafter=self.drafter_name()).set(self.drafter.steps)
+            if res.draft_s:  # one observation per drafter call (a call drafts the whole batch)
+                self.metrics.draft_latency.labels(
+                    **self._labels(res.draft_steps or self.drafter.steps)
+                ).observe(res.draft_s)
+        self.metrics.verify_latency.labels(model=name).observe(res.verify_s)
+        self.metrics.verify_batch_size.labels(model=name).observe(len(res.sequences))
+        target_failure = next(
+            (
+                r.error
+                for r in res.sequences
+                if r.error is not None and not isinstance(r.error, (InvalidRequest, ValueError))
+            ),
+            None,
+        )
+        if target_failure is not None:
+            await self.health.set(False, str(target_failure))
+        elif any(not r.error for r in res.sequences):
+            await self.health.set(True)
+        now = time.perf_counter()
+        for r in res.sequences:
+            a = self.active.get(r.seq.seq_id)
+            if r.fallback:
+                self.metrics.fallback_rounds.labels(model=name, reason=r.fallback).inc()
+            if r.error is not None or a is None:
+                continue
+            if r.prefill:
+                self.metrics.prompt_tokens.labels(model=name).inc(a.seq.n_prompt)
+            elif r.drafted:
+                self.metrics.record_round(self._labels(self._steps_of(a)), r.drafted, r.accepted)
+            self._emit(a, r.new_tokens, now)
+        self.metrics.round_latency.labels(
+            **self._labels(self.drafter.steps if self.drafter else 0)
+        ).observe(time.perf_counter() - t_round)
+
+    async def stream(
+        self, gen: GenerationRequest, stops: list[str] = (), deadline: float | None = None
+    ) -> AsyncIterator[Piece | Outcome]:
+        """Run one request: its pieces as they commit, then one Outcome (every front end, gRPC
+        and HTTP, serves this). Stop strings end the request at the first token whose text
+        reaches one (TextPieces); the ids, the text and the usage all stop there. deadline
+        (time.monotonic()): past it the request ends with DEADLINE_EXCEEDED."""
+        if not self.health.ok:
+            yield Outcome.failed(
+                grpc.StatusCode.UNAVAILABLE, "the target is unavailable (see Health)"
+            )
+            return
+        try:
+            a = self.submit(gen, deadline)
+        except InvalidRequest as e:
+            yield Outcome.failed(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            return
+        except OverflowError as e:
+            yield Outcome.failed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            return
+        stops = [x for x in stops if x]
+        if stops and self.tokenizer is None:
+            self.abort(gen.request_id)
+            yield Outcome.failed(
+                grpc.StatusCode.INVALID_ARGUMENT, "stop strings need the target's tokenizer"
+            )
+            return
+        text = TextPieces(self.tokenizer and IncrementalDecoder(self.tokenizer), stops)
+        status = "abort"  # what the requests metric records if the client goes away first
+        try:
+            while (new := await a.queue.get()) is not None:
+                piece = text.push(new)
+                if text.stopped:
+                    a.seq.finish("stop")
+                    self._wake.set()
+                if piece is not None:
+                    yield piece
+                if text.stopped:
+                    while await a.queue.get() is not None:
+                        pass
+                    break
+            if (piece := text.tail()) is not None:
+                yield piece
+            if a.seq.error is not None:
+                status = "error"
+                yield Outcome.part_failed(a.seq.error)
+                return
+            s = a.seq.stats
+            s.draft_steps = self._steps_of(a)
+            total = time.perf_counter() - a.t_arrival
+            status = "stop" if text.stopped else (a.seq.finish_reason or "abort")
+            outcome = Outcome(
+                status,
+                a.seq.n_prompt,
+                text.sent_ids,
+                s,
+                (a.t_first - a.t_arrival) if a.t_first else 0.0,
+                total,
+            )
+            log.info(
+                "request finished",
+                extra=fields(
+                    request_id=gen.request_id,
+                    finish_reason=status,
+                    prompt_tokens=outcome.prompt_tokens,
+                    completion_tokens=text.sent_ids,
+                    mean_acceptance_length=round(s.mean_acceptance_length, 3),
+                    fallback_rounds=s.fallback_rounds,
+                    total_s=round(total, 4),
+                ),
+            )
+            yield outcome
+        except (asyncio.CancelledError, GeneratorExit):
+            self.abort(gen.request_id)  # client went away: free the slot on target and drafter
+            raise
+        finally:
+            self.metrics.requests.labels(model=self.info.model_name, status=status).inc()
+
+    def _steps_of(self, a: _Active) -> int:
+        return (
+            a.seq.stats.draft_steps
+            or a.seq.request.draft_steps
+            or (self.drafter.steps if self.drafter else 0)
+        )
+
+    def _emit(self, a: _Active, new: list[int], now: float) -> None:
+        if not new:
+            return
+        name = self.info.model_name
+        if a.t_first is None:
+            a.t_first = now
+            self.metrics.ttft.labels(model=name).observe(now - a.t_arrival)
+        elif a.t_last is not None:
+            per_token = (now - a.t_last) / len(new)
+            for _ in new:
+                self.metrics.itl.labels(model=name).observe(per_token)
+        a.t_last = now
+        self.metrics.generated_tokens.labels(model=name).inc(len(new))
+        self._outbox.append((a, new))
