@@ -164,9 +164,8 @@ class TargetGraphs:
                     if cuda:
                         side = torch.cuda.Stream(self.device)
                         side.wait_stream(torch.cuda.current_stream(self.device))
-                        with torch.cuda.stream(
-                            side
-                        ):  # warm-up outside capture (allocator, kernels, autotune)
+                        # Warm-up outside capture (allocator, kernels, autotune).
+                        with torch.cuda.stream(side):
                             for _ in range(2):
                                 self._step(st, c)
                         torch.cuda.current_stream(self.device).wait_stream(side)

@@ -107,14 +107,12 @@ def denoiser_curve(
         acc = {k: [0.0, 0] for k in CURVE_KEYS}
         for i, b in enumerate(batches):
             tt = torch.full((len(b.anchor),), t, device=E.device)
-            x = noisy_state(
-                b.target, tt, V, gen, shared=cfg.shared_noise
-            )  # [N, K, V], the noise it was trained on
+            # [N, K, V], the noise it was trained on
+            x = noisy_state(b.target, tt, V, gen, shared=cfg.shared_noise)
             ctx = b.context(model)
             parts = {"denoiser": model(x, tt, tt, b.anchor, ctx), "state_argmax": x}
-            if (
-                t > 0
-            ):  # the other noise kind at the same t: does the denoiser lean on how the noise is drawn?
+            # The other noise kind at the same t: does the denoiser lean on how the noise is drawn?
+            if t > 0:
                 x_other = noisy_state(b.target, tt, V, gen, shared=not cfg.shared_noise)
                 parts["denoiser_other_noise"] = model(x_other, tt, tt, b.anchor, ctx)
             ll = reader.log_likelihood(model.embed_state(x), t)  # [N, K, V]

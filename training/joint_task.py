@@ -104,9 +104,8 @@ class JointTaskConfig:
 # Teachers trained beside the recipe's, each changing it in one or more DrafterConfig fields.
 ABLATIONS = {
     "vocab-map": dict(time_map="vocab"),  # tau of the state's argmax in vocabulary space
-    "mix-map": dict(
-        time_map_candidates=[2, 0]
-    ),  # embedded map, half of it for a two-candidate reader
+    # The embedded map, half of it for a two-candidate reader.
+    "mix-map": dict(time_map_candidates=[2, 0]),
     "rms-input": dict(state_input="rms"),  # the state rms-normalised, not whitened
     "shared-noise": dict(shared_noise=True),  # one noise draw for all K slots
     "old-recipe": dict(

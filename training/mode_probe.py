@@ -126,9 +126,8 @@ def draft_all(
             for r, live, reqs in anchor_rounds(
                 proposer, group, anchors, 1.0 if v.sample or v.avg > 1 else 0.0, V, seed, prefix="p"
             ):
-                if (
-                    v.avg > 1
-                ):  # mean of the full softmax over v.avg independent draws, then its argmax
+                # The mean of the full softmax over v.avg independent draws, then its argmax.
+                if v.avg > 1:
                     drafts = [
                         _averaged(blocks, V)
                         for blocks in proposer.propose_blocks(reqs, v.steps, n_blocks=v.avg)

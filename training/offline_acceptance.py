@@ -83,9 +83,8 @@ def offline_acceptance(
         group = seqs[g0 : g0 + n_par]
         anchors = [spread_anchors(s, K, max_anchors) for s in group]
         slots = [engine.allocate() for _ in group]
-        ref_kv = [0] * len(
-            group
-        )  # leading positions of the engine's cache that hold reference tokens
+        # Leading positions of the engine's cache that hold reference tokens.
+        ref_kv = [0] * len(group)
         try:
             for r, live, reqs in anchor_rounds(proposer, group, anchors, temperature, top_m, seed):
                 if shuffles and getattr(proposer.model.cfg, "kind", "") == "flashmap":
@@ -96,18 +95,16 @@ def offline_acceptance(
                 blocks = {k: [getattr(v, k) for v in variants] for k in kinds}
                 if averaged and shuffles and variants[0].runs is not None:
                     cyc = [cyclic_shuffles(v.runs) for v in variants]
-                    for j in range(
-                        1, K
-                    ):  # run 0 is "shared" and its shuffle 0 is "perm", verified above
+                    # Run 0 is "shared" and its shuffle 0 is "perm", verified above.
+                    for j in range(1, K):
                         blocks[f"run{j}"] = [v.runs[j] for v in variants]
                         blocks[f"cyc{j}"] = [c[j] for c in cyc]
                 for kind, ds in blocks.items():
                     rows = []
                     for i, d in zip(live, ds):
                         s, a = group[i], anchors[i][r]
-                        start = min(
-                            a, ref_kv[i]
-                        )  # the cache past it holds drafts of an earlier anchor
+                        # The cache past ref_kv holds drafts of an earlier anchor.
+                        start = min(a, ref_kv[i])
                         rows.append(
                             VerifyRow(
                                 slots[i],
@@ -120,10 +117,8 @@ def offline_acceptance(
                     res = engine.verify(rows)
                     for d, rr in zip(ds, res):
                         gam.setdefault(kind, []).append(acceptance(_alpha(rr, d, temperature)))
-                for i in live:
-                    ref_kv[i] = (
-                        anchors[i][r] + 1
-                    )  # the anchor is reference; the positions after it, drafts
+                for i in live:  # the anchor is reference; the positions after it, drafts
+                    ref_kv[i] = anchors[i][r] + 1
                 for i, v in zip(live, variants):
                     seq_ids.append(group[i].index)
                     out.domain.append(group[i].domain)
