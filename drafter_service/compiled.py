@@ -38,9 +38,9 @@ class Compiled:
 
     freeze=True (inductor's freezing): the module's weights are folded into the compiled
     program as constants and pre-packed for the CPU GEMM library once. Worth it where the
-    row count is fixed (the drafting pass: 17 rows per block, a packed MKL GEMM); where it
-    varies (extending the context by 1-16 positions) the packed kernels were slower than
-    plain ones here. Frozen weights must not change after compiling: if they do (an in-place
+    row count is fixed (the drafting pass: K + 1 rows per block, a packed MKL GEMM); not where
+    it varies (extending the context by a few positions), where packed kernels lose to plain
+    ones. Frozen weights must not change after compiling: if they do (an in-place
     update bumps a tensor's version), the wrapper says so once and runs eagerly, with the
     current weights."""
 
@@ -94,9 +94,8 @@ def compiled_method(obj, name: str, freeze: bool = False) -> Compiled:
 
     Each object compiles its own copy of the method's code. Dynamo keeps compilations per code
     object and, on every call, checks the guards of each entry until one matches: with one
-    shared code object, a model in an evaluation that compiles four drafters paid for the
-    other three's guards (about 0.06 ms more dynamo overhead per drafting round on the
-    demo, torch profiler)."""
+    shared code object, a model in an evaluation that compiles several drafters would pay for
+    the others' guards on every drafting round."""
     cache = obj.__dict__.setdefault(
         "_compiled_methods", {}
     )  # plain attribute, also on an nn.Module

@@ -202,10 +202,9 @@ async def serve_grpc(
     reflection_on: register the reflection service; health_servicer: the caller's, to flip
     NOT_SERVING when a part behind the server fails (else one that always says SERVING).
     transport_bytes: the largest message gRPC receives (default max_message_bytes). gRPC's own
-    refusal of a larger one takes longer than receiving it (bench.probe_security times both at
-    10 MB: docs/results/security.md); a transport
-    limit above max_message_bytes lets add_service refuse the messages in between as soon as
-    they have arrived."""
+    refusal of a larger one takes longer than receiving it (docs/experiments/
+    2026-12-01-security.md); a transport limit above max_message_bytes lets add_service refuse
+    the messages in between as soon as they have arrived."""
     if metrics_port:
         start_http_server(metrics_port, addr=host, registry=registry)
     server = grpc.aio.server(

@@ -409,7 +409,7 @@ class Supervisor:
 def threads_per_service() -> int:
     """Torch threads each service gets unless OMP_NUM_THREADS says: half the cores. Three
     torch processes on a small CPU box would each default to one thread per core and fight over
-    the cores (bench.threads_per_service measures it)."""
+    the cores (docs/experiments/2026-12-02-threads-per-service.md)."""
     return max(1, (os.cpu_count() or 2) // 2)
 
 

@@ -14,11 +14,10 @@ more than one request (the closed loop's next burst, whose first request may wak
 scheduler alone). Traffic without bursts (one client at a time, requests spread out) never
 waits, but once after a burst.
 
-The defaults weigh the wait against what a split burst costs on the 2-core CPU machine. The
-gathers of 4 asyncio streams took up to 3.8 ms and of 32 took 8-19 ms. A split costs a
-one-token round for all (28 ms at 32 requests) or, when the first starts alone, a 16-token
-call run for it alone (140 ms). With a 1 ms gap a quarter of the bursts of 4 split
-(docs/results/bench_stack.md, "Bursts that split").
+The defaults weigh the wait against what a split burst costs: the gap is longer than a
+client takes to send the requests of a burst, the window short next to the call that a split
+burst pays (a one-token round for all, or a multi-token call run for the first alone);
+docs/experiments/2026-12-03-bursts-that-split.md measured both.
 """
 
 from __future__ import annotations

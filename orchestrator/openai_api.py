@@ -1,5 +1,6 @@
 """The orchestrator's OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions,
-/v1/models, /health.
+/v1/models, /health (one module: the request models, the response shapes and the server of one
+protocol change together).
 
 It runs on the orchestrator's event loop (uvicorn, started by `serve()` beside the gRPC
 server) and is a translator only: every request is built and validated by

@@ -247,6 +247,61 @@ def test_compose_structure():
     assert set(svc["orchestrator"]["networks"]) == {"internal", "public"}
 
 
+def _options(config) -> tuple[set[str], set[str]]:
+    """A service config's flags (bools also as --no-...) and environment variables."""
+    from dataclasses import fields
+
+    flags, env = set(), set()
+    for f in fields(config):
+        opt = f.metadata.get("option")
+        if opt is None:
+            continue
+        if opt.flag is not None:
+            flag = opt.flag or "--" + f.name.replace("_", "-")
+            flags |= {flag, "--no-" + flag[2:]}
+        if opt.env:
+            env.add(opt.env)
+    return flags, env
+
+
+def test_flags_and_variables_are_the_services_options():
+    """Every flag the compose files and the Kubernetes cell pass to our three services, and every
+    FLASHMAP_ variable they set for the drafter and the orchestrator, is an option of that
+    service's config (flashmap.config): a renamed option fails here, not when a pod starts.
+    Triton's FLASHMAP_TARGET_* variables are read by its model (launcher.model_env)."""
+    from drafter_service.service_config import DrafterServiceConfig
+    from orchestrator.config import OrchestratorConfig
+    from target_service.launcher import TritonConfig
+
+    configs = {"triton": TritonConfig, "drafter": DrafterServiceConfig}
+    configs["orchestrator"] = OrchestratorConfig
+    given: list[tuple[str, str, list[str], list[str]]] = []  # (where, service, flags, variables)
+
+    class Loader(yaml.SafeLoader):  # compose's own tags (!reset, !override) read as plain nodes
+        pass
+
+    Loader.add_multi_constructor("!", lambda loader, tag, node: None)
+    for path in (COMPOSE, COMPOSE_CPU):
+        for name, svc in yaml.load(path.read_text(), Loader)["services"].items():
+            if name in configs:
+                env = svc.get("environment", {})
+                given.append((path.name, name, svc.get("command", []), list(env)))
+    for doc in yaml.safe_load_all((K8S / "cell.yaml").read_text()):
+        pods = (doc or {}).get("spec", {}).get("template", {}).get("spec", {})
+        for c in pods.get("containers", []):
+            if c["name"] in configs:
+                env = [e["name"] for e in c.get("env", [])]
+                given.append(("k8s/cell.yaml", c["name"], c.get("args", []), env))
+    assert {name for _, name, _, _ in given} == set(configs)
+    for where, name, args, env in given:
+        flags, variables = _options(configs[name])
+        unknown = [a for a in args if a.startswith("--") and a.split("=")[0] not in flags]
+        assert not unknown, f"{where}: {name} has no option {unknown}"
+        if name != "triton":
+            unknown = [v for v in env if v.startswith("FLASHMAP_") and v not in variables]
+            assert not unknown, f"{where}: {name} reads no variable {unknown}"
+
+
 def container_port(args: list[str], flag: str) -> int:
     for a in args:
         if a.startswith(f"{flag}="):

@@ -1,4 +1,5 @@
-"""Generates deploy/grafana/dashboards/flashmap.json (the FlashMap Serve dashboard).
+"""Generates deploy/grafana/dashboards/flashmap.json (the FlashMap Serve dashboard; one module:
+the dashboard's panels, one after the other).
 
 The dashboard is code so that its PromQL is reviewable in one place and the tests can check it;
 edit here, then run
