@@ -1,14 +1,12 @@
 """torch.compile of the drafter's network: on CPU, what the CUDA graphs are on a GPU.
 
-A 1-step draft is ~150 small ops; eagerly, on CPU, their dispatch costs as much as the
-arithmetic. Compiled (inductor, C++ kernels) the same network runs as one fused program, and
-with inductor's freezing its weights become constants, pre-packed once for the CPU GEMM
-library instead of on every 17-row matmul. On this project's 2-core CPU a 1-jump `propose` of
-the demo drafter took 3.2 ms eagerly, 2.2 ms compiled and 1.8-1.9 ms compiled with freezing
-(ad hoc timing loop, best of 7 x 300 calls). Unlike a CUDA graph it needs no static shapes:
-`dynamic=True` traces batch and context length as symbols, so one compilation serves every
-request (sizes 0 and 1 are specialised, which costs a second compilation the first time a
-batch of 2+ or a longer extend comes).
+A 1-step draft is a long chain of small ops; eagerly, on CPU, their dispatch costs about as
+much as the arithmetic. Compiled (inductor, C++ kernels) the same network runs as one fused
+program, and with inductor's freezing its weights become constants, pre-packed once for the
+CPU GEMM library instead of on every (K+1)-row matmul. Unlike a CUDA graph it needs no
+static shapes: `dynamic=True` traces batch and context length as symbols, so one compilation
+serves every request (sizes 0 and 1 are specialised, which costs a second compilation the
+first time a batch of 2+ or a longer extend comes).
 
 Freezing is switched on around every call, not passed as a torch.compile option: dynamo
 decides whether parameters are frozen constants while it traces (any recompilation too),

@@ -23,10 +23,9 @@ r = min(V, H), and F^T F = E^T E (`noise_factor`). Same distribution of drafts, 
 and reading the [V, H] embedding for every block (at Qwen3-8B's V = 151,936: 1.2 GB in bf16).
 `forward` takes x (training); `evaluate` takes y (serving).
 
-Reading the state: eps @ E has covariance E^T E, whose spectrum is very uneven (demo
-target: condition number ~2,000, 10 of 256 directions carry 77% of the noise), so after a
-plain rms-normalisation the directions that tell tokens apart are buried under a few
-loud noise directions. With state_input = "whiten" y is first multiplied by
+Reading the state: eps @ E has covariance E^T E, whose spectrum is very uneven (a few
+directions carry most of the noise), so after a plain rms-normalisation the directions that
+tell tokens apart are buried under a few loud noise directions. With state_input = "whiten" y is first multiplied by
 (E^T E)^{-1/2} (a frozen buffer computed from E): the noise is isotropic and every
 direction weighs what it tells. The flow time is conditioned on tau of the config's time
 map (flow_time; "embedded" for new drafters: tau measured on what the embedded state

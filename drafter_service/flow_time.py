@@ -19,8 +19,8 @@ That is the "vocab" map. The drafter never sees x_t: it reads y_t = x_t @ E thro
 frozen embedding E [V, H], where the noise eps @ E ~ N(0, E^T E) is squeezed into H
 dimensions. Whitened (C = E (E^T E)^{-1/2}, the codewords of a Gaussian channel with
 unit noise), the tokens' codewords have mean squared norm H/V instead of 1, so y_t
-stays unreadable long after x_t's argmax is right (demo target, V/H = 16: at vocab
-tau = 0.9 the Bayes decoder of y_t is right 1.4% of the time). The "embedded" map
+stays unreadable long after x_t's argmax is right (with V/H large, the Bayes decoder of y_t
+is still mostly wrong at a vocab tau close to 1). The "embedded" map
 replaces P by P_E(t), the accuracy of that Bayes decoder (uniform prior over tokens,
 one slot's y_t), measured by Monte Carlo on the real E (`embedded_time_knots`): tau
 then counts the error removed from what the network can read. Its table is stored in
