@@ -83,8 +83,18 @@ def same_as(cls: type, name: str, **changes) -> Any:
     fields to differ in): a config that composes services (flashmap up's StackConfig) offers
     their options without copying them."""
     f = next(f for f in fields(cls) if f.name == name)
-    meta = {"option": dataclasses.replace(f.metadata["option"], **changes)}
+    meta = {"option": dataclasses.replace(f.metadata["option"], **changes), "same_as": (cls, name)}
     return field(default=f.default, default_factory=f.default_factory, metadata=meta)
+
+
+def values_for(config: Any, cls: type) -> dict[str, Any]:
+    """config's values of cls's options (its fields made by same_as(cls, ...)), under cls's
+    names: what a composing config hands the part it composes."""
+    return {
+        f.metadata["same_as"][1]: getattr(config, f.name)
+        for f in fields(config)
+        if f.metadata.get("same_as", (None,))[0] is cls
+    }
 
 
 def default_of(cls: type, name: str) -> Any:

@@ -30,6 +30,7 @@ from flashmap.config import (
     option,
     same_as,
     to_argv,
+    values_for,
 )
 from flashmap.cpus import format_cpu_list, on_cpus, split_cpus
 from flashmap.grpc_serving import free_ports, ports_in_use, wait_grpc_health
@@ -131,27 +132,17 @@ class StackConfig(Config):
         """The drafter's context slots: room beyond the target's for sequences it still holds."""
         return max(64, 2 * self.n_slots)
 
-    # The parts' configs: this one's values, the rest as the part would read them from the
-    # environment (from_env), so that to_argv passes every option explicitly.
+    # The parts' configs: their options given here (values_for), where they find the others, and
+    # the rest as the part would read them from the environment (from_env), so that to_argv
+    # passes every option explicitly.
     def orchestrator_config(self) -> OrchestratorConfig:
         return from_env(
             OrchestratorConfig,
+            **values_for(self, OrchestratorConfig),
             host=self.host,
-            port=self.port,
-            metrics_port=self.metrics_port,
-            http_port=self.http_port,
             target_url=f"{self.host}:{self.triton_grpc_port}",
             drafter_url=self.drafter_url if self.with_drafter else "",
             tokenizer_dir=self.target_dir,
-            max_queue=self.max_queue,
-            draft_timeout_s=self.draft_timeout_s,
-            tree_blocks=self.tree_blocks,
-            speculation=self.speculation,
-            decode_steps=self.decode_steps,
-            pipeline=self.pipeline,
-            burst_window_s=self.burst_window_s,
-            target_timeout_s=self.target_timeout_s,
-            api_key=self.api_key,
             target_key=self.target_key,
             drafter_token=self.drafter_token,
         )
@@ -159,28 +150,21 @@ class StackConfig(Config):
     def drafter_config(self) -> DrafterServiceConfig:
         return from_env(
             DrafterServiceConfig,
+            **values_for(self, DrafterServiceConfig),
             target_dir=self.target_dir,
-            drafter=self.drafter,
             host=self.host,
-            port=self.drafter_port,
-            metrics_port=self.drafter_metrics_port,
-            steps=self.steps,
             n_slots=self.drafter_slots,
             max_context=self.max_seq_len,
-            idle_timeout_s=self.drafter_idle_timeout_s,
             token=self.drafter_token,
         )
 
     def triton_config(self) -> TritonConfig:
         return TritonConfig(
+            **values_for(self, TritonConfig),
             model_dir=self.target_dir,
             host=self.host,
-            http_port=self.triton_http_port,
-            grpc_port=self.triton_grpc_port,
-            metrics_port=self.triton_metrics_port,
             n_slots=self.n_slots,
             max_seq_len=self.max_seq_len,
-            max_queue_delay_us=self.max_queue_delay_us,
         )
 
 
