@@ -97,11 +97,6 @@ def values_for(config: Any, cls: type) -> dict[str, Any]:
     }
 
 
-def default_of(cls: type, name: str) -> Any:
-    f = next(f for f in fields(cls) if f.name == name)
-    return f.default_factory() if f.default is MISSING else f.default
-
-
 # ---------------------------------------------------------------------------- checks
 
 
@@ -187,12 +182,11 @@ def add_arguments(
                 if opt.choices
                 else flag.lstrip("-").upper().replace("-", "_")
             )
-        shown = default  # what this command line gets without the flag
-        where = [f"${opt.env}"] if opt.env else []
+        where = [f"${opt.env}"] if opt.env else []  # and what this command gets without the flag
         if kind is bool:
-            where.append(f"default {'on' if shown else 'off'}")
-        elif shown not in (MISSING, None, []):
-            where.append(f"default {_to_text(shown, opt)}")
+            where.append(f"default {'on' if default else 'off'}")
+        elif default not in (MISSING, None, []):
+            where.append(f"default {_to_text(default, opt)}")
         kw["help"] = opt.help + (f" ({'; '.join(where)})" if where else "")
         parser.add_argument(opt.flag or "--" + f.name.replace("_", "-"), **kw)
 
