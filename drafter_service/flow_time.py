@@ -181,7 +181,11 @@ def critical_snr(
     all j. So one pass over the draws gives P_E(t) = P[critical r < t/(1-t)] at every t at
     once, monotone in t by construction. candidates > 1: the decoder only chooses between y
     and candidates - 1 other tokens drawn at random (a reader whose context has already
-    narrowed the choice); 0 = all V tokens."""
+    narrowed the choice); 0 = all V tokens.
+
+    Every random draw comes from one CPU generator on the CPU (then moves to E's device for
+    the math), so the draws are the same whatever E's device and whatever default device is
+    in effect (`with torch.device("cuda")` around the drafter's construction included)."""
     g = torch.Generator(device="cpu").manual_seed(int(seed))
     V = E.shape[0]
     W = whitening(E)
@@ -189,8 +193,8 @@ def critical_snr(
     C = torch.cat([(c.double() @ W) for c in E.split(16384)]).to(dt)  # [V, r] codewords
     lev = (C * C).sum(-1)  # [V]
     chunk = chunk or max(1, min(1024, (1 << 26) // V))  # [chunk, V] float32 blocks of <= 256 MB
-    ys = torch.randint(0, V, (samples,), generator=g)
-    noise = torch.randn(samples, C.shape[1], generator=g, dtype=torch.float64)
+    ys = torch.randint(0, V, (samples,), generator=g, device="cpu")
+    noise = torch.randn(samples, C.shape[1], generator=g, dtype=torch.float64, device="cpu")
     out = []
     for y, n in zip(ys.split(chunk), noise.split(chunk)):
         y, n = y.to(E.device), n.to(E.device, dt)
@@ -202,7 +206,7 @@ def critical_snr(
         )
         ratio.scatter_(1, y[:, None], float("-inf"))  # j = y is no competitor
         if 1 < candidates < V:  # keep candidates - 1 random competitors per draw
-            keep = torch.rand(ratio.shape, generator=g).to(ratio.device)
+            keep = torch.rand(ratio.shape, generator=g, device="cpu").to(ratio.device)
             keep.scatter_(1, y[:, None], 2.0)
             cut = keep.topk(candidates, dim=1).values[:, -1:]
             ratio = torch.where(keep >= cut, ratio, torch.full_like(ratio, float("-inf")))

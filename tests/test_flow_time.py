@@ -193,3 +193,59 @@ def test_committed_drafters_keep_their_time_map():
     model = load_drafter(root / "demo-flashmap", root / "demo-target")
     assert model.cfg.time_map == "vocab" and model.cfg.state_input == "rms"
     np.testing.assert_allclose(model.time_grid(2), time_grid(2, model.cfg.vocab_size))
+
+
+# The draws the embedded map was measured with before they were pinned to the CPU (HEAD before
+# the fix, same E / seed / samples): the first six critical ratios, per candidates.
+_PINNED_CRITICAL = {
+    0: [4.718716144561768, 3.261840343475342, 7.509744644165039, 6.832027912139893]
+    + [6.9615936279296875, 3.985757827758789],
+    5: [1.3790974617004395, 1.5403673648834229, 1.1894404888153076, 1.717059850692749]
+    + [5.471625804901123, -0.6099768877029419],
+}
+
+
+@pytest.mark.parametrize("candidates", [0, 5])
+def test_critical_snr_draws_on_the_cpu_whatever_the_default_device(candidates):
+    """The map's draws come from a CPU generator on the CPU whatever device is the default: a
+    draw that followed the default device (what failed inside `torch.device("cuda")`) lands on
+    "meta" here and cannot be read. The numbers are the ones drawn before the fix."""
+    from drafter_service.flow_time import critical_snr
+
+    E = torch.randn(48, 12, generator=torch.Generator().manual_seed(3))
+    plain = critical_snr(E, samples=512, seed=7, candidates=candidates)
+    with torch.device("meta"):
+        inside = critical_snr(E, samples=512, seed=7, candidates=candidates)
+    np.testing.assert_array_equal(inside, plain)
+    np.testing.assert_allclose(plain[:6], _PINNED_CRITICAL[candidates], rtol=1e-5)
+
+
+def test_drafter_builds_its_time_map_inside_a_device_context():
+    """FlashMapDiT built inside `with torch.device(...)` (bench/gpu_drafter.py builds the
+    paper-size drafter inside `torch.device("cuda")`): the embedded map is measured on E's
+    device and is the one built outside any context. On a GPU, E on CUDA gives the CPU's map
+    up to the rounding of the math (the draws are the same)."""
+    from drafter_service.config import DrafterConfig
+    from drafter_service.flashmap_dit import FlashMapDiT
+
+    V, H = 256, 16
+    E = torch.randn(V, H, generator=torch.Generator().manual_seed(0))
+    cfg = lambda: DrafterConfig(  # noqa: E731
+        dim=16,
+        n_blocks=1,
+        n_heads=2,
+        time_freq_dim=8,
+        vocab_size=V,
+        target_hidden_size=H,
+        target_num_layers=4,
+        feature_layers=[1],
+        time_map_samples=1024,
+    )
+    want = FlashMapDiT(cfg(), E, E).cfg.time_table_t
+    with torch.device("meta"):  # parameters on meta, E on the CPU: the map is E's
+        got = FlashMapDiT(cfg(), E, E).cfg.time_table_t
+    assert got == want and len(want) > 2
+    if torch.cuda.is_available():
+        with torch.device("cuda"):
+            on_gpu = FlashMapDiT(cfg(), E.cuda(), E.cuda()).cfg.time_table_t
+        np.testing.assert_allclose(on_gpu, want, atol=2e-3)
