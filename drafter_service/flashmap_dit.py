@@ -40,6 +40,8 @@ training path builds it from padded features, the serving path (flashmap_propose
 its static per-slot cache. Both go through the same `forward`.
 The frozen embedding / LM head are non-persistent buffers: not parameters and not in
 the state dict (they come from the target checkpoint, see drafter_service/checkpoint.py).
+
+One idea: the network, its time conditioning and its evaluation entry points change together.
 """
 
 from __future__ import annotations

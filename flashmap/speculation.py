@@ -71,6 +71,8 @@ measured (that round is the first probe) or after a plan that drafted. Else a lo
 first probe would wait behind a catch-up round, and with rounds sent ahead a second one
 (1 + 2 x decode_steps tokens).
 Numpy only.
+
+One idea: the cost fits, the acceptance estimate, the plan search and the probes are one decision per round.
 """
 
 from __future__ import annotations
@@ -142,7 +144,7 @@ class ControllerConfig:
     )
     # While the search finds nothing worth drafting and what it depends on is unchanged (the
     # requests, any acceptance observed), it runs again only every this many rounds: the cost
-    # fits drift slowly, and the search cost ~0.3 ms per round on the 2-core VM (3% at c = 4).
+    # fits drift slowly, and the search itself costs a share of a small round.
     recheck_every: int = 8
     packed: bool = True  # the target runs a verify packed (cost ~ total tokens); False: padded to the longest row
     margin: float = 0.0  # a plan must promise this much more throughput than no speculation
@@ -204,10 +206,10 @@ class SpeculationController:
         acc = np.stack([s.stats.accepted_per_slot[:K] + s.shadow_counts[1, :K] for s in seqs])
         ver = np.stack([s.stats.verified_per_slot[:K] + s.shadow_counts[0, :K] for s in seqs])
         a = np.clip((acc + w * pri) / (ver + w), 0.0, 1.0)
-        # Later slots never count as more likely. On held-out text (c = 4) this makes the expected
-        # gain 20-30% short of what drafted rounds realise, and that is what it should be: without
-        # the cap the controller drafted in most rounds and served 10% fewer tokens/s than with
-        # speculation off (costs the model leaves out: desynchronised prefills, catch-up context).
+        # Later slots never count as more likely. This makes the expected gain fall short of
+        # what drafted rounds realise, as it should: without the cap the controller drafted in
+        # most rounds and served fewer tokens/s than with speculation off (costs the model
+        # leaves out: desynchronised prefills, catch-up context; docs/experiments).
         return np.minimum.accumulate(a, axis=1)
 
     def expected_accepted(self, seqs: list[Sequence], lengths: list[int]) -> np.ndarray:

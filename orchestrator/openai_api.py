@@ -14,6 +14,8 @@ Extensions beyond OpenAI's fields (the client's `extra_body`): `top_k`, `ignore_
 (0 = speculation off), `return_token_ids` (token ids in each choice / chunk, as vLLM
 names it). Responses carry the request's speculative statistics under `"flashmap"`
 (streamed: in the chunk that has the finish_reason).
+
+One idea: the request models, the response shapes and the server of one HTTP API.
 """
 
 from __future__ import annotations

@@ -17,7 +17,6 @@ from flashmap.grpc_serving import run
 from flashmap.logs import setup_logging
 from orchestrator.config import LOOPBACK, OrchestratorConfig
 from orchestrator.grpc_api import serve_grpc_api
-from orchestrator.requests import Piece  # noqa: F401 - tests/test_triton_target.py imports it from here
 from orchestrator.scheduler import Orchestrator
 
 log = logging.getLogger("flashmap.orchestrator")

@@ -30,6 +30,8 @@ What it does:
 In NVIDIA's container the same repository is served directly (no launcher needed):
     PYTHONPATH=/app FLASHMAP_TARGET_DIR=/models/qwen3 tritonserver \
         --model-repository=/app/target_service/model_repository
+
+One idea: the Triton configuration this project writes and the server process that reads it.
 """
 
 from __future__ import annotations

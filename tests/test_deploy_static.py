@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the metric registries live in the project's packages
     sys.path.insert(0, str(ROOT))
 
-from prometheus_harness import (  # noqa: E402
+from tests.prometheus_harness import (  # noqa: E402
     alert_expressions,
     dashboard_expressions,
     dashboard_panels,

@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from drafter_helpers import randomize
 
 from drafter_service.checkpoint import init_drafter, load_drafter, save_drafter
 from drafter_service.config import DrafterConfig
@@ -25,6 +24,7 @@ from drafter_service.flashmap_proposer import (
 from drafter_service.oracle import OracleProposer
 from flashmap.checkpoint import CheckpointError
 from flashmap.types import ProposeRequest
+from tests.drafter_helpers import randomize
 
 SMALL = dict(dim=64, n_blocks=2, n_heads=4, block_size=16, time_freq_dim=32)
 

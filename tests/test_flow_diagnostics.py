@@ -8,11 +8,11 @@ Tiny random target (V = 512, H = 64) and drafters (dim 64, 1 block): seconds on 
 import numpy as np
 import pytest
 import torch
-from drafter_helpers import distilled_world, randomize
 
 from drafter_service.checkpoint import init_drafter
 from drafter_service.flashmap_proposer import FlashMapProposer
 from flashmap.types import Draft, SamplingParams, VerifyRow
+from tests.drafter_helpers import distilled_world, randomize
 from training import denoiser_curve as dc
 from training import flow, heldout, trainer
 from training import offline_acceptance as oa

@@ -33,7 +33,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import pytest
-from prometheus_harness import (
+
+from flashmap.metrics import TARGET_LABELS
+from tests.prometheus_harness import (
     ALERT_RULES,
     PrometheusServer,
     alert_expressions,
@@ -45,8 +47,6 @@ from prometheus_harness import (
     scrape,
     selectors,
 )
-
-from flashmap.metrics import TARGET_LABELS
 
 pytestmark = pytest.mark.timeout(300)
 

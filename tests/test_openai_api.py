@@ -20,7 +20,10 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from stack_helpers import (  # noqa: F401 - target_dir, ref, one_thread_per_process: fixtures
+
+from flashmap.tokenizer import TextTokenizer
+from flashmap_cli.stack import Stack, StackConfig
+from tests.stack_helpers import (  # noqa: F401 - target_dir, ref, one_thread_per_process: fixtures
     _poll,
     _samples,
     _total,
@@ -28,9 +31,6 @@ from stack_helpers import (  # noqa: F401 - target_dir, ref, one_thread_per_proc
     ref,
     target_dir,
 )
-
-from flashmap.tokenizer import TextTokenizer
-from flashmap_cli.stack import Stack, StackConfig
 
 VOCAB = 512
 

@@ -21,7 +21,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from prometheus_client import start_http_server  # noqa: E402
-from prometheus_harness import (  # noqa: E402
+
+from tests.prometheus_harness import (  # noqa: E402
     PrometheusError,
     PrometheusServer,
     find_prometheus,

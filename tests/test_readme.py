@@ -21,9 +21,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from stack_helpers import one_thread_per_process  # noqa: F401 - autouse fixture
 
 from flashmap_cli.stack import DEMO_DRAFTER, DEMO_TARGET, Stack, StackConfig
+from tests.stack_helpers import one_thread_per_process  # noqa: F401 - autouse fixture
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 README = (REPO_ROOT / "README.md").read_text()

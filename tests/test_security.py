@@ -30,12 +30,12 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from stack_helpers import wait_until
 
 from flashmap.auth import DRAFTER_TOKEN_HEADER, TARGET_KEY_GRPC_HEADER
 from flashmap.client import AsyncClient, Client, DrafterAdmin, FlashMapError
 from flashmap.metrics import scrape, totals
 from flashmap.v1 import drafter_pb2, drafter_pb2_grpc, serving_pb2, serving_pb2_grpc
+from tests.stack_helpers import wait_until
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -82,7 +82,15 @@ if __name__ == "__main__" and sys.argv[1:2] == ["--oracle-drafter"]:
     sys.exit(0)
 
 
-from stack_helpers import (  # noqa: E402,F401 - one_thread_per_process is an autouse fixture
+from flashmap.client import (  # noqa: E402 - after the script entry point, which does not need them
+    AsyncClient,
+    Client,
+    DrafterAdmin,
+    InvalidArgument,
+    ResourceExhausted,
+)
+from flashmap_cli.stack import Stack, StackConfig  # noqa: E402
+from tests.stack_helpers import (  # noqa: E402,F401 - one_thread_per_process is an autouse fixture
     Reference,
     _metrics_text,
     _poll,
@@ -92,15 +100,6 @@ from stack_helpers import (  # noqa: E402,F401 - one_thread_per_process is an au
     ref,
     target_dir,
 )
-
-from flashmap.client import (  # noqa: E402 - after the script entry point, which does not need them
-    AsyncClient,
-    Client,
-    DrafterAdmin,
-    InvalidArgument,
-    ResourceExhausted,
-)
-from flashmap_cli.stack import Stack, StackConfig  # noqa: E402
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -428,7 +427,8 @@ class TestMainStack:
         """gRPC Generate and the OpenAI API refuse what every entry point refuses, with the
         same message (the cases and the other entry points: tests/test_limits.py)."""
         import httpx
-        from test_limits import DRAFT_STEPS_CASES, MAX_DRAFT_TOKENS_CASES
+
+        from tests.test_limits import DRAFT_STEPS_CASES, MAX_DRAFT_TOKENS_CASES
 
         ok = dict(prompt_ids=[1, 2, 3], max_new_tokens=4, ignore_eos=True)
         body = dict(model=client.model_info().model, prompt="hello", max_tokens=4)

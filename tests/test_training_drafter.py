@@ -11,13 +11,13 @@ import math
 import numpy as np
 import pytest
 import torch
-from drafter_helpers import distilled_world, randomize
 
 from drafter_service.checkpoint import init_drafter, load_drafter
 from drafter_service.config import DrafterConfig
 from drafter_service.flashmap_dit import jump
 from drafter_service.flashmap_proposer import FlashMapProposer
 from flashmap.types import ProposeRequest
+from tests.drafter_helpers import distilled_world, randomize
 from training import drafter_data as dd
 from training import flow, trainer
 from training import train_drafter as td

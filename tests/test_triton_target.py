@@ -604,7 +604,7 @@ def test_float16_features_come_back_as_float16(checkpoint, engine, tmp_path):
 
 async def _generated(orch, prompt, max_new: int) -> list[int]:
     """The tokens an in-process Orchestrator streams for a greedy request of `prompt`."""
-    from orchestrator.server import Piece
+    from orchestrator.requests import Piece
 
     gen = orch.make_request(token_ids=prompt, max_new_tokens=max_new, ignore_eos=True)
     return [

@@ -8,6 +8,8 @@ edit here, then run
 
 tests/test_deploy_static.py fails when the committed JSON differs from this script's output.
 Every expression may only use metric names the services export (see tests/prometheus_harness.py).
+
+One idea: the dashboard's panels, one after the other.
 """
 
 from __future__ import annotations
