@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 import time
 import traceback
@@ -49,7 +48,7 @@ from bench import gpu_timing  # noqa: E402
 from bench.gpu_drafter import drafter_section  # noqa: E402
 from bench.gpu_exactness import exactness_section  # noqa: E402
 from bench.gpu_target import ceilings_section, target_section  # noqa: E402
-from bench.gpu_timing import BATCHES, LOG, T0, Guard, say  # noqa: E402
+from bench.gpu_timing import BATCHES, LOG, T0, Guard, say, watchdog  # noqa: E402
 
 # ----------------------------------------------------------------------------- sections
 
@@ -250,26 +249,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument(
-        "--out", type=Path, default=None, help="directory for gpu_check.json and gpu_check.log"
-    )
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (tests the script)")
-    ap.add_argument(
-        "--budget",
-        type=float,
-        default=400.0,
-        help="global time guard, seconds: sections that would not fit are skipped; at budget + 45 s a "
-        "watchdog prints the table and exits",
-    )
-    ap.add_argument("--skip", default="", help="comma-separated sections to skip")
+    gpu_timing.add_options(ap, "gpu_check.json and gpu_check.log", 400.0, "sections")
     a = ap.parse_args(argv)
-    gpu_timing.SMOKE = a.smoke
-    if a.smoke:  # tiny shapes: threads only add synchronisation (and 2 shared cores here)
-        torch.set_num_threads(1)
-    if not a.smoke and not torch.cuda.is_available():
-        print("no CUDA device: use --smoke on a CPU", flush=True)
+    dev = gpu_timing.device_for(a, "bench/gpu.py")
+    if dev is None:
         return 2
-    dev = torch.device("cpu" if a.smoke else "cuda")
     guard = Guard(a.budget)
     skip = set(filter(None, a.skip.split(",")))
     report: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv[1:]}
@@ -280,8 +264,7 @@ def main(argv=None) -> int:
             (a.out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
             (a.out / "gpu_check.log").write_text("\n".join(LOG) + "\n")
 
-    def watchdog():  # a section that hangs (a capture, a kernel) must not lose the table
-        say(f"WATCHDOG: {a.budget + 45:.0f} s passed; printing what there is and exiting")
+    def on_watchdog():  # a section that hangs must not lose the table
         report["watchdog"] = {"error": "a section was still running at the watchdog"}
         lines = summary(report)
         report["summary"] = lines
@@ -290,13 +273,8 @@ def main(argv=None) -> int:
             save()
         finally:
             print("\n".join(lines), flush=True)
-            os._exit(3)
 
-    import threading
-
-    timer = threading.Timer(a.budget + 45, watchdog)
-    timer.daemon = True
-    timer.start()
+    timer = watchdog(a.budget + 45, on_watchdog)
     sections = [
         ("env", 5, lambda: env_section(dev)),
         ("ceilings", 20, lambda: ceilings_section(dev, a.smoke)),

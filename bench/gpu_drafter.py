@@ -11,29 +11,51 @@ import torch
 
 from bench.gpu_timing import BATCHES, Guard, K, say, timed
 
+PAPER_DRAFTER = dict(dim=2048, n_blocks=6, n_heads=16)  # the paper's (DrafterConfig's defaults)
+TINY_DRAFTER = dict(dim=64, n_blocks=2, n_heads=4)  # --smoke
 
-def drafter_section(dev, smoke: bool, guard: Guard) -> dict:
+
+def build_drafter(
+    dev,
+    dtype,
+    smoke: bool,
+    embed=None,
+    lm_head=None,
+    feature_layers=None,
+    target_num_layers: int | None = None,
+):
+    """A FlashMap drafter with random weights, built on dev in dtype: the paper's size (tiny with
+    smoke) over a target's frozen embedding / LM head [V, H] (shared, not copied; random
+    N(0, 0.02) of the Qwen3-8B shape, or of the tiny target's with smoke, when None). Its
+    embedded time map is measured on E's device as it is built."""
     from drafter_service.config import DrafterConfig
     from drafter_service.flashmap_dit import FlashMapDiT
+
+    if embed is None:
+        V, H = (512, 64) if smoke else (151936, 4096)
+        embed = torch.randn(V, H, dtype=dtype, device=dev) * 0.02
+        feature_layers, target_num_layers = ([1], 4) if smoke else ([1, 9, 17, 25, 33], 36)
+    cfg = DrafterConfig(
+        vocab_size=embed.shape[0],
+        target_hidden_size=embed.shape[1],
+        target_num_layers=target_num_layers,
+        feature_layers=list(feature_layers),
+        **(TINY_DRAFTER if smoke else PAPER_DRAFTER),
+    )
+    with torch.device(dev):
+        return FlashMapDiT(cfg, embed, embed if lm_head is None else lm_head).to(dtype)
+
+
+def drafter_section(dev, smoke: bool, guard: Guard) -> dict:
     from drafter_service.flashmap_proposer import FlashMapProposer, draw_noise, request_generator
     from flashmap.types import ProposeRequest
 
     big = not smoke
-    V, H, layers = (151936, 4096, [1, 9, 17, 25, 33]) if big else (512, 64, [1])
-    arch = dict(dim=2048, n_blocks=6, n_heads=16) if big else dict(dim=64, n_blocks=2, n_heads=4)
-    cfg = DrafterConfig(
-        vocab_size=V,
-        target_hidden_size=H,
-        target_num_layers=36 if big else 4,
-        feature_layers=layers,
-        **arch,
-    )
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     ctx = 1024 if big else 64
     reps = 20 if big else 2
-    with torch.device(dev):
-        embed = torch.randn(V, H, dtype=dtype) * 0.02
-        model = FlashMapDiT(cfg, embed, embed).to(dtype)
+    model = build_drafter(dev, dtype, smoke)
+    cfg, V, H = model.cfg, model.cfg.vocab_size, model.cfg.target_hidden_size
     n = max(BATCHES)
     prop = FlashMapProposer(model, n_slots=n, max_context=ctx, device=str(dev))
     rng = np.random.default_rng(0)
@@ -86,7 +108,7 @@ def drafter_section(dev, smoke: bool, guard: Guard) -> dict:
     )[3].tokens
     # (bf16 with graphs: batch 1 and 16 run different shapes, so rounding may still change a token)
     res["same_draft_alone_and_in_batch16"] = bool(np.array_equal(one, again))
-    prop = model = embed = None  # freed before the next section
+    prop = model = None  # freed before the next section
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()

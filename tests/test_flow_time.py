@@ -155,24 +155,29 @@ def test_config_time_maps_and_legacy_configs():
         ).validate()
 
 
-def test_drafter_measures_its_map_and_whitens_its_state():
+def _tiny_drafter_config(V: int, H: int, dim: int, samples: int):
+    """A one-block drafter config for a [V, H] embedding whose time map takes `samples` draws."""
     from drafter_service.config import DrafterConfig
-    from drafter_service.flashmap_dit import FlashMapDiT
 
-    V, H = 512, 32
-    E = torch.randn(V, H, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.1, 2.0, H)
-    cfg = DrafterConfig(
-        dim=32,
+    return DrafterConfig(
+        dim=dim,
         n_blocks=1,
         n_heads=2,
-        time_freq_dim=16,
+        time_freq_dim=dim // 2,
         vocab_size=V,
         target_hidden_size=H,
         target_num_layers=4,
         feature_layers=[1],
-        time_map_samples=2048,
+        time_map_samples=samples,
     )
-    model = FlashMapDiT(cfg, E, E)
+
+
+def test_drafter_measures_its_map_and_whitens_its_state():
+    from drafter_service.flashmap_dit import FlashMapDiT
+
+    V, H = 512, 32
+    E = torch.randn(V, H, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.1, 2.0, H)
+    model = FlashMapDiT(_tiny_drafter_config(V, H, 32, 2048), E, E)
     assert len(model.cfg.time_table_t) > 2  # measured on E when it was attached
     check_knots(model.cfg.time_table_t, model.cfg.time_table_tau)
     np.testing.assert_allclose(
@@ -225,22 +230,11 @@ def test_drafter_builds_its_time_map_inside_a_device_context():
     paper-size drafter inside `torch.device("cuda")`): the embedded map is measured on E's
     device and is the one built outside any context. On a GPU, E on CUDA gives the CPU's map
     up to the rounding of the math (the draws are the same)."""
-    from drafter_service.config import DrafterConfig
     from drafter_service.flashmap_dit import FlashMapDiT
 
     V, H = 256, 16
     E = torch.randn(V, H, generator=torch.Generator().manual_seed(0))
-    cfg = lambda: DrafterConfig(  # noqa: E731
-        dim=16,
-        n_blocks=1,
-        n_heads=2,
-        time_freq_dim=8,
-        vocab_size=V,
-        target_hidden_size=H,
-        target_num_layers=4,
-        feature_layers=[1],
-        time_map_samples=1024,
-    )
+    cfg = lambda: _tiny_drafter_config(V, H, 16, 1024)  # noqa: E731
     want = FlashMapDiT(cfg(), E, E).cfg.time_table_t
     with torch.device("meta"):  # parameters on meta, E on the CPU: the map is E's
         got = FlashMapDiT(cfg(), E, E).cfg.time_table_t
