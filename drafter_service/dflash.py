@@ -22,8 +22,9 @@ with `layers.{i}.self_attn.{q,k,v,o}_proj.weight`, `layers.{i}.self_attn.{q,k}_n
 .weight`, `fc.weight`, `hidden_norm.weight`, `norm.weight`. The embedding and LM head are
 the target's.
 
-The context projection of all layers is one matmul over stacked k/v weights
-(`context_kv`), so a round's new positions of every sequence are written in one pass.
+The injected keys / values of all layers are one matmul over stacked k/v weights
+(`context_kv`, drafter_service.layers), so a round's new positions of every sequence are
+written in one pass.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from drafter_service.flashmap_dit import FrozenTarget
+from drafter_service.layers import StackedKV, context_kv, rope
 from flashmap.checkpoint import CheckpointError, load_embeddings, load_tensors, read_config
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -117,18 +119,6 @@ def is_dflash(config: dict) -> bool:
 # ----------------------------------------------------------------------------- model
 
 
-def rope(x: Tensor, pos: Tensor, theta: float) -> Tensor:
-    """Rotary embedding (Qwen3 / Llama "rotate half" layout) of x [..., n, heads, d] at
-    positions pos [..., n]."""
-    d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
-    ang = pos.float()[..., None] * inv  # [..., n, d/2]
-    cos = torch.cat([ang.cos(), ang.cos()], -1)[..., None, :].to(x.dtype)  # [..., n, 1, d]
-    sin = torch.cat([ang.sin(), ang.sin()], -1)[..., None, :].to(x.dtype)
-    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
-    return x * cos + torch.cat([-x2, x1], -1) * sin
-
-
 class Attention(nn.Module):
     def __init__(self, c: DFlashConfig):
         super().__init__()
@@ -174,44 +164,29 @@ class DFlashDrafter(FrozenTarget):
         self.fc = nn.Linear(cfg.feature_dim, cfg.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self._stacked: tuple | None = None  # (weight versions, stacked k/v weights)
+        self._stacked_kv: StackedKV | None = None  # every layer's k/v weights (context_kv)
 
     @property
     def block_size(self) -> int:
         """Draft tokens per block: the block's positions after the anchor."""
         return self.cfg.block_size - 1
 
-    def _kv_weights(self) -> tuple[Tensor, Tensor | None, Tensor]:
-        """Every layer's k_proj and v_proj stacked: weight [n * 2 * kv * d, H], bias or None,
-        k_norm weights [n, 1, d]; rebuilt only when a weight changed (training)."""
-        attn = [layer.self_attn for layer in self.layers]
-        params = [p for a in attn for p in (*a.k_proj.parameters(), *a.v_proj.parameters())]
-        params += [a.k_norm.weight for a in attn]
-        key = tuple((id(p), p._version) for p in params)
-        if self._stacked is None or self._stacked[0] != key:
-            w = torch.cat([torch.cat([a.k_proj.weight, a.v_proj.weight]) for a in attn])
-            b = (
-                torch.cat([torch.cat([a.k_proj.bias, a.v_proj.bias]) for a in attn])
-                if self.cfg.attention_bias
-                else None
-            )
-            norms = torch.stack([a.k_norm.weight for a in attn])[:, None]  # [n, 1, d]
-            self._stacked = (key, (w.detach(), None if b is None else b.detach(), norms.detach()))
-        return self._stacked[1]
+    def project_context(self, features: Tensor) -> Tensor:
+        """The context projection (flashmap.drafter_inputs): features [.., F] -> [.., H]."""
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
 
-    def context_kv(self, features: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """The injected keys and values of context positions, every layer in one pass.
-
-        features [N, n_feat * H] (the target's layers, concatenated), positions [N]
-        -> k, v [n_layers, N, kv_heads, head_dim] (k normalised and rotated)."""
-        c = self.cfg
-        n, kv, d = c.num_hidden_layers, c.num_key_value_heads, c.head_dim
-        ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))  # [N, H]
-        w, b, k_norm = self._kv_weights()
-        kvs = F.linear(ctx, w, b).view(-1, n, 2, kv, d)  # [N, n, 2, kv, d]
-        k = F.rms_norm(kvs[:, :, 0], (d,), eps=c.rms_norm_eps) * k_norm  # [N, n, kv, d]
-        k = rope(k.transpose(0, 1), positions[None].expand(n, -1), c.rope_theta)
-        return k, kvs[:, :, 1].transpose(0, 1)
+    def context_kv(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """The injected keys and values of N context positions, every layer in one pass:
+        x [N, F] features (or [N, H], projected by the target), positions [N] -> k, v
+        [n_layers, N, kv_heads, head_dim] (k normalised and rotated)."""
+        c = self.project_context(x) if x.shape[-1] == self.cfg.feature_dim else x
+        if self._stacked_kv is None:
+            attn = [layer.self_attn for layer in self.layers]
+            self._stacked_kv = StackedKV([(a.k_proj, a.v_proj, a.k_norm) for a in attn])
+        c_ = self.cfg
+        return context_kv(
+            c, positions, self._stacked_kv, c_.num_key_value_heads, c_.rms_norm_eps, c_.rope_theta
+        )
 
     def block_logits(
         self,

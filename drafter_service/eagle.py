@@ -310,7 +310,16 @@ class EagleProposer(SlotCacheProposer):
         self, model: EagleDrafter, n_slots: int = 64, max_context: int = 4096, device: str = "cpu"
     ):
         # No flow: draft_steps (set_steps, a request's) is accepted and ignored
-        super().__init__(model, n_slots, max_context, device, cache_layers=model.cfg.n_layers)
+        c = model.cfg
+        super().__init__(
+            model,
+            n_slots,
+            max_context,
+            device,
+            (c.n_layers, c.n_heads, c.head_dim),
+            c.block_size,
+            c.dim,
+        )
         self.g_cache = torch.zeros(
             n_slots, max_context, self.cfg.dim, dtype=self.k_cache.dtype, device=self.device
         )
@@ -320,10 +329,19 @@ class EagleProposer(SlotCacheProposer):
     def bytes_per_context_token(self) -> int:
         return (2 * self.cfg.n_layers + 1) * self.cfg.dim * self.k_cache.element_size()
 
-    def _write(self, slot: int, start: int, token_ids: np.ndarray, features: np.ndarray) -> None:
+    def _write_many(self, slots, positions, token_ids: np.ndarray, features) -> None:
+        """Per sequence (a baseline: its context keys need the layers' attention over the
+        earlier positions, so a sequence's run is one pass of its own)."""
+        s, p = slots.cpu().numpy(), positions.cpu().numpy()
+        cut = np.flatnonzero((np.diff(s) != 0) | (np.diff(p) != 1)) + 1
+        for a, b in zip(np.r_[0, cut], np.r_[cut, len(s)]):
+            self._write(int(s[a]), int(p[a]), token_ids[a:b], features[a:b])
+
+    def _write(self, slot: int, start: int, token_ids: np.ndarray, features) -> None:
         m = len(token_ids)
-        self.g_cache[slot, start : start + m] = self.model.features_in(
-            torch.from_numpy(features).to(self.device).float()
+        g = features if features.shape[-1] == self.cfg.dim != self.feature_dim else None
+        self.g_cache[slot, start : start + m] = (
+            self.model.features_in(features) if g is None else g.to(self.g_cache.dtype)
         )
         # Finalize positions p0..p1: each needs the token at p + 1, now known.
         p0, p1 = max(start - 1, 0), start + m - 2

@@ -33,17 +33,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from drafter_service.dflash import MLP, rope
+from drafter_service.dflash import MLP
+from drafter_service.layers import rope
 from flashmap.checkpoint import CheckpointError, load_embeddings, load_tensors, read_config
+from flashmap.drafter_inputs import eagle3_default_layers
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS_FILE = "model.safetensors"
-
-
-def default_layers(num_target_layers: int) -> tuple[int, ...]:
-    """SGLang's default EAGLE-3 layers: the outputs of layers 1, N/2 - 1 and N - 4."""
-    n = num_target_layers
-    return (1, n // 2 - 1, n - 4)
 
 
 @dataclass(frozen=True)
@@ -191,7 +187,7 @@ def check_fits(cfg: Eagle3Config, target: dict, where: str) -> tuple[int, ...]:
             f"{where}: vocab_size {cfg.vocab_size} does not fit the target's "
             f"vocab_size {target['vocab_size']}"
         )
-    ids = cfg.aux_layer_ids or default_layers(n)
+    ids = cfg.aux_layer_ids or tuple(eagle3_default_layers(n))
     if any(not 0 <= i < n for i in ids) or len(set(ids)) != 3:
         raise CheckpointError(
             f"{where}: eagle_aux_hidden_state_layer_ids {list(ids)} do not fit a target of "
@@ -263,7 +259,7 @@ def published_config(cfg: Eagle3Config, num_target_layers: int) -> dict:
         "target_hidden_size": cfg.target_hidden_size,
         "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": list(
-                cfg.aux_layer_ids or default_layers(num_target_layers)
+                cfg.aux_layer_ids or eagle3_default_layers(num_target_layers)
             ),
             "use_aux_hidden_state": True,
         },

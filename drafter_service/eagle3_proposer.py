@@ -1,11 +1,11 @@
 """Serving proposer of a published EAGLE-3 drafter (drafter_service.eagle3): chains, and at
 temperature 0 EAGLE-2's dynamic tree.
 
-Per sequence a slot in static caches of the layer's keys / values ([n_slots, kv, max_context,
-d]) and of the fused features g ([n_slots, max_context, H]). Position p's key needs the token
-at p + 1, so the caches hold keys for positions 0..L-2 of a context of L; the last position
-runs with the anchor when drafting. `extend_many` writes every sequence's new positions with
-one fc and one k/v projection (keys need no attention: one layer).
+Per sequence a slot in static caches of the layer's keys / values ([1, n_slots, kv,
+max_context, d]) and of the fused features g ([n_slots, max_context, H]). Position p's key
+needs the token at p + 1, so the caches hold keys for positions 0..L-2 of a context of L; the
+last position runs with the anchor when drafting. `extend_many` writes every sequence's new
+positions with one fc and one k/v projection (keys need no attention: one layer).
 
 Tree (greedy rows): step 0 runs the last context position; each later step expands the
 `top_k` best nodes so far (by the sum of their path's log-probabilities), each with its own
@@ -24,12 +24,11 @@ from torch import Tensor
 
 from drafter_service.eagle3 import Eagle3Drafter
 from drafter_service.flashmap_proposer import request_generator
-from drafter_service.proposer import Proposer
-from drafter_service.slots import SlotTable
+from drafter_service.slots import SlotCacheProposer
 from flashmap.types import Draft, ProposeRequest
 
 
-class Eagle3Proposer(Proposer):
+class Eagle3Proposer(SlotCacheProposer):
     def __init__(
         self,
         model: Eagle3Drafter,
@@ -40,31 +39,18 @@ class Eagle3Proposer(Proposer):
         depth: int = 6,
         top_k: int = 4,
     ):
-        if not 1 <= top_k <= model.cfg.draft_vocab_size or depth < 1 or tree_tokens < 1:
+        c = model.cfg
+        if not 1 <= top_k <= c.draft_vocab_size or depth < 1 or tree_tokens < 1:
             raise ValueError(
                 f"need depth >= 1, tree_tokens >= 1 and 1 <= top_k <= the draft vocabulary, "
                 f"got depth {depth}, tree_tokens {tree_tokens}, top_k {top_k}"
             )
-        self.device = torch.device(device)
-        self.model = model.to(self.device).eval()
-        c = model.cfg
-        self.cfg = c
-        self.block_size = tree_tokens
+        cache = (1, c.num_key_value_heads, c.head_dim)
+        super().__init__(model, n_slots, max_context, device, cache, tree_tokens, c.hidden_size)
         self.depth, self.top_k = depth, top_k
-        self.feature_dim = c.feature_dim
-        self.vocab_size = c.vocab_size
-        self.slots = SlotTable(n_slots, max_context)
-        dtype = model.fc.weight.dtype
-        shape = (n_slots, c.num_key_value_heads, max_context, c.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.g_cache = torch.zeros(
-            n_slots, max_context, c.hidden_size, dtype=dtype, device=self.device
+            n_slots, max_context, c.hidden_size, dtype=self.k_cache.dtype, device=self.device
         )
-
-    @property
-    def n_slots(self) -> int:
-        return self.slots.n_slots
 
     @property
     def bytes_per_context_token(self) -> int:
@@ -73,57 +59,25 @@ class Eagle3Proposer(Proposer):
             2 * c.num_key_value_heads * c.head_dim + c.hidden_size
         ) * self.k_cache.element_size()
 
-    def release(self, seq_id: str) -> None:
-        self.slots.release(seq_id)
-
-    def context_length(self, seq_id: str) -> int:
-        return self.slots.context_length(seq_id)
-
-    def truncate(self, seq_id: str, length: int) -> None:
-        self.slots.truncate(seq_id, length)
-
-    def extend(self, seq_id: str, token_ids: np.ndarray, features) -> None:
-        self.extend_many([(seq_id, token_ids, features)])
-
-    @torch.inference_mode()
-    def extend_many(self, items: list[tuple[str, np.ndarray, object]]) -> None:
-        """Append committed positions of several sequences: (seq_id, token_ids [m],
-        features [m, F]) each. Position p's key is written once the token at p + 1 is known."""
-        g_slot, g_pos, feats = [], [], []
-        k_slot, k_pos, k_next = [], [], []
-        for seq_id, token_ids, f in items:
-            token_ids = np.asarray(token_ids, np.int64).reshape(-1)
-            m = len(token_ids)
-            if tuple(f.shape) != (m, self.feature_dim):
-                raise ValueError(
-                    f"features must be [{m}, {self.feature_dim}] for {m} tokens, got {tuple(f.shape)}"
-                )
-            slot, start = self.slots.reserve(seq_id, m)
-            if not m:
-                continue
-            g_slot.append(np.full(m, slot))
-            g_pos.append(np.arange(start, start + m))
-            feats.append(torch.as_tensor(f))
-            first = max(start - 1, 0)  # positions first..start+m-2 now know their next token
-            k_slot.append(np.full(start + m - 1 - first, slot))
-            k_pos.append(np.arange(first, start + m - 1))
-            k_next.append(token_ids[first + 1 - start :])
-            self.slots.lengths[slot] = start + m
-        if not feats:
-            return
-        dev = self.device
-        gs, gp = (torch.from_numpy(np.concatenate(a)).to(dev) for a in (g_slot, g_pos))
-        self.g_cache[gs, gp] = self.model.fuse(torch.cat([f.to(dev) for f in feats]))
-        ks, kp = (torch.from_numpy(np.concatenate(a)).to(dev) for a in (k_slot, k_pos))
-        if len(kp):
-            nxt = torch.from_numpy(np.concatenate(k_next)).to(dev)
-            _, k, v = self.model.qkv(self.g_cache[ks, kp], nxt, kp)  # [N, kv, d]
-            self.k_cache[ks, :, kp] = k
-            self.v_cache[ks, :, kp] = v
+    def _write_many(
+        self, slots: Tensor, positions: Tensor, token_ids: np.ndarray, features: Tensor
+    ) -> None:
+        """g of every new position, then the key of every position whose next token is now
+        known: the one before each new position (its token is that position's)."""
+        g = features if features.shape[-1] != self.feature_dim else self.model.fuse(features)
+        self.g_cache[slots, positions] = g.to(self.g_cache.dtype)
+        has_prev = positions > 0
+        ks, kp = slots[has_prev], positions[has_prev] - 1
+        nxt = torch.from_numpy(token_ids).to(self.device)[has_prev]
+        _, k, v = self.model.qkv(self.g_cache[ks, kp], nxt, kp)  # [N, kv, d]
+        self.k_cache[0, ks, :, kp] = k.to(self.k_cache.dtype)
+        self.v_cache[0, ks, :, kp] = v.to(self.v_cache.dtype)
 
     # ------------------------------------------------------------------ drafting
     @torch.inference_mode()
-    def propose(self, requests: list[ProposeRequest], steps: int | None = None) -> list[Draft]:
+    def propose(
+        self, requests: list[ProposeRequest], draft_steps: int | None = None
+    ) -> list[Draft]:
         """A tree per greedy request, a chain per sampling one (steps: accepted and ignored)."""
         for r in requests:
             if r.temperature < 0 or (r.temperature > 0 and r.top_m < 1):
@@ -151,8 +105,8 @@ class Eagle3Proposer(Proposer):
             len(rows), self.cfg.num_key_value_heads, W + n_new, self.cfg.head_dim
         )
         v = torch.zeros_like(k)
-        k[:, :, :W] = self.k_cache[slot, :, :W]
-        v[:, :, :W] = self.v_cache[slot, :, :W]
+        k[:, :, :W] = self.k_cache[0, slot, :, :W]
+        v[:, :, :W] = self.v_cache[0, slot, :, :W]
         g0 = torch.where((L > 0)[:, None], self.g_cache[slot, p0], 0)[:, None]  # [B, 1, H]
         return k, v, p0, W, g0
 

@@ -35,9 +35,9 @@ kind "dflash" (DFlash-style baseline) is the same backbone with the state replac
 learned mask embedding and the time conditioning fixed at (0, 1): one pass gives
 independent per-slot marginals.
 
-Context K/V are computed per block by `encode_context` and held in a `CrossContext`; the
-training path builds it from padded features, the serving path (flashmap_proposer) from
-its static per-slot cache. Both go through the same `forward`.
+Context K/V of every block come from one pass (`context_kv`) and are held in a
+`CrossContext`; the training path builds it from padded features, the serving path
+(flashmap_proposer) from its static per-slot cache. Both go through the same `forward`.
 The frozen embedding / LM head are non-persistent buffers: not parameters and not in
 the state dict (they come from the target checkpoint, see drafter_service/checkpoint.py).
 
@@ -63,6 +63,7 @@ from drafter_service.flow_time import (
     time_knots,
     zca_whitening,
 )
+from drafter_service.layers import StackedKV, context_kv, rope
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -78,16 +79,9 @@ def timestep_embedding(t: Tensor, dim: int, max_period: float = 10000.0) -> Tens
 
 
 def apply_rope(x: Tensor, pos: Tensor, theta: float) -> Tensor:
-    """Rotary embedding at absolute positions: x [B, h, L, d], pos [B, L] -> [B, h, L, d].
-
-    Angles are computed in float32 from integer positions (no cached table that a cast to
-    bf16 could degrade)."""
-    d = x.shape[-1]
-    inv_freq = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)  # [d/2]
-    ang = pos.float()[:, None, :, None] * inv_freq  # [B, 1, L, d/2]
-    cos, sin = ang.cos(), ang.sin()
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    """Rotary embedding at absolute positions: x [B, h, L, d], pos [B, L] -> [B, h, L, d]
+    (layers.rope in the heads-first layout)."""
+    return rope(x.transpose(1, 2), pos, theta).transpose(1, 2)
 
 
 def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
@@ -303,6 +297,7 @@ class FlashMapDiT(FrozenTarget):
         self._tau_cache: dict = {}  # device -> tau tables; kept out of buffers so .to(bf16) leaves them exact
         self._mod_cache: dict = {}  # see modulations()
         self._noise_factor: tuple | None = None  # see noise_factor()
+        self._stacked_kv: StackedKV | None = None  # every block's context K/V weights (context_kv)
         if cfg.kind == "flashmap" and cfg.state_input == "whiten":
             # (E^T E)^{-1/2} [H, H] (set with the target; identity until then)
             self.register_buffer("state_whiten", torch.eye(H), persistent=False)
@@ -368,18 +363,40 @@ class FlashMapDiT(FrozenTarget):
             nn.init.zeros_(blk.adaln.bias)
 
     # ------------------------------------------------------------------ context
+    def project_context(self, features: Tensor) -> Tensor:
+        """The context projection (flashmap.drafter_inputs): features [.., F] -> [.., D]."""
+        return self.ctx_norm(self.ctx_proj(features.to(self.ctx_proj.weight.dtype)))
+
+    def context_kv(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Cross-attention keys / values of N context positions for every block in one pass:
+        x [N, F] features (or [N, D], projected by the target), positions [N] -> k, v
+        [n_blocks, N, h, d]."""
+        c = self.project_context(x) if x.shape[-1] == self.cfg.feature_dim else x
+        if self._stacked_kv is None:
+            self._stacked_kv = StackedKV(
+                [(b.cross_attn.wk, b.cross_attn.wv, b.cross_attn.k_norm) for b in self.blocks]
+            )
+        cfg = self.cfg
+        return context_kv(c, positions, self._stacked_kv, cfg.n_heads, cfg.norm_eps, cfg.rope_theta)
+
     def encode_context(
         self, features: Tensor, positions: Tensor | None = None
     ) -> list[tuple[Tensor, Tensor]]:
-        """Per-block cross-attention K/V of context positions.
+        """Per-block cross-attention K/V of context positions (`context_kv` over a batch).
 
         features [B, T, F] (concatenated feature-layer hidden states), positions [B, T]
         absolute positions (default 0..T-1) -> per block (k, v) [B, h, T, d]."""
         B, T, _ = features.shape
         if positions is None:
             positions = torch.arange(T, device=features.device).expand(B, T)
-        c = self.ctx_norm(self.ctx_proj(features.to(self.ctx_proj.weight.dtype)))  # [B, T, D]
-        return [blk.cross_attn.project_kv(c, positions) for blk in self.blocks]
+        k, v = self.context_kv(features.flatten(0, 1), positions.flatten())  # [n, B*T, h, d]
+        return [
+            (
+                k[i].view(B, T, *k.shape[2:]).transpose(1, 2),
+                v[i].view(B, T, *v.shape[2:]).transpose(1, 2),
+            )
+            for i in range(len(self.blocks))
+        ]
 
     def context(self, features: Tensor, lengths: Tensor) -> CrossContext:
         """Training path: padded features [B, T, F] with valid lengths [B] (= anchor positions)."""

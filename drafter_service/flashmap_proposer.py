@@ -98,7 +98,7 @@ class FlashMapProposer(SlotCacheProposer):
     COMPILED = {
         "_evaluate": ("evaluate", True),
         "_evaluate_greedy": ("evaluate_greedy", True),
-        "_encode": ("encode_context", False),
+        "_context_kv": ("context_kv", False),
     }
 
     GREEDY_ESTIMATES = ("soft", "argmax")
@@ -115,7 +115,16 @@ class FlashMapProposer(SlotCacheProposer):
         greedy_estimate: Literal["soft", "argmax"] = "soft",
         greedy_noise_scale: float = 1.0,
     ):
-        super().__init__(model, n_slots, max_context, device, cache_layers=model.cfg.n_blocks)
+        c = model.cfg
+        super().__init__(
+            model,
+            n_slots,
+            max_context,
+            device,
+            (c.n_blocks, c.n_heads, c.head_dim),
+            c.block_size,
+            c.dim,
+        )
         if greedy_estimate not in self.GREEDY_ESTIMATES:
             raise ValueError(
                 f"greedy_estimate must be one of {self.GREEDY_ESTIMATES}, got {greedy_estimate!r}"
@@ -144,22 +153,12 @@ class FlashMapProposer(SlotCacheProposer):
         # The network's entry points (COMPILED); enable_compile() swaps in compiled versions.
         self._evaluate = self.model.evaluate
         self._evaluate_greedy = self.model.evaluate_greedy  # the last evaluation of a draft
-        self._encode = self.model.encode_context
+        self._context_kv = self.model.context_kv
         self._grids: dict[
             int, list[float]
         ] = {}  # steps -> flow times (a pure function of the config)
         if self.cfg.kind == "flashmap":
             self.model.noise_factor()  # at start-up rather than in the first request
-
-    # ------------------------------------------------------------------ sequences
-    def _write(self, slot: int, start: int, token_ids: np.ndarray, features: np.ndarray) -> None:
-        m = len(token_ids)
-        feats = torch.from_numpy(features).to(self.device).float()[None]  # [1, m, F]
-        pos = torch.arange(start, start + m, device=self.device)[None]  # [1, m]
-        for i, (k, v) in enumerate(self._encode(feats, pos)):  # [1, h, m, d]
-            self.k_cache[i, slot, :, start : start + m] = k[0]
-            self.v_cache[i, slot, :, start : start + m] = v[0]
-        self.slots.lengths[slot] = start + m
 
     @property
     def bytes_per_context_token(self) -> int:

@@ -47,10 +47,12 @@ class OracleProposer(Proposer):
         self.committed: dict[str, list[int]] = {}
         self._match: dict[str, int] = {}  # seq_id -> index of the last matching reference
 
-    def extend(self, seq_id: str, token_ids: np.ndarray, features: np.ndarray) -> None:
-        self.committed.setdefault(seq_id, []).extend(
-            int(t) for t in np.asarray(token_ids).reshape(-1)
-        )
+    def extend_many(self, items) -> dict[str, Exception]:
+        for seq_id, token_ids, _ in items:  # features are ignored
+            self.committed.setdefault(seq_id, []).extend(
+                int(t) for t in np.asarray(token_ids).reshape(-1)
+            )
+        return {}
 
     def truncate(self, seq_id: str, n: int) -> None:
         """Keep only the first n committed tokens."""

@@ -12,10 +12,15 @@ probe for optional methods. Defaults here are what a drafter without the feature
 from __future__ import annotations
 
 import abc
+from typing import Any
 
 import numpy as np
 
 from flashmap.types import DRAFT_STEPS, Draft, ProposeRequest
+
+# Features of new context positions: a numpy array, a torch tensor on any device, or a list of
+# row pieces of either (the in-process runtime hands the engine's device tensors over as they are).
+Features = Any
 
 
 class Proposer(abc.ABC):
@@ -27,8 +32,16 @@ class Proposer(abc.ABC):
     max_blocks: int = 1  # blocks per request `propose_blocks` can draw from independent noise
 
     @abc.abstractmethod
-    def extend(self, seq_id: str, token_ids: np.ndarray, features: np.ndarray) -> None:
-        """Append committed positions: token_ids [m] int64, features [m, F] float32 or float16."""
+    def extend_many(self, items: list[tuple[str, np.ndarray, Features]]) -> dict[str, Exception]:
+        """Append committed positions of several sequences in one pass: (seq_id, token_ids [m]
+        int64, features [m, F] of the target's layers, or [m, D] already projected by the target
+        (flashmap.drafter_inputs), as numpy, a tensor on any device or a list of row pieces).
+        Returns the sequences refused, with why; nothing is written for them."""
+
+    def extend(self, seq_id: str, token_ids: np.ndarray, features: Features) -> None:
+        """One sequence's new positions (extend_many of one); raises what refuses it."""
+        if err := self.extend_many([(seq_id, token_ids, features)]).get(seq_id):
+            raise err
 
     @abc.abstractmethod
     def propose(

@@ -193,14 +193,14 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         now = time.monotonic()
         blocks: dict[tuple[int, int], drafter_pb2.Block] = {}
         todo: dict[tuple[int, int], list[tuple[tuple[int, int], ProposeRequest]]] = {}
+        errors: dict[tuple[int, int], str] = {}
+        new_context = []  # every sequence's new positions, written in one pass
         for ri, req in enumerate(requests):
             for si, s in enumerate(req.sequences):
-                key = (ri, si)
                 n_blocks = max(int(s.num_blocks), 1)
-                steps = s.draft_steps if s.HasField("draft_steps") else p.steps
                 err = (
-                    (self._steps_error(steps) if s.HasField("draft_steps") else "")
-                    or self._extend(s)
+                    (self._steps_error(s.draft_steps) if s.HasField("draft_steps") else "")
+                    or self._rollback(s)
                     or (
                         f"{n_blocks} blocks asked, this drafter draws at most {p.max_blocks}"
                         if n_blocks > p.max_blocks
@@ -208,6 +208,31 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                     )
                 )
                 if err:
+                    errors[(ri, si)] = err
+                elif len(s.new_token_ids):
+                    new_context.append(((ri, si), s))
+        if new_context:
+            try:
+                items = [
+                    (
+                        s.seq_id,
+                        np.asarray(s.new_token_ids, np.int64),
+                        tensor_to_features(s.new_features),
+                    )
+                    for _, s in new_context
+                ]
+                refused = p.extend_many(items)
+            except Exception as e:  # noqa: BLE001 - a bad tensor on the wire: these sequences fall back
+                refused = {s.seq_id: e for _, s in new_context}
+            for key, s in new_context:
+                if s.seq_id in refused:
+                    errors[key] = str(refused[s.seq_id])
+        for ri, req in enumerate(requests):
+            for si, s in enumerate(req.sequences):
+                key = (ri, si)
+                n_blocks = max(int(s.num_blocks), 1)
+                steps = s.draft_steps if s.HasField("draft_steps") else p.steps
+                if err := errors.get(key):
                     blocks[key] = drafter_pb2.Block(seq_id=s.seq_id, error=err)
                     continue
                 self._last_use[s.seq_id] = now
@@ -248,21 +273,19 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             for ri, req in enumerate(requests)
         ]
 
-    def _extend(self, s: drafter_pb2.SequenceDraft) -> str:
-        """Append the new context; '' on success, else the error for this sequence's block."""
+    def _rollback(self, s: drafter_pb2.SequenceDraft) -> str:
+        """Where the new context starts must be where the drafter stands (a resend after a
+        timed-out call starts earlier: roll back); '' when it fits, else the block's error."""
         p = self.proposer
         have = p.context_length(s.seq_id)
         if s.context_start > have:
             return f"context gap: drafter holds {have} positions of {s.seq_id}, request starts at {s.context_start}"
+        if not len(s.new_token_ids) and s.context_start == 0 and have == 0:
+            return f"no context for {s.seq_id}"
         try:
-            if s.context_start < have:  # a resend after a timed-out call: roll back, then append
+            if s.context_start < have:
                 p.truncate(s.seq_id, s.context_start)
-            if len(s.new_token_ids):
-                feats = tensor_to_features(s.new_features)
-                p.extend(s.seq_id, np.asarray(s.new_token_ids, np.int64), feats)
-            elif s.context_start == 0 and have == 0:
-                return f"no context for {s.seq_id}"
-        except Exception as e:  # noqa: BLE001 - shape mismatch, slots exhausted, too long
+        except Exception as e:  # noqa: BLE001 - a proposer that cannot roll back
             return str(e)
         return ""
 

@@ -1,23 +1,24 @@
 """Per-sequence slots of the serving proposers' static caches (FlashMap / DFlash-style in
-flashmap_proposer, EAGLE-style in eagle).
+flashmap_proposer, DFlash in dflash_proposer, EAGLE-3 in eagle3_proposer, EAGLE-style in eagle).
 
 `SlotTable` is the bookkeeping: seq_id -> cache slot, the free list (slot 0 handed out
 first) and a host copy of each slot's context length (no device sync to read it).
-`SlotCacheProposer` is the Proposer base both serving proposers share: the model, device,
-K/V cache buffers [layers, n_slots, h, max_context, d], the slot table, `extend` up to the
-subclass's `_write` of the new positions (input checks, slot, max_context), and the
-sequence-level calls that only touch the table (release, truncate, context_length, set_steps).
+`SlotCacheProposer` is the Proposer base the serving proposers share: the model, device,
+K/V cache buffers [layers, n_slots, heads, max_context, head_dim], the slot table,
+`extend_many` (input checks, slots, max_context for every sequence, then ONE write of all
+their new positions by the subclass's `_write_many`), and the sequence-level calls that only
+touch the table (release, truncate, context_length, set_steps).
 """
 
 from __future__ import annotations
 
-import abc
 import time
 
 import numpy as np
 import torch
+from torch import Tensor
 
-from drafter_service.proposer import Proposer
+from drafter_service.proposer import Features, Proposer
 from flashmap.types import ProposeRequest
 
 
@@ -96,18 +97,29 @@ class SlotCacheProposer(Proposer):
     new length valid (they depend on earlier positions only) and masks or overwrites the rest."""
 
     def __init__(
-        self, model: torch.nn.Module, n_slots: int, max_context: int, device: str, cache_layers: int
+        self,
+        model: torch.nn.Module,
+        n_slots: int,
+        max_context: int,
+        device: str,
+        cache: tuple[int, int, int],
+        block_size: int,
+        context_dim: int,
     ):
+        """cache: (layers, heads, head_dim) of the K/V cache; context_dim: the drafter's width
+        after its context projection (the other width extend_many takes)."""
         cfg = model.cfg
         self.model = model.to(device).eval()
         self.cfg = cfg
         self.device = torch.device(device)
-        self.block_size = cfg.block_size
+        self.block_size = block_size
         self.feature_dim = cfg.feature_dim
+        self.context_dim = context_dim
         self.vocab_size = cfg.vocab_size
         self.slots = SlotTable(n_slots, max_context)
         dtype = next(model.parameters()).dtype
-        shape = (cache_layers, n_slots, cfg.n_heads, max_context, cfg.head_dim)
+        layers, heads, head_dim = cache
+        shape = (layers, n_slots, heads, max_context, head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
 
@@ -129,19 +141,60 @@ class SlotCacheProposer(Proposer):
         self.slots.truncate(seq_id, n)
 
     @torch.inference_mode()
-    def extend(self, seq_id: str, token_ids: np.ndarray, features: np.ndarray) -> None:
-        features = np.asarray(features)
-        if features.dtype != np.float16:  # float16 stays: _write casts it with torch, on the device
-            features = features.astype(np.float32, copy=False)
-        token_ids = np.asarray(token_ids, np.int64).reshape(-1)
-        m = len(token_ids)
-        if features.shape != (m, self.cfg.feature_dim):
-            raise ValueError(
-                f"features must be [{m}, {self.cfg.feature_dim}] for {m} tokens, got {features.shape}"
-            )
-        slot, start = self.slots.reserve(seq_id, m)
-        if m:
-            self._write(slot, start, token_ids, features)
+    def extend_many(self, items: list[tuple[str, np.ndarray, Features]]) -> dict[str, Exception]:
+        errors: dict[str, Exception] = {}
+        by_width: dict[int, list] = {}  # raw and projected features cannot share one tensor
+        for seq_id, token_ids, features in items:
+            try:
+                token_ids = np.asarray(token_ids, np.int64).reshape(-1)
+                f = as_tensor(features, self.device)
+                m = len(token_ids)
+                if (
+                    f.ndim != 2
+                    or f.shape[0] != m
+                    or f.shape[1] not in (self.feature_dim, self.context_dim)
+                ):
+                    raise ValueError(
+                        f"features must be [{m}, {self.feature_dim}] (or [{m}, {self.context_dim}] "
+                        f"projected) for {m} tokens, got {list(f.shape)}"
+                    )
+                slot, start = self.slots.reserve(seq_id, m)
+            except (ValueError, ProposerError) as e:
+                errors[seq_id] = e
+                continue
+            if m:
+                by_width.setdefault(f.shape[1], []).append((slot, start, token_ids, f))
+                self.slots.lengths[slot] = start + m  # a second item of this sequence follows it
+        for rows in by_width.values():
+            slots = np.concatenate([np.full(len(t), s) for s, _, t, _ in rows])
+            pos = np.concatenate([np.arange(p, p + len(t)) for _, p, t, _ in rows])
+            try:
+                self._write_many(
+                    torch.from_numpy(slots).to(self.device),
+                    torch.from_numpy(pos).to(self.device),
+                    np.concatenate([t for _, _, t, _ in rows]),
+                    torch.cat([f for *_, f in rows]),
+                )
+            except BaseException:
+                for slot, start, _, _ in rows:  # nothing of these rows is held
+                    self.slots.lengths[slot] = min(self.slots.lengths[slot], start)
+                raise
+        return errors
+
+    def _write_many(
+        self, slots: Tensor, positions: Tensor, token_ids: np.ndarray, features: Tensor
+    ) -> None:
+        """Cache N new context positions of any sequences in one pass: cache slots and positions
+        [N] (device), token ids [N], features [N, F or D] (device). The default writes the
+        injected keys / values the model's `context_kv` gives for every layer at once; the
+        caller sets the slots' lengths."""
+        k, v = self._context_kv(features, positions)  # [layers, N, heads, head_dim]
+        # Two index tensors around a slice put their dimension first: the target is [N, layers, heads, d].
+        self.k_cache[:, slots, :, positions] = k.transpose(0, 1).to(self.k_cache.dtype)
+        self.v_cache[:, slots, :, positions] = v.transpose(0, 1).to(self.v_cache.dtype)
+
+    def _context_kv(self, features: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        return self.model.context_kv(features, positions)
 
     # Proposer attribute -> (the model method enable_compile runs through torch.compile,
     # whether its weights are frozen into the compiled program: compiled.Compiled).
@@ -176,11 +229,13 @@ class SlotCacheProposer(Proposer):
         without context; on throw-away sequences, released after."""
         seqs = ["__compile_warmup_0__", "__compile_warmup_1__"][: min(2, self.n_slots)]
         try:
-            for seq in seqs:
-                for m in (3, 1):
-                    self.extend(
-                        seq, np.zeros(m, np.int64), np.zeros((m, self.cfg.feature_dim), np.float32)
-                    )
+            for m in (3, 1):
+                self.extend_many(
+                    [
+                        (seq, np.zeros(m, np.int64), np.zeros((m, self.feature_dim), np.float32))
+                        for seq in seqs
+                    ]
+                )
             for n in steps:
                 for batch in [seqs[:i] for i in range(1, len(seqs) + 1)] + [
                     ["__compile_warmup_new__"]
@@ -197,7 +252,15 @@ class SlotCacheProposer(Proposer):
             for seq in seqs:
                 self.release(seq)
 
-    @abc.abstractmethod
-    def _write(self, slot: int, start: int, token_ids: np.ndarray, features: np.ndarray) -> None:
-        """Cache the m >= 1 new positions start..start+m-1 of `slot` (token_ids [m] int64,
-        features [m, F] float32 or float16) and set the slot's length to start + m (inference mode)."""
+
+def as_tensor(features: Features, device: torch.device) -> Tensor:
+    """Features as one tensor on `device` (pieces concatenated there); float16 and bfloat16 stay
+    as they came (the model casts them), numpy float64 becomes float32."""
+    if isinstance(features, (list, tuple)):
+        parts = [as_tensor(p, device) for p in features]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+    if isinstance(features, np.ndarray):
+        if features.dtype not in (np.float16, np.float32):
+            features = features.astype(np.float32)
+        features = torch.from_numpy(np.ascontiguousarray(features))
+    return features.to(device, non_blocking=True)

@@ -46,15 +46,20 @@ class LocalDrafter:
         self, seqs: list[Sequence], n_blocks: list[int], max_draft_tokens: list[int] | None = None
     ) -> DraftBatch:
         p = self.proposer
-        for s in seqs:
-            ctx = s.context_for_drafter()
-            if ctx is not None:
-                p.extend(str(s.seq_id), ctx[1], ctx[2])
+        # Every sequence's new context in one pass (the engine's device tensors as they are).
+        sent = [(s, ctx) for s in seqs if (ctx := s.context_for_drafter()) is not None]
+        refused = p.extend_many([(str(s.seq_id), c[1], c[2]) for s, c in sent]) if sent else {}
+        for s, _ in sent:
+            if str(s.seq_id) in refused:  # e.g. past the drafter's max_context: decode without it
+                s.lose_drafter()
+            else:
                 s.drafter_acknowledged()
         most = max_draft_tokens or [s.draft_budget() for s in seqs]
         out = DraftBatch()
         for n in sorted(set(n_blocks)):
-            group = [(s, m) for s, k, m in zip(seqs, n_blocks, most) if k == n]
+            group = [
+                (s, m) for s, k, m in zip(seqs, n_blocks, most) if k == n and not s.drafter_lost
+            ]
             reqs = [
                 ProposeRequest(
                     str(s.seq_id),
@@ -89,13 +94,15 @@ class LocalTarget:
         last: list[bool] | None = None,
     ) -> list:
         # `last` is not used: freeing a local slot costs nothing, decode() frees it when the request ends.
+        # Features stay on the engine's device: the drafter in this process reads them there.
         out: list = [None] * len(rows)
         flat = [i for i, b in enumerate(branches) if not b]
-        for i, res in zip(flat, self.engine.verify([rows[i] for i in flat]) if flat else []):
+        done = self.engine.verify([rows[i] for i in flat], features_on_device=True) if flat else []
+        for i, res in zip(flat, done):
             out[i] = (res, 0)
         for i, b in enumerate(branches):
             if b:
-                out[i] = self.engine.verify_tree(rows[i], b)
+                out[i] = self.engine.verify_tree(rows[i], b, features_on_device=True)
         return out
 
 

@@ -58,9 +58,8 @@ class Sequence:
         # Entropy when no seed: a request with a seed is reproducible, one without is not.
         self.rng = np.random.default_rng(request.params.seed)
         self.stats = SpecStats(block_size)
-        self.pending_context: list[
-            tuple[np.ndarray, np.ndarray]
-        ] = []  # (token ids [m], features [m, F])
+        # (token ids [m], features [m, F]) pieces the drafter has not acknowledged
+        self.pending_context: list[tuple[np.ndarray, object]] = []
         self.drafter_seen = 0  # context positions the drafter has acknowledged
         self.drafter_lost = (
             False  # the drafter lost this sequence's context: autoregressive from now on
@@ -136,20 +135,16 @@ class Sequence:
         return int(self.rng.integers(2**62))
 
     # -- the drafter's context ----------------------------------------------------
-    def context_for_drafter(self) -> tuple[int, np.ndarray, np.ndarray] | None:
-        """(position of the first unacknowledged context token, token ids [m], features [m, F]);
-        None when the drafter has everything. Kept until `drafter_acknowledged`."""
+    def context_for_drafter(self) -> tuple[int, np.ndarray, list] | None:
+        """(position of the first unacknowledged context token, token ids [m], features [m, F]
+        as a list of row pieces); None when the drafter has everything. Kept until
+        `drafter_acknowledged`. The pieces are what the target handed back (numpy, or the
+        in-process engine's device tensors), joined where they are used: on the wire or on
+        the drafter's device."""
         if not self.pending_context:
             return None
-        ids, feats = self._merge_pending()
-        return self.drafter_seen, ids, feats
-
-    def _merge_pending(self) -> tuple[np.ndarray, np.ndarray]:
-        """The pending context as one (token ids [m], features [m, F]) piece, kept so."""
         ids = np.concatenate([c[0] for c in self.pending_context])
-        feats = np.concatenate([c[1] for c in self.pending_context])
-        self.pending_context = [(ids, feats)]
-        return ids, feats
+        return self.drafter_seen, ids, [c[1] for c in self.pending_context]
 
     def drafter_acknowledged(self, n: int | None = None) -> None:
         """The drafter holds the first n positions of the pending context (None: all of it).
@@ -158,11 +153,14 @@ class Sequence:
         held = sum(len(c[0]) for c in self.pending_context)
         n = held if n is None else min(n, held)
         self.drafter_seen += n
-        if n == held:
-            self.pending_context.clear()
-            return
-        ids, feats = self._merge_pending()
-        self.pending_context = [(ids[n:], feats[n:])]
+        rest = []
+        for ids, feats in self.pending_context:
+            if n >= len(ids):
+                n -= len(ids)
+                continue
+            rest.append((ids[n:], feats[n:]))
+            n = 0
+        self.pending_context = rest
 
     def lose_drafter(self) -> None:
         """The drafter cannot serve this sequence any more (its context is gone)."""

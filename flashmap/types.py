@@ -265,12 +265,15 @@ class ProposeRequest:
 
 @dataclass
 class Draft:
-    """One proposed block. Greedy drafting: support_ids[:, 0] = tokens, probs 1."""
+    """One proposed block: a chain of K tokens, or (greedy only) a tree of K tokens whose
+    `parents` [K] index earlier tokens of the draft (-1: the anchor), parents before children.
+    Greedy drafting: support_ids[:, 0] = tokens, probs 1."""
 
     tokens: np.ndarray  # [K] int64
     support_ids: np.ndarray  # [K, S] int64, -1 = padding
     support_probs: np.ndarray  # [K, S] float32, q_k(s); sum over S is 1 per slot
     draft_steps: int = 0  # the step count that drafted it (0: not reported)
+    parents: np.ndarray | None = None  # [K] int64 for a tree; None: a chain
 
     @staticmethod
     def greedy(tokens: np.ndarray, draft_steps: int = 0) -> Draft:
@@ -279,9 +282,21 @@ class Draft:
             tokens, tokens[:, None].copy(), np.ones((len(tokens), 1), np.float32), draft_steps
         )
 
+    @staticmethod
+    def tree(tokens: np.ndarray, parents: np.ndarray, draft_steps: int = 0) -> Draft:
+        """A greedy tree draft (parents[i] < i; -1: a child of the anchor)."""
+        d = Draft.greedy(tokens, draft_steps)
+        d.parents = np.asarray(parents, np.int64)
+        return d
+
     def truncate(self, k: int) -> Draft:
+        """The first k tokens (of a tree: still a tree, since parents come first)."""
         return Draft(
-            self.tokens[:k], self.support_ids[:k], self.support_probs[:k], self.draft_steps
+            self.tokens[:k],
+            self.support_ids[:k],
+            self.support_probs[:k],
+            self.draft_steps,
+            None if self.parents is None else self.parents[:k],
         )
 
 

@@ -92,6 +92,7 @@ class StackConfig(Config):
     # The target model's compute thread on cores of its own, every other process on the rest
     # (flashmap.cpus); off, or fewer than 2 usable CPUs: the scheduler places everything.
     pin_cpus: bool = option(True, "the target model's compute thread on cores of its own")
+    context_projection: str | None = same_as(TritonConfig, "context_projection")
 
     def __post_init__(self) -> None:
         if self.log_dir is None:
@@ -165,6 +166,12 @@ class StackConfig(Config):
             host=self.host,
             n_slots=self.n_slots,
             max_seq_len=self.max_seq_len,
+            # The target makes what the served drafter checkpoint reads (its layers, its
+            # projection); a drafter made in the drafter's process ("init", the test oracle)
+            # reads the default layers, unprojected.
+            drafter_dir=self.drafter
+            if self.with_drafter and (Path(self.drafter) / "config.json").is_file()
+            else None,
         )
 
 

@@ -222,11 +222,12 @@ class ServiceDrafter:
         msgs = []
         for s, n, most in zip(seqs, n_blocks, max_draft_tokens):
             ctx = s.context_for_drafter()
-            start, ids, feats = (
+            start, ids, pieces = (
                 ctx
                 if ctx is not None
-                else (s.drafter_seen, np.zeros(0, np.int64), np.zeros((0, 0), np.float32))
+                else (s.drafter_seen, np.zeros(0, np.int64), [np.zeros((0, 0), np.float32)])
             )
+            feats = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
             msgs.append(
                 drafter_pb2.SequenceDraft(
                     seq_id=str(s.seq_id),

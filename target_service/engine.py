@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from flashmap.drafter_inputs import ContextProjection
 from flashmap.host_memory import keep_freed_memory
 from flashmap.types import VerifyResult, VerifyRow, feature_layers_for
 from target_service.kernels import self_check
@@ -62,13 +63,25 @@ class TargetEngine:
         feature_layers: list[int] | None = None,
         cuda_graphs: bool = False,
         features_dtype: torch.dtype = torch.float32,
+        context_projection: ContextProjection | None = None,
     ):
         """cuda_graphs=True (on a CUDA device): capture decode / verify graphs for the default
         buckets at start-up (`enable_graphs` for other buckets or the batch-invariant mode).
-        features_dtype: of the features handed back (float16 halves what travels to the drafter)."""
+        features_dtype: of the features handed back (float16 halves what travels to the drafter).
+        context_projection: the drafter's first step (flashmap.drafter_inputs), applied to the
+        features before they are kept and handed back."""
         model = Qwen3.from_pretrained(model_dir, device=device, dtype=dtype)
         eos = list(model.config.eos_token_id) + generation_eos(Path(model_dir))
-        self._setup(model, n_slots, max_seq_len, feature_layers, eos, cuda_graphs, features_dtype)
+        self._setup(
+            model,
+            n_slots,
+            max_seq_len,
+            feature_layers,
+            eos,
+            cuda_graphs,
+            features_dtype,
+            context_projection,
+        )
 
     @classmethod
     def from_model(
@@ -81,11 +94,21 @@ class TargetEngine:
         eos_token_ids: list[int] | None = None,
         cuda_graphs: bool = False,
         features_dtype: torch.dtype = torch.float32,
+        context_projection: ContextProjection | None = None,
     ) -> TargetEngine:
         """An engine around an already loaded model (its caches are replaced)."""
         engine = cls.__new__(cls)
         eos = list(model.config.eos_token_id) if eos_token_ids is None else list(eos_token_ids)
-        engine._setup(model, n_slots, max_seq_len, feature_layers, eos, cuda_graphs, features_dtype)
+        engine._setup(
+            model,
+            n_slots,
+            max_seq_len,
+            feature_layers,
+            eos,
+            cuda_graphs,
+            features_dtype,
+            context_projection,
+        )
         return engine
 
     def _setup(
@@ -97,6 +120,7 @@ class TargetEngine:
         eos: list[int],
         cuda_graphs=False,
         features_dtype: torch.dtype = torch.float32,
+        context_projection: ContextProjection | None = None,
     ) -> None:
         c = model.config
         if max_seq_len is None:
@@ -115,9 +139,27 @@ class TargetEngine:
         model.setup_caches(n_slots, max_seq_len)
         self.model = model
         self._feature_layers = tuple(layers)
-        # Every cached position's features (rows without features, features_from), [slots, positions, F].
-        shape = (n_slots, max_seq_len, len(layers) * c.hidden_size)
         dev = model.lm_head.weight.device
+        # The drafter's first step applied here (flashmap.drafter_inputs): D values per position
+        # leave the engine instead of F.
+        self._projection = None
+        width = len(layers) * c.hidden_size
+        if context_projection is not None:
+            p = context_projection
+            if p.weight.shape[1] != width:
+                raise ValueError(
+                    f"the context projection takes {p.weight.shape[1]} features, the target "
+                    f"makes {width} ({len(layers)} layers of {c.hidden_size})"
+                )
+            w = model.lm_head.weight
+            self._projection = (
+                torch.as_tensor(p.weight, dtype=w.dtype, device=dev),
+                None if p.norm is None else torch.as_tensor(p.norm, dtype=w.dtype, device=dev),
+                p.eps,
+            )
+            width = p.width
+        # Every cached position's features (rows without features, features_from), [slots, positions, F].
+        shape = (n_slots, max_seq_len, width)
         self._features_np = np.float16 if features_dtype == torch.float16 else np.float32  # host
         # numpy's zeros leave untouched pages unmapped; torch's would write them all.
         if dev.type == "cpu":
@@ -135,6 +177,7 @@ class TargetEngine:
         if w.device.type == "cpu":
             keep_freed_memory()  # the step's buffers stay mapped (flashmap.host_memory)
         self.graphs = None  # TargetGraphs after enable_graphs()
+        self._device_features = False  # during a verify(features_on_device=True)
         # Eager verifies: rows grouped for attention (target_service.packing).
         self.group_tokens = GROUP_TOKENS
         self.kernel_check: dict = {}  # the fused kernels' self-check on this device (kernels.self_check)
@@ -209,7 +252,8 @@ class TargetEngine:
 
     @property
     def feature_dim(self) -> int:
-        return len(self._feature_layers) * self.hidden_size
+        """Width of the features handed back: the layers' hidden states, or their projection."""
+        return self._features.shape[-1]
 
     @property
     def max_seq_len(self) -> int:
@@ -267,33 +311,40 @@ class TargetEngine:
         return self._length[slot]
 
     # -- verify ----------------------------------------------------------------------
-    def verify(self, rows: list[VerifyRow]) -> list[VerifyResult]:
+    def verify(self, rows: list[VerifyRow], features_on_device: bool = False) -> list[VerifyResult]:
         """One forward pass for all rows, and one more per further step of the rows with
         next_seeds (the steps of all such rows batched); see the module docstring. Validates every row
         before touching any cache. A batch that fits a captured bucket (enable_graphs) runs
         in its graph, padded; others (prefill, odd shapes, every batch without graphs) run
         eagerly, packed (target_service.packing). In batch-invariant mode the rows that fit
-        run in the graph and the others in a second, eager pass."""
+        run in the graph and the others in a second, eager pass. features_on_device: the
+        results' features stay on the engine's device (tensors; the in-process drafter reads
+        them there), else they come back as numpy."""
         if not rows:
             return []
         rows = self._validate(rows)
-        out = self._forward(rows)
-        more = [i for i, r in enumerate(rows) if len(r.next_seeds)]
-        out = self._decode_more(rows, out, more) if more else out
+        self._device_features = features_on_device
+        try:
+            out = self._forward(rows)
+            more = [i for i, r in enumerate(rows) if len(r.next_seeds)]
+            out = self._decode_more(rows, out, more) if more else out
+        finally:
+            self._device_features = False
         for i, r in enumerate(rows):
             if 0 <= r.features_from < r.start_pos:  # the kept features before the row
-                kept = self._features[r.slot, r.features_from : r.start_pos].cpu().numpy()
-                out[i] = dataclasses.replace(
-                    out[i], features=np.concatenate([kept, out[i].features])
-                )
+                kept = self._features[r.slot, r.features_from : r.start_pos]
+                kept = kept if features_on_device else kept.cpu().numpy()
+                out[i] = dataclasses.replace(out[i], features=_cat([kept, out[i].features]))
         return out
 
     def _keep_features(
         self, rows: list[VerifyRow], features: torch.Tensor, src: list[np.ndarray]
     ) -> list[np.ndarray]:
-        """Keep each row's features, rows src[i] of `features` ([T, F] on the device, in
-        features_dtype), at its positions (one scatter for all rows); returns each row's
-        features on the host, [len(src[i]), F], or none ([0, F]) for a row that does not ask."""
+        """Project (context_projection) and keep each row's features, rows src[i] of `features`
+        ([T, F] on the device), at its positions (one scatter for all rows); returns each row's
+        features [len(src[i]), F or D] in features_dtype on the host (on the device during a
+        verify with features_on_device), or none ([0, F or D]) for a row that does not ask."""
+        features = cast_features(self._project(features), self.features_dtype)
         dev = features.device
         slot = np.concatenate([np.full(len(i), r.slot) for r, i in zip(rows, src)])
         pos = np.concatenate([r.start_pos + np.arange(len(i)) for r, i in zip(rows, src)])
@@ -301,11 +352,23 @@ class TargetEngine:
             features[torch.as_tensor(np.concatenate(src), device=dev)]
         )
         asked = [i for r, i in zip(rows, src) if r.features]
+        if self._device_features:
+            ids = torch.as_tensor(np.concatenate(asked or [np.zeros(0, np.int64)]), device=dev)
+            parts = iter(features[ids].split([len(i) for i in asked] or [0]))
+            return [next(parts) if r.features else features[:0] for r in rows]
         host = np.zeros((0, features.shape[1]), self._features_np)
         if asked:  # one copy off the device for every row that asks
             host = features[torch.as_tensor(np.concatenate(asked), device=dev)].cpu().numpy()
         parts = iter(np.split(host, np.cumsum([len(i) for i in asked])[:-1]))
         return [next(parts) if r.features else host[:0] for r in rows]
+
+    def _project(self, features: torch.Tensor) -> torch.Tensor:
+        """The context projection of features [T, F] -> [T, D] (as they are without one)."""
+        if self._projection is None:
+            return features
+        w, norm, eps = self._projection
+        c = torch.nn.functional.linear(features.to(w.dtype), w)
+        return c if norm is None else torch.nn.functional.rms_norm(c, (c.shape[-1],), norm, eps)
 
     def _decode_more(
         self, rows: list[VerifyRow], out: list[VerifyResult], more: list[int]
@@ -338,7 +401,7 @@ class TargetEngine:
                 p[0].support_probs,
                 p[0].complement,
                 np.concatenate([x.residual for x in p]),
-                np.concatenate([x.features for x in p]),
+                _cat([x.features for x in p]),
             )
         return out
 
@@ -405,7 +468,7 @@ class TargetEngine:
         starts = np.concatenate([[0], np.cumsum(p.lengths)[:-1]])
         feats = self._keep_features(
             rows,
-            cast_features(features, self.features_dtype),
+            features,
             [s + np.arange(n) for s, n in zip(starts, p.lengths)],
         )
         return [VerifyResult(*s, features=f) for s, f in zip(stats, feats)]
@@ -424,13 +487,22 @@ class TargetEngine:
         )
         return [VerifyResult(*s, features=f) for s, f in zip(stats, own)]
 
-    def verify_tree(self, row: VerifyRow, branches: list[np.ndarray]) -> tuple[VerifyResult, int]:
+    def verify_tree(
+        self, row: VerifyRow, branches: list[np.ndarray], features_on_device: bool = False
+    ) -> tuple[VerifyResult, int]:
         """Greedy (T = 0) verification of several draft blocks after one anchor, in one pass
         (target_service.tree): row is the sequence's ordinary round, [.., anchor, d_1..d_K]
         (branch 0); branches are more blocks of K tokens drafted after the same anchor. The
         branch with the longest prefix equal to the target's argmax wins (the first on ties),
         leaving the cache exactly as after `verify` of that branch alone. Returns (that
-        branch's VerifyResult, its index)."""
+        branch's VerifyResult, its index). features_on_device: as in `verify`."""
+        self._device_features = features_on_device
+        try:
+            return self._verify_tree(row, branches)
+        finally:
+            self._device_features = False
+
+    def _verify_tree(self, row: VerifyRow, branches: list[np.ndarray]) -> tuple[VerifyResult, int]:
         (row,) = self._validate([row])
         blocks = check_branches(row, branches, self.vocab_size, self.max_seq_len)
         K, n = row.num_draft, len(row.tokens)
@@ -459,9 +531,7 @@ class TargetEngine:
                 self.model, row.slot, src, torch.arange(t.anchor + 1, t.anchor + 1 + K, device=dev)
             )
         self._length[row.slot] = row.start_pos + n
-        (feats,) = self._keep_features(
-            [row], cast_features(features, self.features_dtype).reshape(total, -1), [keep]
-        )
+        (feats,) = self._keep_features([row], features.reshape(total, -1), [keep])
         S = row.support_ids.shape[1]
         result = VerifyResult(
             argmax,
@@ -474,6 +544,11 @@ class TargetEngine:
 
     def _validate(self, rows: list[VerifyRow]) -> list[VerifyRow]:
         return validate_rows(rows, self._allocated, self._length, self.vocab_size, self.max_seq_len)
+
+
+def _cat(parts: list) -> np.ndarray | torch.Tensor:
+    """Row pieces of features, on the host (numpy) or on the device (tensors)."""
+    return torch.cat(parts) if isinstance(parts[0], torch.Tensor) else np.concatenate(parts)
 
 
 def _pack(rows: list[VerifyRow], L: int) -> tuple[np.ndarray, ...]:

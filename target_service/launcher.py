@@ -175,6 +175,8 @@ def model_env(
     feature_layers: list[int] | None = None,
     cuda_graphs: bool | None = None,
     cpus: set[int] | None = None,
+    drafter_dir: str | Path | None = None,
+    context_projection: str | None = None,
 ) -> dict[str, str]:
     """Model settings as the environment variables model.py reads (None: not set)."""
     env = {
@@ -189,6 +191,8 @@ def model_env(
         if cuda_graphs is None
         else str(bool(cuda_graphs)).lower(),
         TARGET_CPUS_ENV: None if cpus is None else format_cpu_list(cpus),
+        "FLASHMAP_DRAFTER_DIR": None if drafter_dir is None else str(Path(drafter_dir).resolve()),
+        "FLASHMAP_CONTEXT_PROJECTION": context_projection,
     }
     return {k: v for k, v in env.items() if v is not None}
 
@@ -329,6 +333,19 @@ class TritonConfig(Config):
     features_dtype: str | None = option(
         None, "the features' type on the wire", choices=("float32", "float16")
     )
+    drafter_dir: str | None = option(
+        None,
+        "the drafter checkpoint the features are for: its layers, and its context projection "
+        "(flashmap.drafter_inputs)",
+        env="FLASHMAP_DRAFTER_DIR",
+    )
+    context_projection: str | None = option(
+        None,
+        "apply the drafter's context projection here, so D values per token cross instead of "
+        "layers x hidden (auto: with drafter_dir)",
+        choices=("auto", "true", "false"),
+        env="FLASHMAP_CONTEXT_PROJECTION",
+    )
     log_path: str | None = option(
         None,
         "server log ('-': this process' output; default for the CLI: "
@@ -421,6 +438,8 @@ def start_triton(
                 dtype=c.dtype,
                 feature_layers=_layer_list(c.feature_layers) if c.feature_layers else None,
                 cpus=None if cpus is None else cpus[0],
+                drafter_dir=c.drafter_dir,
+                context_projection=c.context_projection,
             )
         )
         env.update(extra_env or {})

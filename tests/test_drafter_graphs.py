@@ -90,7 +90,9 @@ def test_compiled_drafts_equal_eager(model):
     torch.testing.assert_close(comp.k_cache, ref.k_cache, rtol=1e-4, atol=1e-5)
     with pytest.raises(IndexError):  # a bad request fails as it does eagerly...
         comp.propose([ProposeRequest("s1", anchor=10**6, seed=1)])
-    assert comp._evaluate.failed is None and comp._encode.failed is None  # ...and compiling goes on
+    assert (
+        comp._evaluate.failed is None and comp._context_kv.failed is None
+    )  # ...and compiling goes on
 
 
 def test_compile_failure_falls_back_to_eager(model, monkeypatch, caplog):

@@ -141,7 +141,9 @@ def test_rows_without_features_while_speculation_is_off_are_lossless(target, mon
     path, engine, prompts, reference = target.path, target.engine, target.prompts, target.reference
     proposer = load_proposer("init", str(path), n_slots=N_PROMPTS, max_context=engine.max_seq_len)
     rows, verify = [], engine.verify
-    monkeypatch.setattr(engine, "verify", lambda batch: rows.extend(batch) or verify(batch))
+    monkeypatch.setattr(
+        engine, "verify", lambda batch, **kw: rows.extend(batch) or verify(batch, **kw)
+    )
     controller = SpeculationController(
         proposer.block_size,
         ControllerConfig(decode_steps=4, lazy_features=True, probe_every=2, max_probe_every=2),

@@ -97,7 +97,7 @@ def test_a_drafter_answer_acknowledges_only_the_context_its_call_sent():
     assert (
         start == 6
         and ids.tolist() == s.tokens[6:9]
-        and feats.tolist() == np.arange(12).reshape(3, 4).tolist()
+        and np.concatenate(feats).tolist() == np.arange(12).reshape(3, 4).tolist()
     )
     s.drafter_acknowledged()
     assert s.drafter_seen == 9 and s.context_for_drafter() is None

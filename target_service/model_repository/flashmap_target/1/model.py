@@ -88,6 +88,7 @@ try:  # a clear message beats a bare ModuleNotFoundError in the server log
 
     from flashmap import wire
     from flashmap.cpus import TARGET_CPUS_ENV, format_cpu_list, parse_cpu_list, pin_worker
+    from flashmap.drafter_inputs import target_inputs
     from flashmap.metrics import TARGET_MODEL
     from flashmap.types import InvalidRequest
     from target_service import engine as engine_module
@@ -110,6 +111,8 @@ ENV_OVERRIDES = {
     "device": "FLASHMAP_TARGET_DEVICE",
     "dtype": "FLASHMAP_TARGET_DTYPE",
     "feature_layers": "FLASHMAP_TARGET_FEATURE_LAYERS",
+    "drafter_dir": "FLASHMAP_DRAFTER_DIR",
+    "context_projection": "FLASHMAP_CONTEXT_PROJECTION",
     "cuda_graphs": "FLASHMAP_TARGET_CUDA_GRAPHS",
     "cpus": TARGET_CPUS_ENV,
 }
@@ -156,6 +159,17 @@ class TritonPythonModel:
             raise ValueError(f"flashmap_target: cpus must be a CPU list like 0-3,6: {e}") from None
         layers = params.get("feature_layers", "")
         feature_layers = [int(x) for x in layers.split(",")] if layers.strip() else None
+        mode = (params.get("context_projection", "auto") or "auto").lower()
+        if mode not in ("auto", "true", "false"):
+            raise ValueError(
+                f"flashmap_target: context_projection must be auto, true or false, got {mode!r}"
+            )
+        drafter = params.get("drafter_dir", "").strip()
+        if mode == "true" and not drafter:
+            raise ValueError("flashmap_target: context_projection=true needs drafter_dir")
+        feature_layers, projection = target_inputs(
+            drafter or None, model_dir, feature_layers, project=mode != "false"
+        )
 
         seq = cfg["sequence_batching"]
         n_slots = int(seq["oldest"]["max_candidate_sequences"])
@@ -174,6 +188,7 @@ class TritonPythonModel:
             feature_layers=feature_layers,
             cuda_graphs=graphs != "false" and device.startswith("cuda"),
             features_dtype=torch.float16 if self.features_np_dtype == np.float16 else torch.float32,
+            context_projection=projection,
         )
         e = self.engine
         self.info = {
@@ -185,6 +200,7 @@ class TritonPythonModel:
             "num_layers": int(e.num_layers),
             "feature_layers": [int(x) for x in e.feature_layers],
             "feature_dim": int(e.feature_dim),
+            "context_projected": projection is not None,
             "features_dtype": np.dtype(self.features_np_dtype).name,
             "max_seq_len": int(e.max_seq_len),
             "n_slots": int(e.n_slots),
