@@ -1,8 +1,9 @@
 """The one place that turns a drafter checkpoint (or "init") into a serving proposer.
 
 Every kind goes through here: FlashMap and DFlash-style (FlashMapProposer over a
-FlashMapDiT), EAGLE-style (EagleProposer), for the drafter service, the CLI, the
-benchmarks and `flashmap eval`.
+FlashMapDiT), EAGLE-style (EagleProposer), and the published layouts users already have,
+DFlash (DFlashProposer) and EAGLE-3 (Eagle3Proposer, a tree at temperature 0), for the
+drafter service, the CLI, the benchmarks and `flashmap eval`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,10 @@ from pathlib import Path
 
 from drafter_service import eagle
 from drafter_service.checkpoint import checkpoint_kind, init_drafter, load_drafter
+from drafter_service.dflash import DFlashDrafter, is_dflash, load_dflash
+from drafter_service.dflash_proposer import DFlashProposer
+from drafter_service.eagle3 import Eagle3Drafter, is_eagle3, load_eagle3
+from drafter_service.eagle3_proposer import Eagle3Proposer
 from drafter_service.flashmap_proposer import FlashMapProposer
 from drafter_service.proposer import Proposer
 from flashmap.checkpoint import read_config
@@ -26,6 +31,11 @@ def load_model(drafter: str | Path, target_dir: str | Path, device: str = "cpu")
         hidden = read_config(target_dir)["hidden_size"]
         small = {} if hidden >= 2048 else {"dim": max(64, hidden), "n_blocks": 2, "n_heads": 4}
         return init_drafter(target_dir, device=device, **small)
+    config = read_config(drafter)
+    if is_dflash(config):
+        return load_dflash(drafter, target_dir, device=device)
+    if is_eagle3(config):
+        return load_eagle3(drafter, target_dir, device=device)
     if checkpoint_kind(drafter) == "eagle":
         return eagle.load_eagle(drafter, target_dir, device=device)
     return load_drafter(drafter, target_dir, device=device)
@@ -50,7 +60,11 @@ def make_proposer(
     compile: the proposer's enable_compile for `steps`."""
     if str(device).startswith("cpu"):
         keep_freed_memory()  # the cache gathers stay mapped (flashmap.host_memory)
-    if isinstance(model, eagle.EagleDrafter):
+    if isinstance(model, DFlashDrafter):
+        proposer = DFlashProposer(model, n_slots=n_slots, max_context=max_context, device=device)
+    elif isinstance(model, Eagle3Drafter):
+        proposer = Eagle3Proposer(model, n_slots=n_slots, max_context=max_context, device=device)
+    elif isinstance(model, eagle.EagleDrafter):
         proposer = eagle.EagleProposer(
             model, n_slots=n_slots, max_context=max_context, device=device
         )

@@ -47,10 +47,13 @@ class ContextProjection:
 
 def eagle3_default_layers(num_target_layers: int) -> list[int]:
     """SGLang's default EAGLE-3 layers, the outputs of layers 1, N/2 - 1 and N - 4 of an N-layer
-    target; where those are not three distinct layers (tiny targets), three evenly spaced."""
+    target; where those are not three distinct layers (tiny targets), three evenly spaced over
+    all of them."""
     n = num_target_layers
     ids = [1, n // 2 - 1, n - 4]
-    return ids if len(set(ids)) == 3 and min(ids) >= 0 else feature_layers_for(n, 3)
+    if len(set(ids)) == 3 and min(ids) >= 0:
+        return ids
+    return sorted({int(round(x)) for x in np.linspace(0, n - 1, 3)})
 
 
 @dataclass
@@ -106,6 +109,14 @@ def read_context_projection(drafter_dir: str | Path, target_num_layers: int) -> 
         )
     norm = t[n_name] if n_name else None
     return ContextProjection(weight, norm, eps)
+
+
+def checkpoint_dir(drafter: str | Path | None) -> Path | None:
+    """The drafter checkpoint directory a drafter spec names; None for one made where it runs
+    ("init", a test oracle), which reads the target's default layers, unprojected."""
+    if drafter is None or not (Path(drafter) / "config.json").is_file():
+        return None
+    return Path(drafter)
 
 
 def target_inputs(

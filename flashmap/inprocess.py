@@ -87,22 +87,17 @@ class LocalTarget:
         self.engine = engine
         self.max_seq_len = engine.max_seq_len
 
-    async def verify(
-        self,
-        rows: list[VerifyRow],
-        branches: list[list[np.ndarray]],
-        last: list[bool] | None = None,
-    ) -> list:
+    async def verify(self, rows: list[VerifyRow], last: list[bool] | None = None) -> list:
         # `last` is not used: freeing a local slot costs nothing, decode() frees it when the request ends.
         # Features stay on the engine's device: the drafter in this process reads them there.
         out: list = [None] * len(rows)
-        flat = [i for i, b in enumerate(branches) if not b]
+        flat = [i for i, r in enumerate(rows) if not r.is_tree]
         done = self.engine.verify([rows[i] for i in flat], features_on_device=True) if flat else []
         for i, res in zip(flat, done):
-            out[i] = (res, 0)
-        for i, b in enumerate(branches):
-            if b:
-                out[i] = self.engine.verify_tree(rows[i], b, features_on_device=True)
+            out[i] = (res, np.zeros(0, np.int64))
+        for i, r in enumerate(rows):
+            if r.is_tree:
+                out[i] = self.engine.verify_tree(r, features_on_device=True)
         return out
 
 

@@ -11,9 +11,10 @@ blocks from independent noise, greedy requests only); sequences without a block 
 one token autoregressively, which keeps the output exact (when nobody drafts, or only the
 controller's probe does, up to `decode_steps` tokens each in the same call:
 VerifyRow.next_seeds). Then one verify call covers every sequence (a prefill next to
-drafted rows); a row with several blocks is verified as a tree and commits its best branch
-as if that branch alone had been verified. Rejection sampling commits the accepted tokens
-plus one (Sequence.commit).
+drafted rows). A greedy draft may be a tree (a drafter's own, as EAGLE-3's, or several blocks
+merged into one: Draft.merged); the target verifies it in the same call and answers for the
+path it accepts, which commits as if that path alone had been the draft. Rejection sampling
+commits the accepted tokens plus one (Sequence.commit).
 
 Pipelining (the orchestrator's --pipeline): a round without drafts or prompts may send the
 next round before its own answer arrives (`Ahead`, `send_ahead`), when that one would draft
@@ -44,8 +45,8 @@ log = logging.getLogger("flashmap.rounds")
 
 @dataclass
 class DraftBatch:
-    """A drafter's answer for one round: blocks per sequence id (the first block is the one a
-    plain round verifies; more are tree branches). Sequences missing here draft nothing this
+    """A drafter's answer for one round: blocks per sequence id (one block, a chain or a tree;
+    several greedy blocks are verified as one tree). Sequences missing here draft nothing this
     round; `failure` says why when the whole call failed ("unavailable", "timeout")."""
 
     blocks: dict[int, list[Draft]] = field(default_factory=dict)
@@ -73,17 +74,12 @@ class Drafter(Protocol):
 class Target(Protocol):
     max_seq_len: int
 
-    async def verify(
-        self,
-        rows: list[VerifyRow],
-        branches: list[list[np.ndarray]],
-        last: list[bool] | None = None,
-    ) -> list:
-        """One verify for every row: per row (VerifyResult, index of the winning block) or the
-        exception that failed it. branches[i] non-empty: more blocks after row i's anchor,
-        verified as a tree (index 0 = the row's own block). last[i]: this verify surely ends
-        row i's sequence (Sequence.ends_with), so the target may free it in the same call;
-        `release` stays safe to call afterwards."""
+    async def verify(self, rows: list[VerifyRow], last: list[bool] | None = None) -> list:
+        """One verify for every row: per row (VerifyResult, path) or the exception that failed
+        it; path: the accepted drafts of a tree row (VerifyRow.parents), whose result is that
+        path's (empty for a chain). last[i]: this verify surely ends row i's sequence
+        (Sequence.ends_with), so the target may free it in the same call; `release` stays safe
+        to call afterwards."""
 
 
 @dataclass
@@ -117,16 +113,6 @@ class RoundResult:
     # estimate before the verify) and what they did accept, over the rows verified without error.
     expected_accepted: float = 0.0
     accepted: int = 0
-
-
-def _tree_fits(row: VerifyRow, n_branches: int, max_seq_len: int) -> bool:
-    """Verify this row as a tree: it drafted, has other branches, and they fit the context
-    (else the plain block is verified)."""
-    return (
-        bool(row.num_draft)
-        and n_branches > 0
-        and row.start_pos + len(row.tokens) + row.num_draft * n_branches <= max_seq_len
-    )
 
 
 @dataclass
@@ -172,7 +158,7 @@ async def speculative_round(
         gone = {
             s.seq_id for s in seqs if s.finished
         }  # ended after this round was sent: not part of it
-        drafts, branches = [None] * len(rows), [[] for _ in rows]
+        drafts = [None] * len(rows)
         call = ahead.call
     else:
         if controller is not None and drafter is not None:
@@ -185,7 +171,7 @@ async def speculative_round(
             t0 = time.perf_counter()
             batch = await drafter.draft(ask, [tree_blocks if s.params.greedy else 1 for s in ask])
             out.draft_s = time.perf_counter() - t0
-        rows, drafts, branches = _rows(
+        rows, drafts = _rows(
             seqs,
             batch,
             target,
@@ -205,7 +191,7 @@ async def speculative_round(
             )
         # A coroutine, not a task: awaited below, it goes out before any round sent ahead (a
         # task, started when this one first waits), and a local round needs no event loop.
-        call = target.verify(rows, branches, [s.ends_with(r) for s, r in zip(seqs, rows)])
+        call = target.verify(rows, [s.ends_with(r) for s, r in zip(seqs, rows)])
     for draft in drafts:
         if draft is not None and draft.draft_steps:
             out.draft_steps = draft.draft_steps
@@ -221,7 +207,7 @@ async def speculative_round(
     if out.ahead is not None:
         out.ahead.since = now
 
-    for s, row, draft, more, res in zip(seqs, rows, drafts, branches, results):
+    for s, row, draft, res in zip(seqs, rows, drafts, results):
         if s.seq_id in gone:
             continue
         s.stats.draft_s += out.draft_s if s.seq_id in asked else 0.0
@@ -235,19 +221,18 @@ async def speculative_round(
             s.fail(res)
             out.sequences.append(SequenceRound(s, [], prefill, fallback=fallback, error=res))
             continue
-        result, best = res
-        if best:  # the winning branch, committed as if it alone had been verified
-            win = Draft.greedy(more[best - 1], draft.draft_steps)
+        result, path = res
+        drafted, tree = row.num_draft, None
+        if row.is_tree:  # the accepted path, committed as if it alone had been the draft
+            tree, draft = draft, Draft.greedy(draft.tokens[path], draft.draft_steps)
             row = replace(
                 row,
-                tokens=np.concatenate(
-                    [row.tokens[: len(row.tokens) - len(win.tokens)], win.tokens]
-                ),
-                support_ids=win.support_ids,
+                tokens=np.concatenate([row.tokens[: len(row.tokens) - drafted], draft.tokens]),
+                support_ids=draft.support_ids,
+                parents=np.zeros(0, np.int64),
             )
-            draft = win
-        new, accepted = s.commit(row, draft, result)
-        out.sequences.append(SequenceRound(s, new, prefill, row.num_draft, accepted, fallback))
+        new, accepted = s.commit(row, draft, result, tree)
+        out.sequences.append(SequenceRound(s, new, prefill, drafted, accepted, fallback))
         if s.seq_id in expected:
             out.expected_accepted += float(expected[s.seq_id])
             out.accepted += accepted
@@ -282,25 +267,25 @@ def _rows(
     probing: bool,
     drafter: bool,
 ):
-    """Each sequence's verify row, draft (or None) and tree branches for this round."""
-    rows, drafts, branches, picked = [], [], [], []
+    """Each sequence's verify row and draft (or None) for this round."""
+    rows, drafts, picked = [], [], []
     for s in seqs:
         blocks = batch.blocks.get(s.seq_id, [])
-        n = min(len(b.tokens) for b in blocks) if blocks else 0  # a tree's branches share K
-        picked.append(
-            (blocks[0].truncate(n) if blocks else None, [b.tokens[:n] for b in blocks[1:]])
-        )
+        draft = blocks[0] if blocks else None
+        if len(blocks) > 1:  # greedy blocks from independent noise: one tree (a trie)
+            tree = Draft.merged([b.tokens for b in blocks], draft.draft_steps)
+            if len(s.tokens) + len(tree.tokens) <= target.max_seq_len:  # else block 0 alone
+                draft = tree
+        picked.append(draft)
     # A round without a new prompt (whose first token is not held back) decodes up to
     # `decode_steps` tokens per row without a draft in its one verify call, when nobody drafts
     # or the only drafting is the controller's probe (the others do not wait for it).
-    plain = all(d is None or len(d.tokens) == 0 for d, _ in picked)
+    plain = all(d is None or len(d.tokens) == 0 for d in picked)
     multi = all(s.prefilled for s in seqs) and (plain or probing)
-    for s, (draft, more) in zip(seqs, picked):
-        row = s.verify_row(draft, decode_steps if multi else 1, drafter)
-        rows.append(row)
+    for s, draft in zip(seqs, picked):
+        rows.append(s.verify_row(draft, decode_steps if multi else 1, drafter))
         drafts.append(draft)
-        branches.append(more if _tree_fits(row, len(more), target.max_seq_len) else [])
-    return rows, drafts, branches
+    return rows, drafts
 
 
 def _send_ahead(

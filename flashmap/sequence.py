@@ -176,9 +176,12 @@ class Sequence:
         if draft is not None and len(draft.tokens):
             round_seed = int(self.rng.integers(2**62))
             toks = np.concatenate([[self.anchor], draft.tokens]).astype(np.int64)
-            return VerifyRow(
+            row = VerifyRow(
                 self.handle, len(self.tokens) - 1, toks, self.params, draft.support_ids, round_seed
             )
+            if draft.parents is not None:
+                row.parents = draft.parents
+            return row
         features = self._sends_features(drafter)
         if not self.prefilled:
             return self._plain_row(0, self.tokens, steps, 0, features)
@@ -245,10 +248,12 @@ class Sequence:
         return len(self.generated) + ahead + least >= self.request.max_new_tokens
 
     def commit(
-        self, row: VerifyRow, draft: Draft | None, result: VerifyResult
+        self, row: VerifyRow, draft: Draft | None, result: VerifyResult, tree: Draft | None = None
     ) -> tuple[list[int], int]:
         """Apply rejection sampling to a verify result; (newly committed tokens, drafts accepted).
-        A sequence that ended while the round ran (aborted, cancelled) commits nothing."""
+        A sequence that ended while the round ran (aborted, cancelled) commits nothing. tree:
+        the tree draft the round verified, when row and draft are its accepted path (the
+        statistics count the tree's depth and nodes)."""
         if self.finished:
             return [], 0
         k = row.num_draft
@@ -285,9 +290,12 @@ class Sequence:
         self.prefilled = True
         kept = self._append(new)
         # A multi-step row: one round per step whose token was kept (not those past a stop).
-        for _ in range(1 if k else len(kept) - prompt):
-            self.stats.record_round(k, n_acc)
-        if k and draft is not None and draft.draft_steps:
+        for _ in range(1 if k or tree is not None else len(kept) - prompt):
+            if tree is None:
+                self.stats.record_round(k, n_acc)
+            else:
+                self.stats.record_round(tree.depth, n_acc, len(tree.tokens))
+        if (k or tree is not None) and draft is not None and draft.draft_steps:
             self.stats.draft_steps = draft.draft_steps
         return kept, n_acc
 

@@ -153,13 +153,15 @@ class SpecStats:
         """Tokens committed per drafted round (gamma), DESIGN.md's definition."""
         return 1.0 + self.accepted / self.drafts if self.drafts else 0.0
 
-    def record_round(self, drafted: int, accepted: int) -> None:
-        """One verified round of `drafted` draft tokens, the first `accepted` of them accepted."""
+    def record_round(self, drafted: int, accepted: int, tokens: int | None = None) -> None:
+        """One verified round of `drafted` draft slots (a chain's length, a tree's depth), the
+        first `accepted` of them accepted; tokens: the tokens verified (a tree's nodes;
+        default drafted)."""
         self.rounds += 1
         if not drafted:
             return
         self.drafts += 1
-        self.draft_tokens += drafted
+        self.draft_tokens += drafted if tokens is None else tokens
         self.accepted += accepted
         self.drafted_per_slot[:drafted] += 1
         self.verified_per_slot[: min(drafted, accepted + 1)] += 1
@@ -206,6 +208,12 @@ class VerifyRow:
     does): the result's features start at this earlier position of the sequence
     ([start_pos - features_from + L + steps - 1, F]), so a sequence whose rows went without
     features catches its drafter's context up in one row.
+
+    parents (greedy rows only, non-empty): the K drafted tokens are a tree, draft i a child of
+    draft parents[i] (< i; -1: the anchor), verified in one pass with tree attention. The
+    target answers for the path of drafts it accepts, as if that path alone had been the row's
+    draft: argmax [a + 1] along it and features of the positions up to its end (its cache as
+    after such a row), with the path's indices (`Target.verify`).
     """
 
     slot: int
@@ -221,10 +229,15 @@ class VerifyRow:
     )  # [steps - 1] int64
     features: bool = True
     features_from: int = -1  # -1: features of this row's own positions only
+    parents: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [K] for a tree
 
     @property
     def num_draft(self) -> int:
         return int(self.support_ids.shape[0])
+
+    @property
+    def is_tree(self) -> bool:
+        return len(self.parents) > 0
 
     @property
     def steps(self) -> int:
@@ -288,6 +301,32 @@ class Draft:
         d = Draft.greedy(tokens, draft_steps)
         d.parents = np.asarray(parents, np.int64)
         return d
+
+    @staticmethod
+    def merged(blocks: list[np.ndarray], draft_steps: int = 0) -> Draft:
+        """Greedy blocks drafted after one anchor as one tree: a shared prefix is one path
+        (a trie), so the tree has at most the blocks' tokens together."""
+        tokens, parents, node = [], [], {}
+        for b in blocks:
+            parent = -1
+            for t in np.asarray(b, np.int64).tolist():
+                key = (parent, t)
+                if key not in node:
+                    node[key] = len(tokens)
+                    tokens.append(t)
+                    parents.append(parent)
+                parent = node[key]
+        return Draft.tree(np.array(tokens, np.int64), np.array(parents, np.int64), draft_steps)
+
+    @property
+    def depth(self) -> int:
+        """The longest path a round can accept: K for a chain, the tree's depth for a tree."""
+        if self.parents is None:
+            return len(self.tokens)
+        depth = np.zeros(len(self.tokens), np.int64)
+        for i, p in enumerate(self.parents):
+            depth[i] = 1 if p < 0 else depth[p] + 1
+        return int(depth.max(initial=0))
 
     def truncate(self, k: int) -> Draft:
         """The first k tokens (of a tree: still a tree, since parents come first)."""

@@ -51,6 +51,7 @@ def draft_to_block(seq_id: str, blocks: list[Draft]) -> drafter_pb2.Block:
         support_size=d.support_ids.shape[1],
         draft_steps=d.draft_steps,
         branches=[drafter_pb2.Branch(tokens=b.tokens.tolist()) for b in blocks[1:]],
+        parents=[] if d.parents is None else d.parents.tolist(),
     )
 
 
@@ -61,6 +62,7 @@ def block_to_drafts(block: drafter_pb2.Block) -> list[Draft]:
         np.asarray(block.support_ids, np.int64).reshape(k, s),
         np.asarray(block.support_probs, np.float32).reshape(k, s),
         int(block.draft_steps),
+        np.asarray(block.parents, np.int64) if len(block.parents) else None,
     )
     return [main] + [
         Draft.greedy(np.asarray(b.tokens, np.int64), int(block.draft_steps)) for b in block.branches
@@ -69,10 +71,10 @@ def block_to_drafts(block: drafter_pb2.Block) -> list[Draft]:
 
 # ----------------------------------------------------------------------------- Triton target
 
-VERIFY_OUTPUTS = ("ARGMAX", "SUPPORT_PROBS", "COMPLEMENT", "RESIDUAL", "FEATURES", "BEST")
+VERIFY_OUTPUTS = ("ARGMAX", "SUPPORT_PROBS", "COMPLEMENT", "RESIDUAL", "FEATURES", "PATH")
 
 
-def verify_inputs(row: VerifyRow, branches: list[np.ndarray] = ()) -> dict[str, np.ndarray]:
+def verify_inputs(row: VerifyRow) -> dict[str, np.ndarray]:
     """The model's input tensors for one row (INVALID_ARGUMENT-worthy mistakes raise InvalidRequest)."""
     tokens, support = np.asarray(row.tokens), np.asarray(row.support_ids)
     if tokens.ndim != 1 or tokens.size == 0:
@@ -96,10 +98,8 @@ def verify_inputs(row: VerifyRow, branches: list[np.ndarray] = ()) -> dict[str, 
             out["NO_FEATURES"] = np.ones((1, 1), np.bool_)
         if row.features_from >= 0:
             out["FEATURES_FROM"] = np.array([[row.features_from]], np.int64)
-        if len(branches):
-            out["BRANCHES"] = np.stack([np.asarray(b, np.int64) for b in branches])[
-                None
-            ]  # [1, n, K]
+        if row.is_tree:
+            out["PARENTS"] = np.asarray(row.parents, np.int64).reshape(1, -1)
     except (OverflowError, ValueError, TypeError) as e:
         raise InvalidRequest(f"verify row does not fit the target's tensor types: {e}") from None
     return out
@@ -139,14 +139,12 @@ def scalar(get: Callable[[str], np.ndarray | None], name: str, default):
     return a[0].item()
 
 
-def parse_verify_inputs(
-    get: Callable[[str], np.ndarray | None],
-) -> tuple[VerifyRow | None, list[np.ndarray]]:
-    """(row, branches) from the model's input tensors (get(name) -> array or None when absent);
-    row None for a request without tokens (a release)."""
+def parse_verify_inputs(get: Callable[[str], np.ndarray | None]) -> VerifyRow | None:
+    """The row of the model's input tensors (get(name) -> array or None when absent); None for
+    a request without tokens (a release)."""
     tokens = _unbatch(get, "TOKENS", 1, np.int64)
     if tokens is None or tokens.size == 0:
-        return None, []
+        return None
     support = _unbatch(get, "SUPPORT_IDS", 2, np.int64)
     if support is None or support.shape[0] == 0:
         support = np.zeros((0, 1), np.int64)
@@ -168,14 +166,16 @@ def parse_verify_inputs(
     seeds = _unbatch(get, "NEXT_SEEDS", 1, np.int64)
     if seeds is not None:
         row.next_seeds = seeds
-    branches = _unbatch(get, "BRANCHES", 2, np.int64)
-    return row, ([] if branches is None else list(branches))
+    parents = _unbatch(get, "PARENTS", 1, np.int64)
+    if parents is not None:
+        row.parents = parents
+    return row
 
 
 def verify_outputs(
-    result: VerifyResult, best: int, features_dtype=np.float32
+    result: VerifyResult, path: np.ndarray | None = None, features_dtype=np.float32
 ) -> dict[str, np.ndarray]:
-    """The model's output tensors for one verified row."""
+    """The model's output tensors for one verified row (path: a tree's accepted drafts)."""
     probs = np.asarray(result.support_probs, np.float32)
     if probs.ndim != 2:  # keep the declared rank [K, S] even for an empty array
         probs = (
@@ -189,7 +189,7 @@ def verify_outputs(
         "COMPLEMENT": np.asarray(result.complement, np.float32).reshape(-1),
         "RESIDUAL": np.asarray(result.residual, np.int64).reshape(-1),
         "FEATURES": np.asarray(result.features).astype(features_dtype, copy=False),
-        "BEST": np.array([best], np.int64),
+        "PATH": np.zeros(0, np.int64) if path is None else np.asarray(path, np.int64),
     }
     return {k: np.ascontiguousarray(v[None]) for k, v in out.items()}
 
@@ -202,13 +202,16 @@ def empty_outputs(feature_dim: int, features_dtype=np.float32) -> dict[str, np.n
         "COMPLEMENT": np.zeros((1, 0), np.float32),
         "RESIDUAL": np.zeros((1, 0), np.int64),
         "FEATURES": np.zeros((1, 0, feature_dim), features_dtype),
-        "BEST": np.zeros((1, 1), np.int64),
+        "PATH": np.zeros((1, 0), np.int64),
     }
 
 
-def parse_verify_outputs(get: Callable[[str], np.ndarray]) -> tuple[VerifyResult, int]:
-    """(VerifyResult, index of the winning block) from the model's output tensors."""
-    best = get("BEST")
+def parse_verify_outputs(
+    get: Callable[[str], np.ndarray | None],
+) -> tuple[VerifyResult, np.ndarray]:
+    """(VerifyResult, a tree row's accepted path: empty for a chain) from the model's output
+    tensors."""
+    path = get("PATH")
     return VerifyResult(
         argmax=get("ARGMAX")[0].astype(np.int64, copy=False),
         support_probs=get("SUPPORT_PROBS")[0].astype(np.float32, copy=False),
@@ -217,7 +220,7 @@ def parse_verify_outputs(get: Callable[[str], np.ndarray]) -> tuple[VerifyResult
         features=get("FEATURES")[
             0
         ],  # float32 or float16, as the model is configured: passed on as it is
-    ), int(best.reshape(-1)[0]) if best is not None and best.size else 0
+    ), np.zeros(0, np.int64) if path is None else path.reshape(-1).astype(np.int64)
 
 
 # ----------------------------------------------------------------------------- packed rounds
@@ -336,19 +339,19 @@ ROW_INPUTS = frozenset(
         "NEXT_SEEDS",
         "NO_FEATURES",
         "FEATURES_FROM",
-        "BRANCHES",
+        "PARENTS",
     }
 )
 ROW_OUTPUTS = frozenset(VERIFY_OUTPUTS) | {"ERROR", "CODE"}
 
 
 def packed_round(
-    items: list[tuple[int, bool, bool, VerifyRow | None, list[np.ndarray]]],
+    items: list[tuple[int, bool, bool, VerifyRow | None]],
 ) -> tuple[bytes, dict[int, InvalidRequest]]:
-    """ROWS for (sequence id, start, end, row or None for a release, branches) per row, and the
-    rows left out because they do not fit the tensor types (index -> their error)."""
+    """ROWS for (sequence id, start, end, row or None for a release) per row, and the rows left
+    out because they do not fit the tensor types (index -> their error)."""
     rows, bad = [], {}
-    for k, (corrid, start, end, row, branches) in enumerate(items):
+    for k, (corrid, start, end, row) in enumerate(items):
         try:
             d = {
                 "CORRID": np.array([corrid], np.uint64),
@@ -356,9 +359,7 @@ def packed_round(
                     [ROW_FLAG_START * bool(start) | ROW_FLAG_END * bool(end)], np.int32
                 ),
             }
-            d.update(
-                release_inputs() if row is None else _without_defaults(verify_inputs(row, branches))
-            )
+            d.update(release_inputs() if row is None else _without_defaults(verify_inputs(row)))
         except InvalidRequest as e:
             bad[k] = e
             continue
@@ -400,7 +401,7 @@ def parse_packed_round(
 
 def packed_outputs(rows: list[dict[str, np.ndarray] | tuple[int, str]]) -> bytes:
     """ROWS_OUT: per row its output tensors (verify_outputs / empty_outputs) or (error code,
-    message). A greedy row's empty sampling outputs and a BEST of 0 are left out
+    message). A greedy row's empty sampling outputs and a chain's empty PATH are left out
     (parse_packed_outputs restores them)."""
     out = []
     for r in rows:
@@ -419,15 +420,17 @@ def packed_outputs(rows: list[dict[str, np.ndarray] | tuple[int, str]]) -> bytes
             and (r["RESIDUAL"] == -1).all()
         ):
             del r["SUPPORT_PROBS"], r["COMPLEMENT"], r["RESIDUAL"]
-        if r["BEST"].size == 1 and r["BEST"].item() == 0:
-            del r["BEST"]
+        if r["PATH"].size == 0:
+            del r["PATH"]
         out.append(r)
     return pack_arrays(out)
 
 
-def parse_packed_outputs(blob: bytes) -> list[tuple[VerifyResult, int] | tuple[int, str] | None]:
-    """Per row of ROWS_OUT: (VerifyResult, winning block), (error code, message), or None for
-    an answered release."""
+def parse_packed_outputs(
+    blob: bytes,
+) -> list[tuple[VerifyResult, np.ndarray] | tuple[int, str] | None]:
+    """Per row of ROWS_OUT: (VerifyResult, a tree's accepted path), (error code, message), or
+    None for an answered release."""
     out = []
     for d in unpack_arrays(blob, ROW_OUTPUTS):
         if "CODE" in d:

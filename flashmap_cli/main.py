@@ -169,12 +169,15 @@ def _cmd_generate(args) -> int:
 
 def _generate_in_process(a: GenerateConfig) -> int:
     from drafter_service.factory import load_proposer
+    from flashmap.drafter_inputs import checkpoint_dir, target_inputs
     from flashmap.inprocess import decode
     from flashmap.types import GenerationRequest
     from target_service.engine import TargetEngine
 
     params = SamplingParams(a.temperature, a.top_k, a.top_p, a.seed)
-    engine = TargetEngine(a.target, n_slots=1)
+    drafter_dir = None if a.ar else checkpoint_dir(a.drafter)
+    layers, _ = target_inputs(drafter_dir, a.target, project=False)  # the drafter's layers
+    engine = TargetEngine(a.target, n_slots=1, feature_layers=layers)
     tokenizer = None
     if a.prompt_ids is not None:
         prompt_ids = _parse_ids(a.prompt_ids)

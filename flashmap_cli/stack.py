@@ -33,6 +33,7 @@ from flashmap.config import (
     values_for,
 )
 from flashmap.cpus import format_cpu_list, on_cpus, split_cpus
+from flashmap.drafter_inputs import checkpoint_dir
 from flashmap.grpc_serving import free_ports, ports_in_use, wait_grpc_health
 from orchestrator.config import OrchestratorConfig
 from target_service.launcher import TritonConfig
@@ -169,9 +170,7 @@ class StackConfig(Config):
             # The target makes what the served drafter checkpoint reads (its layers, its
             # projection); a drafter made in the drafter's process ("init", the test oracle)
             # reads the default layers, unprojected.
-            drafter_dir=self.drafter
-            if self.with_drafter and (Path(self.drafter) / "config.json").is_file()
-            else None,
+            drafter_dir=checkpoint_dir(self.drafter) if self.with_drafter else None,
         )
 
 

@@ -6,8 +6,8 @@ goes on one gRPC stream (flashmap.triton_stream), matched to its answer by id.
 
     client = TargetClient("127.0.0.1:8001")
     info = await client.info()                      # vocab size, feature layers, slots, eos ids ...
-    out = await client.verify_rows([(seq_id, row, [], True, False), ...])  # a round: one request
-    res, best = await client.verify(seq_id, row, start=True)   # one row: a request of its own
+    out = await client.verify_rows([(seq_id, row, True, False), ...])  # a round: one request
+    res = await client.verify(seq_id, row, start=True)   # one row: a request of its own
     await client.release(seq_id)                    # finish / cancel: frees the KV slot
 
 The correlation id of a sequence is seq_id (> 0); row.slot is ignored (the server maps
@@ -199,37 +199,25 @@ class TargetClient:
         start: first request of the sequence (allocates its KV slot; restarts it if it had one).
         end: release the slot after this verify (saves a release() call).
         """
-        return (await self.verify_tree(seq_id, row, [], start, end))[0]
-
-    async def verify_tree(
-        self,
-        seq_id: int,
-        row: VerifyRow,
-        branches: list[np.ndarray],
-        start: bool,
-        end: bool = False,
-    ) -> tuple[VerifyResult, int]:
-        """`verify` with more draft blocks after the row's anchor, verified as a tree (T = 0):
-        (the winning block's result, its index; 0 = the row's own block)."""
         _check_seq_id(seq_id)
         r = await self._infer(
-            wire.verify_inputs(row, branches), wire.VERIFY_OUTPUTS, seq_id, start=start, end=end
+            wire.verify_inputs(row), wire.VERIFY_OUTPUTS, seq_id, start=start, end=end
         )
-        return wire.parse_verify_outputs(r.as_numpy)
+        return wire.parse_verify_outputs(r.as_numpy)[0]
 
     async def verify_rows(
         self,
-        items: list[tuple[int, VerifyRow | None, list[np.ndarray], bool, bool]],
+        items: list[tuple[int, VerifyRow | None, bool, bool]],
         timeout_s: float | None = None,
     ) -> list:
         """A whole round in one request (a packed round, flashmap.wire): per item (seq_id, row or
-        None for a release, branches, start, end) -> (VerifyResult, best), None for a release,
+        None for a release, start, end) -> (VerifyResult, a tree row's path), None for a release,
         or the exception a one-row request would have raised. A failure of the request itself
         raises. timeout_s: this call's deadline (default: the client's)."""
         for seq_id, *_ in items:
             _check_seq_id(seq_id)
         blob, bad = wire.packed_round(
-            [(seq_id, start, end, row, branches) for seq_id, row, branches, start, end in items]
+            [(seq_id, start, end, row) for seq_id, row, start, end in items]
         )
         out = []
         if len(bad) < len(items):
@@ -297,7 +285,7 @@ _ROW_ERRORS = {
 
 
 def _row_answer(o):
-    """A packed round's answer for one row: (result, best), None (released), or the exception."""
+    """A packed round's answer for one row: (result, path), None (released), or the exception."""
     return _ROW_ERRORS[o[0]](o[1]) if isinstance(o, tuple) and isinstance(o[0], int) else o
 
 
@@ -352,12 +340,7 @@ class TritonTarget:
             asyncio.Lock()
         )  # verifies go out in the order they are made (an Ahead follows its round)
 
-    async def verify(
-        self,
-        rows: list[VerifyRow],
-        branches: list[list[np.ndarray]],
-        last: list[bool] | None = None,
-    ) -> list:
+    async def verify(self, rows: list[VerifyRow], last: list[bool] | None = None) -> list:
         # A new sequence may need the slot a finished one is handing back: wait for the
         # releases under way (the caller lets the ones it just created start first). The wait
         # counts against the verify's deadline: a hung target fails the round within one timeout.
@@ -367,10 +350,7 @@ class TritonTarget:
             if self._releasing and any(r.slot not in self.started for r in rows):
                 await asyncio.wait(set(self._releasing), timeout=budget)
             last = last or [False] * len(rows)
-            items = [
-                (r.slot, r, b, r.slot not in self.started, end)
-                for r, b, end in zip(rows, branches, last)
-            ]
+            items = [(r.slot, r, r.slot not in self.started, end) for r, end in zip(rows, last)]
             self.started.update(r.slot for r in rows)
             call = asyncio.ensure_future(
                 self.client.verify_rows(

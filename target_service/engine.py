@@ -41,9 +41,9 @@ from target_service.kernels import self_check
 from target_service.packing import GROUP_TOKENS, pack
 from target_service.qwen3 import Qwen3, cast_features, forward_step
 from target_service.qwen3_config import Qwen3Config, generation_eos
-from target_service.row_checks import check_branches, check_slot, validate_rows
-from target_service.tree import best_branch, move_kv, tree_layout
-from target_service.verification import argmax_ids, verification_stats
+from target_service.row_checks import check_slot, check_tree, validate_rows
+from target_service.tree import verify_tree
+from target_service.verification import verification_stats
 
 DEFAULT_MAX_SEQ_LEN = 4096
 
@@ -488,59 +488,18 @@ class TargetEngine:
         return [VerifyResult(*s, features=f) for s, f in zip(stats, own)]
 
     def verify_tree(
-        self, row: VerifyRow, branches: list[np.ndarray], features_on_device: bool = False
-    ) -> tuple[VerifyResult, int]:
-        """Greedy (T = 0) verification of several draft blocks after one anchor, in one pass
-        (target_service.tree): row is the sequence's ordinary round, [.., anchor, d_1..d_K]
-        (branch 0); branches are more blocks of K tokens drafted after the same anchor. The
-        branch with the longest prefix equal to the target's argmax wins (the first on ties),
-        leaving the cache exactly as after `verify` of that branch alone. Returns (that
-        branch's VerifyResult, its index). features_on_device: as in `verify`."""
+        self, row: VerifyRow, features_on_device: bool = False
+    ) -> tuple[VerifyResult, np.ndarray]:
+        """Greedy (T = 0) verification of a row whose drafts form a tree (VerifyRow.parents),
+        in one pass (target_service.tree): the accepted path's result and the path, the cache
+        exactly as after `verify` of that path alone. features_on_device: as in `verify`."""
+        (row,) = self._validate([row])
+        check_tree(row)
         self._device_features = features_on_device
         try:
-            return self._verify_tree(row, branches)
+            return verify_tree(self, row)
         finally:
             self._device_features = False
-
-    def _verify_tree(self, row: VerifyRow, branches: list[np.ndarray]) -> tuple[VerifyResult, int]:
-        (row,) = self._validate([row])
-        blocks = check_branches(row, branches, self.vocab_size, self.max_seq_len)
-        K, n = row.num_draft, len(row.tokens)
-        t = tree_layout(row, blocks)
-        total, dev = len(t.tokens), self._device
-        try:
-            with torch.inference_mode():
-                logits, features = self.model(
-                    torch.as_tensor(t.tokens, device=dev)[None],
-                    torch.as_tensor(t.seq_pos, device=dev)[None],
-                    torch.tensor([row.slot], device=dev),
-                    torch.ones(1, total, dtype=torch.bool, device=dev),
-                    torch.as_tensor(t.want, device=dev)[None],
-                    self._feature_layers,
-                    row.start_pos + total,
-                    torch.as_tensor(t.cache_pos, device=dev)[None],
-                    torch.as_tensor(t.mask, device=dev)[None, None],
-                )
-        except BaseException:
-            self._length[row.slot] = min(self._length[row.slot], row.start_pos)
-            raise
-        argmax, best, keep = best_branch(argmax_ids(logits), row, blocks)
-        if best:  # the winner's K/V to the row's draft positions
-            src = torch.as_tensor(row.start_pos + keep[n - K :], device=dev)
-            move_kv(
-                self.model, row.slot, src, torch.arange(t.anchor + 1, t.anchor + 1 + K, device=dev)
-            )
-        self._length[row.slot] = row.start_pos + n
-        (feats,) = self._keep_features([row], features.reshape(total, -1), [keep])
-        S = row.support_ids.shape[1]
-        result = VerifyResult(
-            argmax,
-            np.zeros((0, S), np.float32),
-            np.zeros(0, np.float32),
-            np.full(K + 1, -1, np.int64),
-            features=feats,
-        )
-        return result, best
 
     def _validate(self, rows: list[VerifyRow]) -> list[VerifyRow]:
         return validate_rows(rows, self._allocated, self._length, self.vocab_size, self.max_seq_len)

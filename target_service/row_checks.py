@@ -131,28 +131,16 @@ def validate_support(sup: np.ndarray, n_tokens: int, vocab_size: int, where: str
     return sup.astype(np.int64, copy=False)
 
 
-def check_branches(
-    row: VerifyRow, branches: list, vocab_size: int, max_seq_len: int
-) -> list[np.ndarray]:
-    """A validated row and its tree's other branches (TargetEngine.verify_tree): greedy, one
-    step, each branch K token ids, the whole tree inside max_seq_len. Returns the branches as
-    int64 arrays."""
+def check_tree(row: VerifyRow) -> None:
+    """A validated row whose drafts form a tree (TargetEngine.verify_tree): greedy, one step,
+    K parents each an earlier draft or -1 (the anchor)."""
     if len(row.next_seeds):
         raise InvalidRequest("tree verification decodes one step: next_seeds must be empty")
     if not row.params.greedy:
         raise InvalidRequest("tree verification is greedy-only (temperature 0)")
-    K, n = row.num_draft, len(row.tokens)
-    blocks = [np.asarray(b, np.int64) for b in branches]
-    if K == 0 and blocks:
-        raise InvalidRequest("tree verification needs a drafted row (num_draft > 0)")
-    for i, b in enumerate(blocks):
-        if b.shape != (K,) or ((b < 0) | (b >= vocab_size)).any():
-            raise InvalidRequest(
-                f"branch {i + 1}: need {K} token ids in [0, {vocab_size}), got {b.tolist()}"
-            )
-    total = n + K * len(blocks)
-    if row.start_pos + total > max_seq_len:
+    K, p = row.num_draft, np.asarray(row.parents, np.int64)
+    if K == 0 or p.shape != (K,) or ((p < -1) | (p >= np.arange(K))).any():
         raise InvalidRequest(
-            f"start_pos + tree tokens = {row.start_pos + total} > max_seq_len {max_seq_len}"
+            f"parents must give each of the {K} drafts an earlier draft or -1 (the anchor), "
+            f"got {p.tolist()}"
         )
-    return blocks

@@ -83,7 +83,7 @@ class SequenceSlots:
             )
         return stale
 
-    def admit(self, corrid: int, start: bool, end: bool, row, branches, now: float):
+    def admit(self, corrid: int, start: bool, end: bool, row, now: float):
         """One row of a sequence: its release, or its slot and START_POS checked and row.slot
         set. Returns the row's outcome when it needs no forward (("released",), or no free
         slot), None when it is to be verified. Raises InvalidRequest."""
@@ -98,7 +98,7 @@ class SequenceSlots:
             return ("released",)
         if len(row.tokens) == 1 and row.tokens[0] == FOLLOW_TOKEN:
             pos, token = self.follow.get(corrid, (None, 0))
-            if start or branches or row.num_draft or pos != row.start_pos:
+            if start or row.num_draft or pos != row.start_pos:
                 raise InvalidRequest(
                     FOLLOW_REFUSED + " a verify of its sequence without drafts that ended at "
                     "its START_POS, with no drafts of its own"

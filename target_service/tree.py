@@ -1,12 +1,13 @@
-"""Tree verification's layout: several draft blocks after one anchor in one forward pass.
+"""Tree verification: a greedy row whose K drafted tokens form a tree (VerifyRow.parents), in
+one forward pass.
 
-The row is the sequence's ordinary round, [.., anchor, d_1..d_K] (branch 0); branches are
-more blocks of K tokens drafted after the same anchor. They are written after the row at
-their own cache indices, with RoPE at their positions in the sequence and a tree mask (each
-sees the context, the anchor and its own prefix), so every branch gets the logits a plain
-verify of it would get. The branch with the longest prefix equal to the target's argmax
-wins (the first on ties); its K/V entries move to the row's draft positions
-(TargetEngine.verify_tree).
+The row's tokens, [.., anchor, d_1..d_K], are written at their usual cache indices; draft i
+sits at RoPE position anchor + depth(i) and, through a tree mask, sees the context up to the
+anchor, its ancestors and itself, so it gets the logits a plain verify of its path would give.
+The accepted path is walked from the anchor: at each node the child whose token is the target's
+argmax there. Its K/V entries move to the path's own positions (anchor + 1, ...), so the cache
+is as after a plain verify of that path, and the result is that path's (argmax along it, the
+features of the positions up to its end).
 """
 
 from __future__ import annotations
@@ -16,61 +17,62 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flashmap.types import VerifyRow
+from flashmap.types import VerifyResult, VerifyRow
+from target_service.verification import argmax_ids
 
 
 @dataclass
 class TreeLayout:
-    tokens: np.ndarray  # [total] int64: the row's tokens, then every branch
-    seq_pos: np.ndarray  # [total] position in the sequence (RoPE)
-    cache_pos: np.ndarray  # [total] cache index each token's K/V are written at
-    mask: np.ndarray  # [total, start_pos + total] bool: the cache entries each query sees
-    want: np.ndarray  # [total] bool: positions that need logits (the anchor and every branch)
-    anchor: int  # the anchor's position
+    seq_pos: np.ndarray  # [L] position in the sequence (RoPE)
+    cache_pos: np.ndarray  # [L] cache index each token's K/V are written at
+    mask: np.ndarray  # [L, start_pos + L] bool: the cache entries each query sees
+    want: np.ndarray  # [L] bool: positions that need logits (the anchor and every draft)
+    anchor: int  # the anchor's cache index
 
 
-def tree_layout(row: VerifyRow, blocks: list[np.ndarray]) -> TreeLayout:
+def depths(parents: np.ndarray) -> np.ndarray:
+    """Depth of each node (1: a child of the anchor); parents come before their children."""
+    d = np.zeros(len(parents), np.int64)
+    for i, p in enumerate(parents):
+        d[i] = 1 if p < 0 else d[p] + 1
+    return d
+
+
+def tree_layout(row: VerifyRow) -> TreeLayout:
     K, n = row.num_draft, len(row.tokens)
-    total = n + K * len(blocks)
     anchor = row.start_pos + n - K - 1
-    seq_pos = np.concatenate(
-        [row.start_pos + np.arange(n)] + [anchor + 1 + np.arange(K)] * len(blocks)
-    )
-    cache_pos = row.start_pos + np.arange(total)
-    # Visible: cache indices up to the anchor, then the query's own branch up to itself.
-    branch_start = np.concatenate(
-        [np.full(n, anchor + 1)]
-        + [np.full(K, row.start_pos + n + i * K) for i in range(len(blocks))]
-    )
-    j = np.arange(row.start_pos + total)
-    mask = (j[None] <= cache_pos[:, None]) & (
-        (j[None] <= anchor) | (j[None] >= branch_start[:, None])
-    )
-    want = np.zeros(total, bool)
-    want[n - K - 1 :] = True  # the anchor, branch 0 and the other branches
-    tokens = np.concatenate([row.tokens, *blocks])
-    return TreeLayout(tokens, seq_pos, cache_pos, mask, want, anchor)
+    cache_pos = row.start_pos + np.arange(n)
+    seq_pos = cache_pos.copy()
+    seq_pos[n - K :] = anchor + depths(row.parents)
+    # Ancestors (and self) of each draft, as cache indices.
+    seen = np.eye(K, dtype=bool)
+    for i, p in enumerate(row.parents):
+        if p >= 0:
+            seen[i] |= seen[p]
+    j = np.arange(row.start_pos + n)
+    mask = j[None] <= cache_pos[:, None]  # causal: the row's prefix and the anchor
+    mask[n - K :] = j[None] <= anchor
+    mask[n - K :, anchor + 1 :] = seen
+    want = np.zeros(n, bool)
+    want[n - K - 1 :] = True
+    return TreeLayout(seq_pos, cache_pos, mask, want, anchor)
 
 
-def best_branch(
-    top: np.ndarray, row: VerifyRow, blocks: list[np.ndarray]
-) -> tuple[np.ndarray, int, np.ndarray]:
-    """From the argmax at the wanted positions, top [1 + K * (1 + len(blocks))]: the winning
-    branch's argmax [K + 1], its index, and the indices into the tree's tokens that stay (the
-    row's tokens up to the anchor, then the winner's block)."""
-    K, n = row.num_draft, len(row.tokens)
-    drafts = [row.tokens[n - K :], *blocks]
-    argmax = [
-        np.concatenate([top[:1], top[1 + i * K : 1 + (i + 1) * K]]) for i in range(len(drafts))
-    ]
-    accepted = [int(np.cumprod(d == a[:K]).sum()) for d, a in zip(drafts, argmax)]
-    best = int(np.argmax(accepted))
-    keep = (
-        np.concatenate([np.arange(n - K), n + (best - 1) * K + np.arange(K)])
-        if best
-        else np.arange(n)
-    )
-    return argmax[best], best, keep
+def accepted_path(top: np.ndarray, row: VerifyRow) -> tuple[np.ndarray, np.ndarray]:
+    """From the argmax at the anchor and each draft, top [1 + K]: the accepted path (draft
+    indices) and the argmax along it [len(path) + 1]."""
+    K = row.num_draft
+    drafts = row.tokens[len(row.tokens) - K :]
+    path, node = [], -1
+    while True:
+        want = top[node + 1]
+        child = next((i for i in range(K) if row.parents[i] == node and drafts[i] == want), None)
+        if child is None:
+            break
+        path.append(child)
+        node = child
+    path = np.array(path, np.int64)
+    return path, np.concatenate([top[:1], top[1 + path]])
 
 
 def move_kv(model, slot: int, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -79,3 +81,43 @@ def move_kv(model, slot: int, src: torch.Tensor, dst: torch.Tensor) -> None:
         c = layer.self_attn.kv_cache
         c.k[slot, :, dst] = c.k[slot, :, src]
         c.v[slot, :, dst] = c.v[slot, :, src]
+
+
+def verify_tree(engine, row: VerifyRow) -> tuple[VerifyResult, np.ndarray]:
+    """One validated tree row through the engine's model (TargetEngine.verify_tree): the
+    accepted path's VerifyResult and the path."""
+    K, n = row.num_draft, len(row.tokens)
+    t = tree_layout(row)
+    dev = engine._device
+    try:
+        with torch.inference_mode():
+            logits, features = engine.model(
+                torch.as_tensor(row.tokens, device=dev)[None],
+                torch.as_tensor(t.seq_pos, device=dev)[None],
+                torch.tensor([row.slot], device=dev),
+                torch.ones(1, n, dtype=torch.bool, device=dev),
+                torch.as_tensor(t.want, device=dev)[None],
+                engine._feature_layers,
+                row.start_pos + n,
+                torch.as_tensor(t.cache_pos, device=dev)[None],
+                torch.as_tensor(t.mask, device=dev)[None, None],
+            )
+    except BaseException:
+        engine._length[row.slot] = min(engine._length[row.slot], row.start_pos)
+        raise
+    path, argmax = accepted_path(argmax_ids(logits), row)
+    a = len(path)
+    src = torch.as_tensor(t.anchor + 1 + path, device=dev)
+    move_kv(engine.model, row.slot, src, torch.arange(t.anchor + 1, t.anchor + 1 + a, device=dev))
+    engine._length[row.slot] = row.start_pos + n - K + a
+    keep = np.concatenate([np.arange(n - K), n - K + path])
+    chain = VerifyRow(row.slot, row.start_pos, row.tokens[keep], row.params, features=row.features)
+    (feats,) = engine._keep_features([chain], features.reshape(n, -1), [keep])
+    result = VerifyResult(
+        argmax,
+        np.zeros((0, 1), np.float32),
+        np.zeros(0, np.float32),
+        np.full(a + 1, -1, np.int64),
+        feats,
+    )
+    return result, path

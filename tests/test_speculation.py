@@ -542,8 +542,8 @@ def test_sequences_that_never_draft_ask_for_no_features(tiny):
     rows = []
 
     class Recording(LocalTarget):
-        async def verify(self, rs, branches, last=None):
-            out = await super().verify(rs, branches, last)
+        async def verify(self, rs, last=None):
+            out = await super().verify(rs, last)
             rows.extend(
                 (r.features, res[0].features.shape[0], len(r.tokens) + len(r.next_seeds))
                 for r, res in zip(rs, out)

@@ -18,6 +18,7 @@ import torch
 from flashmap.checkpoint import CheckpointError
 from flashmap.types import (
     MAX_DECODE_STEPS,
+    Draft,
     InvalidRequest,
     SamplingParams,
     VerifyRow,
@@ -110,6 +111,14 @@ def row(slot, start, tokens, k=0, params=GREEDY, seed=0) -> VerifyRow:
     tokens = np.asarray(tokens, np.int64)
     support = tokens[len(tokens) - k :, None] if k else np.zeros((0, 1), np.int64)
     return VerifyRow(slot, start, tokens, params, support, seed)
+
+
+def tree_row(slot, start, anchor, blocks, params=GREEDY) -> VerifyRow:
+    """A row drafting `blocks` after `anchor` as one tree (Draft.merged)."""
+    t = Draft.merged(blocks)
+    r = row(slot, start, np.r_[anchor, t.tokens], k=len(t.tokens), params=params)
+    r.parents = t.parents
+    return r
 
 
 def all_layer_features(engine, res) -> np.ndarray:
@@ -433,26 +442,29 @@ def test_a_row_fetches_the_features_earlier_rows_went_without(engine, model):
                 ]
             )[0]
         )
-        draft = np.concatenate([[int(out[1].argmax[-1])], seq(3, 41)])
-        res, _ = engine.verify_tree(row(a, 17, draft, k=3), [seq(3, 42), seq(3, 43)])
+        anchor = int(out[1].argmax[-1])
+        res, path = engine.verify_tree(
+            tree_row(a, 17, anchor, [seq(3, 41), seq(3, 42), seq(3, 43)])
+        )
         out.append(res)
         last = engine.verify(
             [
                 dataclasses.replace(
-                    row(a, 21, [int(res.argmax[-1])]), features_from=0 if not features else -1
+                    row(a, 18 + len(path), [int(res.argmax[-1])]),
+                    features_from=0 if not features else -1,
                 )
             ]
         )[0]
         engine.release(a)
-        return out, last
+        return out, last, len(path)
 
-    (full, full_last), (lean, lean_last) = run(True), run(False)
+    (full, full_last, n), (lean, lean_last, _) = run(True), run(False)
     assert lean[0].features.shape[0] == lean[1].features.shape[0] == 0
-    # The tree's winner is kept at the row's positions; a tree row always returns its features.
+    # The tree's accepted path is kept at the row's positions; a tree row always returns its features.
     expected = np.concatenate(
         [full[0].features, full[1].features, full[2].features, full_last.features]
     )
-    assert lean_last.features.shape == expected.shape == (22, engine.feature_dim)
+    assert lean_last.features.shape == expected.shape == (19 + n, engine.feature_dim)
     assert rel_err(lean_last.features, expected) < 1e-5
     a = engine.allocate()
     engine.verify([row(a, 0, prompt)])
@@ -465,7 +477,9 @@ def test_a_row_fetches_the_features_earlier_rows_went_without(engine, model):
     engine.release(a)
 
 
-def test_tree_verify_equals_verifying_the_winning_branch_alone(model):
+def test_tree_verify_equals_verifying_the_accepted_path_alone(model):
+    """Blocks after one anchor verified as one tree (a trie: shared prefixes once): the result,
+    the cache and the kept features are those of a plain verify of the accepted path."""
     prompt, K = seq(30, 12), 6
     ref = fresh_engine(model)
     slot = ref.allocate()
@@ -475,40 +489,42 @@ def test_tree_verify_equals_verifying_the_winning_branch_alone(model):
     for i in range(K):
         greedy.append(int(ref.verify([row(slot, 30 + i, greedy[-1:])])[0].argmax[-1]))
     anchor, cont = greedy[0], np.array(greedy[1:])
-    rnd = seq(3 * K, 13).reshape(3, K)
+    rnd = (cont[None] + 1 + seq(3 * K, 13).reshape(3, K)) % V  # never the continuation
     blocks = [
         rnd[0],
         np.r_[cont[:4], rnd[1, 4:]],
         np.r_[cont[:2], rnd[2, 2:]],
-    ]  # branch 1 goes furthest
+    ]  # block 1 goes furthest; blocks 1 and 2 share their first two tokens
+    t = tree_row(0, 30, anchor, blocks)
+    assert t.num_draft == 3 * K - 2 and t.parents.tolist()[K : K + 2] == [-1, K]
 
     tree = fresh_engine(model)
     a = tree.allocate()
     tree.verify([row(a, 0, prompt)])
-    res, best = tree.verify_tree(row(a, 30, np.r_[anchor, blocks[0]], k=K), blocks[1:])
-    assert best == 1 and tree.length(a) == 30 + 1 + K
+    res, path = tree.verify_tree(tree_row(a, 30, anchor, blocks))
+    assert t.tokens[1 + path].tolist() == cont[:4].tolist() and tree.length(a) == 30 + 1 + 4
     alone = fresh_engine(model)
     b = alone.allocate()
     alone.verify([row(b, 0, prompt)])
-    want = alone.verify([row(b, 30, np.r_[anchor, blocks[1]], k=K)])[0]
+    want = alone.verify([row(b, 30, np.r_[anchor, cont[:4]], k=4)])[0]
     np.testing.assert_array_equal(res.argmax, want.argmax)
     assert res.support_probs.shape == (0, 1) and (res.residual == -1).all()
     assert res.features.shape == want.features.shape and rel_err(res.features, want.features) < 1e-5
-    # The winner's K/V now sit at the row's positions: the next round sees the same cache.
+    # The path's K/V now sit at the row's positions: the next round sees the same cache.
     nxt = np.r_[cont[4:], seq(4, 14)]
     got = tree.verify([row(a, 31 + 4, nxt, k=3)])[0]
     ref_next = alone.verify([row(b, 31 + 4, nxt, k=3)])[0]
     np.testing.assert_array_equal(got.argmax, ref_next.argmax)
     assert rel_err(got.features, ref_next.features) < 1e-5
-    # Branch 0 winning leaves the row as verify would, and bad input is refused.
-    res0, best0 = tree.verify_tree(row(a, 30, np.r_[anchor, blocks[1]], k=K), [blocks[0]])
-    assert best0 == 0 and np.array_equal(res0.argmax, want.argmax)
+    # A tree none of whose first tokens is the argmax accepts nothing; bad input is refused.
+    res0, path0 = tree.verify_tree(tree_row(a, 30, anchor, [rnd[0]]))
+    assert len(path0) == 0 and res0.argmax.tolist() == [cont[0]] and tree.length(a) == 31
     with pytest.raises(InvalidRequest, match="greedy-only"):
-        tree.verify_tree(
-            row(a, 30, np.r_[anchor, blocks[0]], k=K, params=SamplingParams(temperature=1.0)), []
-        )
-    with pytest.raises(InvalidRequest, match="branch 1"):
-        tree.verify_tree(row(a, 30, np.r_[anchor, blocks[0]], k=K), [blocks[1][:3]])
+        tree.verify_tree(tree_row(a, 30, anchor, blocks, params=SamplingParams(temperature=1.0)))
+    bad = tree_row(a, 30, anchor, blocks)
+    bad.parents = np.r_[bad.parents[1:], 0]
+    with pytest.raises(InvalidRequest, match="parents"):
+        tree.verify_tree(bad)
 
 
 def test_incremental_decoding_equals_one_forward(engine, model, hf_models):

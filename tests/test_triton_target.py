@@ -239,19 +239,19 @@ def test_sequence_slots_admit_only_what_continues_a_sequence(engine):
     seqs = SequenceSlots(engine, 60.0, types.SimpleNamespace(inc=print, log=print))
     greedy = SamplingParams(temperature=0.0)
     row = VerifyRow(-1, 0, np.array([5, 6, 7]), greedy)
-    assert seqs.admit(7, True, False, row, [], 0.0) is None and row.slot == seqs.slots[7]
+    assert seqs.admit(7, True, False, row, 0.0) is None and row.slot == seqs.slots[7]
     result = engine.verify([row])[0]
     seqs.verified(7, row, ("ok", result, 0))
     with pytest.raises(InvalidRequest, match="START_POS"):
-        seqs.admit(7, False, False, VerifyRow(-1, 2, np.array([1]), greedy), [], 1.0)
+        seqs.admit(7, False, False, VerifyRow(-1, 2, np.array([1]), greedy), 1.0)
     follow = VerifyRow(-1, 3, np.array([FOLLOW_TOKEN]), greedy)
-    assert seqs.admit(7, False, False, follow, [], 1.0) is None
+    assert seqs.admit(7, False, False, follow, 1.0) is None
     assert follow.tokens.tolist() == [int(result.decoded(True)[-1])]
-    assert seqs.admit(7, False, True, None, [], 2.0) == ("released",) and len(seqs) == 0
+    assert seqs.admit(7, False, True, None, 2.0) == ("released",) and len(seqs) == 0
     for corrid, start in ((7, False), (8, False)):
         with pytest.raises(InvalidRequest, match="unknown sequence"):
-            seqs.admit(corrid, start, False, VerifyRow(-1, 0, np.array([1]), greedy), [], 3.0)
-    assert seqs.admit(9, True, False, VerifyRow(-1, 0, np.array([1]), greedy), [], 3.0) is None
+            seqs.admit(corrid, start, False, VerifyRow(-1, 0, np.array([1]), greedy), 3.0)
+    assert seqs.admit(9, True, False, VerifyRow(-1, 0, np.array([1]), greedy), 3.0) is None
     assert seqs.reap_idle(3.0 + 61.0) == [9] and engine.free_slots == engine.n_slots
 
 
@@ -385,19 +385,19 @@ def test_packed_rounds_equal_inprocess_engine_one_forward_each(server, engine):
     async def body(c):
         got = []
         for i, rows in enumerate(rounds):
-            items = [(s, row, [], i == 0, False) for s, row in rows.items()]
+            items = [(s, row, i == 0, False) for s, row in rows.items()]
             if i == 2:  # a row for a sequence never started, and one past its sequence's end
                 bad = replace(rows[1], start_pos=rows[1].start_pos + 5)
-                items += [(999, rows[1], [], False, False), (1, bad, [], False, False)]
+                items += [(999, rows[1], False, False), (1, bad, False, False)]
             out = await c.verify_rows(items)
             if i == 2:
                 assert isinstance(out[2], InvalidRequest) and "unknown sequence" in str(out[2])
                 assert isinstance(out[3], InvalidRequest) and "START_POS" in str(out[3])
                 out = out[:2]
-            got.append({s: res for s, (res, best) in zip(rows, out)})
+            got.append({s: res for s, (res, _path) in zip(rows, out)})
         settled_active(server, 2)
         released = await c.verify_rows(
-            [(s, None, [], False, True) for s in rounds[0]] + [(999, None, [], False, True)]
+            [(s, None, False, True) for s in rounds[0]] + [(999, None, False, True)]
         )
         assert released[:2] == [None, None] and isinstance(released[2], InvalidRequest)
         return got
@@ -433,9 +433,9 @@ def test_multi_step_rows_equal_the_engine_and_continue_where_they_end(server, en
         engine.release(s)
 
     async def body(c):
-        got1 = await c.verify_rows([(s, r, [], True, False) for s, r in first.items()])
-        bad = await c.verify_rows([(21, replace(second[21], start_pos=11), [], False, False)])
-        got2 = await c.verify_rows([(s, r, [], False, True) for s, r in second.items()])
+        got1 = await c.verify_rows([(s, r, True, False) for s, r in first.items()])
+        bad = await c.verify_rows([(21, replace(second[21], start_pos=11), False, False)])
+        got2 = await c.verify_rows([(s, r, False, True) for s, r in second.items()])
         return got1, bad, got2
 
     got1, bad, got2 = run(body, server)
@@ -482,18 +482,18 @@ def test_continuation_rows_follow_the_last_decoded_token_in_order(server, engine
     batches = at_rest(server, "flashmap_target_verify_batches_total")
 
     async def body(c):
-        got = await c.verify_rows([(41, first, [], True, False), (41, follow, [], False, False)])
+        got = await c.verify_rows([(41, first, True, False), (41, follow, False, False)])
         drafted = VerifyRow(
             -1, 13, np.array([int(got[1][0].residual[-1]), 7]), GREEDY, support_ids=np.array([[7]])
         )
-        third = await c.verify_rows([(41, drafted, [], False, False)])
+        third = await c.verify_rows([(41, drafted, False, False)])
         refused = await c.verify_rows(
             [
-                (41, replace(follow, start_pos=15), [], False, False),
-                (42, replace(follow, start_pos=0), [], True, False),
+                (41, replace(follow, start_pos=15), False, False),
+                (42, replace(follow, start_pos=0), True, False),
             ]
         )
-        released = await c.verify_rows([(41, None, [], False, True)])
+        released = await c.verify_rows([(41, None, False, True)])
         return got, third, refused, released
 
     got, third, refused, released = run(body, server)
@@ -592,9 +592,9 @@ def test_float16_features_come_back_as_float16(checkpoint, engine, tmp_path):
             got = []
             for i, rows in enumerate(rounds):
                 out = await c.verify_rows(
-                    [(s, row, [], i == 0, i == len(rounds) - 1) for s, row in rows.items()]
+                    [(s, row, i == 0, i == len(rounds) - 1) for s, row in rows.items()]
                 )
-                got.append({s: res for s, (res, best) in zip(rows, out)})
+                got.append({s: res for s, (res, _path) in zip(rows, out)})
             return got
 
         _assert_same_results(expected, run(body, handle), features_dtype=np.float16)
@@ -993,12 +993,12 @@ def test_a_timed_out_call_leaves_the_stream_to_the_next(server):
         want = await c.info(refresh=True)
         row = VerifyRow(-1, 0, np.arange(3, 40), GREEDY)
         with pytest.raises(TargetTimeout):
-            await c.verify_rows([(501, row, [], True, True)], timeout_s=1e-4)
+            await c.verify_rows([(501, row, True, True)], timeout_s=1e-4)
         out = await asyncio.gather(
-            *[c.info(refresh=True) for _ in range(3)], c.verify_rows([(502, row, [], True, True)])
+            *[c.info(refresh=True) for _ in range(3)], c.verify_rows([(502, row, True, True)])
         )
         assert out[:3] == [want] * 3
-        ((res, _best),) = out[3]
+        ((res, _path),) = out[3]
         assert res.argmax.shape == (1,)
 
     run(body, server)

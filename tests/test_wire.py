@@ -39,13 +39,13 @@ def _round():
     prompt = VerifyRow(
         -1, 0, rng.integers(0, 500, 30), SamplingParams(), support_ids=np.zeros((0, 1), np.int64)
     )
-    branches = [rng.integers(0, 500, 16) for _ in range(2)]
+    drafted.parents = np.r_[-1, np.arange(len(drafted.tokens) - 2)]  # a tree (here a chain)
     return [
-        (11, False, False, greedy, []),
-        (12, False, False, drafted, branches),
-        (13, False, True, sampled, []),
-        (14, True, False, prompt, []),
-        (15, False, True, None, []),
+        (11, False, False, greedy),
+        (12, False, False, drafted),
+        (13, False, True, sampled),
+        (14, True, False, prompt),
+        (15, False, True, None),
     ]
 
 
@@ -54,9 +54,9 @@ def test_a_packed_round_parses_back_to_its_rows():
     blob, bad = wire.packed_round(items)
     assert not bad
     parsed = wire.parse_packed_round(blob)
-    assert [(c, s, e) for c, s, e, _ in parsed] == [(c, s, e) for c, s, e, _, _ in items]
-    for (_, _, _, get), (_, _, _, row, branches) in zip(parsed, items):
-        got, got_branches = wire.parse_verify_inputs(get)
+    assert [(c, s, e) for c, s, e, _ in parsed] == [(c, s, e) for c, s, e, _ in items]
+    for (_, _, _, get), (_, _, _, row) in zip(parsed, items):
+        got = wire.parse_verify_inputs(get)
         if row is None:
             assert got is None
             continue
@@ -69,7 +69,7 @@ def test_a_packed_round_parses_back_to_its_rows():
         assert (got.params.top_k, got.params.top_p) == pytest.approx(
             (row.params.top_k, row.params.top_p)
         )
-        assert [b.tolist() for b in got_branches] == [b.tolist() for b in branches]
+        assert got.parents.tolist() == row.parents.tolist()
     # A greedy decode row carries only what differs from the defaults.
     assert len(blob) < sum(len(wire.packed_round([i])[0]) for i in items) + 8
 
@@ -114,21 +114,23 @@ def test_packed_outputs_parse_back_to_their_results():
         features=feats(2),
     )
     rows = [
-        wire.verify_outputs(greedy, 0),
-        wire.verify_outputs(sampled, 0),
-        wire.verify_outputs(greedy, 2),
+        wire.verify_outputs(greedy),
+        wire.verify_outputs(sampled),
+        wire.verify_outputs(greedy, np.array([0, 3])),
         wire.empty_outputs(8),
         (wire.ROW_INVALID, "bad row"),
     ]
     out = wire.parse_packed_outputs(wire.packed_outputs(rows))
-    for (got, best), (want, want_best) in zip(out[:3], [(greedy, 0), (sampled, 0), (greedy, 2)]):
-        assert best == want_best
+    for (got, path), (want, want_path) in zip(
+        out[:3], [(greedy, []), (sampled, []), (greedy, [0, 3])]
+    ):
+        assert path.tolist() == want_path
         for name in ("argmax", "support_probs", "complement", "residual", "features"):
             a, b = getattr(got, name), np.asarray(getattr(want, name))
             assert a.shape == b.shape and np.array_equal(a, b), name
     assert out[3] is None and out[4] == (wire.ROW_INVALID, "bad row")
     with pytest.raises(InvalidRequest):
-        wire.parse_packed_outputs(wire.pack_arrays([{"BEST": np.zeros((1, 1), np.int64)}]))
+        wire.parse_packed_outputs(wire.pack_arrays([{"PATH": np.zeros((1, 1), np.int64)}]))
 
 
 def test_error_messages_carry_their_row_code():

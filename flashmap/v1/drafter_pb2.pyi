@@ -51,7 +51,7 @@ class DraftRequest(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceDraft, _Mapping]]] = ...) -> None: ...
 
 class Block(_message.Message):
-    __slots__ = ("seq_id", "tokens", "support_ids", "support_probs", "support_size", "draft_steps", "error", "branches")
+    __slots__ = ("seq_id", "tokens", "support_ids", "support_probs", "support_size", "draft_steps", "error", "branches", "parents")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SUPPORT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class Block(_message.Message):
     DRAFT_STEPS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     BRANCHES_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     support_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -68,7 +69,8 @@ class Block(_message.Message):
     draft_steps: int
     error: str
     branches: _containers.RepeatedCompositeFieldContainer[Branch]
-    def __init__(self, seq_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., support_ids: _Optional[_Iterable[int]] = ..., support_probs: _Optional[_Iterable[float]] = ..., support_size: _Optional[int] = ..., draft_steps: _Optional[int] = ..., error: _Optional[str] = ..., branches: _Optional[_Iterable[_Union[Branch, _Mapping]]] = ...) -> None: ...
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., support_ids: _Optional[_Iterable[int]] = ..., support_probs: _Optional[_Iterable[float]] = ..., support_size: _Optional[int] = ..., draft_steps: _Optional[int] = ..., error: _Optional[str] = ..., branches: _Optional[_Iterable[_Union[Branch, _Mapping]]] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Branch(_message.Message):
     __slots__ = ("tokens",)

@@ -14,15 +14,15 @@ Tensor contract (config.pbtxt; every tensor has a leading batch dimension of 1; 
 decoded by flashmap.wire on both sides):
   in:  TOKENS INT64 [L], START_POS INT64 [1], SUPPORT_IDS INT64 [K, S] (-1 padded, K may be 0),
        TEMPERATURE FP32 [1], TOP_K INT32 [1], TOP_P FP32 [1], ROUND_SEED INT64 [1], INFO BOOL [1],
-       BRANCHES INT64 [n, K] (tree verification at T = 0: more blocks after the same anchor),
+       PARENTS INT64 [K] (T = 0: the drafts form a tree, draft i a child of draft PARENTS[i], -1 the anchor),
        NEXT_SEEDS INT64 [steps - 1] (K = 0: decode that many more tokens in this call),
        NO_FEATURES BOOL [1] (true: FEATURES [0, F]; a sequence that does not draft needs none),
        FEATURES_FROM INT64 [1] (FEATURES start at this earlier position: the engine keeps them)
   out: ARGMAX INT64 [K+1], SUPPORT_PROBS FP32 [K, S], COMPLEMENT FP32 [K], RESIDUAL INT64 [K+1],
        FEATURES FP32|FP16 [L, F] (with FEATURES_FROM p: [START_POS - p + L, F]; with NEXT_SEEDS:
-       ARGMAX and RESIDUAL [steps], FEATURES [L + steps - 1, F]), BEST INT64 [1] (the winning
-       block; 0 = TOKENS' own), INFO_JSON BYTES [1]
-A row with BRANCHES is verified on its own (TargetEngine.verify_tree), the others in one forward.
+       ARGMAX and RESIDUAL [steps], FEATURES [L + steps - 1, F]), PATH INT64 [a] (a tree's
+       accepted drafts; its other outputs are that path's), INFO_JSON BYTES [1]
+A tree row is verified on its own (TargetEngine.verify_tree), the others in one forward.
 A row whose TOKENS are [-1] (flashmap.types.FOLLOW_TOKEN, a continuation) is fed the last
 token its sequence's previous verify decoded: that verify had no drafts and ended where this
 row's START_POS is, else INVALID_ARGUMENT. Rows of one sequence in one execute() (a round and
@@ -328,28 +328,28 @@ class TritonPythonModel:
 
     def _execute(self, requests):
         """Every row of every request (a one-row request, or each row of a packed round) is
-        admitted on its own; the admitted rows without branches share one forward."""
+        admitted on its own; the admitted rows that are not trees share one forward."""
         now = time.monotonic()
         if self.seqs.reap_idle(now):
             self._update_active()
         responses = [None] * len(requests)
         packed: dict[int, list] = {}  # request index -> outcome per row of its ROWS
-        outcome = {}  # (request index, row index or None) -> ("ok", result, best) | ("released",) | error
-        rows, trees = [], []  # (key, corrid, end, row[, branches])
+        outcome = {}  # (request index, row index or None) -> ("ok", result, path) | ("released",) | error
+        rows, trees = [], []  # (key, corrid, end, row)
         queued: set[int] = set()  # correlation ids with a row in rows or trees
 
-        def admit(key, corrid, start, end, row, branches):
+        def admit(key, corrid, start, end, row):
             if corrid in queued:  # this sequence's earlier row runs first
                 self._forward(rows, trees, outcome)
                 rows.clear()
                 trees.clear()
                 queued.clear()
             queued.add(corrid)
-            done = self.seqs.admit(corrid, start, end, row, branches, now)
+            done = self.seqs.admit(corrid, start, end, row, now)
             if done is not None:
                 outcome[key] = done
-            elif branches:
-                trees.append((key, corrid, end, row, branches))
+            elif row.is_tree:
+                trees.append((key, corrid, end, row))
             else:
                 rows.append((key, corrid, end, row))
 
@@ -361,29 +361,30 @@ class TritonPythonModel:
                     packed[i] = [None] * len(items)
                     for j, (corrid, start, end, get) in enumerate(items):
                         try:
-                            row, branches = wire.parse_verify_inputs(get)
-                            admit((i, j), corrid, start, end, row, branches)
+                            admit((i, j), corrid, start, end, wire.parse_verify_inputs(get))
                         except InvalidRequest as e:
                             outcome[(i, j)] = (wire.ROW_INVALID, str(e))
                     continue
-                kind, corrid, start, end, row, branches = self._parse(request)
+                kind, corrid, start, end, row = self._parse(request)
                 if kind == "info":
                     out = np.array([[self.info_bytes]], dtype=np.object_)
                     responses[i] = pb_utils.InferenceResponse([pb_utils.Tensor("INFO_JSON", out)])
                     continue
-                admit((i, None), corrid, start, end, row, branches)
+                admit((i, None), corrid, start, end, row)
             except InvalidRequest as e:
                 responses[i] = _error(str(e), wire.ROW_INVALID)
+                packed.pop(i, None)  # the whole request failed: no row answers of its own
             except Exception as e:
                 self._log("error", "flashmap_target: " + traceback.format_exc())
                 responses[i] = _error(f"internal error: {type(e).__name__}: {e}", wire.ROW_INTERNAL)
+                packed.pop(i, None)
 
         self._forward(rows, trees, outcome)
         self._update_active()
         for (i, j), o in outcome.items():
             if j is None:
                 responses[i] = self._one_row_response(o)
-            else:
+            elif i in packed:
                 packed[i][j] = o
         for i, outs in packed.items():
             blob = wire.packed_outputs([self._row_outputs(o) for o in outs])
@@ -405,8 +406,8 @@ class TritonPythonModel:
                 self.seqs.verified(corrid, row, result)
                 if end:
                     self.seqs.release(corrid)
-        for key, corrid, end, row, branches in trees:
-            outcome[key] = self._verify_tree(row, branches)
+        for key, corrid, end, row in trees:
+            outcome[key] = self._verify_tree(row)
             self.seqs.follow.pop(corrid, None)
             self.metrics.inc("flashmap_target_verify_batches_total")
             self.metrics.inc("flashmap_target_verify_rows_total")
@@ -415,9 +416,9 @@ class TritonPythonModel:
 
     def _verify(self, rows):
         """One forward for all rows; if the engine rejects the batch, find the bad rows alone.
-        Per row ("ok", result, 0) or (error code, message)."""
+        Per row ("ok", result, None) or (error code, message)."""
         try:
-            return [("ok", r, 0) for r in self.engine.verify(rows)]
+            return [("ok", r, None) for r in self.engine.verify(rows)]
         except InvalidRequest as e:
             if len(rows) == 1:
                 return [(wire.ROW_INVALID, str(e))]
@@ -427,10 +428,10 @@ class TritonPythonModel:
         # Rare path (a bad request in a batch): verify one by one so the others still succeed.
         return [self._verify([row])[0] for row in rows]
 
-    def _verify_tree(self, row, branches):
+    def _verify_tree(self, row):
         try:
-            result, best = self.engine.verify_tree(row, branches)
-            return ("ok", result, best)
+            result, path = self.engine.verify_tree(row)
+            return ("ok", result, path)
         except InvalidRequest as e:
             return (wire.ROW_INVALID, str(e))
         except Exception as e:
@@ -451,7 +452,7 @@ class TritonPythonModel:
         return _error(out[1], out[0])
 
     def _parse(self, request):
-        """-> (kind, corrid, start, end, VerifyRow | None, branches); raises InvalidRequest."""
+        """-> (kind, corrid, start, end, VerifyRow | None); raises InvalidRequest."""
 
         def get(name):
             t = pb_utils.get_input_tensor_by_name(request, name)
@@ -463,9 +464,8 @@ class TritonPythonModel:
         start = bool(wire.scalar(get, "START", 0))
         end = bool(wire.scalar(get, "END", 0))
         if bool(wire.scalar(get, "INFO", False)):
-            return "info", corrid, start, end, None, []
-        row, branches = wire.parse_verify_inputs(get)
-        return "verify", corrid, start, end, row, branches
+            return "info", corrid, start, end, None
+        return "verify", corrid, start, end, wire.parse_verify_inputs(get)
 
     def finalize(self):
         # Triton exits with an error once the unload takes --exit-timeout-secs (15 s, launcher).
