@@ -324,7 +324,7 @@ def _send_ahead(
     return Ahead(
         nxt,
         follow,
-        asyncio.ensure_future(target.verify(follow, [[] for _ in follow], last)),
+        asyncio.ensure_future(target.verify(follow, last)),
         plan,
         shadow=shadow,
     )
@@ -400,7 +400,6 @@ async def _followed(
     if again:
         redo = await target.verify(
             [rows[i] for i in again],
-            [[] for _ in again],
             [seqs[i].ends_with(rows[i]) for i in again],
         )
         for i, res in zip(again, redo):

@@ -397,7 +397,7 @@ class TritonTarget:
     async def _release(self, corrid: int) -> None:
         if self._verifying.get(corrid):
             await asyncio.wait(set(self._verifying[corrid]), timeout=self.client.timeout_s)
-        (out,) = await self.client.verify_rows([(corrid, None, [], False, True)])
+        (out,) = await self.client.verify_rows([(corrid, None, False, True)])
         # A sequence already gone (the idle timeout) has nothing left to free.
         if isinstance(out, Exception) and not (
             isinstance(out, InvalidRequest) and "unknown sequence" in str(out)

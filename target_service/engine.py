@@ -24,6 +24,8 @@ prefill and odd shapes run eagerly. Only the argmax, the features rows ask for a
 sampling rows, the O(K * S) statistics come back to the host.
 
 Not thread-safe: callers (the Triton model) serialise calls.
+
+One idea: every verify path (eager, graphs, several steps, trees) over one set of slots, caches and kept features.
 """
 
 from __future__ import annotations

@@ -169,7 +169,7 @@ def test_in_process_features_stay_on_the_engines_device(tiny):
     engine = TargetEngine(target, n_slots=2, max_seq_len=64)
     slot = engine.allocate()
     row = VerifyRow(slot, 0, np.arange(1, 9), SamplingParams())
-    ((res, _),) = asyncio.run(LocalTarget(engine).verify([row], [[]]))
+    ((res, _),) = asyncio.run(LocalTarget(engine).verify([row]))
     assert isinstance(res.features, torch.Tensor) and res.features.shape == (8, engine.feature_dim)
     proj = read_context_projection(d / "dflash", 6)
     from drafter_service.dflash import load_dflash

@@ -885,7 +885,7 @@ def test_a_sequences_last_round_frees_its_slot_without_a_release_call(server):
         s = Sequence(310, GenerationRequest(np.arange(3, 9), 2), handle=310)
         await speculative_round([s], target)
         row = replace(s.verify_row(None), start_pos=99)  # past the sequence's end: refused
-        (out,) = await target.verify([row], [[]], [True])
+        (out,) = await target.verify([row], [True])
         assert isinstance(out, InvalidRequest)
         settled_active(server, 1)
         await target.release(310)

@@ -66,6 +66,8 @@ the server to take it) and flashmap_target_batch_cpu_seconds_total (the worker t
 in its runs: a run longer than its CPU time waited); sent with the model's log lines by the
 worker, between batches, at most every 0.25 s, so that one thread makes all of the model's calls
 into the stub (target_service.side_channel).
+
+One idea: Triton's Python-backend interface to the engine (its requests, rows and answers).
 """
 
 from __future__ import annotations
