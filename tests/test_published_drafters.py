@@ -186,3 +186,19 @@ def test_served_by_the_stack_exactly(world, kind):
     assert got == want
     drafts = [line for line in metrics.splitlines() if line.startswith("flashmap_num_drafts_total")]
     assert drafts and float(drafts[0].split()[-1]) > 0
+
+
+@pytest.mark.parametrize("kind", ["dflash", "eagle3"])
+def test_flashmap_generate_in_process_serves_the_directory(world, kind, capsys):
+    """`flashmap generate --in-process --drafter DIR`: the same text as --ar, with drafts."""
+    from flashmap_cli.main import main
+
+    target, d = world
+    base = ["generate", "--in-process", "--target", str(target), "--prompt-ids", "5,9,14,3"]
+    base += ["--max-new-tokens", "24", "--ignore-eos", "--json"]
+    outs = []
+    for extra in (["--ar"], ["--drafter", str(d / kind)]):
+        assert main([*base, *extra]) == 0
+        outs.append(json.loads(capsys.readouterr().out))
+    assert outs[0]["token_ids"] == outs[1]["token_ids"]
+    assert outs[1]["drafts"] > 0
