@@ -142,3 +142,79 @@ class FlowGraphs:
             st.graph.replay()
             return st.out[:B].clone()
         return self._fn(st, steps, w, st.times)[:B]
+
+
+class BucketGraphs:
+    """CUDA graphs of a drafting pass that reads nothing but per-row anchors, cache slots and
+    context lengths (a published DFlash block, EAGLE-3's tree search), one per (batch bucket,
+    context bucket). fn(anchor, slots, lengths [b], window) -> output tensors [b, ...]; a batch is
+    padded to its bucket (slot 0, no context, discarded) and the context read through the
+    bucket's window. mode "static" runs the same padded function eagerly (CPU tests)."""
+
+    def __init__(
+        self,
+        fn,
+        n_slots: int,
+        max_context: int,
+        device: torch.device,
+        batch_buckets: tuple[int, ...] = BATCH_BUCKETS,
+        context_buckets: tuple[int, ...] = CONTEXT_BUCKETS,
+        mode: str = "cuda",
+    ):
+        if mode not in ("cuda", "static"):
+            raise ValueError(f"mode must be 'cuda' or 'static', got {mode!r}")
+        self.fn, self.device, self.mode = fn, torch.device(device), mode
+        self.batch_buckets = tuple(b for b in batch_buckets if b <= n_slots) or (n_slots,)
+        self.context_buckets = tuple(c for c in context_buckets if c < max_context) + (max_context,)
+        self.graphs: dict[tuple[int, int], tuple] = {}  # (b, w) -> (inputs, outputs, graph)
+
+    @torch.inference_mode()
+    def capture(self) -> dict:
+        t0 = time.perf_counter()
+        cuda = self.mode == "cuda"
+        mem0 = torch.cuda.memory_allocated(self.device) if cuda else 0
+        pool = torch.cuda.graph_pool_handle() if cuda else None
+        for b in self.batch_buckets:
+            for w in self.context_buckets:
+                inputs = [torch.zeros(b, dtype=torch.long, device=self.device) for _ in range(3)]
+                out, graph = None, None
+                if cuda:
+                    side = torch.cuda.Stream(self.device)
+                    side.wait_stream(torch.cuda.current_stream(self.device))
+                    with torch.cuda.stream(side):  # warm-up outside capture (allocator, kernels)
+                        for _ in range(2):
+                            self.fn(*inputs, w)
+                    torch.cuda.current_stream(self.device).wait_stream(side)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        out = self.fn(*inputs, w)
+                self.graphs[(b, w)] = (inputs, out, graph)
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        report = {
+            "graphs": len(self.graphs),
+            "seconds": round(time.perf_counter() - t0, 3),
+            "memory_bytes": torch.cuda.memory_allocated(self.device) - mem0 if cuda else 0,
+            "batch_buckets": list(self.batch_buckets),
+            "context_buckets": list(self.context_buckets),
+        }
+        log.info("drafter graphs captured (%s): %s", self.mode, report)
+        return report
+
+    @torch.inference_mode()
+    def run(self, anchor: Tensor, slots: Tensor, lengths: Tensor, longest: int) -> tuple | None:
+        """The outputs for B rows through a graph, or None when no bucket fits (run eagerly).
+        longest: the longest context among the rows (a host int: no device read)."""
+        B = anchor.shape[0]
+        b = bucket_of(B, self.batch_buckets)
+        w = bucket_of(max(longest, 1), self.context_buckets)
+        if b is None or w is None:
+            return None
+        inputs, out, graph = self.graphs[(b, w)]
+        for static, x in zip(inputs, (anchor, slots, lengths)):
+            static.zero_()
+            static[:B].copy_(x)
+        if graph is None:
+            return tuple(o[:B] for o in self.fn(*inputs, w))
+        graph.replay()
+        return tuple(o[:B].clone() for o in out)

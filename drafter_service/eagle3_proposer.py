@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from drafter_service.cuda_graphs import BucketGraphs
 from drafter_service.eagle3 import Eagle3Drafter
 from drafter_service.flashmap_proposer import request_generator
 from drafter_service.slots import SlotCacheProposer
@@ -51,6 +52,7 @@ class Eagle3Proposer(SlotCacheProposer):
         self.g_cache = torch.zeros(
             n_slots, max_context, c.hidden_size, dtype=self.k_cache.dtype, device=self.device
         )
+        self.graphs: BucketGraphs | None = None  # after enable_graphs(): the tree search
 
     @property
     def bytes_per_context_token(self) -> int:
@@ -93,54 +95,66 @@ class Eagle3Proposer(SlotCacheProposer):
                 out[i] = d
         return out
 
-    def _start(self, requests: list[ProposeRequest], n_new: int):
-        """Keys / values of the cached context with room for n_new drafted positions, and the
-        step-0 inputs. Returns (k, v [B, kv, W + n_new, d], lengths [B], p0 [B], g0 [B, 1, H])."""
+    def _rows(self, requests: list[ProposeRequest]) -> tuple[Tensor, Tensor, Tensor, int]:
+        """anchor, cache slot and context length [B] of each request, and the longest context."""
         rows = [self.slots.lookup(r.seq_id) for r in requests]
-        L = torch.tensor([n for _, n in rows], device=self.device)
-        slot = torch.tensor([max(s, 0) for s, _ in rows], device=self.device)
-        p0 = (L - 1).clamp(min=0)  # the last context position, run with the anchor
-        W = int(p0.max())
+        dev = self.device
+        anchor = torch.tensor([int(r.anchor) for r in requests], device=dev)
+        slot = torch.tensor([max(s, 0) for s, _ in rows], device=dev)
+        lengths = torch.tensor([n for _, n in rows], device=dev)
+        return anchor, slot, lengths, max(n for _, n in rows)
+
+    def _start(self, slot: Tensor, lengths: Tensor, window: int, n_new: int):
+        """Keys / values of the cached context (the first `window` positions, masked beyond each
+        row's) with room for n_new drafted positions after them, and the step-0 inputs: the
+        last context position p0 [B] and its fused features g0 [B, 1, H]."""
+        p0 = (lengths - 1).clamp(min=0)  # the last context position, run with the anchor
         k = self.k_cache.new_zeros(
-            len(rows), self.cfg.num_key_value_heads, W + n_new, self.cfg.head_dim
+            slot.shape[0], self.cfg.num_key_value_heads, window + n_new, self.cfg.head_dim
         )
         v = torch.zeros_like(k)
-        k[:, :, :W] = self.k_cache[0, slot, :, :W]
-        v[:, :, :W] = self.v_cache[0, slot, :, :W]
-        g0 = torch.where((L > 0)[:, None], self.g_cache[slot, p0], 0)[:, None]  # [B, 1, H]
-        return k, v, p0, W, g0
+        k[:, :, :window] = self.k_cache[0, slot, :, :window]
+        v[:, :, :window] = self.v_cache[0, slot, :, :window]
+        g0 = torch.where((lengths > 0)[:, None], self.g_cache[slot, p0], 0)[:, None]
+        return k, v, p0, g0
 
     def _trees(self, requests: list[ProposeRequest]) -> list[Draft]:
-        B, kk, D, N = len(requests), self.top_k, self.depth, self.block_size
+        anchor, slot, lengths, longest = self._rows(requests)
+        out = self.graphs.run(anchor, slot, lengths, longest) if self.graphs else None
+        tokens, scores, parents = (
+            x.cpu().numpy()
+            for x in out or self._tree_search(anchor, slot, lengths, max(longest, 1))
+        )
+        return [_select(t, s, p, self.block_size) for t, s, p in zip(tokens, scores, parents)]
+
+    def _tree_search(self, anchor: Tensor, slot: Tensor, lengths: Tensor, window: int):
+        """EAGLE-2's dynamic tree on the device (no host read: CUDA graphs capture it): every
+        candidate's token, path score and parent candidate [B, n_cand] (-1: the anchor)."""
+        B, kk, D = anchor.shape[0], self.top_k, self.depth
         dev = self.device
         n_new = 1 + kk * (D - 1)  # scratch positions: step 0, then kk nodes per later step
-        k, v, p0, W, g = self._start(requests, n_new)
-        T = W + n_new
+        k, v, p0, g = self._start(slot, lengths, window, n_new)
+        T = window + n_new
         key = torch.arange(T, device=dev)
         ctx_seen = key[None] < p0[:, None]  # [B, T]: cached context keys
-        anchor = torch.tensor([int(r.anchor) for r in requests], device=dev)
-        # Step 0: the last context position with the anchor.
+        first = slice(window, window + 1)
         o, logp = self._step(
-            k, v, g, anchor[:, None], p0[:, None], [W], (ctx_seen | (key == W))[:, None]
+            k, v, g, anchor[:, None], p0[:, None], first, (ctx_seen | (key == window))[:, None]
         )
         score, tok = logp[:, 0].topk(kk, -1)  # [B, kk]
         cand_tok, cand_score, cand_parent = [tok], [score], [torch.full_like(tok, -1)]
-        seen = (ctx_seen | (key == W))[:, None].expand(
-            B, kk, T
-        )  # [B, kk, T]: each frontier node's keys
+        seen = (ctx_seen | (key == window))[:, None].expand(B, kk, T)  # each frontier node's keys
         front_tok, front_score, front_o = tok, score, o.expand(B, kk, -1)
-        front_idx = torch.arange(kk, device=dev).expand(
-            B, kk
-        )  # candidate index of each frontier node
-        n_cand = kk
+        front_idx = torch.arange(kk, device=dev).expand(B, kk)  # candidate index of each node
+        n_cand, nodes = kk, torch.arange(kk, device=dev)
         for i in range(1, D):
-            col = W + 1 + (i - 1) * kk + torch.arange(kk, device=dev)  # this step's key columns
+            at = window + 1 + (i - 1) * kk  # this step's key columns at..at+kk
             seen = seen.clone()
-            seen[:, torch.arange(kk), col] = True  # a node sees itself
+            seen[:, nodes, at + nodes] = True  # a node sees itself
             pos = (p0 + i)[:, None].expand(B, kk)
             o, logp = self._step(
-                k, v, front_o, front_tok, pos, col, seen
-            )  # [B, kk, H], [B, kk, Vd]
+                k, v, front_o, front_tok, pos, slice(at, at + kk), seen
+            )  # [B, kk, H], [B, kk, V]
             child_score, child_tok = (front_score[..., None] + logp).topk(kk, -1)  # [B, kk, kk]
             cand_tok.append(child_tok.flatten(1))
             cand_score.append(child_score.flatten(1))
@@ -153,18 +167,23 @@ class Eagle3Proposer(SlotCacheProposer):
             seen = seen.gather(1, parent[..., None].expand(-1, -1, T))
             front_idx = n_cand + best
             n_cand += kk * kk
-        tokens = torch.cat(cand_tok, 1).cpu().numpy()  # [B, n_cand] target ids
-        scores = torch.cat(cand_score, 1).float().cpu().numpy()
-        parents = torch.cat(cand_parent, 1).cpu().numpy()
-        return [_select(tokens[b], scores[b], parents[b], N) for b in range(B)]
+        return torch.cat(cand_tok, 1), torch.cat(cand_score, 1).float(), torch.cat(cand_parent, 1)
 
-    def _step(self, k, v, g, tok, pos, col, seen) -> tuple[Tensor, Tensor]:
+    def enable_graphs(self, steps: tuple[int, ...] = (1, 2), mode: str = "cuda", **buckets) -> dict:
+        """Capture the tree search per (batch bucket, context bucket) (cuda_graphs.BucketGraphs);
+        sampling rows draft chains eagerly."""
+        self.graphs = BucketGraphs(
+            self._tree_search, self.n_slots, self.max_context, self.device, mode=mode, **buckets
+        )
+        return self.graphs.capture()
+
+    def _step(self, k, v, g, tok, pos, cols: slice, seen) -> tuple[Tensor, Tensor]:
         """One drafting step of n queries per row: hidden g [B, n, H], tokens / positions [B, n],
-        their keys go to columns col (an int, or [n]) of k / v; seen [B, n, T] masks the keys.
+        their keys go to the n columns `cols` of k / v; seen [B, n, T] masks the keys.
         Returns the layer's output [B, n, H] and log-probs [B, n, Vd] mapped to target ids."""
         q, kn, vn = self.model.qkv(g, tok, pos)  # [B, n, h|kv, d]
-        k[:, :, col] = kn.transpose(1, 2)
-        v[:, :, col] = vn.transpose(1, 2)
+        k[:, :, cols] = kn.transpose(1, 2)
+        v[:, :, cols] = vn.transpose(1, 2)
         o = self.model.finish(g, q, k, v, seen[:, None])
         logp, ids = self.model.log_probs(o)
         full = logp.new_full((*logp.shape[:-1], self.vocab_size), float("-inf"))
@@ -172,11 +191,12 @@ class Eagle3Proposer(SlotCacheProposer):
 
     def _chains(self, requests: list[ProposeRequest]) -> list[Draft]:
         B, N, dev = len(requests), self.block_size, self.device
-        k, v, p0, W, g = self._start(requests, N)
-        T = W + N
-        key = torch.arange(T, device=dev)
+        anchor, slot, lengths, longest = self._rows(requests)
+        W = max(longest, 1)
+        k, v, p0, g = self._start(slot, lengths, W, N)
+        key = torch.arange(W + N, device=dev)
         seen = (key[None] < p0[:, None])[:, None]  # [B, 1, T]
-        tok = torch.tensor([int(r.anchor) for r in requests], device=dev)[:, None]
+        tok = anchor[:, None]
         gens = [request_generator(r.seed) for r in requests]
         m_max = min(max(r.top_m for r in requests), self.vocab_size)
         tokens = np.zeros((B, N), np.int64)
@@ -184,7 +204,7 @@ class Eagle3Proposer(SlotCacheProposer):
         q_sup = np.zeros((B, N, m_max), np.float32)
         for i in range(N):
             seen = seen | (key == W + i)[None, None]
-            g, logp = self._step(k, v, g, tok, (p0 + i)[:, None], [W + i], seen)
+            g, logp = self._step(k, v, g, tok, (p0 + i)[:, None], slice(W + i, W + i + 1), seen)
             top_l, top_i = (x.cpu() for x in logp[:, 0].topk(m_max, -1))
             for b, r in enumerate(requests):
                 m = min(r.top_m, self.vocab_size)

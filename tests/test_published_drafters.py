@@ -202,3 +202,31 @@ def test_flashmap_generate_in_process_serves_the_directory(world, kind, capsys):
         outs.append(json.loads(capsys.readouterr().out))
     assert outs[0]["token_ids"] == outs[1]["token_ids"]
     assert outs[1]["drafts"] > 0
+
+
+@pytest.mark.parametrize("kind", ["dflash", "eagle3"])
+def test_the_graph_path_drafts_what_the_eager_path_drafts(world, kind):
+    """enable_graphs(mode="static"): the padded, fixed-window pass a CUDA graph captures,
+    run eagerly on the CPU, gives the eager path's drafts (batches padded to their bucket,
+    contexts of different lengths, a sequence without context)."""
+    target, d = world
+    eager = load_proposer(d / kind, target, n_slots=8, max_context=64)
+    graphed = load_proposer(d / kind, target, n_slots=8, max_context=64)
+    report = graphed.enable_graphs(mode="static", batch_buckets=(4,), context_buckets=(16,))
+    assert report["graphs"] == 2  # batch bucket 4 x windows 16 and max_context
+    rng = np.random.default_rng(0)
+    F = eager.feature_dim
+    for i, m in enumerate((5, 12, 30)):
+        ids, feats = rng.integers(0, 500, m), rng.standard_normal((m, F)).astype(np.float32)
+        for p in (eager, graphed):
+            p.extend(f"s{i}", ids, feats)
+    from flashmap.types import ProposeRequest
+
+    for seqs in (["s0"], ["s0", "s1", "new"], ["s2", "s1"]):  # windows 16, 16, 64
+        reqs = [ProposeRequest(s, anchor=11 + j, seed=j) for j, s in enumerate(seqs)]
+        want, got = eager.propose(reqs), graphed.propose(reqs)
+        for a, b in zip(want, got):
+            assert a.tokens.tolist() == b.tokens.tolist()
+            assert (a.parents is None) == (b.parents is None)
+            if a.parents is not None:
+                assert a.parents.tolist() == b.parents.tolist()
