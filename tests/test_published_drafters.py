@@ -184,8 +184,16 @@ def test_served_by_the_stack_exactly(world, kind):
             urllib.request.urlopen(f"http://127.0.0.1:{cfg.metrics_port}/metrics").read().decode()
         )
     assert got == want
-    drafts = [line for line in metrics.splitlines() if line.startswith("flashmap_num_drafts_total")]
-    assert drafts and float(drafts[0].split()[-1]) > 0
+
+    def total(name):
+        return sum(float(x.split()[-1]) for x in metrics.splitlines() if x.startswith(name + "{"))
+
+    drafts, tokens = total("flashmap_num_drafts_total"), total("flashmap_num_draft_tokens_total")
+    assert drafts > 0 and total("flashmap_acceptance_length_count") > 0
+    if kind == "eagle3":  # trees of 16 nodes, counted as the tokens they verify
+        assert tokens / drafts > 8
+    else:
+        assert tokens / drafts <= 15
 
 
 @pytest.mark.parametrize("kind", ["dflash", "eagle3"])
