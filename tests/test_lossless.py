@@ -253,13 +253,13 @@ def _exact_first3(model_dir, prompt, params: SamplingParams):
     return joint.reshape(-1).numpy()
 
 
-def _tiny_vocab_target(tmp_path):
+def _tiny_vocab_target(tmp_path, layers: int = 2):
     return make_random_qwen3(
         tmp_path / "tiny-vocab",
         vocab_size=V_TINY,
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=2,
         num_key_value_heads=1,
         with_tokenizer=False,

@@ -23,7 +23,13 @@ from flashmap.inprocess import decode
 from flashmap.types import GenerationRequest, SamplingParams
 from target_service.engine import TargetEngine
 from target_service.random_checkpoint import make_random_qwen3
-from tests.test_lossless import _assert_follows, _exact_first3, _first3_counts
+from tests.test_lossless import (
+    BATCH,
+    _assert_follows,
+    _exact_first3,
+    _first3_counts,
+    _tiny_vocab_target,
+)
 
 N_LAYERS = 6
 
@@ -85,18 +91,7 @@ def test_greedy_output_is_the_targets(world, kind):
 
 @pytest.mark.parametrize("kind", ["dflash", "eagle3"])
 def test_first_three_tokens_follow_the_target(tmp_path, kind):
-    path = make_random_qwen3(
-        tmp_path / "v8",
-        vocab_size=8,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        with_tokenizer=False,
-        seed=3,
-        init_std=0.3,
-    )
+    path = _tiny_vocab_target(tmp_path, layers=4)  # EAGLE-3 reads three distinct layers
     if kind == "dflash":
         save_dflash(
             init_dflash(path, num_hidden_layers=1, mask_token_id=7, seed=2), tmp_path / kind, 4
@@ -105,8 +100,6 @@ def test_first_three_tokens_follow_the_target(tmp_path, kind):
         save_eagle3(init_eagle3(path, draft_vocab_size=6, seed=2), tmp_path / kind, 4)
     params = SamplingParams(1.0)
     layers, _ = target_inputs(tmp_path / kind, path, project=False)
-    from tests.test_lossless import BATCH
-
     engine = TargetEngine(path, n_slots=BATCH, feature_layers=layers)
     proposer = load_proposer(tmp_path / kind, path, n_slots=BATCH, max_context=64)
     counts, accepted = _first3_counts(engine, [1, 5, 2], params, 0, proposer=proposer)
