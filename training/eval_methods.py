@@ -1,5 +1,6 @@
 """What `flashmap eval` compares: the methods (a drafter checkpoint, how many flow-map jumps,
-which noise, tree or cut drafts) built from its options, and a proposer for each."""
+which noise, tree or cut drafts) built from its options, the target layers each reads, and a
+proposer for each."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ class Method:
     name: str
     label: str
     checkpoint: str
-    kind: str  # flashmap | dflash | eagle
+    kind: str  # flashmap | dflash | eagle | dflash-published | eagle3
     steps: int = 1
     # None: the noise the drafter was trained on (its config); False: a draw per slot
     shared_noise: bool | None = None
@@ -113,6 +114,7 @@ def build_methods(args) -> tuple[list[Method], list[str]]:
         methods.append(Method("eagle", "EAGLE-style chain", args.eagle, "eagle", 1))
     else:
         notes.append("no --eagle checkpoint: EAGLE rows skipped")
+    methods += published_methods(args)
     if not args.no_shuffle:
         by_name = {m.name: m for m in methods}
         for indep, base in SHUFFLE.items():
@@ -144,6 +146,45 @@ def build_methods(args) -> tuple[list[Method], list[str]]:
     return methods, notes
 
 
+def published_methods(args) -> list[Method]:
+    """The published layouts' rows: DFlash (z-lab) and EAGLE-3 (a tree of 16 at T = 0, a chain
+    of 16 when sampling: drafter_service.eagle3_proposer)."""
+    from drafter_service.dflash import is_dflash
+    from drafter_service.eagle3 import is_eagle3
+
+    out = []
+    for path, test, flag, method in (
+        (
+            getattr(args, "dflash_published", None),
+            is_dflash,
+            "--dflash-published",
+            Method("dflash-published", "DFlash (published architecture)", "", "dflash-published"),
+        ),
+        (
+            getattr(args, "eagle3", None),
+            is_eagle3,
+            "--eagle3",
+            Method(
+                "eagle3-tree16", "EAGLE-3, tree of 16 (T = 0; chain of 16 at T > 0)", "", "eagle3"
+            ),
+        ),
+    ):
+        if path:
+            if not test(read_config(path)):
+                raise ValueError(f"{flag} {path}: not a checkpoint in that published layout")
+            method.checkpoint = path
+            out.append(method)
+    return out
+
+
+def feature_layers_of(m: Method, target: str) -> tuple[int, ...]:
+    """The target layers the method's drafter reads (its engine computes those)."""
+    from flashmap.drafter_inputs import drafter_inputs
+
+    n = int(read_config(target)["num_hidden_layers"])
+    return tuple(drafter_inputs(m.checkpoint, n).feature_layers)
+
+
 def _trained_shared(checkpoint: str) -> bool:
     """Whether a FlashMap checkpoint was trained (and drafts) with one noise draw shared by its K slots."""
     return bool(read_config(checkpoint).get("shared_noise", False))
@@ -170,3 +211,28 @@ def make_proposer(m: Method, target: str, engine, device: str, cache: dict, comp
 
 def params_of(model) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def describe(m: Method, model, target: str) -> str:
+    """The method's drafter in one line: kind, architecture, parameters, target layers."""
+    from drafter_service.checkpoint import checkpoint_kind
+
+    c, n = model.cfg, f"{params_of(model) / 1e6:.2f}M trainable parameters"
+    layers = list(feature_layers_of(m, target))
+    if m.kind == "dflash-published":
+        return (
+            f"DFlash as published (DFlashDraftModel), {c.num_hidden_layers} layers, width "
+            f"{c.hidden_size}, intermediate {c.intermediate_size}, {c.num_attention_heads} heads, "
+            f"block {c.block_size} (anchor + {c.block_size - 1} drafts), {n}, target layers {layers}"
+        )
+    if m.kind == "eagle3":
+        return (
+            f"EAGLE-3 as published (LlamaForCausalLMEagle3), 1 layer, width {c.hidden_size}, "
+            f"intermediate {c.intermediate_size}, {c.num_attention_heads} heads, draft vocabulary "
+            f"{c.draft_vocab_size} of {c.vocab_size}, {n}, target layers {layers}"
+        )
+    arch = f"{c.n_layers} layer(s)" if m.kind == "eagle" else f"{c.n_blocks} blocks"
+    return (
+        f"kind {checkpoint_kind(m.checkpoint)}, {arch}, width {c.dim}, {c.n_heads} heads, {n}, "
+        f"feature layers {list(c.feature_layers)}"
+    )

@@ -1,5 +1,6 @@
 """`flashmap eval`'s results: the cell cache (one JSON of the finished measurements, so a run
-resumes where the last one stopped) and what is made of it, eval.md and two plots."""
+resumes where the last one stopped, or adds methods to it) and what is made of it, eval.md and
+two plots."""
 
 from __future__ import annotations
 
@@ -19,20 +20,25 @@ CACHE_FORMAT = "flashmap-eval-cells-v1"
 
 
 def load_cache(path: Path, settings: dict, fresh: bool) -> dict:
+    """The cells measured so far with these settings. A run may add methods (checkpoints the
+    cache does not name yet); a method whose checkpoint differs, or any other setting that
+    differs, refuses the cache."""
     if path.is_file() and not fresh:
         data = json.loads(path.read_text())
         if data.get("format") != CACHE_FORMAT:
             raise ValueError(f"{path}: not an eval cell cache (use --fresh or another --cache)")
-        if data.get("settings") != settings:
-            diff = sorted(
-                k
-                for k in set(settings) | set(data.get("settings", {}))
-                if settings.get(k) != data.get("settings", {}).get(k)
-            )
+        old = data.get("settings", {})
+        diff = sorted(
+            k for k in (set(settings) | set(old)) - {"checkpoints"} if settings.get(k) != old.get(k)
+        )
+        ck, old_ck = settings.get("checkpoints", {}), old.get("checkpoints", {})
+        diff += [f"checkpoints.{m}" for m in sorted(set(ck) & set(old_ck)) if ck[m] != old_ck[m]]
+        if diff:
             raise ValueError(
                 f"{path} holds cells of other settings ({', '.join(diff)}); "
                 f"use --fresh to start over or another --cache"
             )
+        data["settings"] = {**settings, "checkpoints": {**old_ck, **ck}}
         return data
     return {"format": CACHE_FORMAT, "settings": settings, "cells": {}}
 
@@ -99,6 +105,7 @@ def write_report(
         + ".",
         "",
     ]
+    lines += _runs_lines(data, methods)
     lines += ["Drafters:", ""]
     for ck, desc in info["drafters"].items():
         lines.append(f"- `{ck}`: {desc}")
@@ -206,8 +213,14 @@ def write_report(
         "Plots: `eval_acceptance.png` (gamma per method and domain), `eval_conditional.png` "
         "(conditional acceptance per slot).",
         "",
-        "Not measured: EAGLE-3's draft tree of 16 (the EAGLE row is a single chain of K tokens); the "
-        "FlashMap tree row is greedy-only (T = 0): exact multi-draft sampling at T > 0 is not implemented.",
+        "Not measured: "
+        + (
+            ""
+            if any(m.kind == "eagle3" for m in methods)
+            else "EAGLE-3's draft tree of 16 (the EAGLE row is a single chain of K tokens); "
+        )
+        + "the FlashMap tree row is greedy-only (T = 0): exact multi-draft sampling at T > 0 is "
+        "not implemented.",
         "",
     ]
     path = out_dir / "eval.md"
@@ -215,16 +228,41 @@ def write_report(
     return path
 
 
+def _runs_lines(data: dict, methods: list[Method]) -> list[str]:
+    """Where the cells come from more than one run of the cache: each run's date, machine,
+    command and methods (speedups are against the target alone of the method's own run)."""
+    names = {m.name for m in methods}
+    by_run: dict[str, list[str]] = {}
+    for c in data["cells"].values():
+        if c["method"] in names and c["method"] not in by_run.setdefault(c["run"], []):
+            by_run[c["run"]].append(c["method"])
+    if len(by_run) < 2:
+        return []
+    lines = [
+        f"The cells come from {len(by_run)} runs of this cell cache (the `run` column of the last "
+        "table); a method's speedup is against the target alone timed in the same run, in pairs "
+        "with it:",
+        "",
+    ]
+    for run, ms in sorted(by_run.items()):
+        r = data.get("runs", {}).get(run)
+        where = f"{r['date']}, {r['machine']}; command `{r['command']}`" if r else "not recorded"
+        lines.append(f"- run {run} ({where}): {', '.join(ms)}")
+    return lines + [""]
+
+
 def pooled_conditional(
     cells: dict, method: str, domains: list[str], t: float, K: int
 ) -> list[float] | None:
+    """Per slot 1..K (slots past a drafter's block count 0)."""
     den, num, seen = np.zeros(K), np.zeros(K), False
     for d in domains:
         c = cells.get(cell_key(method, d, t))
         if c is not None:
             seen = True
-            den += np.asarray(c["cond_den"][:K])
-            num += np.asarray(c["cond_num"][:K])
+            n = min(K, len(c["cond_den"]))
+            den[:n] += np.asarray(c["cond_den"][:n])
+            num[:n] += np.asarray(c["cond_num"][:n])
     if not seen:
         return None
     return [float(n / dd) if dd else float("nan") for n, dd in zip(num, den)]

@@ -4,7 +4,8 @@ For a target and drafter checkpoints (FlashMap flow map, its flow-stage teacher,
 DFlash-style, EAGLE-style), per domain of the held-out prompts (code, math, chat) and
 per temperature (0 and 1), every prompt is decoded at concurrency 1 with
 `flashmap.inprocess.decode`, once by the target alone (proposer=None) and once per
-method, in the same process:
+method, in the same process (a method whose drafter reads other target layers than the rest
+runs on an engine computing those, with its own target-alone runs in the same rotation):
 
     flashmap-1      FlashMap, one flow-map jump 0 -> 1
     flashmap-2      FlashMap, two jumps
@@ -12,6 +13,9 @@ method, in the same process:
                     distilled model's diagonal)
     dflash          the DFlash-style baseline (one pass over a masked block)
     eagle           the EAGLE-3-style autoregressive chain (drafter_service.eagle)
+    dflash-published  DFlash as published (z-lab's architecture and layout, --dflash-published)
+    eagle3-tree16   EAGLE-3 as published (--eagle3): a tree of 16 tokens at T = 0 (EAGLE-2's
+                    dynamic tree, depth 6, top 4), a chain of 16 when sampling
     flashmap-1-tree FlashMap 1 step, --tree-blocks blocks from independent noise verified
                     as a tree (T = 0)
     *-cut           FlashMap 1 step / DFlash-style with greedy drafts cut before the first
@@ -41,8 +45,8 @@ two PNG plots (training.eval_report); the methods are built in training.eval_met
         --teacher runs/flow --dflash runs/dflash --eagle runs/eagle --max-prompts 8 --max-new-tokens 128
 
 --compile runs every drafter through torch.compile (FlashMapProposer / EagleProposer
-.enable_compile, the CPU counterpart of the drafter's CUDA graphs); the target runs eagerly,
-alone and when verifying alike. Not done: EAGLE's tree of 16.
+.enable_compile, the CPU counterpart of the drafter's CUDA graphs; the published layouts
+have no compiled path and run eagerly); the target runs eagerly, alone and when verifying alike.
 """
 
 from __future__ import annotations
@@ -59,7 +63,13 @@ import torch
 from flashmap.checkpoint import read_config
 from flashmap.measure import machine, run_paired, run_prompts
 from flashmap.prompts import HELDOUT_PROMPTS, read_domain_prompts
-from training.eval_methods import Method, build_methods, make_proposer, params_of
+from training.eval_methods import (
+    Method,
+    build_methods,
+    describe,
+    feature_layers_of,
+    make_proposer,
+)
 from training.eval_report import (
     REPO,
     cell_key,
@@ -124,7 +134,8 @@ def fit_prompts(args, methods: list[Method], by_domain: dict) -> tuple[int, int,
 
 
 def cache_settings(args, methods: list[Method], by_domain: dict) -> dict:
-    """What a cached cell was measured with: a cache of other settings is refused."""
+    """What a cached cell was measured with: a cache of other settings is refused (a run may add
+    methods: eval_report.load_cache)."""
     return {
         "target": str(Path(args.target).resolve()),
         "prompts": str(Path(args.prompts).resolve()),
@@ -145,62 +156,70 @@ def cache_settings(args, methods: list[Method], by_domain: dict) -> dict:
 # ----------------------------------------------------------------------------- measuring
 
 
-def measure(args, engine, methods, by_domain, temps, data: dict, cache_path: Path) -> dict:
+def measure(args, engine_for, methods, by_domain, temps, data: dict, cache_path: Path, run: dict):
     """Every (domain, temperature) with a missing cell: the target alone and each method
-    without its cell, timed in pairs (`run_paired`); the cells go into data["cells"] and the
-    cache after each (domain, temperature). At T = 0 every method's output must equal the
-    target's. Returns the loaded drafter models by checkpoint."""
+    without its cell, timed in pairs (`run_paired`) on the engine computing the method's target
+    layers (engine_for(layers)), with the target alone on that engine; the cells go into
+    data["cells"] and the cache after each (domain, temperature), this run's date, machine and
+    command into data["runs"]. At T = 0 every method's output must equal the target's.
+    Returns the loaded drafter models by checkpoint."""
     from tqdm import tqdm
 
     cells = data["cells"]
     run_id = datetime.datetime.now().isoformat(timespec="seconds")
     wanted = lambda m, d, t: m.runs_at(t) and cell_key(m.name, d, t) not in cells  # noqa: E731
+    layers = {m.name: feature_layers_of(m, args.target) for m in methods}
     todo = [(d, t) for t in temps for d in by_domain if any(wanted(m, d, t) for m in methods)]
+
+    def groups(d, t) -> dict[tuple, list[Method]]:
+        out: dict[tuple, list[Method]] = {}
+        for m in methods:
+            if wanted(m, d, t):
+                out.setdefault(layers[m.name], []).append(m)
+        return out
+
     n_units = args.repeats * sum(
-        len(by_domain[d]) * (1 + sum(wanted(m, d, t) for m in methods)) for d, t in todo
+        len(by_domain[d]) * sum(1 + len(g) for g in groups(d, t).values()) for d, t in todo
     )
     models: dict = {}
     bar = tqdm(total=n_units, desc="eval", unit="prompt", disable=args.no_progress)
-    warmed: set[str] = set()
+    warmed: set = set()
+    n_warm = min(4, args.max_new_tokens)
     try:
         for d, t in todo:
             ps = by_domain[d]
-            todo_methods = [m for m in methods if wanted(m, d, t)]
-            runners = {"target alone": (None, 1, 1)}
-            for m in todo_methods:
-                runners[m.name] = (
-                    make_proposer(m, args.target, engine, args.device, models, args.compile),
-                    m.steps,
-                    m.tree_blocks,
+            for key, todo_methods in groups(d, t).items():
+                engine = engine_for(key)
+                runners = {"target alone": (None, 1, 1)}
+                for m in todo_methods:
+                    runners[m.name] = (
+                        make_proposer(m, args.target, engine, args.device, models, args.compile),
+                        m.steps,
+                        m.tree_blocks,
+                    )
+                for name, (p, steps, tree) in runners.items():
+                    if (key, name) not in warmed:  # first-call costs stay out of the timings
+                        warmed.add((key, name))
+                        run_prompts(engine, ps[:1], t, n_warm, args.seed, p, steps, None, tree)
+                bar.set_description(f"{d} | T={t:g} | {len(runners)} runs per prompt")
+                runs = run_paired(
+                    engine, ps, t, args.max_new_tokens, args.seed, runners, args.repeats, bar
                 )
-            for name, (proposer, steps, tree_blocks) in runners.items():
-                # First-call costs (allocations, kernels) stay out of the timings.
-                if name not in warmed:
-                    run_prompts(
-                        engine,
-                        ps[:1],
-                        t,
-                        min(4, args.max_new_tokens),
-                        args.seed,
-                        proposer,
-                        steps,
-                        tree_blocks=tree_blocks,
+                base = runs["target alone"]
+                for m in todo_methods:
+                    r = runs[m.name]
+                    if t == 0:
+                        bad = [
+                            p["id"] for p, a, b in zip(ps, r["outputs"], base["outputs"]) if a != b
+                        ]
+                        assert not bad, (
+                            f"{m.name}: greedy output differs from the target's on prompts {bad} ({d})"
+                        )
+                    cells[cell_key(m.name, d, t)] = make_cell(
+                        m.name, d, t, len(ps), r, base, run_id
                     )
-                    warmed.add(name)
-            bar.set_description(f"{d} | T={t:g} | {len(runners)} runs per prompt")
-            runs = run_paired(
-                engine, ps, t, args.max_new_tokens, args.seed, runners, args.repeats, bar
-            )
-            base = runs["target alone"]
-            for m in todo_methods:
-                r = runs[m.name]
-                if t == 0:
-                    bad = [p["id"] for p, a, b in zip(ps, r["outputs"], base["outputs"]) if a != b]
-                    assert not bad, (
-                        f"{m.name}: greedy output differs from the target's on prompts {bad} ({d})"
-                    )
-                cells[cell_key(m.name, d, t)] = make_cell(m.name, d, t, len(ps), r, base, run_id)
-            save_cache(cache_path, data)
+                data.setdefault("runs", {})[run_id] = run
+                save_cache(cache_path, data)
     finally:
         bar.close()
     return models
@@ -248,25 +267,15 @@ def check_dflash_shuffle(cells: dict, domains: list[str], temps: list[float]) ->
 
 def describe_drafters(methods: list[Method], models: dict, target: str) -> dict[str, str]:
     """Per checkpoint (as the report shows its path): kind, architecture, parameters."""
-    from drafter_service.checkpoint import checkpoint_kind
-
     drafters = {}
     for m in methods:
-        if show_path(m.checkpoint) in drafters:
-            continue
-        model = models.get(m.checkpoint)
-        if model is None:
-            from drafter_service.factory import load_model
+        if show_path(m.checkpoint) not in drafters:
+            model = models.get(m.checkpoint)
+            if model is None:
+                from drafter_service.factory import load_model
 
-            model = load_model(m.checkpoint, target)
-        c = model.cfg
-        arch = (
-            f"{c.n_layers} layer(s)" if m.kind == "eagle" else f"{c.n_blocks} blocks"
-        ) + f", width {c.dim}, {c.n_heads} heads"
-        drafters[show_path(m.checkpoint)] = (
-            f"kind {checkpoint_kind(m.checkpoint)}, {arch}, {params_of(model) / 1e6:.2f}M "
-            f"trainable parameters, feature layers {list(c.feature_layers)}"
-        )
+                model = load_model(m.checkpoint, target)
+            drafters[show_path(m.checkpoint)] = describe(m, model, target)
     return drafters
 
 
@@ -283,18 +292,26 @@ def evaluate(args, command: str) -> Path:
         raise ValueError(f"--temperatures must be >= 0, got {args.temperatures!r}")
     by_domain, domains = read_prompts(args)
     K, max_seq_len, truncated = fit_prompts(args, methods, by_domain)
-    engine = TargetEngine(args.target, n_slots=1, max_seq_len=max_seq_len, device=args.device)
+    engines: dict[tuple, TargetEngine] = {}  # by the target layers the drafters read
+
+    def engine_for(layers: tuple) -> TargetEngine:
+        if layers not in engines:
+            engines[layers] = TargetEngine(
+                args.target, 1, max_seq_len, device=args.device, feature_layers=list(layers)
+            )
+        return engines[layers]
+
+    engine = engine_for(feature_layers_of(methods[0], args.target))
     cache_path = Path(args.cache) if args.cache else Path(args.out_dir) / "eval_cells.json"
     data = load_cache(cache_path, cache_settings(args, methods, by_domain), args.fresh)
-    models = measure(args, engine, methods, by_domain, temps, data, cache_path)
+    run = {"date": datetime.date.today().isoformat(), "machine": machine(), "command": command}
+    models = measure(args, engine_for, methods, by_domain, temps, data, cache_path, run)
     check_dflash_shuffle(data["cells"], domains, temps)
 
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     info = {
-        "date": datetime.date.today().isoformat(),
-        "machine": machine(),
-        "command": command,
+        **run,
         "target": show_path(args.target),
         "target_desc": f"{engine.num_layers} layers, hidden {engine.hidden_size}, "
         f"vocab {engine.vocab_size}",
@@ -332,6 +349,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m training.evaluate
         help="the DFlash-style checkpoint FlashMap was warm-started from (one more row)",
     )
     ap.add_argument("--eagle", help="EAGLE-style drafter checkpoint")
+    ap.add_argument(
+        "--dflash-published",
+        help="a DFlash checkpoint in the published layout (z-lab's DFlashDraftModel)",
+    )
+    ap.add_argument(
+        "--eagle3",
+        help="an EAGLE-3 checkpoint in the published layout (LlamaForCausalLMEagle3): a tree of "
+        "16 at T = 0, a chain when sampling",
+    )
     ap.add_argument(
         "--teacher-steps", type=int, default=8, help="Euler steps of the teacher flow rows (>= 3)"
     )

@@ -1,0 +1,158 @@
+"""Training the published architectures (training/train_published.py) and their `flashmap eval`
+rows: on a tiny random target's own answers, a few steps lower the loss, the run directory is a
+checkpoint in the published layout that the one factory loads and that decodes exactly what the
+target alone decodes, a killed run resumes to the same result, and the eval adds the two
+methods to an existing cell cache, each on an engine computing its own target layers."""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from drafter_service.dflash import DFlashDrafter
+from drafter_service.eagle3 import Eagle3Drafter
+from drafter_service.factory import load_model, load_proposer
+from flashmap.drafter_inputs import target_inputs
+from flashmap.inprocess import decode
+from flashmap.types import GenerationRequest
+from target_service.engine import TargetEngine
+from training import train_published as tp
+
+DATA_LAYERS = [0, 1, 2, 3]  # every layer of the tiny target; EAGLE-3 reads [0, 2, 3] of them
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    from target_service.random_checkpoint import make_random_qwen3
+    from training import drafter_data as dd
+
+    root = tmp_path_factory.mktemp("published_training")
+    target = make_random_qwen3(root / "target", with_tokenizer=False)
+    engine = TargetEngine(target, n_slots=4, max_seq_len=96, feature_layers=DATA_LAYERS)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 500, int(rng.integers(3, 9))).tolist() for _ in range(16)]
+    dd.build(engine, prompts, root / "data", max_new_tokens=40, chunk_size=4, target_dir=target)
+    return root, target
+
+
+def _config(kind: str, **arch):
+    cfg = tp.PublishedTrainConfig.for_kind(kind, small=True)
+    return replace(cfg, arch={**cfg.arch, **arch})
+
+
+@pytest.fixture(scope="module")
+def trained(world):
+    root, target = world
+    out = {}
+    for kind, arch in (("dflash", {}), ("eagle3", {"draft_vocab_size": 128})):
+        tp.train(_config(kind, **arch), target=target, data=root / "data", out=root / kind)
+        out[kind] = root / kind
+    return out
+
+
+def _losses(run) -> list[float]:
+    with open(run / "loss.csv") as f:
+        return [float(r["loss"]) for r in csv.DictReader(f)]
+
+
+@pytest.mark.parametrize("kind", ["dflash", "eagle3"])
+def test_training_lowers_the_loss_and_writes_the_published_layout(world, trained, kind):
+    _, target = world
+    losses = _losses(trained[kind])
+    assert np.mean(losses[-2:]) < 0.8 * np.mean(losses[:2]), losses
+    config = json.loads((trained[kind] / "config.json").read_text())
+    want = "DFlashDraftModel" if kind == "dflash" else "LlamaForCausalLMEagle3"
+    assert config["architectures"] == [want]
+    assert (trained[kind] / "loss.png").stat().st_size > 0
+    model = load_model(trained[kind], target)
+    if kind == "dflash":
+        assert isinstance(model, DFlashDrafter)
+        assert list(model.cfg.target_layer_ids) == DATA_LAYERS
+    else:
+        assert isinstance(model, Eagle3Drafter) and model.cfg.draft_vocab_size == 128
+        assert list(model.layer_ids) == [0, 2, 3]
+        # the draft vocabulary is the most frequent response tokens of the data
+        counts = tp.response_token_counts(world[0] / "data", model.cfg.vocab_size)
+        assert bool(model.t2d[counts.argmax()]) and int(model.t2d.sum()) == 128
+
+
+@pytest.mark.parametrize("kind", ["dflash", "eagle3"])
+def test_the_trained_checkpoint_decodes_exactly_like_the_target(world, trained, kind):
+    _, target = world
+    layers, _ = target_inputs(trained[kind], target, project=False)
+    engine = TargetEngine(target, n_slots=4, max_seq_len=128, feature_layers=layers)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 500, int(rng.integers(4, 12))).tolist() for _ in range(4)]
+    alone = [r.token_ids for r in decode(engine, [GenerationRequest(p, 32) for p in prompts])]
+    proposer = load_proposer(trained[kind], target, n_slots=4, max_context=128)
+    out = decode(engine, [GenerationRequest(p, 32) for p in prompts], proposer)
+    assert [r.token_ids for r in out] == alone
+    assert sum(r.stats.accepted for r in out) > 0  # trained on the target's answers: it drafts
+
+
+def test_a_killed_run_resumes_to_the_same_result(world, tmp_path, monkeypatch):
+    root, target = world
+    cfg = replace(_config("dflash"), steps=12, save_every=5, log_every=1)
+    tp.train(cfg, target=target, data=root / "data", out=tmp_path / "whole", progress=False)
+
+    real, calls = tp.dflash_loss, []
+
+    def dies_at_step_8(*a, **k):
+        calls.append(1)
+        if len(calls) == 8:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(tp, "dflash_loss", dies_at_step_8)
+    with pytest.raises(KeyboardInterrupt):
+        tp.train(cfg, target=target, data=root / "data", out=tmp_path / "cut", progress=False)
+    monkeypatch.setattr(tp, "dflash_loss", real)
+    tp.train(
+        cfg, target=target, data=root / "data", out=tmp_path / "cut", resume=True, progress=False
+    )
+    assert _losses(tmp_path / "cut") == _losses(tmp_path / "whole")
+    a, b = (load_model(tmp_path / r, target).state_dict() for r in ("whole", "cut"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_eval_adds_the_published_rows_to_a_cell_cache(world, trained, tmp_path):
+    from training import evaluate as ev
+
+    _, target = world
+    rng = np.random.default_rng(3)
+    with open(tmp_path / "prompts.jsonl", "w") as f:
+        for i, dom in enumerate(["code", "math"]):
+            ids = rng.integers(0, 500, 6).tolist()
+            f.write(json.dumps({"domain": dom, "id": f"{dom}-{i}", "prompt_ids": ids}) + "\n")
+    base = ["--target", str(target), "--prompts", str(tmp_path / "prompts.jsonl")]
+    base += ["--max-new-tokens", "12", "--out-dir", str(tmp_path / "out"), "--no-progress"]
+    dflash = ["--dflash-published", str(trained["dflash"])]
+    assert ev.main([*base, *dflash]) == 0
+    first = json.loads((tmp_path / "out" / "eval_cells.json").read_text())["cells"]
+    time.sleep(1.1)  # another run id (seconds)
+    assert ev.main([*base, *dflash, "--eagle3", str(trained["eagle3"])]) == 0
+    cells = json.loads((tmp_path / "out" / "eval_cells.json").read_text())["cells"]
+    assert all(cells[k]["run"] == c["run"] for k, c in first.items())  # kept, not re-measured
+    for m in ("dflash-published", "eagle3-tree16"):
+        for d in ("code", "math"):
+            for t in (0, 1):
+                c = cells[f"{m}|{d}|T={t}"]
+                assert c["gamma"] >= 1 and c["speedup"] > 0
+                assert c["greedy_equal"] is (True if t == 0 else None)
+    report = (tmp_path / "out" / "eval.md").read_text()
+    for needle in ("DFlash (published architecture)", "EAGLE-3, tree of 16", "runs of this cell"):
+        assert needle in report, needle
