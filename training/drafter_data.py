@@ -20,6 +20,10 @@ Resumable: a chunk whose shard already exists is skipped (shards are written to 
 temporary file and renamed, so an existing shard is complete); meta.json must match
 the settings of the run that continues it.
 
+Token data (`training.generate_data`, format "flashmap-token-data") are the same shards
+without `features`: the trainer computes them online with the target
+(`training.online_features`). `read_meta(..., tokens_ok=True)` accepts both kinds.
+
     python -m training.drafter_data --target checkpoints/demo-target \
         --prompts training/data/heldout_prompts.jsonl --out data/drafter --max-new-tokens 256
 """
@@ -44,6 +48,7 @@ from flashmap.types import SamplingParams, VerifyRow
 META_FILE = "meta.json"
 SHARD_FMT = "shard-{:05d}.safetensors"
 FORMAT = "flashmap-drafter-data"
+TOKEN_FORMAT = "flashmap-token-data"  # the same shards without features (training.generate_data)
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 # Settings that must agree between a run and the run that resumes it.
 _RESUME_KEYS = (
@@ -148,26 +153,30 @@ def write_shard(
     path: str | Path,
     prompts: list[list[int]],
     responses: list[list[int]],
-    features: list[np.ndarray],
+    features: list[np.ndarray] | None,
     feature_dtype: str = "bfloat16",
 ) -> Path:
-    """One shard (atomic: temporary file + rename)."""
+    """One shard (atomic: temporary file + rename); features None: a token-data shard."""
     path = Path(path)
     seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
     lens = [len(s) for s in seqs]
-    for s, f in zip(seqs, features):
-        if f.shape[0] != len(s):
-            raise ValueError(f"features have {f.shape[0]} rows for a sequence of {len(s)} tokens")
     tensors = {
         "tokens": torch.tensor([t for s in seqs for t in s], dtype=torch.int64),
         "offsets": torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int64),
         "prompt_lens": torch.tensor([len(p) for p in prompts], dtype=torch.int64),
-        "features": torch.from_numpy(np.concatenate(features, 0))
-        .to(DTYPES[feature_dtype])
-        .contiguous(),
     }
+    if features is not None:
+        for s, f in zip(seqs, features):
+            if f.shape[0] != len(s):
+                raise ValueError(
+                    f"features have {f.shape[0]} rows for a sequence of {len(s)} tokens"
+                )
+        tensors["features"] = (
+            torch.from_numpy(np.concatenate(features, 0)).to(DTYPES[feature_dtype]).contiguous()
+        )
     tmp = path.with_name("." + path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": FORMAT, "count": str(len(seqs))})
+    fmt = FORMAT if features is not None else TOKEN_FORMAT
+    save_file(tensors, str(tmp), metadata={"format": fmt, "count": str(len(seqs))})
     os.replace(tmp, path)
     return path
 
@@ -175,7 +184,7 @@ def write_shard(
 @dataclass
 class Sequence:
     tokens: torch.Tensor  # [L] int64, prompt + response
-    features: torch.Tensor  # [L, F]
+    features: torch.Tensor | None  # [L, F]; None in token data (computed online)
     prompt_len: int
 
 
@@ -189,22 +198,24 @@ class Shard:
         self.offsets = self._f.get_tensor("offsets").tolist()
         self.prompt_lens = self._f.get_tensor("prompt_lens").tolist()
         self._tokens = self._f.get_tensor("tokens")
-        self._features = self._f.get_slice("features")
+        self._features = self._f.get_slice("features") if "features" in self._f.keys() else None
 
     def __len__(self) -> int:
         return len(self.prompt_lens)
 
     def __getitem__(self, i: int) -> Sequence:
         a, b = self.offsets[i], self.offsets[i + 1]
-        return Sequence(self._tokens[a:b], self._features[a:b], int(self.prompt_lens[i]))
+        feats = None if self._features is None else self._features[a:b]
+        return Sequence(self._tokens[a:b], feats, int(self.prompt_lens[i]))
 
 
 def read_shard(path: str | Path) -> list[Sequence]:
     """All sequences of a shard, in memory."""
     t = load_file(str(path))
     off = t["offsets"].tolist()
+    feats = t.get("features")
     return [
-        Sequence(t["tokens"][a:b], t["features"][a:b], int(p))
+        Sequence(t["tokens"][a:b], None if feats is None else feats[a:b], int(p))
         for a, b, p in zip(off[:-1], off[1:], t["prompt_lens"].tolist())
     ]
 
@@ -230,14 +241,41 @@ def list_shards(data_dir: str | Path) -> list[Path]:
     return shards
 
 
-def read_meta(data_dir: str | Path) -> dict:
+def read_meta(data_dir: str | Path, tokens_ok: bool = False) -> dict:
+    """meta.json of a drafter data directory (with tokens_ok: or of token data, whose
+    features the trainer computes online)."""
     path = Path(data_dir) / META_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file (not a drafter data directory?)")
     meta = json.loads(path.read_text())
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path}: not a drafter data directory (format {meta.get('format')!r})")
+    if meta.get("format") != FORMAT and not (tokens_ok and meta.get("format") == TOKEN_FORMAT):
+        what = "drafter data or token data" if tokens_ok else "drafter data"
+        hint = (
+            " (token data: the features are computed online by training.train_drafter)"
+            if meta.get("format") == TOKEN_FORMAT
+            else ""
+        )
+        raise ValueError(f"{path}: not {what} (format {meta.get('format')!r}){hint}")
     return meta
+
+
+def check_or_write_meta(out_dir: Path, meta: dict, keys: tuple[str, ...]) -> None:
+    """Write meta.json into out_dir, or check that the one there agrees on `keys` (a resumed
+    run must continue with the settings it started with). Written atomically."""
+    meta_path = out_dir / META_FILE
+    if meta_path.is_file():
+        old = json.loads(meta_path.read_text())
+        old.setdefault("samples_per_prompt", 1)  # written before the option existed
+        diff = [k for k in keys if old.get(k) != meta[k]]
+        if diff:
+            raise ValueError(
+                f"{out_dir} holds data made with other settings ({', '.join(diff)}); "
+                f"use another --out or delete it"
+            )
+        return
+    tmp = out_dir / f".{META_FILE}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, meta_path)
 
 
 # ----------------------------------------------------------------------------- build
@@ -300,18 +338,7 @@ def build(
         prompts_hash=_prompts_hash(prompts),
         samples_per_prompt=samples_per_prompt,
     )
-    meta_path = out_dir / META_FILE
-    if meta_path.is_file():
-        old = json.loads(meta_path.read_text())
-        old.setdefault("samples_per_prompt", 1)  # written before the option existed
-        diff = [k for k in _RESUME_KEYS if old.get(k) != meta[k]]
-        if diff:
-            raise ValueError(
-                f"{out_dir} holds data made with other settings ({', '.join(diff)}); "
-                f"use another --out or delete it"
-            )
-    else:
-        meta_path.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    check_or_write_meta(out_dir, meta, _RESUME_KEYS)
 
     n_chunks = (len(prompts) + chunk_size - 1) // chunk_size
     paths = []

@@ -65,9 +65,16 @@ class Batch:
 
 
 def make_batch(
-    seqs: list, block_size: int, anchors_per_seq: int, max_len: int, gen: np.random.Generator
+    seqs: list,
+    block_size: int,
+    anchors_per_seq: int,
+    max_len: int,
+    gen: np.random.Generator,
+    device=None,
 ) -> Batch:
-    """Blocks from sequences (training.drafter_data.Sequence): anchors inside each response."""
+    """Blocks from sequences (training.drafter_data.Sequence): anchors inside each response.
+    device: where the padded features are assembled (features computed online already sit on
+    the target's device; default the CPU); the other fields stay on the CPU (Batch.to)."""
     feats, rows = [], []
     for seq in seqs:
         L = min(len(seq.tokens), max_len)
@@ -89,9 +96,12 @@ def make_batch(
         )
     T = max(f.shape[0] for f in feats)
     F_ = feats[0].shape[1]
-    fbuf = torch.zeros(len(feats), T, F_, dtype=torch.float32)
+    # Offline features (bf16 on disk) are padded in fp32; online ones keep the dtype the target
+    # computed them in (bf16 on a GPU: exact, at half the memory).
+    dtype = torch.float32 if device is None else feats[0].dtype
+    fbuf = torch.zeros(len(feats), T, F_, dtype=dtype, device=device)
     for i, f in enumerate(feats):
-        fbuf[i, : f.shape[0]] = f.float()
+        fbuf[i, : f.shape[0]] = f.to(dtype)
     N = len(rows)
     target = torch.zeros(N, block_size, dtype=torch.int64)
     mask = torch.zeros(N, block_size, dtype=torch.bool)

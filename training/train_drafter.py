@@ -28,21 +28,30 @@ OUT holds what `training.trainer.run_training` writes: the drafter checkpoint, t
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
-from dataclasses import MISSING, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from drafter_service.checkpoint import init_drafter, load_drafter
-from drafter_service.config import DrafterConfig
 from drafter_service.flashmap_dit import FlashMapDiT
+from training import distributed
+from training.acceptance_check import AcceptanceCheck, heldout_from
 from training.denoiser_curve import flow_check
-from training.drafter_data import read_meta
-from training.flow import Batch, dflash_loss, distill_loss, flow_loss, make_batch
+from training.distributed import full_tensor
+from training.drafter_data import TOKEN_FORMAT, read_meta
+from training.flow import Batch, dflash_loss, distill_loss, flow_loss
+from training.online_features import (
+    OnlineTarget,
+    check_fits,
+    check_memory,
+    copy_sharing_frozen,
+    share_frozen,
+    training_bytes,
+)
+from training.step_batches import StepBatches, flow_check_batches, step_generator
 from training.trainer import (
     ConfigDict,
     SequenceStream,
@@ -51,6 +60,7 @@ from training.trainer import (
     config_from_args,
     run_training,
 )
+from training.warm_start import ARCH_FIELDS, warm_start_from_dflash
 
 STAGES = ("flow", "distill", "dflash")
 
@@ -77,7 +87,15 @@ class TrainConfig(ConfigDict):
     seed: int = 0
     log_every: int = 10
     save_every: int = 1_000
-    amp: bool = True  # bf16 autocast on CUDA
+    amp: bool = True  # bf16 autocast on CUDA (the weights stay fp32)
+    accum_steps: int = 1  # micro-batches per optimizer step (each rank's share split again)
+    fsdp: bool = False  # several ranks: FSDP2 shards the drafter's training state (else DDP)
+    # Held-out acceptance check every accept_every steps (0 = off): gamma at T = 0 of the drafter
+    # as it stands, on the first accept_sequences sequences of accept_data (token or drafter data).
+    accept_every: int = 0
+    accept_data: str = ""
+    accept_sequences: int = 16
+    accept_max_anchors: int = 8
     # flow: start from a trained DFlash-style drafter of the same backbone (warm_start_from_dflash);
     # dflash: continue one. "" = the DiT init. Not in the paper: a CPU-budget choice, reported.
     init_from: str = ""
@@ -121,51 +139,9 @@ class TrainConfig(ConfigDict):
 
 # ----------------------------------------------------------------------------- trainer
 
-ARCH_FIELDS = ("dim", "n_blocks", "n_heads", "block_size", "mlp_ratio", "time_freq_dim", "qk_norm")
-
-
-def _field_default(cls, name: str):
-    f = cls.__dataclass_fields__[name]
-    return f.default_factory() if f.default is MISSING else f.default
-
-
-def warm_start_from_dflash(src: FlashMapDiT, **config_overrides) -> FlashMapDiT:
-    """A flashmap drafter that computes exactly what the DFlash-style `src` computes at the
-    1-jump conditioning (s, t) = (0, 1), whatever its input state.
-
-    Both kinds share every module but the slot input: dflash feeds a learned mask vector,
-    flashmap a projection of the state. The projection starts at zero and the mask vector
-    moves into the slots' position embeddings, so the flow stage starts from the baseline's
-    per-slot marginals and only has to learn what the state adds (joint structure).
-    config_overrides: non-architecture DrafterConfig fields (pure_noise_fraction, ...)."""
-    if src.cfg.kind != "dflash":
-        raise ValueError(f"--init-from needs a dflash drafter, got kind {src.cfg.kind!r}")
-    bad = sorted(set(config_overrides) & set(ARCH_FIELDS))
-    if bad:
-        raise ValueError(f"the architecture comes from the --init-from drafter; do not set {bad}")
-    # A new flow drafter reads its state and keeps time as new drafters do, whatever the source
-    # checkpoint's config says (a dflash config from before these fields carries the legacy values).
-    new = {
-        f: _field_default(DrafterConfig, f)
-        for f in ("time_map", "state_input", "shared_noise", "time_map_candidates")
-    }
-    cfg = replace(
-        src.cfg, kind="flashmap", time_table_t=[], time_table_tau=[], **{**new, **config_overrides}
-    )
-    model = FlashMapDiT(cfg).to(src.pos_embed.device, src.pos_embed.dtype)
-    model.set_target(src.embed, src.lm_head)
-    state = {k: v for k, v in src.state_dict().items() if k != "mask_embed"}
-    with torch.no_grad():
-        state["pos_embed"] = state["pos_embed"].clone()
-        state["pos_embed"][1:] += src.mask_embed  # [K, D] slots; row 0 is the anchor
-        state["state_in.weight"] = torch.zeros_like(model.state_in.weight)
-    model.load_state_dict(state)
-    return model
-
 
 def _step_generator(seed: int, step: int, device) -> torch.Generator:
-    s = int(np.random.SeedSequence([seed, step]).generate_state(1, np.uint64)[0]) & (2**63 - 1)
-    return torch.Generator(device=device).manual_seed(s)
+    return step_generator(seed, step, device)
 
 
 def run_stage(
@@ -180,16 +156,24 @@ def run_stage(
     progress: bool = True,
     check_batches: list[Batch] | None = None,
     check_prior: FlashMapDiT | None = None,
+    dist=None,
+    periodic=None,
+    replica_digests: bool = False,
 ) -> FlashMapDiT:
-    """Train `model` for one stage (tcfg.stage) on batch_fn(step) -> Batch; distill: `teacher`
+    """Train `model` for one stage (tcfg.stage) on batch_fn(step) -> Batch (or a StepBatches,
+    which gives each step's parts with their noise generators); distill: `teacher`
     is the frozen flow model (model starts as its copy). Flow stage with check_batches: at
     every save the denoiser's accuracy against tau on those blocks is logged and written to
-    OUT/flow_summary.json, with a warning when it does not improve with tau (`flow_check`)."""
+    OUT/flow_summary.json, with a warning when it does not improve with tau (`flow_check`).
+    dist / periodic / replica_digests: training.trainer.run_training's (several ranks, the
+    held-out acceptance check, the replicas' digests)."""
     model.embed.requires_grad_(False)
     model.lm_head.requires_grad_(False)
     ema = None
     if tcfg.stage == "distill":
-        ema = copy.deepcopy(model).requires_grad_(False).eval() if tcfg.ema_decay > 0 else model
+        ema = (
+            copy_sharing_frozen(model).requires_grad_(False).eval() if tcfg.ema_decay > 0 else model
+        )
 
     cols = (
         ["step", "lr", "loss"]
@@ -199,6 +183,8 @@ def run_stage(
 
     def batch_gen(step: int) -> tuple[Batch, torch.Generator]:
         return batch_fn(step), _step_generator(tcfg.seed, step, device)
+
+    parts = isinstance(batch_fn, StepBatches)
 
     def loss_fn(batch_gen: tuple[Batch, torch.Generator]) -> tuple[Tensor, dict]:
         if tcfg.stage == "flow":
@@ -212,7 +198,7 @@ def run_stage(
     def ema_update() -> None:
         with torch.no_grad():
             for pe, pm in zip(own_ema.parameters(), model.parameters()):
-                pe.lerp_(pm, 1 - tcfg.ema_decay)
+                pe.lerp_(full_tensor(pm), 1 - tcfg.ema_decay)
 
     on_save = None
     if tcfg.stage == "flow" and check_batches:
@@ -226,12 +212,17 @@ def run_stage(
         device=device,
         progress=progress,
         cols=cols,
-        batch_fn=batch_gen,
+        batch_fn=batch_fn if parts else batch_gen,
         loss_fn=loss_fn,
-        extra_modules={"ema": own_ema},
+        extra_modules={"ema": own_ema, **({"data": batch_fn.data} if parts else {})},
         after_step=ema_update if own_ema is not None else None,
         on_save=on_save,
         postfix=lambda stats, lr: dict(loss=f"{stats['loss']:.4f}", lr=f"{lr:.2e}"),
+        dist=dist,
+        accum_steps=batch_fn.accum if parts else 1,
+        fsdp=tcfg.fsdp,
+        periodic=periodic,
+        replica_digests=replica_digests,
     )
 
 
@@ -245,11 +236,19 @@ def train(
     resume: bool = False,
     device: str = "cpu",
     progress: bool = True,
+    dist=None,
+    replica_digests: bool = False,
 ) -> FlashMapDiT:
-    """Run one stage; returns the trained model (also saved in out)."""
+    """Run one stage; returns the trained model (also saved in out). Token data (training.
+    generate_data): the target runs in the step and gives each batch's features online, the
+    drafter's frozen embedding / LM head are its tensors. dist: this rank of a torchrun run
+    (training.distributed.init): its share of every step on its device, gradients averaged."""
     if tcfg.stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, got {tcfg.stage!r}")
+    device = str(dist.device) if dist is not None else device
     torch.manual_seed(tcfg.seed)
+    meta = read_meta(data, tokens_ok=True)
+    token_data = meta["format"] == TOKEN_FORMAT
 
     teacher_model = None
     if tcfg.stage == "distill":
@@ -265,7 +264,7 @@ def train(
                 f"the teacher must be a flashmap drafter, got kind {teacher_model.cfg.kind!r}"
             )
         teacher_model.requires_grad_(False).eval()
-        model = copy.deepcopy(teacher_model).requires_grad_(True).train()
+        model = copy_sharing_frozen(teacher_model).requires_grad_(True).train()
     elif tcfg.init_from:
         # flow: FlashMap warm-started from the baseline, or a flow-stage drafter trained on;
         # dflash: the baseline trained on (the equal-compute comparison).
@@ -285,32 +284,61 @@ def train(
     else:
         kind = "dflash" if tcfg.stage == "dflash" else "flashmap"
         model = init_drafter(target, seed=tcfg.seed, device=device, kind=kind, **tcfg.arch).train()
-    check_data(read_meta(data), model.cfg)
+    # Refused here, before the target is loaded and before any step.
+    check_fits(model.cfg, target, max_len=tcfg.max_len, meta=meta)
+    if not token_data:
+        check_data(meta, model.cfg)
     stream = SequenceStream(data, seed=tcfg.seed, max_len=tcfg.max_len)
-    seqs_per_step = max(1, -(-tcfg.batch_size // tcfg.anchors_per_seq))
     K = model.cfg.block_size
-
-    def batch_fn(step: int) -> Batch:
-        rng = np.random.default_rng([tcfg.seed, step, 1])
-        return make_batch(
-            stream.take(step * seqs_per_step, seqs_per_step),
-            K,
-            tcfg.anchors_per_seq,
-            tcfg.max_len,
-            rng,
-        ).to(device)
+    rank, world = (dist.rank, dist.world) if dist is not None else (0, 1)
+    batches = StepBatches(
+        stream, tcfg, K, device=device, rank=rank, world=world, accum=tcfg.accum_steps
+    )
+    online = None
+    if token_data or tcfg.accept_every:
+        online = OnlineTarget(target, n_slots=batches.per_part, max_len=tcfg.max_len, device=device)
+        if token_data:
+            batches.online = online
+        # One embedding / LM head in memory: the target's (bf16 on a GPU, read under autocast).
+        if online.embed.dtype == torch.float32 or (tcfg.amp and "cuda" in device):
+            for m in (model, teacher_model):
+                if m is not None:
+                    share_frozen(m, online)
+        n = sum(p.numel() for p in model.parameters())
+        copies = 3 if tcfg.stage == "distill" else 1
+        check_memory(training_bytes(n, copies, world if tcfg.fsdp else 1), device)
 
     check_batches = prior = None
     if tcfg.stage == "flow" and tcfg.check_batches > 0:
         if tcfg.check_data:
-            check_data(read_meta(tcfg.check_data), model.cfg)
-        check_batches = flow_check_batches(tcfg.check_data or data, tcfg, K, device)
+            cmeta = read_meta(tcfg.check_data, tokens_ok=True)
+            check_fits(model.cfg, target, max_len=tcfg.max_len, meta=cmeta)
+            if cmeta["format"] != TOKEN_FORMAT:
+                check_data(cmeta, model.cfg)
+        if rank == 0:
+            check_batches = flow_check_batches(tcfg.check_data or data, tcfg, K, device, online)
         if tcfg.check_prior:
             prior = load_drafter(tcfg.check_prior, target, device=device).eval()
+    periodic = None
+    if tcfg.accept_every and rank == 0:
+        seqs = heldout_from(tcfg.accept_data or data, online, tcfg.accept_sequences, K)
+        check = AcceptanceCheck(
+            model,
+            online.engine,
+            seqs,
+            out,
+            steps=(1, 2) if model.cfg.kind == "flashmap" else (1,),
+            max_anchors=tcfg.accept_max_anchors,
+            dtype=online.embed.dtype,
+            device=device,
+        )
+        periodic = (tcfg.accept_every, check)
+    elif tcfg.accept_every:
+        periodic = (tcfg.accept_every, None)
     return run_stage(
         model,
         tcfg,
-        batch_fn,
+        batches,
         out=out,
         teacher=teacher_model,
         resume=resume,
@@ -318,21 +346,10 @@ def train(
         progress=progress,
         check_batches=check_batches,
         check_prior=prior,
+        dist=dist,
+        periodic=periodic,
+        replica_digests=replica_digests,
     )
-
-
-def flow_check_batches(data: str | Path, tcfg: TrainConfig, block_size: int, device) -> list[Batch]:
-    """The fixed blocks the flow stage's check runs on: tcfg.check_batches batches of a stream
-    with another seed over `data` (tcfg.check_data: held-out data; else the training data)."""
-    stream = SequenceStream(data, seed=tcfg.seed + 7919, max_len=tcfg.max_len)
-    n = max(1, -(-tcfg.batch_size // tcfg.anchors_per_seq))
-    rng = np.random.default_rng([tcfg.seed, 7919])
-    return [
-        make_batch(stream.take(i * n, n), block_size, tcfg.anchors_per_seq, tcfg.max_len, rng).to(
-            device
-        )
-        for i in range(tcfg.check_batches)
-    ]
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -391,6 +408,24 @@ def main(argv: list[str] | None = None) -> int:
         "--check-batches", type=int, help="flow: batches of the flow check at every save (0 = off)"
     )
     ap.add_argument(
+        "--accum-steps", type=int, help="micro-batches per optimizer step (gradient accumulation)"
+    )
+    ap.add_argument(
+        "--fsdp",
+        action="store_true",
+        default=None,
+        help="several ranks: shard the drafter's training state with FSDP2 (default DDP)",
+    )
+    ap.add_argument(
+        "--accept-every", type=int, help="held-out acceptance check every N steps (0 = off)"
+    )
+    ap.add_argument("--accept-data", help="held-out token or drafter data for the acceptance check")
+    ap.add_argument(
+        "--replica-digests",
+        action="store_true",
+        help="every rank logs its parameters' sha256 after each step to OUT/replicas/ (tests)",
+    )
+    ap.add_argument(
         "--init-from",
         help="flow: start from a DFlash-style drafter (warm start, not the paper's) or train "
         "a flow-stage drafter on; dflash: train a DFlash-style drafter on",
@@ -404,7 +439,18 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config_from_args(
         TrainConfig.for_stage(args.stage, small=args.small),
         args,
-        ("anchors_per_seq", "ema_decay", "init_from", "check_data", "check_prior", "check_batches"),
+        (
+            "anchors_per_seq",
+            "ema_decay",
+            "init_from",
+            "check_data",
+            "check_prior",
+            "check_batches",
+            "accum_steps",
+            "fsdp",
+            "accept_every",
+            "accept_data",
+        ),
         (
             "dim",
             "n_blocks",
@@ -417,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
             "time_map_candidates",
         ),
     )
+    d = distributed.init(args.device)  # torchrun: this rank (a single process: rank 0 of 1)
     try:
         train(
             cfg,
@@ -425,13 +472,17 @@ def main(argv: list[str] | None = None) -> int:
             out=args.out,
             teacher=args.teacher,
             resume=args.resume,
-            device=args.device,
             progress=not args.no_progress,
+            dist=d,
+            replica_digests=args.replica_digests,
         )
     except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error{f' (rank {d.rank})' if d.enabled else ''}: {e}", file=sys.stderr)
         return 2
-    print(f"drafter checkpoint in {args.out}")
+    finally:
+        distributed.shutdown(d)
+    if d.main:
+        print(f"drafter checkpoint in {args.out}")
     return 0
 
 

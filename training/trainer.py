@@ -12,10 +12,13 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import os
+import signal
 import time
 from collections import OrderedDict
 from dataclasses import asdict, fields, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -168,6 +171,31 @@ def plot_losses(csv_path: Path, png_path: Path, cols: list[str] | None = None) -
     plt.close(fig)
 
 
+KILL_ENV = (
+    "FLASHMAP_TRAIN_KILL_AFTER_STEP"  # fault injection (the resume tests): SIGKILL after step N
+)
+REPLICA_DIR = "replicas"
+
+
+def _log_row(stats: list[dict]) -> dict:
+    """Stats of several micro-batches / ranks, averaged per key (NaN where none has it)."""
+    keys = dict.fromkeys(k for s in stats for k in s)
+    out = {}
+    for k in keys:
+        vals = [s[k] for s in stats if k in s and not math.isnan(s[k])]
+        out[k] = sum(vals) / len(vals) if vals else float("nan")
+    return out
+
+
+def _tensorboard(out: Path):
+    """A TensorBoard writer into OUT/tb when tensorboard is installed, else None."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is optional: loss.csv has the same numbers
+        return None
+    return SummaryWriter(str(out / "tb"))
+
+
 def run_training(
     model: torch.nn.Module,
     tcfg,
@@ -186,6 +214,11 @@ def run_training(
     plot_cols: list[str] | None = None,
     stage_name: str | None = None,
     on_save=None,
+    dist=None,
+    accum_steps: int = 1,
+    fsdp: bool = False,
+    periodic=None,
+    replica_digests: bool = False,
 ) -> torch.nn.Module:
     """The training loop every drafter shares (train_drafter's stages, train_eagle).
 
@@ -193,16 +226,33 @@ def run_training(
     (refused when its "stage" is not `stage`; stage_name names the expected run in the
     error, default repr(stage)); loss.csv keeps exactly the rows of steps already done; per
     step batch_fn(step) (outside autocast) then loss_fn(batch) -> (loss, stats) under bf16
-    autocast when tcfg.amp on CUDA, gradient clipping, after_step() after the optimizer
-    step; every save_every steps the drafter checkpoint (save_drafter), train_state.pt
-    (model, optimizer, scheduler, step, train config, and extra_modules' state dicts: None
-    for a None module) and loss.png (plot_cols), then on_save(step). Returns the model in eval mode."""
+    autocast when tcfg.amp on CUDA (the weights stay fp32), gradient clipping, after_step()
+    after the optimizer step; every save_every steps the drafter checkpoint (save_drafter),
+    train_state.pt (model, optimizer, scheduler, step, train config, every rank's RNG, and
+    extra_modules' state dicts: None for a None module; anything with state_dict /
+    load_state_dict, e.g. the data position) and loss.png (plot_cols), then on_save(step).
+    Returns the model in eval mode.
+
+    Several processes (dist, a training.distributed.Dist under torchrun): the loss runs through
+    DDP (FSDP2 with fsdp), so gradients are averaged across ranks and the replicas stay equal;
+    rank 0 alone writes files, shows progress and runs on_save / periodic; logged stats are the
+    ranks' mean. accum_steps > 1: batch_fn(step) gives an iterable of that many micro-batches
+    whose gradients add up (each loss / accum_steps) before one optimizer step, synced across
+    ranks once. periodic: (every, fn): fn(step) on rank 0 after every `every` steps (the
+    held-out acceptance check). replica_digests: every rank appends its parameters' sha256
+    after every optimizer step to OUT/replicas/rank-R.txt (the rank-equality test)."""
     from tqdm import tqdm
 
+    from training import distributed as D
+
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    main = dist is None or dist.main
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+    D.barrier(dist)
     state_path, csv_path = out / STATE_FILE, out / CSV_FILE
     extra_modules = extra_modules or {}
+    wrapped = D.wrap(model, loss_fn, dist, fsdp)
     opt = torch.optim.AdamW(_param_groups(model, tcfg.weight_decay), lr=tcfg.lr, betas=tcfg.betas)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(i, tcfg))
     start = 0
@@ -212,36 +262,54 @@ def run_training(
             raise ValueError(
                 f"{state_path} is a {st.get('stage')!r} run, not {stage_name or repr(stage)}"
             )
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["optimizer"])
+        if bool(st.get("fsdp", False)) != fsdp:
+            raise ValueError(f"{state_path} was written with fsdp={not fsdp}: resume it so")
+        D.load_full_state(model, opt, st["model"], st["optimizer"], fsdp)
         sched.load_state_dict(st["scheduler"])
         for name, m in extra_modules.items():
             if m is not None and st.get(name) is not None:
                 m.load_state_dict(st[name])
+        rngs = st.get("rng") or []
+        if len(rngs) == (dist.world if dist else 1):  # the same ranks: each takes its own back
+            D.set_rng_state(rngs[dist.rank if dist else 0])
         start = int(st["step"])
     # The CSV keeps exactly the rows of steps already done (a crash may have logged past the last save).
     old_rows = []
-    if start and csv_path.is_file():
+    if main and start and csv_path.is_file():
         with open(csv_path) as f:
             old_rows = [r for r in csv.DictReader(f) if int(r["step"]) <= start]
-    with open(csv_path, "w", newline="") as f:
-        w = csv.DictWriter(f, cols)
-        w.writeheader()
-        w.writerows(old_rows)
+    if main:
+        with open(csv_path, "w", newline="") as f:
+            w = csv.DictWriter(f, cols)
+            w.writeheader()
+            w.writerows(old_rows)
 
     amp = tcfg.amp and torch.device(device).type == "cuda"
+    kill_after = int(os.environ.get(KILL_ENV, "0") or 0)
+    digests = None
+    if replica_digests:
+        (out / REPLICA_DIR).mkdir(parents=True, exist_ok=True)
+        digests = open(out / REPLICA_DIR / f"rank-{dist.rank if dist else 0}.txt", "a")
 
     def save(step: int) -> None:
-        save_drafter(model, out)
+        model_sd, opt_sd = D.full_state(model, opt, fsdp)  # collective under FSDP2
+        rngs = D.gather(D.rng_state(), dist)  # collective
+        if not main:
+            return
+        save_drafter(SimpleNamespace(state_dict=lambda: model_sd, cfg=model.cfg), out)
         tmp = out / (STATE_FILE + ".tmp")
         torch.save(
             {
                 "stage": stage,
                 "step": step,
                 "train_config": tcfg.to_dict(),
-                "model": model.state_dict(),
-                "optimizer": opt.state_dict(),
+                "model": model_sd,
+                "optimizer": opt_sd,
                 "scheduler": sched.state_dict(),
+                "rng": rngs,
+                "world_size": dist.world if dist else 1,
+                "accum_steps": accum_steps,
+                "fsdp": fsdp,
                 **{
                     name: None if m is None else m.state_dict() for name, m in extra_modules.items()
                 },
@@ -254,20 +322,33 @@ def run_training(
             on_save(step)
 
     t0 = time.perf_counter()
-    csv_f = open(csv_path, "a", newline="")
-    writer = csv.DictWriter(csv_f, cols, extrasaction="ignore")
+    csv_f = open(csv_path, "a", newline="") if main else None
+    writer = csv.DictWriter(csv_f, cols, extrasaction="ignore") if main else None
+    tb = _tensorboard(out) if main else None
     bar = tqdm(
-        range(start, tcfg.steps), initial=start, total=tcfg.steps, desc=stage, disable=not progress
+        range(start, tcfg.steps),
+        initial=start,
+        total=tcfg.steps,
+        desc=stage,
+        disable=not (progress and main),
     )
     try:
         for step in bar:
-            batch = batch_fn(step)
-            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=amp):
-                loss, stats = loss_fn(batch)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"step {step}: loss is {loss.item()}")
+            micro = [batch_fn(step)] if accum_steps == 1 else batch_fn(step)
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            seen = []
+            for i, batch in enumerate(micro):
+                with D.sync_gradients(wrapped, i == accum_steps - 1):
+                    with torch.autocast(
+                        torch.device(device).type, dtype=torch.bfloat16, enabled=amp
+                    ):
+                        loss, stats = wrapped(batch)
+                    if not torch.isfinite(loss):
+                        raise FloatingPointError(f"step {step}: loss is {loss.item()}")
+                    (loss / accum_steps if accum_steps > 1 else loss).backward()
+                seen.append(stats)
+            if len(seen) != accum_steps:
+                raise ValueError(f"step {step}: {len(seen)} micro-batches, not {accum_steps}")
             if tcfg.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
             lr = opt.param_groups[0]["lr"]
@@ -275,25 +356,46 @@ def run_training(
             sched.step()
             if after_step is not None:
                 after_step()
+            if digests is not None:
+                digests.write(f"{step + 1} {D.param_digest(model)}\n")
+                digests.flush()
             done = step + 1
             if done % tcfg.log_every == 0 or done == tcfg.steps or step == start:
-                writer.writerow(
-                    {
-                        "step": done,
-                        "lr": f"{lr:.3e}",
-                        "elapsed_s": f"{time.perf_counter() - t0:.2f}",
-                        **{k: f"{v:.6f}" for k, v in stats.items()},
-                    }
-                )
-                csv_f.flush()
-                if postfix is not None:
-                    bar.set_postfix(**postfix(stats, lr))
+                stats = _log_row(D.gather(_log_row(seen), dist))  # collective
+                if main:
+                    writer.writerow(
+                        {
+                            "step": done,
+                            "lr": f"{lr:.3e}",
+                            "elapsed_s": f"{time.perf_counter() - t0:.2f}",
+                            **{k: f"{v:.6f}" for k, v in stats.items()},
+                        }
+                    )
+                    csv_f.flush()
+                    if tb is not None:
+                        for k, v in stats.items():
+                            tb.add_scalar(f"{stage}/{k}", v, done)
+                        tb.add_scalar(f"{stage}/lr", lr, done)
+                    if postfix is not None:
+                        bar.set_postfix(**postfix(stats, lr))
             if done % tcfg.save_every == 0 or done == tcfg.steps:
                 save(done)
+            if periodic is not None and done % periodic[0] == 0:
+                if main:
+                    periodic[1](done)
+                D.barrier(dist)
+            if kill_after and done == kill_after:
+                os.kill(os.getpid(), signal.SIGKILL)
     finally:
-        csv_f.close()
+        if csv_f is not None:
+            csv_f.close()
+        if digests is not None:
+            digests.close()
+        if tb is not None:
+            tb.close()
     if start >= tcfg.steps:  # nothing to do: still leave a complete checkpoint behind
         save(start)
+    D.barrier(dist)
     return model.eval()
 
 
