@@ -14,7 +14,6 @@ import csv
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from training.drafter_data import TOKEN_FORMAT, Shard, list_shards, read_meta
 from training.heldout import HeldoutSequence
@@ -69,19 +68,20 @@ class AcceptanceCheck:
     def __init__(
         self,
         model,
-        engine,
+        online,
         seqs: list,
         out: str | Path,
         *,
-        steps: tuple[int, ...] = (1,),
+        steps: tuple[int, ...] = (1, 2),
         max_anchors: int = 8,
-        dtype: torch.dtype = torch.float32,
-        device="cpu",
     ):
-        self.model, self.engine, self.seqs = model, engine, seqs
+        """online: the run's OnlineTarget (its engine verifies; the drafter's copy is made in
+        its dtype, as serving runs it). steps: the flow-map jumps measured (one for a
+        DFlash-style drafter)."""
+        self.model, self.engine, self.seqs = model, online.engine, seqs
         self.path = Path(out) / CSV
         self.steps, self.max_anchors = tuple(steps), max_anchors
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device = online.embed.dtype, online.device
         self.last: dict = {}
 
     def __call__(self, step: int) -> dict:

@@ -109,6 +109,18 @@ class OnlineTarget:
                     eng.release(s)
         return out
 
+    def host(self, models: list, *, amp: bool, shards: int = 1) -> None:
+        """Make room for training `models` (the trained drafter first, then its frozen teacher):
+        their frozen embedding / LM head become the target's tensors (one copy in memory; bf16
+        on a GPU, read under autocast, so only with amp there), and on a GPU the training state
+        must fit in what the target left free (check_memory; shards: FSDP2's ranks)."""
+        if self.embed.dtype == torch.float32 or (amp and self.device.type == "cuda"):
+            for m in models:
+                share_frozen(m, self)
+        n = sum(p.numel() for p in models[0].parameters())
+        copies = 1 + 2 * (len(models) > 1)  # distillation: the teacher and the EMA
+        check_memory(training_bytes(n, copies, shards), self.device)
+
     def attach(self, seqs: list, max_len: int | None = None) -> list:
         """The sequences (training.drafter_data.Sequence, token data) with their features,
         computed on the target's device; cut to max_len tokens first (the training cut)."""

@@ -43,14 +43,7 @@ from training.denoiser_curve import flow_check
 from training.distributed import full_tensor
 from training.drafter_data import TOKEN_FORMAT, read_meta
 from training.flow import Batch, dflash_loss, distill_loss, flow_loss
-from training.online_features import (
-    OnlineTarget,
-    check_fits,
-    check_memory,
-    copy_sharing_frozen,
-    share_frozen,
-    training_bytes,
-)
+from training.online_features import OnlineTarget, check_fits, copy_sharing_frozen
 from training.step_batches import StepBatches, flow_check_batches, step_generator
 from training.trainer import (
     ConfigDict,
@@ -299,17 +292,20 @@ def train(
         online = OnlineTarget(target, n_slots=batches.per_part, max_len=tcfg.max_len, device=device)
         if token_data:
             batches.online = online
-        # One embedding / LM head in memory: the target's (bf16 on a GPU, read under autocast).
-        if online.embed.dtype == torch.float32 or (tcfg.amp and "cuda" in device):
-            for m in (model, teacher_model):
-                if m is not None:
-                    share_frozen(m, online)
-        n = sum(p.numel() for p in model.parameters())
-        copies = 3 if tcfg.stage == "distill" else 1
-        check_memory(training_bytes(n, copies, world if tcfg.fsdp else 1), device)
+        online.host(
+            [m for m in (model, teacher_model) if m is not None],
+            amp=tcfg.amp,
+            shards=world if tcfg.fsdp else 1,
+        )
 
     check_batches = prior = None
-    if tcfg.stage == "flow" and tcfg.check_batches > 0:
+    sharded = tcfg.fsdp and world > 1
+    if sharded and rank == 0 and (tcfg.check_batches or tcfg.accept_every):
+        print(
+            "note: under --fsdp no rank holds the whole drafter: the flow check and the "
+            "acceptance check are off (run training.flow_diagnostics on a saved checkpoint)"
+        )
+    if tcfg.stage == "flow" and tcfg.check_batches > 0 and not sharded:
         if tcfg.check_data:
             cmeta = read_meta(tcfg.check_data, tokens_ok=True)
             check_fits(model.cfg, target, max_len=tcfg.max_len, meta=cmeta)
@@ -320,21 +316,12 @@ def train(
         if tcfg.check_prior:
             prior = load_drafter(tcfg.check_prior, target, device=device).eval()
     periodic = None
-    if tcfg.accept_every and rank == 0:
-        seqs = heldout_from(tcfg.accept_data or data, online, tcfg.accept_sequences, K)
-        check = AcceptanceCheck(
-            model,
-            online.engine,
-            seqs,
-            out,
-            steps=(1, 2) if model.cfg.kind == "flashmap" else (1,),
-            max_anchors=tcfg.accept_max_anchors,
-            dtype=online.embed.dtype,
-            device=device,
-        )
+    if tcfg.accept_every and not sharded:  # rank 0 checks, the others wait
+        check = None
+        if rank == 0:
+            seqs = heldout_from(tcfg.accept_data or data, online, tcfg.accept_sequences, K)
+            check = AcceptanceCheck(model, online, seqs, out, max_anchors=tcfg.accept_max_anchors)
         periodic = (tcfg.accept_every, check)
-    elif tcfg.accept_every:
-        periodic = (tcfg.accept_every, None)
     return run_stage(
         model,
         tcfg,
