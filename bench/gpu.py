@@ -2,6 +2,7 @@
 
   python bench/gpu.py --out DIR     (or python -m bench.gpu; on the GPU machine, guarded at --budget s)
   python bench/gpu.py --smoke       (tiny shapes on the CPU: the script's own test)
+  python -m bench.gpu --only training --out DIR   (the training step alone, ~3 min on an H200)
 
 Sections (each in its own try/except, so one failure keeps the others' numbers; skipped
 when the time guard says they would not fit):
@@ -23,6 +24,10 @@ when the time guard says they would not fit):
   drafter      paper size (dim 2048, 6 blocks, 16 heads), bf16, noise on the device: 1 and 2
                jumps at batch 1/4/16, eager and CUDA graphs (bench.gpu_drafter)
   cuda_tests   the repository's CUDA tests (pytest -k cuda), in a subprocess
+  training     only when named (--only training; always with --smoke): one drafter training
+               step, paper-size drafter + Qwen3-8B-shape target computing the features online,
+               at batch 256 on one GPU and at 8 GPUs' per-GPU share: memory and time, and the
+               paper's 39K + 23K steps estimated from them (bench.gpu_training)
   projection   speedup gamma * t_step / (t_verify + t_draft) for gamma = 3..6
 
 Full numbers go to DIR/gpu_check.json (rewritten after every section) and the log to
@@ -49,6 +54,7 @@ from bench.gpu_drafter import drafter_section  # noqa: E402
 from bench.gpu_exactness import exactness_section  # noqa: E402
 from bench.gpu_target import ceilings_section, target_section  # noqa: E402
 from bench.gpu_timing import BATCHES, LOG, T0, Guard, say, watchdog  # noqa: E402
+from bench.gpu_training import training_section, training_summary  # noqa: E402
 
 # ----------------------------------------------------------------------------- sections
 
@@ -234,6 +240,7 @@ def summary(report: dict) -> list[str]:
         checks.append(
             f"drafter b=16 / b=1 = {d16 / d1:.2f} < 2: {'PASS' if d16 < 2 * d1 else 'FAIL'}"
         )
+    lines += training_summary(report)
     lines += ["acceptance: " + c for c in checks]
     ct = report.get("cuda_tests", {})
     if ct:
@@ -250,6 +257,10 @@ def main(argv=None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     gpu_timing.add_options(ap, "gpu_check.json and gpu_check.log", 400.0, "sections")
+    ap.add_argument(
+        "--only", default="", help="comma-separated: run these sections alone (and env)"
+    )
+    ap.add_argument("--train-len", type=int, default=2048, help="training: tokens per sequence")
     a = ap.parse_args(argv)
     dev = gpu_timing.device_for(a, "bench/gpu.py")
     if dev is None:
@@ -283,9 +294,15 @@ def main(argv=None) -> int:
         ("target", 90, lambda: target_section(dev, a.smoke, guard, report)),
         ("drafter", 40, lambda: drafter_section(dev, a.smoke, guard)),
         ("cuda_tests", 60, lambda: cuda_tests_section(guard)),
+        ("training", 60, lambda: training_section(dev, a.smoke, guard, a.train_len)),
     ]
+    only = set(filter(None, a.only.split(",")))
     for name, need, fn in sections:
         if name in skip or (name == "cuda_tests" and a.smoke):
+            continue
+        if (only and name not in only | {"env"}) or (
+            name == "training" and not only and not a.smoke
+        ):
             continue
         if not guard.fits(need if not a.smoke else 1):
             report[name] = {"error": f"skipped: {guard.left():.0f} s left, section needs ~{need} s"}

@@ -270,3 +270,35 @@ def test_two_ranks_stay_equal_and_a_killed_run_resumes_bit_for_bit(world, tmp_pa
     assert _state(fsdp)["fsdp"] is True
     for k, v in st["model"].items():
         assert torch.allclose(v, _state(fsdp)["model"][k], atol=1e-6), k
+
+
+# ----------------------------------------------------------------------------- sizing
+
+
+def test_the_gpu_training_step_mode_runs_at_tiny_sizes(tmp_path):
+    """`python -m bench.gpu --only training` (the sizing of docs/training.md) at tiny sizes on
+    the CPU: one step measured, the estimate written."""
+    import json
+
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.gpu",
+            "--smoke",
+            "--only",
+            "training",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    tr = json.loads((tmp_path / "gpu_check.json").read_text())["training"]
+    (row,) = tr["configs"].values()
+    assert row["flow_step_ms"] > 0 and row["distill_step_ms_est"] >= row["flow_step_ms"]
+    assert "training step" in p.stdout
