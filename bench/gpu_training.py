@@ -9,8 +9,9 @@ stage's loss on 8 anchors per sequence (noisy one-hot blocks x_t = (1-t) eps + t
 DiT's clean-block logits, cross-entropy; what training.flow.flow_loss computes, minus the
 slot weights and the tau map, which cost nothing) forward and backward under bf16 autocast,
 and an AdamW step on fp32 weights. The drafter's frozen embedding / LM head are the target's
-tensors. Measured at the paper's batch on one GPU (256 blocks = 32 sequences) and at the
-per-GPU share of 8 GPUs (32 blocks = 4 sequences); sequences of --train-len tokens.
+tensors. Measured at this project's default batch on one GPU (256 blocks = 32 sequences of 8
+anchors; the paper gives no batch size) and at the per-GPU share of 8 GPUs (32 blocks = 4
+sequences); sequences of --train-len tokens.
 
 The 8-GPU step is estimated from the per-GPU share: its time plus a ring all-reduce of the
 fp32 gradients at an assumed NVLink bus bandwidth (ALLREDUCE_GBPS). Bench code never imports

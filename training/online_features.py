@@ -6,8 +6,8 @@ Offline features (`training.drafter_data`) cost 5 layers x 4096 values x 2 bytes
 token for Qwen3-8B: 500K sequences of ~1,000 tokens would be 20 TB. Online, a step runs one
 prefill row per sequence of its batch through `TargetEngine.verify` (the serving engine's own
 forward, packed rows, features of every position left on the device), which costs about
-2 x 8e9 FLOPs per token for Qwen3-8B, the bulk of a training step at the paper's batch
-(docs/training.md, "Sizes").
+about 2 x 7e9 FLOPs per token for Qwen3-8B, the bulk of a training step (docs/training.md,
+"Sizes").
 
 - `OnlineTarget`: the engine (bf16 on a GPU, fp32 on the CPU), `features(seqs)` and
   `attach(seqs)` (training.drafter_data.Sequence with its features on the device).
