@@ -28,6 +28,7 @@ from training import drafter_data as dd
 from training import generate_data as gd
 from training import train_drafter as td
 from training.online_features import OnlineTarget, share_frozen, shares_storage
+from training.smoke_check import reference
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--small", "--batch-size", "16", "--anchors-per-seq", "4", "--log-every", "1"]
@@ -302,3 +303,33 @@ def test_the_gpu_training_step_mode_runs_at_tiny_sizes(tmp_path):
     (row,) = tr["configs"].values()
     assert row["flow_step_ms"] > 0 and row["distill_step_ms_est"] >= row["flow_step_ms"]
     assert "training step" in p.stdout
+
+
+def test_token_data_through_a_running_stack_are_the_engines(tmp_path):
+    """`generate_data --server`: greedy answers from the stack's Generate (speculative, exact)
+    are the in-process engine's, shard for shard."""
+    import json
+
+    from flashmap_cli.stack import Stack, StackConfig
+
+    target = make_random_qwen3(tmp_path / "target", vocab_size=320)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 300, size=int(rng.integers(3, 9))).tolist() for _ in range(6)]
+    jsonl = tmp_path / "prompts.jsonl"
+    jsonl.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in prompts))
+    common = ["--target", str(target), "--prompts", str(jsonl), "--max-new-tokens", "16"]
+    common += ["--temperature", "0", "--chunk-size", "3", "--no-progress", "--device", "cpu"]
+    assert gd.main([*common, "--out", str(tmp_path / "engine"), "--slots", "4"]) == 0
+    cfg = StackConfig.on_free_ports(
+        target_dir=str(target), drafter="init", n_slots=4, max_seq_len=128
+    )
+    with Stack(cfg):
+        assert gd.main([*common, "--out", str(tmp_path / "stack"), "--server", cfg.url]) == 0
+    got = [s.tokens.tolist() for p in dd.list_shards(tmp_path / "stack") for s in dd.read_shard(p)]
+    want = [
+        s.tokens.tolist() for p in dd.list_shards(tmp_path / "engine") for s in dd.read_shard(p)
+    ]
+    _, gaps = reference(target, prompts, 16)  # a near-tie may round either way (DESIGN.md)
+    assert len(got) == len(want) == 6
+    assert all(g == w for g, w, gap in zip(got, want, gaps) if gap > 1e-3)
+    assert sum(gap > 1e-3 for gap in gaps) >= 3
