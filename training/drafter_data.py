@@ -125,10 +125,12 @@ def generate_responses(
     return [r.token_ids for r in decode(engine, reqs)]
 
 
-def target_features(engine, sequences: list[list[int]]) -> list[np.ndarray]:
+def target_features(engine, sequences: list, features_on_device: bool = False) -> list:
     """Features [L, F] float32 of every position of each sequence: one prefill row per
-    sequence, as many rows per verify pass as the engine has slots."""
-    out: list[np.ndarray] = []
+    sequence, as many rows per verify pass as the engine has slots. features_on_device: as
+    tensors on the engine's device, in its features dtype (the online trainer's,
+    training.online_features), else numpy arrays."""
+    out: list = []
     for b in range(0, len(sequences), engine.n_slots):
         group = sequences[b : b + engine.n_slots]
         slots = [engine.allocate() for _ in group]
@@ -139,7 +141,7 @@ def target_features(engine, sequences: list[list[int]]) -> list[np.ndarray]:
                 )
                 for s, seq in zip(slots, group)
             ]
-            out.extend(r.features for r in engine.verify(rows))
+            out.extend(r.features for r in engine.verify(rows, features_on_device))
         finally:
             for s in slots:
                 engine.release(s)

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flashmap.types import SamplingParams, VerifyRow
+from training.drafter_data import target_features
 
 # bytes of one element of the training state per drafter parameter: fp32 weights, fp32 gradient
 # and AdamW's two fp32 moments.
@@ -89,25 +89,9 @@ class OnlineTarget:
         """Features [L, F] of every position of each token sequence (lists, arrays or tensors),
         on the target's device: one prefill row per sequence, n_slots rows per verify pass,
         exactly what `training.drafter_data.target_features` stores offline."""
-        eng, out = self.engine, []
-        for b in range(0, len(sequences), eng.n_slots):
-            group = sequences[b : b + eng.n_slots]
-            slots = [eng.allocate() for _ in group]
-            try:
-                rows = [
-                    VerifyRow(
-                        slot=s,
-                        start_pos=0,
-                        tokens=np.asarray(seq, np.int64),
-                        params=SamplingParams(),
-                    )
-                    for s, seq in zip(slots, group)
-                ]
-                out.extend(r.features for r in eng.verify(rows, features_on_device=True))
-            finally:
-                for s in slots:
-                    eng.release(s)
-        return out
+        return target_features(
+            self.engine, [np.asarray(q, np.int64) for q in sequences], features_on_device=True
+        )
 
     def host(self, models: list, *, amp: bool, shards: int = 1) -> None:
         """Make room for training `models` (the trained drafter first, then its frozen teacher):
