@@ -11,7 +11,8 @@ D, and most then through an RMS norm:
     EAGLE-3 (published)                               fc [H, F] (no norm: its residual is fc's output)
 
 A target that applies this step itself ("context projection") sends D values per committed
-token instead of F: 10x fewer bytes for the paper-size FlashMap drafter on Qwen3-8B (2,048
+token instead of F (not when D = F: the drafter tells the two apart by width): 10x fewer bytes
+for the paper-size FlashMap drafter on Qwen3-8B (2,048
 against 5 x 4,096), 5x for DFlash, 3x for EAGLE-3. The drafter takes either width.
 No torch import: the target and the drafter each run the map in their own framework.
 """
@@ -137,4 +138,9 @@ def target_inputs(
             f"feature_layers {list(feature_layers)} are not the drafter's {inputs.feature_layers} "
             f"({drafter_dir})"
         )
-    return inputs.feature_layers, read_context_projection(drafter_dir, n) if project else None
+    proj = read_context_projection(drafter_dir, n) if project else None
+    if proj is not None and proj.width == proj.weight.shape[1]:
+        # A drafter tells raw from projected context by its width: equal widths would be
+        # ambiguous, and projecting would save no bytes.
+        proj = None
+    return inputs.feature_layers, proj

@@ -181,3 +181,16 @@ def test_in_process_features_stay_on_the_engines_device(tiny):
     s = projecting.allocate()
     (res,) = projecting.verify([VerifyRow(s, 0, np.arange(1, 9), SamplingParams())])
     assert projecting.feature_dim == proj.width and res.features.shape == (8, proj.width)
+
+
+def test_no_projection_when_it_would_not_change_the_width(tmp_path):
+    """A drafter whose context width equals the target's feature width (one feature layer,
+    dim = hidden) gets the raw features: projected ones would look raw and be projected again."""
+    from drafter_service.checkpoint import init_drafter, save_drafter
+    from flashmap.drafter_inputs import target_inputs
+
+    target = make_random_qwen3(tmp_path / "t", num_hidden_layers=4, with_tokenizer=False)
+    drafter = init_drafter(target, dim=64, n_blocks=1, n_heads=4, feature_layers=[1])
+    save_drafter(drafter, tmp_path / "d")
+    layers, proj = target_inputs(tmp_path / "d", target)
+    assert layers == [1] and proj is None
