@@ -110,7 +110,7 @@ def test_measure_greedy_is_the_matching_prefix_and_draws_average(world):
 
 
 def test_row_specs():
-    r = bound.parse_row("a=dir:2,sample,top=4,draws=8,scale=0,estimate=argmax")
+    r = bound.parse_row("a=dir:2,sample,top=4,draws=8,scale=0,estimate=argmax,q1")
     assert (r.name, r.path, r.steps, r.sample, r.top, r.draws, r.scale, r.estimate) == (
         "a",
         "dir",
@@ -121,4 +121,4 @@ def test_row_specs():
         0.0,
         "argmax",
     )
-    assert "top 4" in r.label() and "8 draws" in r.label()
+    assert r.q1 and "top 4" in r.label() and "8 draws" in r.label()

@@ -12,21 +12,31 @@ import pytest
 import torch
 
 from training import joint_task as jt
+from training import joint_world as jw
 from training.denoiser_curve import accuracy_at, denoiser_curve, reads_state
 from training.shuffle_test import acceptance
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread (and do not fight a busy machine for cores)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     torch.manual_seed(0)
-    cfg = jt.JointTaskConfig.small()
-    task = jt.make_task(cfg)
+    cfg = jw.JointTaskConfig.small()
+    task = jw.make_task(cfg)
     models = jt.train_all(task, tmp_path_factory.mktemp("joint"), log=lambda *_: None)
     return task, models
 
 
 def test_task_is_hard_for_per_slot_marginals():
-    task = jt.make_task(jt.JointTaskConfig.small())
+    task = jw.make_task(jw.JointTaskConfig.small())
     C, M, K = task.modes.shape
     diverge = (task.modes != task.modes[:, :1]).any(1).sum(1)  # [C] slots in which the modes differ
     assert (diverge == task.cfg.diverge).all()
@@ -38,7 +48,7 @@ def test_task_is_hard_for_per_slot_marginals():
     first = int(np.argmax(task.modes[c, 0] != task.modes[c, 1]))
     from flashmap.types import Draft
 
-    g = acceptance(jt.true_alpha(task, c, Draft.greedy(mode0)))
+    g = acceptance(jw.true_alpha(task, c, Draft.greedy(mode0)))
     p0 = float(task.probs[c, 0])
     assert g == pytest.approx(1 + first + p0 * (K - first))
 
@@ -68,3 +78,21 @@ def test_flow_drafts_coherent_blocks_and_dflash_marginals_do_not(trained):
     assert two["delta_perm"]["mean"] > 0
     assert greedy["delta_perm"]["mean"] == 0.0 and greedy["noise_changes"] == 0.0
     assert teacher["noise_changes"] > 0.02 and two["noise_changes"] > 0.02
+
+
+def test_scores_with_the_real_q_and_the_bootstrap_check(trained):
+    task, models = trained
+    # A drafter that ignores its noise has the product of its marginals as its law: scoring its
+    # sampled blocks with the law estimated over the noise gives what its own q gives.
+    sampled = jt.evaluate_drafter(task, models["dflash"], 1, temperature=1.0, law_draws=4)
+    assert sampled["gamma_law"]["mean"] == pytest.approx(sampled["gamma"]["mean"], rel=1e-4)
+    # The flow's sampled blocks carry their q; the law scoring never accepts less than q = 1.
+    one = jt.evaluate_drafter(task, models["map"], 1, temperature=1.0, law_draws=8)
+    assert 1.0 <= one["gamma"]["lo"] <= one["gamma"]["mean"] <= one["gamma"]["hi"] <= 17.0
+    assert len(one["gamma_law_ctx"]) == task.cfg.n_contexts
+    # The exact references: the most likely block is accepted at least as long as a sample.
+    truth = jt.truth_rows(task)
+    sample, mode = truth.values()
+    assert (mode >= sample - 1e-12).all() and (sample >= 1).all()
+    cov = jt.bootstrap_coverage(task, models["dflash"], repeats=2, contexts=range(4))
+    assert cov["contexts"] == 4 and 0 <= cov["contain_zero"] <= 2 and len(cov["intervals"]) == 2

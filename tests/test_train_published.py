@@ -156,3 +156,117 @@ def test_eval_adds_the_published_rows_to_a_cell_cache(world, trained, tmp_path):
     report = (tmp_path / "out" / "eval.md").read_text()
     for needle in ("DFlash (published architecture)", "EAGLE-3, tree of 16", "runs of this cell"):
         assert needle in report, needle
+
+
+def _random_batch(model_feature_dim: int, rng, lens, prompt_lens, vocab: int = 512):
+    from training.train_eagle import SeqBatch
+
+    T = max(lens)
+    tokens = torch.zeros(len(lens), T, dtype=torch.long)
+    feats = torch.zeros(len(lens), T, model_feature_dim)
+    for b, n in enumerate(lens):
+        tokens[b, :n] = torch.from_numpy(rng.integers(0, vocab, n))
+        feats[b, :n] = torch.from_numpy(rng.standard_normal((n, model_feature_dim))).float()
+    return SeqBatch(tokens, feats, torch.tensor(lens), torch.tensor(prompt_lens))
+
+
+def test_eagle3_windowed_rollout_is_the_whole_sequences_rollout(world, trained):
+    """Steps >= 1 run on each sequence's window only; on every row that counts they give what
+    the plain training-time test over whole sequences (every position, every step) gives."""
+    from drafter_service.eagle import rollout_mask
+
+    _, target = world
+    model = load_model(trained["eagle3"], target)
+    depth, rng = 4, np.random.default_rng(1)
+    batch = _random_batch(model.cfg.feature_dim, rng, [30, 22, 17], [12, 3, 9])
+    with torch.no_grad():
+        o0, idx, outs = tp.eagle3_rollout(model, batch, depth)
+        B, T = batch.tokens.shape
+        P, nxt = T - 1, batch.tokens[:, 1:]
+        pos = torch.arange(P).expand(B, P)
+        g, keys, vals, full = model.fuse(batch.features[:, :P]), [], [], []
+        for s in range(depth):
+            if s:
+                g = torch.cat([torch.zeros_like(full[-1][:, :1]), full[-1][:, :-1]], 1)
+            q, k, v = model.qkv(g, nxt, pos)
+            keys.append(k.transpose(1, 2))
+            vals.append(v.transpose(1, 2))
+            mask = rollout_mask(P, s)[None, None]
+            full.append(model.finish(g, q, torch.cat(keys, 2), torch.cat(vals, 2), mask))
+    assert torch.allclose(o0, full[0])
+    checked = 0
+    for s, o in enumerate(outs, 1):
+        for b in range(B):
+            for j, p in enumerate(idx[b].tolist()):
+                if p >= s and batch.prompt_lens[b] <= p + 2 < batch.lengths[b]:
+                    assert torch.allclose(o[b, j], full[s][b, p], atol=1e-5), (s, b, p)
+                    checked += 1
+    assert checked > 30
+
+
+def test_training_predicts_what_the_serving_proposers_draft(world, trained):
+    """The training forward passes are the served drafters': DFlash's block logits for an anchor
+    and EAGLE-3's rollout along a drafted chain give the proposers' greedy drafts."""
+    from flashmap.types import ProposeRequest
+    from training.flow import Batch
+
+    _, target = world
+    rng = np.random.default_rng(2)
+    L, anchor = 14, 7
+    for kind in ("dflash", "eagle3"):
+        model = load_model(trained[kind], target)
+        proposer = load_proposer(trained[kind], target, n_slots=2, max_context=64)
+        F_ = model.cfg.feature_dim
+        ctx = rng.integers(0, 512, L)
+        feats = rng.standard_normal((L, F_)).astype(np.float32)
+        proposer.extend("s", ctx, feats)
+        with torch.no_grad():
+            if kind == "dflash":
+                (d,) = proposer.propose([ProposeRequest("s", anchor)])
+                K = model.block_size
+                batch = Batch(
+                    torch.from_numpy(feats)[None], torch.tensor([0]), torch.tensor([L]),
+                    torch.tensor([anchor]), torch.zeros(1, K, dtype=torch.long),
+                    torch.ones(1, K, dtype=torch.bool),
+                )  # fmt: skip
+                assert tp.dflash_logits(model, batch)[0].argmax(-1).tolist() == d.tokens.tolist()
+            else:  # a chain: sampling from the top-1 is the argmax
+                req = ProposeRequest("s", anchor, temperature=1.0, top_m=1)
+                (d,) = proposer.propose([req])
+                depth = 5
+                seq = np.concatenate([ctx, [anchor], d.tokens[: depth - 1]])
+                junk = rng.standard_normal((len(seq) - L, F_)).astype(np.float32)
+                batch = _random_batch(F_, rng, [len(seq)], [L])
+                batch.tokens[0] = torch.from_numpy(seq)
+                batch.features[0] = torch.from_numpy(np.concatenate([feats, junk]))
+                o0, idx, outs = tp.eagle3_rollout(model, batch, depth)
+                logp, ids = model.log_probs(o0[0, L - 1])
+                got = [int(ids[logp.argmax()])]
+                for s, o in enumerate(outs, 1):
+                    j = (idx[0] == L - 1 + s).nonzero()[0, 0]
+                    logp, ids = model.log_probs(o[0, j])
+                    got.append(int(ids[logp.argmax()]))
+                assert got == d.tokens[:depth].tolist()
+
+
+@pytest.mark.parametrize("name", ["demo-dflash-published", "demo-eagle3"])
+def test_the_committed_checkpoints_are_exact_on_the_demo_target(name):
+    """checkpoints/demo-dflash-published and demo-eagle3 (made by train_published) load through
+    the factory and decode the demo target's own greedy text, with drafts accepted."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "checkpoints"
+    drafter, target = root / name, root / "demo-target"
+    if not (drafter / "model.safetensors").is_file():
+        pytest.skip(f"{drafter} is not there")
+    layers, _ = target_inputs(drafter, target, project=False)
+    engine = TargetEngine(target, n_slots=2, max_seq_len=256, feature_layers=layers)
+    from flashmap.prompts import HELDOUT_PROMPTS, read_domain_prompts
+
+    held = read_domain_prompts(HELDOUT_PROMPTS, target)
+    prompts = [next(p["ids"] for p in held if p["domain"] == d) for d in ("code", "math")]
+    reqs = lambda: [GenerationRequest(p, 24) for p in prompts]  # noqa: E731
+    alone = [r.token_ids for r in decode(engine, reqs())]
+    out = decode(engine, reqs(), load_proposer(drafter, target, n_slots=2, max_context=256))
+    assert [r.token_ids for r in out] == alone
+    assert sum(r.stats.accepted for r in out) > 0

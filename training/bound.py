@@ -42,7 +42,8 @@ from training.shuffle_test import acceptance, paired_bootstrap, proposal_prob
 
 @dataclass
 class RowSpec:
-    """One drafter row: NAME=DIR[:STEPS][,sample][,top=M][,draws=N][,scale=S][,estimate=argmax]."""
+    """One drafter row: NAME=DIR[:STEPS][,sample][,top=M][,draws=N][,scale=S][,estimate=argmax][,q1]
+    (DIR "target": the target itself sampling at T = 1, exact, verified at T = 0)."""
 
     name: str
     path: str
@@ -52,6 +53,9 @@ class RowSpec:
     draws: int = 1  # independent draws per anchor, averaged
     scale: float = 1.0  # FlashMapProposer greedy_noise_scale (0: drafting from a zero state)
     estimate: str = "soft"  # FlashMapProposer greedy_estimate
+    # T > 0: verify a sampled block as a deterministic proposal (q = 1), as a flow map that
+    # drafts that block from its noise with a one-hot readout is verified given its noise
+    q1: bool = False
 
     def label(self) -> str:
         bits = [f"{self.steps} step{'s' * (self.steps > 1)}"]
@@ -61,6 +65,8 @@ class RowSpec:
             bits.append(f"noise x{self.scale:g}")
         if self.estimate != "soft":
             bits.append(f"{self.estimate} estimate")
+        if self.q1:
+            bits.append("verified with q = 1")
         if self.draws > 1:
             bits.append(f"{self.draws} draws")
         return ", ".join(bits)
@@ -77,6 +83,8 @@ def parse_row(text: str) -> RowSpec:
         k, _, v = p.partition("=")
         if k == "sample":
             r.sample = True
+        elif k == "q1":
+            r.q1 = True
         elif k in ("top", "draws"):
             setattr(r, k, int(v))
         elif k == "scale":
@@ -145,11 +153,11 @@ def chain_reference_probs(
     return out
 
 
-def _alpha(res, draft, temperature: float) -> np.ndarray:
+def _alpha(res, draft, temperature: float, q1: bool = False) -> np.ndarray:
     if temperature == 0:
         return (draft.tokens == res.argmax[: len(draft.tokens)]).astype(np.float64)
     p = res.support_probs[:, 0].astype(np.float64)  # support = the drafted tokens
-    return np.minimum(1.0, p / np.maximum(proposal_prob(draft), 1e-12))
+    return np.minimum(1.0, p / (1.0 if q1 else np.maximum(proposal_prob(draft), 1e-12)))
 
 
 def _draw_seed(seed: int, j: int) -> int:
@@ -215,7 +223,7 @@ def measure(
                             )
                         )
                     for n, (d, res) in enumerate(zip(ds, engine.verify(rows))):
-                        al = _alpha(res, d, temperature)
+                        al = _alpha(res, d, temperature, spec.q1)
                         gam[j, n] = acceptance(al)
                         if temperature == 0:
                             m = int(np.cumprod(al).sum())  # accepted prefix

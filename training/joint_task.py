@@ -27,200 +27,32 @@ import copy
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
 import torch
-from torch import Tensor
 
-from drafter_service.config import DrafterConfig
 from drafter_service.flashmap_dit import FlashMapDiT
 from drafter_service.flashmap_proposer import FlashMapProposer
 from flashmap.types import ProposeRequest
 from training.denoiser_curve import denoiser_curve
 from training.flow import Batch
 from training.joint_task_report import write_report
-from training.shuffle_test import acceptance, draft_variants, paired_bootstrap, proposal_prob
+from training.joint_world import (
+    ABLATIONS,
+    JointTask,
+    JointTaskConfig,
+    in_support,
+    make_task,
+    new_drafter,
+    prefix_probs,
+    sample_batch,
+    true_alpha,
+    which_mode,
+)
+from training.shuffle_test import acceptance, draft_variants, paired_bootstrap
 from training.train_drafter import TrainConfig, run_stage
-
-# ----------------------------------------------------------------------------- the task
-
-
-@dataclass
-class JointTaskConfig:
-    vocab_size: int = 256
-    hidden_size: int = 16  # V/H = 16, the demo target's squeeze
-    n_contexts: int = 16
-    n_modes: int = 3
-    diverge: int = 4  # slots in which the modes differ (jointly)
-    diverge_window: int = 8  # ... chosen among the first slots, where acceptance is decided
-    block_size: int = 16
-    context_len: int = 4
-    spectrum: float = 46.0  # largest / smallest singular value of E, about the demo target's
-    seed: int = 0
-    # drafter and training
-    dim: int = 128
-    n_blocks: int = 2
-    n_heads: int = 4
-    batch_size: int = 64
-    flow_steps: int = 2000
-    flow_lr: float = 1e-3
-    distill_steps: int = 1000
-    distill_lr: float = 3e-4
-    # the recipe's drafter settings (DrafterConfig fields)
-    time_map: str = "embedded"
-    time_map_candidates: tuple[int, ...] = (0,)
-    state_input: str = "whiten"
-    shared_noise: bool = False
-    pure_noise_fraction: float = 0.0
-    # evaluation
-    draws: int = 32  # noise draws (requests) per context
-    teacher_steps: tuple[int, ...] = (8, 16)
-    ablations: tuple[str, ...] = ("vocab-map", "mix-map", "rms-input", "shared-noise", "old-recipe")
-    device: str = "cpu"
-
-    @classmethod
-    def small(cls) -> JointTaskConfig:
-        """CI size: well under a minute on two CPU cores."""
-        return cls(
-            vocab_size=128,
-            hidden_size=16,
-            n_contexts=8,
-            n_modes=2,
-            diverge=4,
-            dim=64,
-            batch_size=64,
-            flow_steps=400,
-            flow_lr=2e-3,
-            distill_steps=250,
-            distill_lr=5e-4,
-            draws=24,
-            teacher_steps=(16,),
-            ablations=(),
-        )
-
-
-# Teachers trained beside the recipe's, each changing it in one or more DrafterConfig fields.
-ABLATIONS = {
-    "vocab-map": dict(time_map="vocab"),  # tau of the state's argmax in vocabulary space
-    # The embedded map, half of it for a two-candidate reader.
-    "mix-map": dict(time_map_candidates=[2, 0]),
-    "rms-input": dict(state_input="rms"),  # the state rms-normalised, not whitened
-    "shared-noise": dict(shared_noise=True),  # one noise draw for all K slots
-    "old-recipe": dict(
-        time_map="vocab", state_input="rms", shared_noise=True, pure_noise_fraction=0.3
-    ),
-}
-
-
-@dataclass
-class JointTask:
-    cfg: JointTaskConfig
-    embed: Tensor  # [V, H] frozen embedding (= LM head)
-    features: Tensor  # [C, T, H] context features
-    anchors: Tensor  # [C] anchor token ids
-    modes: Tensor  # [C, M, K] the continuations
-    probs: Tensor  # [C, M] their probabilities
-
-
-def make_task(cfg: JointTaskConfig) -> JointTask:
-    g = torch.Generator().manual_seed(cfg.seed)
-    V, H, C, M, K = cfg.vocab_size, cfg.hidden_size, cfg.n_contexts, cfg.n_modes, cfg.block_size
-    # E = Z diag(s) Q: random directions, singular values spread log-uniformly (a trained
-    # embedding's Gram matrix is far from isotropic).
-    q, _ = torch.linalg.qr(torch.randn(H, H, generator=g))
-    s = torch.exp(torch.linspace(0, float(np.log(cfg.spectrum)), H))
-    embed = (torch.randn(V, H, generator=g) / H**0.5 * s) @ q
-    embed = embed / embed.norm(dim=1).mean()  # rows of norm ~1, as the demo target's
-    features = torch.randn(C, cfg.context_len, H, generator=g)
-    anchors = torch.randint(0, V, (C,), generator=g)
-    modes = torch.randint(0, V, (C, 1, K), generator=g).repeat(1, M, 1)
-    for c in range(C):
-        slots = torch.randperm(cfg.diverge_window, generator=g)[: cfg.diverge]
-        for k in slots.tolist():  # M distinct tokens, one per mode
-            modes[c, :, k] = torch.randperm(V, generator=g)[:M]
-    w = torch.ones(C, M)
-    w[1::2] = 2.0 ** -torch.arange(M, dtype=torch.float32)  # odd contexts: 4/7, 2/7, 1/7 for M = 3
-    return JointTask(cfg, embed, features, anchors, modes, w / w.sum(1, keepdim=True))
-
-
-def sample_batch(task: JointTask, n: int, gen: torch.Generator) -> Batch:
-    """n training blocks: contexts uniform, each block one mode drawn by its probability."""
-    C, T = task.features.shape[:2]
-    ctx = torch.randint(0, C, (n,), generator=gen)
-    mode = torch.multinomial(task.probs[ctx], 1, generator=gen)[:, 0]
-    target = task.modes[ctx, mode]  # [n, K]
-    return Batch(
-        task.features,
-        ctx,
-        torch.full((n,), T),
-        task.anchors[ctx],
-        target,
-        torch.ones_like(target, dtype=torch.bool),
-    ).to(task.cfg.device)
-
-
-def drafter_config(task: JointTask, kind: str = "flashmap", **overrides) -> DrafterConfig:
-    c = task.cfg
-    return DrafterConfig(
-        kind=kind,
-        dim=c.dim,
-        n_blocks=c.n_blocks,
-        n_heads=c.n_heads,
-        block_size=c.block_size,
-        time_freq_dim=32,
-        vocab_size=c.vocab_size,
-        target_hidden_size=c.hidden_size,
-        target_num_layers=1,
-        feature_layers=[0],
-        target_name="joint-task",
-        **{
-            **dict(
-                time_map=c.time_map,
-                time_map_candidates=list(c.time_map_candidates),
-                state_input=c.state_input,
-                shared_noise=c.shared_noise,
-                pure_noise_fraction=c.pure_noise_fraction,
-            ),
-            **overrides,
-        },
-    )
-
-
-def new_drafter(task: JointTask, kind: str = "flashmap", seed: int = 0, **overrides) -> FlashMapDiT:
-    torch.manual_seed(seed)
-    return FlashMapDiT(drafter_config(task, kind, **overrides), task.embed, task.embed).to(
-        task.cfg.device
-    )
-
-
-# ----------------------------------------------------------------------------- exact acceptance
-
-
-def prefix_probs(task: JointTask, c: int, tokens: np.ndarray) -> np.ndarray:
-    """[K+1] P(the continuation starts with tokens[:k]) under context c, k = 0..K."""
-    modes, probs = task.modes[c].numpy(), task.probs[c].numpy().astype(np.float64)
-    agree = np.cumprod(modes == tokens[None], axis=1)  # [M, K]: mode m matches the first k+1 tokens
-    return np.concatenate([[1.0], (probs[:, None] * agree).sum(0)])
-
-
-def true_alpha(task: JointTask, c: int, draft) -> np.ndarray:
-    """Per-slot acceptance probabilities [K] of a draft against the true conditional:
-    min(1, p(d_k | c, d_<k) / q_k(d_k)) (q = 1 for greedy drafts)."""
-    pre = prefix_probs(task, c, draft.tokens)
-    cond = np.divide(pre[1:], pre[:-1], out=np.zeros(len(pre) - 1), where=pre[:-1] > 0)
-    return np.minimum(1.0, cond / np.maximum(proposal_prob(draft), 1e-12))
-
-
-def in_support(task: JointTask, c: int, tokens: np.ndarray) -> bool:
-    return bool((task.modes[c].numpy() == tokens[None]).all(1).any())
-
-
-def which_mode(task: JointTask, c: int, tokens: np.ndarray) -> int:
-    hit = np.nonzero((task.modes[c].numpy() == tokens[None]).all(1))[0]
-    return int(hit[0]) if len(hit) else -1
-
 
 # ----------------------------------------------------------------------------- training
 
@@ -328,11 +160,13 @@ def proposer_for(task: JointTask, model: FlashMapDiT) -> FlashMapProposer:
 
 
 def requests(
-    task: JointTask, temperature: float = 0.0, seed0: int = 0
+    task: JointTask, temperature: float = 0.0, seed0: int = 0, n: int | None = None, contexts=None
 ) -> tuple[list[ProposeRequest], np.ndarray]:
-    """cfg.draws requests per context (distinct seeds); returns them and their contexts."""
-    C, n = task.features.shape[0], task.cfg.draws
-    ctx = np.repeat(np.arange(C), n)
+    """n (default cfg.draws) requests per context (distinct seeds), over `contexts` (default
+    all); returns them and their contexts. Sampling rows draw from the whole vocabulary."""
+    C = task.features.shape[0]
+    n = task.cfg.draws if n is None else n
+    ctx = np.repeat(np.arange(C) if contexts is None else np.asarray(contexts), n)
     reqs = [
         ProposeRequest(
             f"c{c}",
@@ -346,15 +180,61 @@ def requests(
     return reqs, ctx
 
 
+def per_context(values: np.ndarray, ctx: np.ndarray) -> np.ndarray:
+    """Mean of values per context, in context order [C]."""
+    ids, inv = np.unique(ctx, return_inverse=True)
+    return np.bincount(inv, weights=values) / np.bincount(inv)
+
+
+def law_alpha(task: JointTask, c: int, tokens: np.ndarray, Q: np.ndarray) -> np.ndarray:
+    """Per-slot acceptance [K] of a block drafted by a sampling drafter scored with its law over
+    the noise: q(d_k | d_<k) = sum_m prod_{j<=k} Q_m,j(d_j) / sum_m prod_{j<k} Q_m,j(d_j), with
+    Q [M, K, V] the per-slot softmaxes of M independent noise draws (an unbiased estimate of
+    the prefix masses; the mixture over the noise is the block's law)."""
+    K = len(tokens)
+    P = Q[:, np.arange(K), tokens]  # [M, K]
+    pre = np.concatenate([[1.0], np.cumprod(P, axis=1).mean(0)])
+    q = np.divide(pre[1:], pre[:-1], out=np.zeros(K), where=pre[:-1] > 0)
+    tp = prefix_probs(task, c, tokens)
+    p = np.divide(tp[1:], tp[:-1], out=np.zeros(K), where=tp[:-1] > 0)
+    return np.minimum(1.0, np.divide(p, q, out=np.ones(K), where=q > 0))
+
+
+def law_tables(
+    task: JointTask, prop: FlashMapProposer, steps: int, n: int, seed0: int, chunk: int = 256
+) -> dict[int, np.ndarray]:
+    """Per context [M = n, K, V]: the last evaluation's softmax (the sampling proposer's q given
+    the noise) of n independent noise draws."""
+    reqs, ctx = requests(task, 1.0, seed0, n=n)
+    V, K = task.cfg.vocab_size, task.cfg.block_size
+    out = {c: np.zeros((n, K, V), np.float32) for c in range(task.features.shape[0])}
+    fill = dict.fromkeys(out, 0)
+    for i in range(0, len(reqs), chunk):
+        for d, c in zip(prop.propose(reqs[i : i + chunk], steps), ctx[i : i + chunk]):
+            np.put_along_axis(out[c][fill[c]], d.support_ids, d.support_probs, axis=1)
+            fill[c] += 1
+    return out
+
+
 def evaluate_drafter(
-    task: JointTask, model: FlashMapDiT, steps: int, temperature: float = 0.0, chunk: int = 256
+    task: JointTask,
+    model: FlashMapDiT,
+    steps: int,
+    temperature: float = 0.0,
+    chunk: int = 256,
+    law_draws: int = 0,
+    seed0: int = 0,
+    contexts=None,
 ) -> dict:
     """Drafting metrics of one drafter / step count against the true conditional: in-support
-    rate, expected accepted length (shared noise, permutation shuffle, per-slot noise), the
-    two Deltas with 95% intervals clustered by context, the share of slots a second noise
-    draw changes, and how often each mode is drafted."""
+    rate, expected accepted length gamma (shared noise, permutation shuffle, per-slot noise;
+    greedy drafts scored with q = 1, sampled ones with the q the proposer reports), the two
+    Deltas with 95% intervals clustered by context, the share of slots a second noise draw
+    changes, and how often each mode is drafted. law_draws (sampled drafts): gamma also with
+    q = the drafter's law over its noise, estimated from that many other draws per context
+    (`law_alpha`). Per-context gammas (`*_ctx`) for paired comparisons."""
     prop = proposer_for(task, model)
-    reqs, ctx = requests(task, temperature)
+    reqs, ctx = requests(task, temperature, seed0, contexts=contexts)
     variants = []
     for i in range(0, len(reqs), chunk):
         variants += draft_variants(prop, reqs[i : i + chunk], steps)
@@ -367,20 +247,72 @@ def evaluate_drafter(
     picked = np.array([which_mode(task, c, v.shared.tokens) for v, c in zip(variants, ctx)])
     # total variation between the drafted modes (in-support blocks) and the true probabilities, per context
     tv = []
-    for c in range(task.features.shape[0]):
+    for c in np.unique(ctx):
         p = picked[(ctx == c) & (picked >= 0)]
         if len(p):
             freq = np.bincount(p, minlength=task.cfg.n_modes) / len(p)
             tv.append(0.5 * np.abs(freq - task.probs[c].numpy()).sum())
-    return dict(
+    out = dict(
+        steps=steps,
+        temperature=temperature,
         in_support=float(support.mean()),
-        gamma=float(g["shared"].mean()),
+        gamma=paired_bootstrap(g["shared"], clusters=ctx),
+        gamma_ctx=per_context(g["shared"], ctx).tolist(),
         gamma_perm=float(g["perm"].mean()),
         gamma_slot=float(g["slot_noise"].mean()),
         delta_perm=paired_bootstrap(g["shared"], g["perm"], ctx),
         delta_slot=paired_bootstrap(g["shared"], g["slot_noise"], ctx),
         noise_changes=float(changed),
         mode_tv=float(np.mean(tv)) if tv else float("nan"),
+    )
+    if law_draws and temperature > 0:
+        Q = law_tables(task, prop, steps, law_draws, seed0 + 10_000_019, chunk)
+        gl = np.array(
+            [acceptance(law_alpha(task, c, v.shared.tokens, Q[c])) for v, c in zip(variants, ctx)]
+        )
+        out["gamma_law"] = paired_bootstrap(gl, clusters=ctx)
+        out["gamma_law_ctx"] = per_context(gl, ctx).tolist()
+    return out
+
+
+def truth_rows(task: JointTask) -> dict[str, np.ndarray]:
+    """Per context [C], exact: gamma of a block sampled from the true joint and drafted as a
+    deterministic proposal (q = 1: what a perfect flow drafts from one noise draw at T = 0),
+    and of the true joint's most likely block (a perfect mode-seeking drafter). A sample
+    scored with its own law (q = p) is accepted whole: K + 1."""
+    from flashmap.types import Draft
+
+    C, M, K = task.modes.shape
+    sample, mode = np.zeros(C), np.zeros(C)
+    for c in range(C):
+        p = task.probs[c].numpy().astype(np.float64)
+        g = [
+            acceptance(true_alpha(task, c, Draft.greedy(task.modes[c, m].numpy())))
+            for m in range(M)
+        ]
+        sample[c] = float(np.dot(p, g))
+        mode[c] = g[int(np.argmax(p))]
+    return {"true joint, one sample (q = 1)": sample, "true joint, its most likely block": mode}
+
+
+def bootstrap_coverage(
+    task: JointTask, dflash: FlashMapDiT, repeats: int, contexts=None, seed0: int = 7_000_003
+) -> dict:
+    """The bootstrap's check: DFlash-style drafts sampled per slot ignore the noise, so their
+    permutation-shuffle Delta is 0 in truth; over `repeats` evaluation seeds, how many 95%
+    intervals contain 0 (about 95% if the intervals are right)."""
+    iv = [
+        evaluate_drafter(task, dflash, 1, 1.0, seed0=seed0 + 1_000_003 * r, contexts=contexts)[
+            "delta_perm"
+        ]
+        for r in range(repeats)
+    ]
+    return dict(
+        contexts=task.features.shape[0] if contexts is None else len(contexts),
+        repeats=repeats,
+        contain_zero=int(sum(d["lo"] <= 0 <= d["hi"] for d in iv)),
+        mean_width=float(np.mean([d["hi"] - d["lo"] for d in iv])),
+        intervals=iv,
     )
 
 
@@ -406,38 +338,62 @@ def run(cfg: JointTaskConfig, workdir: Path | None = None, log=print) -> dict:
     """Train everything and measure; returns the report's numbers."""
     torch.manual_seed(cfg.seed)
     task = make_task(cfg)
-    with tempfile.TemporaryDirectory() as tmp:
-        models = train_all(task, Path(workdir or tmp), log)
+    saved = Path(workdir) / "models.pt" if workdir else None
+    if saved is not None and saved.exists():  # the drafters of an earlier run of this config
+        blob = torch.load(saved, weights_only=False)
+        if blob["config"] != asdict(cfg):
+            raise ValueError(f"{saved} was trained with another config; use another --workdir")
+        models = blob["models"]
+        log(f"drafters from {saved}")
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            models = train_all(task, Path(workdir or tmp), log)
+        if saved is not None:
+            torch.save(dict(config=asdict(cfg), models=models), saved)
     t0 = time.perf_counter()
     rows = []
-    for n in cfg.teacher_steps:
-        rows.append(
-            dict(
-                drafter=f"teacher, {n} Euler steps", **evaluate_drafter(task, models["teacher"], n)
-            )
+
+    def add(drafter: str, drafts: str, r: dict) -> None:
+        rows.append(dict(drafter=drafter, drafts=drafts, **r))
+
+    flows = [(f"teacher, {n} Euler steps", models["teacher"], n) for n in cfg.teacher_steps]
+    flows += [("flow map, 2 jumps", models["map"], 2), ("flow map, 1 jump", models["map"], 1)]
+    for name, m, n in flows:
+        add(name, "greedy readout, q = 1", evaluate_drafter(task, m, n))
+        add(
+            name,
+            "sampled readout, q of the draw",
+            evaluate_drafter(task, m, n, 1.0, law_draws=cfg.law_draws),
         )
-    for n in (1, 2):
-        rows.append(
-            dict(
-                drafter=f"flow map, {n} jump{'s' if n > 1 else ''}",
-                **evaluate_drafter(task, models["map"], n),
-            )
-        )
-    rows.append(dict(drafter="DFlash-style, greedy", **evaluate_drafter(task, models["dflash"], 1)))
-    rows.append(
-        dict(
-            drafter="DFlash-style, sampled per slot (T = 1)",
-            **evaluate_drafter(task, models["dflash"], 1, temperature=1.0),
-        )
+    add("DFlash-style", "greedy, q = 1", evaluate_drafter(task, models["dflash"], 1))
+    add(
+        "DFlash-style",
+        "sampled per slot, q of the draw",
+        evaluate_drafter(task, models["dflash"], 1, 1.0, law_draws=cfg.law_draws),
     )
     for name in [k for k in models if k.startswith("teacher, ")]:
-        rows.append(
-            dict(
-                drafter=f"{name}, {max(cfg.teacher_steps)} Euler steps",
-                **evaluate_drafter(task, models[name], max(cfg.teacher_steps)),
-            )
+        n = max(cfg.teacher_steps)
+        add(
+            f"{name}, {n} Euler steps",
+            "greedy readout, q = 1",
+            evaluate_drafter(task, models[name], n),
         )
     log(f"drafting metrics: {time.perf_counter() - t0:.0f} s")
+    base = np.array(rows[[r["drafts"] for r in rows].index("greedy, q = 1")]["gamma_ctx"])
+    for r in rows:
+        r["vs_dflash"] = paired_bootstrap(np.array(r.pop("gamma_ctx")), base)
+        if "gamma_law_ctx" in r:
+            r["law_vs_dflash"] = paired_bootstrap(np.array(r.pop("gamma_law_ctx")), base)
+    truth = [
+        dict(drafter=k, gamma=paired_bootstrap(v), vs_dflash=paired_bootstrap(v, base))
+        for k, v in truth_rows(task).items()
+    ]
+    t0 = time.perf_counter()
+    coverage = [bootstrap_coverage(task, models["dflash"], cfg.coverage_repeats)] + [
+        bootstrap_coverage(task, models["dflash"], cfg.coverage_repeats, contexts=range(n))
+        for n in cfg.coverage_contexts
+    ]
+    log(f"coverage check: {time.perf_counter() - t0:.0f} s")
     checks = check_batches(task)
     curves = {
         name: denoiser_curve(m, checks, prior=models["dflash"], time_map="embedded")
@@ -452,6 +408,8 @@ def run(cfg: JointTaskConfig, workdir: Path | None = None, log=print) -> dict:
     return dict(
         config=asdict(cfg),
         rows=rows,
+        truth=truth,
+        coverage=coverage,
         product_of_marginals=marginal_product_support(task, models["dflash"]),
         curves=curves,
         curves_own_map=curves_own,
@@ -473,7 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--device", default="cpu")
     ap.add_argument(
-        "--workdir", help="keep the trained drafters here (default: a temporary directory)"
+        "--workdir",
+        help="keep the trained drafters here (default: a temporary directory); a later run with "
+        "the same config and workdir measures them again without training",
     )
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)

@@ -164,26 +164,43 @@ def dflash_loss(model: DFlashDrafter, batch: Batch, decay: float) -> tuple[Tenso
 # ----------------------------------------------------------------------------- EAGLE-3
 
 
-def eagle3_rollout(model: Eagle3Drafter, batch: SeqBatch, depth: int) -> list[Tensor]:
-    """Training-time test on whole sequences (features [B, T, 3H] of the drafter's layers):
-    per step s the layer's outputs [B, T-1, H] at positions p = 0..T-2; step s at p predicts
-    t_{p+2} as slot s+1 of a draft whose real context ends at p - s (valid for p >= s)."""
+def eagle3_rollout(
+    model: Eagle3Drafter, batch: SeqBatch, depth: int
+) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """Training-time test on whole sequences (features [B, T, 3H] of the drafter's layers).
+
+    Step 0 runs every position p = 0..T-2 on the real features: o0 [B, T-1, H]. Step s >= 1 at
+    p takes the step s-1 output at p-1 in place of fc(features), sees the real keys up to p - s
+    and its own chain (the step-r keys at p - s + r); it predicts t_{p+2} as slot s+1 of a draft
+    whose context ends at p - s. Steps >= 1 run only on a window of each sequence, positions
+    off_b = prompt_len_b - depth onwards (idx [B, W]: no earlier position feeds a response
+    token's prediction). Returns (o0, idx, [o_s [B, W, H] for s = 1..depth-1])."""
     B, T = batch.tokens.shape
-    P = T - 1
-    dev = batch.tokens.device
-    pos = torch.arange(P, device=dev).expand(B, P)
+    P, dev = T - 1, batch.tokens.device
     nxt = batch.tokens[:, 1:]
     g = model.fuse(batch.features[:, :P])
-    keys, vals, outs = [], [], []
-    for s in range(depth):
-        if s > 0:  # position p takes the step s-1 output of position p-1
-            g = torch.cat([torch.zeros_like(outs[-1][:, :1]), outs[-1][:, :-1]], 1)
-        q, k, v = model.qkv(g, nxt, pos)
+    q, k, v = model.qkv(g, nxt, torch.arange(P, device=dev).expand(B, P))
+    keys, vals = [k.transpose(1, 2)], [v.transpose(1, 2)]
+    o0 = model.finish(g, q, keys[0], vals[0], rollout_mask(P, 0, dev)[None, None])
+    off = (batch.prompt_lens - depth).clamp(min=0)
+    W = max(int((batch.lengths - 1 - off).max()), 1)
+    j = torch.arange(W, device=dev)
+    idx = (off[:, None] + j).clamp(max=P - 1)  # [B, W] real positions (clamped: padding)
+    tok = nxt.gather(1, idx)
+    prev = o0.gather(1, (idx - 1).clamp(min=0)[..., None].expand(-1, -1, o0.shape[-1]))
+    prev = prev * (idx > 0)[..., None]
+    outs: list[Tensor] = []
+    for s in range(1, depth):
+        if s > 1:  # window position j takes j-1's output (j = 0 feeds no response token)
+            prev = torch.cat([torch.zeros_like(outs[-1][:, :1]), outs[-1][:, :-1]], 1)
+        q, k, v = model.qkv(prev, tok, idx)
         keys.append(k.transpose(1, 2))
         vals.append(v.transpose(1, 2))
-        mask = rollout_mask(P, s, dev)[None, None]  # [1, 1, P, (s+1)P]
-        outs.append(model.finish(g, q, torch.cat(keys, 2), torch.cat(vals, 2), mask))
-    return outs
+        real = torch.arange(P, device=dev)[None, None] <= (idx - s)[..., None]  # [B, W, P]
+        chain = [(j[None] == (j - s + r)[:, None]).expand(B, W, W) for r in range(1, s + 1)]
+        mask = torch.cat([real, *chain], -1)[:, None]  # [B, 1, W, P + s W]
+        outs.append(model.finish(prev, q, torch.cat(keys, 2), torch.cat(vals, 2), mask))
+    return o0, idx, outs
 
 
 def draft_ids(model: Eagle3Drafter) -> Tensor:
@@ -197,20 +214,28 @@ def draft_ids(model: Eagle3Drafter) -> Tensor:
 def eagle3_loss(
     model: Eagle3Drafter, batch: SeqBatch, depth: int, step_weight: float
 ) -> tuple[Tensor, dict]:
-    outs = eagle3_rollout(model, batch, depth)
+    """Step-weighted cross-entropy over the draft vocabulary of every response token t_{p+2}
+    that is in it; stats: loss and each step's top-1 accuracy."""
+    o0, idx, outs = eagle3_rollout(model, batch, depth)
     B, T = batch.tokens.shape
-    p = torch.arange(T - 1, device=batch.tokens.device)[None]
+    p = torch.arange(T - 1, device=batch.tokens.device)[None].expand(B, -1)
     target = torch.cat([batch.tokens[:, 2:], torch.zeros_like(batch.tokens[:, :1])], 1)
     label = draft_ids(model)[target]  # [B, T-1] draft ids, -1 outside the draft vocabulary
     inside = (p + 2 < batch.lengths[:, None]) & (p + 2 >= batch.prompt_lens[:, None])
+    inside &= label >= 0
+    in_window = (
+        torch.arange(idx.shape[1], device=idx.device)[None]
+        < (batch.lengths - 1 - (batch.prompt_lens - depth).clamp(min=0))[:, None]
+    )
     total, norm, stats = 0.0, 0.0, {}
-    for s, o in enumerate(outs):
-        valid = inside & (p >= s) & (label >= 0)
+    for s, o in enumerate([o0, *outs]):
+        at = p if s == 0 else idx
+        valid = inside.gather(1, at) & (at >= s) & (in_window if s else True)
         if not bool(valid.any()):
             stats[f"acc{s}"] = float("nan")
             continue
         logits = model.lm_head(model.norm(o[valid])).float()  # [n, Vd]
-        y = label[valid]
+        y = label.gather(1, at)[valid]
         ce = F.cross_entropy(logits, y)
         w = step_weight**s
         total, norm = total + w * ce, norm + w
