@@ -1,7 +1,8 @@
 """Training prompts for the drafters: prefixes of the corpus' TRAIN documents.
 
 The target answers them (training/drafter_data.py) and the drafters learn from those
-answers, as the paper does (self-distillation). Held-out prompts (training/data/
+answers (self-distillation: the demo's choice; the paper names its data, OpenPerfectBlend,
+and does not say the target regenerated the answers). Held-out prompts (training/data/
 heldout_prompts.jsonl) come from the held-out split, so evaluation never sees these.
 Code and math prompts are a document cut at a random line; chat prompts end at an
 assistant turn's start, so the target writes the answer.

@@ -9,7 +9,10 @@ Stages (DESIGN.md, "The method in one page"):
 - flow: the denoiser on the diagonal s = t (`flow.flow_loss`). At every save the flow check
   (`denoiser_curve.flow_check`) logs the denoiser's accuracy against tau and writes
   OUT/flow_summary.json; it warns when the denoiser does not improve with tau (a model that
-  ignores its state is no flow).
+  ignores its state is no flow). Noise: one draw per slot by default (`--noise slot`, the
+  DrafterConfig default, a departure from the seed's drafter, which draws one noise for the
+  whole block: `--noise shared`; DrafterConfig.shared_noise says why, and
+  training.joint_task measures both).
 - distill: the student starts from the trained flow model, which stays frozen as the
   teacher; zero-length jumps match the teacher denoiser, the others the semigroup of an
   EMA of the student (`flow.distill_loss`).
