@@ -1,6 +1,7 @@
 """Helpers shared by the drafter test files."""
 
 import numpy as np
+import pytest
 import torch
 
 
@@ -39,3 +40,13 @@ def distilled_world(root, n_prompts: int, max_new_tokens: int):
         progress=False,
     )
     return target, data, engine, prompts
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread (and do not fight a busy machine for cores);
+    a module that imports this fixture runs its tests so."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

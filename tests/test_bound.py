@@ -12,17 +12,9 @@ from drafter_service.checkpoint import init_drafter
 from drafter_service.eagle import EagleProposer, init_eagle
 from drafter_service.flashmap_proposer import FlashMapProposer
 from flashmap.types import ProposeRequest
-from tests.drafter_helpers import distilled_world
+from tests.drafter_helpers import distilled_world, one_thread  # noqa: F401 - autouse fixture
 from training import bound, heldout
 from training.shuffle_test import proposal_prob
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

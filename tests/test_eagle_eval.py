@@ -18,17 +18,9 @@ from drafter_service.flashmap_proposer import FlashMapProposer
 from flashmap.checkpoint import CheckpointError
 from flashmap.inprocess import decode
 from flashmap.types import GenerationRequest, ProposeRequest, SamplingParams
+from tests.drafter_helpers import one_thread  # noqa: F401 - autouse fixture
 
 TINY = dict(n_heads=4, n_layers=1, block_size=16, train_depth=3)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread (and do not fight a busy machine for cores)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -11,19 +11,11 @@ import numpy as np
 import pytest
 import torch
 
+from tests.drafter_helpers import one_thread  # noqa: F401 - autouse fixture
 from training import joint_task as jt
 from training import joint_world as jw
 from training.denoiser_curve import accuracy_at, denoiser_curve, reads_state
 from training.shuffle_test import acceptance
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread (and do not fight a busy machine for cores)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -22,17 +22,10 @@ from flashmap.drafter_inputs import target_inputs
 from flashmap.inprocess import decode
 from flashmap.types import GenerationRequest
 from target_service.engine import TargetEngine
+from tests.drafter_helpers import one_thread  # noqa: F401 - autouse fixture
 from training import train_published as tp
 
 DATA_LAYERS = [0, 1, 2, 3]  # every layer of the tiny target; EAGLE-3 reads [0, 2, 3] of them
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -37,6 +37,7 @@ from training.trainer import (
     add_common_args,
     check_data,
     config_from_args,
+    run_cli,
     run_training,
 )
 
@@ -200,21 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         args,
         arch_options=("dim", "n_layers", "n_heads", "block_size", "train_depth"),
     )
-    try:
-        train(
-            cfg,
-            target=args.target,
-            data=args.data,
-            out=args.out,
-            resume=args.resume,
-            device=args.device,
-            progress=not args.no_progress,
-        )
-    except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"eagle drafter checkpoint in {args.out}")
-    return 0
+    return run_cli(train, cfg, args, f"eagle drafter checkpoint in {args.out}")
 
 
 if __name__ == "__main__":

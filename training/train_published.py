@@ -52,6 +52,7 @@ from training.trainer import (
     SequenceStream,
     add_common_args,
     config_from_args,
+    run_cli,
     run_training,
 )
 
@@ -411,21 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         ("anchors_per_seq",),
         ("num_hidden_layers", "draft_vocab_size", "depth"),
     )
-    try:
-        train(
-            cfg,
-            target=args.target,
-            data=args.data,
-            out=args.out,
-            resume=args.resume,
-            device=args.device,
-            progress=not args.no_progress,
-        )
-    except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"{args.arch} checkpoint (published layout) in {args.out}")
-    return 0
+    return run_cli(train, cfg, args, f"{args.arch} checkpoint (published layout) in {args.out}")
 
 
 if __name__ == "__main__":

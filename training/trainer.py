@@ -14,6 +14,7 @@ import csv
 import math
 import os
 import signal
+import sys
 import time
 from collections import OrderedDict
 from dataclasses import asdict, fields, replace
@@ -437,6 +438,26 @@ def add_common_args(ap: argparse.ArgumentParser, *, small_help: str, batch_help:
     )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-progress", action="store_true")
+
+
+def run_cli(train, cfg, args: argparse.Namespace, done: str) -> int:
+    """A single-process training CLI's end: train(cfg, ...) with the common options, a clear
+    error (exit 2) for a bad path or config, `done` printed after."""
+    try:
+        train(
+            cfg,
+            target=args.target,
+            data=args.data,
+            out=args.out,
+            resume=args.resume,
+            device=args.device,
+            progress=not args.no_progress,
+        )
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(done)
+    return 0
 
 
 def config_from_args(
