@@ -16,15 +16,16 @@ def randomize(model, seed: int = 0):
     return model
 
 
-def distilled_world(root, n_prompts: int, max_new_tokens: int):
+def distilled_world(root, n_prompts: int, max_new_tokens: int, feature_layers=None):
     """(target dir, data dir, engine, prompts): a random tiny Qwen3 target and its answers to
-    n_prompts random prompts as drafter training data (training.drafter_data, 4 per shard)."""
+    n_prompts random prompts as drafter training data (training.drafter_data, 4 per shard;
+    the engine's default feature layers unless given)."""
     from target_service.engine import TargetEngine
     from target_service.random_checkpoint import make_random_qwen3
     from training import drafter_data as dd
 
     target = make_random_qwen3(root / "target", with_tokenizer=False)
-    engine = TargetEngine(target, n_slots=4, max_seq_len=96)
+    engine = TargetEngine(target, n_slots=4, max_seq_len=96, feature_layers=feature_layers)
     rng = np.random.default_rng(0)
     prompts = [
         rng.integers(0, 500, size=int(rng.integers(3, 9))).tolist() for _ in range(n_prompts)

@@ -22,7 +22,7 @@ from flashmap.drafter_inputs import target_inputs
 from flashmap.inprocess import decode
 from flashmap.types import GenerationRequest
 from target_service.engine import TargetEngine
-from tests.drafter_helpers import one_thread  # noqa: F401 - autouse fixture
+from tests.drafter_helpers import distilled_world, one_thread  # noqa: F401 - autouse fixture
 from training import train_published as tp
 
 DATA_LAYERS = [0, 1, 2, 3]  # every layer of the tiny target; EAGLE-3 reads [0, 2, 3] of them
@@ -30,15 +30,8 @@ DATA_LAYERS = [0, 1, 2, 3]  # every layer of the tiny target; EAGLE-3 reads [0, 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    from target_service.random_checkpoint import make_random_qwen3
-    from training import drafter_data as dd
-
     root = tmp_path_factory.mktemp("published_training")
-    target = make_random_qwen3(root / "target", with_tokenizer=False)
-    engine = TargetEngine(target, n_slots=4, max_seq_len=96, feature_layers=DATA_LAYERS)
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, 500, int(rng.integers(3, 9))).tolist() for _ in range(16)]
-    dd.build(engine, prompts, root / "data", max_new_tokens=40, chunk_size=4, target_dir=target)
+    target, _, _, _ = distilled_world(root, 16, 40, feature_layers=DATA_LAYERS)
     return root, target
 
 
