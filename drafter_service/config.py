@@ -133,6 +133,12 @@ class DrafterConfig(TargetRefConfig):
     # The paper samples tau ~ U(0, 1) only (0.0); a short CPU run needs extra mass there.
     pure_noise_fraction: float = 0.0
     full_jump_fraction: float = 1.0 / 16  # distillation: share of full 0 -> 1 jumps
+    # State gate: the state input is scaled by g = min(1, tau_t / state_gate_tau) (0: no gate,
+    # the paper). At tau = 0 the state carries nothing about the block, so the ideal denoiser
+    # ignores it; g(0) = 0 makes that exact (a context-only predictor there, as DFlash's), so
+    # the noise cannot add variance where drafting starts, while a jump 0 -> t > 0 still reads
+    # its noise (the draw that selects the sample).
+    state_gate_tau: float = 0.0
 
     # ---------------------------------------------------------------- derived
     @property
@@ -161,6 +167,8 @@ class DrafterConfig(TargetRefConfig):
             raise ValueError(f"time_table_size must be >= 3, got {self.time_table_size}")
         if self.mlp_ratio <= 0 or self.slot_loss_decay <= 0:
             raise ValueError("mlp_ratio and slot_loss_decay must be > 0")
+        if not self.state_gate_tau >= 0:
+            raise ValueError(f"state_gate_tau must be >= 0, got {self.state_gate_tau}")
         if self.time_map not in TIME_MAPS:
             raise ValueError(f"time_map must be one of {TIME_MAPS}, got {self.time_map!r}")
         if self.time_table_t or self.time_table_tau:

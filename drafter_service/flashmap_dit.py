@@ -436,7 +436,8 @@ class FlashMapDiT(FrozenTarget):
         return self.time_embed(e.to(self.pos_embed.dtype))  # [B, D]
 
     def modulations(self, s: Tensor | float, t: Tensor | float, n: int) -> list[Tensor]:
-        """Per DiT block its adaLN vectors [n, 9D] for the jump (s, t).
+        """Per DiT block its adaLN vectors [n, 9D] for the jump (s, t), then, when the config
+        gates the state (state_gate_tau > 0), the gate g(tau_t) [n, 1].
 
         When drafting, s and t are host floats (one grid per step count) and the vectors only
         depend on them: they are computed once and reused, which at batch 1 saves reading the
@@ -454,6 +455,9 @@ class FlashMapDiT(FrozenTarget):
             return [m.expand(n, -1) for m in self._mod_cache[key]]
         c = self.time_cond(s, t, 1 if cacheable else n)  # [B, D]
         mods = [blk.modulation(c) for blk in self.blocks]  # n_blocks x [B, 9D]
+        if self.cfg.kind == "flashmap" and self.cfg.state_gate_tau > 0:
+            tau_t = self._tau(_per_row(t, 1 if cacheable else n, c.device))
+            mods.append((tau_t / self.cfg.state_gate_tau).clamp(max=1.0)[:, None].to(c.dtype))
         if not cacheable:
             return mods
         if len(self._mod_cache) > 64:  # a handful of grids in practice; bound it anyway
@@ -518,6 +522,8 @@ class FlashMapDiT(FrozenTarget):
                 h_state = self.state_in(self.in_norm(self.read_state(y[:, :1]))).expand(B, K, D)
             else:
                 h_state = self.state_in(self.in_norm(self.read_state(y)))  # [B, K, D]
+            if len(mods) > len(self.blocks):  # the state gate (modulations)
+                h_state = h_state * mods[-1][:, :, None]
         else:
             h_state = self.mask_embed.expand(B, K, D)  # [B, K, D]
         h_anchor = self.anchor_in(self.in_norm(self.embed[anchor]))[:, None]  # [B, 1, D]

@@ -322,6 +322,41 @@ def test_warm_start_from_dflash_drafts_what_dflash_drafts(world):
         td.warm_start_from_dflash(src, dim=32)
 
 
+def test_state_gate_keeps_the_dflash_path_at_tau_0_and_reads_the_noise_after(world):
+    """state_gate_tau > 0: at tau = 0 the denoiser ignores the state (a context-only predictor,
+    as DFlash's) whatever its state projection, before and after training; a jump 0 -> 1 and the
+    denoiser at tau > 0 read it; the drafting path (cached host-float modulations) equals the
+    training path (tensor times)."""
+    target, data, _, _ = world
+    src = randomize(init_drafter(target, seed=0, kind="dflash", **TINY), seed=1)
+    model = td.warm_start_from_dflash(src, state_gate_tau=0.1).eval()
+    with torch.no_grad():
+        model.state_in.weight.normal_()  # a state projection that reads the state
+    batch = a_batch(data)
+    ctx = batch.context(model)
+    n = len(batch.anchor)
+    x1, x2 = torch.randn(2, n, 16, 512)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(x1, 0.0, 0.0, batch.anchor, ctx), model(x2, 0.0, 0.0, batch.anchor, ctx)
+        )
+        for s, t in ((0.0, 1.0), (0.5, 0.5)):
+            assert not torch.allclose(
+                model(x1, s, t, batch.anchor, ctx), model(x2, s, t, batch.anchor, ctx)
+            )
+        tensor_t = torch.full((n,), 0.5)
+        torch.testing.assert_close(
+            model(x1, tensor_t, tensor_t, batch.anchor, ctx), model(x1, 0.5, 0.5, batch.anchor, ctx)
+        )
+    _fit(model.train(), flow.flow_loss, batch, steps=3)
+    with torch.no_grad():  # trained, the denoiser at tau = 0 still does not read the state
+        torch.testing.assert_close(
+            model.eval()(x1, 0.0, 0.0, batch.anchor, ctx), model(x2, 0.0, 0.0, batch.anchor, ctx)
+        )
+    with pytest.raises(ValueError, match="state_gate_tau"):
+        td.warm_start_from_dflash(src, state_gate_tau=-1.0)
+
+
 def _csv_steps(path):
     with open(path) as f:
         return [int(r["step"]) for r in csv.DictReader(f)]

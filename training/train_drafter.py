@@ -366,6 +366,11 @@ def main(argv: list[str] | None = None) -> int:
         "--pure-noise-fraction", type=float, help="flow: share of blocks at tau = 0 (paper: 0)"
     )
     ap.add_argument(
+        "--state-gate-tau",
+        type=float,
+        help="flow: the state input scaled by min(1, tau_t / this); 0 = no gate (the paper)",
+    )
+    ap.add_argument(
         "--time-map",
         choices=("embedded", "vocab"),
         help="flow: tau <-> t map (default embedded: measured on what the embedded state tells)",
@@ -447,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
             "n_heads",
             "block_size",
             "pure_noise_fraction",
+            "state_gate_tau",
             "time_map",
             "state_input",
             "shared_noise",
