@@ -313,6 +313,12 @@ def test_warm_start_from_dflash_drafts_what_dflash_drafts(world):
         want = src(None, 0.0, 1.0, batch.anchor, ctx_src)
         got = model(x, 0.0, 1.0, batch.anchor, ctx)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # constant_time: the same at every time, the denoiser at tau = 0 included.
+    const = td.warm_start_from_dflash(src, constant_time=True)
+    with torch.no_grad():
+        for s_, t_ in ((0.0, 0.0), (0.3, 0.3), (0.0, 0.5), (0.5, 1.0)):
+            got = const(x, s_, t_, batch.anchor, ctx)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # ... and the state can be learnt: the flow loss moves the state projection off zero.
     _fit(model.train(), flow.flow_loss, batch, steps=2)
     assert model.state_in.weight.abs().sum() > 0
@@ -420,6 +426,8 @@ def test_cli_stages_resume_and_checkpoint(world, tmp_path):
                 str(dist),
                 "--steps",
                 "1",
+                "--full-jump-fraction",
+                "0.25",
                 *common,
             ]
         )
@@ -428,7 +436,10 @@ def test_cli_stages_resume_and_checkpoint(world, tmp_path):
     with open(dist / trainer.CSV_FILE) as f:
         row = list(csv.DictReader(f))[-1]
     assert {"loss", "zero", "semigroup"} <= set(row)
-    assert _drafts(load_drafter(dist, target)).tokens.shape == (16,)
+    distilled = load_drafter(dist, target)
+    assert _drafts(distilled).tokens.shape == (16,)
+    assert distilled.cfg.full_jump_fraction == 0.25  # the map records its distillation
+    assert load_drafter(flow, target).cfg.full_jump_fraction == 1 / 16
 
     base = tmp_path / "dflash"
     assert td.main(["--stage", "dflash", "--out", str(base), "--steps", "1", *common]) == 0

@@ -59,6 +59,8 @@ from training.trainer import (
 from training.warm_start import ARCH_FIELDS, warm_start_from_dflash
 
 STAGES = ("flow", "distill", "dflash")
+# DrafterConfig fields the distillation sets on the map (the rest is the teacher's).
+DISTILL_FIELDS = ("zero_jump_fraction", "full_jump_fraction")
 
 
 @dataclass
@@ -95,6 +97,9 @@ class TrainConfig(ConfigDict):
     # flow: start from a trained DFlash-style drafter of the same backbone (warm_start_from_dflash);
     # dflash: continue one. "" = the DiT init. Not in the paper: a CPU-budget choice, reported.
     init_from: str = ""
+    # flow --init-from a dflash drafter: every (s, t) starts from its conditioning (0, 1)
+    # (warm_start_from_dflash constant_time), the denoiser at tau = 0 included.
+    warm_constant_time: bool = False
     # Flow stage's check (flow_check): batches of blocks it runs on at every save (0 = off), the
     # data they come from ("" = the training data, another seed) and an optional DFlash-style
     # drafter whose per-slot accuracy is shown beside the denoiser's.
@@ -261,6 +266,9 @@ def train(
             )
         teacher_model.requires_grad_(False).eval()
         model = copy_sharing_frozen(teacher_model).requires_grad_(True).train()
+        model.cfg = replace(  # the distillation's own settings, recorded in the map's config
+            teacher_model.cfg, **{k: v for k, v in tcfg.arch.items() if k in DISTILL_FIELDS}
+        ).validate()
     elif tcfg.init_from:
         # flow: FlashMap warm-started from the baseline, or a flow-stage drafter trained on;
         # dflash: the baseline trained on (the equal-compute comparison).
@@ -275,7 +283,9 @@ def train(
             ).validate()
         else:
             model = warm_start_from_dflash(
-                src, **{k: v for k, v in tcfg.arch.items() if k not in ARCH_FIELDS}
+                src,
+                constant_time=tcfg.warm_constant_time,
+                **{k: v for k, v in tcfg.arch.items() if k not in ARCH_FIELDS},
             ).train()
     else:
         kind = "dflash" if tcfg.stage == "dflash" else "flashmap"
@@ -366,6 +376,11 @@ def main(argv: list[str] | None = None) -> int:
         "--pure-noise-fraction", type=float, help="flow: share of blocks at tau = 0 (paper: 0)"
     )
     ap.add_argument(
+        "--full-jump-fraction",
+        type=float,
+        help="distill: share of full 0 -> 1 jumps (default 1/16)",
+    )
+    ap.add_argument(
         "--state-gate-tau",
         type=float,
         help="flow: the state input scaled by min(1, tau_t / this); 0 = no gate (the paper)",
@@ -421,6 +436,12 @@ def main(argv: list[str] | None = None) -> int:
         help="every rank logs its parameters' sha256 after each step to OUT/replicas/ (tests)",
     )
     ap.add_argument(
+        "--warm-constant-time",
+        action="store_true",
+        default=None,
+        help="flow --init-from a dflash drafter: every time starts from its conditioning (0, 1)",
+    )
+    ap.add_argument(
         "--init-from",
         help="flow: start from a DFlash-style drafter (warm start, not the paper's) or train "
         "a flow-stage drafter on; dflash: train a DFlash-style drafter on",
@@ -438,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
             "anchors_per_seq",
             "ema_decay",
             "init_from",
+            "warm_constant_time",
             "check_data",
             "check_prior",
             "check_batches",
@@ -453,6 +475,7 @@ def main(argv: list[str] | None = None) -> int:
             "block_size",
             "pure_noise_fraction",
             "state_gate_tau",
+            "full_jump_fraction",
             "time_map",
             "state_input",
             "shared_noise",

@@ -10,7 +10,7 @@ from dataclasses import MISSING, replace
 import torch
 
 from drafter_service.config import DrafterConfig
-from drafter_service.flashmap_dit import FlashMapDiT
+from drafter_service.flashmap_dit import FlashMapDiT, timestep_embedding
 
 ARCH_FIELDS = ("dim", "n_blocks", "n_heads", "block_size", "mlp_ratio", "time_freq_dim", "qk_norm")
 
@@ -20,14 +20,20 @@ def _field_default(cls, name: str):
     return f.default_factory() if f.default is MISSING else f.default
 
 
-def warm_start_from_dflash(src: FlashMapDiT, **config_overrides) -> FlashMapDiT:
+def warm_start_from_dflash(
+    src: FlashMapDiT, constant_time: bool = False, **config_overrides
+) -> FlashMapDiT:
     """A flashmap drafter that computes exactly what the DFlash-style `src` computes at the
-    1-jump conditioning (s, t) = (0, 1), whatever its input state.
+    1-jump conditioning (s, t) = (0, 1), whatever its input state; with `constant_time` at
+    every (s, t), the denoiser at tau = 0 included.
 
     Both kinds share every module but the slot input: dflash feeds a learned mask vector,
     flashmap a projection of the state. The projection starts at zero and the mask vector
     moves into the slots' position embeddings, so the flow stage starts from the baseline's
-    per-slot marginals and only has to learn what the state adds (joint structure).
+    per-slot marginals and only has to learn what the state adds (joint structure). The
+    baseline was trained at the one conditioning (0, 1) only; constant_time makes the time
+    embedding's first layer start at zero weights with the bias it gave at (0, 1), so every
+    time starts from the baseline's conditioning and the dependence on time is learnt.
     config_overrides: non-architecture DrafterConfig fields (pure_noise_fraction, ...)."""
     if src.cfg.kind != "dflash":
         raise ValueError(f"--init-from needs a dflash drafter, got kind {src.cfg.kind!r}")
@@ -50,5 +56,12 @@ def warm_start_from_dflash(src: FlashMapDiT, **config_overrides) -> FlashMapDiT:
         state["pos_embed"] = state["pos_embed"].clone()
         state["pos_embed"][1:] += src.mask_embed  # [K, D] slots; row 0 is the anchor
         state["state_in.weight"] = torch.zeros_like(model.state_in.weight)
+        if constant_time:
+            fd, first = src.cfg.time_freq_dim, src.time_embed[0]
+            at_0_1 = torch.cat(  # the embedding src.time_cond feeds its time MLP, [1, 2 fd]
+                [timestep_embedding(torch.tensor([v]), fd) for v in (0.0, 1.0)], -1
+            ).to(first.weight)
+            state["time_embed.0.bias"] = first(at_0_1)[0]
+            state["time_embed.0.weight"] = torch.zeros_like(first.weight)
     model.load_state_dict(state)
     return model
