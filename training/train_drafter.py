@@ -375,16 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--pure-noise-fraction", type=float, help="flow: share of blocks at tau = 0 (paper: 0)"
     )
-    ap.add_argument(
-        "--full-jump-fraction",
-        type=float,
-        help="distill: share of full 0 -> 1 jumps (default 1/16)",
-    )
-    ap.add_argument(
-        "--state-gate-tau",
-        type=float,
-        help="flow: the state input scaled by min(1, tau_t / this); 0 = no gate (the paper)",
-    )
+    ap.add_argument("--full-jump-fraction", type=float, help="distill: share of full 0 -> 1 jumps")
+    ap.add_argument("--state-gate-tau", type=float, help="flow: state input x min(1, tau_t / it)")
     ap.add_argument(
         "--time-map",
         choices=("embedded", "vocab"),
@@ -436,10 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         help="every rank logs its parameters' sha256 after each step to OUT/replicas/ (tests)",
     )
     ap.add_argument(
-        "--warm-constant-time",
-        action="store_true",
-        default=None,
-        help="flow --init-from a dflash drafter: every time starts from its conditioning (0, 1)",
+        "--warm-constant-time", action="store_true", default=None, help="flow: see TrainConfig"
     )
     ap.add_argument(
         "--init-from",
