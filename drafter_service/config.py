@@ -133,6 +133,12 @@ class DrafterConfig(TargetRefConfig):
     # The paper samples tau ~ U(0, 1) only (0.0); a short CPU run needs extra mass there.
     pure_noise_fraction: float = 0.0
     full_jump_fraction: float = 1.0 / 16  # distillation: share of full 0 -> 1 jumps
+    # Distillation: share of blocks trained as the full jump 0 -> 1 from the zero state (noise
+    # scaled to 0) against the data with cross-entropy, DFlash's loss (0: none, the paper).
+    # At T = 0 the target accepts only its argmax, so T = 0 rows draft from the zero state
+    # (FlashMapProposer's greedy_noise_scale defaults to 0 for such a map): a trained mode
+    # predictor instead of one sample of the flow. T > 0 rows sample the flow as before.
+    null_jump_fraction: float = 0.0
     # State gate: the state input is scaled by g = min(1, tau_t / state_gate_tau) (0: no gate,
     # the paper). At tau = 0 the state carries nothing about the block, so the ideal denoiser
     # ignores it; g(0) = 0 makes that exact (a context-only predictor there, as DFlash's), so
@@ -167,6 +173,9 @@ class DrafterConfig(TargetRefConfig):
             raise ValueError(f"time_table_size must be >= 3, got {self.time_table_size}")
         if self.mlp_ratio <= 0 or self.slot_loss_decay <= 0:
             raise ValueError("mlp_ratio and slot_loss_decay must be > 0")
+        for name in ("zero_jump_fraction", "full_jump_fraction", "null_jump_fraction"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if not self.state_gate_tau >= 0:
             raise ValueError(f"state_gate_tau must be >= 0, got {self.state_gate_tau}")
         if self.time_map not in TIME_MAPS:

@@ -51,7 +51,7 @@ def make_proposer(
     shared_noise: bool | None = None,
     compile: bool = False,
     greedy_estimate: str = "soft",
-    greedy_noise_scale: float = 1.0,
+    greedy_noise_scale: float | None = None,
 ) -> Proposer:
     """A proposer around a loaded drafter network (several proposers may share one model).
     min_confidence / shared_noise: FlashMapProposer's draft cut and shuffle-test switch (the
@@ -95,7 +95,7 @@ def load_proposer(
     min_confidence: float = 0.0,
     compile: bool = False,
     greedy_estimate: str = "soft",
-    greedy_noise_scale: float = 1.0,
+    greedy_noise_scale: float | None = None,
 ) -> Proposer:
     """`make_proposer` over `load_model`: a proposer from a checkpoint directory or "init"."""
     return make_proposer(

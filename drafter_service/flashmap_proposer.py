@@ -31,7 +31,9 @@ is the target's argmax, and a flow that samples its joint is right in slot k wit
 probability it gives the right token, while a per-slot argmax is right whenever that token
 is the mode. greedy_estimate = "argmax" moves the state between steps towards the one-hot
 argmax of the denoiser instead of its softmax (every intermediate state is then a noised
-one-hot block, as in training); greedy_noise_scale < 1 starts from scaled-down noise.
+one-hot block, as in training); greedy_noise_scale < 1 starts from scaled-down noise (by
+default 0 for a map distilled with zero-state jumps, DrafterConfig.null_jump_fraction, where
+that start is trained against the data; else 1).
 Neither touches rows with T > 0: their proposal q is what the flow samples and is sent.
 The argmax estimate drafts eagerly (CUDA graphs capture the softmax flow only).
 Not thread-safe: the gRPC server serialises calls.
@@ -113,7 +115,7 @@ class FlashMapProposer(SlotCacheProposer):
         shared_noise: bool | None = None,
         min_confidence: float = 0.0,
         greedy_estimate: Literal["soft", "argmax"] = "soft",
-        greedy_noise_scale: float = 1.0,
+        greedy_noise_scale: float | None = None,
     ):
         c = model.cfg
         super().__init__(
@@ -129,6 +131,8 @@ class FlashMapProposer(SlotCacheProposer):
             raise ValueError(
                 f"greedy_estimate must be one of {self.GREEDY_ESTIMATES}, got {greedy_estimate!r}"
             )
+        if greedy_noise_scale is None:  # a map trained from the zero state drafts T = 0 from it
+            greedy_noise_scale = 0.0 if c.null_jump_fraction > 0 else 1.0
         if not 0.0 <= greedy_noise_scale <= 1.0:
             raise ValueError(f"greedy_noise_scale must be in [0, 1], got {greedy_noise_scale}")
         # Temperature-0 rows only (module docstring): the clean-block estimate between flow

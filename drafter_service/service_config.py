@@ -50,9 +50,10 @@ class DrafterServiceConfig(Config):
         env="FLASHMAP_GREEDY_ESTIMATE",
         choices=("soft", "argmax"),
     )
-    greedy_noise_scale: float = option(
-        1.0,
-        "T = 0 requests: scale of the initial flow noise (1: the flow's own)",
+    greedy_noise_scale: float | None = option(
+        None,
+        "T = 0 requests: scale of the initial flow noise (1: the flow's own; default: 0 for a "
+        "map trained from the zero state, null_jump_fraction > 0, else 1)",
         env="FLASHMAP_GREEDY_NOISE_SCALE",
         check=in_range(0.0, 1.0),
     )

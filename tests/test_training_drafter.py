@@ -7,6 +7,7 @@ the whole file runs in well under a minute on two CPU cores.
 import csv
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -266,6 +267,31 @@ def test_zero_length_jump_loss_vanishes_for_student_equal_teacher(world):
     assert stats["zero"] > 1e-3
 
 
+def test_null_jumps_are_dflash_cross_entropy_from_the_zero_state_and_drafted_at_t0(world):
+    """null_jump_fraction = 1: every block is the jump 0 -> 1 from the zero state, scored by
+    the slot-weighted cross-entropy against the data (DFlash's loss); such a map drafts T = 0
+    rows from the zero state by default (the trained prediction), other maps from their noise."""
+    target, data, _, _ = world
+    model = randomize(init_drafter(target, seed=0, **TINY)).eval()
+    b = a_batch(data)
+    null = replace(model.cfg, null_jump_fraction=1.0)
+    model.cfg = null
+    with torch.no_grad():
+        loss, stats = flow.distill_loss(model, model, model, b, torch.Generator().manual_seed(0))
+        zero_state = torch.zeros(len(b.anchor), 16, null.vocab_size)
+        logits = model(zero_state, 0.0, 1.0, b.anchor, b.context(model))
+        ce, _ = flow.block_ce(logits, b, null)
+    assert stats["null"] == pytest.approx(ce.item(), rel=1e-5)
+    assert loss.item() == pytest.approx(ce.item(), rel=1e-5)
+    assert math.isnan(stats["zero"]) and math.isnan(stats["semigroup"])
+
+    assert FlashMapProposer(model, n_slots=1, max_context=8).greedy_noise_scale == 0.0
+    model.cfg = replace(null, null_jump_fraction=0.0)
+    assert FlashMapProposer(model, n_slots=1, max_context=8).greedy_noise_scale == 1.0
+    with pytest.raises(ValueError, match="null_jump_fraction"):
+        replace(null, null_jump_fraction=1.5).validate()
+
+
 def test_jump_sampling_fractions():
     cfg = DrafterConfig(
         vocab_size=512,
@@ -428,6 +454,8 @@ def test_cli_stages_resume_and_checkpoint(world, tmp_path):
                 "1",
                 "--full-jump-fraction",
                 "0.25",
+                "--null-jump-fraction",
+                "0.5",
                 *common,
             ]
         )
@@ -435,10 +463,11 @@ def test_cli_stages_resume_and_checkpoint(world, tmp_path):
     )
     with open(dist / trainer.CSV_FILE) as f:
         row = list(csv.DictReader(f))[-1]
-    assert {"loss", "zero", "semigroup"} <= set(row)
+    assert {"loss", "zero", "semigroup", "null"} <= set(row)
     distilled = load_drafter(dist, target)
     assert _drafts(distilled).tokens.shape == (16,)
     assert distilled.cfg.full_jump_fraction == 0.25  # the map records its distillation
+    assert distilled.cfg.null_jump_fraction == 0.5
     assert load_drafter(flow, target).cfg.full_jump_fraction == 1 / 16
 
     base = tmp_path / "dflash"
@@ -571,3 +600,31 @@ def test_distillation_loss_is_not_zero_for_a_student_that_ignores_its_inputs(wor
         )
     assert self_stats["loss"] < 1e-6  # it is consistent with itself ...
     assert stats["zero"] > 1e-2 and stats["loss"] > 1e-3  # ... but not the teacher
+
+
+def test_map_fidelity_scores_a_map_by_its_teachers_ode(world):
+    """training.map_fidelity: a map that is its teacher's one Euler step agrees with the
+    teacher's 1-step ODE everywhere; the teacher's coarse ODE agrees with itself when coarse =
+    fine; a map that reads nothing of the teacher does not agree."""
+    from training import map_fidelity
+
+    target, data, _, _ = world
+    teacher = randomize(init_drafter(target, seed=0, **TINY)).eval()
+    other = randomize(init_drafter(target, seed=3, **TINY), seed=3).eval()
+
+    class OneEuler(torch.nn.Module):  # X_{s,1}(x) read off the teacher's denoiser at s
+        def context(self, features, lengths):
+            return teacher.context(features, lengths)
+
+        def forward(self, x, s, t, anchor, ctx):
+            return teacher(x, s, s, anchor, ctx)
+
+    b = [a_batch(data)]
+    rows = map_fidelity.fidelity(teacher, OneEuler(), b, taus=(0.0, 0.5), fine=1, coarse=1)
+    assert [r["tau_s"] for r in rows] == [0.0, 0.5]
+    for r in rows:
+        assert r["coarse_agrees"] == 1.0 and r["map_agrees"] == 1.0
+        assert r["map_acc"] == r["fine_acc"] and r["slots"] == int(b[0].mask.sum())
+    (r,) = map_fidelity.fidelity(teacher, other, b, taus=(0.0,), fine=2, coarse=1)
+    assert r["map_agrees"] < 0.5
+    assert "| t | 0.00 |" in map_fidelity.format_table({"t": rows}, 1, 1)

@@ -245,15 +245,20 @@ def distill_loss_terms(
     zero: Tensor,
     mask: Tensor,
     w: Tensor,
+    null: Tensor | None = None,
+    data: Tensor | None = None,
 ) -> tuple[Tensor, dict]:
     """Flow-map distillation on one set of blocks.
 
     student_fn(x, s, t) -> logits of all N blocks (with grad); teacher_fn / ema_fn(x, s, t,
     rows) -> logits of the blocks `rows` (called under no_grad). Zero-length rows (zero)
-    match the teacher denoiser, the others the semigroup target of the EMA side."""
+    match the teacher denoiser, null rows (zero-state full jumps) the data block `data`
+    [N, K] (KL to a one-hot: cross-entropy), the others the semigroup target of the EMA side."""
     logits = student_fn(x_s, s, t)
     target = torch.empty_like(logits, dtype=torch.float32)
-    zi, si = zero.nonzero()[:, 0], (~zero).nonzero()[:, 0]
+    null = torch.zeros_like(zero) if null is None else null
+    semi = ~zero & ~null
+    zi, si, ni = zero.nonzero()[:, 0], semi.nonzero()[:, 0], null.nonzero()[:, 0]
     with torch.no_grad():
         if len(zi):
             target[zi] = teacher_fn(x_s[zi], s[zi], t[zi], zi).float().softmax(-1)
@@ -261,11 +266,14 @@ def distill_loss_terms(
             target[si] = semigroup_target(
                 lambda x, a, b: ema_fn(x, a, b, si), x_s[si], s[si], u[si], t[si]
             )
+        if len(ni):
+            target[ni] = F.one_hot(data[ni], target.shape[-1]).float()
     kl = F.kl_div(logits.float().log_softmax(-1), target, reduction="none").sum(-1)  # [N, K]
     loss = _weighted_mean(kl, mask, w)
     stats = {"loss": loss.item()}
+    parts = (("zero", zero), ("semigroup", semi)) + ((("null", null),) if len(ni) else ())
     with torch.no_grad():
-        for name, rows in (("zero", zero), ("semigroup", ~zero)):
+        for name, rows in parts:
             m = mask & rows[:, None]
             stats[name] = _weighted_mean(kl, m, w).item() if m.any() else float("nan")
     return loss, stats
@@ -277,6 +285,13 @@ def distill_loss(
     cfg, V = student.cfg, student.cfg.vocab_size
     s, u, t, zero = sample_jumps(len(batch.anchor), V, cfg, gen, batch.anchor.device)
     x_s = noisy_state(batch.target, s, V, gen, cfg.shared_noise)
+    null = None
+    if cfg.null_jump_fraction > 0:  # drawn last: the other draws are those of a map without
+        null = torch.rand(len(s), generator=gen, device=s.device) < cfg.null_jump_fraction
+        zero = zero & ~null
+        s = torch.where(null, torch.zeros_like(s), s)
+        t = torch.where(null, torch.ones_like(t), t)
+        x_s = torch.where(null[:, None, None], torch.zeros_like(x_s), x_s)
     with torch.no_grad():
         t_ctx, e_ctx = batch.context(teacher), batch.context(ema)
     teacher_fn = lambda x, a, b, rows: teacher(x, a, b, batch.anchor[rows], t_ctx.select(rows))  # noqa: E731
@@ -292,4 +307,6 @@ def distill_loss(
         zero,
         batch.mask,
         slot_weights(cfg.block_size, cfg.slot_loss_decay, x_s.device),
+        null,
+        batch.target,
     )

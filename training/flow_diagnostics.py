@@ -37,7 +37,7 @@ class DrafterSpec:
     greedy_estimate: str = (
         "soft"  # FlashMapProposer's drafting of T = 0 rows ("argmax": mode-seeking)
     )
-    greedy_noise_scale: float = 1.0
+    greedy_noise_scale: float | None = None  # None: the proposer's default for the checkpoint
 
 
 def diagnose(

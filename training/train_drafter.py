@@ -60,7 +60,7 @@ from training.warm_start import ARCH_FIELDS, warm_start_from_dflash
 
 STAGES = ("flow", "distill", "dflash")
 # DrafterConfig fields the distillation sets on the map (the rest is the teacher's).
-DISTILL_FIELDS = ("zero_jump_fraction", "full_jump_fraction")
+DISTILL_FIELDS = ("zero_jump_fraction", "full_jump_fraction", "null_jump_fraction")
 
 
 @dataclass
@@ -141,10 +141,6 @@ class TrainConfig(ConfigDict):
 # ----------------------------------------------------------------------------- trainer
 
 
-def _step_generator(seed: int, step: int, device) -> torch.Generator:
-    return step_generator(seed, step, device)
-
-
 def run_stage(
     model: FlashMapDiT,
     tcfg: TrainConfig,
@@ -179,11 +175,12 @@ def run_stage(
     cols = (
         ["step", "lr", "loss"]
         + (["zero", "semigroup"] if tcfg.stage == "distill" else [])
+        + (["null"] if tcfg.stage == "distill" and tcfg.arch.get("null_jump_fraction") else [])
         + ["elapsed_s"]
     )
 
     def batch_gen(step: int) -> tuple[Batch, torch.Generator]:
-        return batch_fn(step), _step_generator(tcfg.seed, step, device)
+        return batch_fn(step), step_generator(tcfg.seed, step, device)
 
     parts = isinstance(batch_fn, StepBatches)
 
@@ -376,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         "--pure-noise-fraction", type=float, help="flow: share of blocks at tau = 0 (paper: 0)"
     )
     ap.add_argument("--full-jump-fraction", type=float, help="distill: share of full 0 -> 1 jumps")
+    ap.add_argument("--null-jump-fraction", type=float, help="distill: see DrafterConfig")
     ap.add_argument("--state-gate-tau", type=float, help="flow: state input x min(1, tau_t / it)")
     ap.add_argument(
         "--time-map",
@@ -465,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
             "pure_noise_fraction",
             "state_gate_tau",
             "full_jump_fraction",
+            "null_jump_fraction",
             "time_map",
             "state_input",
             "shared_noise",
