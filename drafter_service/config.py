@@ -139,6 +139,11 @@ class DrafterConfig(TargetRefConfig):
     # (FlashMapProposer's greedy_noise_scale defaults to 0 for such a map): a trained mode
     # predictor instead of one sample of the flow. T > 0 rows sample the flow as before.
     null_jump_fraction: float = 0.0
+    # Share of those zero-state blocks trained along the served two-jump path instead: the jump
+    # 0 -> t_1 from the zero state, its soft estimate carried to t_1 (as the proposer does),
+    # then t_1 -> 1, the gradient through both and each scored against the data (0: the
+    # one-jump path only). Without it the second jump reads a state no training produced.
+    null_two_jump_share: float = 0.0
     # State gate: the state input is scaled by g = min(1, tau_t / state_gate_tau) (0: no gate,
     # the paper). At tau = 0 the state carries nothing about the block, so the ideal denoiser
     # ignores it; g(0) = 0 makes that exact (a context-only predictor there, as DFlash's), so
@@ -173,7 +178,12 @@ class DrafterConfig(TargetRefConfig):
             raise ValueError(f"time_table_size must be >= 3, got {self.time_table_size}")
         if self.mlp_ratio <= 0 or self.slot_loss_decay <= 0:
             raise ValueError("mlp_ratio and slot_loss_decay must be > 0")
-        for name in ("zero_jump_fraction", "full_jump_fraction", "null_jump_fraction"):
+        for name in (
+            "zero_jump_fraction",
+            "full_jump_fraction",
+            "null_jump_fraction",
+            "null_two_jump_share",
+        ):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if not self.state_gate_tau >= 0:

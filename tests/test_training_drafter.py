@@ -292,6 +292,38 @@ def test_null_jumps_are_dflash_cross_entropy_from_the_zero_state_and_drafted_at_
         replace(null, null_jump_fraction=1.5).validate()
 
 
+def test_two_jump_zero_state_rows_train_the_path_the_proposer_serves(world):
+    """null_two_jump_share = 1: every zero-state block is trained along the two-jump path the
+    proposer drafts T = 0 rows with: 0 -> t_1 from the zero state, its soft estimate carried to
+    t_1, then t_1 -> 1, each jump scored by cross-entropy against the data."""
+    target, data, _, _ = world
+    model = randomize(init_drafter(target, seed=0, **TINY)).eval()
+    b = a_batch(data)
+    model.cfg = replace(model.cfg, null_jump_fraction=1.0, null_two_jump_share=1.0)
+    t_1 = float(model.time_grid(2)[1])
+    assert 0.0 < t_1 < 1.0
+    with torch.no_grad():
+        loss, stats = flow.distill_loss(model, model, model, b, torch.Generator().manual_seed(0))
+        ctx, n, V = b.context(model), len(b.anchor), model.cfg.vocab_size
+        first = model(torch.zeros(n, 16, V), 0.0, t_1, b.anchor, ctx)
+        second = model(t_1 * first.softmax(-1), t_1, 1.0, b.anchor, ctx)
+        ce_1, ce_2 = flow.block_ce(first, b, model.cfg)[0], flow.block_ce(second, b, model.cfg)[0]
+        served = FlashMapProposer(model, n_slots=1, max_context=8)._integrate(
+            torch.zeros(n, 16, model.embed.shape[1]), b.anchor, ctx, 2
+        )
+    assert stats["null"] == pytest.approx(ce_1.item(), rel=1e-4)
+    assert stats["null2"] == pytest.approx(ce_2.item(), rel=1e-4)
+    assert loss.item() == pytest.approx(ce_1.item() + ce_2.item(), rel=1e-4)
+    assert torch.allclose(served, second, atol=1e-4)  # trained = served
+    # the gradient reaches the first jump through the carried state
+    model.train()
+    loss, _ = flow.distill_loss(model, model, model, b, torch.Generator().manual_seed(0))
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    with pytest.raises(ValueError, match="null_two_jump_share"):
+        replace(model.cfg, null_two_jump_share=-0.1).validate()
+
+
 def test_jump_sampling_fractions():
     cfg = DrafterConfig(
         vocab_size=512,
@@ -628,3 +660,23 @@ def test_map_fidelity_scores_a_map_by_its_teachers_ode(world):
     (r,) = map_fidelity.fidelity(teacher, other, b, taus=(0.0,), fine=2, coarse=1)
     assert r["map_agrees"] < 0.5
     assert "| t | 0.00 |" in map_fidelity.format_table({"t": rows}, 1, 1)
+
+
+def test_two_jump_probe_accounts_for_every_changed_slot(world):
+    """training.two_jump_probe: the second jump's accuracy differs from the first's by exactly
+    the slots it fixes minus those it breaks; accepted lengths count leading right slots + 1."""
+    from training import two_jump_probe
+
+    target, data, _, _ = world
+    model = randomize(init_drafter(target, seed=0, **TINY)).eval()
+    b = a_batch(data)
+    r = two_jump_probe.probe(model, [b])
+    assert r["slots"] == int(b.mask.sum()) and r["blocks"] == len(b.anchor)
+    assert r["two_acc"] - r["first_acc"] == pytest.approx(r["fixed"] - r["broken"], abs=1e-9)
+    assert r["fixed"] + r["broken"] <= r["changed"] + 1e-9 and r["changed"] > 0  # random: moves
+    assert 1.0 <= r["gamma_one"] <= 17.0 and 1.0 <= r["gamma_two"] <= 17.0
+    assert (
+        two_jump_probe.accepted(b.target, b).tolist()
+        == (b.mask.long().cumprod(-1).sum(-1) + 1).tolist()
+    )
+    assert "| m | " in two_jump_probe.format_table({"m": r})

@@ -285,19 +285,31 @@ def distill_loss(
     cfg, V = student.cfg, student.cfg.vocab_size
     s, u, t, zero = sample_jumps(len(batch.anchor), V, cfg, gen, batch.anchor.device)
     x_s = noisy_state(batch.target, s, V, gen, cfg.shared_noise)
-    null = None
+    null, two = None, None
     if cfg.null_jump_fraction > 0:  # drawn last: the other draws are those of a map without
         null = torch.rand(len(s), generator=gen, device=s.device) < cfg.null_jump_fraction
         zero = zero & ~null
         s = torch.where(null, torch.zeros_like(s), s)
         t = torch.where(null, torch.ones_like(t), t)
         x_s = torch.where(null[:, None, None], torch.zeros_like(x_s), x_s)
+        if cfg.null_two_jump_share > 0:  # these rows' first jump ends at t_1, not 1
+            two = null & (
+                torch.rand(len(s), generator=gen, device=s.device) < cfg.null_two_jump_share
+            )
+            t_1 = float(student.time_grid(2)[1])
+            t = torch.where(two, torch.full_like(t, t_1), t)
     with torch.no_grad():
         t_ctx, e_ctx = batch.context(teacher), batch.context(ema)
     teacher_fn = lambda x, a, b, rows: teacher(x, a, b, batch.anchor[rows], t_ctx.select(rows))  # noqa: E731
     ema_fn = lambda x, a, b, rows: ema(x, a, b, batch.anchor[rows], e_ctx.select(rows))  # noqa: E731
-    return distill_loss_terms(
-        bind(student, batch),
+    first = {}  # the student's logits, kept for the second jump
+
+    def student_fn(x: Tensor, a: Tensor, b: Tensor) -> Tensor:
+        first["logits"] = bind(student, batch)(x, a, b)
+        return first["logits"]
+
+    loss, stats = distill_loss_terms(
+        student_fn,
         teacher_fn,
         ema_fn,
         x_s,
@@ -310,3 +322,23 @@ def distill_loss(
         null,
         batch.target,
     )
+    if two is not None:
+        stats["null2"] = float("nan")
+        if bool(two.any()):
+            loss, stats["null2"] = second_jump_loss(student, batch, first["logits"], two, t_1, loss)
+    return loss, stats
+
+
+def second_jump_loss(
+    student: FlashMapDiT, batch: Batch, logits: Tensor, two: Tensor, t_1: float, loss: Tensor
+) -> tuple[Tensor, float]:
+    """loss plus the served second jump t_1 -> 1 of the rows `two` [N] bool, from the state the
+    proposer carries there, t_1 * softmax(first-jump logits) (the zero state plus the jump),
+    scored by cross-entropy against the data; weighted by the rows' share of the blocks.
+    Returns (total loss, the second jump's mean cross-entropy)."""
+    rows = two.nonzero()[:, 0]
+    x_1 = t_1 * logits[rows].float().softmax(-1)  # [n, K, V], gradient into the first jump
+    out = bind(student, batch, rows)(x_1, t_1, 1.0)
+    w = slot_weights(student.cfg.block_size, student.cfg.slot_loss_decay, out.device)
+    ce = weighted_ce(out, batch.target[rows], batch.mask[rows], w)
+    return loss + ce * (len(rows) / len(two)), ce.item()

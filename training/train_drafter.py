@@ -59,8 +59,10 @@ from training.trainer import (
 from training.warm_start import ARCH_FIELDS, warm_start_from_dflash
 
 STAGES = ("flow", "distill", "dflash")
+# Distillation from the zero state: DrafterConfig field -> its loss.csv column.
+ZERO_STATE = {"null_jump_fraction": "null", "null_two_jump_share": "null2"}
 # DrafterConfig fields the distillation sets on the map (the rest is the teacher's).
-DISTILL_FIELDS = ("zero_jump_fraction", "full_jump_fraction", "null_jump_fraction")
+DISTILL_FIELDS = ("zero_jump_fraction", "full_jump_fraction", *ZERO_STATE)
 
 
 @dataclass
@@ -172,10 +174,11 @@ def run_stage(
             copy_sharing_frozen(model).requires_grad_(False).eval() if tcfg.ema_decay > 0 else model
         )
 
+    distill = tcfg.stage == "distill"
     cols = (
         ["step", "lr", "loss"]
-        + (["zero", "semigroup"] if tcfg.stage == "distill" else [])
-        + (["null"] if tcfg.stage == "distill" and tcfg.arch.get("null_jump_fraction") else [])
+        + (["zero", "semigroup"] if distill else [])
+        + [c for f, c in ZERO_STATE.items() if distill and tcfg.arch.get(f)]
         + ["elapsed_s"]
     )
 
@@ -373,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
         "--pure-noise-fraction", type=float, help="flow: share of blocks at tau = 0 (paper: 0)"
     )
     ap.add_argument("--full-jump-fraction", type=float, help="distill: share of full 0 -> 1 jumps")
-    ap.add_argument("--null-jump-fraction", type=float, help="distill: see DrafterConfig")
+    for name in ZERO_STATE:
+        ap.add_argument(f"--{name.replace('_', '-')}", type=float, help="distill: DrafterConfig")
     ap.add_argument("--state-gate-tau", type=float, help="flow: state input x min(1, tau_t / it)")
     ap.add_argument(
         "--time-map",
@@ -435,10 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
 
-    if args.noise is not None:
-        args.shared_noise = args.noise == "shared"
-    else:
-        args.shared_noise = None
+    args.shared_noise = None if args.noise is None else args.noise == "shared"
     cfg = config_from_args(
         TrainConfig.for_stage(args.stage, small=args.small),
         args,
@@ -463,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
             "pure_noise_fraction",
             "state_gate_tau",
             "full_jump_fraction",
-            "null_jump_fraction",
+            *ZERO_STATE,
             "time_map",
             "state_input",
             "shared_noise",

@@ -1,0 +1,120 @@
+"""What the second jump from the zero state does to a map's T = 0 draft.
+
+A map distilled with zero-state jumps drafts T = 0 rows from the zero state: one jump (0, 1),
+or two jumps (0, t_1) then (t_1, 1) from t_1 * softmax of the first (the proposer's soft
+estimate). On held-out blocks this prints, per slot, the accuracy against the target's own
+answer of the one-jump draft, of the first jump's estimate and of the two-jump draft, how
+often the second jump changes the first's argmax and whether a change fixes or breaks the
+slot, and the mean accepted length along the reference (leading right slots + 1, what a T = 0
+round commits when the data are the target's greedy answers). A second jump that changes no
+slot, or breaks as many as it fixes, adds a pass and nothing else.
+
+    python -m training.two_jump_probe --target checkpoints/demo-target \
+        --data runs/heldout-greedy --map pn=checkpoints/demo-flashmap-pn --out runs/probe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from drafter_service.flashmap_dit import FlashMapDiT
+from training.flow import Batch
+
+
+def accepted(draft: Tensor, b: Batch) -> Tensor:
+    """[N] leading slots of draft [N, K] equal to the block, + 1 (the target's own token)."""
+    right = (draft == b.target) & b.mask
+    return right.long().cumprod(-1).sum(-1) + 1
+
+
+@torch.no_grad()
+def probe(model: FlashMapDiT, batches: list[Batch]) -> dict:
+    """Slot accuracies and change counts of the zero-state drafts (module docstring)."""
+    t_1 = float(model.time_grid(2)[1])
+    keys = ("one_acc", "first_acc", "two_acc", "changed", "fixed", "broken")
+    hits = dict.fromkeys(keys, 0.0)
+    gamma = {"one": 0.0, "two": 0.0}
+    slots = blocks = 0
+    for b in batches:
+        ctx, n, V = b.context(model), len(b.anchor), model.cfg.vocab_size
+        zero = torch.zeros(n, model.cfg.block_size, V)
+        one = model(zero, 0.0, 1.0, b.anchor, ctx).argmax(-1)  # [N, K]
+        first_logits = model(zero, 0.0, t_1, b.anchor, ctx)
+        first = first_logits.argmax(-1)
+        two = model(t_1 * first_logits.softmax(-1), t_1, 1.0, b.anchor, ctx).argmax(-1)
+        m, y = b.mask, b.target
+        changed = (two != first) & m
+        for key, v in (
+            ("one_acc", (one == y) & m),
+            ("first_acc", (first == y) & m),
+            ("two_acc", (two == y) & m),
+            ("changed", changed),
+            ("fixed", changed & (two == y)),
+            ("broken", changed & (first == y)),
+        ):
+            hits[key] += float(v.sum())
+        gamma["one"] += float(accepted(one, b).sum())
+        gamma["two"] += float(accepted(two, b).sum())
+        slots, blocks = slots + int(m.sum()), blocks + n
+    return dict(
+        t_1=t_1,
+        slots=slots,
+        blocks=blocks,
+        **{k: v / slots for k, v in hits.items()},
+        **{f"gamma_{k}": v / blocks for k, v in gamma.items()},
+    )
+
+
+def format_table(results: dict) -> str:
+    lines = [
+        "| map | t_1 | acc 1 jump | acc first jump | acc 2 jumps | 2nd jump changes | fixes "
+        "| breaks | accepted 1 jump | 2 jumps | slots |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in results.items():
+        lines.append(
+            f"| {name} | {r['t_1']:.3f} | {r['one_acc']:.3f} | {r['first_acc']:.3f} "
+            f"| {r['two_acc']:.3f} | {r['changed']:.3f} | {r['fixed']:.3f} | {r['broken']:.3f} "
+            f"| {r['gamma_one']:.2f} | {r['gamma_two']:.2f} | {r['slots']} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from drafter_service.checkpoint import load_drafter
+    from training.step_batches import flow_check_batches
+    from training.train_drafter import TrainConfig
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", required=True)
+    p.add_argument("--data", required=True, help="held-out drafter data (with features)")
+    p.add_argument("--map", action="append", required=True, help="NAME=MAP_DIR (repeatable)")
+    p.add_argument("--batches", type=int, default=16, help="held-out batches of 32 blocks")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--out", default="")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    results = {}
+    for spec in args.map:
+        name, path = spec.split("=", 1)
+        model = load_drafter(path, args.target).eval()
+        tcfg = TrainConfig.for_stage("flow", small=True)
+        tcfg.check_batches = args.batches
+        batches = flow_check_batches(args.data, tcfg, model.cfg.block_size, "cpu")
+        results[name] = probe(model, batches)
+    print(format_table(results))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
