@@ -98,10 +98,18 @@ def format_table(results: dict, fine: int, coarse: int) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from drafter_service.checkpoint import load_drafter
+def heldout_batches(data: str, n: int, block_size: int) -> list:
+    """`n` held-out batches of 32 blocks, drawn as the flow check draws them."""
     from training.step_batches import flow_check_batches
     from training.train_drafter import TrainConfig
+
+    tcfg = TrainConfig.for_stage("flow", small=True)
+    tcfg.check_batches = n
+    return flow_check_batches(data, tcfg, block_size, "cpu")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from drafter_service.checkpoint import load_drafter
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True)
@@ -123,9 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         tdir, mdir = dirs.split(",")
         teacher = load_drafter(tdir, args.target).eval()
         student = load_drafter(mdir, args.target).eval()
-        tcfg = TrainConfig.for_stage("flow", small=True)
-        tcfg.check_batches = args.batches
-        batches = flow_check_batches(args.data, tcfg, teacher.cfg.block_size, "cpu")
+        batches = heldout_batches(args.data, args.batches, teacher.cfg.block_size)
         results[name] = fidelity(teacher, student, batches, fine=args.fine, coarse=args.coarse)
         print(format_table({name: results[name]}, args.fine, args.coarse), flush=True)
     print(format_table(results, args.fine, args.coarse))

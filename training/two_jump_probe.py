@@ -88,8 +88,7 @@ def format_table(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from drafter_service.checkpoint import load_drafter
-    from training.step_batches import flow_check_batches
-    from training.train_drafter import TrainConfig
+    from training.map_fidelity import heldout_batches
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True)
@@ -105,9 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     for spec in args.map:
         name, path = spec.split("=", 1)
         model = load_drafter(path, args.target).eval()
-        tcfg = TrainConfig.for_stage("flow", small=True)
-        tcfg.check_batches = args.batches
-        batches = flow_check_batches(args.data, tcfg, model.cfg.block_size, "cpu")
+        batches = heldout_batches(args.data, args.batches, model.cfg.block_size)
         results[name] = probe(model, batches)
     print(format_table(results))
     if args.out:
