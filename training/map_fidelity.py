@@ -98,7 +98,7 @@ def format_table(results: dict, fine: int, coarse: int) -> str:
     return "\n".join(lines)
 
 
-def heldout_batches(data: str, n: int, block_size: int) -> list:
+def flow_check_draw(data: str, n: int, block_size: int) -> list:
     """`n` held-out batches of 32 blocks, drawn as the flow check draws them."""
     from training.step_batches import flow_check_batches
     from training.train_drafter import TrainConfig
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         tdir, mdir = dirs.split(",")
         teacher = load_drafter(tdir, args.target).eval()
         student = load_drafter(mdir, args.target).eval()
-        batches = heldout_batches(args.data, args.batches, teacher.cfg.block_size)
+        batches = flow_check_draw(args.data, args.batches, teacher.cfg.block_size)
         results[name] = fidelity(teacher, student, batches, fine=args.fine, coarse=args.coarse)
         print(format_table({name: results[name]}, args.fine, args.coarse), flush=True)
     print(format_table(results, args.fine, args.coarse))

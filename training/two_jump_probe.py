@@ -88,7 +88,7 @@ def format_table(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from drafter_service.checkpoint import load_drafter
-    from training.map_fidelity import heldout_batches
+    from training.map_fidelity import flow_check_draw
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True)
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     for spec in args.map:
         name, path = spec.split("=", 1)
         model = load_drafter(path, args.target).eval()
-        batches = heldout_batches(args.data, args.batches, model.cfg.block_size)
+        batches = flow_check_draw(args.data, args.batches, model.cfg.block_size)
         results[name] = probe(model, batches)
     print(format_table(results))
     if args.out:
