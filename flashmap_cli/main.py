@@ -24,10 +24,6 @@ from flashmap.config import Config, add_arguments, from_args, option, same_as
 from flashmap.types import DRAFT_STEPS, InvalidRequest, SamplingParams, SpecStats, check_draft_steps
 from orchestrator.config import OrchestratorConfig
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEMO_TARGET = REPO_ROOT / "checkpoints" / "demo-target"
-DEMO_DRAFTER = REPO_ROOT / "checkpoints" / "demo-flashmap"
-
 
 class UsageError(Exception):
     """A user mistake the CLI reports in one line."""

@@ -108,6 +108,14 @@ def test_denoiser_curve_and_gate(world):
     assert [r["tau"] for r in curve] == [0.0, 0.5, 0.9]
     assert curve[0]["t"] == 0.0 and 0 < curve[1]["t"] < curve[2]["t"] < 1
     assert abs(curve[0]["denoiser"] - curve[2]["denoiser"]) < 1e-6  # the state is not read
+    # the zero state only at t = 0; a denoiser that does not read its state drafts the same there
+    assert "denoiser_zero_state" not in curve[1]
+    assert curve[0]["denoiser_zero_state"] == pytest.approx(curve[0]["denoiser"])
+    with torch.no_grad():
+        model.state_in.weight.normal_(0, 1.0)  # now pure noise moves its drafts
+    read = dc.denoiser_curve(model, batches, taus=(0.0,))[0]
+    assert read["denoiser_zero_state"] != pytest.approx(read["denoiser"])
+    assert "denoiser_zero_state" in dc.format_curve(curve)
     assert not dc.reads_state(curve)
     assert (
         curve[2]["state_bayes"] > curve[0]["state_bayes"] + 0.5

@@ -33,6 +33,7 @@ DEFAULT_TAUS = (0.0, 0.25, 0.5, 0.75, 0.9, 0.97)
 CURVE_KEYS = (
     "denoiser",
     "denoiser_other_noise",
+    "denoiser_zero_state",
     "state_argmax",
     "state_bayes",
     "prior",
@@ -74,7 +75,7 @@ def denoiser_curve(
 ) -> list[dict]:
     """Per tau (under the drafter's own time map, or time_map = "vocab" / "embedded"): the
     per-slot accuracy against the true block of the denoiser (diagonal s = t) on the noisy
-    state of one shared draw, of the state's own vocabulary-space argmax, of the embedded
+    state of one shared draw (at t = 0 also on the zero state), of the state's own vocabulary-space argmax, of the embedded
     Bayes decoder (`EmbeddedReader`), of the `prior` drafter (kind dflash, one pass) and of
     prior + embedded likelihood. batches: training Batches (training.flow.Batch).
     Rows: tau, t, tau_vocab, tau_embedded (t on both maps) and the accuracies."""
@@ -115,6 +116,11 @@ def denoiser_curve(
             if t > 0:
                 x_other = noisy_state(b.target, tt, V, gen, shared=not cfg.shared_noise)
                 parts["denoiser_other_noise"] = model(x_other, tt, tt, b.anchor, ctx)
+            else:
+                # The state that carries no noise (T = 0 drafting from the zero state): a gap to
+                # "denoiser" here is what reading pure noise costs the t = 0 model.
+                zero = torch.zeros_like(x)
+                parts["denoiser_zero_state"] = model(zero, tt, tt, b.anchor, ctx)
             ll = reader.log_likelihood(model.embed_state(x), t)  # [N, K, V]
             parts["state_bayes"] = ll
             if prior is not None:
@@ -178,7 +184,7 @@ def reads_state(curve: list[dict], margin: float = READS_STATE_MARGIN) -> bool:
 
 def format_curve(curve: list[dict]) -> str:
     """A plain-text table of a `denoiser_curve`."""
-    keys = [k for k in CURVE_KEYS if k in curve[-1]]
+    keys = [k for k in CURVE_KEYS if any(k in r for r in curve)]
     head = f"{'tau':>5} {'t':>7} {'tau_voc':>7} {'tau_emb':>7} " + " ".join(
         f"{k:>17}" for k in keys
     )
