@@ -40,7 +40,7 @@ from target_service.launcher import TritonConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_TARGET = REPO_ROOT / "checkpoints" / "demo-target"
-DEMO_DRAFTER = REPO_ROOT / "checkpoints" / "demo-flashmap"
+DEMO_DRAFTER = REPO_ROOT / "checkpoints" / "demo-flashmap-eq"
 
 
 @dataclass

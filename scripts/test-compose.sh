@@ -89,7 +89,7 @@ FLASHMAP_TARGET_KEY=$(secret) FLASHMAP_DRAFTER_TOKEN=$(secret) FLASHMAP_API_KEY=
 export FLASHMAP_TARGET_KEY FLASHMAP_DRAFTER_TOKEN FLASHMAP_API_KEY
 export ORCHESTRATOR_BIND=127.0.0.1   # tests listen on loopback only
 export FLASHMAP_TARGET_HOST_DIR=$ROOT/checkpoints/demo-target
-export FLASHMAP_DRAFTER_HOST_DIR=$ROOT/checkpoints/demo-flashmap
+export FLASHMAP_DRAFTER_HOST_DIR=$ROOT/checkpoints/demo-flashmap-eq
 export FLASHMAP_TAG=cpu
 # Grafana is not started on the CPU profile, but the compose file requires its secret's path.
 export GRAFANA_ADMIN_PASSWORD_FILE=$WORK/grafana_admin_password

@@ -522,7 +522,7 @@ def compose_config(*files: Path) -> dict:
         compose_env()
         | {
             "FLASHMAP_TARGET_HOST_DIR": str(ROOT / "checkpoints" / "demo-target"),
-            "FLASHMAP_DRAFTER_HOST_DIR": str(ROOT / "checkpoints" / "demo-flashmap"),
+            "FLASHMAP_DRAFTER_HOST_DIR": str(ROOT / "checkpoints" / "demo-flashmap-eq"),
             "GRAFANA_ADMIN_PASSWORD_FILE": os.devnull,
         }
         | SECRETS

@@ -1,5 +1,5 @@
 """The README's examples, run as written against a stack serving the demo checkpoints
-(checkpoints/demo-target + checkpoints/demo-flashmap): every `flashmap generate` command,
+(checkpoints/demo-target + checkpoints/demo-flashmap-eq): every `flashmap generate` command,
 the curl request, the Python snippets (the OpenAI client and the gRPC SDK) and the
 in-process command. Each must give the answer the demo target is known to give (its chat
 bank and code, at temperature 0, so the stack's output is the target's own), which keeps the
