@@ -77,7 +77,8 @@ def denoiser_curve(
     per-slot accuracy against the true block of the denoiser (diagonal s = t) on the noisy
     state of one shared draw (at t = 0 also on the zero state), of the state's own
     vocabulary-space argmax, of the embedded Bayes decoder (`EmbeddedReader`), of the `prior`
-    drafter (kind dflash, one pass) and of prior + embedded likelihood. batches: training Batches (training.flow.Batch).
+    drafter (kind dflash, one pass) and of prior + embedded likelihood. batches: training
+    Batches (training.flow.Batch).
     Rows: tau, t, tau_vocab, tau_embedded (t on both maps) and the accuracies."""
     cfg, V = model.cfg, model.cfg.vocab_size
     E = model.embed
