@@ -19,6 +19,7 @@ import asyncio
 import random
 import time
 from dataclasses import dataclass
+from itertools import zip_longest
 
 import numpy as np
 import uvloop
@@ -48,8 +49,9 @@ CALIBRATION = "flashmap_controller_accepted_tokens_total"
 
 
 def prompt_sets(target: str, vocab: int, n: int) -> dict[str, list[list[int]]]:
-    """n random-id prompts, and n held-out text prompts of the demo domains (repeated as
-    needed; absent for a target without a tokenizer)."""
+    """n random-id prompts, and n held-out text prompts of the demo domains taken from each
+    domain in turn (the file lists one domain after another; repeated as needed; absent for a
+    target without a tokenizer)."""
     rng = np.random.default_rng(0)
     sets = {
         "random ids": [
@@ -57,7 +59,10 @@ def prompt_sets(target: str, vocab: int, n: int) -> dict[str, list[list[int]]]:
         ]
     }
     try:
-        text = [p["ids"] for p in read_domain_prompts(HELDOUT_PROMPTS, target)]
+        by_domain: dict[str, list] = {}
+        for p in read_domain_prompts(HELDOUT_PROMPTS, target):
+            by_domain.setdefault(p["domain"], []).append(p["ids"])
+        text = [x for turn in zip_longest(*by_domain.values()) for x in turn if x is not None]
         sets["held-out text"] = [text[i % len(text)] for i in range(n)]
     except (OSError, ValueError):  # a target without a tokenizer
         pass

@@ -34,13 +34,18 @@ and far beyond them it can say anything (fitted on probes alone it can price a c
 requests like one for one, and the first plans would let nearly every request draft).
 Each round that drafts more widens what the next may try, so the fit grows with the batches.
 
-The first decode round probes. While speculation is off, every `probe_every` rounds one
-request (the one longest without a draft) drafts its whole block, so the per-slot acceptance
-and the draft cost stay current and speculation can come back; each probe doubles the interval (up to `max_probe_every`)
-until the search lets a round draft again; `probe_budget` can cap the share of the time all
-probes take (a probe costs about one drafting request's call and K tokens; a cap delays the
-return of speculation, so by default only the schedule bounds them:
-docs/experiments/2026-12-01-speculation-controller.md).
+The first decode round probes. While speculation is off, every `probe_every` tokens per
+request (a round of decode_steps tokens counts that many) one request (the one longest
+without a draft) drafts its whole block, so the per-slot acceptance and the draft cost stay
+current and speculation can come back; each probe doubles the interval (up to
+`max_probe_every`) until the search lets a round draft again; `probe_budget` can cap the
+share of the time all probes take (a probe costs about one drafting request's call and K
+tokens; a cap delays the return of speculation, so by default only the schedule bounds them:
+docs/experiments/2026-12-01-speculation-controller.md). The acceptance priors are light
+(the pooled rate weighs `prior_rounds` slot verifications, a request's own record one
+pseudo-rejection): with heavier ones a probe that accepted 14 of 15 tokens still left the
+estimate below the rate of 16-token plain rounds, and the stack served the demo without
+drafting (docs/experiments/2026-12-06-controller-priors.md).
 With decode_steps > 1 a probe is a mixed round (`probing`): the other requests still decode
 decode_steps tokens each, so a probe costs about what the probing request gives up, not
 decode_steps - 1 tokens of every request. A mixed round's seconds fit neither cost model;
@@ -128,14 +133,18 @@ class OnlineLinear:
 
 @dataclass
 class ControllerConfig:
-    prior_strength: float = 8.0  # pseudo-rounds of the global acceptance in a request's estimate
+    # A probe is the only news while speculation is off: a prior that outweighs it keeps
+    # speculation off (see `acceptance`).
+    prior_strength: float = 1.0  # pseudo-rejections at the global rates in a request's estimate
     prior_acceptance: float = 0.6  # per-slot acceptance assumed before any round is seen
-    prior_rounds: float = 4.0  # ... with the weight of this many rounds
-    forget: float = 0.98  # cost fits: weight of a round measured n rounds ago is forget**n
-    probe_every: int = (
-        8  # after this many rounds without speculation one request drafts its block ...
+    prior_rounds: float = (
+        4.0  # ... with the weight of this many slot verifications (see _global_rates)
     )
-    max_probe_every: int = 64  # ... and after each such probe, twice as many
+    forget: float = 0.98  # cost fits: weight of a round measured n rounds ago is forget**n
+    # Counted in tokens decoded per request (a round of decode_steps counts that many), so a
+    # multi-step round does not stretch the schedule decode_steps-fold.
+    probe_every: int = 32  # after this many tokens per request without speculation one request drafts its block ...
+    max_probe_every: int = 256  # ... and after each such probe, twice as many
     probe_budget: float | None = (
         None  # probes may take at most this share of the time (None: the schedule alone)
     )
@@ -169,10 +178,7 @@ class SpeculationController:
         K = self.block_size
         # Global per-slot counts (verified, accepted), greedy and sampling separately.
         c = self.cfg
-        self.global_counts = {
-            g: (np.full(K, c.prior_rounds), np.full(K, c.prior_rounds * c.prior_acceptance))
-            for g in (True, False)
-        }
+        self.global_counts = {g: (np.zeros(K), np.zeros(K)) for g in (True, False)}
         # The round's seconds outside the draft call: c0 + c_row * rows + c_tok * (query tokens - rows).
         self.verify_cost = OnlineLinear((1e-2, 1e-4, 1e-4), c.forget, prior_weight=1e-3)
         self.draft_cost = OnlineLinear((1e-2, 1e-4), c.forget, prior_weight=1e-3)
@@ -199,18 +205,37 @@ class SpeculationController:
 
     # -- estimates ---------------------------------------------------------------
     def acceptance(self, seqs: list[Sequence]) -> np.ndarray:
-        """[n, K] conditional acceptance of each slot for these requests (shrunk to the global prior)."""
+        """[n, K] conditional acceptance of each slot for these requests: the global per-slot
+        rates with each request's rejection rate scaled by its own hazard ratio,
+        1 - a_ij = (1 - g_j) * R_i. R_i is the Gamma-Poisson posterior mean of the request's
+        rejections over those the global rates expect at the slots it verified, with
+        `prior_strength` pseudo-rejections at ratio 1. One ratio per request pools every slot
+        it verified, so a single rejection moves it a little and a request that keeps failing
+        early soon stops drafting (a per-slot estimate has about one observation per slot)."""
         K, w = self.block_size, self.cfg.prior_strength
-        prior = {g: acc / np.maximum(ver, 1e-9) for g, (ver, acc) in self.global_counts.items()}
-        pri = np.stack([prior[s.params.greedy] for s in seqs])  # [n, K]
-        acc = np.stack([s.stats.accepted_per_slot[:K] + s.shadow_counts[1, :K] for s in seqs])
-        ver = np.stack([s.stats.verified_per_slot[:K] + s.shadow_counts[0, :K] for s in seqs])
-        a = np.clip((acc + w * pri) / (ver + w), 0.0, 1.0)
+        rates = {g: self._global_rates(g) for g in {s.params.greedy for s in seqs}}
         # Later slots never count as more likely. This makes the expected gain fall short of
         # what drafted rounds realise, as it should: without the cap the controller drafted in
         # most rounds and served fewer tokens/s than with speculation off (costs the model
         # leaves out: desynchronised prefills, catch-up context; docs/experiments).
-        return np.minimum.accumulate(a, axis=1)
+        g = np.stack([np.minimum.accumulate(rates[s.params.greedy]) for s in seqs])  # [n, K]
+        acc = np.stack([s.stats.accepted_per_slot[:K] + s.shadow_counts[1, :K] for s in seqs])
+        ver = np.stack([s.stats.verified_per_slot[:K] + s.shadow_counts[0, :K] for s in seqs])
+        rejected = (ver - acc).sum(1)  # [n]
+        expected = (ver * (1.0 - g)).sum(1)  # [n] rejections the global rates predict
+        ratio = (rejected + w) / (expected + w)  # [n]
+        return np.clip(1.0 - (1.0 - g) * ratio[:, None], 0.0, 1.0)
+
+    def _global_rates(self, greedy: bool) -> np.ndarray:
+        """[K] the global per-slot acceptance: each slot's counts shrunk towards the rate of all
+        slots together, and that towards `prior_acceptance` (`prior_rounds` pseudo-verifications
+        each). A slot that drafts seldom reach (the last ones, when plans stop short) is priced
+        like the slots before it: shrunk to a fixed prior it would look worse the less it is
+        tried, and the plans would never try it."""
+        ver, acc = self.global_counts[greedy]
+        w, p0 = self.cfg.prior_rounds, self.cfg.prior_acceptance
+        pooled = (acc.sum() + w * p0) / (ver.sum() + w)
+        return (acc + w * pooled) / (ver + w)
 
     def expected_accepted(self, seqs: list[Sequence], lengths: list[int]) -> np.ndarray:
         """[n] the draft tokens the controller expects seqs[i] to have accepted when it verifies
@@ -256,7 +281,7 @@ class SpeculationController:
             else:
                 choice = self._search(seqs, caps)
                 self._nothing = (key, 0) if not any(choice.values()) else (None, 0)
-        # Probes: while speculation is off, every `probe_every` rounds the request that has gone
+        # Probes: while speculation is off, every `probe_every` tokens the request that has gone
         # longest without a draft drafts its whole block, so the per-slot acceptance (and the draft
         # cost) stays current and speculation can come back. One request: a probe pads every row
         # of the verify to its length and adds to the draft call. Probes that keep finding
@@ -265,7 +290,7 @@ class SpeculationController:
         if speculating:
             self.probe_every, self.since_probe = self.cfg.probe_every, 0
         elif idle:
-            self.since_probe += 1
+            self.since_probe += self.cfg.decode_steps if all(s.prefilled for s in seqs) else 1
             first = self.verify_cost.n == 0
             probe = max(idle, key=lambda j: (idle[j], -j))
             due = self.since_probe >= self.probe_every

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from bench import common, stack
-from bench.stack_paths import chunks_of
+from bench.stack_paths import chunks_of, prompt_sets
+from flashmap.prompts import HELDOUT_PROMPTS, read_domain_prompts
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = (REPO / "checkpoints" / "demo-flashmap" / "model.safetensors").is_file()
@@ -77,6 +78,15 @@ def test_chunks_are_whole_batches_covering_every_prompt_once():
         assert [len(p) for p in parts] == sizes, (c, n)
         assert [x for p in parts for x in p] == prompts
         assert all(len(p) % c == 0 for p in parts[:-1])
+
+
+@pytest.mark.skipif(not DEMO, reason="demo checkpoints not present")
+def test_held_out_text_takes_the_domains_in_turn():
+    """The held-out file lists one domain after another: the first n prompts alone would be code."""
+    target = REPO / "checkpoints" / "demo-target"
+    domain = {tuple(p["ids"]): p["domain"] for p in read_domain_prompts(HELDOUT_PROMPTS, target)}
+    text = prompt_sets(str(target), 100, 9)["held-out text"]
+    assert [domain[tuple(ids)] for ids in text] == ["code", "math", "chat"] * 3
 
 
 def test_modes_must_include_the_baseline(tmp_path):

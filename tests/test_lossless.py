@@ -146,7 +146,7 @@ def test_rows_without_features_while_speculation_is_off_are_lossless(target, mon
     )
     controller = SpeculationController(
         proposer.block_size,
-        ControllerConfig(decode_steps=4, lazy_features=True, probe_every=2, max_probe_every=2),
+        ControllerConfig(decode_steps=4, lazy_features=True, probe_every=8, max_probe_every=8),
     )
     out = decode(engine, _requests(prompts), proposer, controller=controller, decode_steps=4)
     assert [r.token_ids for r in out] == reference
