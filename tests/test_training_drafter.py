@@ -531,6 +531,17 @@ def test_cli_stages_resume_and_checkpoint(world, tmp_path):
     assert np.array_equal(
         _drafts(w).tokens, _drafts(m).tokens
     )  # lr 0: still the baseline's 1-jump draft
+    # --train-only state_in with the state gate: the DFlash-style network stays as it was (at
+    # tau = 0 the denoiser is the baseline), only the state projection learns.
+    gated = ["--stage", "flow", "--init-from", str(base), "--steps", "2", *common]
+    gated += ["--state-gate-tau", "0.25", "--warm-constant-time", "--train-only", "state_in"]
+    runs = {lr: tmp_path / f"only-{lr}" for lr in ("0", "0.01")}
+    for lr, out in runs.items():
+        assert td.main([*gated, "--out", str(out), "--lr", lr]) == 0
+    still, moved = (load_drafter(out, target).state_dict() for out in runs.values())
+    changed = {k for k in still if not torch.equal(still[k], moved[k])}
+    assert changed == {"state_in.weight"}, changed
+    assert td.main([*gated, "--out", str(tmp_path / "x"), "--train-only", "nothing"]) == 2
     more = tmp_path / "dflash_more"
     assert (
         td.main(

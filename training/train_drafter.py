@@ -102,6 +102,10 @@ class TrainConfig(ConfigDict):
     # flow --init-from a dflash drafter: every (s, t) starts from its conditioning (0, 1)
     # (warm_start_from_dflash constant_time), the denoiser at tau = 0 included.
     warm_constant_time: bool = False
+    # Train only the parameters whose names start with one of these (empty: all). With the
+    # state gate and a warm start, ("state_in",) keeps the DFlash-style network intact at
+    # tau = 0 and lets the flow read its state through the input projection alone.
+    train_only: tuple[str, ...] = ()
     # Flow stage's check (flow_check): batches of blocks it runs on at every save (0 = off), the
     # data they come from ("" = the training data, another seed) and an optional DFlash-style
     # drafter whose per-slot accuracy is shown beside the denoiser's.
@@ -168,6 +172,13 @@ def run_stage(
     held-out acceptance check, the replicas' digests)."""
     model.embed.requires_grad_(False)
     model.lm_head.requires_grad_(False)
+    if tcfg.train_only:
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        kept = [n for n in names if n.startswith(tuple(tcfg.train_only))]
+        if not kept:
+            raise ValueError(f"--train-only {' '.join(tcfg.train_only)}: no parameter matches")
+        for n, p in model.named_parameters():
+            p.requires_grad_(n in kept)
     ema = None
     if tcfg.stage == "distill":
         ema = (
@@ -433,6 +444,12 @@ def main(argv: list[str] | None = None) -> int:
         "--warm-constant-time", action="store_true", default=None, help="flow: see TrainConfig"
     )
     ap.add_argument(
+        "--train-only",
+        nargs="+",
+        type=str,
+        help="train only the parameters whose names start with these (see TrainConfig)",
+    )
+    ap.add_argument(
         "--init-from",
         help="flow: start from a DFlash-style drafter (warm start, not the paper's) or train "
         "a flow-stage drafter on; dflash: train a DFlash-style drafter on",
@@ -440,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     args.shared_noise = None if args.noise is None else args.noise == "shared"
+    args.train_only = tuple(args.train_only) if args.train_only else None
     cfg = config_from_args(
         TrainConfig.for_stage(args.stage, small=args.small),
         args,
@@ -448,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
             "ema_decay",
             "init_from",
             "warm_constant_time",
+            "train_only",
             "check_data",
             "check_prior",
             "check_batches",
