@@ -26,6 +26,8 @@ Stages (DESIGN.md, "The method in one page"):
 
 OUT holds what `training.trainer.run_training` writes: the drafter checkpoint, train_state.pt
 (with the EMA when distilling), loss.csv and loss.png.
+
+One idea: a drafter's training run, stage by stage (its config, the model each stage starts from, its command line).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from training.trainer import (
     check_data,
     config_from_args,
     run_training,
+    train_only,
 )
 from training.warm_start import ARCH_FIELDS, warm_start_from_dflash
 
@@ -102,9 +105,8 @@ class TrainConfig(ConfigDict):
     # flow --init-from a dflash drafter: every (s, t) starts from its conditioning (0, 1)
     # (warm_start_from_dflash constant_time), the denoiser at tau = 0 included.
     warm_constant_time: bool = False
-    # Train only the parameters whose names start with one of these (empty: all). With the
-    # state gate and a warm start, ("state_in",) keeps the DFlash-style network intact at
-    # tau = 0 and lets the flow read its state through the input projection alone.
+    # Train only the parameters named with these prefixes (empty: all; trainer.train_only). With
+    # the state gate and a warm start, ("state_in",) keeps the DFlash-style network at tau = 0.
     train_only: tuple[str, ...] = ()
     # Flow stage's check (flow_check): batches of blocks it runs on at every save (0 = off), the
     # data they come from ("" = the training data, another seed) and an optional DFlash-style
@@ -172,13 +174,7 @@ def run_stage(
     held-out acceptance check, the replicas' digests)."""
     model.embed.requires_grad_(False)
     model.lm_head.requires_grad_(False)
-    if tcfg.train_only:
-        names = [n for n, p in model.named_parameters() if p.requires_grad]
-        kept = [n for n in names if n.startswith(tuple(tcfg.train_only))]
-        if not kept:
-            raise ValueError(f"--train-only {' '.join(tcfg.train_only)}: no parameter matches")
-        for n, p in model.named_parameters():
-            p.requires_grad_(n in kept)
+    train_only(model, tcfg.train_only)
     ema = None
     if tcfg.stage == "distill":
         ema = (
@@ -443,12 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--warm-constant-time", action="store_true", default=None, help="flow: see TrainConfig"
     )
-    ap.add_argument(
-        "--train-only",
-        nargs="+",
-        type=str,
-        help="train only the parameters whose names start with these (see TrainConfig)",
-    )
+    ap.add_argument("--train-only", nargs="+", help="parameter name prefixes: see TrainConfig")
     ap.add_argument(
         "--init-from",
         help="flow: start from a DFlash-style drafter (warm start, not the paper's) or train "
@@ -457,7 +448,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     args.shared_noise = None if args.noise is None else args.noise == "shared"
-    args.train_only = tuple(args.train_only) if args.train_only else None
     cfg = config_from_args(
         TrainConfig.for_stage(args.stage, small=args.small),
         args,

@@ -460,6 +460,20 @@ def run_cli(train, cfg, args: argparse.Namespace, done: str) -> int:
     return 0
 
 
+def train_only(model: torch.nn.Module, prefixes) -> None:
+    """Freeze every parameter of `model` whose name starts with none of `prefixes` (empty: all
+    train). A prefix that names no trainable parameter is a mistake, not a frozen model."""
+    if not prefixes:
+        return
+    kept = [
+        n for n, p in model.named_parameters() if p.requires_grad and n.startswith(tuple(prefixes))
+    ]
+    if not kept:
+        raise ValueError(f"--train-only {' '.join(prefixes)}: no trainable parameter matches")
+    for n, p in model.named_parameters():
+        p.requires_grad_(n in kept)
+
+
 def config_from_args(
     cfg,
     args: argparse.Namespace,
