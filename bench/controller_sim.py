@@ -54,7 +54,8 @@ def simulate(policy, acceptance: float, requests: int = 30, steps: int = 16, see
                 s.prefilled = True
                 s._append([7])
                 dt = PREFILL_S
-                ctl and ctl.observe(1, 3, dt, 0, 0.0, [], prefill=True)
+                if ctl is not None:
+                    ctl.observe(1, 3, dt, 0, 0.0, [], prefill=True)
             elif (L := s.draft_budget()) > 0:
                 acc = accepted(L)
                 s.stats.record_round(L, acc)
@@ -63,19 +64,23 @@ def simulate(policy, acceptance: float, requests: int = 30, steps: int = 16, see
                 rest_s = VERIFY_S[0] + VERIFY_S[1] + VERIFY_S[2] * L
                 dt = draft_s + rest_s
                 drafted_tokens += len(new)
-                ctl and ctl.observe(1, 1 + L, rest_s, 1, draft_s, [(True, L, acc)])
+                if ctl is not None:
+                    ctl.observe(1, 1 + L, rest_s, 1, draft_s, [(True, L, acc)])
             else:
                 n = len(s._append([7] * steps))
                 dt = PLAIN_S[0] + PLAIN_S[1] if steps > 1 else sum(VERIFY_S[:2])
-                ctl and ctl.observe(1, 1, dt, 0, 0.0, [], decode_steps=n)
+                if ctl is not None:
+                    ctl.observe(1, 1, dt, 0, 0.0, [], decode_steps=n)
             clock += dt
-            if ctl is not None and ctl.shadow and not s.finished:
+            if ctl is None:
+                continue
+            if ctl.shadow and not s.finished:
                 # A shadow probe's block matches the text the target goes on to commit up to
                 # its first miss.
                 acc = accepted(K)
                 s.shadow = (len(s.tokens), np.array([7] * acc + [8] * (K - acc)))
                 ctl.observe_draft(1, DRAFT_S[0] + DRAFT_S[1])
-            ctl and ctl.observe_shadows([s])
+            ctl.observe_shadows([s])
         tokens += len(s.generated)
     return tokens / clock, drafted_tokens / tokens
 

@@ -137,13 +137,11 @@ class ControllerConfig:
     # speculation off (see `acceptance`).
     prior_strength: float = 1.0  # pseudo-rejections at the global rates in a request's estimate
     prior_acceptance: float = 0.6  # per-slot acceptance assumed before any round is seen
-    prior_rounds: float = (
-        4.0  # ... with the weight of this many slot verifications (see _global_rates)
-    )
+    prior_rounds: float = 4.0  # ... weighing this many slot verifications (_global_rates)
     forget: float = 0.98  # cost fits: weight of a round measured n rounds ago is forget**n
     # Counted in tokens decoded per request (a round of decode_steps counts that many), so a
     # multi-step round does not stretch the schedule decode_steps-fold.
-    probe_every: int = 32  # after this many tokens per request without speculation one request drafts its block ...
+    probe_every: int = 32  # after this many tokens without speculation a request drafts a block ...
     max_probe_every: int = 256  # ... and after each such probe, twice as many
     probe_budget: float | None = (
         None  # probes may take at most this share of the time (None: the schedule alone)
