@@ -43,9 +43,12 @@ class OrchestratorMetrics:
         self.prompt_tokens = m["flashmap_prompt_tokens"]
         self.verify_batch_size = m["flashmap_verify_batch_size"]
 
-    def start_at_zero(self, model: str) -> None:
+    def start_at_zero(self, model: str, draft_labels: list[dict] = ()) -> None:
         """Export the series that alerts divide by, at 0, from the start: a series that first
-        appears at its first increment has no rate() for that increment."""
+        appears at its first increment has no rate() for that increment. draft_labels: the
+        (model, drafter, steps) label sets of the drafted rounds to expect."""
+        for labels in draft_labels:
+            self._start_drafts_at_zero(labels)
         for reason in ("unavailable", "timeout", "context_lost"):
             self.fallback_rounds.labels(model=model, reason=reason)
         for status in ("length", "stop", "abort", "error"):
@@ -62,18 +65,25 @@ class OrchestratorMetrics:
         ):
             metric.labels(model=model)
 
+    def _start_drafts_at_zero(self, labels: dict) -> None:
+        key = tuple(sorted(labels.items()))
+        if key in self._per_pos_ready:
+            return
+        # Every position exists from the first draft on, at 0 until accepted (vLLM does the
+        # same): a never-accepted slot reads 0, not "no data", and the first acceptance at a
+        # slot is an increase that rate() can see.
+        self._per_pos_ready.add(key)
+        for metric in (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens):
+            metric.labels(**labels)
+        self.acceptance_length.labels(**labels)
+        for pos in range(1, self.block_size + 1):
+            self.num_accepted_tokens_per_pos.labels(**labels, position=str(pos))
+
     def record_round(self, labels: dict, num_draft: int, num_accepted: int) -> None:
         """One verified draft of num_draft tokens of which the first num_accepted were accepted."""
         if num_draft == 0:
             return
-        key = tuple(sorted(labels.items()))
-        if key not in self._per_pos_ready:
-            # Every position exists from the first draft on, at 0 until accepted (vLLM does the
-            # same): a never-accepted slot reads 0, not "no data", and the first acceptance at
-            # a slot is an increase that rate() can see.
-            self._per_pos_ready.add(key)
-            for pos in range(1, self.block_size + 1):
-                self.num_accepted_tokens_per_pos.labels(**labels, position=str(pos))
+        self._start_drafts_at_zero(labels)
         self.num_drafts.labels(**labels).inc()
         self.num_draft_tokens.labels(**labels).inc(num_draft)
         self.num_accepted_tokens.labels(**labels).inc(num_accepted)

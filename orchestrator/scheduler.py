@@ -122,7 +122,11 @@ class Orchestrator:
         self.metrics.drafter_steps.labels(drafter=self.drafter_name()).set(
             self.drafter.steps if self.drafter else 0
         )
-        self.metrics.start_at_zero(self.info.model_name)
+        # The drafter's step count and the paper's 1 and 2 jumps: the counts users switch between
+        # (once connected: the drafter's name is a label).
+        connected = self.drafter is not None and self.drafter.connected
+        steps = sorted({1, 2, self.drafter.steps}) if connected else []
+        self.metrics.start_at_zero(self.info.model_name, [self._labels(n) for n in steps])
         self.max_concurrent = self.cfg.max_concurrent or self.info.n_slots
         self._loop_task = asyncio.create_task(self._scheduler())
         self._health_task = asyncio.create_task(

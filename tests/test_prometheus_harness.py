@@ -73,12 +73,7 @@ def test_dashboard_acceptance_queries_match_the_recorded_rounds(prometheus_bin):
     # Every child exists at 0 before the first scrape. Then all series of one target share their
     # sample times and start at 0, so rate()'s extrapolation scales them all alike and the ratios
     # in the dashboard are exact (see the harness' docstring for the general case).
-    for steps in rounds:
-        labels = dict(base, steps=steps)
-        for c in (orch.num_drafts, orch.num_draft_tokens, orch.num_accepted_tokens):
-            c.labels(**labels)
-        for pos in range(1, BLOCK + 1):
-            orch.num_accepted_tokens_per_pos.labels(**labels, position=str(pos))
+    orch.start_at_zero(base["model"], [dict(base, steps=steps) for steps in rounds])
     drafter.step_count.labels(drafter="flashmap-test").set(1)
 
     orch_port, drafter_port = free_port(), free_port()
@@ -101,6 +96,8 @@ def test_dashboard_acceptance_queries_match_the_recorded_rounds(prometheus_bin):
             # The dead target's first scrape may still be to come (scrapes are staggered).
             prom.wait_until(lambda: prom.scalar('up{job="dead"}') == 0, what='up{job="dead"} == 0')
             assert prom.scalar("sum(flashmap_num_drafts_total)") == 0
+            zero = {"1": 0.0, "2": 0.0}  # both step counts, before their first round
+            assert prom.by_label("sum by (steps) (flashmap_num_drafts_total)", "steps") == zero
 
             for steps, accepted in rounds.items():
                 for a in accepted:

@@ -69,8 +69,14 @@ def init(device: str | None = None) -> Dist:
     return Dist(rank, world, local, dev)
 
 
-def shutdown(d: Dist) -> None:
+def shutdown(d: Dist, finished: bool = True) -> None:
+    """Leave the process group. finished: every rank got here without error, so they first meet
+    at a barrier: a rank that tears gloo down while its peer still talks to it can abort at
+    exit ("terminate called without an active exception"). After an error no barrier (a peer
+    may never come)."""
     if d.enabled and dist.is_initialized():
+        if finished:
+            dist.barrier()
         dist.destroy_process_group()
 
 

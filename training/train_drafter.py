@@ -481,6 +481,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
     )
     d = distributed.init(args.device)  # torchrun: this rank (a single process: rank 0 of 1)
+    finished = False
     try:
         train(
             cfg,
@@ -493,11 +494,12 @@ def main(argv: list[str] | None = None) -> int:
             dist=d,
             replica_digests=args.replica_digests,
         )
+        finished = True
     except (OSError, ValueError) as e:
         print(f"error{f' (rank {d.rank})' if d.enabled else ''}: {e}", file=sys.stderr)
         return 2
     finally:
-        distributed.shutdown(d)
+        distributed.shutdown(d, finished)
     if d.main:
         print(f"drafter checkpoint in {args.out}")
     return 0
