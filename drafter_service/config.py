@@ -18,6 +18,9 @@ from flashmap.types import BLOCK_SIZE, DRAFT_STEPS
 
 KINDS = ("flashmap", "dflash")
 STATE_INPUTS = ("whiten", "rms")
+# The clean-block estimate a state carries between flow steps: the denoiser's softmax (the
+# flow) or its one-hot argmax (mode-seeking T = 0 drafting).
+ESTIMATES = ("soft", "argmax")
 # Fields a config.json written before they existed lacks: it gets these (the old behaviour),
 # not the dataclass defaults (what new drafters get).
 LEGACY_DEFAULTS = {"time_map": "vocab", "state_input": "rms"}
@@ -144,6 +147,10 @@ class DrafterConfig(TargetRefConfig):
     # then t_1 -> 1, the gradient through both and each scored against the data (0: the
     # one-jump path only). Without it the second jump reads a state no training produced.
     null_two_jump_share: float = 0.0
+    # The estimate those blocks carry to t_1: "soft" (t_1 * softmax of the first jump, the
+    # gradient through both jumps) or "argmax" (t_1 * its one-hot argmax, no gradient into the
+    # first jump). The proposer's T = 0 rows carry the same unless told otherwise.
+    two_jump_estimate: str = "soft"
     # State gate: the state input is scaled by g = min(1, tau_t / state_gate_tau) (0: no gate,
     # the paper). At tau = 0 the state carries nothing about the block, so the ideal denoiser
     # ignores it; g(0) = 0 makes that exact (a context-only predictor there, as DFlash's), so
@@ -186,6 +193,10 @@ class DrafterConfig(TargetRefConfig):
         ):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.two_jump_estimate not in ESTIMATES:
+            raise ValueError(
+                f"two_jump_estimate must be one of {ESTIMATES}, got {self.two_jump_estimate!r}"
+            )
         if not self.state_gate_tau >= 0:
             raise ValueError(f"state_gate_tau must be >= 0, got {self.state_gate_tau}")
         if self.time_map not in TIME_MAPS:

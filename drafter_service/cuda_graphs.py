@@ -38,6 +38,7 @@ class _Static:
     anchor: Tensor  # [b]
     slots: Tensor  # [b]
     lengths: Tensor  # [b]
+    hard: Tensor  # [b] bool: rows that carry the argmax estimate between steps
     out: Tensor | None = None  # [b, K, V] logits written by the graph
     graph: torch.cuda.CUDAGraph | None = None
     times: list[Tensor] | None = None  # the flow grid as [b] device tensors
@@ -71,12 +72,14 @@ class FlowGraphs:
 
     def _fn(self, st: _Static, steps: int, window: int, times: list[Tensor]) -> Tensor:
         ctx = self.p._context_tensors(st.slots, st.lengths, window)
-        return self.p._integrate(st.y, st.anchor, ctx, steps, times)
+        hard = st.hard if self.p.greedy_estimate == "argmax" else None  # else all rows soft
+        return self.p._integrate(st.y, st.anchor, ctx, steps, times, hard=hard)
 
     def _static(self, b: int) -> _Static:
         K, E, dev = self.p.block_size, self.p.model.embed, self.p.device
         z = lambda: torch.zeros(b, dtype=torch.long, device=dev)  # noqa: E731
-        return _Static(torch.zeros(b, K, E.shape[1], dtype=E.dtype, device=dev), z(), z(), z())
+        y = torch.zeros(b, K, E.shape[1], dtype=E.dtype, device=dev)
+        return _Static(y, z(), z(), z(), torch.zeros(b, dtype=torch.bool, device=dev))
 
     @torch.inference_mode()
     def capture(self) -> dict:
@@ -121,10 +124,16 @@ class FlowGraphs:
 
     @torch.inference_mode()
     def run(
-        self, y: Tensor, anchor: Tensor, slots: list[int], lengths: list[int], steps: int
+        self,
+        y: Tensor,
+        anchor: Tensor,
+        slots: list[int],
+        lengths: list[int],
+        steps: int,
+        hard: Tensor | None = None,
     ) -> Tensor | None:
         """Logits [B, K, V] from the embedded noise y [B, K, H] through a graph, or None when no
-        graph fits (the caller runs eagerly)."""
+        graph fits (the caller runs eagerly). hard [B] bool: the proposer's argmax rows."""
         B = y.shape[0]
         b, w = bucket_of(B, self.batch_buckets), bucket_of(max(lengths + [1]), self.context_buckets)
         st = self.graphs.get((steps, b, w)) if b is not None and w is not None else None
@@ -134,6 +143,9 @@ class FlowGraphs:
         st.anchor.zero_()
         st.slots.zero_()
         st.lengths.zero_()
+        st.hard.zero_()
+        if hard is not None:
+            st.hard[:B].copy_(hard)
         st.y[:B].copy_(y)
         st.anchor[:B].copy_(anchor)
         st.slots[:B].copy_(torch.tensor([max(s, 0) for s in slots]))

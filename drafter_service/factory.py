@@ -50,7 +50,7 @@ def make_proposer(
     min_confidence: float = 0.0,
     shared_noise: bool | None = None,
     compile: bool = False,
-    greedy_estimate: str = "soft",
+    greedy_estimate: str | None = None,
     greedy_noise_scale: float | None = None,
 ) -> Proposer:
     """A proposer around a loaded drafter network (several proposers may share one model).
@@ -94,7 +94,7 @@ def load_proposer(
     steps: int = DRAFT_STEPS,
     min_confidence: float = 0.0,
     compile: bool = False,
-    greedy_estimate: str = "soft",
+    greedy_estimate: str | None = None,
     greedy_noise_scale: float | None = None,
 ) -> Proposer:
     """`make_proposer` over `load_model`: a proposer from a checkpoint directory or "init"."""

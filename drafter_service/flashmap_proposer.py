@@ -33,9 +33,9 @@ is the mode. greedy_estimate = "argmax" moves the state between steps towards th
 argmax of the denoiser instead of its softmax (every intermediate state is then a noised
 one-hot block, as in training); greedy_noise_scale < 1 starts from scaled-down noise (by
 default 0 for a map distilled with zero-state jumps, DrafterConfig.null_jump_fraction, where
-that start is trained against the data; else 1).
+that start is trained against the data; else 1). greedy_estimate defaults to the estimate the
+map's two-jump path was trained with (DrafterConfig.two_jump_estimate), else "soft".
 Neither touches rows with T > 0: their proposal q is what the flow samples and is sent.
-The argmax estimate drafts eagerly (CUDA graphs capture the softmax flow only).
 Not thread-safe: the gRPC server serialises calls.
 """
 
@@ -48,6 +48,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from drafter_service.config import ESTIMATES
 from drafter_service.flashmap_dit import CrossContext, FlashMapDiT, greedy_summary, jump
 from drafter_service.slots import ContextTooLong, ProposerError, SlotCacheProposer, SlotsExhausted  # noqa: F401
 from flashmap.types import DRAFT_STEPS, Draft, ProposeRequest
@@ -103,7 +104,7 @@ class FlashMapProposer(SlotCacheProposer):
         "_context_kv": ("context_kv", False),
     }
 
-    GREEDY_ESTIMATES = ("soft", "argmax")
+    GREEDY_ESTIMATES = ESTIMATES
 
     def __init__(
         self,
@@ -114,7 +115,7 @@ class FlashMapProposer(SlotCacheProposer):
         steps: int = DRAFT_STEPS,
         shared_noise: bool | None = None,
         min_confidence: float = 0.0,
-        greedy_estimate: Literal["soft", "argmax"] = "soft",
+        greedy_estimate: Literal["soft", "argmax"] | None = None,
         greedy_noise_scale: float | None = None,
     ):
         c = model.cfg
@@ -127,6 +128,8 @@ class FlashMapProposer(SlotCacheProposer):
             c.block_size,
             c.dim,
         )
+        if greedy_estimate is None:  # the estimate the map's two-jump path was trained with
+            greedy_estimate = c.two_jump_estimate if c.null_two_jump_share > 0 else "soft"
         if greedy_estimate not in self.GREEDY_ESTIMATES:
             raise ValueError(
                 f"greedy_estimate must be one of {self.GREEDY_ESTIMATES}, got {greedy_estimate!r}"
@@ -297,9 +300,9 @@ class FlashMapProposer(SlotCacheProposer):
                 else None
             )
             logits, summary = None, None
-            if self.graphs is not None and hard is None:
+            if self.graphs is not None:
                 logits = self.graphs.run(
-                    y, anchor, [r.slot for r in rows], [r.length for r in rows], steps
+                    y, anchor, [r.slot for r in rows], [r.length for r in rows], steps, hard
                 )
             if logits is None:
                 ctx = self._context([r.slot for r in rows], [r.length for r in rows])

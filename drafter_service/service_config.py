@@ -44,9 +44,10 @@ class DrafterServiceConfig(Config):
         env="FLASHMAP_DRAFT_MIN_CONFIDENCE",
         check=_below_one,
     )
-    greedy_estimate: str = option(
-        "soft",
-        "T = 0 requests: clean-block estimate between flow steps (argmax: mode-seeking drafting)",
+    greedy_estimate: str | None = option(
+        None,
+        "T = 0 requests: clean-block estimate between flow steps (argmax: mode-seeking drafting; "
+        "default: what the map's two-jump path was trained with, else soft)",
         env="FLASHMAP_GREEDY_ESTIMATE",
         choices=("soft", "argmax"),
     )

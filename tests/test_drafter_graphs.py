@@ -22,8 +22,8 @@ def model(tmp_path_factory):
     return init_drafter(target, dim=64, n_blocks=2, n_heads=4, seed=0)
 
 
-def _proposer(model, graphs: bool):
-    p = FlashMapProposer(model, n_slots=8, max_context=32)
+def _proposer(model, graphs: bool, estimate: str = "soft"):
+    p = FlashMapProposer(model, n_slots=8, max_context=32, greedy_estimate=estimate)
     rng = np.random.default_rng(0)
     for i, n in enumerate([3, 10, 20, 7, 1]):
         p.extend(
@@ -39,16 +39,27 @@ def _proposer(model, graphs: bool):
     return p
 
 
-@pytest.mark.parametrize("steps", [1, 2])
-@pytest.mark.parametrize("n_seqs", [1, 3, 5])  # 5 > largest bucket: eager fallback
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_static_graph_path_matches_dynamic(model, steps, n_seqs, temperature):
+# 5 rows > the largest bucket: eager fallback. The argmax estimate exists between two jumps.
+CASES = [(steps, n, "soft") for steps in (1, 2) for n in (1, 3, 5)] + [
+    (2, 1, "argmax"),
+    (2, 3, "argmax"),
+]
+
+
+@pytest.mark.parametrize("steps,n_seqs,estimate", CASES)
+@pytest.mark.parametrize("temperature", [0.0, 1.0, None])  # None: T = 0 and T = 1 rows mixed
+def test_static_graph_path_matches_dynamic(model, steps, n_seqs, temperature, estimate):
     reqs = [
-        ProposeRequest(f"s{i}", anchor=7 + i, temperature=temperature, seed=11 + i)
+        ProposeRequest(
+            f"s{i}",
+            anchor=7 + i,
+            temperature=float(i % 2) if temperature is None else temperature,
+            seed=11 + i,
+        )
         for i in range(n_seqs)
     ]
-    ref = _proposer(model, graphs=False).propose(reqs, steps)
-    got = _proposer(model, graphs=True).propose(reqs, steps)
+    ref = _proposer(model, graphs=False, estimate=estimate).propose(reqs, steps)
+    got = _proposer(model, graphs=True, estimate=estimate).propose(reqs, steps)
     for a, b in zip(ref, got):
         np.testing.assert_array_equal(a.tokens, b.tokens)
         np.testing.assert_array_equal(a.support_ids, b.support_ids)

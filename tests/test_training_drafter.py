@@ -12,6 +12,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from drafter_service.checkpoint import init_drafter, load_drafter
 from drafter_service.config import DrafterConfig
@@ -322,6 +323,23 @@ def test_two_jump_zero_state_rows_train_the_path_the_proposer_serves(world):
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
     with pytest.raises(ValueError, match="null_two_jump_share"):
         replace(model.cfg, null_two_jump_share=-0.1).validate()
+
+    # two_jump_estimate = "argmax": the first jump's one-hot argmax is carried to t_1, as the
+    # proposer's greedy_estimate = "argmax" drafts (its default for such a map).
+    model.eval().cfg = replace(model.cfg, two_jump_estimate="argmax")
+    with torch.no_grad():
+        _, stats = flow.distill_loss(model, model, model, b, torch.Generator().manual_seed(0))
+        hard = F.one_hot(first.argmax(-1), V).float()
+        second = model(t_1 * hard, t_1, 1.0, b.anchor, ctx)
+        proposer = FlashMapProposer(model, n_slots=1, max_context=8)
+        served = proposer._integrate(
+            torch.zeros(n, 16, model.embed.shape[1]), b.anchor, ctx, 2, hard=torch.ones(n).bool()
+        )
+    assert proposer.greedy_estimate == "argmax"
+    assert stats["null2"] == pytest.approx(flow.block_ce(second, b, model.cfg)[0].item(), rel=1e-4)
+    assert torch.allclose(served, second, atol=1e-4)
+    with pytest.raises(ValueError, match="two_jump_estimate"):
+        replace(model.cfg, two_jump_estimate="mean").validate()
 
 
 def test_jump_sampling_fractions():

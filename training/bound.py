@@ -51,8 +51,10 @@ class RowSpec:
     sample: bool = False  # draft at T = 1 (else greedy: the drafter's T = 0 proposal)
     top: int = 0  # sampling support: the top M tokens (0: the whole vocabulary)
     draws: int = 1  # independent draws per anchor, averaged
-    scale: float = 1.0  # FlashMapProposer greedy_noise_scale (0: drafting from a zero state)
-    estimate: str = "soft"  # FlashMapProposer greedy_estimate
+    # FlashMapProposer greedy_noise_scale (0: drafting from a zero state; None: its default,
+    # 0 for a map trained from the zero state, else 1)
+    scale: float | None = None
+    estimate: str | None = None  # FlashMapProposer greedy_estimate (None: its default)
     # T > 0: verify a sampled block as a deterministic proposal (q = 1), as a flow map that
     # drafts that block from its noise with a one-hot readout is verified given its noise
     q1: bool = False
@@ -61,9 +63,9 @@ class RowSpec:
         bits = [f"{self.steps} step{'s' * (self.steps > 1)}"]
         if self.sample:
             bits.append(f"sampled T = 1, top {self.top or 'V'}")
-        if self.scale != 1.0:
+        if self.scale is not None:
             bits.append(f"noise x{self.scale:g}")
-        if self.estimate != "soft":
+        if self.estimate is not None:
             bits.append(f"{self.estimate} estimate")
         if self.q1:
             bits.append("verified with q = 1")

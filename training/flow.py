@@ -333,11 +333,16 @@ def second_jump_loss(
     student: FlashMapDiT, batch: Batch, logits: Tensor, two: Tensor, t_1: float, loss: Tensor
 ) -> tuple[Tensor, float]:
     """loss plus the served second jump t_1 -> 1 of the rows `two` [N] bool, from the state the
-    proposer carries there, t_1 * softmax(first-jump logits) (the zero state plus the jump),
-    scored by cross-entropy against the data; weighted by the rows' share of the blocks.
+    proposer carries there, t_1 * the first jump's estimate (the zero state plus the jump; its
+    softmax, or its one-hot argmax under cfg.two_jump_estimate = "argmax"), scored by
+    cross-entropy against the data; weighted by the rows' share of the blocks.
     Returns (total loss, the second jump's mean cross-entropy)."""
     rows = two.nonzero()[:, 0]
-    x_1 = t_1 * logits[rows].float().softmax(-1)  # [n, K, V], gradient into the first jump
+    first = logits[rows].float()  # [n, K, V]
+    if student.cfg.two_jump_estimate == "argmax":
+        x_1 = t_1 * F.one_hot(first.argmax(-1), first.shape[-1]).float()
+    else:
+        x_1 = t_1 * first.softmax(-1)  # gradient into the first jump
     out = bind(student, batch, rows)(x_1, t_1, 1.0)
     w = slot_weights(student.cfg.block_size, student.cfg.slot_loss_decay, out.device)
     ce = weighted_ce(out, batch.target[rows], batch.mask[rows], w)

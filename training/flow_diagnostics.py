@@ -34,9 +34,8 @@ class DrafterSpec:
     name: str
     path: str
     steps: tuple[int, ...] = (1,)
-    greedy_estimate: str = (
-        "soft"  # FlashMapProposer's drafting of T = 0 rows ("argmax": mode-seeking)
-    )
+    # FlashMapProposer's drafting of T = 0 rows ("argmax": mode-seeking; None: its default)
+    greedy_estimate: str | None = None
     greedy_noise_scale: float | None = None  # None: the proposer's default for the checkpoint
 
 

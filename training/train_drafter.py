@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from drafter_service.checkpoint import init_drafter, load_drafter
+from drafter_service.config import ESTIMATES
 from drafter_service.flashmap_dit import FlashMapDiT
 from training import distributed
 from training.acceptance_check import AcceptanceCheck, heldout_from
@@ -65,7 +66,7 @@ STAGES = ("flow", "distill", "dflash")
 # Distillation from the zero state: DrafterConfig field -> its loss.csv column.
 ZERO_STATE = {"null_jump_fraction": "null", "null_two_jump_share": "null2"}
 # DrafterConfig fields the distillation sets on the map (the rest is the teacher's).
-DISTILL_FIELDS = ("zero_jump_fraction", "full_jump_fraction", *ZERO_STATE)
+DISTILL_FIELDS = ("zero_jump_fraction", "full_jump_fraction", *ZERO_STATE, "two_jump_estimate")
 
 
 @dataclass
@@ -385,6 +386,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--full-jump-fraction", type=float, help="distill: share of full 0 -> 1 jumps")
     for name in ZERO_STATE:
         ap.add_argument(f"--{name.replace('_', '-')}", type=float, help="distill: DrafterConfig")
+    ap.add_argument(
+        "--two-jump-estimate",
+        choices=ESTIMATES,
+        help="distill: what the two-jump blocks carry to t_1 (DrafterConfig)",
+    )
     ap.add_argument("--state-gate-tau", type=float, help="flow: state input x min(1, tau_t / it)")
     ap.add_argument(
         "--time-map",
@@ -474,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
             "state_gate_tau",
             "full_jump_fraction",
             *ZERO_STATE,
+            "two_jump_estimate",
             "time_map",
             "state_input",
             "shared_noise",
