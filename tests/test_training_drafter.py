@@ -709,3 +709,28 @@ def test_two_jump_probe_accounts_for_every_changed_slot(world):
         == (b.mask.long().cumprod(-1).sum(-1) + 1).tolist()
     )
     assert "| m | " in two_jump_probe.format_table({"m": r})
+
+    # The first-error view, counted slot by slot: the bound of one fix, and what the second
+    # jump does at the first jump's first wrong slot and before it.
+    with torch.no_grad():
+        ctx, n, V = b.context(model), len(b.anchor), model.cfg.vocab_size
+        first = model(torch.zeros(n, 16, V), 0.0, r["t_1"], b.anchor, ctx)
+        two = model(r["t_1"] * first.softmax(-1), r["t_1"], 1.0, b.anchor, ctx).argmax(-1)
+        first = first.argmax(-1)
+    fix_bound, fixes, breaks, errors = 0, 0, 0, 0
+    for i in range(n):
+        valid = int(b.mask[i].sum())
+        right = [bool(first[i, k] == b.target[i, k]) for k in range(valid)]
+        e = right.index(False) if False in right else None
+        breaks += any(two[i, k] != b.target[i, k] for k in range(e if e is not None else valid))
+        if e is None:
+            fix_bound += valid + 1
+            continue
+        errors += 1
+        fixes += bool(two[i, e] == b.target[i, e])
+        run = next((k for k in range(e + 1, valid) if not right[k]), valid)
+        fix_bound += run + 1
+    assert r["blocks_with_error"] == errors > 0
+    assert r["gamma_one_fix"] == pytest.approx(fix_bound / n)
+    assert r["fixes_first_error"] == pytest.approx(fixes / errors)
+    assert r["breaks_before_it"] == pytest.approx(breaks / n)

@@ -1,13 +1,19 @@
 """What the second jump from the zero state does to a map's T = 0 draft.
 
 A map distilled with zero-state jumps drafts T = 0 rows from the zero state: one jump (0, 1),
-or two jumps (0, t_1) then (t_1, 1) from t_1 * softmax of the first (the proposer's soft
-estimate). On held-out blocks this prints, per slot, the accuracy against the target's own
-answer of the one-jump draft, of the first jump's estimate and of the two-jump draft, how
-often the second jump changes the first's argmax and whether a change fixes or breaks the
-slot, and the mean accepted length along the reference (leading right slots + 1, what a T = 0
-round commits when the data are the target's greedy answers). A second jump that changes no
-slot, or breaks as many as it fixes, adds a pass and nothing else.
+or two jumps (0, t_1) then (t_1, 1) from t_1 * the first jump's estimate (its softmax, or its
+one-hot argmax: the map's two_jump_estimate, as the proposer drafts). On held-out blocks this
+prints, per slot, the accuracy against the target's own answer of the one-jump draft, of the
+first jump's estimate and of the two-jump draft, how often the second jump changes the first's
+argmax and whether a change fixes or breaks the slot, and the mean accepted length along the
+reference (leading right slots + 1, what a T = 0 round commits when the data are the target's
+greedy answers). A second jump that changes no slot, or breaks as many as it fixes, adds a
+pass and nothing else.
+
+Where acceptance is decided: a second jump adds acceptance by fixing the first jump's first
+wrong slot and loses it by breaking a slot before it. Per block this prints how often each
+happens, and the bound of one fix: the accepted length had the second jump fixed exactly the
+first wrong slot and kept the rest.
 
     python -m training.two_jump_probe --target checkpoints/demo-target \
         --data runs/heldout-greedy --map pn=checkpoints/demo-flashmap-pn --out runs/probe.json
@@ -39,16 +45,31 @@ def probe(model: FlashMapDiT, batches: list[Batch]) -> dict:
     t_1 = float(model.time_grid(2)[1])
     keys = ("one_acc", "first_acc", "two_acc", "changed", "fixed", "broken")
     hits = dict.fromkeys(keys, 0.0)
-    gamma = {"one": 0.0, "two": 0.0}
-    slots = blocks = 0
+    gamma = {"one": 0.0, "two": 0.0, "one_fix": 0.0}
+    per_block = {"fixes_first_error": 0.0, "breaks_before_it": 0.0}
+    slots = blocks = with_error = 0
     for b in batches:
         ctx, n, V = b.context(model), len(b.anchor), model.cfg.vocab_size
         zero = torch.zeros(n, model.cfg.block_size, V)
         one = model(zero, 0.0, 1.0, b.anchor, ctx).argmax(-1)  # [N, K]
         first_logits = model(zero, 0.0, t_1, b.anchor, ctx)
         first = first_logits.argmax(-1)
-        two = model(t_1 * first_logits.softmax(-1), t_1, 1.0, b.anchor, ctx).argmax(-1)
+        if model.cfg.two_jump_estimate == "argmax":
+            estimate = torch.nn.functional.one_hot(first, V).float()
+        else:
+            estimate = first_logits.softmax(-1)
+        two = model(t_1 * estimate, t_1, 1.0, b.anchor, ctx).argmax(-1)
         m, y = b.mask, b.target
+        right = (first == y) & m  # [N, K]
+        lead = right.long().cumprod(-1).sum(-1)  # [N] leading right slots of the first jump
+        err = lead < m.sum(-1)  # [N] the block has a wrong slot inside its mask
+        at = torch.nn.functional.one_hot(lead.clamp(max=m.shape[1] - 1), m.shape[1]).bool()
+        at &= err[:, None]  # [N, K] the first wrong slot
+        before = torch.arange(m.shape[1])[None] < lead[:, None]  # [N, K]
+        per_block["fixes_first_error"] += float(((two == y) & at).any(-1).sum())
+        per_block["breaks_before_it"] += float(((two != y) & before & m).any(-1).sum())
+        gamma["one_fix"] += float(((right | at).long().cumprod(-1).sum(-1) + 1).sum())
+        with_error += int(err.sum())
         changed = (two != first) & m
         for key, v in (
             ("one_acc", (one == y) & m),
@@ -64,24 +85,31 @@ def probe(model: FlashMapDiT, batches: list[Batch]) -> dict:
         slots, blocks = slots + int(m.sum()), blocks + n
     return dict(
         t_1=t_1,
+        estimate=model.cfg.two_jump_estimate,
         slots=slots,
         blocks=blocks,
+        blocks_with_error=with_error,
         **{k: v / slots for k, v in hits.items()},
         **{f"gamma_{k}": v / blocks for k, v in gamma.items()},
+        fixes_first_error=per_block["fixes_first_error"] / max(with_error, 1),
+        breaks_before_it=per_block["breaks_before_it"] / blocks,
     )
 
 
 def format_table(results: dict) -> str:
     lines = [
-        "| map | t_1 | acc 1 jump | acc first jump | acc 2 jumps | 2nd jump changes | fixes "
-        "| breaks | accepted 1 jump | 2 jumps | slots |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| map | estimate | acc 1 jump | acc first jump | acc 2 jumps | 2nd jump changes "
+        "| fixes | breaks | fixes the first error | breaks before it | accepted 1 jump "
+        "| 2 jumps | one fix (bound) | slots |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in results.items():
         lines.append(
-            f"| {name} | {r['t_1']:.3f} | {r['one_acc']:.3f} | {r['first_acc']:.3f} "
+            f"| {name} | {r['estimate']} | {r['one_acc']:.3f} | {r['first_acc']:.3f} "
             f"| {r['two_acc']:.3f} | {r['changed']:.3f} | {r['fixed']:.3f} | {r['broken']:.3f} "
-            f"| {r['gamma_one']:.2f} | {r['gamma_two']:.2f} | {r['slots']} |"
+            f"| {r['fixes_first_error']:.3f} | {r['breaks_before_it']:.3f} "
+            f"| {r['gamma_one']:.2f} | {r['gamma_two']:.2f} | {r['gamma_one_fix']:.2f} "
+            f"| {r['slots']} |"
         )
     return "\n".join(lines)
 
