@@ -240,3 +240,14 @@ def test_eval_writes_the_flow_diagnostics(world, tmp_path):
     diag = json.loads((out / "flow_diagnostics.json").read_text())
     text = (out / "flow_diagnostics.md").read_text()
     assert "teacher" in text and "map" in text and diag
+
+
+def test_drafter_spec_leaves_t0_drafting_to_the_checkpoint_unless_told():
+    """--drafter NAME=DIR[:STEPS[:ESTIMATE[:NOISE_SCALE]]]: without ESTIMATE / NOISE_SCALE the
+    proposer drafts T = 0 rows as the checkpoint says (None), as it is served."""
+    from training.flow_diagnostics import _spec
+
+    d = _spec("m=runs/x:1,2")
+    assert (d.steps, d.greedy_estimate, d.greedy_noise_scale) == ((1, 2), None, None)
+    d = _spec("m=runs/x:2:argmax:0")
+    assert (d.steps, d.greedy_estimate, d.greedy_noise_scale) == ((2,), "argmax", 0.0)

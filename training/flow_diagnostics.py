@@ -215,7 +215,7 @@ def _spec(text: str) -> DrafterSpec:
             f"expected NAME=DIR[:STEPS,...[:ESTIMATE[:NOISE_SCALE]]], got {text!r}"
         )
     steps = tuple(int(x) for x in more[0].split(",")) if more and more[0] else (1,)
-    return DrafterSpec(name, path, steps, *(more[1:2] or ["soft"]), *[float(x) for x in more[2:3]])
+    return DrafterSpec(name, path, steps, *(more[1:2] or [None]), *[float(x) for x in more[2:3]])
 
 
 def main(argv: list[str] | None = None) -> int:
