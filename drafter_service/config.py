@@ -14,13 +14,10 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 
 from drafter_service.flow_time import TIME_MAPS, check_knots
-from flashmap.types import BLOCK_SIZE, DRAFT_STEPS
+from flashmap.types import BLOCK_SIZE, DRAFT_STEPS, ESTIMATES
 
 KINDS = ("flashmap", "dflash")
 STATE_INPUTS = ("whiten", "rms")
-# The clean-block estimate a state carries between flow steps: the denoiser's softmax (the
-# flow) or its one-hot argmax (mode-seeking T = 0 drafting).
-ESTIMATES = ("soft", "argmax")
 # Fields a config.json written before they existed lacks: it gets these (the old behaviour),
 # not the dataclass defaults (what new drafters get).
 LEGACY_DEFAULTS = {"time_map": "vocab", "state_input": "rms"}

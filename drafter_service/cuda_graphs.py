@@ -72,7 +72,7 @@ class FlowGraphs:
 
     def _fn(self, st: _Static, steps: int, window: int, times: list[Tensor]) -> Tensor:
         ctx = self.p._context_tensors(st.slots, st.lengths, window)
-        hard = st.hard if self.p.greedy_estimate == "argmax" else None  # else all rows soft
+        hard = st.hard if self.p.greedy_estimate == "argmax" else None  # else every row soft
         return self.p._integrate(st.y, st.anchor, ctx, steps, times, hard=hard)
 
     def _static(self, b: int) -> _Static:
@@ -143,9 +143,10 @@ class FlowGraphs:
         st.anchor.zero_()
         st.slots.zero_()
         st.lengths.zero_()
-        st.hard.zero_()
-        if hard is not None:
-            st.hard[:B].copy_(hard)
+        if self.p.greedy_estimate == "argmax":  # only then does the graph read st.hard
+            st.hard.zero_()
+            if hard is not None:
+                st.hard[:B].copy_(hard)
         st.y[:B].copy_(y)
         st.anchor[:B].copy_(anchor)
         st.slots[:B].copy_(torch.tensor([max(s, 0) for s in slots]))

@@ -48,10 +48,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from drafter_service.config import ESTIMATES
 from drafter_service.flashmap_dit import CrossContext, FlashMapDiT, greedy_summary, jump
 from drafter_service.slots import ContextTooLong, ProposerError, SlotCacheProposer, SlotsExhausted  # noqa: F401
-from flashmap.types import DRAFT_STEPS, Draft, ProposeRequest
+from flashmap.types import DRAFT_STEPS, ESTIMATES, Draft, ProposeRequest
 
 
 def request_generator(
@@ -291,14 +290,11 @@ class FlashMapProposer(SlotCacheProposer):
             else:
                 y = torch.stack(noise).to(self.device, F.dtype) @ F  # [B, K, H]
             greedy = torch.tensor([r.temperature == 0 for r in rows], device=self.device)  # [B]
-            if self.greedy_noise_scale != 1.0 and bool(greedy.any()):
+            any_greedy = any(r.temperature == 0 for r in rows)  # on the host: no device read
+            if self.greedy_noise_scale != 1.0 and any_greedy:
                 scale = torch.where(greedy, self.greedy_noise_scale, 1.0).to(y.dtype)
                 y = y * scale[:, None, None]
-            hard = (
-                greedy
-                if self.greedy_estimate == "argmax" and bool(greedy.any()) and steps > 1
-                else None
-            )
+            hard = greedy if self.greedy_estimate == "argmax" and any_greedy and steps > 1 else None
             logits, summary = None, None
             if self.graphs is not None:
                 logits = self.graphs.run(

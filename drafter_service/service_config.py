@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from flashmap.auth import DRAFTER_TOKEN_ENV
 from flashmap.config import Config, at_least, in_range, option
 from flashmap.cpus import DRAFTER_CPUS_ENV, parse_cpu_list
-from flashmap.types import DRAFT_STEPS, check_draft_steps
+from flashmap.types import DRAFT_STEPS, ESTIMATES, check_draft_steps
 
 
 def _below_one(v: float) -> None:
@@ -49,7 +49,7 @@ class DrafterServiceConfig(Config):
         "T = 0 requests: clean-block estimate between flow steps (argmax: mode-seeking drafting; "
         "default: what the map's two-jump path was trained with, else soft)",
         env="FLASHMAP_GREEDY_ESTIMATE",
-        choices=("soft", "argmax"),
+        choices=ESTIMATES,
     )
     greedy_noise_scale: float | None = option(
         None,

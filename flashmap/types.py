@@ -17,6 +17,9 @@ BLOCK_SIZE = 16  # draft tokens per block (K): the paper's, and every drafter's 
 # The limits every entry point enforces (check_draft_steps / GenerationRequest.validate at the
 # edge: gRPC Generate, the OpenAI API, the CLI, the drafter's Draft stream and SetSteps, the
 # services' configs); the parts behind an edge trust them.
+# The clean-block estimate a flow state carries between steps: the denoiser's softmax (the
+# flow) or its one-hot argmax (mode-seeking T = 0 drafting).
+ESTIMATES = ("soft", "argmax")
 DRAFT_STEPS = 1  # flow-map jumps per draft unless a request or SetSteps says (the paper's one jump)
 MAX_DRAFT_STEPS = 64  # more Euler steps of the teacher than this are a mistake, not a request
 DECODE_STEPS = (

@@ -15,7 +15,7 @@ class OrchestratorMetrics:
     def __init__(self, block_size: int = BLOCK_SIZE, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         self.block_size = block_size
-        self._per_pos_ready: set[tuple] = set()
+        self._drafts_ready: set[tuple] = set()
         m = build(orchestrator_metrics(block_size), self.registry)
         self.num_drafts = m["flashmap_num_drafts"]
         self.num_draft_tokens = m["flashmap_num_draft_tokens"]
@@ -67,12 +67,12 @@ class OrchestratorMetrics:
 
     def _start_drafts_at_zero(self, labels: dict) -> None:
         key = tuple(sorted(labels.items()))
-        if key in self._per_pos_ready:
+        if key in self._drafts_ready:
             return
         # Every position exists from the first draft on, at 0 until accepted (vLLM does the
         # same): a never-accepted slot reads 0, not "no data", and the first acceptance at a
         # slot is an increase that rate() can see.
-        self._per_pos_ready.add(key)
+        self._drafts_ready.add(key)
         for metric in (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens):
             metric.labels(**labels)
         self.acceptance_length.labels(**labels)

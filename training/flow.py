@@ -329,6 +329,16 @@ def distill_loss(
     return loss, stats
 
 
+def carried_estimate(logits: Tensor, cfg) -> Tensor:
+    """The clean-block estimate [.., K, V] a first jump's logits carry to t_1 under
+    cfg.two_jump_estimate: the softmax (the gradient flows into the first jump) or the one-hot
+    argmax (no gradient)."""
+    first = logits.float()
+    if cfg.two_jump_estimate == "argmax":
+        return F.one_hot(first.argmax(-1), first.shape[-1]).float()
+    return first.softmax(-1)
+
+
 def second_jump_loss(
     student: FlashMapDiT, batch: Batch, logits: Tensor, two: Tensor, t_1: float, loss: Tensor
 ) -> tuple[Tensor, float]:
@@ -338,11 +348,7 @@ def second_jump_loss(
     cross-entropy against the data; weighted by the rows' share of the blocks.
     Returns (total loss, the second jump's mean cross-entropy)."""
     rows = two.nonzero()[:, 0]
-    first = logits[rows].float()  # [n, K, V]
-    if student.cfg.two_jump_estimate == "argmax":
-        x_1 = t_1 * F.one_hot(first.argmax(-1), first.shape[-1]).float()
-    else:
-        x_1 = t_1 * first.softmax(-1)  # gradient into the first jump
+    x_1 = t_1 * carried_estimate(logits[rows], student.cfg)  # [n, K, V]
     out = bind(student, batch, rows)(x_1, t_1, 1.0)
     w = slot_weights(student.cfg.block_size, student.cfg.slot_loss_decay, out.device)
     ce = weighted_ce(out, batch.target[rows], batch.mask[rows], w)

@@ -41,8 +41,8 @@ import torch
 from torch import Tensor
 
 from drafter_service.checkpoint import init_drafter, load_drafter
-from drafter_service.config import ESTIMATES
 from drafter_service.flashmap_dit import FlashMapDiT
+from flashmap.types import ESTIMATES
 from training import distributed
 from training.acceptance_check import AcceptanceCheck, heldout_from
 from training.denoiser_curve import flow_check

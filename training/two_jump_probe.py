@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from drafter_service.flashmap_dit import FlashMapDiT
-from training.flow import Batch
+from training.flow import Batch, carried_estimate
 
 
 def accepted(draft: Tensor, b: Batch) -> Tensor:
@@ -54,10 +54,7 @@ def probe(model: FlashMapDiT, batches: list[Batch]) -> dict:
         one = model(zero, 0.0, 1.0, b.anchor, ctx).argmax(-1)  # [N, K]
         first_logits = model(zero, 0.0, t_1, b.anchor, ctx)
         first = first_logits.argmax(-1)
-        if model.cfg.two_jump_estimate == "argmax":
-            estimate = torch.nn.functional.one_hot(first, V).float()
-        else:
-            estimate = first_logits.softmax(-1)
+        estimate = carried_estimate(first_logits, model.cfg)  # as trained and served
         two = model(t_1 * estimate, t_1, 1.0, b.anchor, ctx).argmax(-1)
         m, y = b.mask, b.target
         right = (first == y) & m  # [N, K]
