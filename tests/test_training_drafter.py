@@ -691,7 +691,7 @@ def test_map_fidelity_scores_a_map_by_its_teachers_ode(world):
     assert "| t | 0.00 |" in map_fidelity.format_table({"t": rows}, 1, 1)
 
 
-def test_two_jump_probe_accounts_for_every_changed_slot(world):
+def test_two_jump_probe_accounts_for_every_changed_slot(world, monkeypatch):
     """training.two_jump_probe: the second jump's accuracy differs from the first's by exactly
     the slots it fixes minus those it breaks; accepted lengths count leading right slots + 1."""
     from training import two_jump_probe
@@ -734,3 +734,63 @@ def test_two_jump_probe_accounts_for_every_changed_slot(world):
     assert r["gamma_one_fix"] == pytest.approx(fix_bound / n)
     assert r["fixes_first_error"] == pytest.approx(fixes / errors)
     assert r["breaks_before_it"] == pytest.approx(breaks / n)
+
+    # A change kept only where the second jump is sure: threshold 0 keeps every change (the
+    # two-jump draft), a threshold above 1 none (the first jump's draft).
+    monkeypatch.setattr(two_jump_probe, "KEEP_THRESHOLDS", (0.0, 1.01))
+    r = two_jump_probe.probe(model, [b])
+    assert r["gamma_kept_0.0"] == pytest.approx(r["gamma_two"])
+    assert r["gamma_kept_1.01"] == pytest.approx(two_jump_probe.accepted(first, b).float().mean().item())
+
+
+def test_refine_bound_keeps_the_chain_only_up_to_the_first_drafts_error():
+    """training.two_jump_probe.refine_bound: a chain pass over a draft accepts the chain's run,
+    but never more than one slot past the draft's own (the slot after the fix reads the draft's
+    wrong token); rows measured on other anchors are refused."""
+    from training import two_jump_probe
+
+    def row(g):
+        return {"per_anchor": {"seq": [0, 0, 1, 2], "gamma": g}}
+
+    cells = {"rows": {"d": row([3, 17, 5, 1]), "c": row([10, 4, 5, 17])}}
+    r = two_jump_probe.refine_bound(cells, "d", "c")
+    assert r["first"] == 6.5 and r["chain"] == 9.0
+    assert r["refined"] == pytest.approx((4 + 4 + 5 + 2) / 4)
+    assert r["refined_minus_first"]["mean"] == pytest.approx((1 - 13 + 0 + 1) / 4)
+    cells["rows"]["c"]["per_anchor"]["seq"] = [0, 1, 1, 2]
+    with pytest.raises(ValueError, match="same anchors"):
+        two_jump_probe.refine_bound(cells, "d", "c")
+
+
+def test_second_jump_refiner_starts_at_a_tie_and_trains_only_its_own_network(world):
+    """training.second_jump_refiner: before training the second network drafts exactly the
+    one-jump block; a step moves it and leaves the map's first jump as it was; the "upto" loss
+    scores the slots up to the first wrong one of the one-jump draft."""
+    from training import second_jump_refiner as sjr
+
+    target, data, _, _ = world
+    first = randomize(init_drafter(target, seed=0, **TINY)).eval()
+    for p in first.parameters():
+        p.requires_grad_(False)
+    before = {k: v.clone() for k, v in first.state_dict().items()}
+    second = sjr.second_network(first)
+    b = a_batch(data)
+    one, two = sjr.two_jumps(first, second, b)
+    assert torch.allclose(one, two, atol=1e-5)
+    r = sjr.evaluate(first, second, [b])
+    assert r["one"] == r["two"] and r["changed"] == 0 and r["diff"]["mean"] == 0
+    assert r["fixes_first_error"] == 0 and r["breaks_before_it"] == 0
+    assert r["ce"]["two_all"] == pytest.approx(r["ce"]["one_all"], rel=1e-4)
+    assert r["ce"]["one_upto"] != r["ce"]["one_all"]  # the slots scored differ
+
+    m = sjr.loss_mask(one, b, "upto")
+    lead = ((one.argmax(-1) == b.target) & b.mask).long().cumprod(-1).sum(-1)
+    assert m.sum(-1).tolist() == [min(int(x) + 1, int(v)) for x, v in zip(lead, b.mask.sum(-1))]
+    assert sjr.loss_mask(one, b, "all").equal(b.mask)
+
+    opt = torch.optim.AdamW(second.parameters(), lr=1e-2)
+    loss = flow.weighted_ce(two, b.target, m, flow.slot_weights(16, first.cfg.slot_loss_decay))
+    loss.backward()
+    opt.step()
+    assert not torch.allclose(sjr.two_jumps(first, second, b)[1], one, atol=1e-4)
+    assert all(torch.equal(v, first.state_dict()[k]) for k, v in before.items())

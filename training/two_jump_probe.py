@@ -13,10 +13,18 @@ pass and nothing else.
 Where acceptance is decided: a second jump adds acceptance by fixing the first jump's first
 wrong slot and loses it by breaking a slot before it. Per block this prints how often each
 happens, and the bound of one fix: the accepted length had the second jump fixed exactly the
-first wrong slot and kept the rest.
+first wrong slot and kept the rest. Two ways a second pass could find that slot are measured
+beside it: its own confidence (the two-jump draft with a change kept only where the second
+jump's probability reaches a threshold, `gamma_kept`), and the tokens before each slot (from a
+training.bound output holding the first drafter and the EAGLE-style chain, greedy, per anchor:
+one parallel pass of the chain over the first draft keeps its slot k right only if the chain is
+right given the draft's slots before k, so it accepts 1 + min(A_chain, A_first + 1), A the
+accepted draft tokens; `refine_bound`).
 
     python -m training.two_jump_probe --target checkpoints/demo-target \
         --data runs/heldout-greedy --map pn=checkpoints/demo-flashmap-pn --out runs/probe.json
+    python -m training.two_jump_probe --refine-bound docs/results/flashmap_vs_dflash/t0.json \
+        --first dflash --chain chain
 """
 
 from __future__ import annotations
@@ -26,11 +34,15 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from drafter_service.flashmap_dit import FlashMapDiT
 from training.flow import Batch, carried_estimate
+from training.shuffle_test import paired_bootstrap
+
+KEEP_THRESHOLDS = (0.5, 0.7, 0.9)
 
 
 def accepted(draft: Tensor, b: Batch) -> Tensor:
@@ -39,13 +51,38 @@ def accepted(draft: Tensor, b: Batch) -> Tensor:
     return right.long().cumprod(-1).sum(-1) + 1
 
 
+def first_error(first: Tensor, two: Tensor, b: Batch) -> dict[str, Tensor]:
+    """Per block [N], for a first draft and a second [N, K]: `error` the first draft has a wrong
+    slot inside the mask, `fixes` the second is right at the first wrong slot, `breaks` the
+    second is wrong at a slot before it, `one_fix` the accepted length had exactly that slot
+    been fixed and the rest of the first draft kept."""
+    m, y = b.mask, b.target
+    right = (first == y) & m  # [N, K]
+    lead = right.long().cumprod(-1).sum(-1)  # [N] leading right slots of the first draft
+    err = lead < m.sum(-1)
+    at = torch.nn.functional.one_hot(lead.clamp(max=m.shape[1] - 1), m.shape[1]).bool()
+    at &= err[:, None]  # [N, K] the first wrong slot
+    before = torch.arange(m.shape[1])[None] < lead[:, None]  # [N, K]
+    return dict(
+        error=err,
+        fixes=((two == y) & at).any(-1),
+        breaks=((two != y) & before & m).any(-1),
+        one_fix=(right | at).long().cumprod(-1).sum(-1) + 1,
+    )
+
+
 @torch.no_grad()
 def probe(model: FlashMapDiT, batches: list[Batch]) -> dict:
     """Slot accuracies and change counts of the zero-state drafts (module docstring)."""
     t_1 = float(model.time_grid(2)[1])
     keys = ("one_acc", "first_acc", "two_acc", "changed", "fixed", "broken")
     hits = dict.fromkeys(keys, 0.0)
-    gamma = {"one": 0.0, "two": 0.0, "one_fix": 0.0}
+    gamma = {
+        "one": 0.0,
+        "two": 0.0,
+        "one_fix": 0.0,
+        **{f"kept_{th}": 0.0 for th in KEEP_THRESHOLDS},
+    }
     per_block = {"fixes_first_error": 0.0, "breaks_before_it": 0.0}
     slots = blocks = with_error = 0
     for b in batches:
@@ -55,18 +92,13 @@ def probe(model: FlashMapDiT, batches: list[Batch]) -> dict:
         first_logits = model(zero, 0.0, t_1, b.anchor, ctx)
         first = first_logits.argmax(-1)
         estimate = carried_estimate(first_logits, model.cfg)  # as trained and served
-        two = model(t_1 * estimate, t_1, 1.0, b.anchor, ctx).argmax(-1)
+        prob, two = model(t_1 * estimate, t_1, 1.0, b.anchor, ctx).softmax(-1).max(-1)
         m, y = b.mask, b.target
-        right = (first == y) & m  # [N, K]
-        lead = right.long().cumprod(-1).sum(-1)  # [N] leading right slots of the first jump
-        err = lead < m.sum(-1)  # [N] the block has a wrong slot inside its mask
-        at = torch.nn.functional.one_hot(lead.clamp(max=m.shape[1] - 1), m.shape[1]).bool()
-        at &= err[:, None]  # [N, K] the first wrong slot
-        before = torch.arange(m.shape[1])[None] < lead[:, None]  # [N, K]
-        per_block["fixes_first_error"] += float(((two == y) & at).any(-1).sum())
-        per_block["breaks_before_it"] += float(((two != y) & before & m).any(-1).sum())
-        gamma["one_fix"] += float(((right | at).long().cumprod(-1).sum(-1) + 1).sum())
-        with_error += int(err.sum())
+        e = first_error(first, two, b)
+        per_block["fixes_first_error"] += float(e["fixes"].sum())
+        per_block["breaks_before_it"] += float(e["breaks"].sum())
+        gamma["one_fix"] += float(e["one_fix"].sum())
+        with_error += int(e["error"].sum())
         changed = (two != first) & m
         for key, v in (
             ("one_acc", (one == y) & m),
@@ -79,6 +111,8 @@ def probe(model: FlashMapDiT, batches: list[Batch]) -> dict:
             hits[key] += float(v.sum())
         gamma["one"] += float(accepted(one, b).sum())
         gamma["two"] += float(accepted(two, b).sum())
+        for th in KEEP_THRESHOLDS:  # the second jump's change kept only where it is this sure
+            gamma[f"kept_{th}"] += float(accepted(torch.where(prob >= th, two, first), b).sum())
         slots, blocks = slots + int(m.sum()), blocks + n
     return dict(
         t_1=t_1,
@@ -93,20 +127,41 @@ def probe(model: FlashMapDiT, batches: list[Batch]) -> dict:
     )
 
 
+def refine_bound(cells: dict, first: str, chain: str) -> dict:
+    """The accepted length of one parallel chain pass over `first`'s drafts, from a
+    training.bound output at T = 0 holding both rows per anchor (module docstring), paired
+    against `first` with a 95% interval over sequences; and the two rows' own means."""
+    rows = cells["rows"]
+    a, c = rows[first]["per_anchor"], rows[chain]["per_anchor"]
+    if a["seq"] != c["seq"]:
+        raise ValueError(f"rows {first!r} and {chain!r} were not measured on the same anchors")
+    ga, gc = np.asarray(a["gamma"], np.float64), np.asarray(c["gamma"], np.float64)
+    refined = 1 + np.minimum(gc - 1, ga)  # A_first + 1 = ga: the fixed slot, then nothing
+    return dict(
+        first=float(ga.mean()),
+        chain=float(gc.mean()),
+        refined=float(refined.mean()),
+        refined_minus_first=paired_bootstrap(refined, ga, np.asarray(a["seq"])),
+    )
+
+
 def format_table(results: dict) -> str:
     lines = [
         "| map | estimate | acc 1 jump | acc first jump | acc 2 jumps | 2nd jump changes "
         "| fixes | breaks | fixes the first error | breaks before it | accepted 1 jump "
-        "| 2 jumps | one fix (bound) | slots |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| 2 jumps | one fix (bound) | 2 jumps, changes kept at p >= "
+        + " / ".join(str(th) for th in KEEP_THRESHOLDS)
+        + " | slots |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in results.items():
         lines.append(
             f"| {name} | {r['estimate']} | {r['one_acc']:.3f} | {r['first_acc']:.3f} "
             f"| {r['two_acc']:.3f} | {r['changed']:.3f} | {r['fixed']:.3f} | {r['broken']:.3f} "
             f"| {r['fixes_first_error']:.3f} | {r['breaks_before_it']:.3f} "
-            f"| {r['gamma_one']:.2f} | {r['gamma_two']:.2f} | {r['gamma_one_fix']:.2f} "
-            f"| {r['slots']} |"
+            f"| {r['gamma_one']:.2f} | {r['gamma_two']:.2f} | {r['gamma_one_fix']:.2f} | "
+            + " / ".join(f"{r[f'gamma_kept_{th}']:.2f}" for th in KEEP_THRESHOLDS)
+            + f" | {r['slots']} |"
         )
     return "\n".join(lines)
 
@@ -116,22 +171,38 @@ def main(argv: list[str] | None = None) -> int:
     from training.map_fidelity import flow_check_draw
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", required=True)
-    p.add_argument("--data", required=True, help="held-out drafter data (with features)")
-    p.add_argument("--map", action="append", required=True, help="NAME=MAP_DIR (repeatable)")
+    p.add_argument("--target", help="the target checkpoint (with --map)")
+    p.add_argument("--data", help="held-out drafter data with features (with --map)")
+    p.add_argument("--map", action="append", default=[], help="NAME=MAP_DIR (repeatable)")
+    p.add_argument("--refine-bound", help="a training.bound output (T = 0, per anchor)")
+    p.add_argument("--first", default="dflash", help="--refine-bound: the first drafter's row")
+    p.add_argument("--chain", default="chain", help="--refine-bound: the greedy chain's row")
     p.add_argument("--batches", type=int, default=16, help="held-out batches of 32 blocks")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if not args.map and not args.refine_bound:
+        p.error("give --map and/or --refine-bound")
+    if args.map and not (args.target and args.data):
+        p.error("--map needs --target and --data")
     results = {}
+    if args.refine_bound:
+        cells = json.loads(Path(args.refine_bound).read_text())
+        results["refine_bound"] = r = refine_bound(cells, args.first, args.chain)
+        d = r["refined_minus_first"]
+        print(
+            f"{args.first} {r['first']:.2f}, chain {r['chain']:.2f}, one chain pass over "
+            f"{args.first}'s draft {r['refined']:.2f} ({d['mean']:+.2f} [{d['lo']:+.2f}, {d['hi']:+.2f}])"
+        )
     for spec in args.map:
         name, path = spec.split("=", 1)
         model = load_drafter(path, args.target).eval()
         batches = flow_check_draw(args.data, args.batches, model.cfg.block_size)
         results[name] = probe(model, batches)
-    print(format_table(results))
+    if args.map:
+        print(format_table({k: v for k, v in results.items() if k != "refine_bound"}))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(results, indent=1))
