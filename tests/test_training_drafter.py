@@ -740,7 +740,9 @@ def test_two_jump_probe_accounts_for_every_changed_slot(world, monkeypatch):
     monkeypatch.setattr(two_jump_probe, "KEEP_THRESHOLDS", (0.0, 1.01))
     r = two_jump_probe.probe(model, [b])
     assert r["gamma_kept_0.0"] == pytest.approx(r["gamma_two"])
-    assert r["gamma_kept_1.01"] == pytest.approx(two_jump_probe.accepted(first, b).float().mean().item())
+    assert r["gamma_kept_1.01"] == pytest.approx(
+        two_jump_probe.accepted(first, b).float().mean().item()
+    )
 
 
 def test_refine_bound_keeps_the_chain_only_up_to_the_first_drafts_error():
@@ -757,6 +759,7 @@ def test_refine_bound_keeps_the_chain_only_up_to_the_first_drafts_error():
     assert r["first"] == 6.5 and r["chain"] == 9.0
     assert r["refined"] == pytest.approx((4 + 4 + 5 + 2) / 4)
     assert r["refined_minus_first"]["mean"] == pytest.approx((1 - 13 + 0 + 1) / 4)
+    assert r["by_domain"] == {"all": {"first": 6.5, "refined": r["refined"]}}
     cells["rows"]["c"]["per_anchor"]["seq"] = [0, 1, 1, 2]
     with pytest.raises(ValueError, match="same anchors"):
         two_jump_probe.refine_bound(cells, "d", "c")
@@ -794,3 +797,26 @@ def test_second_jump_refiner_starts_at_a_tie_and_trains_only_its_own_network(wor
     opt.step()
     assert not torch.allclose(sjr.two_jumps(first, second, b)[1], one, atol=1e-4)
     assert all(torch.equal(v, first.state_dict()[k]) for k, v in before.items())
+
+
+def test_second_jump_refiner_cli_writes_its_curve_and_resumes(world, tmp_path, capsys):
+    """The CLI: a curve on held-out and seen blocks from step 0 (the tie), a plot, and a rerun
+    with more steps continues from the saved state instead of starting over."""
+    from drafter_service.checkpoint import save_drafter
+    from training import second_jump_refiner as sjr
+
+    target, data, _, _ = world
+    save_drafter(randomize(init_drafter(target, seed=0, **TINY)), tmp_path / "map")
+    args = ["--target", str(target), "--map", str(tmp_path / "map"), "--data", str(data)]
+    args += ["--heldout", str(data), "--out", str(tmp_path / "r"), "--batches", "1"]
+    args += ["--batch-seqs", "2", "--eval-every", "1", "--lr", "1e-2"]
+    assert sjr.main([*args, "--steps", "2"]) == 0
+    curve = json.loads((tmp_path / "r" / "curve.json").read_text())["curve"]
+    assert [c["step"] for c in curve] == [0, 1, 2]
+    assert curve[0]["heldout"]["diff"]["mean"] == 0 and curve[0]["seen"]["changed"] == 0
+    assert (tmp_path / "r" / "curve.png").stat().st_size > 0
+    capsys.readouterr()
+    assert sjr.main([*args, "--steps", "3", "--loss", "upto"]) == 0
+    assert "resumed at step 2" in capsys.readouterr().out
+    curve = json.loads((tmp_path / "r" / "curve.json").read_text())["curve"]
+    assert [c["step"] for c in curve] == [0, 1, 2, 3]

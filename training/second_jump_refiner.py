@@ -15,7 +15,8 @@ accepted length of 1 jump and of 2 jumps (leading right slots + 1), their paired
 a 95% bootstrap interval over sequences, the share of slots the second jump changes, how often
 it fixes the one-jump draft's first wrong slot and breaks a slot before it, and the
 cross-entropy of both on the scored slots of each loss (does the objective move while the
-drafts do not?); the
+drafts do not?), and the same on as many blocks of its training data (does what it learns
+hold beyond the sequences it trained on?); the
 curve goes to OUT/curve.json and OUT/curve.png, the copy and its optimizer to OUT/state.pt
 (a rerun with the same OUT resumes).
 
@@ -125,10 +126,11 @@ def plot(curve: list[dict], png: Path) -> None:
     import matplotlib.pyplot as plt
 
     steps = [c["step"] for c in curve]
-    d = [c["diff"] for c in curve]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.fill_between(steps, [x["lo"] for x in d], [x["hi"] for x in d], alpha=0.3)
-    ax.plot(steps, [x["mean"] for x in d], marker="o", label="2 jumps - 1 jump (95% interval)")
+    for k in ("heldout", "seen"):
+        d = [c[k]["diff"] for c in curve]
+        ax.fill_between(steps, [x["lo"] for x in d], [x["hi"] for x in d], alpha=0.2)
+        ax.plot(steps, [x["mean"] for x in d], marker="o", label=f"2 jumps - 1 jump, {k} blocks")
     ax.axhline(0, color="k", lw=0.8)
     ax.set_xlabel("training step of the second network")
     ax.set_ylabel("accepted tokens a round")
@@ -168,7 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         q.requires_grad_(False)
     second = second_network(first)
     opt = torch.optim.AdamW(second.parameters(), lr=args.lr, weight_decay=0.0)
-    heldout = flow_check_draw(args.heldout, args.batches, first.cfg.block_size)
+    evals = {  # the held-out blocks, and blocks of the sequences it trains on
+        "heldout": flow_check_draw(args.heldout, args.batches, first.cfg.block_size),
+        "seen": flow_check_draw(args.data, args.batches, first.cfg.block_size),
+    }
     state_path, step, curve = out / "state.pt", 0, []
     if state_path.exists():
         st = torch.load(state_path, weights_only=False)
@@ -177,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         step, curve = st["step"], st["curve"]
         print(f"resumed at step {step}")
     else:
-        curve.append(dict(step=0, **evaluate(first, second, heldout)))
+        curve.append(dict(step=0, **{k: evaluate(first, second, v) for k, v in evals.items()}))
     stream = SequenceStream(args.data, seed=args.seed, max_len=256)
     K = first.cfg.block_size
     w = slot_weights(K, first.cfg.slot_loss_decay)
@@ -196,16 +201,19 @@ def main(argv: list[str] | None = None) -> int:
         if step % 50 == 0:
             print(f"step {step} loss {loss.item():.4f} {time.perf_counter() - t0:.0f}s", flush=True)
         if step % args.eval_every == 0 or step == args.steps:
-            curve.append(dict(step=step, **evaluate(first, second, heldout)))
-            c = curve[-1]
-            print(
-                f"step {step}: 1 jump {c['one']:.3f}, 2 jumps {c['two']:.3f}, "
-                f"diff {c['diff']['mean']:+.3f} [{c['diff']['lo']:+.3f}, {c['diff']['hi']:+.3f}], "
-                f"changed {c['changed']:.1%}, fixes the first error {c['fixes_first_error']:.1%}"
-                f", breaks before it {c['breaks_before_it']:.1%}, CE upto 1 / 2 jumps "
-                f"{c['ce']['one_upto']:.3f} / {c['ce']['two_upto']:.3f}",
-                flush=True,
+            curve.append(
+                dict(step=step, **{k: evaluate(first, second, v) for k, v in evals.items()})
             )
+            for k in evals:
+                c = curve[-1][k]
+                print(
+                    f"step {step} {k}: 1 jump {c['one']:.3f}, 2 jumps {c['two']:.3f}, diff "
+                    f"{c['diff']['mean']:+.3f} [{c['diff']['lo']:+.3f}, {c['diff']['hi']:+.3f}], "
+                    f"changed {c['changed']:.1%}, fixes the first error "
+                    f"{c['fixes_first_error']:.1%}, breaks before it {c['breaks_before_it']:.1%}, "
+                    f"CE upto 1 / 2 jumps {c['ce']['one_upto']:.3f} / {c['ce']['two_upto']:.3f}",
+                    flush=True,
+                )
             torch.save(
                 dict(second=second.state_dict(), opt=opt.state_dict(), step=step, curve=curve),
                 state_path,

@@ -137,11 +137,16 @@ def refine_bound(cells: dict, first: str, chain: str) -> dict:
         raise ValueError(f"rows {first!r} and {chain!r} were not measured on the same anchors")
     ga, gc = np.asarray(a["gamma"], np.float64), np.asarray(c["gamma"], np.float64)
     refined = 1 + np.minimum(gc - 1, ga)  # A_first + 1 = ga: the fixed slot, then nothing
+    dom = np.asarray(a.get("domain", ["all"] * len(ga)))
     return dict(
         first=float(ga.mean()),
         chain=float(gc.mean()),
         refined=float(refined.mean()),
         refined_minus_first=paired_bootstrap(refined, ga, np.asarray(a["seq"])),
+        by_domain={
+            d: dict(first=float(ga[dom == d].mean()), refined=float(refined[dom == d].mean()))
+            for d in sorted(set(dom.tolist()))
+        },
     )
 
 
