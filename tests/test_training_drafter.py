@@ -816,7 +816,9 @@ def test_second_jump_refiner_cli_writes_its_curve_and_resumes(world, tmp_path, c
     assert curve[0]["heldout"]["diff"]["mean"] == 0 and curve[0]["seen"]["changed"] == 0
     assert (tmp_path / "r" / "curve.png").stat().st_size > 0
     capsys.readouterr()
-    assert sjr.main([*args, "--steps", "3", "--loss", "upto"]) == 0
+    assert sjr.main([*args, "--steps", "3", "--loss", "upto", "--final-batches", "2"]) == 0
     assert "resumed at step 2" in capsys.readouterr().out
+    final = json.loads((tmp_path / "r" / "final.json").read_text())
+    assert final["step"] == 3 and final["batches"] == 2 and final["diff"]["n"] > 0
     curve = json.loads((tmp_path / "r" / "curve.json").read_text())["curve"]
     assert [c["step"] for c in curve] == [0, 1, 2, 3]

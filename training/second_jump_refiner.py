@@ -18,7 +18,8 @@ cross-entropy of both on the scored slots of each loss (does the objective move 
 drafts do not?), and the same on as many blocks of its training data (does what it learns
 hold beyond the sequences it trained on?); the
 curve goes to OUT/curve.json and OUT/curve.png, the copy and its optimizer to OUT/state.pt
-(a rerun with the same OUT resumes).
+(a rerun with the same OUT resumes); --final-batches N measures the end state on N held-out
+batches (OUT/final.json).
 
     python -m training.second_jump_refiner --target checkpoints/demo-target \\
         --map checkpoints/demo-flashmap-eq --data runs/published/data \\
@@ -32,6 +33,7 @@ import copy
 import json
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -80,18 +82,27 @@ def loss_mask(one: Tensor, b: Batch, loss: str) -> Tensor:
     return b.mask & (torch.arange(b.mask.shape[1])[None] <= lead[:, None])
 
 
+def sequence_ids(b: Batch) -> np.ndarray:
+    """[N] an identity of each block's sequence, the same in every batch the stream draws it in
+    (its first context features; two sequences that begin alike share one, which only widens
+    the interval)."""
+    head = b.features[:, :16].float().sum(-1).numpy().round(3)  # [S, 16]
+    ids = np.asarray([zlib.crc32(row.tobytes()) for row in head], dtype=np.int64)
+    return ids[b.seq_index.numpy()]
+
+
 @torch.no_grad()
 def evaluate(first: FlashMapDiT, second: FlashMapDiT, batches: list[Batch]) -> dict:
     """Accepted lengths of 1 and 2 jumps on held-out blocks, paired over sequences."""
     g1, g2, cl = [], [], []
     sums = dict.fromkeys(("changed", "slots", "fixes", "breaks", "errors", "blocks"), 0.0)
     ce = {f"{which}_{loss}": 0.0 for which in ("one", "two") for loss in LOSSES}
-    for i, b in enumerate(batches):
+    for b in batches:
         one, two = two_jumps(first, second, b)
         d1, d2 = one.argmax(-1), two.argmax(-1)
         g1.append(accepted(d1, b).numpy())
         g2.append(accepted(d2, b).numpy())
-        cl.append(i * 100_000 + b.seq_index.numpy())  # the blocks of one sequence resample together
+        cl.append(sequence_ids(b))  # the blocks of one sequence resample together
         e = first_error(d1, d2, b)
         for key, v in (
             ("changed", (d1 != d2) & b.mask),
@@ -158,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-seqs", type=int, default=8, help="sequences a step (4 anchors each)")
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--batches", type=int, default=16, help="held-out batches of 32 blocks")
+    p.add_argument(
+        "--final-batches", type=int, default=0, help="held-out batches of the end state (0: none)"
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--threads", type=int, default=0)
     args = p.parse_args(argv)
@@ -222,6 +236,15 @@ def main(argv: list[str] | None = None) -> int:
                 json.dumps(dict(args=vars(args), curve=curve), indent=1)
             )
             plot(curve, out / "curve.png")
+    if args.final_batches:  # the end state on more held-out blocks (runs again on a finished run)
+        blocks = flow_check_draw(args.heldout, args.final_batches, K)
+        final = dict(step=step, batches=args.final_batches, **evaluate(first, second, blocks))
+        d = final["diff"]
+        print(
+            f"final, {len(blocks)} held-out batches: 1 jump {final['one']:.3f}, 2 jumps "
+            f"{final['two']:.3f}, diff {d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]"
+        )
+        (out / "final.json").write_text(json.dumps(final, indent=1))
     return 0
 
 
