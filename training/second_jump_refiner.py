@@ -43,7 +43,7 @@ from torch import Tensor
 from drafter_service.flashmap_dit import FlashMapDiT
 from training.flow import Batch, carried_estimate, make_batch, slot_weights, weighted_ce
 from training.shuffle_test import paired_bootstrap
-from training.trainer import SequenceStream
+from training.trainer import SequenceStream, save_figure
 from training.two_jump_probe import accepted, first_error
 
 LOSSES = ("all", "upto")
@@ -145,12 +145,7 @@ def plot(curve: list[dict], png: Path) -> None:
     ax.axhline(0, color="k", lw=0.8)
     ax.set_xlabel("training step of the second network")
     ax.set_ylabel("accepted tokens a round")
-    ax.set_title(png.parent.name)
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
+    save_figure(fig, ax, png.parent.name, png)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -164,7 +164,14 @@ def plot_losses(csv_path: Path, png_path: Path, cols: list[str] | None = None) -
     ax.set_ylabel("loss")
     if all(float(r["loss"]) > 0 for r in rows):
         ax.set_yscale("log")
-    ax.set_title(csv_path.parent.name)
+    save_figure(fig, ax, csv_path.parent.name, png_path)
+
+
+def save_figure(fig, ax, title: str, png_path: Path) -> None:
+    """Title, legend and grid on ax, then fig written to png_path and closed."""
+    import matplotlib.pyplot as plt
+
+    ax.set_title(title)
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
