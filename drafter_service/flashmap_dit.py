@@ -35,6 +35,10 @@ kind "dflash" (DFlash-style baseline) is the same backbone with the state replac
 learned mask embedding and the time conditioning fixed at (0, 1): one pass gives
 independent per-slot marginals.
 
+With cfg.second_jump_net the model holds `second_jump`: a network of its own (this module, the
+same shape) for the second of two jumps of T = 0 rows drafted from the zero state, conditioned
+on (0, 1) and reading this network's context K/V; flashmap_proposer decides which rows take it.
+
 Context K/V of every block come from one pass (`context_kv`) and are held in a
 `CrossContext`; the training path builds it from padded features, the serving path
 (flashmap_proposer) from its static per-slot cache. Both go through the same `forward`.
@@ -47,7 +51,7 @@ One idea: the network, its time conditioning and its evaluation entry points cha
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -294,6 +298,7 @@ class FlashMapDiT(FrozenTarget):
         super().__init__()
         self.cfg = cfg.validate()
         H, D, K = cfg.target_hidden_size, cfg.dim, cfg.block_size
+        self.second_jump = None  # built last (below)
         self._tau_cache: dict = {}  # device -> tau tables; kept out of buffers so .to(bf16) leaves them exact
         self._mod_cache: dict = {}  # see modulations()
         self._noise_factor: tuple | None = None  # see noise_factor()
@@ -320,6 +325,9 @@ class FlashMapDiT(FrozenTarget):
         self.final_norm = nn.RMSNorm(D, eps=cfg.norm_eps)
         self.out_proj = nn.Linear(D, H, bias=False)
         self.reset_parameters()
+        if cfg.second_jump_net:  # its frozen target tensors and whitening are this network's
+            self.second_jump = FlashMapDiT(replace(cfg, second_jump_net=False))
+            self._share_with_second_jump()
 
     # ------------------------------------------------------------------ setup
     def _target_attached(self) -> None:
@@ -344,6 +352,21 @@ class FlashMapDiT(FrozenTarget):
             self.cfg.time_table_t, self.cfg.time_table_tau = t, tau
             self._tau_cache.clear()
             self._mod_cache.clear()
+        self._share_with_second_jump()
+
+    def _share_with_second_jump(self) -> None:
+        """The second jump's network reads this one's frozen target tensors, whitening and time
+        table: the same tensors, not copies (one embedding in memory)."""
+        second = self.second_jump
+        if second is None or self.embed.device.type == "meta":
+            return
+        second.embed, second.lm_head = self.embed, self.lm_head
+        if self.cfg.state_input == "whiten":
+            second.state_whiten = self.state_whiten
+        second.cfg.time_table_t = self.cfg.time_table_t
+        second.cfg.time_table_tau = self.cfg.time_table_tau
+        second._tau_cache.clear()
+        second._mod_cache.clear()
 
     def reset_parameters(self) -> None:
         """DiT init: xavier linears, small normal embeddings, adaLN-Zero modulation at 0."""

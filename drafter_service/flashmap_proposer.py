@@ -35,7 +35,10 @@ one-hot block, as in training); greedy_noise_scale < 1 starts from scaled-down n
 default 0 for a map distilled with zero-state jumps, DrafterConfig.null_jump_fraction, where
 that start is trained against the data; else 1). greedy_estimate defaults to the estimate the
 map's two-jump path was trained with (DrafterConfig.two_jump_estimate), else "soft".
-Neither touches rows with T > 0: their proposal q is what the flow samples and is sent.
+A checkpoint with a second-jump network (DrafterConfig.second_jump_net) drafts the second of
+two jumps of such rows with it when they start from the zero state with that estimate, the
+path it was trained on (training.second_jump_refiner); those batches run eagerly beside
+CUDA graphs. None of this touches rows with T > 0: their proposal q is what the flow samples.
 Not thread-safe: the gRPC server serialises calls.
 """
 
@@ -142,6 +145,16 @@ class FlashMapProposer(SlotCacheProposer):
         # the scale of the initial noise (1: the flow's own noise).
         self.greedy_estimate = greedy_estimate
         self.greedy_noise_scale = float(greedy_noise_scale)
+        # The checkpoint's second-jump network (DrafterConfig.second_jump_net) drafts the second
+        # of two jumps of T = 0 rows when they take the path it was trained on: the zero state
+        # and the map's own estimate between the jumps.
+        self.second_jump = (
+            model.second_jump
+            if model.second_jump is not None
+            and self.greedy_noise_scale == 0.0
+            and greedy_estimate == c.two_jump_estimate
+            else None
+        )
         if shared_noise is None:  # draft with the noise the drafter was trained on
             shared_noise = model.cfg.shared_noise
         if not 0.0 <= min_confidence < 1.0:
@@ -295,14 +308,18 @@ class FlashMapProposer(SlotCacheProposer):
                 scale = torch.where(greedy, self.greedy_noise_scale, 1.0).to(y.dtype)
                 y = y * scale[:, None, None]
             hard = greedy if self.greedy_estimate == "argmax" and any_greedy and steps > 1 else None
+            second = greedy if self.second_jump is not None and any_greedy and steps == 2 else None
             logits, summary = None, None
-            if self.graphs is not None:
+            if self.graphs is not None and second is None:  # graphs hold the map's jumps only
                 logits = self.graphs.run(
                     y, anchor, [r.slot for r in rows], [r.length for r in rows], steps, hard
                 )
             if logits is None:
                 ctx = self._context([r.slot for r in rows], [r.length for r in rows])
-                logits, *summary = self._integrate(y, anchor, ctx, steps, summary=True, hard=hard)
+                every = second is not None and all(r.temperature == 0 for r in rows)
+                logits, *summary = self._integrate(
+                    y, anchor, ctx, steps, summary=True, hard=hard, second=second, every=every
+                )
         return self._sample(logits, rows, summary)
 
     def _integrate(
@@ -314,12 +331,16 @@ class FlashMapProposer(SlotCacheProposer):
         times: list[Tensor] | None = None,
         summary: bool = False,
         hard: Tensor | None = None,
+        second: Tensor | None = None,
+        every: bool = False,
     ):
         """Run the flow from the embedded noise y_0 [B, K, H] to t = 1; returns the last
         evaluation's logits [B, K, V] (summary=True: (logits, ids, prob), `greedy_summary`).
         times: the grid as [B] device tensors (CUDA graphs); default: host floats.
         hard [B] bool: rows whose clean-block estimate between steps is the one-hot argmax of
-        the denoiser instead of its softmax (mode-seeking greedy drafting)."""
+        the denoiser instead of its softmax (mode-seeking greedy drafting).
+        second [B] bool (two jumps): rows whose second jump is the second-jump network's;
+        every: all of them (a host bool: no device read)."""
         if steps not in self._grids:
             self._grids[steps] = [
                 float(g) for g in self.model.time_grid(steps)
@@ -331,7 +352,10 @@ class FlashMapProposer(SlotCacheProposer):
         for i in range(len(grid) - 1):
             a, b = tt[i], tt[i + 1]
             last = i == len(grid) - 2
-            out = self._network(y, a, a if euler else b, anchor, ctx, greedy=summary and last)
+            if last and second is not None:
+                out = self._second_jump(y, a, b, anchor, ctx, second, every, greedy=summary)
+            else:
+                out = self._network(y, a, a if euler else b, anchor, ctx, greedy=summary and last)
             if not last:  # the last update would give x_1 = pi: the logits already say it
                 E = self.model.embed
                 clean = out.softmax(-1).to(E.dtype) @ E  # [B, K, H]: pi @ E
@@ -339,6 +363,29 @@ class FlashMapProposer(SlotCacheProposer):
                     clean = torch.where(hard[:, None, None], E[out.argmax(-1)], clean)
                 y = jump(y, clean, a, b)  # y_b = X_{a,b}(x_a) @ E
         return out
+
+    def _second_jump(
+        self,
+        y: Tensor,
+        s: float,
+        t: float,
+        anchor: Tensor,
+        ctx: CrossContext,
+        rows: Tensor,
+        every: bool,
+        greedy: bool,
+    ):
+        """The last of two jumps: the second-jump network's pass (conditioned on (0, 1), as
+        trained) for the rows [B] bool, the map's jump s -> t for the others (computed only when
+        there are others: not `every`); outputs as `_network`'s."""
+        net = self.second_jump
+        f = net.evaluate_greedy if greedy else net.evaluate
+        out = f(y, net.modulations(0.0, 1.0, anchor.shape[0]), anchor, ctx.kv, ctx.lengths)
+        if every:
+            return out
+        mine = self._network(y, s, t, anchor, ctx, greedy=greedy)
+        pick = lambda a, b: torch.where(rows.view(-1, *[1] * (a.dim() - 1)), a, b)  # noqa: E731
+        return tuple(map(pick, out, mine)) if greedy else pick(out, mine)
 
     def _sample(
         self, logits: Tensor, rows: list[_Row], summary: list[Tensor] | None = None

@@ -165,3 +165,27 @@ def test_compiled_drafter_sees_weight_changes(tmp_path, caplog):
         np.testing.assert_array_equal(a.tokens, b.tokens)
     assert any(not np.array_equal(a.tokens, b.tokens) for a, b in zip(before, after))
     assert "weights changed" in comp._evaluate_greedy.failed and "running it eagerly" in caplog.text
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_second_jump_network_rows_run_eagerly_beside_graphs(tmp_path, steps):
+    """With a second-jump network a batch holding T = 0 rows drafts two jumps eagerly (the
+    graphs hold the map's jumps only); every draft equals the graph-less proposer's."""
+    target = make_random_qwen3(tmp_path / "t", with_tokenizer=False)
+    m = init_drafter(target, dim=64, n_blocks=2, n_heads=4, seed=0, second_jump_net=True)
+    m.cfg.null_jump_fraction = 0.5  # T = 0 rows draft from the zero state: the network's path
+    reqs = [
+        ProposeRequest(f"s{i}", anchor=7 + i, temperature=float(i % 2), seed=11 + i)
+        for i in range(3)
+    ]
+    ref = _proposer(m, graphs=False).propose(reqs, steps)
+    p = _proposer(m, graphs=True)
+    assert p.second_jump is not None
+    calls = []
+    run = p.graphs.run
+    p.graphs.run = lambda *a, **k: calls.append(a[4]) or run(*a, **k)
+    got = p.propose(reqs, steps)
+    assert calls == ([1] if steps == 1 else [])
+    for a, b in zip(ref, got):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_allclose(a.support_probs, b.support_probs, rtol=1e-4, atol=1e-6)

@@ -326,3 +326,30 @@ def test_multi_step_samples_follow_the_target(tmp_path):
     engine = TargetEngine(path, n_slots=BATCH)
     counts, _ = _first3_counts(engine, [1, 5, 2], params, 10**6, decode_steps=2)
     _assert_follows(counts, _exact_first3(path, [1, 5, 2], params))
+
+
+def test_second_jump_network_is_lossless(target):
+    """A drafter with a second-jump network (DrafterConfig.second_jump_net) drafting T = 0 rows
+    from the zero state in two jumps: the output is the target's own."""
+    from drafter_service.checkpoint import init_drafter
+    from drafter_service.flashmap_proposer import FlashMapProposer
+    from tests.drafter_helpers import randomize
+
+    path, engine, prompts, reference = target.path, target.engine, target.prompts, target.reference
+    model = randomize(
+        init_drafter(
+            path,
+            seed=0,
+            dim=64,
+            n_blocks=2,
+            n_heads=4,
+            second_jump_net=True,
+            null_jump_fraction=0.5,
+        )
+    )
+    randomize(model.second_jump, seed=1)
+    proposer = FlashMapProposer(model, n_slots=N_PROMPTS, max_context=engine.max_seq_len, steps=2)
+    assert proposer.second_jump is not None
+    out = decode(engine, _requests(prompts), proposer, draft_steps=2)
+    assert [r.token_ids for r in out] == reference
+    assert all(r.stats.drafts > 0 for r in out)

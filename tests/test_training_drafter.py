@@ -822,3 +822,61 @@ def test_second_jump_refiner_cli_writes_its_curve_and_resumes(world, tmp_path, c
     assert final["step"] == 3 and final["batches"] == 2 and final["diff"]["n"] > 0
     curve = json.loads((tmp_path / "r" / "curve.json").read_text())["curve"]
     assert [c["step"] for c in curve] == [0, 1, 2, 3]
+
+
+def test_second_jump_network_is_served_as_trained(world, tmp_path):
+    """A map exported with its second-jump network (DrafterConfig.second_jump_net): saved and
+    loaded it drafts T = 0 rows' second of two jumps with that network, exactly the refiner's
+    trained path, and leaves every other row (T > 0, one jump) as the map alone drafts it."""
+    from drafter_service.checkpoint import save_drafter
+    from training import second_jump_refiner as sjr
+
+    target, data, _, _ = world
+    first = randomize(init_drafter(target, seed=0, null_jump_fraction=0.5, **TINY)).eval()
+    second = randomize(sjr.second_network(first), seed=1).eval()
+    torch.nn.init.normal_(
+        second.state_in.weight, std=0.05, generator=torch.Generator().manual_seed(2)
+    )
+    save_drafter(sjr.pair_checkpoint(first, second), tmp_path / "pair")
+    pair = load_drafter(tmp_path / "pair", target).eval()
+    assert pair.cfg.second_jump_net and pair.second_jump.embed is pair.embed  # shared, not copied
+
+    b = a_batch(data)
+    n, H = len(b.anchor), pair.embed.shape[1]
+    one, want = sjr.two_jumps(first, second, b)
+    prop = FlashMapProposer(pair, n_slots=1, max_context=8)
+    assert prop.second_jump is pair.second_jump
+    rows = torch.arange(n) % 2 == 0
+    with torch.no_grad():
+        ctx = b.context(pair)
+        served = prop._integrate(torch.zeros(n, 16, H), b.anchor, ctx, 2, second=rows)
+        alone = FlashMapProposer(first, n_slots=1, max_context=8)._integrate(
+            torch.zeros(n, 16, H), b.anchor, ctx, 2
+        )
+        every = prop._integrate(
+            torch.zeros(n, 16, H), b.anchor, ctx, 2, second=torch.ones_like(rows), every=True
+        )
+    assert torch.allclose(served[rows], want[rows], atol=1e-4)  # trained = served
+    assert torch.allclose(served[~rows], alone[~rows], atol=1e-5)  # the map's own jump
+    assert torch.allclose(every, want, atol=1e-4)
+    assert not torch.allclose(want, alone, atol=1e-3)  # the second network drafts otherwise
+
+    # Through propose: sampled rows and one-jump drafts are the map's; only the path the
+    # network was trained on takes it (zero state, the map's estimate).
+    props = [FlashMapProposer(m, n_slots=2, max_context=64) for m in (pair, first)]
+    seq = trainer.SequenceStream(data, seed=0).take(0, 1)[0]
+    for p in props:
+        p.extend("s", seq.tokens[:10].numpy(), seq.features[:10].float().numpy())
+    reqs = [
+        ProposeRequest("s", int(seq.tokens[10]), temperature=1.0, seed=3),
+        ProposeRequest("s", int(seq.tokens[10]), seed=4),
+    ]
+    for steps in (1, 2):
+        a, c = (p.propose(reqs, steps) for p in props)
+        assert np.array_equal(a[0].tokens, c[0].tokens) and np.allclose(
+            a[0].support_probs, c[0].support_probs
+        )
+        if steps == 1:  # the greedy row's one jump is the map's
+            assert np.array_equal(a[1].tokens, c[1].tokens)
+    for kw in (dict(greedy_noise_scale=1.0), dict(greedy_estimate="argmax")):
+        assert FlashMapProposer(pair, n_slots=1, max_context=8, **kw).second_jump is None

@@ -19,7 +19,8 @@ drafts do not?), and the same on as many blocks of its training data (does what 
 hold beyond the sequences it trained on?); the
 curve goes to OUT/curve.json and OUT/curve.png, the copy and its optimizer to OUT/state.pt
 (a rerun with the same OUT resumes); --final-batches N measures the end state on N held-out
-batches (OUT/final.json).
+batches (OUT/final.json); --export DIR writes the map with the network as its second jump
+(DrafterConfig.second_jump_net), which the proposer serves.
 
     python -m training.second_jump_refiner --target checkpoints/demo-target \\
         --map checkpoints/demo-flashmap-eq --data runs/published/data \\
@@ -34,6 +35,7 @@ import json
 import sys
 import time
 import zlib
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +58,19 @@ def second_network(first: FlashMapDiT) -> FlashMapDiT:
     for p in second.parameters():
         p.requires_grad_(True)
     return second
+
+
+def pair_checkpoint(first: FlashMapDiT, second: FlashMapDiT) -> FlashMapDiT:
+    """The map with `second` as its second-jump network (DrafterConfig.second_jump_net): what
+    the proposer serves (its T = 0 rows' second of two jumps)."""
+    pair = FlashMapDiT(replace(first.cfg, second_jump_net=True))
+    state = {
+        **first.state_dict(),
+        **{f"second_jump.{k}": v for k, v in second.state_dict().items()},
+    }
+    pair.load_state_dict(state)
+    pair.set_target(first.embed, first.lm_head)
+    return pair.eval()
 
 
 def two_jumps(first: FlashMapDiT, second: FlashMapDiT, b: Batch) -> tuple[Tensor, Tensor]:
@@ -164,11 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-seqs", type=int, default=8, help="sequences a step (4 anchors each)")
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--batches", type=int, default=16, help="held-out batches of 32 blocks")
-    p.add_argument(
-        "--final-batches", type=int, default=0, help="held-out batches of the end state (0: none)"
-    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--threads", type=int, default=0)
+    final = "held-out batches of the end state (0: none)"
+    p.add_argument("--final-batches", type=int, default=0, help=final)
+    p.add_argument("--export", help="DIR: the map with this network as its second jump")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -240,6 +255,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{final['two']:.3f}, diff {d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]"
         )
         (out / "final.json").write_text(json.dumps(final, indent=1))
+    if args.export:
+        from drafter_service.checkpoint import save_drafter
+
+        save_drafter(pair_checkpoint(first, second.eval()), args.export)
+        print(f"map + second-jump network in {args.export}")
     return 0
 
 
