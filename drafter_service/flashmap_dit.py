@@ -354,6 +354,12 @@ class FlashMapDiT(FrozenTarget):
             self._mod_cache.clear()
         self._share_with_second_jump()
 
+    def _apply(self, fn, recurse: bool = True):
+        # .to() / .half() convert each module's buffers on their own: share again after it
+        out = super()._apply(fn, recurse)
+        self._share_with_second_jump()
+        return out
+
     def _share_with_second_jump(self) -> None:
         """The second jump's network reads this one's frozen target tensors, whitening and time
         table: the same tensors, not copies (one embedding in memory)."""

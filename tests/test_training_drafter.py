@@ -840,6 +840,8 @@ def test_second_jump_network_is_served_as_trained(world, tmp_path):
     save_drafter(sjr.pair_checkpoint(first, second), tmp_path / "pair")
     pair = load_drafter(tmp_path / "pair", target).eval()
     assert pair.cfg.second_jump_net and pair.second_jump.embed is pair.embed  # shared, not copied
+    moved = sjr.pair_checkpoint(first, second).to(torch.float64)
+    assert moved.second_jump.embed is moved.embed and moved.second_jump.embed.dtype == torch.float64
 
     b = a_batch(data)
     n, H = len(b.anchor), pair.embed.shape[1]
