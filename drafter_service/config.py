@@ -155,10 +155,10 @@ class DrafterConfig(TargetRefConfig):
     # its noise (the draw that selects the sample).
     state_gate_tau: float = 0.0
     # A network of its own for the second of two jumps of T = 0 rows drafted from the zero state
-    # (False: the map's own jump t_1 -> 1, the paper). It is a copy of this network (another
-    # `second_jump` of the checkpoint's weights), conditioned on the jump (0, 1), reading the
-    # map's context keys and values and t_1 * the first jump's estimate (two_jump_estimate);
-    # trained on that path by training.second_jump_refiner. Rows at T > 0 keep the map's jump.
+    # (False: the map's own jump t_1 -> 1, the paper). It has this network's shape (weights
+    # `second_jump.*` in the checkpoint), is conditioned on the jump (0, 1) and reads the map's
+    # context keys and values and t_1 * the first jump's estimate (two_jump_estimate); trained
+    # on that path by training.second_jump_refiner. Rows at T > 0 keep the map's jump.
     second_jump_net: bool = False
 
     # ---------------------------------------------------------------- derived
