@@ -194,3 +194,29 @@ def test_no_projection_when_it_would_not_change_the_width(tmp_path):
     save_drafter(drafter, tmp_path / "d")
     layers, proj = target_inputs(tmp_path / "d", target)
     assert layers == [1] and proj is None
+
+
+def test_a_second_jump_network_adds_no_ops_per_round():
+    """Two jumps with the second-jump network (checkpoints/demo-flashmap-eq-2j) dispatch about
+    the torch ops of the map's own two jumps (the network's pass replaces the map's), and they
+    do not grow with the batch either."""
+    torch.set_num_threads(1)
+    engine = TargetEngine(DEMO_TARGET, n_slots=8, max_seq_len=256)
+    ops = {}
+    for name in ("demo-flashmap-eq", "demo-flashmap-eq-2j"):
+        for b in (1, 8):
+            proposer = load_proposer(
+                ROOT / "checkpoints" / name, DEMO_TARGET, n_slots=8, max_context=256, steps=2
+            )
+            assert (proposer.second_jump is not None) == name.endswith("2j")
+            reqs = [
+                GenerationRequest(list(range(5 + i, 29 + i)), 40, request_id=f"r{i}")
+                for i in range(b)
+            ]
+            ops[name, b] = host_work(engine, reqs, proposer, 2, torch.device("cpu"))[
+                "ops_per_round"
+            ]
+    print(f"torch ops per round at 2 jumps: {ops}")
+    assert ops["demo-flashmap-eq-2j", 8] <= 1.1 * ops["demo-flashmap-eq-2j", 1], ops
+    for b in (1, 8):
+        assert ops["demo-flashmap-eq-2j", b] <= 1.05 * ops["demo-flashmap-eq", b], ops

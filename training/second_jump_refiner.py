@@ -93,7 +93,7 @@ def loss_mask(one: Tensor, b: Batch, loss: str) -> Tensor:
     wrong slot (a slot after it is accepted only if the second jump fixed that one)."""
     if loss == "all":
         return b.mask
-    lead = ((one.argmax(-1) == b.target) & b.mask).long().cumprod(-1).sum(-1)  # [N]
+    lead = accepted(one.argmax(-1), b) - 1  # [N] leading right slots
     return b.mask & (torch.arange(b.mask.shape[1])[None] <= lead[:, None])
 
 
@@ -112,6 +112,7 @@ def evaluate(first: FlashMapDiT, second: FlashMapDiT, batches: list[Batch]) -> d
     g1, g2, cl = [], [], []
     sums = dict.fromkeys(("changed", "slots", "fixes", "breaks", "errors", "blocks"), 0.0)
     ce = {f"{which}_{loss}": 0.0 for which in ("one", "two") for loss in LOSSES}
+    w = slot_weights(first.cfg.block_size, first.cfg.slot_loss_decay)
     for b in batches:
         one, two = two_jumps(first, second, b)
         d1, d2 = one.argmax(-1), two.argmax(-1)
@@ -128,7 +129,6 @@ def evaluate(first: FlashMapDiT, second: FlashMapDiT, batches: list[Batch]) -> d
         ):
             sums[key] += float(v.sum())
         sums["blocks"] += len(b.anchor)
-        w = slot_weights(first.cfg.block_size, first.cfg.slot_loss_decay)
         for loss in LOSSES:
             m = loss_mask(one, b, loss)
             ce[f"one_{loss}"] += weighted_ce(one, b.target, m, w).item() / len(batches)

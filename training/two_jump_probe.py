@@ -58,7 +58,7 @@ def first_error(first: Tensor, two: Tensor, b: Batch) -> dict[str, Tensor]:
     been fixed and the rest of the first draft kept."""
     m, y = b.mask, b.target
     right = (first == y) & m  # [N, K]
-    lead = right.long().cumprod(-1).sum(-1)  # [N] leading right slots of the first draft
+    lead = accepted(first, b) - 1  # [N] leading right slots of the first draft
     err = lead < m.sum(-1)
     at = torch.nn.functional.one_hot(lead.clamp(max=m.shape[1] - 1), m.shape[1]).bool()
     at &= err[:, None]  # [N, K] the first wrong slot
