@@ -104,7 +104,7 @@ class DrafterConfig(TargetRefConfig):
     # the slots' differences noise-free (x_t,k - x_t,j = t (e_yk - e_yj)): the states of
     # different blocks lie on disjoint subspaces for every t > 0, no smooth flow from one
     # shared draw reaches them, and a denoiser that learns to read the differences is fed
-    # states it never saw as soon as sampling starts (training/joint_task.py measures it).
+    # states it never saw as soon as sampling starts (research/joint_task.py measures it).
     shared_noise: bool = False
     slot_loss_decay: float = 7.0  # slot k (1-based) weighted exp(-(k-1)/decay)
     teacher_steps: int = 100  # Euler steps of the teacher ODE (distillation / evaluation)
@@ -158,7 +158,7 @@ class DrafterConfig(TargetRefConfig):
     # (False: the map's own jump t_1 -> 1, the paper). It has this network's shape (weights
     # `second_jump.*` in the checkpoint), is conditioned on the jump (0, 1) and reads the map's
     # context keys and values and t_1 * the first jump's estimate (two_jump_estimate); trained
-    # on that path by training.second_jump_refiner. Rows at T > 0 keep the map's jump.
+    # on that path by research.second_jump_refiner. Rows at T > 0 keep the map's jump.
     second_jump_net: bool = False
 
     # ---------------------------------------------------------------- derived

@@ -37,7 +37,7 @@ that start is trained against the data; else 1). greedy_estimate defaults to the
 map's two-jump path was trained with (DrafterConfig.two_jump_estimate), else "soft".
 A checkpoint with a second-jump network (DrafterConfig.second_jump_net) drafts the second of
 two jumps of such rows with it when they start from the zero state with that estimate, the
-path it was trained on (training.second_jump_refiner); those batches run eagerly beside
+path it was trained on (research.second_jump_refiner); those batches run eagerly beside
 CUDA graphs. None of this touches rows with T > 0: their proposal q is what the flow samples.
 Not thread-safe: the gRPC server serialises calls.
 """

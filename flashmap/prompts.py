@@ -11,7 +11,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 # The held-out prompts of the demo target (code, math, chat): evaluation and benchmarks.
-HELDOUT_PROMPTS = REPO / "training" / "data" / "heldout_prompts.jsonl"
+HELDOUT_PROMPTS = REPO / "demo" / "data" / "heldout_prompts.jsonl"
 
 
 def read_prompt_lines(

@@ -1,4 +1,4 @@
-"""The bound (training/bound.py): the chain teacher-forced along a block gives the law it samples
+"""The bound (research/bound.py): the chain teacher-forced along a block gives the law it samples
 that block from, and the offline measurement scores greedy drafts as 1 + their matching prefix
 against the target's own greedy answers. Tiny random target and drafters: seconds."""
 
@@ -12,8 +12,9 @@ from drafter_service.checkpoint import init_drafter
 from drafter_service.eagle import EagleProposer, init_eagle
 from drafter_service.flashmap_proposer import FlashMapProposer
 from flashmap.types import ProposeRequest
+from research import bound
 from tests.drafter_helpers import distilled_world, one_thread  # noqa: F401 - autouse fixture
-from training import bound, heldout
+from training import heldout
 from training.shuffle_test import proposal_prob
 
 

@@ -1,4 +1,4 @@
-"""The controlled joint-structure task (training/joint_task.py), CI-sized.
+"""The controlled joint-structure task (research/joint_task.py), CI-sized.
 
 Trains the real pipeline on synthetic contexts whose continuations differ jointly in a few
 slots (teacher flow stage, flow-map distillation, DFlash-style baseline from the same
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from research import joint_task as jt
+from research import joint_world as jw
 from tests.drafter_helpers import one_thread  # noqa: F401 - autouse fixture
-from training import joint_task as jt
-from training import joint_world as jw
 from training.denoiser_curve import accuracy_at, denoiser_curve, reads_state
 from training.shuffle_test import acceptance
 

@@ -664,10 +664,10 @@ def test_distillation_loss_is_not_zero_for_a_student_that_ignores_its_inputs(wor
 
 
 def test_map_fidelity_scores_a_map_by_its_teachers_ode(world):
-    """training.map_fidelity: a map that is its teacher's one Euler step agrees with the
+    """research.map_fidelity: a map that is its teacher's one Euler step agrees with the
     teacher's 1-step ODE everywhere; the teacher's coarse ODE agrees with itself when coarse =
     fine; a map that reads nothing of the teacher does not agree."""
-    from training import map_fidelity
+    from research import map_fidelity
 
     target, data, _, _ = world
     teacher = randomize(init_drafter(target, seed=0, **TINY)).eval()
@@ -692,9 +692,9 @@ def test_map_fidelity_scores_a_map_by_its_teachers_ode(world):
 
 
 def test_two_jump_probe_accounts_for_every_changed_slot(world, monkeypatch):
-    """training.two_jump_probe: the second jump's accuracy differs from the first's by exactly
+    """research.two_jump_probe: the second jump's accuracy differs from the first's by exactly
     the slots it fixes minus those it breaks; accepted lengths count leading right slots + 1."""
-    from training import two_jump_probe
+    from research import two_jump_probe
 
     target, data, _, _ = world
     model = randomize(init_drafter(target, seed=0, **TINY)).eval()
@@ -746,10 +746,10 @@ def test_two_jump_probe_accounts_for_every_changed_slot(world, monkeypatch):
 
 
 def test_refine_bound_keeps_the_chain_only_up_to_the_first_drafts_error():
-    """training.two_jump_probe.refine_bound: a chain pass over a draft accepts the chain's run,
+    """research.two_jump_probe.refine_bound: a chain pass over a draft accepts the chain's run,
     but never more than one slot past the draft's own (the slot after the fix reads the draft's
     wrong token); rows measured on other anchors are refused."""
-    from training import two_jump_probe
+    from research import two_jump_probe
 
     def row(g):
         return {"per_anchor": {"seq": [0, 0, 1, 2], "gamma": g}}
@@ -766,10 +766,10 @@ def test_refine_bound_keeps_the_chain_only_up_to_the_first_drafts_error():
 
 
 def test_second_jump_refiner_starts_at_a_tie_and_trains_only_its_own_network(world):
-    """training.second_jump_refiner: before training the second network drafts exactly the
+    """research.second_jump_refiner: before training the second network drafts exactly the
     one-jump block; a step moves it and leaves the map's first jump as it was; the "upto" loss
     scores the slots up to the first wrong one of the one-jump draft."""
-    from training import second_jump_refiner as sjr
+    from research import second_jump_refiner as sjr
 
     target, data, _, _ = world
     first = randomize(init_drafter(target, seed=0, **TINY)).eval()
@@ -803,7 +803,7 @@ def test_second_jump_refiner_cli_writes_its_curve_and_resumes(world, tmp_path, c
     """The CLI: a curve on held-out and seen blocks from step 0 (the tie), a plot, and a rerun
     with more steps continues from the saved state instead of starting over."""
     from drafter_service.checkpoint import save_drafter
-    from training import second_jump_refiner as sjr
+    from research import second_jump_refiner as sjr
 
     target, data, _, _ = world
     save_drafter(randomize(init_drafter(target, seed=0, **TINY)), tmp_path / "map")
@@ -829,7 +829,7 @@ def test_second_jump_network_is_served_as_trained(world, tmp_path):
     loaded it drafts T = 0 rows' second of two jumps with that network, exactly the refiner's
     trained path, and leaves every other row (T > 0, one jump) as the map alone drafts it."""
     from drafter_service.checkpoint import save_drafter
-    from training import second_jump_refiner as sjr
+    from research import second_jump_refiner as sjr
 
     target, data, _, _ = world
     first = randomize(init_drafter(target, seed=0, null_jump_fraction=0.5, **TINY)).eval()

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from training.corpus_code import collect_defs
-from training.corpus_math import format_math, math_problem
-from training.target_data import WindowSampler
-from training.tokenizer import (
+from demo.corpus_code import collect_defs
+from demo.corpus_math import format_math, math_problem
+from demo.target_data import WindowSampler
+from demo.tokenizer import (
     CHAT_TEMPLATE,
     ENDOFTEXT,
     IM_END,
@@ -27,7 +27,7 @@ from training.tokenizer import (
     save_tokenizer,
     train_tokenizer,
 )
-from training.train_target import lr_at, make_model, window_loss
+from demo.train_target import lr_at, make_model, window_loss
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "checkpoints" / "demo-target"
@@ -186,7 +186,7 @@ def test_committed_demo_checkpoint_loads():
     # It learned its domains: low loss on held-out math answers.
     prompts = [
         json.loads(line)
-        for line in (REPO / "training" / "data" / "heldout_prompts.jsonl").read_text().splitlines()
+        for line in (REPO / "demo" / "data" / "heldout_prompts.jsonl").read_text().splitlines()
     ]
     assert {p["domain"] for p in prompts} == {"code", "math", "chat"}
     p = next(p for p in prompts if p["domain"] == "math")

@@ -1,25 +1,34 @@
-"""Training: the demo target, the drafters' data and the drafters, their diagnostics, and
-`flashmap eval`. Everything runs from local text only (no model or data hub).
+"""Training a drafter for a target: what a user runs, from a Hugging Face Qwen3 directory and a
+prompt file to a served drafter, and `flashmap eval`. Everything runs from local files only (no
+model or data hub).
 
-The demo target (a standard Hugging Face Qwen3 checkpoint):
-- ``corpus`` assembles ``corpus_code`` (Python standard library sources), ``corpus_math``
-  (generated problems with worked solutions) and ``corpus_chat`` (dialogues rendered with
-  the chat template), each split into training and held-out documents and prompts;
-- ``tokenizer``: a byte-level BPE with the Qwen special tokens and a Qwen-style chat template;
-- ``train_target`` trains it on ``target_data`` (token streams and windows) and writes what
-  ``target_card`` makes beside the weights (samples, loss curves, model card).
+Data:
+- ``generate_data``: token data (prompts -> the target's own responses, ids only), under
+  torchrun sharded over ranks; ``online_features``: the target inside training, each batch's
+  features computed by the serving engine;
+- ``drafter_data``: the same shards with the target's features stored (offline).
 
 Drafters:
-- ``drafter_prompts``, ``drafter_data``: prompts, and the target's answers with its features;
 - ``flow``: blocks, noisy states, flow times and the losses of the flow, distillation and
   DFlash-style stages; ``trainer``: the loop, data stream and options every drafter trainer
-  shares; ``train_drafter`` (FlashMap, DFlash-style), ``train_eagle``, ``export_drafter``.
+  shares; ``step_batches``: a step's blocks across ranks and micro-batches; ``distributed``:
+  torchrun, DDP / FSDP2;
+- ``train_drafter`` (FlashMap flow stage and flow-map distillation, DFlash-style), with
+  ``warm_start`` (a flow stage started from a DFlash-style drafter); ``train_eagle``
+  (EAGLE-style chain); ``train_published`` (DFlash and EAGLE-3 in their published layouts);
+- ``export_drafter``: a run as a small servable checkpoint.
 
-Diagnostics and evaluation:
-- ``denoiser_curve`` (is it a flow; the flow stage's gate), ``shuffle_test``, ``heldout``,
-  ``offline_acceptance``, with ``flow_diagnostics`` as their command; ``mode_probe``;
-- ``joint_task`` (+ ``joint_task_report``): a synthetic task whose answer is known exactly;
-- ``evaluate`` is ``flashmap eval``, over ``eval_methods`` and ``eval_report``.
+Checks:
+- ``acceptance_check``: held-out acceptance every N steps of a run, over ``heldout`` (held-out
+  anchors) and ``offline_acceptance`` (drafts verified by the target);
+- ``denoiser_curve``: is a FlashMap drafter a flow (the flow stage's gate at every save);
+  ``shuffle_test``: the acceptance a block owes to the joint structure of one draw;
+  ``flow_diagnostics``: these as one command;
+- ``smoke_check``: the two ends of scripts/train-smoke.sh.
 
-``run_demo_pipeline.sh`` runs the whole demo chain.
+``evaluate`` is ``flashmap eval`` (acceptance length and speedup of drafters on held-out
+prompts), over ``eval_methods`` and ``eval_report``.
+
+The demo's own target, tokenizer, corpus and prompts are the package ``demo``; research
+probes and studies are ``research``, which nothing here imports.
 """

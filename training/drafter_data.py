@@ -25,7 +25,7 @@ without `features`: the trainer computes them online with the target
 (`training.online_features`). `read_meta(..., tokens_ok=True)` accepts both kinds.
 
     python -m training.drafter_data --target checkpoints/demo-target \
-        --prompts training/data/heldout_prompts.jsonl --out data/drafter --max-new-tokens 256
+        --prompts demo/data/heldout_prompts.jsonl --out data/drafter --max-new-tokens 256
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ FlashMap drafter its denoiser curve (training.denoiser_curve, with the DFlash-st
 as the prior), and per drafter, step count and temperature the offline acceptance
 (training.offline_acceptance) of the shared-noise block and its shuffles (training.shuffle_test),
 with paired bootstrap intervals; `report_markdown` makes its tables. The same pieces serve
-the trainer's flow check, the controlled joint-structure task (training/joint_task.py), the
-mode probes (training/mode_probe.py) and `flashmap eval --flow-data`.
+the trainer's flow check, the controlled joint-structure task (research/joint_task.py), the
+mode probes (research/mode_probe.py) and `flashmap eval --flow-data`.
 
     python -m training.flow_diagnostics --target checkpoints/demo-target \
         --data runs/heldout-greedy --drafter flow=runs/flow --dflash checkpoints/demo-dflash --out runs/diag.json
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--target", required=True)
     ap.add_argument("--data", help="training.drafter_data output for --prompts (held-out answers)")
-    ap.add_argument("--prompts", default="training/data/heldout_prompts.jsonl")
+    ap.add_argument("--prompts", default="demo/data/heldout_prompts.jsonl")
     ap.add_argument(
         "--drafter",
         type=_spec,

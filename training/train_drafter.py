@@ -12,7 +12,7 @@ Stages (DESIGN.md, "The method in one page"):
   ignores its state is no flow). Noise: one draw per slot by default (`--noise slot`, the
   DrafterConfig default, a departure from the seed's drafter, which draws one noise for the
   whole block: `--noise shared`; DrafterConfig.shared_noise says why, and
-  training.joint_task measures both).
+  research.joint_task measures both).
 - distill: the student starts from the trained flow model, which stays frozen as the
   teacher; zero-length jumps match the teacher denoiser, the others the semigroup of an
   EMA of the student (`flow.distill_loss`).

@@ -1,13 +1,13 @@
 """Train the small demo target (a Qwen3ForCausalLM) from scratch on CPU on the local corpus.
 
-    python -m training.train_target --out checkpoints/demo-target --threads 2
+    python -m demo.train_target --out checkpoints/demo-target --threads 2
 
 (the defaults are the settings of the committed demo checkpoint; its README.md says how long
 it took and what it reached).
 
-Steps: build the corpus (``training.corpus``, seeded), write the held-out prompts, train
-the byte-level BPE (``training.tokenizer``), tokenize each domain into one stream
-(documents separated by ``<|endoftext|>``; ``training.target_data``), then train with AdamW,
+Steps: build the corpus (``demo.corpus``, seeded), write the held-out prompts, train
+the byte-level BPE (``demo.tokenizer``), tokenize each domain into one stream
+(documents separated by ``<|endoftext|>``; ``demo.target_data``), then train with AdamW,
 linear warmup and cosine decay, on random windows of ``--seq-len`` tokens whose domain is
 drawn per row (``--mix``). Progress goes to a tqdm bar and to ``<out>/train_log.txt``; the
 loss curves to ``<out>/loss_curve.csv`` and ``<out>/loss_curve.png``. A training state
@@ -18,7 +18,7 @@ uninterrupted run (same ``--threads``).
 The output is a standard Hugging Face checkpoint directory: config.json, model.safetensors
 (fp32, tied embeddings), generation_config.json, tokenizer files with the chat template,
 and a model card (README.md) with data, sizes, time, per-domain losses and greedy samples
-(``training.target_card``).
+(``demo.target_card``).
 """
 
 from __future__ import annotations
@@ -42,16 +42,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from training.corpus import DOMAINS
-from training.target_card import make_samples, write_card, write_curves
-from training.target_data import (
+from demo.corpus import DOMAINS
+from demo.target_card import make_samples, write_card, write_curves
+from demo.target_data import (
     TargetData,
     WindowSampler,
     fixed_windows,
     prepare_data,
     save_state,
 )
-from training.tokenizer import ENDOFTEXT, IM_END, save_tokenizer
+from demo.tokenizer import ENDOFTEXT, IM_END, save_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -188,7 +188,7 @@ def parse_args(argv=None):
     ap.add_argument(
         "--prompts-out",
         default=None,
-        help="held-out prompts file (default training/data/heldout_prompts.jsonl)",
+        help="held-out prompts file (default demo/data/heldout_prompts.jsonl)",
     )
     ap.add_argument(
         "--samples", type=int, default=3, help="greedy samples per domain in the model card"

@@ -1,7 +1,7 @@
 """Byte-level BPE tokenizer for the demo target, with Qwen special tokens and chat template.
 
 The tokenizer is trained with the ``tokenizers`` library on the local corpus
-(``training.corpus``) and saved as ``tokenizer.json`` + ``tokenizer_config.json`` so that
+(``demo.corpus``) and saved as ``tokenizer.json`` + ``tokenizer_config.json`` so that
 ``transformers.AutoTokenizer.from_pretrained(dir)`` loads it and ``apply_chat_template``
 works. Pre-tokenization uses the Qwen2/Qwen3 split pattern (digits one at a time, which
 helps arithmetic) followed by the GPT-2 byte-level mapping, so every string round-trips.

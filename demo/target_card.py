@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from training.corpus import DOMAINS
+from demo.corpus import DOMAINS
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -150,7 +150,7 @@ def write_card(out: Path, s: dict, samples: list[dict], args) -> None:
         "",
         "## Data (all local, nothing downloaded)",
         "",
-        f"Built by `training/corpus.py` (seed {s['seed']}, corpus fingerprint `{s['corpus']['fingerprint']}`).",
+        f"Built by `demo/corpus.py` (seed {s['seed']}, corpus fingerprint `{s['corpus']['fingerprint']}`).",
         "",
         f"- **code**: the Python {s['corpus']['python']} standard library sources (`{s['corpus']['stdlib']}`), "
         "without tests, site-packages, codec tables and generated data; whole files, "
@@ -176,7 +176,7 @@ def write_card(out: Path, s: dict, samples: list[dict], args) -> None:
         "",
         "## Training",
         "",
-        f"`python -m training.train_target {' '.join(s['argv'])}`".rstrip(),
+        f"`python -m demo.train_target {' '.join(s['argv'])}`".rstrip(),
         "",
         f"- {s['steps']} steps x {args.batch_size} windows x {args.seq_len} tokens = {s['tokens_seen']:,} tokens "
         f"(about {s['tokens_seen'] / sum(tk[n]['train_tokens'] for n in DOMAINS):.2f} passes over "
@@ -205,7 +205,7 @@ def write_card(out: Path, s: dict, samples: list[dict], args) -> None:
         ]
     lines += [
         "",
-        "## Greedy samples (held-out prompts, `training/data/heldout_prompts.jsonl`)",
+        "## Greedy samples (held-out prompts, `demo/data/heldout_prompts.jsonl`)",
         "",
         "The prompt is followed by `<<<GEN>>>` and the model's greedy continuation.",
         "",

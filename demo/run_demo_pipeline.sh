@@ -20,9 +20,9 @@ LR_FLOW="${LR_FLOW:-1e-4}"        # flow stage, and the baseline's steps past th
 # 1e-4 rather than 3e-4: a short flow stage at 3e-4 moved the 1-jump drafts further from the start's
 # (on the selection prompts 11-26; checkpoints/README.md).
 
-[ -f "$T/model.safetensors" ] || $PY -m training.train_target --out "$T"
-[ -f training/data/drafter_prompts.jsonl ] || $PY -m training.drafter_prompts --per-domain "${PROMPTS_PER_DOMAIN:-1200}"
-$PY -m training.drafter_data --target "$T" --prompts training/data/drafter_prompts.jsonl --out "$RUNS/data" \
+[ -f "$T/model.safetensors" ] || $PY -m demo.train_target --out "$T"
+[ -f demo/data/drafter_prompts.jsonl ] || $PY -m demo.drafter_prompts --per-domain "${PROMPTS_PER_DOMAIN:-1200}"
+$PY -m training.drafter_data --target "$T" --prompts demo/data/drafter_prompts.jsonl --out "$RUNS/data" \
     --max-new-tokens "${MAX_NEW:-96}" --temperature 0
 
 common=(--small $BATCH --target "$T" --data "$RUNS/data" --resume)

@@ -10,7 +10,7 @@ data on every slot (--loss all) or only on the slots acceptance counts, up to an
 first jump's first wrong slot (--loss upto). The copy reads the map's context keys and values,
 so the context cache of a served pair would be shared.
 
-Every --eval-every steps it measures, on the held-out blocks of training.two_jump_probe, the
+Every --eval-every steps it measures, on the held-out blocks of research.two_jump_probe, the
 accepted length of 1 jump and of 2 jumps (leading right slots + 1), their paired difference with
 a 95% bootstrap interval over sequences, the share of slots the second jump changes, how often
 it fixes the one-jump draft's first wrong slot and breaks a slot before it, and the
@@ -22,7 +22,7 @@ curve goes to OUT/curve.json and OUT/curve.png, the copy and its optimizer to OU
 batches (OUT/final.json); --export DIR writes the map with the network as its second jump
 (DrafterConfig.second_jump_net), which the proposer serves.
 
-    python -m training.second_jump_refiner --target checkpoints/demo-target \\
+    python -m research.second_jump_refiner --target checkpoints/demo-target \\
         --map checkpoints/demo-flashmap-eq --data runs/published/data \\
         --heldout runs/heldout-greedy --steps 1500 --lr 5e-5 --loss upto --out runs/refiner/upto
 """
@@ -43,10 +43,10 @@ import torch
 from torch import Tensor
 
 from drafter_service.flashmap_dit import FlashMapDiT
+from research.two_jump_probe import accepted, first_error
 from training.flow import Batch, carried_estimate, make_batch, slot_weights, weighted_ce
 from training.shuffle_test import paired_bootstrap
 from training.trainer import SequenceStream, save_figure
-from training.two_jump_probe import accepted, first_error
 
 LOSSES = ("all", "upto")
 
@@ -165,7 +165,7 @@ def plot(curve: list[dict], png: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from drafter_service.checkpoint import load_drafter
-    from training.map_fidelity import flow_check_draw
+    from research.map_fidelity import flow_check_draw
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True)

@@ -16,14 +16,14 @@ happens, and the bound of one fix: the accepted length had the second jump fixed
 first wrong slot and kept the rest. Two ways a second pass could find that slot are measured
 beside it: its own confidence (the two-jump draft with a change kept only where the second
 jump's probability reaches a threshold, `gamma_kept`), and the tokens before each slot (from a
-training.bound output holding the first drafter and the EAGLE-style chain, greedy, per anchor:
+research.bound output holding the first drafter and the EAGLE-style chain, greedy, per anchor:
 one parallel pass of the chain over the first draft keeps its slot k right only if the chain is
 right given the draft's slots before k, so it accepts 1 + min(A_chain, A_first + 1), A the
 accepted draft tokens; `refine_bound`).
 
-    python -m training.two_jump_probe --target checkpoints/demo-target \
+    python -m research.two_jump_probe --target checkpoints/demo-target \
         --data runs/heldout-greedy --map pn=checkpoints/demo-flashmap-pn --out runs/probe.json
-    python -m training.two_jump_probe --refine-bound docs/results/flashmap_vs_dflash/t0.json \
+    python -m research.two_jump_probe --refine-bound docs/results/flashmap_vs_dflash/t0.json \
         --first dflash --chain chain
 """
 
@@ -129,7 +129,7 @@ def probe(model: FlashMapDiT, batches: list[Batch]) -> dict:
 
 def refine_bound(cells: dict, first: str, chain: str) -> dict:
     """The accepted length of one parallel chain pass over `first`'s drafts, from a
-    training.bound output at T = 0 holding both rows per anchor (module docstring), paired
+    research.bound output at T = 0 holding both rows per anchor (module docstring), paired
     against `first` with a 95% interval over sequences; and the two rows' own means."""
     rows = cells["rows"]
     a, c = rows[first]["per_anchor"], rows[chain]["per_anchor"]
@@ -173,13 +173,13 @@ def format_table(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from drafter_service.checkpoint import load_drafter
-    from training.map_fidelity import flow_check_draw
+    from research.map_fidelity import flow_check_draw
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", help="the target checkpoint (with --map)")
     p.add_argument("--data", help="held-out drafter data with features (with --map)")
     p.add_argument("--map", action="append", default=[], help="NAME=MAP_DIR (repeatable)")
-    p.add_argument("--refine-bound", help="a training.bound output (T = 0, per anchor)")
+    p.add_argument("--refine-bound", help="a research.bound output (T = 0, per anchor)")
     p.add_argument("--first", default="dflash", help="--refine-bound: the first drafter's row")
     p.add_argument("--chain", default="chain", help="--refine-bound: the greedy chain's row")
     p.add_argument("--batches", type=int, default=16, help="held-out batches of 32 blocks")

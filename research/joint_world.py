@@ -4,7 +4,7 @@ known modes, and the exact acceptance of a drafted block against that truth.
 Each context (random feature vectors standing in for target hidden states, plus an anchor
 token) fixes a small set of continuations ("modes") that share most slots but differ jointly
 in `diverge` of the first `diverge_window` slots. The frozen embedding E [V, H] is random with
-a spread spectrum like a trained one. The experiment on it: training.joint_task.
+a spread spectrum like a trained one. The experiment on it: research.joint_task.
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """Deterministic local training corpus for the demo target: code, math and chat.
 
 Nothing is downloaded. Three domains, all built from a seed: ``code``
-(``training.corpus_code``: the Python standard library sources of this interpreter),
-``math`` (``training.corpus_math``: generated problems with worked solutions) and ``chat``
-(``training.corpus_chat``: dialogues rendered with the chat template). Each is split into
+(``demo.corpus_code``: the Python standard library sources of this interpreter),
+``math`` (``demo.corpus_math``: generated problems with worked solutions) and ``chat``
+(``demo.corpus_chat``: dialogues rendered with the chat template). Each is split into
 training documents and held-out documents / prompts.
 
 Held-out prompts (``domain``, ``prompt``, plus ``id`` and the held-out ``reference``
 continuation) are written by ``write_heldout_prompts`` to
-``training/data/heldout_prompts.jsonl``. Chat prompts end with the generation prompt
+``demo/data/heldout_prompts.jsonl``. Chat prompts end with the generation prompt
 (``<|im_start|>assistant\\n``); math prompts end with ``Answer:``; code prompts are a
 function header plus its docstring. All prompts end on a pre-tokenizer boundary, so their
 tokens are a prefix of the tokens of prompt + reference.
@@ -22,9 +22,9 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from training.corpus_chat import build_chat
-from training.corpus_code import build_code, stdlib_dir
-from training.corpus_math import build_math
+from demo.corpus_chat import build_chat
+from demo.corpus_code import build_code, stdlib_dir
+from demo.corpus_math import build_math
 
 DOMAINS = ("code", "math", "chat")
 HELDOUT_PROMPTS_PATH = Path(__file__).resolve().parent / "data" / "heldout_prompts.jsonl"

@@ -14,10 +14,10 @@ training loop (train_drafter.run_stage, fed Batches built here), drafting by
 FlashMapProposer, the shuffle variants (training.shuffle_test) and the denoiser curve
 (training.denoiser_curve). The expected accepted length of a drafted block d against the
 true conditional is exact: 1 + sum_k prod_{j<=k} alpha_j with alpha_j = p(d_j | c, d_<j)
-for greedy drafts (min(1, p/q) for sampled ones). The report: training.joint_task_report.
+for greedy drafts (min(1, p/q) for sampled ones). The report: research.joint_task_report.
 
-    python -m training.joint_task --out docs/results/joint_task.md      # the full report (minutes)
-    python -m training.joint_task --small --out /tmp/joint.md          # the CI-sized run
+    python -m research.joint_task --out docs/results/joint_task.md      # the full report (minutes)
+    python -m research.joint_task --small --out /tmp/joint.md          # the CI-sized run
 """
 
 from __future__ import annotations
@@ -36,10 +36,8 @@ import torch
 from drafter_service.flashmap_dit import FlashMapDiT
 from drafter_service.flashmap_proposer import FlashMapProposer
 from flashmap.types import ProposeRequest
-from training.denoiser_curve import denoiser_curve
-from training.flow import Batch
-from training.joint_task_report import write_report
-from training.joint_world import (
+from research.joint_task_report import write_report
+from research.joint_world import (
     ABLATIONS,
     JointTask,
     JointTaskConfig,
@@ -51,6 +49,8 @@ from training.joint_world import (
     true_alpha,
     which_mode,
 )
+from training.denoiser_curve import denoiser_curve
+from training.flow import Batch
 from training.shuffle_test import acceptance, draft_variants, paired_bootstrap
 from training.train_drafter import TrainConfig, run_stage
 
@@ -418,7 +418,7 @@ def run(cfg: JointTaskConfig, workdir: Path | None = None, log=print) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m training.joint_task", description=__doc__.split("\n\n")[0]
+        prog="python -m research.joint_task", description=__doc__.split("\n\n")[0]
     )
     ap.add_argument("--out", required=True, help="markdown report (a .png and a .json beside it)")
     ap.add_argument("--small", action="store_true", help="the CI-sized task")
@@ -447,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     res = run(cfg, Path(args.workdir) if args.workdir else None)
     out = Path(args.out)
-    command = "python -m training.joint_task " + " ".join(
+    command = "python -m research.joint_task " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )
     write_report(res, out, command)

@@ -2,12 +2,12 @@
 
 The target answers them (training/drafter_data.py) and the drafters learn from those
 answers (self-distillation: the demo's choice; the paper names its data, OpenPerfectBlend,
-and does not say the target regenerated the answers). Held-out prompts (training/data/
+and does not say the target regenerated the answers). Held-out prompts (demo/data/
 heldout_prompts.jsonl) come from the held-out split, so evaluation never sees these.
 Code and math prompts are a document cut at a random line; chat prompts end at an
 assistant turn's start, so the target writes the answer.
 
-  python -m training.drafter_prompts --per-domain 300 --out training/data/drafter_prompts.jsonl
+  python -m demo.drafter_prompts --per-domain 300 --out demo/data/drafter_prompts.jsonl
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import json
 import random
 from pathlib import Path
 
-from training.corpus import DOMAINS, build_corpus
+from demo.corpus import DOMAINS, build_corpus
 
 ASSISTANT = "<|im_start|>assistant\n"
 

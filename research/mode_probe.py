@@ -21,7 +21,7 @@ there is little joint structure to gain in exchange. This module measures that s
   accuracy of one noise draw, of the logits averaged over 16 draws, of the mean probability
   of the right token, and at a zero state; beside the DFlash-style prior (`--dflash`).
 
-    python -m training.mode_probe --target checkpoints/demo-target --data runs/heldout-greedy \
+    python -m research.mode_probe --target checkpoints/demo-target --data runs/heldout-greedy \
         --dflash runs/dflash-eq --variant dflash=runs/dflash-eq:1 --variant dflash-sampled=runs/dflash-eq:1,sample \
         --variant teacher=runs/flow-recipe:16 --variant teacher-argmax=runs/flow-recipe:16,estimate=argmax \
         --tau0 teacher=runs/flow-recipe --selection --max-anchors 8 --threads 1 --out runs/diag/probe_sel.json
@@ -216,13 +216,13 @@ def tau0_table(model, prior, batches, draws: int = 16, seed: int = 0) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m training.mode_probe", description=__doc__.split("\n\n")[0]
+        prog="python -m research.mode_probe", description=__doc__.split("\n\n")[0]
     )
     ap.add_argument("--target", required=True)
     ap.add_argument(
         "--data", required=True, help="held-out answers at T = 0 (training.drafter_data)"
     )
-    ap.add_argument("--prompts", default="training/data/heldout_prompts.jsonl")
+    ap.add_argument("--prompts", default="demo/data/heldout_prompts.jsonl")
     ap.add_argument("--variant", type=_variant, action="append", default=[])
     ap.add_argument(
         "--tau0", action="append", default=[], help="NAME=DIR: the denoiser at pure noise"
@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{a} - {b}: {d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    res["command"] = "python -m training.mode_probe " + " ".join(
+    res["command"] = "python -m research.mode_probe " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )
     out.write_text(json.dumps(res, indent=1) + "\n")

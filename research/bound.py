@@ -1,7 +1,7 @@
 """What a one-jump sampling drafter can reach on this target: the bound, measured before training.
 
 At held-out anchors (training.heldout; the anchors and seeds of training.flow_diagnostics and
-training.mode_probe) every drafter row drafts a block and the target verifies it (one verify
+research.mode_probe) every drafter row drafts a block and the target verifies it (one verify
 pass per block): at T = 0 alpha_k = [d_k = target argmax], at T > 0 alpha_k = min(1, p_k(d_k) /
 q_k(d_k)) with q the drafter's own law; gamma = 1 + sum_k prod_{j<=k} alpha_j. A row may draft
 by sampling (`sample`: T = 1, from the top `top` tokens, default the whole vocabulary) while the
@@ -17,7 +17,7 @@ prod_{j<=k} q_j(y_j | y_<j) (the chain teacher-forced along the reference y; per
 marginals for DFlash). The draws must agree with it: that is the check that the sampling,
 the verify and the anchors fit together.
 
-    python -m training.bound --target checkpoints/demo-target --data runs/heldout-greedy \\
+    python -m research.bound --target checkpoints/demo-target --data runs/heldout-greedy \\
         --row dflash=checkpoints/demo-dflash-eq --row chain=checkpoints/demo-eagle \\
         --row chain-sampled=checkpoints/demo-eagle:1,sample,draws=8 \\
         --pair chain-sampled:dflash --temperature 0 --max-anchors 12 --threads 1 --out runs/bound/t0.json
@@ -370,11 +370,11 @@ def report_markdown(res: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m training.bound", description=__doc__.split("\n\n")[0]
+        prog="python -m research.bound", description=__doc__.split("\n\n")[0]
     )
     ap.add_argument("--target", required=True)
     ap.add_argument("--data", required=True, help="held-out answers (training.drafter_data)")
-    ap.add_argument("--prompts", default="training/data/heldout_prompts.jsonl")
+    ap.add_argument("--prompts", default="demo/data/heldout_prompts.jsonl")
     ap.add_argument("--row", type=parse_row, action="append", required=True)
     ap.add_argument("--baseline", help="row name every row is compared with (paired)")
     ap.add_argument("--pair", action="append", default=[], help="A:B: gamma(A) - gamma(B), paired")
@@ -445,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
             for d in sorted(set(A.domain)) + ["all"]
             for sel in [np.ones(len(seq), bool) if d == "all" else dom == d]
         }
-    res["command"] = "python -m training.bound " + " ".join(
+    res["command"] = "python -m research.bound " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )
     out = Path(args.out)

@@ -1,5 +1,5 @@
-"""The demo target's data: the corpus (training.corpus) and its held-out prompts, the
-byte-level BPE trained on it (training.tokenizer), one token stream per domain (documents
+"""The demo target's data: the corpus (demo.corpus) and its held-out prompts, the
+byte-level BPE trained on it (demo.tokenizer), one token stream per domain (documents
 separated by <|endoftext|>), and the windows that training and evaluation read from them."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from pathlib import Path
 
 import torch
 
-from training.corpus import (
+from demo.corpus import (
     DOMAINS,
     HELDOUT_PROMPTS_PATH,
     Corpus,
     build_corpus,
     write_heldout_prompts,
 )
-from training.tokenizer import ENDOFTEXT, load_tokenizer, save_tokenizer, train_tokenizer
+from demo.tokenizer import ENDOFTEXT, load_tokenizer, save_tokenizer, train_tokenizer
 
 # Share of the tokenizer's training text (--tokenizer-chars) per domain.
 TOKENIZER_BUDGET = {"code": 0.5, "math": 0.2, "chat": 0.3}

@@ -1,5 +1,5 @@
 """The joint-structure task's report: its tables in markdown, its plot, and the JSON of
-`training.joint_task.run` beside them."""
+`research.joint_task.run` beside them."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The chat domain of the demo corpus: dialogues rendered with the chat template
-(``training.tokenizer.render_chat``): Q/A built from docstrings and sources of stdlib
+(``demo.tokenizer.render_chat``): Q/A built from docstrings and sources of stdlib
 functions and classes (held-out files give the held-out dialogues), arithmetic and word
 problems, small coding tasks, small talk. For coding tasks one (task, phrasing) pair per
 task is reserved for held-out. Most of this module is the data the dialogues are drawn from."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import random
 
-from training.corpus_code import Definition
-from training.corpus_math import math_problem, operand, word_problem
-from training.tokenizer import render_chat
+from demo.corpus_code import Definition
+from demo.corpus_math import math_problem, operand, word_problem
+from demo.tokenizer import render_chat
 
 _SYSTEMS = [
     None,
