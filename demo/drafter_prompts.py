@@ -1,11 +1,10 @@
 """Training prompts for the drafters: prefixes of the corpus' TRAIN documents.
 
 The target answers them (training/drafter_data.py) and the drafters learn from those
-answers (self-distillation: the demo's choice; the paper names its data, OpenPerfectBlend,
-and does not say the target regenerated the answers). Held-out prompts (demo/data/
-heldout_prompts.jsonl) come from the held-out split, so evaluation never sees these.
-Code and math prompts are a document cut at a random line; chat prompts end at an
-assistant turn's start, so the target writes the answer.
+answers (self-distillation). Held-out prompts (demo/data/heldout_prompts.jsonl) come from
+the held-out split, so evaluation never sees these. Code and math prompts are a document cut
+at a random line; chat prompts end at an assistant turn's start, so the target writes the
+answer.
 
   python -m demo.drafter_prompts --per-domain 300 --out demo/data/drafter_prompts.jsonl
 """

@@ -1,10 +1,10 @@
-"""Why does a flow draft worse than a DFlash-style drafter at temperature 0? Probes.
+"""Mode probes: a drafter's T = 0 drafts at held-out anchors under mode-seeking variants, and
+its denoiser at pure noise.
 
 At T = 0 the target accepts slot k only when the drafted token is its argmax. A DFlash-style
-drafter drafts the per-slot argmax of its marginals: right whenever the right token is the
-mode. A flow *samples* a block from its joint: slot k is right with about the probability the
-model gives the right token. Greedy self-distillation data hold one answer per context, so
-there is little joint structure to gain in exchange. This module measures that story:
+drafter drafts the per-slot argmax of its marginals; a flow samples a block from its joint, so
+slot k is right with about the probability the model gives the right token. The probes compare
+the two ways of drafting on the same anchors:
 
 - `--variant NAME=DIR:STEPS[,estimate=argmax][,scale=S][,sample]`: drafts at every held-out
   anchor (the same anchors and seeds as training.flow_diagnostics --max-anchors), compared

@@ -1,7 +1,8 @@
-"""A second jump with a network of its own: can any second jump from the zero state beat the first?
+"""A second jump with a network of its own: trains a network for the second of a map's two T = 0
+jumps from the zero state, and measures it against the map's one jump.
 
-A map's second jump shares its weights with the first jump and with the flow's noisy states.
-This diagnostic removes both constraints. The second jump gets a copy of the map whose state
+A map's second jump shares its weights with the first jump and with the flow's noisy states;
+here it has weights of its own, trained on the path it serves. The second jump gets a copy of the map whose state
 projection starts at zero and whose time input is the first jump's (0, 1), so before training
 it drafts exactly the one-jump block (2 jumps = 1 jump, a tie). It is trained on the path the
 proposer serves at T = 0: the map's frozen first jump 0 -> t_1 from the zero state, its estimate

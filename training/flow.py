@@ -6,7 +6,7 @@ the anchor token is the last committed token, and the target block is the next K
 after the anchor (slots past the end are masked). Many anchors of one sequence share one
 encoded context (`CrossContext.select`).
 
-Losses (DESIGN.md, "The method in one page"); slot k (1-based) is weighted
+Losses; slot k (1-based) is weighted
 exp(-(k-1)/slot_loss_decay) in each:
 
 - flow: tau ~ U(0, 1) mapped to t by the drafter's time map (drafter_service.flow_time);

@@ -4,12 +4,11 @@
 FlashMap drafter its denoiser curve (training.denoiser_curve, with the DFlash-style drafter
 as the prior), and per drafter, step count and temperature the offline acceptance
 (training.offline_acceptance) of the shared-noise block and its shuffles (training.shuffle_test),
-with paired bootstrap intervals; `report_markdown` makes its tables. The same pieces serve
-the trainer's flow check, the controlled joint-structure task (research/joint_task.py), the
-mode probes (research/mode_probe.py) and `flashmap eval --flow-data`.
+with paired bootstrap intervals; `report_markdown` makes its tables. `flashmap eval
+--flow-data` runs it on the evaluated FlashMap checkpoints.
 
     python -m training.flow_diagnostics --target checkpoints/demo-target \
-        --data runs/heldout-greedy --drafter flow=runs/flow --dflash checkpoints/demo-dflash --out runs/diag.json
+        --data runs/heldout-greedy --drafter flow=runs/flow --dflash checkpoints/demo-dflash-eq --out runs/diag.json
 """
 
 from __future__ import annotations

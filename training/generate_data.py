@@ -21,8 +21,7 @@ Defaults: temperature 1, one response per prompt. The paper trains on a fixed se
 500K samples; one response per prompt keeps that shape, and sampling at T = 1 gives the
 drafter the target's own distribution (what exact speculative sampling accepts against)
 and more than one continuation of similar contexts across the set. Greedy answers
-(`--temperature 0`) are one point per context; on the demo target they drafted better at
-T = 0 (docs/training.md).
+(`--temperature 0`) are one point per context (docs/training.md compares the two).
 
 Resumable (rerun the same command: finished shards are skipped, meta.json must agree) and
 sharded over processes: under torchrun each rank takes the chunks c with c % WORLD_SIZE ==

@@ -5,7 +5,7 @@ that serves, so the data on disk are token ids only (prompt + the target's respo
 Offline features (`training.drafter_data`) cost 5 layers x 4096 values x 2 bytes = 40 KB per
 token for Qwen3-8B: 500K sequences of ~1,000 tokens would be 20 TB. Online, a step runs one
 prefill row per sequence of its batch through `TargetEngine.verify` (the serving engine's own
-forward, packed rows, features of every position left on the device), which costs about
+forward, packed rows, features of every position left on the device), which costs
 about 2 x 7e9 FLOPs per token for Qwen3-8B, the bulk of a training step (docs/training.md,
 "Sizes").
 

@@ -14,7 +14,7 @@ drafts are accepted; on held-out prompts, rejected. Both paths must give the tar
 
 Prompts whose reference passes a near-tie (top-2 logit gap under --min-gap in fp32, from
 transformers' Qwen3) are left out: there a verify pass and a one-token step may round to
-different argmaxes, which is not a defect of the stack (DESIGN.md, "Floating point").
+different argmaxes, which is not a defect of the stack.
 """
 
 from __future__ import annotations

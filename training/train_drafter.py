@@ -4,15 +4,13 @@ Data: shards from `training.drafter_data` (the target's own responses + target f
 cut into blocks after anchors inside the responses (`training.flow`, which also holds the
 three stages' losses).
 
-Stages (DESIGN.md, "The method in one page"):
+Stages:
 
 - flow: the denoiser on the diagonal s = t (`flow.flow_loss`). At every save the flow check
   (`denoiser_curve.flow_check`) logs the denoiser's accuracy against tau and writes
   OUT/flow_summary.json; it warns when the denoiser does not improve with tau (a model that
-  ignores its state is no flow). Noise: one draw per slot by default (`--noise slot`, the
-  DrafterConfig default, a departure from the seed's drafter, which draws one noise for the
-  whole block: `--noise shared`; DrafterConfig.shared_noise says why, and
-  research.joint_task measures both).
+  ignores its state is no flow). Noise: one draw per slot by default (`--noise slot`,
+  DrafterConfig.shared_noise says why); `--noise shared` draws one for the whole block.
 - distill: the student starts from the trained flow model, which stays frozen as the
   teacher; zero-length jumps match the teacher denoiser, the others the semigroup of an
   EMA of the student (`flow.distill_loss`).
@@ -101,7 +99,7 @@ class TrainConfig(ConfigDict):
     accept_sequences: int = 16
     accept_max_anchors: int = 8
     # flow: start from a trained DFlash-style drafter of the same backbone (warm_start_from_dflash);
-    # dflash: continue one. "" = the DiT init. Not in the paper: a CPU-budget choice, reported.
+    # dflash: continue one. "" = the DiT init (the paper has no warm start).
     init_from: str = ""
     # flow --init-from a dflash drafter: every (s, t) starts from its conditioning (0, 1)
     # (warm_start_from_dflash constant_time), the denoiser at tau = 0 included.

@@ -1,7 +1,7 @@
 """A FlashMap drafter started from a trained DFlash-style one (`--init-from` of the flow stage):
 the same backbone, the state projection at zero, so the flow stage starts out drafting what
-the baseline drafts and only has to learn what the state adds. Not the paper's: a CPU-budget
-choice, reported in checkpoints/README.md."""
+the baseline drafts and only has to learn what the state adds (the paper trains the flow stage
+from scratch)."""
 
 from __future__ import annotations
 
