@@ -10,7 +10,7 @@ and fine endpoints disagree has an ODE that is hard to follow in few steps (stif
 endpoint jumps with small changes of the path), which no map distilled from it can match.
 
     python -m research.map_fidelity --target checkpoints/demo-target --data runs/heldout-greedy \
-        --pair old=checkpoints/demo-flashmap-flow-teacher,checkpoints/demo-flashmap-flow \
+        --pair eq=checkpoints/demo-flashmap-eq-teacher,checkpoints/demo-flashmap-eq \
         --out runs/diag/map_fidelity.json
 """
 
