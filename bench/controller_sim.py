@@ -18,6 +18,7 @@ import argparse
 
 import numpy as np
 
+from flashmap.round_metadata import RoundPlan, RoundResult, SequenceRound
 from flashmap.sequence import Sequence
 from flashmap.speculation import ControllerConfig, SpeculationController
 from flashmap.types import GenerationRequest
@@ -44,19 +45,14 @@ def simulate(policy, acceptance: float, requests: int = 30, steps: int = 16, see
         return acc
 
     for i in range(requests):
-        s = Sequence(i, GenerationRequest([1, 2, 3], max_new_tokens=48), K)
+        s = Sequence(str(i), GenerationRequest([1, 2, 3], max_new_tokens=48), K)
         while not s.finished:
-            if ctl is not None:
-                ctl.plan([s])
-            elif policy == "off":
-                s.draft_limit = 0
+            plan = ctl.plan([s]) if ctl is not None else None
             if not s.prefilled:  # the prompt row: its first token
                 s.prefilled = True
-                s._append([7])
                 dt = PREFILL_S
-                if ctl is not None:
-                    ctl.observe(1, 3, dt, 0, 0.0, [], prefill=True)
-            elif (L := s.draft_budget()) > 0:
+                out = _result(plan, [3], rest_s=dt, seqs=[SequenceRound(s, s._append([7]), True)])
+            elif (L := _length(s, plan, policy)) > 0:
                 acc = accepted(L)
                 s.stats.record_round(L, acc)
                 new = s._append([7] * (acc + 1))
@@ -64,25 +60,39 @@ def simulate(policy, acceptance: float, requests: int = 30, steps: int = 16, see
                 rest_s = VERIFY_S[0] + VERIFY_S[1] + VERIFY_S[2] * L
                 dt = draft_s + rest_s
                 drafted_tokens += len(new)
-                if ctl is not None:
-                    ctl.observe(1, 1 + L, rest_s, 1, draft_s, [(True, L, acc)])
+                out = _result(
+                    plan, [1 + L], 1, draft_s, rest_s, [SequenceRound(s, new, False, L, acc)]
+                )
             else:
-                n = len(s._append([7] * steps))
+                new = s._append([7] * steps)
                 dt = PLAIN_S[0] + PLAIN_S[1] if steps > 1 else sum(VERIFY_S[:2])
-                if ctl is not None:
-                    ctl.observe(1, 1, dt, 0, 0.0, [], decode_steps=n)
+                out = _result(plan, [1], rest_s=dt, seqs=[SequenceRound(s, new, False)])
+                out.decode_steps = len(new)
             clock += dt
             if ctl is None:
                 continue
-            if ctl.shadow and not s.finished:
+            ctl.observe(out)
+            if plan.shadow and not s.finished:
                 # A shadow probe's block matches the text the target goes on to commit up to
                 # its first miss.
                 acc = accepted(K)
-                s.shadow = (len(s.tokens), np.array([7] * acc + [8] * (K - acc)))
+                ctl.shadow.drafted(s, len(s.tokens), np.array([7] * acc + [8] * (K - acc)))
                 ctl.observe_draft(1, DRAFT_S[0] + DRAFT_S[1])
             ctl.observe_shadows([s])
         tokens += len(s.generated)
     return tokens / clock, drafted_tokens / tokens
+
+
+def _length(s: Sequence, plan: RoundPlan | None, policy) -> int:
+    """This round's draft length: the controller's, the whole block (full) or none (off)."""
+    if plan is not None:
+        return plan.of(s).draft
+    return s.draft_cap() if policy == "full" else 0
+
+
+def _result(plan, row_lengths, drafting=0, draft_s=0.0, rest_s=0.0, seqs=()) -> RoundResult:
+    """The round as the round loop would hand it to the controller."""
+    return RoundResult(plan, list(seqs), row_lengths, drafting, draft_s, rest_s=rest_s)
 
 
 def controller(steps: int = 16) -> SpeculationController:

@@ -28,8 +28,8 @@ from flashmap.client import AsyncClient
 from flashmap.cpus import on_cpus
 from flashmap.inprocess import decode
 from flashmap.metrics import scrape, totals
+from flashmap.pipeline import pipelined_round
 from flashmap.prompts import HELDOUT_PROMPTS, read_domain_prompts
-from flashmap.rounds import speculative_round
 from flashmap.sequence import Sequence
 from flashmap.types import GenerationRequest
 from flashmap_cli.stack import StackConfig
@@ -138,20 +138,15 @@ def triton_alone(cfg: StackConfig, prompts, max_new, concurrency) -> dict:
         t0 = time.perf_counter()
         for i in range(0, len(prompts), concurrency):
             seqs = [
-                Sequence(base + i + j, GenerationRequest(p, max_new), handle=base + i + j)
+                Sequence(str(base + i + j), GenerationRequest(p, max_new), handle=base + i + j)
                 for j, p in enumerate(prompts[i : i + concurrency])
             ]
             ahead = None
             while live := [s for s in seqs if not s.finished]:
-                ahead = (
-                    await speculative_round(
-                        live,
-                        target,
-                        decode_steps=cfg.decode_steps,
-                        ahead=ahead,
-                        send_ahead=cfg.pipeline,
-                    )
-                ).ahead
+                res = await pipelined_round(
+                    live, target, decode_steps=cfg.decode_steps, ahead=ahead, send=cfg.pipeline
+                )
+                ahead = res.ahead
             for s in seqs:
                 await target.release(s.handle)
             outs += [s.generated for s in seqs]

@@ -32,11 +32,12 @@ from drafter_service.service_config import DrafterServiceConfig
 from flashmap.auth import DRAFTER_TOKEN_ENV, DRAFTER_TOKEN_HEADER
 from flashmap.config import parse
 from flashmap.cpus import parse_cpu_list, pin_worker
+from flashmap.draft_call import DraftAnswer, answer
 from flashmap.grpc_serving import TokenAuth, add_service, run, serve_grpc
 from flashmap.logs import fields, setup_logging
 from flashmap.types import InvalidRequest, ProposeRequest, check_draft_steps
 from flashmap.v1 import drafter_pb2, drafter_pb2_grpc
-from flashmap.wire import draft_to_block, features_to_tensor, tensor_to_features
+from flashmap.wire import answer_to_proto, ask_from_proto, ask_to_proto
 
 log = logging.getLogger("flashmap.drafter")
 
@@ -95,12 +96,13 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
 
     async def probe(self, timeout_s: float = 30.0) -> bool:
         """A tiny draft through the batching worker (the readiness the health service reports)."""
-        seq = drafter_pb2.SequenceDraft(
-            seq_id=PROBE_ID,
-            context_start=0,
-            new_token_ids=[0],
-            new_features=features_to_tensor(np.zeros((1, self.proposer.feature_dim), np.float32)),
-            anchor=0,
+        seq = ask_to_proto(
+            ProposeRequest(
+                PROBE_ID,
+                anchor=0,
+                new_tokens=np.zeros(1, np.int64),
+                new_features=np.zeros((1, self.proposer.feature_dim), np.float32),
+            )
         )
         fut = asyncio.get_running_loop().create_future()
         await self._queue.put(
@@ -186,108 +188,44 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
     def _run_batch(
         self, requests: list[drafter_pb2.DraftRequest]
     ) -> list[drafter_pb2.DraftResponse]:
-        """Worker thread: extend contexts, then one batched draft per distinct step count (and
-        number of blocks). Unset draft_steps / max_draft_tokens (proto3 optional): the
-        proposer's step count / the whole block."""
-        p = self.proposer
+        """Worker thread: every request's asks answered together (flashmap.draft_call.answer:
+        one context extension, one batched draft per step count and number of blocks)."""
         now = time.monotonic()
-        blocks: dict[tuple[int, int], drafter_pb2.Block] = {}
-        todo: dict[tuple[int, int], list[tuple[tuple[int, int], ProposeRequest]]] = {}
-        errors: dict[tuple[int, int], str] = {}
-        new_context = []  # every sequence's new positions, written in one pass
+        asks, answers, index = [], {}, []
         for ri, req in enumerate(requests):
-            for si, s in enumerate(req.sequences):
-                n_blocks = max(int(s.num_blocks), 1)
-                err = (
-                    (self._steps_error(s.draft_steps) if s.HasField("draft_steps") else "")
-                    or self._rollback(s)
-                    or (
-                        f"{n_blocks} blocks asked, this drafter draws at most {p.max_blocks}"
-                        if n_blocks > p.max_blocks
-                        else ""
-                    )
-                )
-                if err:
-                    errors[(ri, si)] = err
-                elif len(s.new_token_ids):
-                    new_context.append(((ri, si), s))
-        if new_context:
-            try:
-                items = [
-                    (
-                        s.seq_id,
-                        np.asarray(s.new_token_ids, np.int64),
-                        tensor_to_features(s.new_features),
-                    )
-                    for _, s in new_context
-                ]
-                refused = p.extend_many(items)
-            except Exception as e:  # noqa: BLE001 - a bad tensor on the wire: these sequences fall back
-                refused = {s.seq_id: e for _, s in new_context}
-            for key, s in new_context:
-                if s.seq_id in refused:
-                    errors[key] = str(refused[s.seq_id])
-        for ri, req in enumerate(requests):
-            for si, s in enumerate(req.sequences):
-                key = (ri, si)
-                n_blocks = max(int(s.num_blocks), 1)
-                steps = s.draft_steps if s.HasField("draft_steps") else p.steps
-                if err := errors.get(key):
-                    blocks[key] = drafter_pb2.Block(seq_id=s.seq_id, error=err)
-                    continue
-                self._last_use[s.seq_id] = now
-                pr = ProposeRequest(
-                    s.seq_id,
-                    int(s.anchor),
-                    float(s.temperature),
-                    int(s.top_m or 4),
-                    int(s.seed),
-                    steps,
-                    s.max_draft_tokens if s.HasField("max_draft_tokens") else None,
-                )
-                todo.setdefault((steps, n_blocks), []).append((key, pr))
-        for (steps, n_blocks), items in todo.items():
-            t0 = time.perf_counter()
-            try:
-                drafts = p.draft([pr for _, pr in items], n_blocks)
-            except Exception as e:  # noqa: BLE001 - e.g. slots exhausted: these sequences fall back
-                for key, pr in items:
-                    blocks[key] = drafter_pb2.Block(seq_id=pr.seq_id, error=str(e))
-                continue
-            served = sum(pr.seq_id != PROBE_ID for _, pr in items)  # the probe is not traffic
+            for si, m in enumerate(req.sequences):
+                index.append((ri, si))
+                try:
+                    asks.append(ask_from_proto(m))
+                except ValueError as e:  # a tensor that does not decode: this sequence falls back
+                    answers[(ri, si)] = DraftAnswer(error=str(e))
+                    asks.append(None)
+        keys = [k for k, a in zip(index, asks) if a is not None]
+        valid = [a for a in asks if a is not None]
+
+        def drafted(steps: int, group: list, seconds: float) -> None:
+            for a in group:
+                self._last_use[a.seq_id] = now
+            served = sum(a.seq_id != PROBE_ID for a in group)  # the probe is not traffic
             if served:
-                self.metrics.forward_latency.labels(drafter=self.name, steps=str(steps)).observe(
-                    time.perf_counter() - t0
-                )
+                labels = {"drafter": self.name, "steps": str(steps)}
+                self.metrics.forward_latency.labels(**labels).observe(seconds)
                 self.metrics.batch_size.labels(drafter=self.name).observe(served)
-                self.metrics.blocks.labels(drafter=self.name, steps=str(steps)).inc(served)
-            for (key, pr), ds in zip(items, drafts):
-                for d in ds:
-                    d.draft_steps = steps
-                blocks[key] = draft_to_block(pr.seq_id, ds)
+                self.metrics.blocks.labels(**labels).inc(served)
+
+        check = lambda a: "" if a.draft_steps is None else self._steps_error(a.draft_steps)
+        answers.update(zip(keys, answer(self.proposer, valid, check, drafted)))
         self._update_gauges()
         return [
             drafter_pb2.DraftResponse(
-                call_id=req.call_id, blocks=[blocks[(ri, si)] for si in range(len(req.sequences))]
+                call_id=req.call_id,
+                blocks=[
+                    answer_to_proto(m.seq_id, answers[(ri, si)])
+                    for si, m in enumerate(req.sequences)
+                ],
             )
             for ri, req in enumerate(requests)
         ]
-
-    def _rollback(self, s: drafter_pb2.SequenceDraft) -> str:
-        """Where the new context starts must be where the drafter stands (a resend after a
-        timed-out call starts earlier: roll back); '' when it fits, else the block's error."""
-        p = self.proposer
-        have = p.context_length(s.seq_id)
-        if s.context_start > have:
-            return f"context gap: drafter holds {have} positions of {s.seq_id}, request starts at {s.context_start}"
-        if not len(s.new_token_ids) and s.context_start == 0 and have == 0:
-            return f"no context for {s.seq_id}"
-        try:
-            if s.context_start < have:
-                p.truncate(s.seq_id, s.context_start)
-        except Exception as e:  # noqa: BLE001 - a proposer that cannot roll back
-            return str(e)
-        return ""
 
     def _update_gauges(self) -> None:
         ids = [i for i in self._last_use if i != PROBE_ID]

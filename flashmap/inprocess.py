@@ -18,9 +18,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flashmap.rounds import DraftBatch, run_local, speculative_round
+from flashmap.draft_call import answer, ask, take
+from flashmap.round_metadata import DraftBatch, SeqPlan
+from flashmap.rounds import run_local, speculative_round
 from flashmap.sequence import Sequence
-from flashmap.types import BLOCK_SIZE, GenerationRequest, ProposeRequest, SpecStats, VerifyRow
+from flashmap.types import BLOCK_SIZE, TOP_M, GenerationRequest, SpecStats, VerifyRow
 
 
 @dataclass
@@ -34,50 +36,25 @@ class GenerationResult:
 
 
 class LocalDrafter:
-    """A proposer (drafter_service.proposer.Proposer) as the round loop's Drafter. draft_steps:
-    every request's unless it has its own (None: the proposer's step count)."""
+    """A proposer (drafter_service.proposer.Proposer) as the round loop's Drafter: the asks of a
+    round answered in this process (flashmap.draft_call), the engine's device tensors handed
+    over as they are. draft_steps: every request's unless it has its own (None: the
+    proposer's step count)."""
 
     def __init__(self, proposer, draft_steps: int | None = None):
         self.proposer = proposer
         self.draft_steps = draft_steps
         self.block_size = proposer.block_size
 
-    async def draft(
-        self, seqs: list[Sequence], n_blocks: list[int], max_draft_tokens: list[int] | None = None
-    ) -> DraftBatch:
-        p = self.proposer
-        # Every sequence's new context in one pass (the engine's device tensors as they are).
-        sent = [(s, ctx) for s in seqs if (ctx := s.context_for_drafter()) is not None]
-        refused = p.extend_many([(str(s.seq_id), c[1], c[2]) for s, c in sent]) if sent else {}
-        for s, _ in sent:
-            if str(s.seq_id) in refused:  # e.g. past the drafter's max_context: decode without it
-                s.lose_drafter()
-            else:
-                s.drafter_acknowledged()
-        most = max_draft_tokens or [s.draft_budget() for s in seqs]
+    async def draft(self, seqs: list[Sequence], plans: list[SeqPlan]) -> DraftBatch:
+        asks = [ask(s, p, TOP_M, self.draft_steps) for s, p in zip(seqs, plans)]
         out = DraftBatch()
-        for n in sorted(set(n_blocks)):
-            group = [
-                (s, m) for s, k, m in zip(seqs, n_blocks, most) if k == n and not s.drafter_lost
-            ]
-            reqs = [
-                ProposeRequest(
-                    str(s.seq_id),
-                    s.anchor,
-                    s.params.temperature,
-                    seed=s.draft_seed(),
-                    draft_steps=s.request.draft_steps or self.draft_steps,
-                    max_draft_tokens=m,
-                )
-                for s, m in group
-            ]
-            for (s, _), blocks in zip(group, p.draft(reqs, n)):
-                out.blocks[s.seq_id] = blocks
+        take(seqs, asks, answer(self.proposer, asks), out)
         return out
 
     async def release(self, seqs: list[Sequence]) -> None:
         for s in seqs:
-            self.proposer.release(str(s.seq_id))
+            self.proposer.release(s.seq_id)
 
 
 class LocalTarget:
@@ -131,20 +108,15 @@ def decode(
     target = LocalTarget(engine)
     drafter = LocalDrafter(proposer, draft_steps) if proposer is not None else None
     waiting = deque(enumerate(requests))
-    active: dict[
-        int, Sequence
-    ] = {}  # request index -> sequence (seq_id = index, handle = engine slot)
+    active: dict[int, Sequence] = {}  # request index -> sequence (handle: its engine slot)
     results: list[GenerationResult | None] = [None] * len(requests)
     t_start = time.perf_counter()
     while waiting or active:
         while waiting and engine.free_slots > 0:
             i, req = waiting.popleft()
-            active[i] = Sequence(i, req, block, handle=engine.allocate())
-        run_local(
-            speculative_round(
-                list(active.values()), target, drafter, tree_blocks, controller, decode_steps
-            )
-        )
+            active[i] = Sequence(str(i), req, block, handle=engine.allocate())
+        seqs = list(active.values())
+        run_local(speculative_round(seqs, target, drafter, controller, tree_blocks, decode_steps))
         for i, s in list(active.items()):
             if s.finished:
                 engine.release(s.handle)

@@ -2,15 +2,10 @@
 
 A sequence alternates: (prefill) -> [draft -> verify -> commit]*. Positions: the target
 KV cache holds every committed token except the newest one, the anchor, which sits at
-position len(tokens) - 1 and is written by the next verify. The drafter's context is
-every position strictly before the anchor; committed positions the drafter has not
-acknowledged yet wait in `pending_context` (a lost answer is resent from `drafter_seen`).
-While the speculation controller keeps a sequence from drafting it may let its rows go
-without features (`lazy_features`); the context then has a gap (`context_gap`), and the
-sequence drafts again only after a row has fetched the kept features from the target
-(VerifyRow.features_from).
-With no draft a round is one autoregressive step (the bonus token is the next token),
-so the autoregressive baseline and the drafter-down fallback run through the same code.
+position len(tokens) - 1 and is written by the next verify. What the drafter holds of the
+context is `context` (flashmap.drafter_context). With no draft a round is one
+autoregressive step (the bonus token is the next token), so the autoregressive baseline and
+the drafter-down fallback run through the same code.
 
 Numpy only.
 """
@@ -21,12 +16,14 @@ from dataclasses import replace
 
 import numpy as np
 
+from flashmap.drafter_context import DrafterContext
 from flashmap.rejection_sampler import greedy_verify, sample_verify
 from flashmap.types import (
     BLOCK_SIZE,
     FOLLOW_TOKEN,
     Draft,
     GenerationRequest,
+    SeqId,
     SpecStats,
     VerifyResult,
     VerifyRow,
@@ -36,15 +33,13 @@ from flashmap.types import (
 class Sequence:
     def __init__(
         self,
-        seq_id: int,
+        seq_id: SeqId,
         request: GenerationRequest,
         block_size: int = BLOCK_SIZE,
         handle: int = -1,
     ):
         self.seq_id = seq_id
-        self.handle = (
-            handle  # the target's name for this sequence: engine slot or Triton correlation id
-        )
+        self.handle = handle  # the target's name for it: engine slot or Triton correlation id
         self.request = request
         self.params = request.params
         self.block_size = block_size
@@ -52,32 +47,12 @@ class Sequence:
         self.n_prompt = len(self.tokens)
         self.prefilled = False
         self.finish_reason: str | None = None
-        self.error: BaseException | None = (
-            None  # set when a part failed this request (finish "error")
-        )
+        self.error: BaseException | None = None  # a part failed this request (finish "error")
         # Entropy when no seed: a request with a seed is reproducible, one without is not.
         self.rng = np.random.default_rng(request.params.seed)
         self.stats = SpecStats(block_size)
-        # (token ids [m], features [m, F]) pieces the drafter has not acknowledged
-        self.pending_context: list[tuple[np.ndarray, object]] = []
-        self.drafter_seen = 0  # context positions the drafter has acknowledged
-        self.drafter_lost = (
-            False  # the drafter lost this sequence's context: autoregressive from now on
-        )
-        self.draft_limit: int | None = (
-            None  # this round's draft length, set by the speculation controller
-        )
-        self.lazy_features = (
-            False  # this round's rows go without features (set by the speculation controller)
-        )
-        self._gap: int | None = (
-            None  # first position a committed row without features left out (context_gap)
-        )
+        self.context = DrafterContext()
         self._stop = set(request.stop_token_ids)
-        # A shadow probe's block (SpeculationController.observe_shadows): (index in `tokens` of its
-        # first token, its tokens [k]), and the slots such blocks reached and had accepted [2, K].
-        self.shadow: tuple[int, np.ndarray] | None = None
-        self.shadow_counts = np.zeros((2, block_size), np.int64)
 
     # -- state -----------------------------------------------------------------
     @property
@@ -92,87 +67,39 @@ class Sequence:
     def anchor(self) -> int:
         return self.tokens[-1]
 
-    def draft_budget(self, context: bool = True) -> int:
-        """This round's max_draft_tokens (what the drafter is asked for): within the block, the
-        tokens max_new_tokens leaves, the request's max_draft_tokens and the controller's choice
-        for this round (draft_limit); 0 while the drafter's context has a gap, unless `context`
-        is False (what the sequence could draft once it has caught up)."""
+    def draft_cap(self, context: bool = True) -> int:
+        """The most draft tokens this sequence can verify now: within the block, the tokens
+        max_new_tokens leaves and the request's max_draft_tokens; 0 while the drafter's
+        context has a gap, unless `context` is False (what it could draft once caught up)."""
         if not self.prefilled or self.finished or (context and self.context_gap() is not None):
             return 0
         left = self.request.max_new_tokens - len(self.generated) - 1
         caps = [self.block_size, left]
         if self.request.max_draft_tokens is not None:
             caps.append(self.request.max_draft_tokens)
-        if self.draft_limit is not None:
-            caps.append(self.draft_limit)
         return max(0, min(caps))
-
-    def wants_draft(self) -> bool:
-        """Would draft this round if the drafter answers (False when its context is lost)."""
-        return self.draft_budget() > 0 and not self.drafter_lost
 
     def may_draft(self) -> bool:
         """Can draft in some later round (with a drafter): not when speculation is off for the
         request or the drafter lost its context. A sequence that never drafts needs no
         features from the target."""
-        return self.request.max_draft_tokens != 0 and not self.drafter_lost
-
-    @property
-    def features_known(self) -> int:
-        """Context positions whose features the drafter holds or `pending_context` has."""
-        return self.drafter_seen + sum(len(c[0]) for c in self.pending_context)
+        return self.request.max_draft_tokens != 0 and not self.context.lost
 
     def context_gap(self) -> int | None:
-        """The first cached position whose features neither the drafter nor pending_context
-        has (committed rows that went without features), or None when the context is whole."""
-        return self._gap if self.may_draft() else None
-
-    def _sends_features(self, drafter: bool) -> bool:
-        """Whether this round's row without a draft asks the target for features."""
-        return drafter and self.may_draft() and not self.lazy_features
+        """The first cached position whose features the drafter lacks (committed rows that went
+        without features), or None when the context is whole."""
+        return self.context.gap if self.may_draft() else None
 
     def draft_seed(self) -> int:
         return int(self.rng.integers(2**62))
 
-    # -- the drafter's context ----------------------------------------------------
-    def context_for_drafter(self) -> tuple[int, np.ndarray, list] | None:
-        """(position of the first unacknowledged context token, token ids [m], features [m, F]
-        as a list of row pieces); None when the drafter has everything. Kept until
-        `drafter_acknowledged`. The pieces are what the target handed back (numpy, or the
-        in-process engine's device tensors), joined where they are used: on the wire or on
-        the drafter's device."""
-        if not self.pending_context:
-            return None
-        ids = np.concatenate([c[0] for c in self.pending_context])
-        return self.drafter_seen, ids, [c[1] for c in self.pending_context]
-
-    def drafter_acknowledged(self, n: int | None = None) -> None:
-        """The drafter holds the first n positions of the pending context (None: all of it).
-        A call's answer acknowledges what that call sent: rounds may have committed more
-        while it was out (a shadow probe's call runs beside them)."""
-        held = sum(len(c[0]) for c in self.pending_context)
-        n = held if n is None else min(n, held)
-        self.drafter_seen += n
-        rest = []
-        for ids, feats in self.pending_context:
-            if n >= len(ids):
-                n -= len(ids)
-                continue
-            rest.append((ids[n:], feats[n:]))
-            n = 0
-        self.pending_context = rest
-
-    def lose_drafter(self) -> None:
-        """The drafter cannot serve this sequence any more (its context is gone)."""
-        self.drafter_lost = True
-        self.pending_context.clear()
-
     # -- one round -------------------------------------------------------------
-    def verify_row(self, draft: Draft | None, steps: int = 1, drafter: bool = True) -> VerifyRow:
+    def verify_row(self, draft: Draft | None, steps: int = 1, features: bool = True) -> VerifyRow:
         """The target input of this round: the prompt at prefill, else [anchor, d_1..d_K].
         Without a draft the row decodes up to `steps` tokens (within max_new_tokens), with
         the round seeds that as many one-step rounds would draw, so the text is the same.
-        drafter False (the round loop has none): the row asks for no features."""
+        features: a row without a draft brings the drafter's features back (the plan's
+        SeqPlan.features), unless the sequence can no longer draft."""
         if draft is not None and len(draft.tokens):
             round_seed = int(self.rng.integers(2**62))
             toks = np.concatenate([[self.anchor], draft.tokens]).astype(np.int64)
@@ -182,7 +109,7 @@ class Sequence:
             if draft.parents is not None:
                 row.parents = draft.parents
             return row
-        features = self._sends_features(drafter)
+        features = features and self.may_draft()
         if not self.prefilled:
             return self._plain_row(0, self.tokens, steps, 0, features)
         gap = self.context_gap() if features else None
@@ -190,16 +117,16 @@ class Sequence:
             len(self.tokens) - 1, [self.anchor], steps, 0, features, -1 if gap is None else gap
         )
 
-    def follow_row(self, prev: VerifyRow, steps: int, drafter: bool = True) -> VerifyRow:
+    def follow_row(self, prev: VerifyRow, steps: int, features: bool = True) -> VerifyRow:
         """The row of the round after `prev` (this sequence's row without drafts, sent and not
         committed yet), to send before prev answers: its tokens are [FOLLOW_TOKEN] (the target
         feeds the last token prev decoded) and its seeds are the ones verify_row would draw
         after prev's commit. Before committing its result, `followed` sets the real token.
         After a prev without features, a row with features fetches everything from the first
         position the context lacks (the target runs prev first)."""
-        features = self._sends_features(drafter)
+        features = features and self.may_draft()
         start = prev.start_pos + len(prev.tokens) + len(prev.next_seeds)
-        since = self.features_known if features and not prev.features else -1
+        since = self.context.known if features and not prev.features else -1
         return self._plain_row(start, [FOLLOW_TOKEN], steps, prev.steps, features, since)
 
     def followed(self, row: VerifyRow) -> VerifyRow:
@@ -248,14 +175,24 @@ class Sequence:
         return len(self.generated) + ahead + least >= self.request.max_new_tokens
 
     def commit(
-        self, row: VerifyRow, draft: Draft | None, result: VerifyResult, tree: Draft | None = None
+        self, row: VerifyRow, draft: Draft | None, result: VerifyResult, path=None
     ) -> tuple[list[int], int]:
         """Apply rejection sampling to a verify result; (newly committed tokens, drafts accepted).
-        A sequence that ended while the round ran (aborted, cancelled) commits nothing. tree:
-        the tree draft the round verified, when row and draft are its accepted path (the
-        statistics count the tree's depth and nodes)."""
+        A sequence that ended while the round ran (aborted, cancelled) commits nothing. A tree
+        row commits `path`, the drafts the target accepted, as if that path alone had been the
+        draft (the statistics count the tree's depth and nodes)."""
         if self.finished:
             return [], 0
+        tree = None
+        if row.is_tree:
+            tree, draft = draft, Draft.greedy(draft.tokens[path], draft.draft_steps)
+            n = len(row.tokens) - row.num_draft
+            row = replace(
+                row,
+                tokens=np.concatenate([row.tokens[:n], draft.tokens]),
+                support_ids=draft.support_ids,
+                parents=np.zeros(0, np.int64),
+            )
         k = row.num_draft
         if k == 0:  # one token per step: the argmax (T = 0) or the target's own sample
             new, n_acc = [int(t) for t in result.decoded(self.params.greedy)[-row.steps :]], 0
@@ -267,25 +204,15 @@ class Sequence:
         # (and every token a multi-step row decoded but the last).
         decoded = new[:-1] if k == 0 else []
         n_ctx = len(row.tokens) - k + n_acc
-        if row.features and not self.drafter_lost:  # rows without features: see context_gap
+        if row.features:
             since = row.features_from if 0 <= row.features_from < row.start_pos else row.start_pos
-            if (
-                since != self.features_known
-            ):  # features that would not continue the context: never draft on them
-                self.lose_drafter()
-            else:
-                before = np.asarray(
-                    self.tokens[since : row.start_pos], np.int64
-                )  # fetched with the row
-                self.pending_context.append(
-                    (
-                        np.concatenate([before, row.tokens[:n_ctx], np.asarray(decoded, np.int64)]),
-                        result.features[: len(before) + n_ctx + len(decoded)],
-                    )
-                )
-                self._gap = None
-        elif not row.features and self._gap is None:
-            self._gap = self.features_known
+            before = np.asarray(
+                self.tokens[since : row.start_pos], np.int64
+            )  # fetched with the row
+            ids = np.concatenate([before, row.tokens[:n_ctx], np.asarray(decoded, np.int64)])
+            self.context.add(since, ids, result.features[: len(ids)])
+        else:
+            self.context.skipped()
         prompt = not self.prefilled
         self.prefilled = True
         kept = self._append(new)

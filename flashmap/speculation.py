@@ -1,83 +1,35 @@
 """Goodput-driven speculation: how many drafted tokens each request verifies this round.
 
-Every round the controller picks, per request, a draft length L_i in 0..K (0 = a plain
-decode step) that maximises the batch's expected committed tokens per second:
+Every round the controller picks, per request, a draft length L_i in 0..K (0 = a row without
+a draft) that maximises the batch's expected committed tokens per second:
 
     sum_i (1 + E[accepted_i | L_i]) / (draft_cost(#drafting) + verify_cost(query tokens))
 
 - E[accepted | L] = sum_{k<=L} prod_{j<=k} a_j, with a_j the request's conditional
-  acceptance of slot j (SpecStats: accepted / verified per slot), shrunk towards a global
-  prior (every request's counts, per greedy / sampling) so new requests start informed.
+  acceptance of slot j: the global per-slot rates (greedy and sampling apart) scaled by the
+  request's own hazard ratio (`acceptance`).
 - No speculation is worth n / verify_cost(n, n) tokens per second, or with `decode_steps` > 1
-  (a round without drafts decodes that many tokens per row in one verify call, flashmap.rounds)
-  n * decode_steps / plain_cost(n), fitted on such rounds: the rate any plan must beat.
-- verify_cost(n, T) = c0 + c_row * n + c_tok * (T - n): the round's seconds outside the draft
-  call (the verify call, planning, commits) for n rows and T query tokens counted as the
-  target runs them (`verify_tokens`): packed (the eager engine, target_service.packing), the
-  rows' total length; padded (CUDA graphs), rows x the longest row. A row and a drafted token
-  cost different amounts (a row brings its own context to attend to), so they are fitted apart.
-  draft_cost(B) = d0 + d1 * B for B drafting requests. Both are least-squares fits with
-  forgetting over the rounds measured, so the model follows the device and the load.
+  n * decode_steps / plain_cost(n): the rate any plan must beat.
+- verify_cost(n, T) = c0 + c_row * n + c_tok * (T - n) for n rows and T query tokens as the
+  target runs them (`verify_tokens`: packed, the rows' total; padded, rows x the longest);
+  draft_cost(B) = d0 + d1 * B for B drafting requests. Both are flashmap.online_fit fits over
+  the rounds measured.
 
-On a packed target each drafted token costs its own verify time, so every request gets its
-own length: Dinkelbach's iteration over the rate (`_search_packed`, exact, a few numpy
-steps). On a padded target every row pays for the longest, so the drafting requests share
-one length M: the search tries every M in 1..K and, for each, the b requests that gain most
-(`_search_shared`, all K x n plans at once). Either keeps its plan only when it beats no
-speculation at all (by `margin`, 0 by default: on held-out text the drafted rounds realised
-more acceptance than the estimate promised, not less). Exactness never depends on the choice:
-any prefix of a draft is a valid proposal.
+On a packed target every request gets its own length (Dinkelbach's iteration over the rate,
+`_search_packed`); on a padded target the drafting requests share one length M
+(`_search_shared`, every M and number of requests at once). A plan is kept only when it beats
+no speculation. Exactness never depends on the choice: any prefix of a draft is a valid
+proposal.
 
-A plan lets at most `explore_factor` times as many requests draft as the largest draft call
-measured so far (probes measure one): draft_cost is a line fitted to the batch sizes seen,
-and far beyond them it can say anything (fitted on probes alone it can price a call for many
-requests like one for one, and the first plans would let nearly every request draft).
-Each round that drafts more widens what the next may try, so the fit grows with the batches.
+While speculation is off, probes keep the estimates current: every `probe_every` tokens the
+request longest without a draft drafts its whole block, the interval doubling up to
+`max_probe_every`. With `shadow_probes` a greedy probe drafts beside the rounds sent ahead and
+is counted once the committed text decides it (`observe_shadows`, flashmap.shadow_probes).
+With `lazy_features` rows send no features while nobody drafts; a request chosen to draft
+whose context has a gap catches up first. The reasoning behind each rule, with its
+measurements: docs/speculation.md.
 
-The first decode round probes. While speculation is off, every `probe_every` tokens per
-request (a round of decode_steps tokens counts that many) one request (the one longest
-without a draft) drafts its whole block, so the per-slot acceptance and the draft cost stay
-current and speculation can come back; each probe doubles the interval (up to
-`max_probe_every`) until the search lets a round draft again; `probe_budget` can cap the
-share of the time all probes take (a probe costs about one drafting request's call and K
-tokens; a cap delays the return of speculation, so by default only the schedule bounds them:
-docs/experiments/2026-12-01-speculation-controller.md). The acceptance priors are light
-(the pooled rate weighs `prior_rounds` slot verifications, a request's own record one
-pseudo-rejection): with heavier ones a probe that accepted 14 of 15 tokens still left the
-estimate below the rate of 16-token plain rounds, and the stack served the demo without
-drafting (docs/experiments/2026-12-06-controller-priors.md).
-With decode_steps > 1 a probe is a mixed round (`probing`): the other requests still decode
-decode_steps tokens each, so a probe costs about what the probing request gives up, not
-decode_steps - 1 tokens of every request. A mixed round's seconds fit neither cost model;
-the first probe and every `verify_probe_every`-th one are one-token rounds that measure the
-verify cost at the current load.
-
-With `shadow_probes` (the orchestrator's pipelined rounds), a greedy request's probe other
-than the verify-measuring ones is a shadow probe: its row of the round fetches its features,
-then it drafts its block while the next round, sent ahead, decodes, and nothing of the block
-is verified. At T = 0 a block's acceptance is how many of its tokens match what the target
-goes on to commit, so `observe_shadows` counts that once the committed text decides it
-(Sequence.shadow), as the verify would have. The pipeline never stops for such a probe,
-where a verified one holds every request of the batch for a draft call and a verify with no
-round queued behind it. Every `verify_probe_every`-th probe stays a verified one-token round
-(it measures the verify cost), and so does every probe of a sampling request (its acceptance
-depends on the target's probabilities).
-
-With `lazy_features` (a target that keeps every position's features, TargetEngine), a round
-in which the search lets nobody draft sends no features for anyone but a probe: the drafter
-needs them only when drafting resumes. A request chosen to draft (or probe) whose context
-has a gap (Sequence.context_gap) catches up instead: its row fetches the missing features
-and it drafts from the next round on; a probe waits for it without counting. A round whose
-only requests chosen to draft are catching up counts as one without drafts: otherwise the
-prompts beside them fetch every prompt position's features, a cost paid for a request that
-does not draft (docs/experiments/2026-12-02-prompt-rounds-catching-up.md). A prompt row
-fetches its features only when its first decode round is likely to draft: before anything is
-measured (that round is the first probe) or after a plan that drafted. Else a lone request's
-first probe would wait behind a catch-up round, and with rounds sent ahead a second one
-(1 + 2 x decode_steps tokens).
 Numpy only.
-
-One idea: the cost fits, the acceptance estimate, the plan search and the probes are one decision per round.
 """
 
 from __future__ import annotations
@@ -86,49 +38,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from flashmap.online_fit import OnlineLinear
+from flashmap.round_metadata import RoundPlan, RoundResult, SeqPlan
 from flashmap.sequence import Sequence
-from flashmap.types import BLOCK_SIZE
-
-
-class OnlineLinear:
-    """y ~ w0 + w . x by least squares with exponential forgetting (recent rounds count most),
-    held towards `prior` by a weight that does not decay: along a direction the recent rounds
-    do not vary (drafted tokens while speculation is off) the fit keeps what the last rounds
-    that varied it said, and returns to the prior only once those have decayed away."""
-
-    def __init__(self, prior: tuple[float, ...], forget: float = 0.98, prior_weight: float = 1e-3):
-        self.forget = forget
-        self.prior = np.asarray(prior, np.float64)  # [1 + m]
-        self.P = prior_weight * np.eye(len(self.prior))
-        self.A = np.zeros_like(self.P)  # normal equations A w = b of the (decayed) data
-        self.b = np.zeros(len(self.prior))
-        self.n = 0
-
-    def add(self, x, y: float) -> None:
-        v = np.concatenate([[1.0], np.atleast_1d(np.asarray(x, np.float64))])
-        self.A = self.forget * self.A + np.outer(v, v)
-        self.b = self.forget * self.b + v * float(y)
-        self.n += 1
-
-    @property
-    def coef(self) -> tuple[float, ...]:
-        """The least-squares weights, none negative: a weight that comes out negative is fixed
-        at 0 and the others are fitted again (clipping it alone would shift the prediction
-        where the data is, when rows and the intercept are nearly collinear)."""
-        A, b = self.A + self.P, self.b + self.P @ self.prior
-        free = np.ones(len(b), bool)
-        w = np.zeros(len(b))
-        while free.any():
-            w[:] = 0.0
-            w[free] = np.linalg.solve(A[np.ix_(free, free)], b[free])
-            if (w >= 0).all():
-                break
-            free[np.argmin(w)] = False
-        return tuple(float(c) for c in w)
-
-    def __call__(self, x) -> float:
-        w = self.coef
-        return w[0] + float(np.dot(w[1:], np.atleast_1d(x)))
+from flashmap.shadow_probes import ShadowBlocks
+from flashmap.types import BLOCK_SIZE, SeqId, VerifyRow
 
 
 @dataclass
@@ -182,19 +96,13 @@ class SpeculationController:
         self.draft_cost = OnlineLinear((1e-2, 1e-4), c.forget, prior_weight=1e-3)
         # The seconds of a round without drafts decoding decode_steps tokens per row: plain + rows.
         self.plain_cost = OnlineLinear((1e-2, 1e-4), c.forget, prior_weight=1e-3)
-        self.idle: dict[
-            int, int
-        ] = {}  # seq_id -> rounds in a row it could have drafted and did not
+        self.idle: dict[SeqId, int] = {}  # rounds in a row it could have drafted and did not
         self.probe_every = self.cfg.probe_every  # rounds without speculation before the next probe
         self.since_probe = 0
         self.probe_credit = 0.0  # seconds of probing earned (probe_budget x the rounds' time)
         self.drafted_rounds = 0  # rounds observed with drafts (acceptance news)
         self.probes = 0  # probes planned
-        self.probing = False  # this round's only drafting is a probe the others need not wait for
-        self.shadow: dict[
-            int, int
-        ] = {}  # this round's shadow probes, seq_id -> block length (shadow_probes)
-        self.shadows = 0  # shadow probes whose acceptance was counted
+        self.shadow = ShadowBlocks(K)  # the shadow probes' blocks and what they accepted
         self._nothing = (None, 0)  # (what the last search that found nothing saw, rounds since)
         self.most_drafting = 0  # the most drafting requests of a draft call measured
         self.drafted_last = (
@@ -217,8 +125,9 @@ class SpeculationController:
         # most rounds and served fewer tokens/s than with speculation off (costs the model
         # leaves out: desynchronised prefills, catch-up context; docs/experiments).
         g = np.stack([np.minimum.accumulate(rates[s.params.greedy]) for s in seqs])  # [n, K]
-        acc = np.stack([s.stats.accepted_per_slot[:K] + s.shadow_counts[1, :K] for s in seqs])
-        ver = np.stack([s.stats.verified_per_slot[:K] + s.shadow_counts[0, :K] for s in seqs])
+        shadow = [self.shadow.counts(s) for s in seqs]
+        acc = np.stack([s.stats.accepted_per_slot[:K] + c[1, :K] for s, c in zip(seqs, shadow)])
+        ver = np.stack([s.stats.verified_per_slot[:K] + c[0, :K] for s, c in zip(seqs, shadow)])
         rejected = (ver - acc).sum(1)  # [n]
         expected = (ver * (1.0 - g)).sum(1)  # [n] rejections the global rates predict
         ratio = (rejected + w) / (expected + w)  # [n]
@@ -242,6 +151,15 @@ class SpeculationController:
         gain = self.expected_gain(self.acceptance(seqs))  # [n, K + 1]
         return gain[np.arange(len(seqs)), np.asarray(lengths, np.int64)]
 
+    def expected(self, seqs: list[Sequence], rows: list[VerifyRow]) -> dict[SeqId, float]:
+        """expected_accepted of the drafted rows of a round, by sequence (before the commits
+        update the estimates)."""
+        drafted = [(s, r.num_draft) for s, r in zip(seqs, rows) if r.num_draft]
+        if not drafted:
+            return {}
+        got = self.expected_accepted([s for s, _ in drafted], [n for _, n in drafted])
+        return {s.seq_id: float(e) for (s, _), e in zip(drafted, got)}
+
     @staticmethod
     def expected_gain(a: np.ndarray) -> np.ndarray:
         """[n, K+1] expected accepted tokens for draft lengths 0..K, from acceptance a [n, K]."""
@@ -250,18 +168,13 @@ class SpeculationController:
         )
 
     # -- the choice --------------------------------------------------------------
-    def plan(self, seqs: list[Sequence]) -> dict[int, int]:
-        """Set each sequence's draft_limit for this round; returns seq_id -> chosen length."""
-        for s in seqs:
-            s.draft_limit = None
-        self.probing, self.shadow = False, {}
-        caps = {
-            s.seq_id: (s.draft_budget(context=False) if not s.drafter_lost else 0) for s in seqs
-        }
+    def plan(self, seqs: list[Sequence], blocks: int = 1) -> RoundPlan:
+        """This round's plan: each sequence's draft length (blocks from independent noise
+        when greedy), whether its row brings features, the probes."""
+        probing, shadow = False, {}
+        caps = {s.seq_id: (s.draft_cap(context=False) if not s.context.lost else 0) for s in seqs}
         gaps = {s.seq_id for s in seqs if s.context_gap() is not None}
-        catch_up: set[int] = (
-            set()
-        )  # chosen to draft, but their context has a gap: their rows fetch it
+        catch_up: set[SeqId] = set()  # chosen to draft, their context has a gap: rows fetch it
         # A seeded sampling request keeps its whole draft: which tokens it samples depends on the
         # draft lengths, and a seed must give the same text every time.
         pinned = {s.seq_id for s in seqs if s.params.seed is not None and not s.params.greedy}
@@ -290,30 +203,28 @@ class SpeculationController:
         elif idle:
             self.since_probe += self.cfg.decode_steps if all(s.prefilled for s in seqs) else 1
             first = self.verify_cost.n == 0
-            probe = max(idle, key=lambda j: (idle[j], -j))
+            probe = max(idle, key=idle.__getitem__)  # the first of the longest idle
             due = self.since_probe >= self.probe_every
-            shadow = (
+            shadowed = (
                 due
                 and self.cfg.shadow_probes
                 and not first
                 and self.probes % self.cfg.verify_probe_every != 0
                 and next(s for s in seqs if s.seq_id == probe).params.greedy
             )
-            if (
-                shadow and self._may_probe()
-            ):  # its row fetches any missing features: no catch-up round
-                self.shadow = {probe: caps[probe]}
+            if shadowed and self._may_probe():  # its row fetches any missing features: no catch-up
+                shadow = {probe: caps[probe]}
                 self.probe_every = min(2 * self.probe_every, self.cfg.max_probe_every)
                 self.since_probe = 0
                 self.probes += 1
             elif due and probe in gaps:
                 catch_up.add(probe)  # it probes once its context is whole; the schedule waits
-            elif due and not shadow and (first or self._may_probe()):
+            elif due and not shadowed and (first or self._may_probe()):
                 i = probe
                 choice[i] = caps[i]
                 self.probe_every = min(2 * self.probe_every, self.cfg.max_probe_every)
                 self.since_probe = 0
-                self.probing = not first and self.probes % self.cfg.verify_probe_every != 0
+                probing = not first and self.probes % self.cfg.verify_probe_every != 0
                 self.probes += 1
         for i in pinned:
             choice[i] = caps[i]
@@ -321,46 +232,44 @@ class SpeculationController:
             if choice[i]:
                 choice[i] = 0
                 catch_up.add(i)
-        self.idle = {i: n for i, n in idle.items() if not choice[i] and i not in self.shadow}
+        self.idle = {i: n for i, n in idle.items() if not choice[i] and i not in shadow}
         drafting = speculating and any(choice.values())
         lazy = self.cfg.lazy_features and not drafting
         prompts_fetch = self.verify_cost.n == 0 or self.drafted_last
-        for s in seqs:
-            s.draft_limit = choice[s.seq_id]
-            s.lazy_features = (
-                lazy
-                and s.seq_id not in catch_up | pinned | self.shadow.keys()
-                and (s.prefilled or not prompts_fetch)
-            )
         if any(caps.values()):
             self.drafted_last = drafting
-        return choice
+        keep = catch_up | pinned | shadow.keys()
+        plans = {
+            s.seq_id: SeqPlan(
+                choice[s.seq_id],
+                blocks if s.params.greedy else 1,
+                s.may_draft()
+                and not (lazy and s.seq_id not in keep and (s.prefilled or not prompts_fetch)),
+            )
+            for s in seqs
+        }
+        return RoundPlan(plans, self.cfg.decode_steps, probing, shadow, choice)
 
-    # What plan() changes besides the sequences' draft limits (each attribute is reassigned, never mutated).
+    # What plan() changes (each attribute is reassigned, never mutated).
     _PLAN_STATE = (
         "probe_every",
         "since_probe",
         "probe_credit",
         "_nothing",
         "idle",
-        "probing",
         "probes",
-        "shadow",
         "drafted_last",
     )
 
-    def peek(self, seqs: list[Sequence]) -> dict[int, int]:
-        """The plan `plan(seqs)` would make now, without making it (the probe schedule, the
-        search's memo and the sequences' draft limits stay as they are)."""
+    def peek(self, seqs: list[Sequence]) -> RoundPlan:
+        """The plan `plan(seqs)` would make now, without making it (the probe schedule and the
+        search's memo stay as they are)."""
         state = {k: getattr(self, k) for k in self._PLAN_STATE}
-        limits = [(s.draft_limit, s.lazy_features) for s in seqs]
         try:
             return self.plan(seqs)
         finally:
             for k, v in state.items():
                 setattr(self, k, v)
-            for s, (limit, lazy) in zip(seqs, limits):
-                s.draft_limit, s.lazy_features = limit, lazy
 
     def _probe_s(self) -> float:
         """What a probe costs: about one drafting request's call and K verified tokens."""
@@ -493,39 +402,32 @@ class SpeculationController:
         return sum(lengths) if self.cfg.packed else len(lengths) * max(lengths, default=0)
 
     # -- learning ----------------------------------------------------------------
-    def observe(
-        self,
-        rows: int,
-        query_tokens: int,
-        rest_s: float,
-        drafting: int,
-        draft_s: float,
-        rounds: list[tuple[bool, int, int]],
-        prefill: bool = False,
-        decode_steps: int = 1,
-    ) -> None:
+    def observe(self, out: RoundResult) -> None:
         """One round's measurements: its rows, query tokens (`verify_tokens`) and seconds outside
-        the draft call, the number of drafting requests and the draft call's seconds, and per
-        drafted request (greedy, drafted, accepted). prefill: the round had a prompt row, whose
-        attention over the whole prompt is not what a decode round's tokens cost: the verify
-        fit leaves it out. decode_steps > 1: a round without drafts that decoded that many
-        tokens per row (at most): the plain fit takes it when that is the configured count;
-        with drafts as well (a mixed probe round) neither fit does."""
+        the draft call, the drafting requests and the draft call's seconds, and per drafted
+        request what it accepted; then the shadow probes its commits decide. A round with a
+        prompt row (attention over the whole prompt is not what a decode round's tokens cost)
+        leaves the verify fit alone. A round without drafts that decoded decode_steps > 1
+        tokens per row feeds the plain fit when that is the configured count; a mixed probe
+        round (drafts beside multi-step rows) feeds neither."""
+        self.observe_shadows([r.seq for r in out.sequences])
+        rows, rest_s = len(out.row_lengths), out.rest_s
         if self.cfg.probe_budget is not None:  # at most a few probes' worth saved up
             self.probe_credit = min(
-                self.probe_credit + self.cfg.probe_budget * (rest_s + draft_s), 3 * self._probe_s()
+                self.probe_credit + self.cfg.probe_budget * (rest_s + out.draft_s),
+                3 * self._probe_s(),
             )
-        if decode_steps > 1:
-            mixed = any(drafted for _, drafted, _ in rounds)
-            if rest_s > 0 and not prefill and not mixed and decode_steps == self.cfg.decode_steps:
+        drafted = [r for r in out.sequences if r.drafted]
+        if out.decode_steps > 1:
+            plain = not drafted and out.decode_steps == self.cfg.decode_steps
+            if rest_s > 0 and not out.prefill and plain:
                 self.plain_cost.add(rows, rest_s)
-        elif rest_s > 0 and not prefill:
-            self.verify_cost.add((rows, query_tokens - rows), rest_s)
-        self.observe_draft(drafting, draft_s)
-        self.drafted_rounds += any(drafted for _, drafted, _ in rounds)
-        for greedy, drafted, accepted in rounds:
-            if drafted:
-                self._count(greedy, min(drafted, accepted + 1), accepted)
+        elif rest_s > 0 and not out.prefill:
+            self.verify_cost.add((rows, self.verify_tokens(out.row_lengths) - rows), rest_s)
+        self.observe_draft(out.drafting, out.draft_s)
+        self.drafted_rounds += bool(drafted)
+        for r in drafted:
+            self._count(r.seq.params.greedy, min(r.drafted, r.accepted + 1), r.accepted)
 
     def observe_draft(self, drafting: int, draft_s: float) -> None:
         """A draft call's seconds for `drafting` requests (a round's, or a shadow probe's)."""
@@ -543,23 +445,7 @@ class SpeculationController:
         acc[:accepted] += 1
 
     def observe_shadows(self, seqs: list[Sequence]) -> None:
-        """Count the shadow probes (Sequence.shadow) that the committed text now decides: a
-        block's tokens are accepted up to the first that differs from the committed one (that
-        slot verified, not accepted); a block the request ended inside counts the slots it
-        reached. Nothing else changes: shadows never enter the request's own SpecStats."""
-        for s in seqs:
-            if s.shadow is None:
-                continue
-            pos, block = s.shadow
-            seen = np.asarray(s.tokens[pos : pos + len(block)], np.int64)
-            same = seen == block[: len(seen)]
-            accepted = int(np.argmin(np.append(same, False)))  # the leading matches
-            if accepted == len(seen) < len(block) and not s.finished:
-                continue  # every committed token matched so far: the rest decides
-            verified = min(len(block), accepted + 1) if accepted < len(seen) else accepted
+        """Count the shadow blocks the committed text now decides (flashmap.shadow_probes)."""
+        for verified, accepted in self.shadow.decide(seqs):
             self._count(True, verified, accepted)
-            s.shadow_counts[0, :verified] += 1
-            s.shadow_counts[1, :accepted] += 1
-            s.shadow = None
-            self.shadows += 1
             self.drafted_rounds += 1  # acceptance news: the search runs again

@@ -12,7 +12,7 @@ A decoupled model takes no unary ModelInfer, so every caller speaks the stream:
 
 Requests are matched to answers by their id. An answer that failed carries its message only
 (no status code): `StreamError.code` is the model's row code when the message names one
-(flashmap.wire.tag_error) and None for Triton's own errors. The stream failing as a whole
+(flashmap.target_wire.tag_error) and None for Triton's own errors. The stream failing as a whole
 (server gone, refused key) fails every request on it with `StreamBroken` and its gRPC
 status; the next call opens a new stream.
 """
@@ -27,7 +27,7 @@ import numpy as np
 from tritonclient.grpc import InferResult, service_pb2, service_pb2_grpc
 from tritonclient.utils import np_to_triton_dtype, serialize_byte_tensor
 
-from flashmap import wire
+from flashmap import target_wire
 
 # Reconnect to a restarted server within a second, not gRPC's default back-off (up to 2 min);
 # a packed round's features (all rows, prompts included) pass gRPC's default 4 MiB.
@@ -41,7 +41,7 @@ CHANNEL_OPTIONS = [
 
 
 class StreamError(Exception):
-    """The target answered a request with an error: code = the model's row code (wire.ROW_*)
+    """The target answered a request with an error: code = the model's row code (target_wire.ROW_*)
     or None (an error of Triton's own, such as a sequence without START)."""
 
     def __init__(self, code: int | None, message: str):
@@ -90,7 +90,7 @@ def infer_request(
 def result(resp: service_pb2.ModelStreamInferResponse) -> InferResult:
     """The answer's outputs (InferResult.as_numpy), or StreamError."""
     if resp.error_message:
-        raise StreamError(*wire.split_error(resp.error_message))
+        raise StreamError(*target_wire.split_error(resp.error_message))
     return InferResult(resp.infer_response)
 
 

@@ -266,17 +266,30 @@ class VerifyResult:
         return self.argmax if greedy else self.residual
 
 
+# A sequence's id between the parts: the drafter's key for its context. Triton's correlation id
+# (Sequence.handle) is the target's own name for it.
+SeqId = str
+TOP_M = 4  # proposal support per slot when sampling: q_k on the drafter's top-m tokens
+
+
 @dataclass
 class ProposeRequest:
-    """One sequence's part of a batched draft call (the drafter keeps its context)."""
+    """One sequence's part of a batched draft call: the context the drafter has not seen yet,
+    then what to draft after the anchor. THE draft request, in process and on the wire
+    (flashmap.wire: ask_to_proto / ask_from_proto); flashmap.draft_call answers it."""
 
-    seq_id: str
-    anchor: int  # last committed token; it sits at position len(context)
+    seq_id: SeqId
+    anchor: int  # last committed token; it sits at position context_start + len(new_tokens)
     temperature: float = 0.0  # 0: greedy proposals (support = {x_k}); > 0: sample from top-m
-    top_m: int = 4  # support size when sampling
+    top_m: int = TOP_M  # support size when sampling
     seed: int = 0  # seeds the flow noise and the proposal sampling
     draft_steps: int | None = None  # None: the proposer's step count (Proposer.steps)
     max_draft_tokens: int | None = None  # the block is cut to this many tokens; None: whole
+    blocks: int = 1  # blocks from independent noise (a tree when > 1)
+    context_start: int = 0  # position of new_tokens[0]: where the drafter's context must stand
+    new_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [m]
+    # [m, F] numpy, a device tensor, or a list of row pieces (Proposer.extend_many's Features)
+    new_features: object = None
 
 
 @dataclass

@@ -13,8 +13,8 @@ late call that still carries the sequence, which would then hold it until the id
 timeout.
 
 `ServiceDrafter` is the round loop's Drafter (flashmap.rounds) on top of the client: it
-sends each sequence's unacknowledged context with its request and marks it acknowledged
-only when a block comes back.
+sends each sequence's ask (flashmap.draft_call: its unacknowledged context, then what to draft)
+and marks the context acknowledged only when a block comes back.
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ import logging
 import time
 
 import grpc
-import numpy as np
 
 from flashmap.auth import DRAFTER_TOKEN_HEADER
-from flashmap.rounds import DraftBatch
+from flashmap.draft_call import ask, take
+from flashmap.round_metadata import DraftBatch, SeqPlan
 from flashmap.sequence import Sequence
-from flashmap.types import BLOCK_SIZE, DRAFT_STEPS
+from flashmap.types import BLOCK_SIZE, DRAFT_STEPS, TOP_M, SeqId
 from flashmap.v1 import drafter_pb2, drafter_pb2_grpc
-from flashmap.wire import block_to_drafts, features_to_tensor
+from flashmap.wire import answer_from_proto, ask_to_proto
 
 log = logging.getLogger("flashmap.orchestrator.drafter")
 
@@ -192,12 +192,12 @@ class DrafterClient:
 class ServiceDrafter:
     """The round loop's Drafter over a DrafterClient (one batched call per round)."""
 
-    def __init__(self, client: DrafterClient, timeout_s: float, top_m: int = 4):
+    def __init__(self, client: DrafterClient, timeout_s: float, top_m: int = TOP_M):
         self.client = client
         self.timeout_s = timeout_s
         self.top_m = top_m
-        self.asked: set[int] = set()  # sequences the drafter may hold context of
-        # One call at a time: a round's call waits for a shadow probe's (flashmap.rounds), where
+        self.asked: set[SeqId] = set()  # sequences the drafter may hold context of
+        # One call at a time: a round's call waits for a shadow probe's (flashmap.shadow_probes), where
         # the client would take the drafter for late and decode without a draft.
         self._one = asyncio.Lock()
 
@@ -209,59 +209,21 @@ class ServiceDrafter:
     def block_size(self) -> int:
         return self.client.block_size
 
-    async def draft(
-        self, seqs: list[Sequence], n_blocks: list[int], max_draft_tokens: list[int] | None = None
-    ) -> DraftBatch:
-        async with self._one:  # taken at once when free: the request below is built before any wait
-            most = max_draft_tokens or [s.draft_budget() for s in seqs]
-            return await self._draft(seqs, n_blocks, most)
-
-    async def _draft(
-        self, seqs: list[Sequence], n_blocks: list[int], max_draft_tokens: list[int]
-    ) -> DraftBatch:
-        msgs = []
-        for s, n, most in zip(seqs, n_blocks, max_draft_tokens):
-            ctx = s.context_for_drafter()
-            start, ids, pieces = (
-                ctx
-                if ctx is not None
-                else (s.drafter_seen, np.zeros(0, np.int64), [np.zeros((0, 0), np.float32)])
-            )
-            feats = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
-            msgs.append(
-                drafter_pb2.SequenceDraft(
-                    seq_id=str(s.seq_id),
-                    context_start=start,
-                    new_token_ids=ids.tolist(),
-                    new_features=features_to_tensor(feats),
-                    anchor=s.anchor,
-                    draft_steps=s.request.draft_steps,
-                    num_blocks=n,
-                    temperature=s.params.temperature,
-                    top_m=self.top_m,
-                    seed=s.draft_seed(),
-                    max_draft_tokens=most,
-                )
-            )
-        self.asked.update(s.seq_id for s in seqs)
-        resp, reason = await self.client.draft(msgs, self.timeout_s)
+    async def draft(self, seqs: list[Sequence], plans: list[SeqPlan]) -> DraftBatch:
+        async with self._one:  # taken at once when free: the asks below are made before any wait
+            asks = [ask(s, p, self.top_m) for s, p in zip(seqs, plans)]
+            self.asked.update(s.seq_id for s in seqs)
+            resp, reason = await self.client.draft([ask_to_proto(a) for a in asks], self.timeout_s)
         out = DraftBatch(failure=reason)
-        if resp is None:
-            return out
-        for s, m, block in zip(seqs, msgs, resp.blocks):
-            if block.error:
-                log.warning(
-                    "sequence %s: drafter: %s; continuing autoregressively", s.seq_id, block.error
-                )
-                s.lose_drafter()
-                continue
-            s.drafter_acknowledged(len(m.new_token_ids))
-            out.blocks[s.seq_id] = block_to_drafts(block)
-            if not m.HasField("draft_steps"):  # the drafter's own: follow SetSteps switches
-                self.client.steps = block.draft_steps
+        if resp is not None:
+            answers = [answer_from_proto(b) for b in resp.blocks]
+            take(seqs, asks, answers, out)
+            for a in asks:  # the drafter's own step count: follow SetSteps switches
+                if a.draft_steps is None and a.seq_id in out.blocks:
+                    self.client.steps = out.blocks[a.seq_id][0].draft_steps
         return out
 
     async def release(self, seqs: list[Sequence]) -> None:
         held = [s for s in seqs if s.seq_id in self.asked]
         self.asked.difference_update(s.seq_id for s in held)
-        await self.client.release([str(s.seq_id) for s in held])
+        await self.client.release([s.seq_id for s in held])

@@ -27,11 +27,12 @@ from dataclasses import dataclass
 import grpc
 
 from flashmap.logs import fields
-from flashmap.rounds import Ahead, speculative_round
+from flashmap.pipeline import Ahead, pipelined_round
+from flashmap.rounds import speculative_round
 from flashmap.sequence import Sequence
 from flashmap.speculation import ControllerConfig, SpeculationController
 from flashmap.tokenizer import IncrementalDecoder
-from flashmap.types import BLOCK_SIZE, GenerationRequest, InvalidRequest
+from flashmap.types import BLOCK_SIZE, GenerationRequest, InvalidRequest, SeqId
 from flashmap.v1 import serving_pb2
 from orchestrator.admission import BurstConfig, BurstGate
 from orchestrator.config import OrchestratorConfig
@@ -84,7 +85,7 @@ class Orchestrator:
         self.info = None
         self.metrics: OrchestratorMetrics | None = None
         self.waiting: deque[_Active] = deque()
-        self.active: dict[int, _Active] = {}
+        self.active: dict[SeqId, _Active] = {}
         self.by_request: dict[str, _Active] = {}
         self._wake = asyncio.Event()
         self.burst = BurstGate(BurstConfig(cfg.burst_window_s, cfg.burst_gap_s))
@@ -175,11 +176,11 @@ class Orchestrator:
         if gen.request_id in self.by_request:
             raise InvalidRequest(f"request_id {gen.request_id!r} is already running")
         # Random ids: a client that reaches Triton or the drafter cannot guess another request's.
-        sid = secrets.randbelow(2**62 - 1) + 1
-        while sid in self.active:
+        sid = secrets.randbelow(2**62 - 1) + 1  # Triton's correlation id; the seq id its string
+        while str(sid) in self.active:
             sid = secrets.randbelow(2**62 - 1) + 1
         a = _Active(
-            Sequence(sid, gen, self._block_size(), handle=sid),
+            Sequence(str(sid), gen, self._block_size(), handle=sid),
             asyncio.Queue(),
             gen.request_id,
             time.perf_counter(),
@@ -278,7 +279,7 @@ class Orchestrator:
         self.metrics.queued_requests.labels(model=name).set(len(self.waiting))
         return released
 
-    async def _release(self, sid: int, a: _Active) -> None:
+    async def _release(self, sid: SeqId, a: _Active) -> None:
         """Free the request's slots on both sides, in the background: a stalled part must not
         hold up the other requests' rounds (its slot is freed by its idle timeout at worst)."""
         del self.active[sid]
@@ -287,11 +288,11 @@ class Orchestrator:
         task.add_done_callback(self._releases.discard)
         self._finish(a, a.seq.finish_reason or "abort")
 
-    async def _release_parts(self, sid: int, a: _Active) -> None:
+    async def _release_parts(self, sid: SeqId, a: _Active) -> None:
         try:
             await self.target_port.release(a.seq.handle)
         except Exception as e:  # noqa: BLE001 - Triton's idle timeout frees it anyway
-            log.warning("release of sequence %d on the target failed: %s", sid, e)
+            log.warning("release of sequence %s on the target failed: %s", sid, e)
         if self.drafter_port is not None:
             await self.drafter_port.release([a.seq])
 
@@ -321,15 +322,15 @@ class Orchestrator:
         )
         send = self.cfg.pipeline and not self.waiting and not fresh and not burst
         rounds = [
-            speculative_round(
+            pipelined_round(
                 seqs,
                 self.target_port,
                 self.drafter_port,
-                self.cfg.tree_blocks,
                 self.controller,
+                self.cfg.tree_blocks,
                 self.cfg.decode_steps,
-                ahead=ahead,
-                send_ahead=send,
+                ahead,
+                send,
             )
         ]
         if (
@@ -347,7 +348,7 @@ class Orchestrator:
         decoding = [r for r in res.sequences if not r.prefill and r.error is None]
         for r in decoding:
             self.metrics.draft_length.labels(model=name).observe(r.drafted)
-        if res.plan is not None and decoding and not any(res.plan.values()):
+        if res.plan.chosen is not None and decoding and not any(res.plan.chosen.values()):
             self.metrics.speculation_off_rounds.labels(model=name).inc()
         if decoding and not any(r.drafted for r in decoding):
             self.metrics.decode_steps.labels(model=name).observe(res.decode_steps)

@@ -1,7 +1,7 @@
 """Orchestrator-side async client of the Triton-hosted target (model "flashmap_target").
 
 numpy + grpc + tritonclient only: the orchestrator has no torch. Tensors are encoded and
-decoded by flashmap.wire, the same codec the model uses. The model is decoupled: every request
+decoded by flashmap.target_wire, the same codec the model uses. The model is decoupled: every request
 goes on one gRPC stream (flashmap.triton_stream), matched to its answer by id.
 
     client = TargetClient("127.0.0.1:8001")
@@ -11,7 +11,7 @@ goes on one gRPC stream (flashmap.triton_stream), matched to its answer by id.
     await client.release(seq_id)                    # finish / cancel: frees the KV slot
 
 The correlation id of a sequence is seq_id (> 0); row.slot is ignored (the server maps
-correlation ids to KV slots). `verify_rows` sends a packed round (flashmap.wire): every row
+correlation ids to KV slots). `verify_rows` sends a packed round (flashmap.target_wire): every row
 in one request, verified in one forward. `verify` / `release` are one-row requests in
 Triton's sequence batcher (a sequence is either packed or one-row: Triton only knows the
 sequences it saw START for). `TritonTarget` is the round loop's Target (flashmap.rounds) on
@@ -34,7 +34,7 @@ import grpc
 import numpy as np
 from tritonclient.utils import InferenceServerException
 
-from flashmap import wire
+from flashmap import target_wire
 from flashmap.auth import TARGET_KEY_GRPC_HEADER
 from flashmap.triton_stream import (
     CHANNEL_OPTIONS,
@@ -181,7 +181,12 @@ class TargetClient:
         if self._info is None or refresh:
             corrid = _INFO_CORRID_BASE + random.getrandbits(60)
             result = await self._infer(
-                wire.info_inputs(), ["INFO_JSON"], corrid, start=True, end=True, timeout_s=timeout_s
+                target_wire.info_inputs(),
+                ["INFO_JSON"],
+                corrid,
+                start=True,
+                end=True,
+                timeout_s=timeout_s,
             )
             raw = result.as_numpy("INFO_JSON").reshape(-1)[0]
             self._info = TargetInfo.from_dict(
@@ -201,22 +206,22 @@ class TargetClient:
         """
         _check_seq_id(seq_id)
         r = await self._infer(
-            wire.verify_inputs(row), wire.VERIFY_OUTPUTS, seq_id, start=start, end=end
+            target_wire.verify_inputs(row), target_wire.VERIFY_OUTPUTS, seq_id, start=start, end=end
         )
-        return wire.parse_verify_outputs(r.as_numpy)[0]
+        return target_wire.parse_verify_outputs(r.as_numpy)[0]
 
     async def verify_rows(
         self,
         items: list[tuple[int, VerifyRow | None, bool, bool]],
         timeout_s: float | None = None,
     ) -> list:
-        """A whole round in one request (a packed round, flashmap.wire): per item (seq_id, row or
+        """A whole round in one request (a packed round, flashmap.target_wire): per item (seq_id, row or
         None for a release, start, end) -> (VerifyResult, a tree row's path), None for a release,
         or the exception a one-row request would have raised. A failure of the request itself
         raises. timeout_s: this call's deadline (default: the client's)."""
         for seq_id, *_ in items:
             _check_seq_id(seq_id)
-        blob, bad = wire.packed_round(
+        blob, bad = target_wire.packed_round(
             [(seq_id, start, end, row) for seq_id, row, start, end in items]
         )
         out = []
@@ -230,7 +235,7 @@ class TargetClient:
                 end=True,
                 timeout_s=timeout_s,
             )
-            out = wire.parse_packed_outputs(r.as_numpy("ROWS_OUT").reshape(-1)[0])
+            out = target_wire.parse_packed_outputs(r.as_numpy("ROWS_OUT").reshape(-1)[0])
             if len(out) != len(items) - len(bad):
                 raise TargetError(
                     f"target at {self.url}: {len(out)} answers for {len(items) - len(bad)} rows"
@@ -243,7 +248,11 @@ class TargetClient:
         _check_seq_id(seq_id)
         try:
             await self._infer(
-                wire.release_inputs(), wire.VERIFY_OUTPUTS, seq_id, start=False, end=True
+                target_wire.release_inputs(),
+                target_wire.VERIFY_OUTPUTS,
+                seq_id,
+                start=False,
+                end=True,
             )
         except InvalidRequest as e:
             # Triton (no START) or the model (unknown sequence) refuse END for a sequence that is
@@ -278,9 +287,9 @@ class TargetClient:
 
 
 _ROW_ERRORS = {
-    wire.ROW_INVALID: InvalidRequest,
-    wire.ROW_UNAVAILABLE: TargetUnavailable,
-    wire.ROW_INTERNAL: TargetError,
+    target_wire.ROW_INVALID: InvalidRequest,
+    target_wire.ROW_UNAVAILABLE: TargetUnavailable,
+    target_wire.ROW_INTERNAL: TargetError,
 }
 
 

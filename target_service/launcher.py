@@ -514,13 +514,13 @@ def probe(
     detail). Triton's own readiness says nothing about a dead Python-backend stub; this does."""
     import random
 
-    from flashmap import wire
+    from flashmap import target_wire
     from flashmap.auth import TARGET_KEY_GRPC_HEADER
     from flashmap.triton_stream import StreamBroken, StreamError, call_once, infer_request
 
     request = infer_request(
         model,
-        wire.info_inputs(),
+        target_wire.info_inputs(),
         ["INFO_JSON"],
         random.getrandbits(62) | 1 << 62,
         start=True,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashmap import wire
+from flashmap import target_wire
 from flashmap.types import FOLLOW_REFUSED, FOLLOW_TOKEN, InvalidRequest
 from target_service.engine import NoFreeSlot
 
@@ -109,7 +109,7 @@ class SequenceSlots:
             slot = self.allocate(now)
             if slot is None:
                 return (
-                    wire.ROW_UNAVAILABLE,
+                    target_wire.ROW_UNAVAILABLE,
                     f"no free KV slot (all {self.engine.n_slots} in use)",
                 )
             self.slots[corrid] = slot

@@ -16,7 +16,7 @@ from drafter_service.factory import load_proposer
 from flashmap.grpc_serving import free_port, wait_grpc_health
 from flashmap.types import ProposeRequest
 from flashmap.v1 import drafter_pb2, drafter_pb2_grpc
-from flashmap.wire import block_to_drafts, features_to_tensor
+from flashmap.wire import answer_from_proto, features_to_tensor
 from target_service.random_checkpoint import make_random_qwen3
 
 
@@ -87,7 +87,9 @@ def test_service_serves_saved_checkpoint(kind, dtype, target, tmp_path):
         local = load_proposer(str(ckpt), str(target), n_slots=1, max_context=64)
         local.extend("a", ids, feats.astype(np.float32))
         (expect,) = local.propose([ProposeRequest("a", anchor=5, seed=3)], local.steps)
-        np.testing.assert_array_equal(block_to_drafts(resp.blocks[0])[0].tokens, expect.tokens)
+        np.testing.assert_array_equal(
+            answer_from_proto(resp.blocks[0]).drafts[0].tokens, expect.tokens
+        )
         assert stats.active_sequences == 1 and stats.context_tokens == 9
     finally:
         proc.terminate()

@@ -11,7 +11,7 @@ from flashmap.types import Draft, GenerationRequest, SamplingParams, VerifyResul
 
 def _prefilled(max_new: int) -> Sequence:
     s = Sequence(
-        1, GenerationRequest(np.arange(3, 9), max_new, SamplingParams(seed=1))
+        "1", GenerationRequest(np.arange(3, 9), max_new, SamplingParams(seed=1))
     )  # seeded: same draws
     row = s.verify_row(None)
     s.commit(
@@ -38,7 +38,7 @@ def test_ends_with_counts_the_tokens_a_row_commits_at_least():
     assert s.ends_with(s.verify_row(Draft.greedy(np.array([4]))))
     assert _prefilled(1).finished
     for max_new, ends in ((1, True), (2, False)):  # a prompt's row commits one token
-        fresh = Sequence(2, GenerationRequest(np.arange(3, 9), max_new))
+        fresh = Sequence("2", GenerationRequest(np.arange(3, 9), max_new))
         assert fresh.ends_with(fresh.verify_row(None)) == ends
 
 
@@ -77,7 +77,7 @@ def test_a_drafter_answer_acknowledges_only_the_context_its_call_sent():
     """A shadow probe's draft call is out while a round commits more context: its answer
     acknowledges what it sent, and the next call sends the rest from where the drafter stands."""
     s = _prefilled(20)  # the prompt's 6 positions pending
-    start, ids, feats = s.context_for_drafter()
+    start, ids, feats = s.context.unsent()
     assert (start, len(ids)) == (0, 6)
     row = s.verify_row(None, steps=3)  # committed while the call is out: 3 more positions
     s.commit(
@@ -91,16 +91,16 @@ def test_a_drafter_answer_acknowledges_only_the_context_its_call_sent():
             np.arange(12, dtype=np.float32).reshape(3, 4),
         ),
     )
-    s.drafter_acknowledged(len(ids))
-    assert s.drafter_seen == 6 and s.features_known == 9 and s.context_gap() is None
-    start, ids, feats = s.context_for_drafter()
+    s.context.acknowledged(len(ids))
+    assert s.context.seen == 6 and s.context.known == 9 and s.context_gap() is None
+    start, ids, feats = s.context.unsent()
     assert (
         start == 6
         and ids.tolist() == s.tokens[6:9]
         and np.concatenate(feats).tolist() == np.arange(12).reshape(3, 4).tolist()
     )
-    s.drafter_acknowledged()
-    assert s.drafter_seen == 9 and s.context_for_drafter() is None
+    s.context.acknowledged()
+    assert s.context.seen == 9 and s.context.unsent() is None
 
 
 def test_a_multi_step_row_counts_a_round_per_token_it_kept():
@@ -108,7 +108,8 @@ def test_a_multi_step_row_counts_a_round_per_token_it_kept():
     stop id counts 2 (the steps past the stop are not the request's)."""
     for stop, rounds in ((None, 4), (6, 2)):
         s = Sequence(
-            1, GenerationRequest(np.arange(3, 9), 20, stop_token_ids=[] if stop is None else [stop])
+            "1",
+            GenerationRequest(np.arange(3, 9), 20, stop_token_ids=[] if stop is None else [stop]),
         )
         s.commit(
             s.verify_row(None),

@@ -3,14 +3,18 @@ that switching speculation on and off mid-request keeps T = 0 output exact."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from bench.controller_sim import controller, simulate
 from drafter_service.oracle import OracleProposer
 from flashmap.inprocess import decode
+from flashmap.online_fit import OnlineLinear
+from flashmap.round_metadata import DraftBatch, RoundPlan, RoundResult, SequenceRound
 from flashmap.sequence import Sequence
-from flashmap.speculation import ControllerConfig, OnlineLinear, SpeculationController
+from flashmap.speculation import ControllerConfig, SpeculationController
 from flashmap.types import GenerationRequest, SamplingParams
 from target_service.engine import TargetEngine
 from target_service.random_checkpoint import make_random_qwen3
@@ -33,6 +37,21 @@ def _seqs(n: int, acceptance: float, rounds: int = 50) -> list[Sequence]:
             s.stats.record_round(K, acc)
         out.append(s)
     return out
+
+
+def _observe(c, rows, tokens, rest_s, drafting, draft_s, rounds, prefill=False, decode_steps=1):
+    """One round's measurements as the round loop hands them over: `rows` verify rows of
+    `tokens` query tokens in all, `rest_s` outside the draft call, the
+    draft call for `drafting` requests, and per drafted request (greedy, drafted, accepted)."""
+    lengths = [tokens - rows + 1] + [1] * (rows - 1)
+    req = lambda greedy: GenerationRequest(
+        [1], 8, SamplingParams(temperature=0.0 if greedy else 1.0)
+    )  # noqa: E731
+    seqs = [SequenceRound(Sequence("r", req(g), K), [], False, d, a) for g, d, a in rounds]
+    seqs += [SequenceRound(Sequence("p", req(True), K), [], True)] if prefill else []
+    out = RoundResult(RoundPlan({}), seqs, lengths, drafting, draft_s, rest_s=rest_s)
+    out.decode_steps = decode_steps
+    c.observe(out)
 
 
 def _controller(
@@ -83,17 +102,17 @@ def test_a_packed_target_lets_the_best_requests_draft_alone():
     for i, s in enumerate(seqs):
         s.seq_id = i
     padded = _controller(verify=(0.004, 1e-4), draft=(0.001, 1e-5), packed=False)
-    assert set(padded.plan(seqs).values()) == {0}
+    assert set(padded.plan(seqs).chosen.values()) == {0}
     packed = _controller(verify=(0.004, 1e-4), draft=(0.001, 1e-5))
-    plan = packed.plan(seqs)
+    plan = packed.plan(seqs).chosen
     assert {i for i, n in plan.items() if n} == {0, 1} and min(plan[0], plan[1]) >= K // 2
 
 
 def test_full_block_when_acceptance_is_high_and_verify_is_cheap():
     c = _controller(verify=(0.010, 1e-6), draft=(0.001, 1e-5))  # memory-bound device: flat verify
     seqs = _seqs(4, acceptance=0.95)
-    assert set(c.plan(seqs).values()) == {K}
-    assert all(s.draft_budget() == K for s in seqs)
+    plan = c.plan(seqs)
+    assert set(plan.chosen.values()) == {K} and all(plan.of(s).draft == K for s in seqs)
 
 
 @pytest.mark.parametrize("packed", [True, False])
@@ -108,14 +127,15 @@ def test_plans_draft_for_at_most_twice_the_requests_a_measured_draft_call_had(pa
         0,
     )
     for _ in range(4):
-        c.observe(1, 17, 0.011, 1, 0.012, [(True, K, K)])  # probes: one request per draft call
+        _observe(c, 1, 17, 0.011, 1, 0.012, [(True, K, K)])  # probes: one request per draft call
     assert c.most_drafting == 1
     seqs = _seqs(12, acceptance=0.95)
     widths = []
     for _ in range(4):
-        plan = c.plan(seqs)
+        plan = c.plan(seqs).chosen
         widths.append(sum(1 for v in plan.values() if v))
-        c.observe(
+        _observe(
+            c,
             12,
             12 + widths[-1] * K,
             0.011,
@@ -142,8 +162,10 @@ def test_a_plain_fit_from_one_small_round_does_not_price_plain_rounds_out():
     seqs = _seqs(16, acceptance=0.5)
     c.plain_cost.add(1, 0.043)
     assert c.plain_cost(16) > 8 * c._verify_s(16, 16)  # the one-point line's guess
-    assert not any(c.plan(seqs).values())
-    assert any(c.plan(_seqs(16, acceptance=0.95)).values())  # where drafting pays, it still drafts
+    assert not any(c.plan(seqs).chosen.values())
+    assert any(
+        c.plan(_seqs(16, acceptance=0.95)).chosen.values()
+    )  # where drafting pays, it still drafts
 
 
 @pytest.mark.parametrize("decode_steps", [1, 8])
@@ -160,15 +182,15 @@ def test_a_verify_fit_that_says_zero_for_plain_rows_does_not_break_the_plan(deco
     c.plain_cost.add(4, 0.02)
     c.draft_cost.add(1, 0.003)
     assert c._verify_s(4, 4) == 0.0
-    assert set(c.plan(_seqs(4, acceptance=0.5)).values()) <= set(range(K + 1))
+    assert set(c.plan(_seqs(4, acceptance=0.5)).chosen.values()) <= set(range(K + 1))
 
 
 def test_no_speculation_when_verify_cost_per_token_exceeds_the_gain():
     # Compute-bound: every query token costs as much as a whole one-token step's overhead.
     c = _controller(verify=(0.001, 0.004), draft=(0.003, 0.001))
     seqs = _seqs(16, acceptance=0.3)
-    assert set(c.plan(seqs).values()) == {0}
-    assert all(s.draft_budget() == 0 for s in seqs)
+    plan = c.plan(seqs)
+    assert set(plan.chosen.values()) == {0} and all(plan.of(s).draft == 0 for s in seqs)
 
 
 def test_multi_step_plain_rounds_raise_the_rate_a_plan_must_beat():
@@ -177,26 +199,26 @@ def test_multi_step_plain_rounds_raise_the_rate_a_plan_must_beat():
     that cost what the plain fit measured; a high acceptance still drafts, and plain rounds
     measured as slow bring speculation back."""
     seqs = _seqs(4, acceptance=0.6)
-    assert all(_controller(verify=(0.010, 1e-4), draft=(0.002, 1e-4)).plan(seqs).values())
+    assert all(_controller(verify=(0.010, 1e-4), draft=(0.002, 1e-4)).plan(seqs).chosen.values())
     c = _controller(verify=(0.010, 1e-4), draft=(0.002, 1e-4))
     c.cfg.decode_steps = 8
-    assert set(c.plan(seqs).values()) == {
+    assert set(c.plan(seqs).chosen.values()) == {
         0
     }  # nothing measured: the extra steps look free, so it runs them
     for _ in range(20):  # measured: the call's 10 ms once, then 1.5 ms a step
-        c.observe(4, 4, 0.010 + 0.0004 + 7 * 0.0015, 0, 0.0, [], decode_steps=8)
-    c.observe(
-        4, 4, 0.5, 0, 0.0, [], decode_steps=3
+        _observe(c, 4, 4, 0.010 + 0.0004 + 7 * 0.0015, 0, 0.0, [], decode_steps=8)
+    _observe(
+        c, 4, 4, 0.5, 0, 0.0, [], decode_steps=3
     )  # a shorter round (requests near their end): not fitted
     assert c.plain_cost.n == 20 and c.verify_cost.n == 15
-    assert set(c.plan(seqs).values()) == {0}
+    assert set(c.plan(seqs).chosen.values()) == {0}
     good = _seqs(4, acceptance=0.98)
     for s in good:
         s.seq_id += 100  # other requests (the search reruns)
-    assert min(c.plan(good).values()) >= K // 2
+    assert min(c.plan(good).chosen.values()) >= K // 2
     for _ in range(200):  # plain rounds as slow as 8 one-token verifies
-        c.observe(4, 4, 8 * 0.0104, 0, 0.0, [], decode_steps=8)
-    assert all(c.plan(seqs).values())
+        _observe(c, 4, 4, 8 * 0.0104, 0, 0.0, [], decode_steps=8)
+    assert all(c.plan(seqs).chosen.values())
 
 
 def test_a_long_prompt_beside_decode_rows_does_not_make_drafting_free():
@@ -207,9 +229,9 @@ def test_a_long_prompt_beside_decode_rows_does_not_make_drafting_free():
     c = _controller(verify=(0.010, 2e-5), draft=(0.003, 5e-4))
     prompt = Sequence(99, GenerationRequest(list(range(3, 203)), max_new_tokens=10), K)
     poor, good = _seqs(8, acceptance=0.05), _seqs(8, acceptance=0.97)
-    assert set(c.plan(poor).values()) == set(c.plan(poor + [prompt]).values()) == {0}
-    assert min(c.plan(good).values()) >= K // 2
-    assert {v for i, v in c.plan(good + [prompt]).items() if i != 99} == {K}
+    assert set(c.plan(poor).chosen.values()) == set(c.plan(poor + [prompt]).chosen.values()) == {0}
+    assert min(c.plan(good).chosen.values()) >= K // 2
+    assert {v for i, v in c.plan(good + [prompt]).chosen.items() if i != 99} == {K}
 
 
 @pytest.mark.parametrize("packed", [True, False])
@@ -226,7 +248,7 @@ def test_plan_price_is_what_the_round_is_charged(packed):
 
 def test_length_between_follows_the_per_slot_acceptance():
     c = _controller(verify=(0.010, 2e-4), draft=(0.002, 1e-4))
-    lengths = [max(c.plan(_seqs(2, acceptance=a)).values()) for a in (0.5, 0.8, 0.97)]
+    lengths = [max(c.plan(_seqs(2, acceptance=a)).chosen.values()) for a in (0.5, 0.8, 0.97)]
     assert 0 < lengths[0] < lengths[1] <= lengths[2] <= K
 
 
@@ -237,7 +259,7 @@ def test_on_a_padded_target_drafting_requests_share_one_length():
     c = _controller(verify=(0.010, 2e-4), draft=(0.002, 0.004), packed=False)
     seqs = _seqs(3, acceptance=0.95) + _seqs(1, acceptance=0.05)
     seqs[-1].seq_id = 3
-    plan = c.plan(seqs)
+    plan = c.plan(seqs).chosen
     assert len({plan[i] for i in range(3)}) == 1 and plan[0] > 0
     assert plan[3] == 0
 
@@ -256,7 +278,7 @@ def test_on_a_packed_target_each_request_gets_its_best_length():
         seqs = _seqs(1, acceptance=0.97) + _seqs(1, acceptance=0.8) + _seqs(1, acceptance=0.4)
         for i, s in enumerate(seqs):
             s.seq_id = i
-        plan = c.plan(seqs)
+        plan = c.plan(seqs).chosen
         gain = c.expected_gain(c.acceptance(seqs))
         d0, d1 = c.draft_cost.coef
 
@@ -276,7 +298,7 @@ def test_probe_turns_speculation_back_on():
     c.cfg.probe_every = c.probe_every = 3
     c.cfg.probe_budget = None  # the schedule alone
     seqs = _seqs(2, acceptance=0.3)
-    plans = [c.plan(seqs) for _ in range(22)]
+    plans = [c.plan(seqs).chosen for _ in range(22)]
     assert {v for p in plans for v in p.values()} == {0, K}
     assert all(sum(1 for v in p.values() if v) <= 1 for p in plans)  # one probe per round
     # A probe after 3 rounds without speculation, then 2x rarer each time, the request longest
@@ -308,12 +330,15 @@ def test_switching_speculation_on_and_off_mid_request_is_exact(tiny):
     class Alternating(SpeculationController):
         calls = 0
 
-        def plan(self, seqs):
+        def plan(self, seqs, blocks=1):
             Alternating.calls += 1
-            for s in seqs:
-                s.draft_limit = None
-                s.draft_limit = min(s.draft_budget(), (0, 3, K)[Alternating.calls % 3])
-            return {s.seq_id: s.draft_limit for s in seqs}
+            plan = super().plan(seqs, blocks)
+            n = (0, 3, K)[Alternating.calls % 3]
+            plan.seqs = {
+                i: replace(p, draft=min(s.draft_cap(), n))
+                for (i, p), s in zip(plan.seqs.items(), seqs)
+            }
+            return plan
 
     oracle = OracleProposer(refs, K, tiny.vocab_size, error_rate=0.1, seed=2)
     out = decode(tiny, reqs(), oracle, controller=Alternating(K))
@@ -341,7 +366,7 @@ def test_a_plan_must_beat_no_speculation_by_the_margin(packed):
     c = _controller(verify=(0.010, 2e-4), draft=(0.002, 1e-4), packed=packed)
     seqs = _seqs(4, acceptance=0.8)
     c.cfg.margin = 0.0
-    plan = c.plan(seqs)
+    plan = c.plan(seqs).chosen
     assert any(plan.values())
     gain = c.expected_gain(c.acceptance(seqs))
     d0, d1 = c.draft_cost.coef
@@ -352,9 +377,9 @@ def test_a_plan_must_beat_no_speculation_by_the_margin(packed):
     )
     over = promised / (4 / c._verify_s(4, 4)) - 1
     c.cfg.margin = over * 0.9
-    assert c.plan(seqs) == plan
+    assert c.plan(seqs).chosen == plan
     c.cfg.margin = over * 1.1
-    assert not any(c.plan(seqs).values())
+    assert not any(c.plan(seqs).chosen.values())
 
 
 def test_probes_stay_within_their_share_of_the_time():
@@ -366,12 +391,12 @@ def test_probes_stay_within_their_share_of_the_time():
     seqs = _seqs(4, acceptance=0.1)
     probes, spent = 0, 0.0
     for _ in range(400):
-        plan = c.plan(seqs)
+        plan = c.plan(seqs).chosen
         drafted = sum(1 for v in plan.values() if v)
         probes += drafted
         round_s = 0.008 + (0.004 + 0.016 if drafted else 0.0)
         spent += round_s
-        c.observe(4, 4 + sum(plan.values()), round_s, drafted, 0.004 if drafted else 0.0, [])
+        _observe(c, 4, 4 + sum(plan.values()), round_s, drafted, 0.004 if drafted else 0.0, [])
     d0, d1 = c.draft_cost.coef
     per_probe = d0 + d1 + c.verify_cost.coef[2] * K
     assert probes >= 3 and probes * per_probe <= c.cfg.probe_budget * spent + 3 * per_probe
@@ -402,9 +427,9 @@ def test_a_search_that_found_nothing_is_rerun_only_when_something_changed():
     c._search = lambda seqs, caps: calls.append(len(seqs)) or search(seqs, caps)
     seqs = _seqs(4, acceptance=0.3)
     for _ in range(16):
-        assert not any(c.plan(seqs).values())
+        assert not any(c.plan(seqs).chosen.values())
     assert len(calls) == 16 // c.cfg.recheck_every
-    c.observe(4, 20, 0.01, 1, 0.005, [(True, 16, 2)])  # a probe's round
+    _observe(c, 4, 20, 0.01, 1, 0.005, [(True, 16, 2)])  # a probe's round
     c.plan(seqs)
     c.plan(seqs[:3])  # a request left
     assert len(calls) == 16 // c.cfg.recheck_every + 2
@@ -415,9 +440,7 @@ class _SilentDrafter:
 
     block_size = K
 
-    async def draft(self, seqs, n_blocks):
-        from flashmap.rounds import DraftBatch
-
+    async def draft(self, seqs, plans):
         return DraftBatch()
 
     async def release(self, seqs):
@@ -441,7 +464,7 @@ def test_multi_step_rounds_give_the_drafter_the_same_context(tiny):
                 speculative_round([seq], LocalTarget(tiny), _SilentDrafter(), decode_steps=steps)
             )
         tiny.release(seq.handle)
-        contexts[steps] = (seq.generated, seq.context_for_drafter())
+        contexts[steps] = (seq.generated, seq.context.unsent())
     (gen1, (start1, ids1, f1)), (gen5, (start5, ids5, f5)) = contexts[1], contexts[5]
     assert gen1 == gen5 and start1 == start5 == 0
     assert ids5.tolist() == ids1.tolist() == [3, 4, 5, 6, 7] + gen1[:-1]
@@ -459,13 +482,13 @@ def test_probes_beside_multi_step_rounds_let_the_others_decode_on():
     kinds = []
     for _ in range(16):
         plan = c.plan(seqs)
-        if any(plan.values()):
-            kinds.append("mixed" if c.probing else "one-token")
+        if any(plan.chosen.values()):
+            kinds.append("mixed" if plan.probing else "one-token")
         else:
-            assert not c.probing
+            assert not plan.probing
     assert kinds == ["one-token", "mixed", "mixed"] * 2 + ["one-token", "mixed"]
     fits = (c.verify_cost.n, c.plain_cost.n, c.draft_cost.n)
-    c.observe(4, 4 + K, 0.2, 1, 0.003, [(True, K, 2)], decode_steps=8)  # a mixed round
+    _observe(c, 4, 4 + K, 0.2, 1, 0.003, [(True, K, 2)], decode_steps=8)  # a mixed round
     assert (c.verify_cost.n, c.plain_cost.n, c.draft_cost.n) == (fits[0], fits[1], fits[2] + 1)
     assert c.drafted_rounds == 1  # its acceptance counts
 
@@ -511,26 +534,12 @@ def test_peek_is_the_plan_without_making_it():
     c = _controller(verify=(0.010, 1e-3), draft=(0.002, 1e-4))
     c.cfg.probe_every = c.probe_every = 2
     seqs = _seqs(3, acceptance=0.2)
-    assert not any(c.plan(seqs).values())
-    state = (
-        c.since_probe,
-        c.probe_every,
-        c.probes,
-        c._nothing,
-        dict(c.idle),
-        [s.draft_limit for s in seqs],
-    )
-    peeked = c.peek(seqs)
+    assert not any(c.plan(seqs).chosen.values())
+    state = (c.since_probe, c.probe_every, c.probes, c._nothing, dict(c.idle))
+    peeked = c.peek(seqs).chosen
     assert any(peeked.values())  # the probe is due
-    assert (
-        c.since_probe,
-        c.probe_every,
-        c.probes,
-        c._nothing,
-        c.idle,
-        [s.draft_limit for s in seqs],
-    ) == state
-    assert c.plan(seqs) == peeked
+    assert (c.since_probe, c.probe_every, c.probes, c._nothing, c.idle) == state
+    assert c.plan(seqs).chosen == peeked
 
 
 def test_sequences_that_never_draft_ask_for_no_features(tiny):
@@ -560,11 +569,11 @@ def test_sequences_that_never_draft_ask_for_no_features(tiny):
             handle=tiny.allocate(),
         )
         if lose:
-            seq.lose_drafter()
+            seq.context.lose()
         while not seq.finished:
             run_local(speculative_round([seq], Recording(tiny), drafter, decode_steps=4))
         tiny.release(seq.handle)
-        return seq.generated, seq.context_for_drafter(), list(rows)
+        return seq.generated, seq.context.unsent(), list(rows)
 
     text, ctx, with_features = run(_SilentDrafter(), None)
     assert ctx is not None and all(f and n == m for f, n, m in with_features)  # [L + steps - 1, F]
@@ -590,14 +599,14 @@ def test_prompts_beside_a_request_that_only_catches_up_fetch_no_features():
         Sequence(10 + i, GenerationRequest(list(range(3, 40)), max_new_tokens=500), K)
         for i in range(3)
     ]
-    decoding[0]._gap = 2  # its earlier rows went without features
-    c.plan(decoding + prompts)
-    assert decoding[0].draft_limit == 0 and not decoding[0].lazy_features  # catches up
-    assert all(p.lazy_features for p in prompts)
-    decoding[0]._gap = None  # caught up
-    c.plan(decoding + prompts)
-    assert decoding[0].draft_limit > 0
-    assert not any(p.lazy_features for p in prompts)
+    decoding[0].context._gap = 2  # its earlier rows went without features
+    plan = c.plan(decoding + prompts)
+    assert plan.of(decoding[0]).draft == 0 and plan.of(decoding[0]).features  # catches up
+    assert not any(plan.of(p).features for p in prompts)
+    decoding[0].context._gap = None  # caught up
+    plan = c.plan(decoding + prompts)
+    assert plan.of(decoding[0]).draft > 0
+    assert all(plan.of(p).features for p in prompts)
 
 
 def test_a_prompt_fetches_its_features_when_its_first_decode_round_may_draft():
@@ -610,29 +619,26 @@ def test_a_prompt_fetches_its_features_when_its_first_decode_round_may_draft():
 
     fresh = SpeculationController(K, ControllerConfig(lazy_features=True))
     p = prompt(0)
-    fresh.plan([p])
-    assert not p.lazy_features
+    assert fresh.plan([p]).of(p).features
     p.prefilled = True
     p.tokens.append(4)
-    assert fresh.plan([p])[p.seq_id] == K  # the first probe, at once: the context has no gap
+    assert fresh.plan([p]).chosen[p.seq_id] == K  # the first probe, at once: the context has no gap
 
     off = _controller(verify=(0.001, 0.004), draft=(0.003, 0.001))  # drafting never pays
     off.cfg.lazy_features = True
     decoding, p = _seqs(1, acceptance=0.02), prompt(1)
-    assert not any(off.plan(decoding + [p]).values())
-    assert p.lazy_features
+    plan = off.plan(decoding + [p])
+    assert not any(plan.chosen.values()) and not plan.of(p).features
     off.plan([prompt(2)])  # a plan of prompts alone leaves what the last decoding plan did
     q = prompt(3)
-    off.plan([q])
-    assert q.lazy_features
+    assert not off.plan([q]).of(q).features
 
     on = _controller(verify=(0.010, 1e-5), draft=(0.001, 1e-5))  # drafting pays
     on.cfg.lazy_features = True
     decoding = _seqs(1, acceptance=0.9)
-    assert on.plan(decoding)[0] > 0
+    assert on.plan(decoding).chosen[0] > 0
     p = prompt(4)
-    on.plan([p])  # the request alone now, say after the others ended
-    assert not p.lazy_features
+    assert on.plan([p]).of(p).features  # the request alone now, say after the others ended
 
 
 def test_shadow_probes_replace_the_probes_that_do_not_measure_the_verify():
@@ -646,12 +652,12 @@ def test_shadow_probes_replace_the_probes_that_do_not_measure_the_verify():
     kinds, shadowed = [], []
     for _ in range(16):
         plan = c.plan(seqs)
-        assert not c.probing  # no mixed rounds: the others never wait for a probe
-        if any(plan.values()):
+        assert not plan.probing  # no mixed rounds: the others never wait for a probe
+        if any(plan.chosen.values()):
             kinds.append("verified")
-        elif c.shadow:
+        elif plan.shadow:
             kinds.append("shadow")
-            ((i, n),) = c.shadow.items()
+            ((i, n),) = plan.shadow.items()
             shadowed.append(i)
             assert n == K
     assert kinds == ["verified", "shadow", "shadow"] * 2 + ["verified", "shadow"]
@@ -660,43 +666,38 @@ def test_shadow_probes_replace_the_probes_that_do_not_measure_the_verify():
     sampling.params = SamplingParams(temperature=1.0)
     c.probe_every = c.since_probe = 2
     c.probes = 1
-    assert (
-        any(c.plan([sampling]).values()) and not c.shadow
-    )  # T > 0: acceptance needs the target's probabilities
+    plan = c.plan([sampling])
+    assert any(plan.chosen.values()) and not plan.shadow  # T > 0: needs the target's probabilities
 
 
 def test_a_shadow_block_counts_what_the_committed_text_accepts():
     c = SpeculationController(K, ControllerConfig())
-    s = Sequence(0, GenerationRequest([1, 2, 3], max_new_tokens=12), K)
+    s = Sequence("0", GenerationRequest([1, 2, 3], max_new_tokens=12), K)
     s.prefilled = True
     s.tokens.append(9)
-    s.shadow = (4, np.arange(5, 5 + K))
+    c.shadow.drafted(s, 4, np.arange(5, 5 + K))
     before = c.acceptance([s])[0]
     s.tokens += [5, 6]
     c.observe_shadows([s])
-    assert (
-        s.shadow is not None and c.shadows == 0
-    )  # every committed token matched so far: undecided
+    assert c.shadow.pending(s) and c.shadow.decided == 0  # every committed token matched so far
     s.tokens += [1]
     c.observe_shadows([s])
-    assert s.shadow is None and c.shadows == 1
-    assert s.shadow_counts[0].tolist() == [1, 1, 1] + [0] * (K - 3)  # slots reached
-    assert s.shadow_counts[1].tolist() == [1, 1] + [0] * (K - 2)  # slots accepted
+    assert not c.shadow.pending(s) and c.shadow.decided == 1
+    assert c.shadow.counts(s)[0].tolist() == [1, 1, 1] + [0] * (K - 3)  # slots reached
+    assert c.shadow.counts(s)[1].tolist() == [1, 1] + [0] * (K - 2)  # slots accepted
     after = c.acceptance([s])[0]
     assert after[0] > before[0] and after[2] < before[2]
     assert (
         s.stats.drafts == 0 and s.stats.verified_per_slot.sum() == 0
     )  # not the request's own record
     # A block the request ends inside counts the slots it reached, all accepted.
-    s.shadow = (len(s.tokens), np.arange(20, 20 + K))
+    c.shadow.drafted(s, len(s.tokens), np.arange(20, 20 + K))
     s.tokens += [20, 21]
     s.finish("length")
     c.observe_shadows([s])
-    assert (
-        s.shadow is None
-        and s.shadow_counts[0, :3].tolist() == [2, 2, 1]
-        and s.shadow_counts[1, :3].tolist() == [2, 2, 0]
-    )
+    counts = c.shadow.counts(s)
+    assert not c.shadow.pending(s)
+    assert counts[0, :3].tolist() == [2, 2, 1] and counts[1, :3].tolist() == [2, 2, 0]
 
 
 def test_shadow_probes_beside_the_rounds_are_exact_and_line_up_with_the_text(tiny):
@@ -724,7 +725,7 @@ def test_shadow_probes_beside_the_rounds_are_exact_and_line_up_with_the_text(tin
 
     async def run():
         target, drafter = LocalTarget(tiny), LocalDrafter(oracle)
-        seqs = [Sequence(i, r, K, handle=tiny.allocate()) for i, r in enumerate(reqs)]
+        seqs = [Sequence(str(i), r, K, handle=tiny.allocate()) for i, r in enumerate(reqs)]
         while live := [s for s in seqs if not s.finished]:
             await speculative_round(live, target, drafter, controller=ctl, decode_steps=8)
             await asyncio.sleep(
@@ -736,8 +737,8 @@ def test_shadow_probes_beside_the_rounds_are_exact_and_line_up_with_the_text(tin
 
     seqs = asyncio.run(run())
     assert [s.generated for s in seqs] == alone
-    counts = np.sum([s.shadow_counts for s in seqs], axis=0)  # [2, K]
-    assert ctl.shadows >= 3 and counts[0, 0] == ctl.shadows
+    counts = np.sum([ctl.shadow.counts(s) for s in seqs], axis=0)  # [2, K]
+    assert ctl.shadow.decided >= 3 and counts[0, 0] == ctl.shadow.decided
     np.testing.assert_array_equal(
         counts[1], counts[0]
     )  # the true continuation: every slot reached is accepted
@@ -760,7 +761,7 @@ def test_a_round_reports_what_the_controller_expected_its_drafts_to_accept(tiny)
         K, ControllerConfig(margin=-0.99)
     )  # drafting always beats a plain round
     target, drafter = LocalTarget(tiny), LocalDrafter(oracle)
-    seqs = [Sequence(i, r, K, handle=tiny.allocate()) for i, r in enumerate(reqs)]
+    seqs = [Sequence(str(i), r, K, handle=tiny.allocate()) for i, r in enumerate(reqs)]
     drafted_rounds = 0
     while live := [s for s in seqs if not s.finished]:
         res = run_local(speculative_round(live, target, drafter, controller=ctl))

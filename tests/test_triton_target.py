@@ -517,7 +517,7 @@ def test_pipelined_rounds_give_the_text_of_one_token_rounds(server, engine):
     ahead overtakes the one it follows (here: that one held back 50 ms), the target refuses
     the continuation and the loop sends it again with its token."""
     from flashmap.inprocess import decode
-    from flashmap.rounds import speculative_round
+    from flashmap.pipeline import pipelined_round
     from flashmap.sequence import Sequence
     from flashmap.types import FOLLOW_REFUSED, GenerationRequest
     from orchestrator.target_client import TritonTarget
@@ -555,14 +555,12 @@ def test_pipelined_rounds_give_the_text_of_one_token_rounds(server, engine):
 
     async def body(c, wrap):
         target = TritonTarget(wrap(c), MAX_SEQ_LEN)
-        seqs = [Sequence(500 + i, r, handle=500 + i) for i, r in enumerate(requests())]
+        seqs = [Sequence(str(500 + i), r, handle=500 + i) for i, r in enumerate(requests())]
         ahead, sent = None, 0
         while live := [s for s in seqs if not s.finished]:
             if ahead is not None and all(s.finished for s in ahead.seqs):
                 ahead = None
-            res = await speculative_round(
-                live, target, decode_steps=4, ahead=ahead, send_ahead=True
-            )
+            res = await pipelined_round(live, target, decode_steps=4, ahead=ahead, send=True)
             ahead, sent = res.ahead, sent + (res.ahead is not None)
             assert all(r.error is None for r in res.sequences), res.sequences
         for s in seqs:
@@ -870,7 +868,7 @@ def test_a_sequences_last_round_frees_its_slot_without_a_release_call(server):
     async def body(c):
         target = TritonTarget(c, MAX_SEQ_LEN)
         seqs = [
-            Sequence(301 + i, GenerationRequest(np.arange(3, 10 + i), n), handle=301 + i)
+            Sequence(str(301 + i), GenerationRequest(np.arange(3, 10 + i), n), handle=301 + i)
             for i, n in enumerate((1, 5, 12))
         ]
         while live := [s for s in seqs if not s.finished]:
@@ -882,7 +880,7 @@ def test_a_sequences_last_round_frees_its_slot_without_a_release_call(server):
             await target.release(s.handle)
         assert metric(server, "nv_inference_count") == calls  # nothing left to free
 
-        s = Sequence(310, GenerationRequest(np.arange(3, 9), 2), handle=310)
+        s = Sequence("310", GenerationRequest(np.arange(3, 9), 2), handle=310)
         await speculative_round([s], target)
         row = replace(s.verify_row(None), start_pos=99)  # past the sequence's end: refused
         (out,) = await target.verify([row], [True])

@@ -1,4 +1,4 @@
-"""The packed-round codec (flashmap.wire): what a round packs is what the target parses, and
+"""The packed-round codec (flashmap.target_wire): what a round packs is what the target parses, and
 a malformed ROWS blob is refused with InvalidRequest, never another exception."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flashmap import wire
+from flashmap import target_wire
 from flashmap.types import InvalidRequest, SamplingParams, VerifyRow
 
 
@@ -51,12 +51,12 @@ def _round():
 
 def test_a_packed_round_parses_back_to_its_rows():
     items = _round()
-    blob, bad = wire.packed_round(items)
+    blob, bad = target_wire.packed_round(items)
     assert not bad
-    parsed = wire.parse_packed_round(blob)
+    parsed = target_wire.parse_packed_round(blob)
     assert [(c, s, e) for c, s, e, _ in parsed] == [(c, s, e) for c, s, e, _ in items]
     for (_, _, _, get), (_, _, _, row) in zip(parsed, items):
-        got = wire.parse_verify_inputs(get)
+        got = target_wire.parse_verify_inputs(get)
         if row is None:
             assert got is None
             continue
@@ -71,16 +71,16 @@ def test_a_packed_round_parses_back_to_its_rows():
         )
         assert got.parents.tolist() == row.parents.tolist()
     # A greedy decode row carries only what differs from the defaults.
-    assert len(blob) < sum(len(wire.packed_round([i])[0]) for i in items) + 8
+    assert len(blob) < sum(len(target_wire.packed_round([i])[0]) for i in items) + 8
 
 
 def test_every_truncation_and_corruption_is_refused_cleanly():
-    blob, _ = wire.packed_round(_round())
+    blob, _ = target_wire.packed_round(_round())
     for n in range(len(blob)):
         with pytest.raises(InvalidRequest):
-            wire.parse_packed_round(blob[:n])
+            target_wire.parse_packed_round(blob[:n])
     with pytest.raises(InvalidRequest):
-        wire.parse_packed_round(blob + b"\0")
+        target_wire.parse_packed_round(blob + b"\0")
     rng = np.random.default_rng(1)
     for _ in range(
         300
@@ -88,8 +88,8 @@ def test_every_truncation_and_corruption_is_refused_cleanly():
         b = bytearray(blob)
         b[int(rng.integers(len(b)))] = int(rng.integers(256))
         try:
-            for _, _, _, get in wire.parse_packed_round(bytes(b)):
-                wire.parse_verify_inputs(get)
+            for _, _, _, get in target_wire.parse_packed_round(bytes(b)):
+                target_wire.parse_verify_inputs(get)
         except InvalidRequest:
             pass
 
@@ -114,13 +114,13 @@ def test_packed_outputs_parse_back_to_their_results():
         features=feats(2),
     )
     rows = [
-        wire.verify_outputs(greedy),
-        wire.verify_outputs(sampled),
-        wire.verify_outputs(greedy, np.array([0, 3])),
-        wire.empty_outputs(8),
-        (wire.ROW_INVALID, "bad row"),
+        target_wire.verify_outputs(greedy),
+        target_wire.verify_outputs(sampled),
+        target_wire.verify_outputs(greedy, np.array([0, 3])),
+        target_wire.empty_outputs(8),
+        (target_wire.ROW_INVALID, "bad row"),
     ]
-    out = wire.parse_packed_outputs(wire.packed_outputs(rows))
+    out = target_wire.parse_packed_outputs(target_wire.packed_outputs(rows))
     for (got, path), (want, want_path) in zip(
         out[:3], [(greedy, []), (sampled, []), (greedy, [0, 3])]
     ):
@@ -128,15 +128,22 @@ def test_packed_outputs_parse_back_to_their_results():
         for name in ("argmax", "support_probs", "complement", "residual", "features"):
             a, b = getattr(got, name), np.asarray(getattr(want, name))
             assert a.shape == b.shape and np.array_equal(a, b), name
-    assert out[3] is None and out[4] == (wire.ROW_INVALID, "bad row")
+    assert out[3] is None and out[4] == (target_wire.ROW_INVALID, "bad row")
     with pytest.raises(InvalidRequest):
-        wire.parse_packed_outputs(wire.pack_arrays([{"PATH": np.zeros((1, 1), np.int64)}]))
+        target_wire.parse_packed_outputs(
+            target_wire.pack_arrays([{"PATH": np.zeros((1, 1), np.int64)}])
+        )
 
 
 def test_error_messages_carry_their_row_code():
-    for code in (wire.ROW_INVALID, wire.ROW_UNAVAILABLE, wire.ROW_INTERNAL):
-        assert wire.split_error(wire.tag_error(code, "START_POS does not continue")) == (
+    for code in (target_wire.ROW_INVALID, target_wire.ROW_UNAVAILABLE, target_wire.ROW_INTERNAL):
+        assert target_wire.split_error(
+            target_wire.tag_error(code, "START_POS does not continue")
+        ) == (
             code,
             "START_POS does not continue",
         )
-    assert wire.split_error("must specify the START flag") == (None, "must specify the START flag")
+    assert target_wire.split_error("must specify the START flag") == (
+        None,
+        "must specify the START flag",
+    )

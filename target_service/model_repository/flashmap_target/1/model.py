@@ -11,7 +11,7 @@ Each Triton sequence (correlation id) owns one KV slot of the engine:
 - a request with INFO = true answers INFO_JSON (vocab size, feature layers, ...) instead.
 
 Tensor contract (config.pbtxt; every tensor has a leading batch dimension of 1; encoded and
-decoded by flashmap.wire on both sides):
+decoded by flashmap.target_wire on both sides):
   in:  TOKENS INT64 [L], START_POS INT64 [1], SUPPORT_IDS INT64 [K, S] (-1 padded, K may be 0),
        TEMPERATURE FP32 [1], TOP_K INT32 [1], TOP_P FP32 [1], ROUND_SEED INT64 [1], INFO BOOL [1],
        PARENTS INT64 [K] (T = 0: the drafts form a tree, draft i a child of draft PARENTS[i], -1 the anchor),
@@ -28,7 +28,7 @@ token its sequence's previous verify decoded: that verify had no drafts and ende
 row's START_POS is, else INVALID_ARGUMENT. Rows of one sequence in one execute() (a round and
 its continuation, a verify and a release) run in the order they came, each its own forward.
 
-Packed rounds: a request with ROWS BYTES [1] (flashmap.wire.packed_round) carries many rows,
+Packed rounds: a request with ROWS BYTES [1] (flashmap.target_wire.packed_round) carries many rows,
 each with its own sequence id and START / END flags and the tensors above; it is sent as a
 one-request sequence (START and END on a throw-away correlation id) and answered with
 ROWS_OUT BYTES [1], per row the outputs above or an error (code and message). Its rows are
@@ -44,7 +44,7 @@ infer and HTTP infer are refused for a decoupled model.
 Errors: engine InvalidRequest -> that row alone gets TritonError(INVALID_ARG, message) (in a
 packed round: its error entry); no free slot -> UNAVAILABLE; anything else -> INTERNAL for the
 rows of that forward. A stream carries the message but not the code, so the message leads
-with the code's name (flashmap.wire.tag_error: "[INVALID_ARGUMENT] ...").
+with the code's name (flashmap.target_wire.tag_error: "[INVALID_ARGUMENT] ...").
 
 Configuration: config.pbtxt parameters (model_dir, max_seq_len, device, dtype, feature_layers,
 cuda_graphs, cpus), each overridden by the environment ($FLASHMAP_TARGET_DIR,
@@ -88,7 +88,7 @@ import triton_python_backend_utils as pb_utils
 try:  # a clear message beats a bare ModuleNotFoundError in the server log
     import torch
 
-    from flashmap import wire
+    from flashmap import target_wire
     from flashmap.cpus import TARGET_CPUS_ENV, format_cpu_list, parse_cpu_list, pin_worker
     from flashmap.drafter_inputs import target_inputs
     from flashmap.metrics import TARGET_MODEL
@@ -313,7 +313,7 @@ class TritonPythonModel:
         except Exception as e:  # never leave a request unanswered
             self._log("error", "flashmap_target: " + traceback.format_exc())
             responses = [
-                _error(f"internal error: {type(e).__name__}: {e}", wire.ROW_INTERNAL)
+                _error(f"internal error: {type(e).__name__}: {e}", target_wire.ROW_INTERNAL)
             ] * len(requests)
         t1 = time.perf_counter()
         for request, response in zip(requests, responses):
@@ -359,13 +359,13 @@ class TritonPythonModel:
             try:
                 blob = pb_utils.get_input_tensor_by_name(request, "ROWS")
                 if blob is not None:
-                    items = wire.parse_packed_round(_single_bytes(blob.as_numpy()))
+                    items = target_wire.parse_packed_round(_single_bytes(blob.as_numpy()))
                     packed[i] = [None] * len(items)
                     for j, (corrid, start, end, get) in enumerate(items):
                         try:
-                            admit((i, j), corrid, start, end, wire.parse_verify_inputs(get))
+                            admit((i, j), corrid, start, end, target_wire.parse_verify_inputs(get))
                         except InvalidRequest as e:
-                            outcome[(i, j)] = (wire.ROW_INVALID, str(e))
+                            outcome[(i, j)] = (target_wire.ROW_INVALID, str(e))
                     continue
                 kind, corrid, start, end, row = self._parse(request)
                 if kind == "info":
@@ -374,11 +374,13 @@ class TritonPythonModel:
                     continue
                 admit((i, None), corrid, start, end, row)
             except InvalidRequest as e:
-                responses[i] = _error(str(e), wire.ROW_INVALID)
+                responses[i] = _error(str(e), target_wire.ROW_INVALID)
                 packed.pop(i, None)  # the whole request failed: no row answers of its own
             except Exception as e:
                 self._log("error", "flashmap_target: " + traceback.format_exc())
-                responses[i] = _error(f"internal error: {type(e).__name__}: {e}", wire.ROW_INTERNAL)
+                responses[i] = _error(
+                    f"internal error: {type(e).__name__}: {e}", target_wire.ROW_INTERNAL
+                )
                 packed.pop(i, None)
 
         self._forward(rows, trees, outcome)
@@ -389,12 +391,15 @@ class TritonPythonModel:
             elif i in packed:
                 packed[i][j] = o
         for i, outs in packed.items():
-            blob = wire.packed_outputs([self._row_outputs(o) for o in outs])
+            blob = target_wire.packed_outputs([self._row_outputs(o) for o in outs])
             responses[i] = pb_utils.InferenceResponse(
                 [pb_utils.Tensor("ROWS_OUT", np.array([[blob]], np.object_))]
             )
         # Triton needs one response per request; none is left empty above, but never crash on it.
-        return [r if r is not None else _error("no response", wire.ROW_INTERNAL) for r in responses]
+        return [
+            r if r is not None else _error("no response", target_wire.ROW_INTERNAL)
+            for r in responses
+        ]
 
     def _forward(self, rows, trees, outcome) -> None:
         """Verify the admitted rows (one forward) and trees; their outcomes into `outcome`."""
@@ -423,10 +428,12 @@ class TritonPythonModel:
             return [("ok", r, None) for r in self.engine.verify(rows)]
         except InvalidRequest as e:
             if len(rows) == 1:
-                return [(wire.ROW_INVALID, str(e))]
+                return [(target_wire.ROW_INVALID, str(e))]
         except Exception as e:
             self._log("error", "flashmap_target verify: " + traceback.format_exc())
-            return [(wire.ROW_INTERNAL, f"internal error: {type(e).__name__}: {e}")] * len(rows)
+            return [(target_wire.ROW_INTERNAL, f"internal error: {type(e).__name__}: {e}")] * len(
+                rows
+            )
         # Rare path (a bad request in a batch): verify one by one so the others still succeed.
         return [self._verify([row])[0] for row in rows]
 
@@ -435,16 +442,16 @@ class TritonPythonModel:
             result, path = self.engine.verify_tree(row)
             return ("ok", result, path)
         except InvalidRequest as e:
-            return (wire.ROW_INVALID, str(e))
+            return (target_wire.ROW_INVALID, str(e))
         except Exception as e:
             self._log("error", "flashmap_target verify_tree: " + traceback.format_exc())
-            return (wire.ROW_INTERNAL, f"internal error: {type(e).__name__}: {e}")
+            return (target_wire.ROW_INTERNAL, f"internal error: {type(e).__name__}: {e}")
 
     def _row_outputs(self, o):
         if o[0] == "ok":
-            return wire.verify_outputs(o[1], o[2], self.features_np_dtype)
+            return target_wire.verify_outputs(o[1], o[2], self.features_np_dtype)
         if o[0] == "released":
-            return wire.empty_outputs(self.engine.feature_dim, self.features_np_dtype)
+            return target_wire.empty_outputs(self.engine.feature_dim, self.features_np_dtype)
         return (o[0], re.sub(r"^row \d+: ", "", o[1]))
 
     def _one_row_response(self, o):
@@ -460,14 +467,14 @@ class TritonPythonModel:
             t = pb_utils.get_input_tensor_by_name(request, name)
             return None if t is None else t.as_numpy()
 
-        corrid = int(wire.scalar(get, "CORRID", 0))
+        corrid = int(target_wire.scalar(get, "CORRID", 0))
         if corrid == 0:
             corrid = int(request.correlation_id())
-        start = bool(wire.scalar(get, "START", 0))
-        end = bool(wire.scalar(get, "END", 0))
-        if bool(wire.scalar(get, "INFO", False)):
+        start = bool(target_wire.scalar(get, "START", 0))
+        end = bool(target_wire.scalar(get, "END", 0))
+        if bool(target_wire.scalar(get, "INFO", False)):
             return "info", corrid, start, end, None
-        return "verify", corrid, start, end, wire.parse_verify_inputs(get)
+        return "verify", corrid, start, end, target_wire.parse_verify_inputs(get)
 
     def finalize(self):
         # Triton exits with an error once the unload takes --exit-timeout-secs (15 s, launcher).
@@ -489,7 +496,7 @@ class TritonPythonModel:
 def _triton_code(row_code: int):
     # pb_utils.TritonError exists only once the stub runs the model, not at import.
     e = pb_utils.TritonError
-    return {wire.ROW_INVALID: e.INVALID_ARG, wire.ROW_UNAVAILABLE: e.UNAVAILABLE}.get(
+    return {target_wire.ROW_INVALID: e.INVALID_ARG, target_wire.ROW_UNAVAILABLE: e.UNAVAILABLE}.get(
         row_code, e.INTERNAL
     )
 
@@ -504,8 +511,8 @@ def _single_bytes(a) -> bytes:
 
 def _error(message: str, row_code: int) -> pb_utils.InferenceResponse:
     # Each response answers one row: the engine's "row N: " prefix would only confuse. A gRPC
-    # stream carries an error's message but not its code: the message leads with it (wire.tag_error).
-    message = wire.tag_error(row_code, re.sub(r"^row \d+: ", "", message))
+    # stream carries an error's message but not its code: the message leads with it (target_wire.tag_error).
+    message = target_wire.tag_error(row_code, re.sub(r"^row \d+: ", "", message))
     return pb_utils.InferenceResponse(
         output_tensors=[], error=pb_utils.TritonError(message, _triton_code(row_code))
     )
