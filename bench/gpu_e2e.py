@@ -247,8 +247,10 @@ class Run:
 
     # ------------------------------------------------------------------ one row
     def need(self, kind: str, b: int) -> float:
+        """Seconds a row may take (the drafter's build: kind "drafter"), for the tokens asked."""
         base, per_row = self.shape["need"][kind]
-        return base + per_row * b
+        scale = 1.0 if kind == "drafter" else self.max_new / self.shape["max_new_tokens"]
+        return (base + per_row * b) * scale
 
     def row(self, kind: str, b: int, steps: int, fn, reserve: float = 0.0) -> None:
         """fn() -> the row, unless skipped (--skip, the time guard) or failed: then the row

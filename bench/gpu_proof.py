@@ -247,8 +247,10 @@ def section_c(c: dict | None) -> list[str]:
         return ["No report (see the section's status above)."]
     if "skipped" in c:
         return [f"Not measured: {c['skipped']}."]
-    from bench.gpu_stack import tables
-
+    try:
+        from bench.gpu_stack import tables
+    except ImportError as e:  # what the stack imports is missing here: the JSON has the numbers
+        return [f"The tables need bench.gpu_stack ({e}); the numbers are in gpu_proof.json, key c."]
     lines = [
         f"The stack and the in-process loop were ready {c.get('ready_s')} s after the start "
         f"(in process: {c.get('in_process')}).",

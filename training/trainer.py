@@ -404,19 +404,9 @@ def run_training(
     if start >= tcfg.steps:  # nothing to do: still leave a complete checkpoint behind
         save(start)
     if main:  # scripts/gpu-proof.sh reads this line
-        print(f"[train] peak memory: {peak_memory(device)}", flush=True)
+        print(f"[train] peak memory: {D.peak_memory(device)}", flush=True)
     D.barrier(dist)
     return model.eval()
-
-
-def peak_memory(device) -> str:
-    """This process's peak memory so far: allocated on its GPU, else its resident set."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        return f"{torch.cuda.max_memory_allocated(dev) / 1e9:.2f} GB allocated on {dev}"
-    import resource
-
-    return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f} GB resident (host)"
 
 
 # ----------------------------------------------------------------------------- CLI
