@@ -76,9 +76,10 @@ def write_drafter(path: Path, target: Path, smoke: bool, dev, dtype) -> dict:
     from drafter_service.checkpoint import init_drafter, save_drafter
 
     t = time.perf_counter()
-    model = init_drafter(
-        target, seed=0, device=str(dev), dtype=dtype, **(SMOKE_DRAFTER if smoke else {})
-    )
+    with torch.device(dev):  # built where it runs: the whitening of E (V x H^2) on the GPU
+        model = init_drafter(
+            target, seed=0, device=str(dev), dtype=dtype, **(SMOKE_DRAFTER if smoke else {})
+        )
     save_drafter(model, path)
     cfg = model.cfg
     return {
