@@ -16,10 +16,17 @@ written to disk). In the order they run:
              weights, so rarely right: the row measures what a round costs), 1 then 2 jumps,
              its CUDA graphs, against a verify of 17 plus the drafter's flow, each replayed
              alone (time is kept for the oracle)
+  dflash     DFlash in its published layout at Qwen3-8B's size (5 layers at the target's width,
+             a block of 16: 15 drafts; random weights), its graphs per (batch, context) bucket,
+             against a verify of 17 plus its block pass (bench.gpu_e2e_published)
   oracle     a drafter that is always right (drafter_service.oracle over the target's own
              greedy output, decoded first) with the engine in batch-invariant mode (one graph
              of b x 17 for every pass, so the oracle is accepted in full): the loop's ceiling,
              against a verify of 17
+  eagle3     EAGLE-3 in its published layout (one layer, a 32,000-token draft vocabulary, a tree
+             of 16 drafts; random weights), its tree search in graphs, the trees verified row
+             by row, against a verify of 17 plus its tree search; on an engine of its own (it
+             reads 3 layers' features), so it runs last
 
 Per row (ABOUT below says how each is measured): rounds, tokens, ms per round, kernels alone,
 their ratio, host ms, the split between verify calls, drafter calls and the loop's own work,
@@ -57,6 +64,8 @@ from bench import gpu_timing  # noqa: E402
 from bench.common import parser, stamp, write_report  # noqa: E402
 from bench.gpu import env_section  # noqa: E402
 from bench.gpu_drafter import build_drafter  # noqa: E402
+from bench.gpu_e2e_published import LABELS as PUBLISHED_LABELS  # noqa: E402
+from bench.gpu_e2e_published import published_rows  # noqa: E402
 from bench.gpu_target import QWEN3_8B, TINY_TARGET, random_qwen3  # noqa: E402
 from bench.gpu_timing import (  # noqa: E402
     LOG,
@@ -84,7 +93,14 @@ SHAPES = {
         max_new_tokens=128,
         dtype=torch.bfloat16,
         reps=20,
-        need={"target": (8, 0.2), "oracle": (8, 0.3), "flashmap": (8, 1.2), "drafter": (40, 0)},
+        need={
+            "target": (8, 0.2),
+            "oracle": (8, 0.3),
+            "flashmap": (8, 1.2),
+            "drafter": (40, 0),
+            "dflash": (8, 1.0),
+            "eagle3": (10, 1.5),  # its trees are verified row by row
+        },
     ),
     "smoke": dict(
         target=TINY_TARGET,
@@ -94,12 +110,12 @@ SHAPES = {
         max_new_tokens=52,  # the oracle: 3 rounds of K + 1 after the prefill's token
         dtype=torch.float32,
         reps=2,
-        need={"target": (1, 0), "oracle": (1, 0), "flashmap": (1, 0), "drafter": (1, 0)},
+        need={k: (1, 0) for k in ("target", "oracle", "flashmap", "drafter", "dflash", "eagle3")},
     ),
 }
 COUNTED_ROUNDS = 3  # steady-state rounds the host-work counters cover (after one warm round)
-LABELS = {"target": "target alone", "oracle": "oracle (always right)"}
-KINDS_TO_SKIP = "target, oracle, flashmap, flashmap1, flashmap2"
+LABELS = {"target": "target alone", "oracle": "oracle (always right)", **PUBLISHED_LABELS}
+KINDS_TO_SKIP = "target, oracle, flashmap, flashmap1, flashmap2, dflash, eagle3"
 
 
 def requests_for(prompts: np.ndarray, b: int, max_new: int):
@@ -231,8 +247,10 @@ class Run:
 
     # ------------------------------------------------------------------ one row
     def need(self, kind: str, b: int) -> float:
+        """Seconds a row may take (the drafter's build: kind "drafter"), for the tokens asked."""
         base, per_row = self.shape["need"][kind]
-        return base + per_row * b
+        scale = 1.0 if kind == "drafter" else self.max_new / self.shape["max_new_tokens"]
+        return (base + per_row * b) * scale
 
     def row(self, kind: str, b: int, steps: int, fn, reserve: float = 0.0) -> None:
         """fn() -> the row, unless skipped (--skip, the time guard) or failed: then the row
@@ -268,7 +286,7 @@ class Run:
 
         eng, dev = self.engine, self.dev
         per_round = K + 1 if kind == "oracle" else 1  # the random drafter is rarely right
-        tail = K + 1 if kind == "flashmap" else 1  # a round drafts K only with K tokens left
+        tail = 1 if kind in ("target", "oracle") else K + 1  # a drafter drafts K with K tokens left
         counted = min(self.max_new, 1 + per_round * (1 + COUNTED_ROUNDS) + tail)
         r = {"kind": kind, "batch": b, "steps": steps or 0}
         r.update(host_work(eng, requests_for(self.prompts, b, counted), proposer, steps, dev))
@@ -302,6 +320,10 @@ class Run:
         except Exception as e:  # noqa: BLE001 - the loop's numbers stand without the kernels'
             r["kernels_error"] = f"{type(e).__name__}: {e}"
         return r, tokens
+
+    def verify_kernel_ms(self, eng, b: int) -> float:
+        """A verify of K + 1 tokens for b rows on `eng`, its captured pass alone."""
+        return target_kernel_ms(eng, b, K + 1, self.at, self.dev, self.reps)
 
     # ------------------------------------------------------------------ the rows
     def target_rows(self) -> None:
@@ -523,7 +545,9 @@ def main(argv=None) -> int:
         run = Run(a, dev, Guard(a.budget), report, save)
         run.target_rows()
         run.flashmap_rows()
+        published_rows(run, "dflash")
         run.oracle_rows()
+        published_rows(run, "eagle3")  # last: its engine replaces the first one's caches
     except Exception as e:  # noqa: BLE001 - write what there is
         report["errors"]["run"] = {
             "error": f"{type(e).__name__}: {e}",

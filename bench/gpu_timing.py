@@ -155,30 +155,37 @@ def graph_time(fn, dev, reps: int = 20) -> dict:
 
 
 class RoundClock:
-    """Wraps an engine's `verify` for the length of a `with`: each round of the in-process loop
-    verifies once (the first call is the prefill), so the calls' end times are the rounds'
-    boundaries. on_end(i) runs after call i."""
+    """Clocks the in-process loop's target calls (`flashmap.inprocess.LocalTarget.verify`) over
+    `engine` for the length of a `with`: each round verifies once, whether its rows are plain
+    (one engine.verify) or trees (engine.verify_tree per row), and the first call is the prefill,
+    so the calls' end times are the rounds' boundaries. on_end(i) runs after call i."""
 
     def __init__(self, engine, on_end=None):
         self.engine, self.on_end = engine, on_end
         self.calls: list[tuple[float, float]] = []
 
     def __enter__(self):
-        inner = self.engine.verify
+        from flashmap.inprocess import LocalTarget
 
-        def verify(*args, **kwargs):
+        inner, clock = LocalTarget.verify, self
+
+        async def verify(target, *args, **kwargs):
             t = time.perf_counter()
-            out = inner(*args, **kwargs)
-            self.calls.append((t, time.perf_counter()))
-            if self.on_end is not None:
-                self.on_end(len(self.calls) - 1)
+            out = await inner(target, *args, **kwargs)
+            if target.engine is clock.engine:
+                clock.calls.append((t, time.perf_counter()))
+                if clock.on_end is not None:
+                    clock.on_end(len(clock.calls) - 1)
             return out
 
-        self.engine.verify = verify  # an instance attribute over the method, removed on exit
+        self._inner = inner
+        LocalTarget.verify = verify  # the class's, restored on exit
         return self
 
     def __exit__(self, *exc):
-        del self.engine.verify
+        from flashmap.inprocess import LocalTarget
+
+        LocalTarget.verify = self._inner
 
     def summary(self) -> dict:
         """The rounds after the prefill: how many, their time, the time in the verify calls."""

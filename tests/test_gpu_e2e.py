@@ -35,7 +35,8 @@ def test_every_row_is_measured(smoke):
     report, _, _ = smoke
     assert report["errors"] == {}
     cfg = report["config"]
-    want = {("target", 0), ("oracle", 0)} | {("flashmap", s) for s in cfg["jumps"]}
+    want = {("target", 0), ("oracle", 0), ("dflash", 0), ("eagle3", 0)}
+    want |= {("flashmap", s) for s in cfg["jumps"]}
     got = {(r["kind"], r["steps"], r["batch"]) for r in report["rows"]}
     assert got == {(k, s, b) for k, s in want for b in cfg["batches"]} and cfg["jumps"] == [1, 2]
     for r in report["rows"]:
@@ -55,7 +56,7 @@ def test_every_row_is_measured(smoke):
         if r["kind"] == "target":
             assert r["rounds"] == cfg["max_new_tokens"] - 1 and set(r["kernels"]) == {"step"}
             assert r["speedup"] == 1.0
-        if r["kind"] == "flashmap":
+        if r["kind"] in ("flashmap", "dflash", "eagle3"):  # drafters with their own graphs
             assert set(r["kernels"]) == {"verify17", "drafter"}
             assert r["drafts"] > 0 and r["draft_call_ms_per_round"] > 0
 

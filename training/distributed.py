@@ -215,3 +215,13 @@ def param_digest(model: nn.Module) -> str:
         h.update(name.encode())
         h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def peak_memory(device) -> str:
+    """This process's peak memory so far: allocated on its GPU, else its resident set."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return f"{torch.cuda.max_memory_allocated(dev) / 1e9:.2f} GB allocated on {dev}"
+    import resource
+
+    return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f} GB resident (host)"

@@ -403,6 +403,8 @@ def run_training(
             tb.close()
     if start >= tcfg.steps:  # nothing to do: still leave a complete checkpoint behind
         save(start)
+    if main:  # scripts/gpu-proof.sh reads this line
+        print(f"[train] peak memory: {D.peak_memory(device)}", flush=True)
     D.barrier(dist)
     return model.eval()
 
