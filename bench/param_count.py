@@ -107,7 +107,7 @@ def report() -> tuple[list[str], str, list[str]]:
         f"- The context projection maps 5 x 4096 = 20480 feature dims to D: {ctx_proj / 1e6:.0f}M. "
         "State input, anchor input and output readout are H x D each (8.4M); the vocabulary-sized matrices "
         "are the target's own, frozen, and not counted.",
-        f"- So ours is ~{totals['flashmap'] / 1e9:.2f}B, above the paper's ~0.5B. DESIGN.md fixes width, "
+        f"- So ours is ~{totals['flashmap'] / 1e9:.2f}B, above the paper's ~0.5B. the design fixes width, "
         "depth and heads but not the MLP ratio, the form of adaLN or the context projection; we took DiT's "
         "choices (MLP ratio 4, full-rank adaLN-Zero). A smaller MLP ratio, a shared or low-rank adaLN, or a "
         "narrower context projection would each close part of the gap; we have not tuned the defaults to hit "

@@ -1,4 +1,4 @@
-"""Drafter checkpoints: a directory with config.json + model.safetensors (DESIGN.md, Checkpoints).
+"""Drafter checkpoints: a directory with config.json + model.safetensors (docs/ARCHITECTURE.md, Checkpoints).
 
 config.json is the DrafterConfig (architecture, target reference with the content hashes
 of the target's embedding and LM head, feature layers, block size, flow settings) plus a

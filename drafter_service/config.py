@@ -5,7 +5,7 @@ architecture, the target it was made for (shape + content hashes of the frozen
 embedding / LM head), the feature layers it reads, the block size and the flow
 settings (time map, drafting defaults, training loss knobs). It is what
 config.json of a drafter checkpoint directory contains (see drafter_service/checkpoint.py).
-Defaults follow the paper (DESIGN.md): 6 blocks, width 2048, 16 heads, K = 16.
+Defaults follow the paper (docs/ARCHITECTURE.md): 6 blocks, width 2048, 16 heads, K = 16.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """EAGLE-3-style autoregressive baseline drafter: model, serving proposer, checkpoints.
 
-The paper's second baseline (DESIGN.md, "The method in one page"): a small causal
+The paper's second baseline (docs/ARCHITECTURE.md, "The method in one page"): a small causal
 transformer head on the target's fused feature-layer hidden states that drafts a CHAIN
 of K tokens one at a time.
 

@@ -23,7 +23,7 @@ generators), and CUDA draws may differ between GPU models (torch's kernels lay o
 Philox offsets by the device's size) and torch versions. On the CPU both come from one
 generator, as before. At temperature T > 0 slot k proposes x_k ~ q_k = softmax(logits/T)
 restricted to its top-m tokens and renormalised; the support sent to the target is those
-m ids with their q (DESIGN.md, exact speculative sampling).
+m ids with their q (docs/ARCHITECTURE.md, exact speculative sampling).
 
 Greedy rows (temperature 0) may draft mode-seeking instead of sampling the flow
 (`greedy_estimate`, `greedy_noise_scale`): at T = 0 the target accepts a slot only when it

@@ -1,4 +1,4 @@
-"""The tau <-> t time map of the one-hot flow (DESIGN.md, "Time").
+"""The tau <-> t time map of the one-hot flow (docs/ARCHITECTURE.md, "Time").
 
 The state x_t = (1-t)*eps + t*onehot(y), eps ~ N(0, I_V), decodes correctly (argmax = y)
 with probability

@@ -2,7 +2,7 @@
 
 Greedy rows (temperature 0) propose each slot's argmax (support {x_k}, q = 1). Sampling rows
 propose x_k ~ q_k = softmax(logits_k / T) restricted to its top-m tokens and renormalised;
-the support sent to the target is those m ids with their q (DESIGN.md, exact speculative
+the support sent to the target is those m ids with their q (docs/ARCHITECTURE.md, exact speculative
 sampling). The sample comes from the request's own CPU generator, so a seeded request drafts
 the same block whatever it is batched with.
 """

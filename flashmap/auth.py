@@ -1,4 +1,4 @@
-"""Shared secrets between the parts and the public API key (DESIGN.md, "Trust boundaries").
+"""Shared secrets between the parts and the public API key (docs/ARCHITECTURE.md, "Trust boundaries").
 
 - Triton's restricted protocols (inference, shared memory, model control, logging, ...)
   need TARGET_KEY_HEADER: the target key only the orchestrator holds.

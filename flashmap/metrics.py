@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from flashmap.types import BLOCK_SIZE
 
-# Latency buckets start at 100 microseconds (DESIGN.md).
+# Latency buckets start at 100 microseconds (docs/ARCHITECTURE.md).
 LATENCY_BUCKETS = (
     1e-4,
     2.5e-4,

@@ -1,6 +1,6 @@
 """Exact speculative sampling over sparse proposal supports (numpy only).
 
-One round checks a draft block x_1..x_K against the target (DESIGN.md, "Exact
+One round checks a draft block x_1..x_K against the target (docs/ARCHITECTURE.md, "Exact
 speculative sampling without moving the vocabulary"). Names follow vLLM:
 
 - accepted token: draft token x_k kept because every u_j < min(1, p_j(x_j) / q_j(x_j))

@@ -153,7 +153,7 @@ class SpecStats:
 
     @property
     def mean_acceptance_length(self) -> float:
-        """Tokens committed per drafted round (gamma), DESIGN.md's definition."""
+        """Tokens committed per drafted round (gamma), ARCHITECTURE.md's definition."""
         return 1.0 + self.accepted / self.drafts if self.drafts else 0.0
 
     def record_round(self, drafted: int, accepted: int, tokens: int | None = None) -> None:
@@ -250,7 +250,7 @@ class VerifyRow:
 
 @dataclass
 class VerifyResult:
-    """Per-position verification statistics (DESIGN.md, exact sampling protocol). A row of
+    """Per-position verification statistics (docs/ARCHITECTURE.md, exact sampling protocol). A row of
     `steps` > 1 (no drafts) gets argmax and residual [steps], one per decoded token, and
     features [L + steps - 1, F] (its tokens, then every decoded token but the last)."""
 

@@ -107,7 +107,7 @@ class OrchestratorConfig(Config):
     health_interval_s: float = option(
         2.0, "idle: probe the target this often (busy: the verify calls tell)", check=at_least(0.01)
     )
-    # Trust boundaries (DESIGN.md): secrets from the environment (flashmap.auth), "" = none.
+    # Trust boundaries (docs/ARCHITECTURE.md): secrets from the environment (flashmap.auth), "" = none.
     api_key: str = option(
         "",
         "clients must send authorization: Bearer <key> (Health and grpc.health stay open)",

@@ -1,4 +1,4 @@
-"""Verification statistics: target logits -> the numbers of DESIGN.md's exact-sampling protocol.
+"""Verification statistics: target logits -> the numbers of ARCHITECTURE.md's exact-sampling protocol.
 
 For each verify row the target returns, at the last K+1 positions:
 - argmax of the raw logits (all the orchestrator needs at temperature 0);

@@ -209,7 +209,7 @@ def test_prometheus_acceptance_matches_sdk_stats(prometheus, stack, traffic):
     assert value("sum(flashmap_num_draft_tokens_total)") == sdk["draft_tokens"]
     assert value("sum(flashmap_num_accepted_tokens_total)") == sdk["accepted"]
 
-    # Mean acceptance length, DESIGN.md's definition, through the HTTP API.
+    # Mean acceptance length, ARCHITECTURE.md's definition, through the HTTP API.
     mean_gamma = value(
         "1 + sum(flashmap_num_accepted_tokens_total) / sum(flashmap_num_drafts_total)"
     )

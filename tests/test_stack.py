@@ -514,7 +514,7 @@ class TestMainStack:
 
     @pytest.mark.timeout(60)
     def test_metric_catalogue(self, stack, client):
-        """Every metric of DESIGN.md has a sample line on the orchestrator's /metrics (before any
+        """Every metric of docs/ARCHITECTURE.md has a sample line on the orchestrator's /metrics (before any
         fallback happened: counters with known labels are exported at zero)."""
         client.generate(prompt_ids=[5, 6, 7], max_new_tokens=8, ignore_eos=True)
         text = _metrics_text(stack.cfg.metrics_port)

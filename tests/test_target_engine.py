@@ -3,7 +3,7 @@
 
 All fp32 on tiny random checkpoints (target_service.random_checkpoint). Greedy
 comparisons first check the reference top-2 logit gap, so that an argmax equality
-cannot hinge on float rounding (DESIGN.md, "Floating point").
+cannot hinge on float rounding (docs/ARCHITECTURE.md, "Floating point").
 """
 
 from __future__ import annotations
