@@ -604,9 +604,12 @@ def test_float16_features_come_back_as_float16(checkpoint, engine, tmp_path):
 
 async def _generated(orch, prompt, max_new: int) -> list[int]:
     """The tokens an in-process Orchestrator streams for a greedy request of `prompt`."""
+    from flashmap.request_options import Prompt, RequestOptions
     from orchestrator.requests import Piece
 
-    gen = orch.make_request(token_ids=prompt, max_new_tokens=max_new, ignore_eos=True)
+    gen = orch.make_request(
+        Prompt(token_ids=prompt), RequestOptions(max_new_tokens=max_new, ignore_eos=True)
+    )
     return [
         t
         for item in [x async for x in orch.stream(gen)]
