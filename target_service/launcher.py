@@ -40,7 +40,7 @@ from pathlib import Path
 from flashmap.auth import TARGET_KEY_ENV, TARGET_KEY_HEADER
 from flashmap.config import Config, at_least, option, parse, same_as, values_for
 from flashmap.cpus import on_cpus
-from target_service.target_config import TargetModelConfig
+from target_service.target_config import TargetModelConfig, variable
 from target_service.triton_repository import MODEL_NAME, write_model_repository
 from target_service.tritonserver import TritonStartError, find_tritonserver, server_env
 
@@ -357,7 +357,7 @@ def wait_ready(handle: TritonHandle, timeout_s: float) -> None:
 def main(argv: list[str] | None = None) -> int:
     c = parse(TritonConfig, argv, __doc__.split("\n")[0], "python -m target_service.launcher")
     if c.model_dir is None:
-        print("error: give --model-dir (or $FLASHMAP_TARGET_DIR)", file=sys.stderr)
+        print(f"error: give --model-dir (or {variable('model_dir')})", file=sys.stderr)
         return 2
     if not Path(c.model_dir, "config.json").is_file():
         print(

@@ -47,6 +47,12 @@ def _cpu_list(text: str) -> None:
 AUTO_TRUE_FALSE = ("auto", "true", "false")
 
 
+def variable(setting: str) -> str:
+    """The environment variable of a TargetModelConfig setting, as "$NAME" (for messages)."""
+    (f,) = [f for f in fields(TargetModelConfig) if f.name == setting]
+    return f"${f.metadata['option'].env}"
+
+
 @dataclass
 class TargetModelConfig(Config):
     """The settings of the Triton model flashmap_target (module docstring). No flags of its own
@@ -153,8 +159,10 @@ class TargetModelConfig(Config):
     def checkpoint(self) -> str:
         """model_dir, or a ValueError that says where to set it."""
         if not self.model_dir:
-            env = next(f.metadata["option"].env for f in fields(self) if f.name == "model_dir")
-            raise ValueError(f"no checkpoint; set ${env} or model_dir in the {PARAMETER} parameter")
+            raise ValueError(
+                f"no checkpoint; set {variable('model_dir')} or model_dir in the {PARAMETER} "
+                "parameter"
+            )
         return self.model_dir
 
     def device_for(self, cuda_available: bool) -> str:
