@@ -39,7 +39,14 @@ from flashmap.types import (
 )
 
 SCALARS = (bool, int, float, str)
-OWN_DEFAULT: Any = type("OwnDefault", (), {"__repr__": lambda self: "OWN_DEFAULT"})()
+
+
+class _OwnDefault:
+    def __repr__(self) -> str:
+        return "OWN_DEFAULT"
+
+
+OWN_DEFAULT: Any = _OwnDefault()  # an OpenAI body that leaves the option out: the option's default
 
 
 @dataclass(frozen=True)
@@ -48,8 +55,7 @@ class Crossing:
 
     proto: str | None = ""  # GenerateRequest's field ("": the option's name; None: not on gRPC)
     openai: str | None = ""  # the OpenAI body's field ("": the name; None: not in that API)
-    # The value an OpenAI body means when it leaves the field out: OpenAI's default, where it
-    # differs from the option's.
+    # What an OpenAI body means when it leaves the field out, where OpenAI's default differs.
     openai_default: Any = OWN_DEFAULT
 
 
@@ -82,7 +88,7 @@ class RequestOptions:
 
     max_new_tokens: int | None = request_option(
         64,
-        "tokens to generate at most (None: the rest of the context)",
+        "tokens to generate at most (None: up to the end of the context)",
         check=check_max_new_tokens,
         openai="max_tokens",
     )

@@ -10,6 +10,7 @@ its field (and a GenerateRequest field) and nothing in the fronts."""
 from __future__ import annotations
 
 import argparse
+import typing
 from dataclasses import dataclass, fields, replace
 
 import pytest
@@ -50,7 +51,7 @@ def sample(cls: type, f) -> object:
         return SAMPLE[t]
     if kind == "list":
         return [SAMPLE[t], SAMPLE[t]]
-    return [{"k": [1, "x"]}] if t is list or str(t).startswith("list") else {"k": [1, "x"]}
+    return [{"k": [1, "x"]}] if typing.get_origin(t) is list else {"k": [1, "x"]}
 
 
 def samples(cls: type = RequestOptions) -> dict:
