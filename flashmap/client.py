@@ -8,6 +8,10 @@
         print(out.token_ids, out.stats.mean_acceptance_length)
         print(c.generate(messages=[{"role": "user", "content": "Hello!"}], max_new_tokens=64).text)
 
+generate and generate_stream take one prompt (prompt=, prompt_ids= or messages=), request_id=,
+and the request's options: the fields of flashmap.request_options.RequestOptions by name, or a
+RequestOptions as options= (fields by name then change it).
+
 gRPC errors become FlashMapError subclasses (InvalidArgument, ResourceExhausted,
 Unavailable, ...), each with the server's message. DrafterAdmin switches the drafter's
 step count at run time.
@@ -16,7 +20,7 @@ step count at run time.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
@@ -30,6 +34,8 @@ from flashmap.auth import (
     bearer,
     read_secret,
 )
+from flashmap.request_options import Prompt, RequestOptions
+from flashmap.request_proto import options_to_proto, prompt_to_proto
 from flashmap.types import SpecStats
 from flashmap.v1 import drafter_pb2, drafter_pb2_grpc, serving_pb2, serving_pb2_grpc
 from flashmap.wire import stats_from_proto
@@ -127,50 +133,20 @@ class Completion:
 
 
 def _request(
-    prompt=None,
-    prompt_ids=None,
-    messages=None,
-    max_new_tokens=64,
-    temperature=0.0,
-    top_k=0,
-    top_p=None,
-    seed=None,
-    stop=(),
-    stop_token_ids=(),
-    ignore_eos=False,
-    draft_steps=None,
-    request_id="",
-    max_draft_tokens=None,
+    prompt: str | None = None,
+    prompt_ids: list[int] | None = None,
+    messages: list[dict] | None = None,
+    request_id: str = "",
+    options: RequestOptions | None = None,
+    **fields,
 ) -> serving_pb2.GenerateRequest:
-    req = serving_pb2.GenerateRequest(
-        request_id=request_id,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        stop=list(stop),
-        stop_token_ids=list(stop_token_ids),
-        ignore_eos=ignore_eos,
-    )
-    if prompt_ids is not None:
-        req.token_ids.ids.extend(int(t) for t in prompt_ids)
-    elif (
-        messages is not None
-    ):  # [{"role": ..., "content": ...}]: the server applies the chat template
-        req.messages.SetInParent()  # an empty conversation is still a conversation (the server refuses it)
-        req.messages.messages.extend(
-            serving_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages
-        )
-    elif prompt is not None:
-        req.text = prompt
-    if top_p is not None:
-        req.top_p = top_p
-    if seed is not None:
-        req.seed = seed
-    if draft_steps is not None:
-        req.draft_steps = draft_steps
-    if max_draft_tokens is not None:  # 0: speculation off for this request
-        req.max_draft_tokens = max_draft_tokens
-    return req
+    """A GenerateRequest: one prompt (text, token ids, or a conversation the server renders with
+    the chat template), and the options (flashmap.request_options.RequestOptions: `options`,
+    with any of its fields given by name on top)."""
+    opts = replace(options or RequestOptions(), **fields)
+    req = serving_pb2.GenerateRequest(request_id=request_id)
+    prompt_to_proto(Prompt(prompt, prompt_ids, messages), req)
+    return options_to_proto(opts, req)
 
 
 def _chunk(resp: serving_pb2.GenerateResponse) -> Chunk:

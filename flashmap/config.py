@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import types
 import typing
@@ -287,8 +288,12 @@ def _from_text(text: str, t: Any, opt: Option, unset_if_empty: bool = True) -> A
     kind = _kind(t)
     if optional and text == "" and unset_if_empty:
         return None
+    if _is_json(kind):
+        return _from_json(text, kind)
     if typing.get_origin(kind) is list:  # from the environment: comma-separated
         (elem,) = typing.get_args(kind)
+        if _is_json(elem):  # a list of JSON values: one JSON array
+            return _from_json(text, list)
         return [_from_text(x, elem, opt) for x in text.split(",") if x.strip()]
     if kind is bool:
         if text.lower() in TRUE:
@@ -303,6 +308,22 @@ def _from_text(text: str, t: Any, opt: Option, unset_if_empty: bool = True) -> A
     return value * opt.scale if opt.scale != 1.0 else value
 
 
+def _is_json(kind: Any) -> bool:
+    """A type that a flag or a variable spells as JSON text (a dict, Any)."""
+    return kind is dict or typing.get_origin(kind) is dict or kind is Any
+
+
+def _from_json(text: str, kind: Any) -> Any:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise ValueError(f"expected JSON, got {text!r}") from None
+    want = typing.get_origin(kind) or kind
+    if want is not Any and not isinstance(value, want):
+        raise ValueError(f"expected a JSON {'object' if want is dict else 'array'}, got {text!r}")
+    return value
+
+
 def _flag_type(t: Any, opt: Option) -> Callable[[str], Any]:
     def convert(text: str) -> Any:
         try:
@@ -314,6 +335,8 @@ def _flag_type(t: Any, opt: Option) -> Callable[[str], Any]:
 
 
 def _to_text(value: Any, opt: Option) -> str:
+    if isinstance(value, (dict, list)):
+        return json.dumps(value)
     if opt.scale != 1.0:
         value = round(value / opt.scale, 9)
     return str(value)

@@ -10,8 +10,9 @@ runs faster under load (measured in docs/experiments/2026-12-02-cpus.md; `python
 
 `split_cpus` makes the split: the first `target_n` usable CPUs for the target's compute, the
 others for every other thread. `flashmap_cli.stack.Stack` starts the services on the rest and
-passes the target's set to the model in $FLASHMAP_TARGET_CPUS, which its worker applies to
-itself (`pin_thread`); a process started with fewer than two usable CPUs is left alone.
+passes the target's set to the model (its `cpus` setting, target_service.target_config), whose
+worker applies it to itself (`pin_thread`); a process started with fewer than two usable CPUs
+is left alone.
 The vLLM CPU backend binds its OpenMP threads to cores for the same reason
 (VLLM_CPU_OMP_THREADS_BIND).
 
@@ -30,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import os
 
-TARGET_CPUS_ENV = "FLASHMAP_TARGET_CPUS"
 DRAFTER_CPUS_ENV = "FLASHMAP_DRAFTER_CPUS"  # the drafter's forward thread
 
 

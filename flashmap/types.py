@@ -56,10 +56,46 @@ def check_max_draft_tokens(n: int) -> int:
     return n
 
 
+# The checks of a request's sampling settings: SamplingParams.validate and the fields of
+# flashmap.request_options.RequestOptions run these, so every entry point refuses a value with
+# the same message.
+
+
+def check_max_new_tokens(n: int) -> int:
+    if not n > 0:
+        raise InvalidRequest(f"max_new_tokens must be > 0, got {n}")
+    return n
+
+
+def check_temperature(t: float) -> float:
+    if not np.isfinite(t) or t < 0:
+        raise InvalidRequest(f"temperature must be >= 0, got {t}")
+    return t
+
+
+def check_top_k(k: int) -> int:
+    """0 and -1 (vLLM's and OpenAI clients' spelling) are both "off"."""
+    if not -1 <= k < 2**31:
+        raise InvalidRequest(f"top_k must be in [-1, 2^31) (0 or -1 = off), got {k}")
+    return k
+
+
+def check_top_p(p: float) -> float:
+    if not (0.0 < p <= 1.0):
+        raise InvalidRequest(f"top_p must be in (0, 1], got {p}")
+    return p
+
+
+def check_seed(seed: int) -> int:
+    if not 0 <= seed < 2**64:  # numpy's generator seeds; the wire's uint64
+        raise InvalidRequest(f"seed must be in [0, 2**64), got {seed}")
+    return seed
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
+    top_k: int = 0  # 0 (or -1) = off
     top_p: float = 1.0  # 1 = off
     seed: int | None = None
 
@@ -68,16 +104,11 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self) -> SamplingParams:
-        if not np.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 <= self.top_k < 2**31:
-            raise InvalidRequest(f"top_k must be in [0, 2^31) (0 = off), got {self.top_k}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.seed is not None and not (
-            0 <= self.seed < 2**64
-        ):  # numpy's generator seeds; the wire's uint64
-            raise InvalidRequest(f"seed must be in [0, 2**64), got {self.seed}")
+        check_temperature(self.temperature)
+        check_top_k(self.top_k)
+        check_top_p(self.top_p)
+        if self.seed is not None:
+            check_seed(self.seed)
         return self
 
 
@@ -100,8 +131,7 @@ class GenerationRequest:
             raise InvalidRequest(
                 f"prompt token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
             )
-        if self.max_new_tokens <= 0:
-            raise InvalidRequest(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
+        check_max_new_tokens(self.max_new_tokens)
         if len(self.prompt_ids) >= max_seq_len:
             raise InvalidRequest(
                 f"prompt has {len(self.prompt_ids)} tokens; the context holds {max_seq_len}"

@@ -21,7 +21,8 @@ from pathlib import Path
 
 from drafter_service.service_config import DrafterServiceConfig
 from flashmap.config import Config, add_arguments, from_args, option, same_as
-from flashmap.types import DRAFT_STEPS, InvalidRequest, SamplingParams, SpecStats, check_draft_steps
+from flashmap.request_options import RequestOptions
+from flashmap.types import DRAFT_STEPS, InvalidRequest, SpecStats, check_draft_steps
 from orchestrator.config import OrchestratorConfig
 
 
@@ -79,7 +80,7 @@ def stats_report(
 
 @dataclass
 class GenerateConfig(Config):
-    """`flashmap generate`'s options."""
+    """`flashmap generate`'s options, besides the request's own (RequestOptions' flags)."""
 
     prompt_text: str | None = option(None, "prompt text (same as --prompt)", flag="prompt_text")
     prompt: str | None = option(None, "prompt text")
@@ -112,19 +113,6 @@ class GenerateConfig(Config):
         env=None,
         help="--in-process, temperature 0: verify this many drafted blocks as a tree per round",
     )
-    max_new_tokens: int = option(64, "tokens to generate at most")
-    temperature: float = option(0.0, "0 = greedy")
-    top_k: int = option(0, "0 = off")
-    top_p: float = option(1.0, "1 = off")
-    seed: int | None = option(None, "a seeded request is reproducible")
-    draft_steps: int | None = option(
-        None, "flow-map jumps (1, 2) or N Euler steps of the teacher (default: the drafter's)"
-    )
-    max_draft_tokens: int | None = option(
-        None, "most draft tokens verified per round (0: speculation off; default: the block)"
-    )
-    stop_id: list[int] = option(help="extra stop token id (repeatable)", default_factory=list)
-    ignore_eos: bool = option(False, "do not stop at the target's end-of-sequence ids")
     json: bool = option(False, "print one JSON object instead of text")
 
 
@@ -143,6 +131,7 @@ class StepsConfig(Config):
 
 def _cmd_generate(args) -> int:
     a = from_args(GenerateConfig, args)
+    options = from_args(RequestOptions, args)
     if a.prompt is None:
         a.prompt = a.prompt_text
     if a.chat and a.prompt_ids is not None:
@@ -155,22 +144,22 @@ def _cmd_generate(args) -> int:
                 "--tree-blocks, --min-confidence and --compile are --in-process options "
                 "(for the stack: the drafter service's --min-confidence and --compile)"
             )
-        return _generate_remote(a)
+        return _generate_remote(a, options)
     if not a.target:
         raise UsageError("--in-process needs --target DIR")
     if a.prompt is None and a.prompt_ids is None:
         raise UsageError("give --prompt TEXT or --prompt-ids 1,2,3")
-    return _generate_in_process(a)
+    if options.stop:
+        raise UsageError("--stop needs the stack (stop strings are the orchestrator's)")
+    return _generate_in_process(a, options)
 
 
-def _generate_in_process(a: GenerateConfig) -> int:
+def _generate_in_process(a: GenerateConfig, options: RequestOptions) -> int:
     from drafter_service.factory import load_proposer
     from flashmap.drafter_inputs import checkpoint_dir, target_inputs
     from flashmap.inprocess import decode
-    from flashmap.types import GenerationRequest
     from target_service.engine import TargetEngine
 
-    params = SamplingParams(a.temperature, a.top_k, a.top_p, a.seed)
     drafter_dir = None if a.ar else checkpoint_dir(a.drafter)
     layers, _ = target_inputs(drafter_dir, a.target, project=False)  # the drafter's layers
     engine = TargetEngine(a.target, n_slots=1, feature_layers=layers)
@@ -182,16 +171,12 @@ def _generate_in_process(a: GenerateConfig) -> int:
 
         tokenizer = TextTokenizer(a.target)
         prompt_ids = tokenizer.encode(tokenizer.render_chat(_messages(a)) if a.chat else a.prompt)
-    stop = () if a.ignore_eos else tuple(engine.eos_token_ids)
-    req = GenerationRequest(
+    req = options.to_request(  # the edge: trusted from here on
         prompt_ids,
-        a.max_new_tokens,
-        params,
-        stop + tuple(a.stop_id),
-        a.draft_steps,
-        max_draft_tokens=a.max_draft_tokens,
+        vocab_size=engine.vocab_size,
+        max_seq_len=engine.max_seq_len,
+        eos_token_ids=engine.eos_token_ids,
     )
-    req.validate(engine.vocab_size, engine.max_seq_len)  # the edge: trusted from here on
     proposer = (
         None
         if a.ar
@@ -200,7 +185,7 @@ def _generate_in_process(a: GenerateConfig) -> int:
             a.target,
             n_slots=1,
             max_context=engine.max_seq_len,
-            steps=a.draft_steps or DRAFT_STEPS,  # what --compile compiles
+            steps=options.draft_steps or DRAFT_STEPS,  # what --compile compiles
             min_confidence=a.min_confidence,
             compile=a.compile,
         )
@@ -236,23 +221,13 @@ def _generate_in_process(a: GenerateConfig) -> int:
     return 0
 
 
-def _generate_remote(a: GenerateConfig) -> int:
+def _generate_remote(a: GenerateConfig, options: RequestOptions) -> int:
     from flashmap.client import Client
 
     if a.prompt is None and a.prompt_ids is None:
         raise UsageError("give a prompt")
     with Client(a.url) as client:
-        kwargs = dict(
-            max_new_tokens=a.max_new_tokens,
-            temperature=a.temperature,
-            top_k=a.top_k,
-            top_p=a.top_p,
-            seed=a.seed,
-            draft_steps=a.draft_steps,
-            max_draft_tokens=a.max_draft_tokens,
-            stop_token_ids=a.stop_id,
-            ignore_eos=a.ignore_eos,
-        )
+        kwargs: dict = {"options": options}
         if a.prompt_ids is not None:
             kwargs["prompt_ids"] = _parse_ids(a.prompt_ids)
         elif a.chat:
@@ -358,6 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
         "generate", help="generate from a prompt (against the stack, or --in-process)"
     )
     add_arguments(g, GenerateConfig)
+    add_arguments(g, RequestOptions)
     g.set_defaults(func=_cmd_generate)
 
     st = sub.add_parser("steps", help="show or switch the drafter's step count at run time")

@@ -167,6 +167,7 @@ class StackConfig(Config):
             host=self.host,
             n_slots=self.n_slots,
             max_seq_len=self.max_seq_len,
+            key=self.target_key,
             # The target makes what the served drafter checkpoint reads (its layers, its
             # projection); a drafter made in the drafter's process ("init", the test oracle)
             # reads the default layers, unprojected.
@@ -223,10 +224,11 @@ class Stack:
         from target_service.launcher import start_triton
 
         t = self.cfg.triton_config()
+        if self.cpus is not None:  # the model's compute thread on the first set
+            t = replace(t, cpus=format_cpu_list(self.cpus[0]))
         self.triton = start_triton(
             **{**vars(t), "log_path": str(self._log("triton"))},
-            key=self.cfg.target_key,
-            cpus=self.cpus,
+            server_cpus=None if self.cpus is None else self.cpus[1],
         )
 
     def start_drafter(self, wait: bool = True) -> None:

@@ -1,6 +1,7 @@
 """The public gRPC front (proto/flashmap/v1/serving.proto: Generate, Abort, ModelInfo, Health),
 beside the OpenAI-compatible HTTP front (orchestrator.openai_api); both build requests with
-Orchestrator.make_request and run them with Orchestrator.stream."""
+Orchestrator.make_request (a Prompt and RequestOptions: flashmap.request_proto reads them from
+a GenerateRequest) and run them with Orchestrator.stream."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import grpc
 
 from flashmap.auth import API_KEY_HEADER, bearer
 from flashmap.grpc_serving import TokenAuth, add_service, serve_grpc
+from flashmap.request_options import RequestOptions
+from flashmap.request_proto import options_from_proto, prompt_from_proto
 from flashmap.types import GenerationRequest, InvalidRequest
 from flashmap.v1 import serving_pb2, serving_pb2_grpc
 from flashmap.wire import stats_to_proto
@@ -18,27 +21,13 @@ from orchestrator.requests import Piece
 from orchestrator.scheduler import SERVICE_NAME, Orchestrator
 
 
-def request_from_proto(orch: Orchestrator, req: serving_pb2.GenerateRequest) -> GenerationRequest:
-    """A GenerateRequest's fields for Orchestrator.make_request (unset optional fields: None)."""
-    kind = req.WhichOneof("prompt")
-    opt = lambda name: getattr(req, name) if req.HasField(name) else None  # noqa: E731
-    return orch.make_request(
-        text=req.text if kind == "text" else None,
-        token_ids=list(req.token_ids.ids) if kind == "token_ids" else None,
-        messages=[{"role": m.role, "content": m.content} for m in req.messages.messages]
-        if kind == "messages"
-        else None,
-        max_new_tokens=req.max_new_tokens,
-        temperature=req.temperature,
-        top_k=req.top_k,
-        top_p=opt("top_p"),
-        seed=opt("seed"),
-        stop_token_ids=list(req.stop_token_ids),
-        ignore_eos=req.ignore_eos,
-        draft_steps=opt("draft_steps"),
-        max_draft_tokens=opt("max_draft_tokens"),
-        request_id=req.request_id,
-    )
+def request_of(
+    orch: Orchestrator, req: serving_pb2.GenerateRequest
+) -> tuple[GenerationRequest, RequestOptions]:
+    """The validated request a GenerateRequest asks for, and its options (InvalidRequest if it
+    is refused)."""
+    options = options_from_proto(req)
+    return orch.make_request(prompt_from_proto(req), options, req.request_id), options
 
 
 class FlashMapServicer(serving_pb2_grpc.FlashMapServicer):
@@ -54,16 +43,16 @@ class FlashMapServicer(serving_pb2_grpc.FlashMapServicer):
                 request.WhichOneof("prompt") == "token_ids"
                 and len(request.token_ids.ids) <= orch.info.max_seq_len
             ):
-                gen = request_from_proto(orch, request)
+                gen, options = request_of(orch, request)
             else:
-                gen = await orch.request_async(request_from_proto, orch, request)
+                gen, options = await orch.request_async(request_of, orch, request)
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rid = gen.request_id
         left = context.time_remaining()
         stream = orch.stream(
             gen,
-            [s for s in request.stop if s],
+            options.stop,
             deadline=None if left is None else time.monotonic() + left,
         )
         try:

@@ -1,9 +1,11 @@
 """A request as the front ends (gRPC Generate, the OpenAI API) see it: built and validated from
-their fields (`build_request`), and its committed tokens given back as text (`TextPieces`:
-pieces held back while they could start a stop string), then one `Outcome`.
+its prompt and its options (`build_request`; flashmap.request_options), and its committed tokens
+given back as text (`TextPieces`: pieces held back while they could start a stop string), then
+one `Outcome`.
 
-Validation happens here once (GenerationRequest.validate, flashmap.types' limits); the
-scheduler, the drafter and the target trust what comes out."""
+Validation happens here once (RequestOptions.to_request: the options' checks and
+GenerationRequest.validate, flashmap.types' limits); the scheduler, the drafter and the target
+trust what comes out."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from flashmap.types import GenerationRequest, InvalidRequest, SamplingParams, SpecStats
+from flashmap.request_options import Prompt, RequestOptions
+from flashmap.types import GenerationRequest, InvalidRequest, SpecStats
 from orchestrator.target_client import TargetUnavailable
 
 
@@ -55,68 +58,40 @@ class Outcome:
 
 
 def build_request(
-    cfg,
-    tokenizer,
-    info,
-    *,
-    text: str | None = None,
-    token_ids: list[int] | None = None,
-    messages: list[dict] | None = None,
-    max_new_tokens: int | None,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float | None = None,
-    seed: int | None = None,
-    stop_token_ids=(),
-    ignore_eos: bool = False,
-    draft_steps: int | None = None,
-    max_draft_tokens: int | None = None,
-    request_id: str = "",
+    cfg, tokenizer, info, prompt: Prompt, options: RequestOptions, request_id: str = ""
 ) -> GenerationRequest:
-    """A validated GenerationRequest from a front end's fields, or InvalidRequest with a one-line
-    message. cfg: the OrchestratorConfig (prompt and id limits); tokenizer: the target's (None:
-    token ids only); info: the target's TargetInfo (vocabulary, context, end-of-sequence ids).
-    `messages` is a conversation for the checkpoint's chat template; max_new_tokens None: the
-    rest of the context. Tokenises a text prompt: call it off the event loop."""
+    """A validated GenerationRequest of a prompt and its options, or InvalidRequest with a
+    one-line message. cfg: the OrchestratorConfig (prompt and id limits); tokenizer: the
+    target's (None: token ids only); info: the target's TargetInfo (vocabulary, context,
+    end-of-sequence ids); request_id "": a new one. Renders a conversation with the chat
+    template and tokenises a text prompt: call it off the event loop."""
     if len(request_id) > cfg.max_request_id_len or not request_id.isprintable():
         raise InvalidRequest(
             f"request_id must be printable and at most {cfg.max_request_id_len} characters"
         )
-    if (text is not None or messages is not None) and tokenizer is None:
+    text = prompt.text
+    if (text is not None or prompt.messages is not None) and tokenizer is None:
         raise InvalidRequest("this server has no tokenizer: send token ids")
-    if messages is not None:
-        text = tokenizer.render_chat(messages, add_generation_prompt=True)
+    if prompt.messages is not None:
+        text = tokenizer.render_chat(prompt.messages, add_generation_prompt=True)
     if text is not None:
         if (
             len(text) > cfg.max_prompt_bytes
             or len(text.encode("utf-8", "replace")) > cfg.max_prompt_bytes
         ):
             raise InvalidRequest(f"prompt text is longer than {cfg.max_prompt_bytes} bytes")
-        prompt = tokenizer.encode(text)
-    elif token_ids is not None:
-        prompt = [int(t) for t in token_ids]
+        ids = tokenizer.encode(text)
+    elif prompt.token_ids is not None:
+        ids = prompt.token_ids
     else:
         raise InvalidRequest("prompt is empty")
-    params = SamplingParams(
-        temperature=float(temperature),
-        top_k=int(top_k),
-        top_p=1.0 if top_p is None else float(top_p),
-        seed=seed,
+    return options.to_request(
+        ids,
+        vocab_size=info.vocab_size,
+        max_seq_len=info.max_seq_len,
+        eos_token_ids=info.eos_token_ids,
+        request_id=request_id or uuid.uuid4().hex,
     )
-    if max_new_tokens is None:  # at least 1, so a full context gets validate()'s message
-        max_new_tokens = max(1, info.max_seq_len - len(prompt))
-    stop_ids = tuple(stop_token_ids) + (() if ignore_eos else tuple(info.eos_token_ids))
-    gen = GenerationRequest(
-        prompt,
-        int(max_new_tokens),
-        params,
-        stop_ids,
-        draft_steps,
-        request_id or uuid.uuid4().hex,
-        max_draft_tokens,
-    )
-    gen.validate(info.vocab_size, info.max_seq_len)
-    return gen
 
 
 class TextPieces:

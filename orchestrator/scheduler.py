@@ -160,13 +160,13 @@ class Orchestrator:
         return {"model": self.info.model_name, "drafter": self.drafter_name(), "steps": str(steps)}
 
     # -- requests ----------------------------------------------------------------
-    def make_request(self, **fields) -> GenerationRequest:
-        """A validated GenerationRequest from a front end's fields (orchestrator.requests.
-        build_request: its arguments); InvalidRequest for anything the server refuses."""
-        return build_request(self.cfg, self.tokenizer, self.info, **fields)
+    def make_request(self, prompt, options, request_id: str = "") -> GenerationRequest:
+        """A validated GenerationRequest of a front end's Prompt and RequestOptions
+        (orchestrator.requests.build_request); InvalidRequest for anything the server refuses."""
+        return build_request(self.cfg, self.tokenizer, self.info, prompt, options, request_id)
 
-    async def request_async(self, build, *args) -> GenerationRequest:
-        """build(*args) (make_request, grpc_api.request_from_proto) on a worker thread:
+    async def request_async(self, build, *args):
+        """build(*args) (make_request, grpc_api.request_of) on a worker thread:
         tokenising a long prompt must not stall every other stream."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, build, *args)
 

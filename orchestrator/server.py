@@ -29,7 +29,7 @@ async def serve(
     await orch.start()
     http = None
     if cfg.http_port:
-        from orchestrator.openai_api import HttpServer
+        from orchestrator.openai_api.server import HttpServer
 
         http = await HttpServer(orch, cfg.host, cfg.http_port).start()
     try:

@@ -1,8 +1,5 @@
 """Start a local Triton Inference Server that hosts the FlashMap target model.
 
-One module for one job, a tritonserver serving this model: the binary, its repository and
-environment, the process and its health, the command line (options: TritonConfig).
-
     python -m target_service.launcher --model-dir CHECKPOINT [--grpc-port 8001 --http-port 8000
         --metrics-port 8002 --host 127.0.0.1 --n-slots 8 --max-seq-len N --idle-timeout-s 60]
 
@@ -12,223 +9,40 @@ Also a Python API for tests and `flashmap up`:
     ...  # TargetClient(handle.grpc_url)
     handle.stop()
 
-What it does:
-- finds a tritonserver binary: $FLASHMAP_TRITONSERVER, else the one the nvidia-pytriton wheel
-  ships, else `tritonserver` on PATH (NVIDIA's image, with /opt/tritonserver/backends);
-- with the wheel, builds a backend directory in a scratch workspace holding the Python
-  backend plus the stub built for the running Python (the wheel ships one per version);
-- copies the model repository (target_service/model_repository) into the workspace and
-  writes the settings Triton acts on (slots, idle timeout, queue delay, FEATURES type) into
-  its config.pbtxt, so the sequence batcher and the model agree on them; model settings
-  (checkpoint, max_seq_len, device, dtype) go to the model as FLASHMAP_TARGET_* variables;
-- sets LD_LIBRARY_PATH (this Python's LIBDIR first: the stub links libpython, and with a
-  pyenv Python the system one would be picked otherwise; then the wheel's bundled libs) and
-  PYTHONPATH (the project and this interpreter's site-packages, so model.py imports
-  target_service and torch from this environment);
-- waits for /v2/health/ready, and on failure raises with the tail of the server log.
+What it does: finds tritonserver and builds the environment it runs in
+(target_service.tritonserver); serves a copy of the model repository with this server's
+settings in its config.pbtxt (target_service.triton_repository): Triton's (slots, idle
+timeout, queue delay, FEATURES type) and the model's (TargetModelConfig:
+target_service.target_config); puts Triton's restricted protocols behind the target key; waits
+for /v2/health/ready, and on failure raises with the tail of the server log; and (the command)
+probes the model and exits when it stops answering, for a supervisor to restart it.
 
-In NVIDIA's container the same repository is served directly (no launcher needed):
+In NVIDIA's container the same repository is served directly (no launcher needed), the model's
+settings from the environment:
     PYTHONPATH=/app FLASHMAP_TARGET_DIR=/models/qwen3 tritonserver \
         --model-repository=/app/target_service/model_repository
-
-One idea: the Triton configuration this project writes and the server process that reads it.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
-from flashmap.auth import TARGET_KEY_ENV, TARGET_KEY_HEADER, read_secret
-from flashmap.config import Config, at_least, option, parse
-from flashmap.cpus import TARGET_CPUS_ENV, format_cpu_list, on_cpus
-
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
-MODEL_REPOSITORY = Path(__file__).resolve().parent / "model_repository"
-MODEL_NAME = "flashmap_target"
-
-
-class TritonStartError(RuntimeError):
-    """tritonserver could not be found, started, or did not become ready (message has the log tail)."""
-
-
-# ----------------------------------------------------------------------------- binary
-
-
-@dataclass
-class TritonDist:
-    """Where a tritonserver installation keeps what we need."""
-
-    binary: Path
-    lib_dirs: list[Path] = field(default_factory=list)  # extra LD_LIBRARY_PATH entries
-    python_backend: Path | None = None  # dir with libtriton_python.so (wheel layout)
-    stub: Path | None = None  # triton_python_backend_stub for this Python (wheel layout)
-    backend_dir: Path | None = None  # a ready backend directory (NVIDIA image layout)
-
-
-def find_tritonserver() -> TritonDist:
-    """Locate tritonserver: $FLASHMAP_TRITONSERVER, the nvidia-pytriton wheel, then PATH."""
-    override = os.environ.get("FLASHMAP_TRITONSERVER")
-    if override:
-        binary = Path(override)
-        if not binary.is_file():
-            raise TritonStartError(f"FLASHMAP_TRITONSERVER={override}: no such file")
-        return _system_dist(binary)
-    try:
-        import pytriton  # only for its file layout; its Python API is not used
-
-        root = Path(pytriton.__file__).resolve().parent / "tritonserver"
-        version = f"{sys.version_info[0]}.{sys.version_info[1]}"
-        dist = TritonDist(
-            binary=root / "bin" / "tritonserver",
-            lib_dirs=[root.parent.parent / "nvidia_pytriton.libs"],
-            python_backend=root / "backends" / "python",
-            stub=root / "python_backend_stubs" / version / "triton_python_backend_stub",
-        )
-        if not dist.stub.is_file():
-            raise TritonStartError(
-                f"nvidia-pytriton has no Python backend stub for Python {version} ({dist.stub}); "
-                f"stubs exist for: {sorted(p.name for p in (root / 'python_backend_stubs').iterdir() if p.is_dir())}"
-            )
-        if dist.binary.is_file():
-            return dist
-    except ImportError:
-        pass
-    found = shutil.which("tritonserver")
-    if found:
-        return _system_dist(Path(found))
-    raise TritonStartError(
-        "no tritonserver binary: install the 'triton' extra (nvidia-pytriton), put tritonserver on PATH, "
-        "or set FLASHMAP_TRITONSERVER"
-    )
-
-
-def _system_dist(binary: Path) -> TritonDist:
-    # NVIDIA's image: /opt/tritonserver/bin/tritonserver with backends next to bin/.
-    backends = binary.resolve().parent.parent / "backends"
-    return TritonDist(binary=binary, backend_dir=backends if backends.is_dir() else None)
-
-
-# ----------------------------------------------------------------------------- config
-
-
-def write_model_repository(
-    dest: Path,
-    *,
-    n_slots: int | None = None,
-    idle_timeout_s: float | None = None,
-    max_queue_delay_us: int | None = None,
-    features_dtype: str | None = None,
-    source: Path = MODEL_REPOSITORY,
-) -> Path:
-    """Copy the model repository to dest, writing the given Triton settings into config.pbtxt.
-
-    These are the settings Triton itself acts on (the sequence batcher, the output type);
-    model.py reads them back from its config. Settings left as None keep the checked-in
-    values. Model-only settings (checkpoint, dtype, ...) travel as environment variables.
-    """
-    shutil.copytree(source, dest, ignore=shutil.ignore_patterns("__pycache__"))
-    cfg_path = dest / MODEL_NAME / "config.pbtxt"
-    text = cfg_path.read_text()
-    if n_slots is not None:
-        if n_slots < 1:
-            raise ValueError(f"n_slots must be >= 1, got {n_slots}")
-        # One KV slot per sequence: Triton keeps at most n_slots sequences active (others wait
-        # in its backlog) and a batch holds at most one request per sequence.
-        text = _set_field(text, "max_batch_size", str(n_slots))
-        text = _set_field(text, "max_candidate_sequences", str(n_slots))
-    if idle_timeout_s is not None:
-        if idle_timeout_s <= 0:
-            raise ValueError(f"idle_timeout_s must be > 0, got {idle_timeout_s}")
-        text = _set_field(text, "max_sequence_idle_microseconds", str(int(idle_timeout_s * 1e6)))
-    if max_queue_delay_us is not None:
-        text = _set_field(text, "max_queue_delay_microseconds", str(int(max_queue_delay_us)))
-    if features_dtype is not None:
-        # model.py sends FEATURES in whatever type this output declares.
-        triton_type = {"float32": "TYPE_FP32", "float16": "TYPE_FP16"}[features_dtype]
-        text, n = re.subn(
-            r'(name: "FEATURES"\s*data_type: )TYPE_\w+', lambda m: m.group(1) + triton_type, text
-        )
-        if n != 1:
-            raise ValueError(f"{cfg_path}: could not find the FEATURES output")
-    cfg_path.write_text(text)
-    return dest
-
-
-def model_env(
-    model_dir: str | Path | None = None,
-    *,
-    max_seq_len: int | None = None,
-    device: str | None = None,
-    dtype: str | None = None,
-    feature_layers: list[int] | None = None,
-    cuda_graphs: bool | None = None,
-    cpus: set[int] | None = None,
-    drafter_dir: str | Path | None = None,
-    context_projection: str | None = None,
-) -> dict[str, str]:
-    """Model settings as the environment variables model.py reads (None: not set)."""
-    env = {
-        "FLASHMAP_TARGET_DIR": None if model_dir is None else str(Path(model_dir).resolve()),
-        "FLASHMAP_TARGET_MAX_SEQ_LEN": None if max_seq_len is None else str(int(max_seq_len)),
-        "FLASHMAP_TARGET_DEVICE": device,
-        "FLASHMAP_TARGET_DTYPE": dtype,
-        "FLASHMAP_TARGET_FEATURE_LAYERS": None
-        if feature_layers is None
-        else ",".join(map(str, feature_layers)),
-        "FLASHMAP_TARGET_CUDA_GRAPHS": None
-        if cuda_graphs is None
-        else str(bool(cuda_graphs)).lower(),
-        TARGET_CPUS_ENV: None if cpus is None else format_cpu_list(cpus),
-        "FLASHMAP_DRAFTER_DIR": None if drafter_dir is None else str(Path(drafter_dir).resolve()),
-        "FLASHMAP_CONTEXT_PROJECTION": context_projection,
-    }
-    return {k: v for k, v in env.items() if v is not None}
-
-
-def _set_field(text: str, name: str, value: str) -> str:
-    new, n = re.subn(rf"(\b{name}:\s*)[^\s\]]+", lambda m: m.group(1) + value, text)
-    if n != 1:
-        raise ValueError(f"config.pbtxt: expected exactly one '{name}' field, found {n}")
-    return new
-
-
-# ----------------------------------------------------------------------------- environment
-
-
-def _python_libdir() -> str | None:
-    return sysconfig.get_config_var("LIBDIR")
-
-
-def server_env(dist: TritonDist, base: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment for tritonserver and the Python backend stubs it spawns."""
-    env = dict(os.environ if base is None else base)
-    lib_dirs = [d for d in [_python_libdir(), *map(str, dist.lib_dirs)] if d]
-    if env.get("LD_LIBRARY_PATH"):
-        lib_dirs.append(env["LD_LIBRARY_PATH"])
-    env["LD_LIBRARY_PATH"] = ":".join(lib_dirs)
-    paths = sysconfig.get_paths()
-    py_paths = [str(PROJECT_ROOT), paths["purelib"], paths["platlib"]]
-    if env.get("PYTHONPATH"):
-        py_paths.append(env["PYTHONPATH"])
-    env["PYTHONPATH"] = ":".join(dict.fromkeys(py_paths))  # dedupe, keep order
-    # The stub (an embedded interpreter) must not pick up a different Python's home.
-    env.pop("PYTHONHOME", None)
-    # This Python's bin first, as pytriton does, so anything the backend spawns finds it.
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
-    return env
-
+from flashmap.auth import TARGET_KEY_ENV, TARGET_KEY_HEADER
+from flashmap.config import Config, at_least, option, parse, same_as, values_for
+from flashmap.cpus import on_cpus
+from target_service.target_config import TargetModelConfig, variable
+from target_service.triton_repository import MODEL_NAME, write_model_repository
+from target_service.tritonserver import TritonStartError, find_tritonserver, server_env
 
 # ----------------------------------------------------------------------------- process
 
@@ -297,54 +111,38 @@ def log_tail(path: Path, n: int = 60) -> str:
     return "\n".join(lines[-n:])
 
 
-def _layer_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",")]
-    except ValueError:
-        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+def _model_option(name: str):
+    """The model's setting `name` (TargetModelConfig) as a flag of the launcher."""
+    return same_as(TargetModelConfig, name, flag="")
 
 
 @dataclass
 class TritonConfig(Config):
-    """The launcher's options (flags: flashmap.config); start_triton takes the same names.
-    Model settings left as None keep config.pbtxt's values (8 slots, a 60 s idle timeout) or
-    the model's own choice (device and dtype by the hardware, the engine's feature layers)."""
+    """The launcher's options (flags: flashmap.config); start_triton takes the same names. The
+    server's own, then the model's (TargetModelConfig's: a flag here, its variable as the
+    flag's default), which the model gets in the served config.pbtxt. Triton settings left as
+    None keep config.pbtxt's values (8 slots, a 60 s idle timeout)."""
 
-    model_dir: str | None = option(help="Hugging Face Qwen3 checkpoint directory")
     host: str = option("127.0.0.1", "listen address of Triton's three endpoints")
     grpc_port: int = option(8001, "Triton gRPC", check=at_least(0))
     http_port: int = option(8000, "Triton HTTP", check=at_least(0))
     metrics_port: int = option(8002, "Triton /metrics", check=at_least(0))
     n_slots: int | None = option(None, "KV slots = concurrent sequences", check=at_least(1))
-    max_seq_len: int | None = option(None, "context length of a slot", check=at_least(2))
     idle_timeout_s: float | None = option(
         None, "free a sequence's slot after this idle time", check=at_least(0.001)
     )
     max_queue_delay_us: int | None = option(
         None, "how long Triton waits to fill a batch", check=at_least(0)
     )
-    device: str | None = option(None, "cpu, cuda, cuda:N (default: cuda if available)")
-    dtype: str | None = option(
-        None, "float32, bfloat16, float16 (default: bf16 on cuda, fp32 on cpu)"
-    )
-    feature_layers: str | None = option(
-        None, "comma-separated decoder layers the drafter reads", check=_layer_list
-    )
     features_dtype: str | None = option(
         None, "the features' type on the wire", choices=("float32", "float16")
     )
-    drafter_dir: str | None = option(
-        None,
-        "the drafter checkpoint the features are for: its layers, and its context projection "
-        "(flashmap.drafter_inputs)",
-        env="FLASHMAP_DRAFTER_DIR",
-    )
-    context_projection: str | None = option(
-        None,
-        "apply the drafter's context projection here, so D values per token cross instead of "
-        "layers x hidden (auto: with drafter_dir)",
-        choices=("auto", "true", "false"),
-        env="FLASHMAP_CONTEXT_PROJECTION",
+    key: str = option(
+        "",
+        "Triton's restricted protocols (inference, shared memory, model control, statistics, "
+        "trace, logging; not health or metadata) need this value in the target key header",
+        env=TARGET_KEY_ENV,
+        secret=True,
     )
     log_path: str | None = option(
         None,
@@ -359,27 +157,39 @@ class TritonConfig(Config):
         "supervisor (compose, k8s, flashmap up) restarts the server (0: off)",
         check=at_least(0),
     )
+    # The model's settings.
+    model_dir: str | None = _model_option("model_dir")
+    max_seq_len: int | None = _model_option("max_seq_len")
+    device: str = _model_option("device")
+    dtype: str = _model_option("dtype")
+    feature_layers: str | None = _model_option("feature_layers")
+    cuda_graphs: str = _model_option("cuda_graphs")
+    cpus: str | None = _model_option("cpus")
+    drafter_dir: str | None = _model_option("drafter_dir")
+    context_projection: str = _model_option("context_projection")
+
+    def model_config(self) -> TargetModelConfig:
+        return TargetModelConfig(**values_for(self, TargetModelConfig))
 
 
 def start_triton(
     model_dir: str | Path | None,
     *,
-    key: str = "",
-    cpus: tuple[set[int], set[int]] | None = None,
+    server_cpus: set[int] | None = None,
     extra_env: dict[str, str] | None = None,
     keep_workspace: bool = False,
     **settings,
 ) -> TritonHandle:
     """Start tritonserver with the FlashMap target model and wait until it is ready.
 
-    model_dir: Qwen3 checkpoint directory (None: the model reads $FLASHMAP_TARGET_DIR or
-    its config parameter); settings: TritonConfig's fields (its defaults for the rest).
-    log_path None: inside the workspace, which stop() removes. key: Triton's restricted
-    protocols (inference, shared memory, model control, statistics, trace, logging; not health
-    or metadata) then need the header flashmap.auth.TARGET_KEY_HEADER with this value. Raises
-    TritonStartError (with the log tail) when it does not become ready. cpus: (the model
-    worker's CPUs, the server's): the server and its stub run on the second set, the model's
-    compute thread on the first (flashmap.cpus); None: wherever the caller runs.
+    model_dir: Qwen3 checkpoint directory (None: the model's environment's); settings:
+    TritonConfig's fields (its defaults for the rest; the model's settings left at their
+    defaults are the model's environment's: the server's, with extra_env). log_path None:
+    inside the workspace, which stop() removes. key: Triton's restricted protocols then need
+    the header flashmap.auth.TARGET_KEY_HEADER with this value. server_cpus: the server and
+    its stub run there (the `cpus` setting: the model's compute thread; flashmap.cpus); None:
+    wherever the caller runs. Raises TritonStartError (with the log tail) when it does not
+    become ready.
     """
     c = TritonConfig(model_dir=None if model_dir is None else str(model_dir), **settings)
     host, grpc_port, http_port, metrics_port = c.host, c.grpc_port, c.http_port, c.metrics_port
@@ -393,6 +203,7 @@ def start_triton(
             idle_timeout_s=c.idle_timeout_s,
             max_queue_delay_us=c.max_queue_delay_us,
             features_dtype=c.features_dtype,
+            model=c.model_config(),
         )
         backend_dir = dist.backend_dir
         if dist.stub is not None:
@@ -428,26 +239,12 @@ def start_triton(
         ]
         if backend_dir is not None:
             cmd.append(f"--backend-directory={backend_dir}")
-        cmd += restricted_flags(key)
+        cmd += restricted_flags(c.key)
         env = server_env(dist)
-        env.update(
-            model_env(
-                c.model_dir,
-                max_seq_len=c.max_seq_len,
-                device=c.device,
-                dtype=c.dtype,
-                feature_layers=_layer_list(c.feature_layers) if c.feature_layers else None,
-                cpus=None if cpus is None else cpus[0],
-                drafter_dir=c.drafter_dir,
-                context_projection=c.context_projection,
-            )
-        )
         env.update(extra_env or {})
         log_file = None if to_stdout else open(log_path, "ab")
         try:
-            with on_cpus(
-                None if cpus is None else cpus[1]
-            ):  # a child starts on its parent thread's CPUs
+            with on_cpus(server_cpus):  # a child starts on its parent thread's CPUs
                 process = subprocess.Popen(
                     cmd,
                     env=env,
@@ -559,6 +356,9 @@ def wait_ready(handle: TritonHandle, timeout_s: float) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     c = parse(TritonConfig, argv, __doc__.split("\n")[0], "python -m target_service.launcher")
+    if c.model_dir is None:
+        print(f"error: give --model-dir (or {variable('model_dir')})", file=sys.stderr)
+        return 2
     if not Path(c.model_dir, "config.json").is_file():
         print(
             f"error: {c.model_dir}: no config.json (not a Hugging Face checkpoint directory)",
@@ -580,9 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     handle = None
     try:
         settings = {f.name: getattr(c, f.name) for f in fields(c) if f.name != "watchdog_s"}
-        handle = start_triton(
-            **{**settings, "log_path": str(log_path)}, key=read_secret(TARGET_KEY_ENV)
-        )
+        handle = start_triton(**{**settings, "log_path": str(log_path)})
         print(
             f"triton ready: grpc {handle.grpc_url}  http {handle.http_url}  metrics {handle.metrics_url}  "
             f"log {handle.log_path}",
@@ -592,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         while handle.alive():
             time.sleep(0.5)
             if c.watchdog_s > 0 and time.monotonic() >= next_probe:
-                ok, detail = probe(handle.grpc_url, read_secret(TARGET_KEY_ENV))
+                ok, detail = probe(handle.grpc_url, c.key)
                 failed = 0 if ok else failed + 1
                 next_probe = time.monotonic() + c.watchdog_s
                 if failed >= 3:

@@ -266,9 +266,9 @@ def _options(config) -> tuple[set[str], set[str]]:
 
 def test_flags_and_variables_are_the_services_options():
     """Every flag the compose files and the Kubernetes cell pass to our three services, and every
-    FLASHMAP_ variable they set for the drafter and the orchestrator, is an option of that
-    service's config (flashmap.config): a renamed option fails here, not when a pod starts.
-    Triton's FLASHMAP_TARGET_* variables are read by its model (launcher.model_env)."""
+    FLASHMAP_ variable they set for them, is an option of that service's config
+    (flashmap.config; Triton's: the launcher's, the model's settings among them): a renamed
+    option fails here, not when a pod starts."""
     from drafter_service.service_config import DrafterServiceConfig
     from orchestrator.config import OrchestratorConfig
     from target_service.launcher import TritonConfig
@@ -297,9 +297,8 @@ def test_flags_and_variables_are_the_services_options():
         flags, variables = _options(configs[name])
         unknown = [a for a in args if a.startswith("--") and a.split("=")[0] not in flags]
         assert not unknown, f"{where}: {name} has no option {unknown}"
-        if name != "triton":
-            unknown = [v for v in env if v.startswith("FLASHMAP_") and v not in variables]
-            assert not unknown, f"{where}: {name} reads no variable {unknown}"
+        unknown = [v for v in env if v.startswith("FLASHMAP_") and v not in variables]
+        assert not unknown, f"{where}: {name} reads no variable {unknown}"
 
 
 def container_port(args: list[str], flag: str) -> int:

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API (orchestrator/openai_api.py) against the real stack: Triton,
+"""The OpenAI-compatible HTTP API (orchestrator/openai_api/) against the real stack: Triton,
 the drafter service (untrained FlashMap drafter) and the orchestrator as processes, driven by
 the official `openai` client, plus raw HTTP for the SSE framing and for disconnects.
 
@@ -516,10 +516,10 @@ class _StubOrchestrator:
         self.failure = failure
         self.active, self.waiting, self.drafter = {}, [], None
 
-    def make_request(self, **kw):
+    def make_request(self, prompt, options, request_id=""):
         from flashmap.types import GenerationRequest
 
-        return GenerationRequest([1, 2], 4, request_id=kw["request_id"])
+        return GenerationRequest([1, 2], 4, request_id=request_id)
 
     async def request_async(self, build, *args):
         return build(*args)
@@ -549,7 +549,7 @@ def test_failures_map_to_http_status(failure, status, code):
     import grpc
     from fastapi.testclient import TestClient
 
-    from orchestrator.openai_api import create_app
+    from orchestrator.openai_api.server import create_app
 
     if isinstance(failure, tuple):
         failure = (getattr(grpc.StatusCode, failure[0]), failure[1])
@@ -569,7 +569,7 @@ def test_error_after_the_stream_started_is_an_error_event():
     import grpc
     from fastapi.testclient import TestClient
 
-    from orchestrator.openai_api import create_app
+    from orchestrator.openai_api.server import create_app
 
     app = create_app(
         _StubOrchestrator(
@@ -604,7 +604,7 @@ def test_body_must_be_json():
     import grpc
     from fastapi.testclient import TestClient
 
-    from orchestrator.openai_api import create_app
+    from orchestrator.openai_api.server import create_app
 
     with TestClient(create_app(_StubOrchestrator((grpc.StatusCode.UNAVAILABLE, "x")))) as c:
         r = c.post(

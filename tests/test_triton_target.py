@@ -12,6 +12,7 @@ Skipped when no tritonserver is available (e.g. the 'triton' extra is not instal
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 from dataclasses import replace
@@ -143,12 +144,19 @@ def settled_active(server, want: int) -> None:
 
 
 def test_write_model_repository_sets_serving_values(tmp_path):
-    repo = launcher.write_model_repository(
+    from target_service.target_config import TargetModelConfig
+    from target_service.triton_repository import write_model_repository
+
+    model = TargetModelConfig(
+        model_dir=str(tmp_path), max_seq_len=99, dtype="float32", feature_layers="1,2"
+    )
+    repo = write_model_repository(
         tmp_path / "repo",
         n_slots=3,
         idle_timeout_s=1.5,
         max_queue_delay_us=250,
         features_dtype="float16",
+        model=model,
     )
     cfg = (repo / "flashmap_target" / "config.pbtxt").read_text()
     assert re.search(r"max_batch_size: 3\b", cfg) and re.search(
@@ -158,17 +166,62 @@ def test_write_model_repository_sets_serving_values(tmp_path):
     assert "max_queue_delay_microseconds: 250" in cfg
     assert re.search(r'name: "FEATURES"\s+data_type: TYPE_FP16', cfg)
     assert (repo / "flashmap_target" / "1" / "model.py").is_file()
-    env = launcher.model_env(tmp_path, max_seq_len=99, dtype="float32", feature_layers=[1, 2])
-    assert env == {
-        "FLASHMAP_TARGET_DIR": str(tmp_path.resolve()),
-        "FLASHMAP_TARGET_MAX_SEQ_LEN": "99",
-        "FLASHMAP_TARGET_DTYPE": "float32",
-        "FLASHMAP_TARGET_FEATURE_LAYERS": "1,2",
+    # The model's settings: the ones given, as one JSON parameter, read back as Triton hands
+    # them to the model (the config as JSON, the parameter's string unescaped).
+    from google.protobuf import json_format, text_format
+
+    model_config = json_format.MessageToDict(
+        text_format.Parse(cfg, _model_config_class()()), preserving_proto_field_name=True
+    )
+    assert TargetModelConfig.from_triton(model_config, env={}) == model
+    assert json.loads(model_config["parameters"]["target_model_config"]["string_value"]) == {
+        "model_dir": str(tmp_path.resolve()),
+        "max_seq_len": 99,
+        "dtype": "float32",
+        "feature_layers": "1,2",
     }
-    assert launcher.model_env(cuda_graphs=False) == {"FLASHMAP_TARGET_CUDA_GRAPHS": "false"}
-    assert (
-        'key: "cuda_graphs"     value: { string_value: "auto" }' in cfg
-    )  # graphs wherever the device is CUDA
+
+
+def _model_config_class():
+    """Triton's ModelConfig message, enough of it to parse config.pbtxt (the fields this
+    repository's config uses)."""
+    pytest.importorskip("tritonclient.grpc")
+    from tritonclient.grpc import model_config_pb2
+
+    return model_config_pb2.ModelConfig
+
+
+def test_the_model_reads_settings_the_json_leaves_out_from_the_environment():
+    """The launcher's JSON first, then each setting's variable, then the defaults; a bad value
+    names its variable."""
+    from target_service.target_config import TargetModelConfig
+
+    def params(d):
+        return {"parameters": {"target_model_config": {"string_value": json.dumps(d)}}}
+
+    env = {"FLASHMAP_TARGET_DEVICE": "cpu", "FLASHMAP_TARGET_DIR": "/env/dir"}
+    got = TargetModelConfig.from_triton(params({"model_dir": "/json/dir"}), env)
+    assert (got.model_dir, got.device, got.dtype, got.cuda_graphs) == (
+        "/json/dir",
+        "cpu",
+        "auto",
+        "auto",
+    )
+    assert TargetModelConfig.from_triton({}, env).model_dir == "/env/dir"  # a bare tritonserver
+    with pytest.raises(ValueError, match=r"\$FLASHMAP_TARGET_CPUS: must be a CPU list"):
+        TargetModelConfig.from_triton({}, {"FLASHMAP_TARGET_CPUS": "3-1"})
+    with pytest.raises(ValueError, match="unknown settings"):
+        TargetModelConfig.from_triton(params({"devise": "cpu"}), {})
+    with pytest.raises(ValueError, match="no checkpoint; set \\$FLASHMAP_TARGET_DIR"):
+        TargetModelConfig.from_triton({}, {}).checkpoint()
+    auto = TargetModelConfig()
+    assert (auto.device_for(True), auto.device_for(False)) == ("cuda", "cpu")
+    assert (auto.dtype_for("cuda:1"), auto.dtype_for("cpu")) == ("bfloat16", "float32")
+    assert (auto.graphs_for("cuda"), auto.graphs_for("cpu")) == (True, False)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        TargetModelConfig(cuda_graphs="true").graphs_for("cpu")
+    with pytest.raises(ValueError, match="needs drafter_dir"):
+        TargetModelConfig(context_projection="true")
 
 
 def test_side_channel_sends_what_is_due_and_keeps_what_a_failed_call_did_not_send():
@@ -602,9 +655,12 @@ def test_float16_features_come_back_as_float16(checkpoint, engine, tmp_path):
 
 async def _generated(orch, prompt, max_new: int) -> list[int]:
     """The tokens an in-process Orchestrator streams for a greedy request of `prompt`."""
+    from flashmap.request_options import Prompt, RequestOptions
     from orchestrator.requests import Piece
 
-    gen = orch.make_request(token_ids=prompt, max_new_tokens=max_new, ignore_eos=True)
+    gen = orch.make_request(
+        Prompt(token_ids=prompt), RequestOptions(max_new_tokens=max_new, ignore_eos=True)
+    )
     return [
         t
         for item in [x async for x in orch.stream(gen)]
@@ -1007,4 +1063,4 @@ def test_a_bad_cpu_list_stops_the_model_with_a_clear_message(checkpoint, tmp_pat
     log = tmp_path / "tritonserver.log"
     with pytest.raises(launcher.TritonStartError) as e:
         _start(checkpoint, log, extra_env={"FLASHMAP_TARGET_CPUS": "3-1"})
-    assert "cpus must be a CPU list like 0-3,6" in str(e.value) + launcher.log_tail(log)
+    assert "must be a CPU list like 0-3,6" in str(e.value) + launcher.log_tail(log)

@@ -46,10 +46,11 @@ packed round: its error entry); no free slot -> UNAVAILABLE; anything else -> IN
 rows of that forward. A stream carries the message but not the code, so the message leads
 with the code's name (flashmap.target_wire.tag_error: "[INVALID_ARGUMENT] ...").
 
-Configuration: config.pbtxt parameters (model_dir, max_seq_len, device, dtype, feature_layers,
-cuda_graphs, cpus), each overridden by the environment ($FLASHMAP_TARGET_DIR,
-$FLASHMAP_TARGET_MAX_SEQ_LEN, ...). cpus: the worker thread runs on those CPUs alone
-(flashmap.cpus), the server's other threads where the server was started.
+Configuration: TargetModelConfig (target_service/target_config.py: checkpoint, max_seq_len,
+device, dtype, feature layers, CUDA graphs, cpus, the drafter the features are for), from the
+config's target_model_config parameter (JSON; the launcher writes it) and, for the settings it
+leaves out, the environment. cpus: the worker thread runs on those CPUs alone (flashmap.cpus),
+the server's other threads where the server was started.
 n_slots = oldest.max_candidate_sequences; idle timeout = max_sequence_idle_microseconds.
 The project must be importable by the stub's Python: target_service/launcher.py passes it on
 PYTHONPATH; a stub that runs Python in isolated mode ignores PYTHONPATH, and then a .pth file in
@@ -89,13 +90,14 @@ try:  # a clear message beats a bare ModuleNotFoundError in the server log
     import torch
 
     from flashmap import target_wire
-    from flashmap.cpus import TARGET_CPUS_ENV, format_cpu_list, parse_cpu_list, pin_worker
+    from flashmap.cpus import format_cpu_list, pin_worker
     from flashmap.drafter_inputs import target_inputs
     from flashmap.metrics import TARGET_MODEL
     from flashmap.types import InvalidRequest
     from target_service import engine as engine_module
     from target_service.sequence_slots import SequenceSlots
     from target_service.side_channel import SideChannel
+    from target_service.target_config import TargetModelConfig
 except ImportError as e:  # pragma: no cover - only in a misconfigured server
     raise ImportError(
         f"flashmap_target: cannot import the FlashMap project ({e}). Put the project root and an "
@@ -105,72 +107,28 @@ except ImportError as e:  # pragma: no cover - only in a misconfigured server
 
 
 FINALIZE_DUMP_S = 8.0  # seconds of unloading before the model's threads' stacks go to the log
-
-# Settings the environment may override (containers, target_service/launcher.py).
-ENV_OVERRIDES = {
-    "model_dir": "FLASHMAP_TARGET_DIR",
-    "max_seq_len": "FLASHMAP_TARGET_MAX_SEQ_LEN",
-    "device": "FLASHMAP_TARGET_DEVICE",
-    "dtype": "FLASHMAP_TARGET_DTYPE",
-    "feature_layers": "FLASHMAP_TARGET_FEATURE_LAYERS",
-    "drafter_dir": "FLASHMAP_DRAFTER_DIR",
-    "context_projection": "FLASHMAP_CONTEXT_PROJECTION",
-    "cuda_graphs": "FLASHMAP_TARGET_CUDA_GRAPHS",
-    "cpus": TARGET_CPUS_ENV,
-}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class TritonPythonModel:
     def initialize(self, args):
         self.model_config = cfg = json.loads(args["model_config"])
         self.triton_model = args["model_name"]
-        params = {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
-        for key, env in ENV_OVERRIDES.items():  # the environment wins over config.pbtxt
-            if os.environ.get(env):
-                params[key] = os.environ[env]
-        model_dir = params.get("model_dir", "")
-        if not model_dir:
-            raise ValueError(
-                "flashmap_target: no checkpoint; set $FLASHMAP_TARGET_DIR or the model_dir parameter"
-            )
-        device = params.get("device", "auto") or "auto"
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        dtype_name = params.get("dtype", "auto") or "auto"
-        if dtype_name == "auto":
-            dtype_name = "bfloat16" if device.startswith("cuda") else "float32"
-        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-        if dtype_name not in dtypes:
-            raise ValueError(
-                f"flashmap_target: dtype must be auto or one of {sorted(dtypes)}, got {dtype_name!r}"
-            )
-        dtype = dtypes[dtype_name]
-        graphs = (params.get("cuda_graphs", "auto") or "auto").lower()
-        if graphs not in ("auto", "true", "false"):
-            raise ValueError(
-                f"flashmap_target: cuda_graphs must be auto, true or false, got {graphs!r}"
-            )
-        if graphs == "true" and not device.startswith("cuda"):
-            raise ValueError(
-                f"flashmap_target: cuda_graphs=true needs a CUDA device, the model runs on {device}"
-            )
-        max_seq_len = int(params["max_seq_len"]) if params.get("max_seq_len") else None
         try:
-            self.cpus = parse_cpu_list(params["cpus"]) if params.get("cpus", "").strip() else None
+            settings = TargetModelConfig.from_triton(cfg)
+            model_dir = settings.checkpoint()
+            device = settings.device_for(torch.cuda.is_available())
+            dtype_name = settings.dtype_for(device)
+            graphs = settings.graphs_for(device)
         except ValueError as e:
-            raise ValueError(f"flashmap_target: cpus must be a CPU list like 0-3,6: {e}") from None
-        layers = params.get("feature_layers", "")
-        feature_layers = [int(x) for x in layers.split(",")] if layers.strip() else None
-        mode = (params.get("context_projection", "auto") or "auto").lower()
-        if mode not in ("auto", "true", "false"):
-            raise ValueError(
-                f"flashmap_target: context_projection must be auto, true or false, got {mode!r}"
-            )
-        drafter = params.get("drafter_dir", "").strip()
-        if mode == "true" and not drafter:
-            raise ValueError("flashmap_target: context_projection=true needs drafter_dir")
+            raise ValueError(f"flashmap_target: {e}") from None
+        dtype = DTYPES[dtype_name]
+        self.cpus = settings.cpu_set
         feature_layers, projection = target_inputs(
-            drafter or None, model_dir, feature_layers, project=mode != "false"
+            settings.drafter_dir,
+            model_dir,
+            settings.layers,
+            project=settings.context_projection != "false",
         )
 
         seq = cfg["sequence_batching"]
@@ -184,11 +142,11 @@ class TritonPythonModel:
         self.engine = engine_module.TargetEngine(
             model_dir,
             n_slots=n_slots,
-            max_seq_len=max_seq_len,
+            max_seq_len=settings.max_seq_len,
             device=device,
             dtype=dtype,
             feature_layers=feature_layers,
-            cuda_graphs=graphs != "false" and device.startswith("cuda"),
+            cuda_graphs=graphs,
             features_dtype=torch.float16 if self.features_np_dtype == np.float16 else torch.float32,
             context_projection=projection,
         )
