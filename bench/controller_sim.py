@@ -67,7 +67,7 @@ def simulate(policy, acceptance: float, requests: int = 30, steps: int = 16, see
                 new = s._append([7] * steps)
                 dt = PLAIN_S[0] + PLAIN_S[1] if steps > 1 else sum(VERIFY_S[:2])
                 out = _result(plan, [1], rest_s=dt, seqs=[SequenceRound(s, new, False)])
-                out.decode_steps = len(new)
+                out.plain_tokens = len(new)
             clock += dt
             if ctl is None:
                 continue
@@ -97,7 +97,7 @@ def _result(plan, row_lengths, drafting=0, draft_s=0.0, rest_s=0.0, seqs=()) -> 
 
 def controller(steps: int = 16) -> SpeculationController:
     """A fresh controller as the orchestrator builds it (pipelined: shadow probes)."""
-    return SpeculationController(K, ControllerConfig(decode_steps=steps, shadow_probes=True))
+    return SpeculationController(K, ControllerConfig(plain_tokens=steps, shadow_probes=True))
 
 
 def main(argv: list[str] | None = None) -> int:

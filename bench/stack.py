@@ -321,9 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--chunks", type=int, default=4, help="parts of the prompts (see above)")
     ap.add_argument(
-        "--decode-steps",
+        "--plain-tokens",
         type=int,
-        default=StackConfig.decode_steps,
+        default=StackConfig.plain_tokens,
         help="tokens per request of a round without drafts, in process and in the stack alike",
     )
     ap.add_argument(
@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         n_slots=max(levels),
         max_seq_len=512,
         speculation="auto",
-        decode_steps=a.decode_steps,
+        plain_tokens=a.plain_tokens,
         pipeline=a.pipeline,
         pin_cpus=a.pin_cpus,
         max_queue_delay_us=a.queue_delay_us,
@@ -400,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         "serves off as max_draft_tokens = 0 per request, and full). Shadow probes: the "
         "controller's probes drafted beside the rounds and checked against the text the target "
         "commits; accepted / expected: the draft tokens accepted in the rounds the controller let "
-        f"draft, over the number it expected. Rounds without drafts decode {a.decode_steps} tokens "
+        f"draft, over the number it expected. Rounds without drafts decode {a.plain_tokens} tokens "
         "per request in one call, in process and through the stack alike; the orchestrator "
         + (
             "queues the next such round while one runs. "

@@ -81,7 +81,7 @@ def tok_s(run: dict) -> float:
     return sum(len(o) for o in run["outputs"]) / run["seconds"]
 
 
-def inprocess_run(engine, proposer, prompts, max_new, concurrency, decode_steps: int = 1) -> dict:
+def inprocess_run(engine, proposer, prompts, max_new, concurrency, plain_tokens: int = 1) -> dict:
     """The target (with `proposer`: fixed-K speculation) in this process."""
     t0 = time.perf_counter()
     outs = []
@@ -90,7 +90,7 @@ def inprocess_run(engine, proposer, prompts, max_new, concurrency, decode_steps:
             engine,
             [GenerationRequest(p, max_new) for p in prompts[i : i + concurrency]],
             proposer,
-            decode_steps=decode_steps,
+            plain_tokens=plain_tokens,
         )
     return {"outputs": [o.token_ids for o in outs], "seconds": time.perf_counter() - t0}
 
@@ -144,7 +144,7 @@ def triton_alone(cfg: StackConfig, prompts, max_new, concurrency) -> dict:
             ahead = None
             while live := [s for s in seqs if not s.finished]:
                 res = await pipelined_round(
-                    live, target, decode_steps=cfg.decode_steps, ahead=ahead, send=cfg.pipeline
+                    live, target, plain_tokens=cfg.plain_tokens, ahead=ahead, send=cfg.pipeline
                 )
                 ahead = res.ahead
             for s in seqs:
@@ -266,7 +266,7 @@ def run_mode(mode: str, part, max_new: int, concurrency: int, ctx: Paths) -> dic
         with on_cpus(ctx.cpus and ctx.cpus[0]):
             proposer = ctx.proposer if mode == "spec" else None
             return inprocess_run(
-                ctx.engine, proposer, part, max_new, concurrency, ctx.auto.decode_steps
+                ctx.engine, proposer, part, max_new, concurrency, ctx.auto.plain_tokens
             )
     with on_cpus(ctx.cpus and ctx.cpus[1]):
         if mode == "triton":

@@ -85,7 +85,7 @@ def decode(
     draft_steps: int | None = None,
     tree_blocks: int = 1,
     controller=None,
-    decode_steps: int = 1,
+    plain_tokens: int = 1,
 ) -> list[GenerationResult]:
     """Decode all requests to completion; results come back in request order. draft_steps:
     every request's unless it has its own (None: the proposer's step count).
@@ -93,7 +93,7 @@ def decode(
     tree_blocks > 1 (greedy requests): each round drafts that many blocks from independent
     noise and verifies them as a tree (TargetEngine.verify_tree); the sequence commits the
     branch the target accepts furthest. controller: a flashmap.speculation.SpeculationController
-    choosing each round's draft lengths (None: the whole block every round). decode_steps:
+    choosing each round's draft lengths (None: the whole block every round). plain_tokens:
     tokens per request of a round without drafts, in one engine call (flashmap.rounds)."""
     for r in requests:
         r.validate(engine.vocab_size, engine.max_seq_len)
@@ -116,7 +116,7 @@ def decode(
             i, req = waiting.popleft()
             active[i] = Sequence(str(i), req, block, handle=engine.allocate())
         seqs = list(active.values())
-        run_local(speculative_round(seqs, target, drafter, controller, tree_blocks, decode_steps))
+        run_local(speculative_round(seqs, target, drafter, controller, tree_blocks, plain_tokens))
         for i, s in list(active.items()):
             if s.finished:
                 engine.release(s.handle)

@@ -100,10 +100,10 @@ def orchestrator_metrics(block_size: int = BLOCK_SIZE) -> tuple[Metric, ...]:
             ("model",),
         ),
         M(
-            "flashmap_decode_steps",
+            "flashmap_plain_tokens",
             "histogram",
             "Tokens per request decoded in one call by a round without drafts "
-            "(--decode-steps; fewer near a request's end, 1 in a round with a new prompt)",
+            "(--plain-tokens; fewer near a request's end, 1 in a round with a new prompt)",
             ("model",),
             (1, 2, 4, 8, 16, 32, 64),
         ),

@@ -43,11 +43,11 @@ def ahead_sender(
     target: Target,
     drafter: Drafter | None,
     controller: SpeculationController | None,
-    decode_steps: int,
+    plain_tokens: int,
 ) -> Sender:
     """speculative_round's send_ahead: the next round, sent now, when it drafts nothing either."""
     return lambda seqs, rows, plan: _send_ahead(
-        seqs, rows, target, drafter, controller, decode_steps
+        seqs, rows, target, drafter, controller, plain_tokens
     )
 
 
@@ -79,16 +79,16 @@ async def pipelined_round(
     drafter: Drafter | None = None,
     controller: SpeculationController | None = None,
     blocks: int = 1,
-    decode_steps: int = 1,
+    plain_tokens: int = 1,
     ahead: Ahead | None = None,
     send: bool = False,
 ) -> RoundResult:
     """The next round: the one sent ahead when there is one (then on its own sequences), else a
     new round of `seqs`; send: the round after it goes out before its answer when it can."""
-    sender = ahead_sender(target, drafter, controller, decode_steps) if send else None
+    sender = ahead_sender(target, drafter, controller, plain_tokens) if send else None
     if ahead is not None:
         return await finish_ahead(ahead, target, drafter, controller, sender)
-    return await speculative_round(seqs, target, drafter, controller, blocks, decode_steps, sender)
+    return await speculative_round(seqs, target, drafter, controller, blocks, plain_tokens, sender)
 
 
 def _send_ahead(
@@ -97,7 +97,7 @@ def _send_ahead(
     target: Target,
     drafter: Drafter | None,
     controller: SpeculationController | None,
-    decode_steps: int,
+    plain_tokens: int,
 ) -> Ahead | None:
     """A follow_row for every sequence this round (rows without drafts, in flight) cannot end;
     None when the next round would draft, or when every sequence ends here."""
@@ -110,7 +110,7 @@ def _send_ahead(
         s.prefilled = True
     try:
         if controller is None or drafter is None:
-            plan = plan_round(nxt, drafter is not None, 1, decode_steps)
+            plan = plan_round(nxt, drafter is not None, 1, plain_tokens)
             if any(plan.of(s).draft > 0 and not s.context.lost for s in nxt):
                 return None
         elif any(controller.peek(nxt).chosen.values()):
@@ -120,7 +120,7 @@ def _send_ahead(
     finally:
         for s in fresh:
             s.prefilled = False
-    follow = [s.follow_row(r, decode_steps, plan.of(s).features) for s, r in pairs]
+    follow = [s.follow_row(r, plain_tokens, plan.of(s).features) for s, r in pairs]
     last = [s.ends_with(f, ahead=r.steps) for (s, r), f in zip(pairs, follow)]
     return Ahead(nxt, follow, asyncio.ensure_future(target.verify(follow, last)), plan)
 

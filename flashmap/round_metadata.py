@@ -38,7 +38,7 @@ class RoundPlan:
     seqs: dict[SeqId, SeqPlan]
     # Tokens per row when the round verifies no draft, or when its only draft is a probe the
     # others need not wait for (`probing`): one verify call decodes them all.
-    decode_steps: int = 1
+    plain_tokens: int = 1
     probing: bool = False
     shadow: dict[SeqId, int] = field(default_factory=dict)  # shadow probes: block lengths
     chosen: dict[SeqId, int] | None = None  # the controller's draft lengths (None: no controller)
@@ -48,7 +48,7 @@ class RoundPlan:
 
 
 def plan_round(
-    seqs: list[Sequence], drafter: bool, blocks: int = 1, decode_steps: int = 1
+    seqs: list[Sequence], drafter: bool, blocks: int = 1, plain_tokens: int = 1
 ) -> RoundPlan:
     """The plan without a controller: every sequence that can draft asks for its whole block
     (`blocks` of them when greedy); drafter False: none drafts and no row brings features."""
@@ -61,7 +61,7 @@ def plan_round(
             )
             for s in seqs
         },
-        decode_steps,
+        plain_tokens,
     )
 
 
@@ -103,7 +103,7 @@ class RoundResult:
     verify_s: float = 0.0
     rest_s: float = 0.0  # the round's seconds outside the draft call (verify, planning, commits)
     draft_steps: int = 0  # step count of this round's blocks (0: none drafted)
-    decode_steps: int = 1  # most tokens a row without a draft decoded in the verify call
+    plain_tokens: int = 1  # most tokens a row without a draft decoded in the verify call
     ahead: Ahead | None = None  # the next round, already sent (flashmap.pipeline)
     shadows: int = 0  # shadow probes started after this round
     # With a controller: the draft tokens it expected the drafted rows to accept (its estimate

@@ -10,7 +10,7 @@ A round: plan (flashmap.round_metadata: what each sequence drafts), draft (one c
 sequence that drafts), verify (one call for every row: drafted rows, rows without a draft,
 prompts), commit (rejection sampling, Sequence.commit). A sequence without a draft decodes
 autoregressively, which keeps the output exact; when nobody drafts (or only the controller's
-probe does) each row decodes up to `decode_steps` tokens in the same call. Several blocks of
+probe does) each row decodes up to `plain_tokens` tokens in the same call. Several blocks of
 one sequence, or a drafter's own tree, are verified as one tree; the sequence commits the path
 the target accepts as if that path alone had been its draft. Rounds sent before the one they
 follow has answered, and shadow probes, are flashmap.pipeline.
@@ -73,19 +73,19 @@ async def speculative_round(
     drafter: Drafter | None = None,
     controller: SpeculationController | None = None,
     blocks: int = 1,
-    decode_steps: int = 1,
+    plain_tokens: int = 1,
     send_ahead: Callable[[list[Sequence], list[VerifyRow], RoundPlan], Ahead | None] | None = None,
 ) -> RoundResult:
     """plan -> draft -> verify -> commit for every sequence in `seqs` (none finished).
     controller: chooses each sequence's draft length from measured costs (None: the whole
-    block). blocks: blocks from independent noise per greedy sequence (one tree). decode_steps:
+    block). blocks: blocks from independent noise per greedy sequence (one tree). plain_tokens:
     tokens per row of a round without drafts. send_ahead(seqs, rows, plan): called once the
     verify is on its way, when the round drafts nothing (flashmap.pipeline.ahead_sender)."""
     t_round = time.perf_counter()
     if controller is not None and drafter is not None:
         plan = controller.plan(seqs, blocks)
     else:
-        plan = plan_round(seqs, drafter is not None, blocks, decode_steps)
+        plan = plan_round(seqs, drafter is not None, blocks, plain_tokens)
     batch = await draft_blocks(seqs, plan, drafter)
     drafts = [merged_draft(s, batch, target) for s in seqs]
     rows = verify_rows(seqs, plan, drafts)
@@ -137,10 +137,10 @@ def verify_rows(
     seqs: list[Sequence], plan: RoundPlan, drafts: list[Draft | None]
 ) -> list[VerifyRow]:
     """Each sequence's verify row. A round without a new prompt (whose first token is not held
-    back) decodes up to `plan.decode_steps` tokens per row without a draft, when nobody drafts
+    back) decodes up to `plan.plain_tokens` tokens per row without a draft, when nobody drafts
     or the only drafting is the controller's probe (the others do not wait for it)."""
     plain = all(d is None or len(d.tokens) == 0 for d in drafts)
-    steps = plan.decode_steps if all(s.prefilled for s in seqs) and (plain or plan.probing) else 1
+    steps = plan.plain_tokens if all(s.prefilled for s in seqs) and (plain or plan.probing) else 1
     return [s.verify_row(d, steps, plan.of(s).features) for s, d in zip(seqs, drafts)]
 
 
@@ -157,7 +157,7 @@ def commit_round(
     """Rejection sampling for every row verified (skip: sequences that ended before it)."""
     out = RoundResult(plan, row_lengths=[len(r.tokens) for r in rows], draft_s=batch.seconds)
     out.drafting = len(batch.asked)
-    out.decode_steps = max(r.steps for r in rows)
+    out.plain_tokens = max(r.steps for r in rows)
     out.draft_steps = next((d.draft_steps for d in drafts if d is not None and d.draft_steps), 0)
     for s, row, draft, res in zip(seqs, rows, drafts, results):
         if s.seq_id in skip:

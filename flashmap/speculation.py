@@ -8,8 +8,8 @@ a draft) that maximises the batch's expected committed tokens per second:
 - E[accepted | L] = sum_{k<=L} prod_{j<=k} a_j, with a_j the request's conditional
   acceptance of slot j: the global per-slot rates (greedy and sampling apart) scaled by the
   request's own hazard ratio (`acceptance`).
-- No speculation is worth n / verify_cost(n, n) tokens per second, or with `decode_steps` > 1
-  n * decode_steps / plain_cost(n): the rate any plan must beat.
+- No speculation is worth n / verify_cost(n, n) tokens per second, or with `plain_tokens` > 1
+  n * plain_tokens / plain_cost(n): the rate any plan must beat.
 - verify_cost(n, T) = c0 + c_row * n + c_tok * (T - n) for n rows and T query tokens as the
   target runs them (`verify_tokens`: packed, the rows' total; padded, rows x the longest);
   draft_cost(B) = d0 + d1 * B for B drafting requests. Both are flashmap.online_fit fits over
@@ -53,15 +53,15 @@ class ControllerConfig:
     prior_acceptance: float = 0.6  # per-slot acceptance assumed before any round is seen
     prior_rounds: float = 4.0  # ... weighing this many slot verifications (_global_rates)
     forget: float = 0.98  # cost fits: weight of a round measured n rounds ago is forget**n
-    # Counted in tokens decoded per request (a round of decode_steps counts that many), so a
-    # multi-step round does not stretch the schedule decode_steps-fold.
+    # Counted in tokens decoded per request (a round of plain_tokens counts that many), so a
+    # multi-step round does not stretch the schedule plain_tokens-fold.
     probe_every: int = 32  # after this many tokens without speculation a request drafts a block ...
     max_probe_every: int = 256  # ... and after each such probe, twice as many
     probe_budget: float | None = (
         None  # probes may take at most this share of the time (None: the schedule alone)
     )
     verify_probe_every: int = (
-        4  # with decode_steps > 1: every n-th probe is a one-token round (measures the verify cost)
+        4  # with plain_tokens > 1: every n-th probe is a one-token round (measures the verify cost)
     )
     # While the search finds nothing worth drafting and what it depends on is unchanged (the
     # requests, any acceptance observed), it runs again only every this many rounds: the cost
@@ -72,7 +72,7 @@ class ControllerConfig:
     explore_factor: int = (
         2  # a plan drafts for at most this many times the most requests a measured draft call had
     )
-    decode_steps: int = 1  # tokens per row of a round without drafts or prompts (flashmap.rounds)
+    plain_tokens: int = 1  # tokens per row of a round without drafts or prompts (flashmap.rounds)
     lazy_features: bool = (
         False  # rows without drafts send no features while speculation is off (see above)
     )
@@ -94,7 +94,7 @@ class SpeculationController:
         # The round's seconds outside the draft call: c0 + c_row * rows + c_tok * (query tokens - rows).
         self.verify_cost = OnlineLinear((1e-2, 1e-4, 1e-4), c.forget, prior_weight=1e-3)
         self.draft_cost = OnlineLinear((1e-2, 1e-4), c.forget, prior_weight=1e-3)
-        # The seconds of a round without drafts decoding decode_steps tokens per row: plain + rows.
+        # The seconds of a round without drafts decoding plain_tokens tokens per row: plain + rows.
         self.plain_cost = OnlineLinear((1e-2, 1e-4), c.forget, prior_weight=1e-3)
         self.idle: dict[SeqId, int] = {}  # rounds in a row it could have drafted and did not
         self.probe_every = self.cfg.probe_every  # rounds without speculation before the next probe
@@ -201,7 +201,7 @@ class SpeculationController:
         if speculating:
             self.probe_every, self.since_probe = self.cfg.probe_every, 0
         elif idle:
-            self.since_probe += self.cfg.decode_steps if all(s.prefilled for s in seqs) else 1
+            self.since_probe += self.cfg.plain_tokens if all(s.prefilled for s in seqs) else 1
             first = self.verify_cost.n == 0
             probe = max(idle, key=idle.__getitem__)  # the first of the longest idle
             due = self.since_probe >= self.probe_every
@@ -248,7 +248,7 @@ class SpeculationController:
             )
             for s in seqs
         }
-        return RoundPlan(plans, self.cfg.decode_steps, probing, shadow, choice)
+        return RoundPlan(plans, self.cfg.plain_tokens, probing, shadow, choice)
 
     # What plan() changes (each attribute is reassigned, never mutated).
     _PLAN_STATE = (
@@ -377,14 +377,14 @@ class SpeculationController:
 
     def _plain_rate(self, n: int, verify_s: float, prompts: list[int]) -> float:
         """Tokens per second of this round without drafts: one verify of `verify_s` seconds, or
-        with decode_steps > 1 and no prompt, decode_steps tokens per row in the time the plain
+        with plain_tokens > 1 and no prompt, plain_tokens tokens per row in the time the plain
         fit measured (until it has a round: as if the extra steps were free, so the first
         round without drafts runs them and measures). A round of S steps costs at most S
         one-token verifies (the same forwards, one call instead of S): the bound keeps a plain
         fit that has not seen this many rows from pricing plain rounds out (a fit from one round
         of one row can price many rows far above their cost, and if the plans then draft, no
         plain round comes to correct it); a plain round chosen is measured."""
-        S = self.cfg.decode_steps
+        S = self.cfg.plain_tokens
         if S == 1 or prompts:
             return n / max(verify_s, 1e-9)
         plain = self.plain_cost(n) if self.plain_cost.n else verify_s
@@ -407,7 +407,7 @@ class SpeculationController:
         the draft call, the drafting requests and the draft call's seconds, and per drafted
         request what it accepted; then the shadow probes its commits decide. A round with a
         prompt row (attention over the whole prompt is not what a decode round's tokens cost)
-        leaves the verify fit alone. A round without drafts that decoded decode_steps > 1
+        leaves the verify fit alone. A round without drafts that decoded plain_tokens > 1
         tokens per row feeds the plain fit when that is the configured count; a mixed probe
         round (drafts beside multi-step rows) feeds neither."""
         self.observe_shadows([r.seq for r in out.sequences])
@@ -418,8 +418,8 @@ class SpeculationController:
                 3 * self._probe_s(),
             )
         drafted = [r for r in out.sequences if r.drafted]
-        if out.decode_steps > 1:
-            plain = not drafted and out.decode_steps == self.cfg.decode_steps
+        if out.plain_tokens > 1:
+            plain = not drafted and out.plain_tokens == self.cfg.plain_tokens
             if rest_s > 0 and not out.prefill and plain:
                 self.plain_cost.add(rows, rest_s)
         elif rest_s > 0 and not out.prefill:

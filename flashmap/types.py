@@ -22,10 +22,10 @@ BLOCK_SIZE = 16  # draft tokens per block (K): the paper's, and every drafter's 
 ESTIMATES = ("soft", "argmax")
 DRAFT_STEPS = 1  # flow-map jumps per draft unless a request or SetSteps says (the paper's one jump)
 MAX_DRAFT_STEPS = 64  # more Euler steps of the teacher than this are a mistake, not a request
-DECODE_STEPS = (
-    16  # tokens per request of a serving round without drafts (orchestrator --decode-steps)
+PLAIN_TOKENS = (
+    16  # tokens per request of a serving round without drafts (orchestrator --plain-tokens)
 )
-MAX_DECODE_STEPS = (
+MAX_PLAIN_TOKENS = (
     64  # tokens one verify row may decode (VerifyRow.next_seeds): bounds a call's time
 )
 # A row whose tokens are [FOLLOW_TOKEN] continues its sequence with the last token the

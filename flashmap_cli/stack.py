@@ -80,7 +80,7 @@ class StackConfig(Config):
     drafter_idle_timeout_s: float = same_as(DrafterServiceConfig, "idle_timeout_s")
     tree_blocks: int = same_as(OrchestratorConfig, "tree_blocks")
     speculation: str = same_as(OrchestratorConfig, "speculation")
-    decode_steps: int = same_as(OrchestratorConfig, "decode_steps")
+    plain_tokens: int = same_as(OrchestratorConfig, "plain_tokens")
     pipeline: bool = same_as(OrchestratorConfig, "pipeline")
     burst_window_s: float = same_as(OrchestratorConfig, "burst_window_s")
     target_timeout_s: float = same_as(OrchestratorConfig, "target_timeout_s")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from flashmap.auth import API_KEY_ENV, DRAFTER_TOKEN_ENV, TARGET_KEY_ENV
 from flashmap.config import Config, at_least, in_range, option
-from flashmap.types import DECODE_STEPS, MAX_DECODE_STEPS
+from flashmap.types import MAX_PLAIN_TOKENS, PLAIN_TOKENS
 from orchestrator.admission import BurstConfig
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -73,12 +73,12 @@ class OrchestratorConfig(Config):
         env="FLASHMAP_SPECULATION",
         choices=("auto", "full"),
     )
-    decode_steps: int = option(
-        DECODE_STEPS,
+    plain_tokens: int = option(
+        PLAIN_TOKENS,
         "tokens per request of a round without drafts, decoded in one call to the target "
         "(its fixed cost paid once for them)",
-        env="FLASHMAP_DECODE_STEPS",
-        check=in_range(1, MAX_DECODE_STEPS),
+        env="FLASHMAP_PLAIN_TOKENS",
+        check=in_range(1, MAX_PLAIN_TOKENS),
     )
     pipeline: bool = option(
         True,

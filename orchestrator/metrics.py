@@ -24,7 +24,7 @@ class OrchestratorMetrics:
         self.acceptance_length = m["flashmap_acceptance_length"]
         self.draft_length = m["flashmap_draft_length"]
         self.speculation_off_rounds = m["flashmap_speculation_off_rounds"]
-        self.decode_steps = m["flashmap_decode_steps"]
+        self.plain_tokens = m["flashmap_plain_tokens"]
         self.rounds_ahead = m["flashmap_rounds_ahead"]
         self.shadow_probes = m["flashmap_shadow_probes"]
         self.controller_accepted = m["flashmap_controller_accepted_tokens"]
@@ -61,7 +61,7 @@ class OrchestratorMetrics:
             self.rounds_ahead,
             self.shadow_probes,
             self.burst_wait,
-            self.decode_steps,
+            self.plain_tokens,
         ):
             metric.labels(model=model)
 

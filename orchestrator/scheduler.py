@@ -115,7 +115,7 @@ class Orchestrator:
                 self._block_size(),
                 ControllerConfig(
                     packed=self.info.packed_verify,
-                    decode_steps=self.cfg.decode_steps,
+                    plain_tokens=self.cfg.plain_tokens,
                     lazy_features=self.info.feature_bytes_per_token > 0,
                     shadow_probes=self.cfg.pipeline,
                 ),
@@ -328,7 +328,7 @@ class Orchestrator:
                 self.drafter_port,
                 self.controller,
                 self.cfg.tree_blocks,
-                self.cfg.decode_steps,
+                self.cfg.plain_tokens,
                 ahead,
                 send,
             )
@@ -351,7 +351,7 @@ class Orchestrator:
         if res.plan.chosen is not None and decoding and not any(res.plan.chosen.values()):
             self.metrics.speculation_off_rounds.labels(model=name).inc()
         if decoding and not any(r.drafted for r in decoding):
-            self.metrics.decode_steps.labels(model=name).observe(res.decode_steps)
+            self.metrics.plain_tokens.labels(model=name).observe(res.plain_tokens)
         if res.ahead is not None:
             self.metrics.rounds_ahead.labels(model=name).inc()
         if res.shadows:

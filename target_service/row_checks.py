@@ -1,6 +1,6 @@
 """The checks a verify batch passes before the target engine touches any cache: every row
 names an allocated slot once, its tokens, start position, sampling parameters, draft support,
-further decode steps and kept features fit the engine. A bad row raises InvalidRequest with
+further decoded tokens and kept features fit the engine. A bad row raises InvalidRequest with
 one line that names it."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import dataclasses
 
 import numpy as np
 
-from flashmap.types import MAX_DECODE_STEPS, InvalidRequest, SamplingParams, VerifyRow
+from flashmap.types import MAX_PLAIN_TOKENS, InvalidRequest, SamplingParams, VerifyRow
 
 
 def check_slot(slot: int, allocated: list[bool], where: str = "") -> None:
@@ -77,9 +77,9 @@ def validate_rows(
                 raise InvalidRequest(
                     f"{where}a row with drafts decodes one step: next_seeds must be empty"
                 )
-            if seeds.size >= MAX_DECODE_STEPS:
+            if seeds.size >= MAX_PLAIN_TOKENS:
                 raise InvalidRequest(
-                    f"{where}{seeds.size + 1} decode steps; at most {MAX_DECODE_STEPS}"
+                    f"{where}{seeds.size + 1} tokens decoded; at most {MAX_PLAIN_TOKENS}"
                 )
             if start + n + seeds.size > max_seq_len:
                 raise InvalidRequest(

@@ -1,4 +1,4 @@
-"""The limits (flashmap.types: MAX_DRAFT_STEPS, the decode-steps cap, max_draft_tokens >= 0) are
+"""The limits (flashmap.types: MAX_DRAFT_STEPS, the plain-tokens cap, max_draft_tokens >= 0) are
 checked in one place and refused with the same message at every entry point.
 
 Here: the checks themselves, the services' configs, `flashmap generate --in-process` and the
@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from flashmap.types import (
-    DECODE_STEPS,
     DRAFT_STEPS,
-    MAX_DECODE_STEPS,
     MAX_DRAFT_STEPS,
+    MAX_PLAIN_TOKENS,
+    PLAIN_TOKENS,
     GenerationRequest,
     InvalidRequest,
     check_draft_steps,
@@ -61,7 +61,7 @@ def test_one_check_per_limit():
             continue
         with pytest.raises(InvalidRequest, match=message.replace("(", r"\(").replace(")", r"\)")):
             GenerationRequest([1, 2], 4, max_draft_tokens=value).validate(100, 64)
-    assert 1 <= DRAFT_STEPS <= MAX_DRAFT_STEPS and 1 <= DECODE_STEPS <= MAX_DECODE_STEPS
+    assert 1 <= DRAFT_STEPS <= MAX_DRAFT_STEPS and 1 <= PLAIN_TOKENS <= MAX_PLAIN_TOKENS
 
 
 def test_service_configs_check_their_options_with_the_same_limits(monkeypatch, tmp_path):
@@ -82,17 +82,17 @@ def test_service_configs_check_their_options_with_the_same_limits(monkeypatch, t
         with pytest.raises(SystemExit):  # a usage error, from the environment as from a flag
             parse(DrafterServiceConfig, ["--target-dir", "t"])
         monkeypatch.delenv("FLASHMAP_DRAFT_STEPS")
-    for bad in (0, MAX_DECODE_STEPS + 1):
-        with pytest.raises(ValueError, match=f"--decode-steps: must be in 1..{MAX_DECODE_STEPS}"):
-            OrchestratorConfig(decode_steps=bad)
+    for bad in (0, MAX_PLAIN_TOKENS + 1):
+        with pytest.raises(ValueError, match=f"--plain-tokens: must be in 1..{MAX_PLAIN_TOKENS}"):
+            OrchestratorConfig(plain_tokens=bad)
     # The defaults live in the parts; a stack passes its choices as flags, the rest as the part
     # would read them from the environment.
-    assert StackConfig.decode_steps == OrchestratorConfig.decode_steps == DECODE_STEPS
+    assert StackConfig.plain_tokens == OrchestratorConfig.plain_tokens == PLAIN_TOKENS
     assert StackConfig.steps == DrafterServiceConfig.steps == DRAFT_STEPS
-    monkeypatch.setenv("FLASHMAP_DECODE_STEPS", "5")
-    cfg = StackConfig(target_dir="t", decode_steps=7, log_dir=str(tmp_path))
-    assert "--decode-steps=7" in to_argv(cfg.orchestrator_config())
-    assert from_env(OrchestratorConfig).decode_steps == 5
+    monkeypatch.setenv("FLASHMAP_PLAIN_TOKENS", "5")
+    cfg = StackConfig(target_dir="t", plain_tokens=7, log_dir=str(tmp_path))
+    assert "--plain-tokens=7" in to_argv(cfg.orchestrator_config())
+    assert from_env(OrchestratorConfig).plain_tokens == 5
     # to_argv and parse are each other's inverse (the secrets travel in the environment)
     no_secrets = dict(api_key="", target_key="", drafter_token="")
     back = parse(OrchestratorConfig, to_argv(cfg.orchestrator_config()))

@@ -114,14 +114,14 @@ def test_multi_step_decoding_is_lossless(target):
     rounds as the goodput controller switches) give the reference text; a seeded sampling
     request gives the same text as with one token per call."""
     path, engine, prompts, reference = target.path, target.engine, target.prompts, target.reference
-    assert [r.token_ids for r in decode(engine, _requests(prompts), decode_steps=5)] == reference
+    assert [r.token_ids for r in decode(engine, _requests(prompts), plain_tokens=5)] == reference
     proposer = load_proposer("init", str(path), n_slots=N_PROMPTS, max_context=engine.max_seq_len)
     out = decode(
         engine,
         _requests(prompts),
         proposer,
-        controller=SpeculationController(proposer.block_size, ControllerConfig(decode_steps=4)),
-        decode_steps=4,
+        controller=SpeculationController(proposer.block_size, ControllerConfig(plain_tokens=4)),
+        plain_tokens=4,
     )
     assert [r.token_ids for r in out] == reference
     sampled = lambda: [
@@ -129,7 +129,7 @@ def test_multi_step_decoding_is_lossless(target):
         for i, p in enumerate(prompts)
     ]
     one = decode(engine, sampled())
-    assert [r.token_ids for r in decode(engine, sampled(), decode_steps=3)] == [
+    assert [r.token_ids for r in decode(engine, sampled(), plain_tokens=3)] == [
         r.token_ids for r in one
     ]
 
@@ -146,9 +146,9 @@ def test_rows_without_features_while_speculation_is_off_are_lossless(target, mon
     )
     controller = SpeculationController(
         proposer.block_size,
-        ControllerConfig(decode_steps=4, lazy_features=True, probe_every=8, max_probe_every=8),
+        ControllerConfig(plain_tokens=4, lazy_features=True, probe_every=8, max_probe_every=8),
     )
-    out = decode(engine, _requests(prompts), proposer, controller=controller, decode_steps=4)
+    out = decode(engine, _requests(prompts), proposer, controller=controller, plain_tokens=4)
     assert [r.token_ids for r in out] == reference
     assert any(not r.features for r in rows if r.start_pos > 0), "no round went without features"
     assert any(r.features_from >= 0 for r in rows), "no row fetched the features it went without"
@@ -320,11 +320,11 @@ def test_first_three_tokens_follow_the_target(tmp_path, params):
 
 
 def test_multi_step_samples_follow_the_target(tmp_path):
-    """The target alone decoding tokens 2 and 3 in one call (decode_steps) samples the target's law."""
+    """The target alone decoding tokens 2 and 3 in one call (plain_tokens) samples the target's law."""
     path = _tiny_vocab_target(tmp_path)
     params = SamplingParams(1.0)
     engine = TargetEngine(path, n_slots=BATCH)
-    counts, _ = _first3_counts(engine, [1, 5, 2], params, 10**6, decode_steps=2)
+    counts, _ = _first3_counts(engine, [1, 5, 2], params, 10**6, plain_tokens=2)
     _assert_follows(counts, _exact_first3(path, [1, 5, 2], params))
 
 

@@ -39,7 +39,7 @@ def _seqs(n: int, acceptance: float, rounds: int = 50) -> list[Sequence]:
     return out
 
 
-def _observe(c, rows, tokens, rest_s, drafting, draft_s, rounds, prefill=False, decode_steps=1):
+def _observe(c, rows, tokens, rest_s, drafting, draft_s, rounds, prefill=False, plain_tokens=1):
     """One round's measurements as the round loop hands them over: `rows` verify rows of
     `tokens` query tokens in all, `rest_s` outside the draft call, the
     draft call for `drafting` requests, and per drafted request (greedy, drafted, accepted)."""
@@ -50,7 +50,7 @@ def _observe(c, rows, tokens, rest_s, drafting, draft_s, rounds, prefill=False, 
     seqs = [SequenceRound(Sequence("r", req(g), K), [], False, d, a) for g, d, a in rounds]
     seqs += [SequenceRound(Sequence("p", req(True), K), [], True)] if prefill else []
     out = RoundResult(RoundPlan({}), seqs, lengths, drafting, draft_s, rest_s=rest_s)
-    out.decode_steps = decode_steps
+    out.plain_tokens = plain_tokens
     c.observe(out)
 
 
@@ -147,12 +147,12 @@ def test_plans_draft_for_at_most_twice_the_requests_a_measured_draft_call_had(pa
 
 
 def test_a_plain_fit_from_one_small_round_does_not_price_plain_rounds_out():
-    """With decode_steps = 8, a plain fit that has seen one round of one row (43 ms) says
+    """With plain_tokens = 8, a plain fit that has seen one round of one row (43 ms) says
     nothing about 16 rows; its line put them at 290 ms, so drafting looked better than plain
     rounds that take ~100 ms and none ran to correct it. A round of S steps costs at most S
     one-token verifies: with that bound the controller keeps the 8-step rounds."""
     c = SpeculationController(
-        K, ControllerConfig(probe_every=10**9, decode_steps=8, recheck_every=1)
+        K, ControllerConfig(probe_every=10**9, plain_tokens=8, recheck_every=1)
     )
     for rows, extra in ((1, 16), (16, 0), (16, 3), (16, 16)):
         c.verify_cost.add((rows, extra), 0.010 + 0.0005 * rows + 0.0002 * extra)
@@ -168,12 +168,12 @@ def test_a_plain_fit_from_one_small_round_does_not_price_plain_rounds_out():
     )  # where drafting pays, it still drafts
 
 
-@pytest.mark.parametrize("decode_steps", [1, 8])
-def test_a_verify_fit_that_says_zero_for_plain_rows_does_not_break_the_plan(decode_steps):
+@pytest.mark.parametrize("plain_tokens", [1, 8])
+def test_a_verify_fit_that_says_zero_for_plain_rows_does_not_break_the_plan(plain_tokens):
     """Rounds of one row count only (4 rows, with and without drafted tokens) leave the row
     cost unidentified; the fit can put it all on the drafted tokens and price a verify
     without drafts at 0 s. plan() still chooses (no division by zero)."""
-    c = SpeculationController(K, ControllerConfig(probe_every=10**9, decode_steps=decode_steps))
+    c = SpeculationController(K, ControllerConfig(probe_every=10**9, plain_tokens=plain_tokens))
     # The fit's state in a run of test_mixed_probe_rounds_are_exact (two rounds, 4 rows each).
     c.verify_cost.A = np.array(
         [[1.98, 7.92, 47.68], [7.92, 31.68, 190.72], [47.68, 190.72, 1274.88]]
@@ -194,21 +194,21 @@ def test_no_speculation_when_verify_cost_per_token_exceeds_the_gain():
 
 
 def test_multi_step_plain_rounds_raise_the_rate_a_plan_must_beat():
-    """decode_steps = 8: a round without drafts decodes 8 tokens per call. Where a verify's
+    """plain_tokens = 8: a round without drafts decodes 8 tokens per call. Where a verify's
     fixed cost dominates, moderate acceptance beats one-token rounds but not 8-token rounds
     that cost what the plain fit measured; a high acceptance still drafts, and plain rounds
     measured as slow bring speculation back."""
     seqs = _seqs(4, acceptance=0.6)
     assert all(_controller(verify=(0.010, 1e-4), draft=(0.002, 1e-4)).plan(seqs).chosen.values())
     c = _controller(verify=(0.010, 1e-4), draft=(0.002, 1e-4))
-    c.cfg.decode_steps = 8
+    c.cfg.plain_tokens = 8
     assert set(c.plan(seqs).chosen.values()) == {
         0
     }  # nothing measured: the extra steps look free, so it runs them
     for _ in range(20):  # measured: the call's 10 ms once, then 1.5 ms a step
-        _observe(c, 4, 4, 0.010 + 0.0004 + 7 * 0.0015, 0, 0.0, [], decode_steps=8)
+        _observe(c, 4, 4, 0.010 + 0.0004 + 7 * 0.0015, 0, 0.0, [], plain_tokens=8)
     _observe(
-        c, 4, 4, 0.5, 0, 0.0, [], decode_steps=3
+        c, 4, 4, 0.5, 0, 0.0, [], plain_tokens=3
     )  # a shorter round (requests near their end): not fitted
     assert c.plain_cost.n == 20 and c.verify_cost.n == 15
     assert set(c.plan(seqs).chosen.values()) == {0}
@@ -217,7 +217,7 @@ def test_multi_step_plain_rounds_raise_the_rate_a_plan_must_beat():
         s.seq_id += 100  # other requests (the search reruns)
     assert min(c.plan(good).chosen.values()) >= K // 2
     for _ in range(200):  # plain rounds as slow as 8 one-token verifies
-        _observe(c, 4, 4, 8 * 0.0104, 0, 0.0, [], decode_steps=8)
+        _observe(c, 4, 4, 8 * 0.0104, 0, 0.0, [], plain_tokens=8)
     assert all(c.plan(seqs).chosen.values())
 
 
@@ -461,7 +461,7 @@ def test_multi_step_rounds_give_the_drafter_the_same_context(tiny):
         )
         while not seq.finished:
             run_local(
-                speculative_round([seq], LocalTarget(tiny), _SilentDrafter(), decode_steps=steps)
+                speculative_round([seq], LocalTarget(tiny), _SilentDrafter(), plain_tokens=steps)
             )
         tiny.release(seq.handle)
         contexts[steps] = (seq.generated, seq.context.unsent())
@@ -472,11 +472,11 @@ def test_multi_step_rounds_give_the_drafter_the_same_context(tiny):
 
 
 def test_probes_beside_multi_step_rounds_let_the_others_decode_on():
-    """decode_steps = 8: after the first, most probes are mixed rounds (`probing`: the others
+    """plain_tokens = 8: after the first, most probes are mixed rounds (`probing`: the others
     decode 8 tokens each) whose seconds fit neither cost model; every verify_probe_every-th
     probe is a one-token round that measures the verify cost."""
     c = _controller(verify=(0.010, 1e-3), draft=(0.002, 1e-4))
-    c.cfg.decode_steps, c.cfg.verify_probe_every = 8, 3
+    c.cfg.plain_tokens, c.cfg.verify_probe_every = 8, 3
     c.cfg.probe_every = c.cfg.max_probe_every = c.probe_every = 16  # 2 rounds of 8 tokens
     seqs = _seqs(4, acceptance=0.2)
     kinds = []
@@ -488,7 +488,7 @@ def test_probes_beside_multi_step_rounds_let_the_others_decode_on():
             assert not plan.probing
     assert kinds == ["one-token", "mixed", "mixed"] * 2 + ["one-token", "mixed"]
     fits = (c.verify_cost.n, c.plain_cost.n, c.draft_cost.n)
-    _observe(c, 4, 4 + K, 0.2, 1, 0.003, [(True, K, 2)], decode_steps=8)  # a mixed round
+    _observe(c, 4, 4 + K, 0.2, 1, 0.003, [(True, K, 2)], plain_tokens=8)  # a mixed round
     assert (c.verify_cost.n, c.plain_cost.n, c.draft_cost.n) == (fits[0], fits[1], fits[2] + 1)
     assert c.drafted_rounds == 1  # its acceptance counts
 
@@ -512,13 +512,13 @@ def test_mixed_probe_rounds_are_exact(tiny):
         ctl = SpeculationController(
             K,
             ControllerConfig(
-                decode_steps=8, probe_every=16, max_probe_every=16, verify_probe_every=2
+                plain_tokens=8, probe_every=16, max_probe_every=16, verify_probe_every=2
             ),
         )
         oracle = OracleProposer(
             [p + a for p, a in zip(prompts, alone)], K, tiny.vocab_size, error_rate=0.9, seed=3
         )
-        out = decode(tiny, reqs(), oracle, controller=ctl, decode_steps=8)
+        out = decode(tiny, reqs(), oracle, controller=ctl, plain_tokens=8)
     finally:
         del tiny.verify
     assert [r.token_ids for r in out] == alone
@@ -571,7 +571,7 @@ def test_sequences_that_never_draft_ask_for_no_features(tiny):
         if lose:
             seq.context.lose()
         while not seq.finished:
-            run_local(speculative_round([seq], Recording(tiny), drafter, decode_steps=4))
+            run_local(speculative_round([seq], Recording(tiny), drafter, plain_tokens=4))
         tiny.release(seq.handle)
         return seq.generated, seq.context.unsent(), list(rows)
 
@@ -646,7 +646,7 @@ def test_shadow_probes_replace_the_probes_that_do_not_measure_the_verify():
     one-token verified round), drafts nothing into the round (its plan length stays 0, the round
     can be sent ahead) and is named in `shadow`; each goes to the request longest without one."""
     c = _controller(verify=(0.010, 1e-3), draft=(0.002, 1e-4))
-    c.cfg.decode_steps, c.cfg.verify_probe_every, c.cfg.shadow_probes = 8, 3, True
+    c.cfg.plain_tokens, c.cfg.verify_probe_every, c.cfg.shadow_probes = 8, 3, True
     c.cfg.probe_every = c.cfg.max_probe_every = c.probe_every = 16  # 2 rounds of 8 tokens
     seqs = _seqs(4, acceptance=0.2)
     kinds, shadowed = [], []
@@ -719,7 +719,7 @@ def test_shadow_probes_beside_the_rounds_are_exact_and_line_up_with_the_text(tin
     ctl = SpeculationController(
         K,
         ControllerConfig(
-            decode_steps=8, probe_every=16, max_probe_every=16, shadow_probes=True, margin=1e9
+            plain_tokens=8, probe_every=16, max_probe_every=16, shadow_probes=True, margin=1e9
         ),
     )
 
@@ -727,7 +727,7 @@ def test_shadow_probes_beside_the_rounds_are_exact_and_line_up_with_the_text(tin
         target, drafter = LocalTarget(tiny), LocalDrafter(oracle)
         seqs = [Sequence(str(i), r, K, handle=tiny.allocate()) for i, r in enumerate(reqs)]
         while live := [s for s in seqs if not s.finished]:
-            await speculative_round(live, target, drafter, controller=ctl, decode_steps=8)
+            await speculative_round(live, target, drafter, controller=ctl, plain_tokens=8)
             await asyncio.sleep(
                 0
             )  # the probes' drafts run between rounds, as beside the orchestrator's

@@ -546,8 +546,8 @@ class TestMainStack:
     @pytest.mark.timeout(60)
     def test_rounds_without_drafts_decode_several_tokens_per_call(self, stack, client, ref):
         """Speculation off for a request: after its prompt's round, each round decodes
-        --decode-steps tokens in one call to Triton; the text is the target's."""
-        steps = stack.cfg.decode_steps
+        --plain-tokens tokens in one call to Triton; the text is the target's."""
+        steps = stack.cfg.plain_tokens
         p = _prompts(1, seed=81, lo=5, hi=5)[0]
         (exp,) = ref([p], 1 + 2 * steps)
         orch0, tri0 = _samples(stack.cfg.metrics_port), _samples(stack.cfg.triton_metrics_port)
@@ -557,8 +557,8 @@ class TestMainStack:
         assert ids == exp and final.stats.rounds == 2 * steps and final.stats.drafts == 0
         orch1, tri1 = _samples(stack.cfg.metrics_port), _samples(stack.cfg.triton_metrics_port)
         d = lambda a, b, name: _total(b, name) - _total(a, name)  # noqa: E731
-        assert d(orch0, orch1, "flashmap_decode_steps_count") == 2
-        assert d(orch0, orch1, "flashmap_decode_steps_sum") == 2 * steps
+        assert d(orch0, orch1, "flashmap_plain_tokens_count") == 2
+        assert d(orch0, orch1, "flashmap_plain_tokens_sum") == 2 * steps
         assert (
             d(tri0, tri1, "nv_inference_exec_count") <= 4
         )  # prompt, 2 calls of `steps` tokens, the release
@@ -688,7 +688,7 @@ def test_shadow_probes_through_the_stack_are_exact_and_released(target_dir, ref,
     cfg = StackConfig.on_free_ports(
         target_dir=str(target_dir), n_slots=4, max_seq_len=1024, log_dir=str(tmp_path)
     )
-    assert cfg.speculation == "auto" and cfg.pipeline and cfg.decode_steps > 1
+    assert cfg.speculation == "auto" and cfg.pipeline and cfg.plain_tokens > 1
     with Stack(cfg) as st, Client(cfg.url, timeout=120) as c:
         admin = DrafterAdmin(cfg.drafter_url, token=cfg.drafter_token)
         try:

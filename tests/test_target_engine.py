@@ -17,7 +17,7 @@ import torch
 
 from flashmap.checkpoint import CheckpointError
 from flashmap.types import (
-    MAX_DECODE_STEPS,
+    MAX_PLAIN_TOKENS,
     Draft,
     InvalidRequest,
     SamplingParams,
@@ -700,7 +700,7 @@ def test_invalid_requests(engine):
         dict(
             start_pos=10, tokens=np.zeros(100, np.int64), next_seeds=np.arange(19)
         ),  # 10 + 100 + 19 > 128
-        dict(next_seeds=np.arange(MAX_DECODE_STEPS)),
+        dict(next_seeds=np.arange(MAX_PLAIN_TOKENS)),
         dict(next_seeds=np.zeros((2, 2), np.int64)),
     ]
     lengths = (engine.length(a), engine.length(b))

@@ -613,7 +613,7 @@ def test_pipelined_rounds_give_the_text_of_one_token_rounds(server, engine):
         while live := [s for s in seqs if not s.finished]:
             if ahead is not None and all(s.finished for s in ahead.seqs):
                 ahead = None
-            res = await pipelined_round(live, target, decode_steps=4, ahead=ahead, send=True)
+            res = await pipelined_round(live, target, plain_tokens=4, ahead=ahead, send=True)
             ahead, sent = res.ahead, sent + (res.ahead is not None)
             assert all(r.error is None for r in res.sequences), res.sequences
         for s in seqs:
@@ -688,7 +688,7 @@ def test_a_lone_prompt_sends_its_first_decode_ahead_and_a_burst_does_not(server,
     async def serve(first: int, later: int, sent_before: int):
         orch = Orchestrator(
             OrchestratorConfig(
-                target_url=server.grpc_url, drafter_url="", metrics_port=0, decode_steps=4
+                target_url=server.grpc_url, drafter_url="", metrics_port=0, plain_tokens=4
             )
         )
         await orch.start()
@@ -928,7 +928,7 @@ def test_a_sequences_last_round_frees_its_slot_without_a_release_call(server):
             for i, n in enumerate((1, 5, 12))
         ]
         while live := [s for s in seqs if not s.finished]:
-            await speculative_round(live, target, decode_steps=4)
+            await speculative_round(live, target, plain_tokens=4)
         assert [len(s.generated) for s in seqs] == [1, 5, 12]
         settled_active(server, 0)
         calls = metric(server, "nv_inference_count")

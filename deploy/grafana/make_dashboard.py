@@ -324,7 +324,7 @@ def build() -> dict:
             "What the goodput controller chose: the mean draft length it "
             "verified per request and round (0 = a plain decode step), the share of rounds in "
             "which it verified no draft at all (speculation off: drafting does not pay at this load), "
-            "the tokens per request such rounds decoded in one call (--decode-steps), and the "
+            "the tokens per request such rounds decoded in one call (--plain-tokens), and the "
             "share of rounds queued at the target before the round they follow had answered "
             "(--pipeline), the probes drafted beside the rounds per round (checked against the "
             "committed text, never verified), and the draft tokens the verify accepted over those the "
@@ -343,7 +343,7 @@ def build() -> dict:
                     "",
                 ),
                 target(
-                    f"{rate('flashmap_decode_steps_sum', MODEL)} / {rate('flashmap_decode_steps_count', MODEL)}",
+                    f"{rate('flashmap_plain_tokens_sum', MODEL)} / {rate('flashmap_plain_tokens_count', MODEL)}",
                     "tokens per call without drafts",
                     "",
                 ),
