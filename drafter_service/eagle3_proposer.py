@@ -1,5 +1,5 @@
-"""Serving proposer of a published EAGLE-3 drafter (drafter_service.eagle3): chains, and at
-temperature 0 EAGLE-2's dynamic tree.
+"""Serving proposer of a published EAGLE-3 drafter (drafter_service.eagle3): EAGLE-2's dynamic
+tree at every temperature, or a chain for sampling rows (`sampled_tree=False`).
 
 Per sequence a slot in static caches of the layer's keys / values ([1, n_slots, kv,
 max_context, d]) and of the fused features g ([n_slots, max_context, H]). Position p's key
@@ -7,13 +7,16 @@ needs the token at p + 1, so the caches hold keys for positions 0..L-2 of a cont
 last position runs with the anchor when drafting. `extend_many` writes every sequence's new
 positions with one fc and one k/v projection (keys need no attention: one layer).
 
-Tree (greedy rows): step 0 runs the last context position; each later step expands the
+Tree: step 0 runs the last context position; each later step expands the
 `top_k` best nodes so far (by the sum of their path's log-probabilities), each with its own
 `top_k` children, attending to the context, the step-0 position and its ancestors; after
 `depth` steps the `tree_tokens` best of all children are the draft, a tree closed under
-parents (a child's score is at most its parent's). Sampling rows draft a chain of
-`tree_tokens` tokens, slot k drawn from the top-m of the drafter's law given the drafted
-prefix, as exact speculative sampling needs (drafter_service.proposals' rule).
+parents (a child's score is at most its parent's). The tree is the same at every temperature
+(it does not depend on the target's noise), so at T > 0 the target verifies it by picking its
+own token at each node (target_service.tree), as SGLang verifies EAGLE's trees. With
+`sampled_tree=False` sampling rows draft a chain of `tree_tokens` tokens instead, slot k drawn
+from the top-m of the drafter's law given the drafted prefix, verified by exact speculative
+sampling with that q (drafter_service.proposals' rule).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class Eagle3Proposer(SlotCacheProposer):
         tree_tokens: int = 16,
         depth: int = 6,
         top_k: int = 4,
+        sampled_tree: bool = True,
     ):
         c = model.cfg
         if not 1 <= top_k <= c.draft_vocab_size or depth < 1 or tree_tokens < 1:
@@ -48,7 +52,7 @@ class Eagle3Proposer(SlotCacheProposer):
             )
         cache = (1, c.num_key_value_heads, c.head_dim)
         super().__init__(model, n_slots, max_context, device, cache, tree_tokens, c.hidden_size)
-        self.depth, self.top_k = depth, top_k
+        self.depth, self.top_k, self.sampled_tree = depth, top_k, sampled_tree
         self.g_cache = torch.zeros(
             n_slots, max_context, c.hidden_size, dtype=self.k_cache.dtype, device=self.device
         )
@@ -80,18 +84,20 @@ class Eagle3Proposer(SlotCacheProposer):
     def propose(
         self, requests: list[ProposeRequest], draft_steps: int | None = None
     ) -> list[Draft]:
-        """A tree per greedy request, a chain per sampling one (steps: accepted and ignored)."""
+        """A tree per request, or with sampled_tree off a chain per sampling one (steps: accepted
+        and ignored)."""
         for r in requests:
             if r.temperature < 0 or (r.temperature > 0 and r.top_m < 1):
                 raise ValueError(f"request {r.seq_id!r}: need temperature >= 0 and top_m >= 1")
         out: list[Draft | None] = [None] * len(requests)
-        greedy = [i for i, r in enumerate(requests) if r.temperature == 0]
-        sampled = [i for i, r in enumerate(requests) if r.temperature > 0]
-        if greedy:
-            for i, d in zip(greedy, self._trees([requests[i] for i in greedy])):
+        chain = [r.temperature > 0 and not self.sampled_tree for r in requests]
+        trees = [i for i, c in enumerate(chain) if not c]
+        chains = [i for i, c in enumerate(chain) if c]
+        if trees:
+            for i, d in zip(trees, self._trees([requests[i] for i in trees])):
                 out[i] = d
-        if sampled:
-            for i, d in zip(sampled, self._chains([requests[i] for i in sampled])):
+        if chains:
+            for i, d in zip(chains, self._chains([requests[i] for i in chains])):
                 out[i] = d
         return out
 

@@ -90,7 +90,7 @@ def decode(
     """Decode all requests to completion; results come back in request order. draft_steps:
     every request's unless it has its own (None: the proposer's step count).
 
-    tree_blocks > 1 (greedy requests): each round drafts that many blocks from independent
+    tree_blocks > 1: each round drafts that many blocks from independent
     noise and verifies them as a tree (TargetEngine.verify_tree); the sequence commits the
     branch the target accepts furthest. controller: a flashmap.speculation.SpeculationController
     choosing each round's draft lengths (None: the whole block every round). plain_tokens:
@@ -102,8 +102,6 @@ def decode(
             raise ValueError(
                 f"tree verification of {tree_blocks} blocks needs a proposer that drafts several blocks"
             )
-        if any(not r.params.greedy for r in requests):
-            raise ValueError("tree verification is greedy-only: every request needs temperature 0")
     block = proposer.block_size if proposer is not None else BLOCK_SIZE
     target = LocalTarget(engine)
     drafter = LocalDrafter(proposer, draft_steps) if proposer is not None else None

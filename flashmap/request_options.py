@@ -36,6 +36,7 @@ from flashmap.types import (
     check_temperature,
     check_top_k,
     check_top_p,
+    check_tree_blocks,
 )
 
 SCALARS = (bool, int, float, str)
@@ -122,6 +123,12 @@ class RequestOptions:
         "most draft tokens verified per round (0: speculation off; default: the block)",
         check=check_max_draft_tokens,
     )
+    tree_blocks: int | None = request_option(
+        None,
+        "blocks drafted from independent noise and verified as one tree (1: one block; "
+        "default: the server's)",
+        check=check_tree_blocks,
+    )
 
     def validate(self) -> RequestOptions:
         """Every field's check (InvalidRequest with a one-line message); None is never checked."""
@@ -164,6 +171,7 @@ class RequestOptions:
             self.draft_steps,
             request_id,
             self.max_draft_tokens,
+            self.tree_blocks,
         )
         gen.validate(vocab_size, max_seq_len)
         return gen

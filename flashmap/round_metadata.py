@@ -56,7 +56,7 @@ def plan_round(
         {
             s.seq_id: SeqPlan(
                 s.draft_cap() if drafter else 0,
-                blocks if s.params.greedy else 1,
+                blocks,
                 drafter and s.may_draft(),
             )
             for s in seqs

@@ -184,7 +184,7 @@ class Sequence:
         if self.finished:
             return [], 0
         tree = None
-        if row.is_tree:
+        if row.is_tree:  # the target walked it: the path, then its own pick after the path
             tree, draft = draft, Draft.greedy(draft.tokens[path], draft.draft_steps)
             n = len(row.tokens) - row.num_draft
             row = replace(
@@ -196,6 +196,9 @@ class Sequence:
         k = row.num_draft
         if k == 0:  # one token per step: the argmax (T = 0) or the target's own sample
             new, n_acc = [int(t) for t in result.decoded(self.params.greedy)[-row.steps :]], 0
+        elif tree is not None:
+            new = [*draft.tokens.tolist(), int(result.decoded(self.params.greedy)[k])]
+            n_acc = k
         elif self.params.greedy:
             new, n_acc = greedy_verify(draft.tokens, result.argmax)
         else:

@@ -242,7 +242,7 @@ class SpeculationController:
         plans = {
             s.seq_id: SeqPlan(
                 choice[s.seq_id],
-                blocks if s.params.greedy else 1,
+                blocks,
                 s.may_draft()
                 and not (lazy and s.seq_id not in keep and (s.prefilled or not prompts_fetch)),
             )

@@ -48,6 +48,17 @@ def check_draft_steps(n: int) -> int:
     return n
 
 
+MAX_TREE_BLOCKS = 64  # blocks from independent noise in one tree: bounds a verify row's size
+
+
+def check_tree_blocks(n: int) -> int:
+    """n as the number of blocks a round drafts from independent noise and verifies as one
+    tree (1: a single block), or InvalidRequest."""
+    if not (isinstance(n, (int, np.integer)) and 1 <= n <= MAX_TREE_BLOCKS):
+        raise InvalidRequest(f"tree_blocks must be in 1..{MAX_TREE_BLOCKS}, got {n}")
+    return n
+
+
 def check_max_draft_tokens(n: int) -> int:
     """n as a cap on the draft tokens of a round (above the block size: the whole block), or
     InvalidRequest."""
@@ -121,6 +132,7 @@ class GenerationRequest:
     draft_steps: int | None = None  # None: the drafter's current step count
     request_id: str = ""
     max_draft_tokens: int | None = None  # None: the drafter's block size; 0: speculation off
+    tree_blocks: int | None = None  # None: the server's (flashmap.round_metadata)
 
     def validate(self, vocab_size: int, max_seq_len: int) -> None:
         """Raise InvalidRequest with a one-line message for anything a server must refuse."""
@@ -145,6 +157,8 @@ class GenerationRequest:
             check_draft_steps(self.draft_steps)
         if self.max_draft_tokens is not None:
             check_max_draft_tokens(self.max_draft_tokens)
+        if self.tree_blocks is not None:
+            check_tree_blocks(self.tree_blocks)
         self.params.validate()
 
 

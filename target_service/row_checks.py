@@ -132,12 +132,10 @@ def validate_support(sup: np.ndarray, n_tokens: int, vocab_size: int, where: str
 
 
 def check_tree(row: VerifyRow) -> None:
-    """A validated row whose drafts form a tree (TargetEngine.verify_tree): greedy, one step,
-    K parents each an earlier draft or -1 (the anchor)."""
+    """A validated row whose drafts form a tree (TargetEngine.verify_tree): one step, K parents
+    each an earlier draft or -1 (the anchor), any temperature (target_service.tree)."""
     if len(row.next_seeds):
         raise InvalidRequest("tree verification decodes one step: next_seeds must be empty")
-    if not row.params.greedy:
-        raise InvalidRequest("tree verification is greedy-only (temperature 0)")
     K, p = row.num_draft, np.asarray(row.parents, np.int64)
     if K == 0 or p.shape != (K,) or ((p < -1) | (p >= np.arange(K))).any():
         raise InvalidRequest(

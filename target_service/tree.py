@@ -1,13 +1,20 @@
-"""Tree verification: a greedy row whose K drafted tokens form a tree (VerifyRow.parents), in
-one forward pass.
+"""Tree verification: a row whose K drafted tokens form a tree (VerifyRow.parents), in one
+forward pass.
 
 The row's tokens, [.., anchor, d_1..d_K], are written at their usual cache indices; draft i
 sits at RoPE position anchor + depth(i) and, through a tree mask, sees the context up to the
 anchor, its ancestors and itself, so it gets the logits a plain verify of its path would give.
-The accepted path is walked from the anchor: at each node the child whose token is the target's
-argmax there. Its K/V entries move to the path's own positions (anchor + 1, ...), so the cache
-is as after a plain verify of that path, and the result is that path's (argmax along it, the
-features of the positions up to its end).
+The accepted path is walked from the anchor: at each node the target picks its own token (the
+argmax at T = 0; at T > 0 a sample of its distribution after temperature, top-k and top-p,
+Gumbel-max with noise seeded by the row's round seed and the node's depth) and moves to the
+child that carries it; where no child does, the picked token is the one the round commits
+after the path. Every committed token is the target's own choice, so the output law is the
+target's whatever the drafts are, as long as they do not depend on the target's noise (drafts
+fixed given the drafter's own randomness: blocks from independent noise, argmax blocks,
+EAGLE's top-k tree). The path's K/V entries move to its own positions (anchor + 1, ...), so the
+cache is as after a plain verify of that path, and the result is that path's: the picked
+tokens along it (argmax, and at T > 0 the samples as `residual`) and the features of the
+positions up to its end.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import numpy as np
 import torch
 
 from flashmap.types import VerifyResult, VerifyRow
-from target_service.verification import argmax_ids
+from target_service.verification import argmax_ids, exponential_noise, process_logits
 
 
 @dataclass
@@ -58,9 +65,23 @@ def tree_layout(row: VerifyRow) -> TreeLayout:
     return TreeLayout(seq_pos, cache_pos, mask, want, anchor)
 
 
+def picks(logits: torch.Tensor, row: VerifyRow) -> np.ndarray:
+    """[1 + K] the target's own token at the anchor and at each draft: its argmax at T = 0,
+    else a sample of its adjusted distribution whose noise depends on the round seed and the
+    node's depth only (a path is drawn as a chain of its length would be)."""
+    if row.params.greedy:
+        return argmax_ids(logits)
+    p = row.params
+    n = len(logits)
+    probs = process_logits(logits, [p.temperature] * n, [p.top_k] * n, [p.top_p] * n)  # [1+K, V]
+    depth = np.concatenate([[0], depths(row.parents)])  # [1+K]
+    noise = exponential_noise(row.round_seed, (int(depth.max()) + 1, probs.shape[-1]), probs.device)
+    return (probs / noise[torch.as_tensor(depth, device=probs.device)]).argmax(-1).cpu().numpy()
+
+
 def accepted_path(top: np.ndarray, row: VerifyRow) -> tuple[np.ndarray, np.ndarray]:
-    """From the argmax at the anchor and each draft, top [1 + K]: the accepted path (draft
-    indices) and the argmax along it [len(path) + 1]."""
+    """From the target's pick at the anchor and each draft, top [1 + K]: the accepted path
+    (draft indices) and the picks along it [len(path) + 1]."""
     K = row.num_draft
     drafts = row.tokens[len(row.tokens) - K :]
     path, node = [], -1
@@ -105,7 +126,7 @@ def verify_tree(engine, row: VerifyRow) -> tuple[VerifyResult, np.ndarray]:
     except BaseException:
         engine._length[row.slot] = min(engine._length[row.slot], row.start_pos)
         raise
-    path, argmax = accepted_path(argmax_ids(logits), row)
+    path, picked = accepted_path(picks(logits, row), row)
     a = len(path)
     src = torch.as_tensor(t.anchor + 1 + path, device=dev)
     move_kv(engine.model, row.slot, src, torch.arange(t.anchor + 1, t.anchor + 1 + a, device=dev))
@@ -113,11 +134,12 @@ def verify_tree(engine, row: VerifyRow) -> tuple[VerifyResult, np.ndarray]:
     keep = np.concatenate([np.arange(n - K), n - K + path])
     chain = VerifyRow(row.slot, row.start_pos, row.tokens[keep], row.params, features=row.features)
     (feats,) = engine._keep_features([chain], features.reshape(n, -1), [keep])
+    sampled = not row.params.greedy
     result = VerifyResult(
-        argmax,
+        picked if not sampled else argmax_ids(logits)[np.concatenate([[0], 1 + path])],
         np.zeros((0, 1), np.float32),
         np.zeros(0, np.float32),
-        np.full(a + 1, -1, np.int64),
+        picked if sampled else np.full(a + 1, -1, np.int64),
         feats,
     )
     return result, path

@@ -148,7 +148,9 @@ def _sample_rows(
     outside = probs.masked_fill(in_support, 0.0)  # [M, V]
     complement = outside.sum(-1)  # [M]; = 1 - sum(support_probs), without the cancellation
 
-    noise = torch.cat([_exponential(rows[i].round_seed, (counts[i], V), device) for i in picked])
+    noise = torch.cat(
+        [exponential_noise(rows[i].round_seed, (counts[i], V), device) for i in picked]
+    )
     residual = (outside / noise).argmax(-1)  # [M]
     empty = complement <= COMPLEMENT_EPS
     residual = residual.masked_fill(empty, -1)
@@ -168,7 +170,8 @@ def _sample_rows(
     return out
 
 
-def _exponential(seed: int, shape: tuple[int, int], device: torch.device) -> Tensor:
+def exponential_noise(seed: int, shape: tuple[int, int], device: torch.device) -> Tensor:
+    """Exp(1) noise [positions, V] of a row, from its round seed alone."""
     g = torch.Generator(device=device)
     g.manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
     return torch.empty(shape, device=device).exponential_(generator=g)

@@ -51,3 +51,42 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+class TreeProposer:
+    """A drafter of trees of a fixed shape (parents, as VerifyRow.parents) whose tokens are
+    drawn uniformly from the vocabulary by the request's seed: drafts that do not depend on the
+    target's noise, the condition of tree verification at T > 0 (target_service.tree). Keeps no
+    context beyond its length."""
+
+    steps, max_blocks, feature_dim = 1, 1, 0
+
+    def __init__(self, parents, vocab_size: int, block_size: int = 16):
+        self.parents = np.asarray(parents, np.int64)
+        self.vocab_size, self.block_size = vocab_size, block_size
+        self.length: dict[str, int] = {}
+
+    def extend_many(self, items):
+        for seq_id, ids, _ in items:
+            self.length[seq_id] = self.length.get(seq_id, 0) + len(ids)
+        return {}
+
+    def context_length(self, seq_id: str) -> int:
+        return self.length.get(seq_id, 0)
+
+    def truncate(self, seq_id: str, n: int) -> None:
+        self.length[seq_id] = n
+
+    def release(self, seq_id: str) -> None:
+        self.length.pop(seq_id, None)
+
+    def draft(self, requests, n_blocks: int = 1):
+        from flashmap.types import Draft
+
+        out = []
+        for r in requests:
+            rng = np.random.default_rng([int(r.seed) & (2**63 - 1), 7])
+            tokens = rng.integers(0, self.vocab_size, size=len(self.parents))
+            n = len(self.parents) if r.max_draft_tokens is None else r.max_draft_tokens
+            out.append([Draft.tree(tokens, self.parents).truncate(n)])
+        return out

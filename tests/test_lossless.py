@@ -201,13 +201,6 @@ def test_tree_verification_is_lossless_and_takes_the_accepted_path(target):
         )
         out = decode(engine, _requests(prompts), proposer, draft_steps=steps, tree_blocks=4)
         assert [r.token_ids for r in out] == reference
-    with pytest.raises(ValueError, match="greedy-only"):
-        decode(
-            engine,
-            [GenerationRequest(prompts[0], 4, SamplingParams(temperature=1.0))],
-            oracle(),
-            tree_blocks=2,
-        )
     # Drafts cut short by the drafter's confidence (any length is exact), alone and in a tree.
     proposer = load_proposer("init", str(path), n_slots=N_PROMPTS, max_context=engine.max_seq_len)
     proposer.min_confidence = 0.3
@@ -326,6 +319,63 @@ def test_multi_step_samples_follow_the_target(tmp_path):
     engine = TargetEngine(path, n_slots=BATCH)
     counts, _ = _first3_counts(engine, [1, 5, 2], params, 10**6, plain_tokens=2)
     _assert_follows(counts, _exact_first3(path, [1, 5, 2], params))
+
+
+# Trees at T > 0 (target_service.tree): deep, wide, and with shared prefixes. Their tokens come
+# from the drafter's own randomness, so the target's pick at each node decides the text.
+TREES = {
+    "deep": [-1, 0, 1, 2, 3],
+    "wide": [-1, -1, -1, -1, -1, -1],
+    "shared": [-1, 0, 0, 1, 1, -1, 5, 6],
+}
+
+
+@pytest.mark.parametrize("shape", sorted(TREES))
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(1.0), SamplingParams(0.7, top_k=5, top_p=0.9)],
+    ids=["T1", "T0.7-k5-p0.9"],
+)
+def test_trees_at_t_above_zero_follow_the_target(tmp_path, shape, params):
+    from tests.drafter_helpers import TreeProposer
+
+    path = _tiny_vocab_target(tmp_path)
+    prompt = [1, 5, 2]
+    engine = TargetEngine(path, n_slots=BATCH)
+    proposer = TreeProposer(TREES[shape], V_TINY)
+    counts, accepted = _first3_counts(engine, prompt, params, 3 * 10**6, proposer=proposer)
+    assert accepted > 0, "no draft token was ever accepted: the test would not exercise acceptance"
+    _assert_follows(counts, _exact_first3(path, prompt, params))
+
+
+def test_flashmap_blocks_from_independent_noise_follow_the_target(tmp_path):
+    """tree_blocks = 4 at T = 1: four blocks of the (untrained) FlashMap drafter merged into one
+    tree, verified in one pass."""
+    path = _tiny_vocab_target(tmp_path)
+    params = SamplingParams(1.0)
+    engine = TargetEngine(path, n_slots=BATCH)
+    torch.manual_seed(0)
+    proposer = load_proposer("init", str(path), n_slots=BATCH, max_context=64)
+    counts, accepted = _first3_counts(
+        engine, [1, 5, 2], params, 5 * 10**6, proposer=proposer, tree_blocks=4
+    )
+    assert accepted > 0
+    _assert_follows(counts, _exact_first3(path, [1, 5, 2], params))
+
+
+def test_seeded_tree_requests_repeat_and_greedy_trees_stay_exact(target):
+    """A seeded T = 1 request verified as trees gives the same text twice; at T = 0 the same
+    trees give the target alone's text."""
+    from tests.drafter_helpers import TreeProposer
+
+    engine, prompts, reference = target.engine, target.prompts, target.reference
+    proposer = TreeProposer(TREES["shared"], engine.vocab_size)
+    sampled = [GenerationRequest(p, 24, SamplingParams(1.0, seed=i)) for i, p in enumerate(prompts)]
+    first = [r.token_ids for r in decode(engine, sampled, proposer)]
+    again = [r.token_ids for r in decode(engine, sampled, proposer)]
+    assert first == again
+    out = decode(engine, _requests(prompts), proposer)
+    assert [r.token_ids for r in out] == reference
 
 
 def test_second_jump_network_is_lossless(target):
