@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from drafter_service.flashmap_dit import FlashMapDiT, jump
+from drafter_service.flashmap_dit import FlashMapDiT
+from drafter_service.flow_map import jump
 from training.flow import Batch, noisy_state
 
 TAUS = (0.0, 0.25, 0.5, 0.75)
