@@ -102,7 +102,7 @@ def format_table(results: dict, fine: int, coarse: int) -> str:
 def flow_check_draw(data: str, n: int, block_size: int) -> list:
     """`n` held-out batches of 32 blocks, drawn as the flow check draws them."""
     from training.step_batches import flow_check_batches
-    from training.train_drafter import TrainConfig
+    from training.train_drafter_config import TrainConfig
 
     tcfg = TrainConfig.for_stage("flow", small=True)
     tcfg.check_batches = n
