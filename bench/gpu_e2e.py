@@ -38,11 +38,9 @@ captured) and "kernels alone" is their host clock: the smoke run checks the tool
 are no speed claim.
 
 A time guard (--budget) skips what would not fit and says so; a watchdog at budget + 45 s
-writes what there is and exits. DIR gets gpu_e2e.json (every number), gpu_e2e.md (the table)
-and gpu_e2e.log. The current report is docs/results/gpu_h200.md ("Whole decode loop").
-
-One idea: a decode loop's cost set against its kernels', row by row over one engine; the rows
-share the engine, the guard and the report, so they stay in one module.
+writes what there is and exits. DIR gets gpu_e2e.json (every number), gpu_e2e.md (the table,
+bench.gpu_e2e_report) and gpu_e2e.log. The current report is docs/results/gpu_h200.md ("Whole
+decode loop"). How each number is taken: bench.gpu_e2e_measure.
 """
 
 from __future__ import annotations
@@ -64,24 +62,29 @@ from bench import gpu_timing  # noqa: E402
 from bench.common import parser, stamp, write_report  # noqa: E402
 from bench.gpu import env_section  # noqa: E402
 from bench.gpu_drafter import build_drafter  # noqa: E402
-from bench.gpu_e2e_published import LABELS as PUBLISHED_LABELS  # noqa: E402
+from bench.gpu_e2e_measure import (  # noqa: E402
+    COUNTED_ROUNDS,
+    drafter_kernel_ms,
+    host_work,
+    requests_for,
+    same,
+    target_kernel_ms,
+)
 from bench.gpu_e2e_published import published_rows  # noqa: E402
+from bench.gpu_e2e_report import ABOUT, speedups, table  # noqa: E402
 from bench.gpu_target import QWEN3_8B, TINY_TARGET, random_qwen3  # noqa: E402
 from bench.gpu_timing import (  # noqa: E402
     LOG,
     Guard,
-    HostWork,
     K,
     RoundClock,
-    cuda_calls_per_round,
-    replay_ms,
     say,
     watchdog,
 )
 from flashmap.measure import machine  # noqa: E402
 
 MODULE = "bench.gpu_e2e"
-# The GPU run (the issue's sizes) and the CPU smoke run (tiny, seconds). need: seconds a row
+# The GPU run (Qwen3-8B's shape) and the CPU smoke run (tiny, seconds). need: seconds a row
 # may take at batch b, (base, per row of the batch), and the drafter's build; the guard skips
 # what would not fit in what is left.
 SHAPES = {
@@ -113,88 +116,7 @@ SHAPES = {
         need={k: (1, 0) for k in ("target", "oracle", "flashmap", "drafter", "dflash", "eagle3")},
     ),
 }
-COUNTED_ROUNDS = 3  # steady-state rounds the host-work counters cover (after one warm round)
-LABELS = {"target": "target alone", "oracle": "oracle (always right)", **PUBLISHED_LABELS}
 KINDS_TO_SKIP = "target, oracle, flashmap, flashmap1, flashmap2, dflash, eagle3"
-
-
-def requests_for(prompts: np.ndarray, b: int, max_new: int):
-    from flashmap.types import GenerationRequest
-
-    return [GenerationRequest(prompts[i].tolist(), max_new, request_id=f"r{i}") for i in range(b)]
-
-
-def host_work(engine, requests, proposer, steps, dev) -> dict:
-    """Decode `requests`, counting the host's work (HostWork; on CUDA also the profiler's memcpy
-    and synchronize calls) over COUNTED_ROUNDS rounds after the prefill and one warm round."""
-    from flashmap.inprocess import decode
-
-    mode, n, prof, err = HostWork(), [0], [None], {}
-    if dev.type == "cuda":
-        from torch.profiler import ProfilerActivity, profile
-
-        prof[0] = profile(activities=[ProfilerActivity.CUDA])
-
-    def arm(on: bool):
-        mode.armed = on
-        try:
-            if prof[0] is not None:
-                prof[0].start() if on else prof[0].stop()
-        except Exception as e:  # noqa: BLE001 - the aten counts stand without the profiler's
-            err["profiler_error"], prof[0] = f"{type(e).__name__}: {e}", None
-
-    def on_end(i):  # after verify call i (0: the prefill)
-        if i == 1:
-            arm(True)
-        elif mode.armed:
-            n[0] += 1
-            if n[0] == COUNTED_ROUNDS:
-                arm(False)
-
-    with mode, RoundClock(engine, on_end):
-        decode(engine, requests, proposer, steps)
-    if mode.armed:  # the run ended first
-        arm(False)
-    if not n[0]:
-        return {"counted_rounds": 0}
-    out = mode.per_round(n[0]) | err
-    try:
-        if prof[0] is not None:
-            out.update(cuda_calls_per_round(prof[0], n[0]))
-    except Exception as e:  # noqa: BLE001
-        out["profiler_error"] = f"{type(e).__name__}: {e}"
-    return out
-
-
-def target_kernel_ms(engine, b: int, q: int, at: int, dev, reps: int) -> float:
-    """The engine's captured pass of b rows x q tokens at context `at`, alone. It writes the K/V
-    of positions at..at+q-1 of slots 0..b-1: call it between decode loops (the slots are free)."""
-    g = engine.graphs
-    key = g.key_for(b, q, at + q)
-    if key is None:
-        raise RuntimeError(f"no target graph for {b} rows x {q} tokens")
-    tokens, positions = np.zeros((b, q), np.int64), np.repeat((at + np.arange(q))[None], b, 0)
-    run = lambda: g.run(key, tokens, positions, np.arange(b))  # noqa: E731
-    return replay_ms(g.graphs[key], run, dev, reps)
-
-
-def drafter_kernel_ms(prop, b: int, steps: int, at: int, dev, reps: int) -> float:
-    """The drafter's captured flow of `steps` jumps for b rows with `at` context positions, alone."""
-    from drafter_service.cuda_graphs import bucket_of
-
-    g, E = prop.graphs, prop.model.embed
-    y = torch.randn(b, prop.block_size, E.shape[1], device=E.device, dtype=E.dtype)
-    anchor = torch.zeros(b, dtype=torch.long, device=E.device)
-    key = (steps, bucket_of(b, g.batch_buckets), bucket_of(at, g.context_buckets))
-    if key not in g.graphs:
-        raise RuntimeError(f"no drafter graph for {steps} jumps x {b} rows")
-    run = lambda: g.run(y, anchor, list(range(b)), [at] * b, steps)  # noqa: E731
-    return replay_ms(g.graphs[key], run, dev, reps)
-
-
-def same(got: list[list[int]], want: list[list[int]] | None) -> list[int] | None:
-    """[requests whose tokens equal want's, requests], or None without a reference."""
-    return None if want is None else [sum(x == y for x, y in zip(got, want)), len(got)]
 
 
 class Run:
@@ -421,75 +343,6 @@ class Run:
 
             self.row("oracle", b, 0, fn)
         eng.disable_graphs()
-
-
-# ----------------------------------------------------------------------------- the report
-
-
-def speedups(rows: list[dict]) -> None:
-    """Each row's tokens/s over the target alone's at its batch (the same process)."""
-    base = {r["batch"]: r.get("tokens_per_s") for r in rows if r["kind"] == "target"}
-    for r in rows:
-        if r.get("tokens_per_s") and base.get(r["batch"]):
-            r["speedup"] = round(r["tokens_per_s"] / base[r["batch"]], 3)
-
-
-def label(r: dict) -> str:
-    if r["kind"] == "flashmap":
-        return f"FlashMap {r['steps']} jump{'s' if r['steps'] > 1 else ''}"
-    return LABELS[r["kind"]]
-
-
-def table(rows: list[dict]) -> list[str]:
-    """The markdown table of the rows."""
-    f = lambda v, d=2: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
-    lines = [
-        "| row | batch | rounds | tokens | per round (ms) | kernels alone (ms) | ratio | host (ms) "
-        "| verify / drafter / rest (ms) | tokens/s | speedup | acceptance | ops / round "
-        "| H2D / D2H / scalar reads per round | output = target alone |",
-        "|---|---:|---:|---:|---:|---|---:|---:|---|---:|---:|---:|---:|---|---|",
-    ]
-    for r in rows:
-        g = r.get
-        if "skipped" in r or "error" in r:
-            lines.append(f"| {label(r)} | {r['batch']} | {g('skipped') or 'ERROR ' + r['error']} |")
-            continue
-        kern = " + ".join(f"{k} {v:.2f}" for k, v in g("kernels", {}).items())
-        moved = " / ".join(
-            f(g(f"{k}_per_round"), 1) for k in ("aten_h2d", "aten_d2h", "scalar_reads")
-        )
-        if "memcpy_h2d_per_round" in r:
-            moved += (
-                f" (memcpy {f(g('memcpy_h2d_per_round'), 1)} / {f(g('memcpy_d2h_per_round'), 1)})"
-            )
-        split = " / ".join(
-            f(g(f"{k}_ms_per_round")) for k in ("verify_call", "draft_call", "other")
-        )
-        eq = g("outputs_equal_target")
-        lines.append(
-            f"| {label(r)} | {r['batch']} | {r['rounds']} | {r['tokens']} "
-            f"| {f(g('wall_ms_per_round'))} | {f(g('kernels_ms_per_round'))} ({kern}) "
-            f"| {f(g('ratio'))} | {f(g('host_ms_per_round'))} | {split} | {f(g('tokens_per_s'), 1)} "
-            f"| {f(g('speedup'))} | {f(g('mean_acceptance_length'))} | {f(g('ops_per_round'), 0)} "
-            f"| {moved} | {'-' if eq is None else f'{eq[0]}/{eq[1]}'} |"
-        )
-    return lines
-
-
-ABOUT = (
-    "Whole decode loops through `flashmap.inprocess.decode`, greedy, prompts of random ids. "
-    "Per round: from the end of the prefill to the end of the last round, over the rounds "
-    "(verify passes after the prefill). Kernels alone: the captured graphs replayed by "
-    "themselves (CUDA events; on the CPU the static passes on the host clock): a decode step "
-    "for the target alone, a verify of 17 for the oracle, a verify of 17 plus the drafter's "
-    "flow for FlashMap. Host = per round - kernels alone. verify / drafter / rest: time in the "
-    "verify calls, in the drafter calls, and the loop's own work. Acceptance: mean tokens "
-    "committed per drafted round. Ops / round and copies: a TorchDispatchMode over "
-    f"{COUNTED_ROUNDS} steady-state rounds of a second run (H2D / D2H: aten copies between "
-    "host and device; memcpy: the CUDA profiler's). Speedup: tokens/s after the prefill over "
-    "the target alone's at the same batch, same process. The oracle runs on the engine in "
-    "batch-invariant mode (one graph of batch x 17), the other rows on its bucketed graphs."
-)
 
 
 def main(argv=None) -> int:

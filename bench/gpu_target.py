@@ -86,7 +86,7 @@ def random_qwen3(cfg_dict: dict, dev, dtype, std: float = 0.02, seed: int = 0):
 def target_section(dev, smoke: bool, guard: Guard, report: dict) -> dict:
     from flashmap.types import SamplingParams, VerifyRow
     from target_service.engine import TargetEngine
-    from target_service.kernels import TorchOps
+    from target_service.torch_ops import TorchOps
 
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     ctx = 512 if not smoke else 24
@@ -315,18 +315,18 @@ def _parts(model, engine, b: int, q: int, ctx: int, dev) -> dict:
     out["silu_mul"] = graph_time(loop(lambda: ops.silu_mul(gu)), dev)
     res = {k: v["ms"] for k, v in out.items()}
     # Other tilings of the attention kernel (BLOCK_M, BLOCK_N, warps): data for tuning it next time.
-    from target_service import kernels
+    from target_service import triton_ops
 
-    if dev.type == "cuda" and isinstance(ops, kernels.TritonOps) and "attention" in ops.enabled:
-        chosen = kernels.attention_blocks
+    if dev.type == "cuda" and isinstance(ops, triton_ops.TritonOps) and "attention" in ops.enabled:
+        chosen = triton_ops.attention_blocks
         for cfg in ((64, 64, 4), (128, 32, 8), (64, 128, 8), (128, 128, 8)):
             try:
-                kernels.attention_blocks = lambda dtype, cfg=cfg: cfg
+                triton_ops.attention_blocks = lambda dtype, cfg=cfg: cfg
                 res[f"attention {cfg}"] = graph_time(
                     loop(lambda: ops.attention(qh, cache.k, cache.v, slots, pos, ctx + q)), dev
                 )["ms"]
             except Exception as e:  # noqa: BLE001
                 res[f"attention {cfg}"] = f"{type(e).__name__}"
             finally:
-                kernels.attention_blocks = chosen
+                triton_ops.attention_blocks = chosen
     return res

@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from flashmap_cli.stack import default_checkpoints
-    from target_service.engine import TargetEngine, _pack
+    from target_service.engine import TargetEngine
+    from target_service.packing import padded_inputs
     from target_service.verification import verification_stats
 
     target, _, notes = default_checkpoints(args.target, "init")
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     def padded(rows):  # what engine.verify does, with one padded pass instead of the packed one
         rows = engine._validate(rows)
         lengths = [len(r.tokens) for r in rows]
-        batch = [torch.as_tensor(a) for a in _pack(rows, max(lengths))]
+        batch = [torch.as_tensor(a) for a in padded_inputs(rows, max(lengths))]
         with torch.inference_mode():
             logits, features = engine.model(
                 *batch, engine._feature_layers, max(r.start_pos + n for r, n in zip(rows, lengths))

@@ -5,8 +5,10 @@ corpus, and the prompts its drafters are trained and evaluated on. Nothing is do
   (generated problems with worked solutions) and ``corpus_chat`` (dialogues rendered with the
   chat template), each split into training and held-out documents and prompts;
 - ``tokenizer``: a byte-level BPE with the Qwen special tokens and a Qwen-style chat template;
-- ``train_target`` trains the target on ``target_data`` (token streams and windows) and writes
-  what ``target_card`` makes beside the weights (samples, loss curves, model card);
+- ``train_target`` trains the target (``target_model``: the model, its optimizer and loss) on
+  ``target_data`` (token streams and windows) and writes the checkpoint
+  (``target_checkpoint``) with what ``target_card`` makes beside the weights (samples, loss
+  curves, model card);
 - ``drafter_prompts``: the drafters' training prompts, prefixes of the corpus' training split;
 - ``data/``: the held-out prompts (``heldout_prompts.jsonl``, what ``flashmap eval`` and the
   benchmarks read by default) and the drafters' training prompts (``drafter_prompts.jsonl``).

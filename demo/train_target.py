@@ -8,7 +8,7 @@ it took and what it reached).
 Steps: build the corpus (``demo.corpus``, seeded), write the held-out prompts, train
 the byte-level BPE (``demo.tokenizer``), tokenize each domain into one stream
 (documents separated by ``<|endoftext|>``; ``demo.target_data``), then train with AdamW,
-linear warmup and cosine decay, on random windows of ``--seq-len`` tokens whose domain is
+linear warmup and cosine decay (``demo.target_model``), on random windows of ``--seq-len`` tokens whose domain is
 drawn per row (``--mix``). Progress goes to a tqdm bar and to ``<out>/train_log.txt``; the
 loss curves to ``<out>/loss_curve.csv`` and ``<out>/loss_curve.png``. A training state
 (model, optimizer, sampler RNG, log, elapsed time) is saved every ``--save-every`` steps
@@ -18,7 +18,7 @@ uninterrupted run (same ``--threads``).
 The output is a standard Hugging Face checkpoint directory: config.json, model.safetensors
 (fp32, tied embeddings), generation_config.json, tokenizer files with the chat template,
 and a model card (README.md) with data, sizes, time, per-domain losses and greedy samples
-(``demo.target_card``).
+(``demo.target_checkpoint``, ``demo.target_card``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
 import json
-import math
 import platform
 import random
 import sys
@@ -40,91 +39,14 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from demo.corpus import DOMAINS
-from demo.target_card import make_samples, write_card, write_curves
-from demo.target_data import (
-    TargetData,
-    WindowSampler,
-    fixed_windows,
-    prepare_data,
-    save_state,
-)
-from demo.tokenizer import ENDOFTEXT, IM_END, save_tokenizer
+from demo.target_card import write_curves
+from demo.target_checkpoint import final_losses, save_checkpoint, write_summary
+from demo.target_data import TargetData, WindowSampler, fixed_windows, prepare_data, save_state
+from demo.target_model import eval_loss, lr_at, make_model, make_optimizer, window_loss
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-# --------------------------------------------------------------------------- model
-
-
-def model_config_dict(vocab_size: int, args) -> dict:
-    return dict(
-        vocab_size=vocab_size,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        head_dim=args.head_dim,
-        max_position_embeddings=args.max_positions,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        tie_word_embeddings=True,
-        initializer_range=0.02,
-        attention_dropout=0.0,
-        bos_token_id=0,
-        eos_token_id=2,
-        pad_token_id=0,
-        use_cache=True,
-    )
-
-
-def make_model(vocab_size: int, args):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    cfg = Qwen3Config(**model_config_dict(vocab_size, args))
-    torch.manual_seed(args.seed)
-    model = Qwen3ForCausalLM(cfg)
-    model.config.architectures = ["Qwen3ForCausalLM"]
-    return model
-
-
-def lr_at(step: int, args) -> float:
-    """Linear warmup to --lr, then cosine decay to --lr * --min-lr-ratio at --steps."""
-    if step < args.warmup:
-        return args.lr * (step + 1) / args.warmup
-    progress = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
-    return args.lr * (
-        args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    )
-
-
-# --------------------------------------------------------------------------- loss
-
-
-def window_loss(model, x: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    logits = model(input_ids=x[:, :-1]).logits
-    loss = F.cross_entropy(
-        logits.reshape(-1, logits.size(-1)).float(), x[:, 1:].reshape(-1), reduction="none"
-    )
-    loss = loss.view(x.size(0), -1).mean(dim=1)
-    return loss.mean() if reduction == "mean" else loss
-
-
-@torch.no_grad()
-def eval_loss(model, windows: torch.Tensor, batch: int = 8) -> float:
-    was = model.training
-    model.eval()
-    total = 0.0
-    for i in range(0, len(windows), batch):
-        total += window_loss(model, windows[i : i + batch], reduction="none").sum().item()
-    model.train(was)
-    return total / len(windows)
-
-
-# --------------------------------------------------------------------------- CLI
 
 
 def parse_args(argv=None):
@@ -212,9 +134,6 @@ class Logger:
         self.f.flush()
 
 
-# --------------------------------------------------------------------------- one run
-
-
 def setup_run(args) -> tuple[Path, Path, bool, Logger]:
     """The output directory, the training state's path, whether to resume, and the log."""
     out = Path(args.out)
@@ -235,21 +154,6 @@ def setup_run(args) -> tuple[Path, Path, bool, Logger]:
         f"threads {torch.get_num_threads()}"
     )
     return out, state_path, resume, log
-
-
-def make_optimizer(model, args) -> torch.optim.AdamW:
-    """AdamW, weight decay on the matrices only."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": args.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
-        lr=args.lr,
-        betas=(0.9, 0.95),
-        eps=1e-8,
-    )
 
 
 def snapshot(model, opt, sampler, progress: dict, args, data: TargetData) -> dict:
@@ -353,96 +257,6 @@ def train_loop(model, opt, sampler, eval_windows: dict, progress: dict, args, sa
         if step % args.save_every == 0 and step < args.steps:
             save()
     bar.close()
-
-
-def final_losses(model, streams, args, log) -> dict:
-    """Per domain, train and held-out loss on --final-eval-windows fixed windows."""
-    t0 = time.time()
-    final = {}
-    for n in DOMAINS:
-        tr = fixed_windows(streams.train[n], args.seq_len, args.final_eval_windows, args.seed + 3)
-        he = fixed_windows(streams.heldout[n], args.seq_len, args.final_eval_windows, args.seed + 4)
-        final[n] = {
-            "train_loss": round(eval_loss(model, tr), 4),
-            "heldout_loss": round(eval_loss(model, he), 4),
-        }
-    log(
-        f"final losses (nats/token, {args.final_eval_windows} windows of {args.seq_len}): "
-        f"{json.dumps(final)} ({time.time() - t0:.0f}s)"
-    )
-    return final
-
-
-def save_checkpoint(model, tok, out: Path, args) -> None:
-    """The Hugging Face checkpoint: weights, config, generation config, tokenizer."""
-    from transformers import GenerationConfig
-
-    eot, im_end = tok.token_to_id(ENDOFTEXT), tok.token_to_id(IM_END)
-    model.eval()
-    model.generation_config = GenerationConfig(
-        bos_token_id=eot,
-        eos_token_id=[im_end, eot],
-        pad_token_id=eot,
-        do_sample=False,
-        max_new_tokens=256,
-    )
-    model.save_pretrained(out, safe_serialization=True)
-    # Also state rope_theta at the top level, as transformers 4.x and other readers expect.
-    cfg_path = out / "config.json"
-    cfg_json = json.loads(cfg_path.read_text())
-    cfg_json.setdefault(
-        "rope_theta", cfg_json.get("rope_parameters", {}).get("rope_theta", 10000.0)
-    )
-    cfg_path.write_text(json.dumps(cfg_json, indent=2, sort_keys=True) + "\n")
-    save_tokenizer(tok, out, model_max_length=args.max_positions)  # after save_pretrained: ours win
-
-
-def write_summary(
-    model, data: TargetData, final: dict, train_time: float, out: Path, args, argv, log
-) -> dict:
-    """training_summary.json, and unless --no-card the greedy samples and the model card."""
-    tok, corpus = data.tok, data.corpus
-    summary = {
-        "params": sum(p.numel() for p in model.parameters()),
-        "config": model_config_dict(tok.get_vocab_size(), args),
-        "steps": args.steps,
-        "tokens_seen": args.steps * args.batch_size * args.seq_len,
-        "train_time_s": round(train_time, 1),
-        "threads": args.threads,
-        "seed": args.seed,
-        "final": final,
-        "corpus": {
-            "fingerprint": corpus.fingerprint(),
-            "stdlib": corpus.stdlib,
-            "python": platform.python_version(),
-            "stats": data.stats,
-            "tokens": data.tok_stats,
-        },
-        "tokenizer_sha": data.tok_sha,
-        "argv": sys.argv[1:] if argv is None else list(argv),
-        "args": vars(args),
-    }
-    if not args.no_card:
-        t0 = time.time()
-        stop_ids = [tok.token_to_id(IM_END), tok.token_to_id(ENDOFTEXT)]
-        samples, math_eval = make_samples(model, tok, corpus, args, stop_ids=stop_ids)
-        summary["math_heldout_exact"] = math_eval
-        log(
-            f"greedy samples in {time.time() - t0:.0f}s; "
-            f"held-out math exact-answer accuracy {math_eval}"
-        )
-        for s in samples:
-            log(f"--- sample {s['id']}\n{s['prompt']}<<<GEN>>>{s['output']}")
-        with (out / "samples.jsonl").open("w", encoding="utf-8") as f:
-            for s in samples:
-                f.write(json.dumps(s, ensure_ascii=False) + "\n")
-        write_card(out, summary, samples, args)
-    summary["checkpoint_bytes"] = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
-    (out / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    log(
-        f"saved {out} ({summary['checkpoint_bytes'] / 1e6:.1f} MB); training time {train_time:.0f}s"
-    )
-    return summary
 
 
 def main(argv=None) -> dict:

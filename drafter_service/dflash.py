@@ -38,7 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from drafter_service.flashmap_dit import FrozenTarget
+from drafter_service.frozen_target import FrozenTarget
 from drafter_service.layers import StackedKV, context_kv, rope
 from flashmap.checkpoint import CheckpointError, load_embeddings, load_tensors, read_config
 

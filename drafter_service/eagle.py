@@ -55,8 +55,9 @@ from torch import Tensor
 
 from drafter_service.checkpoint import init_model, load_model, read_model_config, save_drafter
 from drafter_service.config import TargetRefConfig
-from drafter_service.flashmap_dit import Attention, FrozenTarget
+from drafter_service.dit_blocks import Attention
 from drafter_service.flashmap_proposer import request_generator
+from drafter_service.frozen_target import FrozenTarget
 from drafter_service.slots import SlotCacheProposer
 from flashmap.types import BLOCK_SIZE, Draft, ProposeRequest
 
@@ -113,7 +114,7 @@ class EagleConfig(TargetRefConfig):
 class EagleLayer(Attention):
     """Pre-norm decoder layer: causal self-attention (RoPE, qk-norm) + SwiGLU MLP. Split into
     `qkv` and `finish` so callers choose which keys a query sees (cache, rollout mask).
-    The attention projections (wq, wk, wv, wo, q_norm, k_norm) are flashmap_dit.Attention's,
+    The attention projections (wq, wk, wv, wo, q_norm, k_norm) are dit_blocks.Attention's,
     inherited so their weight names stay flat (layers.i.wq, ...)."""
 
     def __init__(self, cfg: EagleConfig):

@@ -1,5 +1,5 @@
-"""The FlashMap drafter network: a small DiT over one block of K draft slots (one module: the
-network, its time conditioning and its evaluation entry points change together).
+"""The FlashMap drafter network: a small DiT over one block of K draft slots, with its time
+conditioning and its evaluation entry points.
 
 Input: the flow state x_s [B, K, V] (noise at s = 0, one-hot at s = 1), the anchor token
 (last committed token) and the target's context features (strictly before the anchor).
@@ -13,23 +13,18 @@ Output: per-slot logits [B, K, V] of the clean block, conditioned on the jump (s
                  MLP ], each wrapped in adaLN-Zero conditioned on embed(s, t)
     final norm -> linear D->H -> frozen target LM head -> logits [B, K, V]
 
-Flow map: pi = softmax(logits), X_{s,t}(x) = x + (t-s)/(1-s) * (pi - x): X_{s,1} = pi, and
-the diagonal s = t is the teacher denoiser with velocity (pi - x)/(1-t).
-
-The network sees the state only through y = x @ E, and the flow map is affine, so serving
-carries y [B, K, H] instead of x [B, K, V]: y_t = y_s + (t-s)/(1-s) * (pi @ E - y_s), and
-the noise x_0 ~ N(0, I_V) enters as y_0 ~ N(0, E^T E), drawn as z @ F with z ~ N(0, I_r),
-r = min(V, H), and F^T F = E^T E (`noise_factor`). Same distribution of drafts, without drawing V normals
-and reading the [V, H] embedding for every block (at Qwen3-8B's V = 151,936: 1.2 GB in bf16).
-`forward` takes x (training); `evaluate` takes y (serving).
+The blocks are in drafter_service.dit_blocks; the flow map that turns the logits into the next
+state (`jump`) and the embedded noise (`noise_factor`) in drafter_service.flow_map. The network
+sees the state only through y = x @ E: `forward` takes x (training), `evaluate` takes y
+(serving).
 
 Reading the state: eps @ E has covariance E^T E, whose spectrum is very uneven (a few
 directions carry most of the noise), so after a plain rms-normalisation the directions that
-tell tokens apart are buried under a few loud noise directions. With state_input = "whiten" y is first multiplied by
-(E^T E)^{-1/2} (a frozen buffer computed from E): the noise is isotropic and every
-direction weighs what it tells. The flow time is conditioned on tau of the config's time
-map (flow_time; "embedded" for new drafters: tau measured on what the embedded state
-can tell), whose table is measured when the target's E is attached if the config lacks it.
+tell tokens apart are buried under a few loud noise directions. With state_input = "whiten" y
+is first multiplied by (E^T E)^{-1/2} (a frozen buffer computed from E): the noise is isotropic
+and every direction weighs what it tells. The flow time is conditioned on tau of the config's
+time map (flow_time; "embedded" for new drafters: tau measured on what the embedded state can
+tell), whose table is measured when the target's E is attached if the config lacks it.
 
 kind "dflash" (DFlash-style baseline) is the same backbone with the state replaced by a
 learned mask embedding and the time conditioning fixed at (0, 1): one pass gives
@@ -42,23 +37,20 @@ on (0, 1) and reading this network's context K/V; flashmap_proposer decides whic
 Context K/V of every block come from one pass (`context_kv`) and are held in a
 `CrossContext`; the training path builds it from padded features, the serving path
 (flashmap_proposer) from its static per-slot cache. Both go through the same `forward`.
-The frozen embedding / LM head are non-persistent buffers: not parameters and not in
-the state dict (they come from the target checkpoint, see drafter_service/checkpoint.py).
-
-One idea: the network, its time conditioning and its evaluation entry points change together.
+The frozen embedding / LM head are the target's (drafter_service.frozen_target).
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch import Tensor
 
 from drafter_service.config import DrafterConfig
+from drafter_service.dit_blocks import CrossContext, DiTBlock, timestep_embedding
+from drafter_service.flow_map import greedy_summary, jump, noise_factor, per_row
 from drafter_service.flow_time import (
     embedded_time_knots,
     interp_torch,
@@ -67,228 +59,8 @@ from drafter_service.flow_time import (
     time_knots,
     zca_whitening,
 )
-from drafter_service.layers import StackedKV, context_kv, rope
-
-# ----------------------------------------------------------------------------- helpers
-
-
-def timestep_embedding(t: Tensor, dim: int, max_period: float = 10000.0) -> Tensor:
-    """Sinusoidal embedding of flow times in [0, 1] (scaled by 1000 as in DiT): [B] -> [B, dim]."""
-    half = dim // 2
-    freqs = torch.exp(
-        -math.log(max_period) * torch.arange(half, device=t.device, dtype=torch.float32) / half
-    )
-    args = 1000.0 * t.float()[:, None] * freqs[None]  # [B, half]
-    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
-
-
-def apply_rope(x: Tensor, pos: Tensor, theta: float) -> Tensor:
-    """Rotary embedding at absolute positions: x [B, h, L, d], pos [B, L] -> [B, h, L, d]
-    (layers.rope in the heads-first layout)."""
-    return rope(x.transpose(1, 2), pos, theta).transpose(1, 2)
-
-
-def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
-    """adaLN: x [B, L, D], shift/scale [B, D]."""
-    return x * (1 + scale[:, None]) + shift[:, None]
-
-
-def _per_row(v: Tensor | float, n: int, device: torch.device) -> Tensor:
-    """A time given as float or [B] tensor -> [B] float32."""
-    return torch.as_tensor(v, dtype=torch.float32, device=device).reshape(-1).expand(n)
-
-
-def jump(x: Tensor, probs: Tensor, s: Tensor | float, t: Tensor | float) -> Tensor:
-    """Flow-map update X_{s,t}(x) = x + (t-s)/(1-s) * (pi - x): x, probs [B, K, V], s, t [B]."""
-    n = x.shape[0]
-    s, t = _per_row(s, n, x.device), _per_row(t, n, x.device)
-    w = ((t - s) / (1 - s).clamp_min(1e-6))[:, None, None]  # [B, 1, 1]
-    return x + w * (probs.to(x.dtype) - x)
-
-
-def greedy_summary(logits: Tensor) -> tuple[Tensor, Tensor]:
-    """Per slot the argmax and its probability: logits [B, K, V] -> ids [B, K] int64, prob
-    [B, K] float32 (prob = exp(max - logsumexp), what a greedy draft is cut on)."""
-    top, ids = logits.max(-1)  # [B, K]
-    return ids, (top - logits.logsumexp(-1)).exp()
-
-
-def noise_factor(E: Tensor) -> Tensor:
-    """F [r, H] (E's dtype) with F^T F = E^T E, r = min(V, H), for E [V, H]: z @ F with
-    z ~ N(0, I_r) is distributed as x_0 @ E with x_0 ~ N(0, I_V). F = L^T from the Cholesky
-    factor of E^T E when V > H (an eigendecomposition if E lacks full column rank), E itself
-    when V <= H. Computed in float64."""
-    V, H = E.shape
-    if V <= H:
-        return E.clone()
-    gram = torch.zeros(H, H, dtype=torch.float64, device=E.device)
-    for chunk in E.split(16384):  # a float64 copy of all of E would be 5 GB at Qwen3-8B's size
-        c = chunk.double()
-        gram += c.T @ c
-    try:
-        f = torch.linalg.cholesky(gram).T
-    except torch.linalg.LinAlgError:
-        lam, q = torch.linalg.eigh(gram)
-        f = lam.clamp_min(0).sqrt()[:, None] * q.T
-    return f.to(E.dtype)
-
-
-# ----------------------------------------------------------------------------- context
-
-
-@dataclass
-class CrossContext:
-    """Projected context for one batch of blocks.
-
-    kv: per DiT block (k, v), each [B, h, T, d]; keys already RoPE-rotated at their
-    absolute positions 0..T-1. lengths [B] int64: valid context positions per row, which
-    is also the anchor's position (the context is strictly before the anchor).
-    """
-
-    kv: list[tuple[Tensor, Tensor]]
-    lengths: Tensor
-
-    def select(self, index: Tensor, lengths: Tensor | None = None) -> CrossContext:
-        """Rows `index` of this context, optionally cut to shorter `lengths` (training: many
-        anchors of one sequence share one encoded context)."""
-        lengths = self.lengths[index] if lengths is None else lengths
-        return CrossContext([(k[index], v[index]) for k, v in self.kv], lengths)
-
-
-# ----------------------------------------------------------------------------- modules
-
-
-class Attention(nn.Module):
-    """Multi-head attention; used as self-attention (no RoPE, learned positions) and as
-    cross-attention to the context (RoPE at absolute positions)."""
-
-    def __init__(self, cfg: DrafterConfig):
-        super().__init__()
-        self._init_projections(cfg)
-
-    def _init_projections(self, cfg: DrafterConfig) -> None:
-        """Register wq, wk, wv, wo, q_norm, k_norm (a subclass may register modules before them)."""
-        D, self.n_heads, self.theta = cfg.dim, cfg.n_heads, cfg.rope_theta
-        self.wq = nn.Linear(D, D, bias=False)
-        self.wk = nn.Linear(D, D, bias=False)
-        self.wv = nn.Linear(D, D, bias=False)
-        self.wo = nn.Linear(D, D, bias=False)
-        norm = (lambda: nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)) if cfg.qk_norm else nn.Identity
-        self.q_norm, self.k_norm = norm(), norm()
-
-    def _heads(self, x: Tensor) -> Tensor:  # [B, L, D] -> [B, h, L, d]
-        B, L, _ = x.shape
-        return x.view(B, L, self.n_heads, -1).transpose(1, 2)
-
-    def project_kv(self, src: Tensor, pos: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """src [B, T, D] -> k, v [B, h, T, d]; keys rotated at pos [B, T] when given."""
-        k = self.k_norm(self._heads(self.wk(src)))
-        if pos is not None:
-            k = apply_rope(k, pos, self.theta)
-        return k, self._heads(self.wv(src))
-
-    def query(self, x: Tensor, pos: Tensor | None = None) -> Tensor:
-        """x [B, L, D] -> q [B, h, L, d]; rotated at pos [B, L] when given."""
-        q = self.q_norm(self._heads(self.wq(x)))
-        return q if pos is None else apply_rope(q, pos, self.theta)
-
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
-        """Queries q [B, h, L, d] over k, v [B, h, T, d] -> output projection [B, L, D];
-        mask broadcastable to [B, h, L, T] bool (True = attend)."""
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, h, L, d]
-        return self.wo(o.transpose(1, 2).flatten(2))  # [B, L, D]
-
-    def forward(
-        self,
-        x: Tensor,
-        k: Tensor,
-        v: Tensor,
-        mask: Tensor | None = None,
-        q_pos: Tensor | None = None,
-    ) -> Tensor:
-        """x [B, L, D] attends to k, v [B, h, T, d]; mask [B, 1, 1, T] bool (True = attend)."""
-        return self.attend(self.query(x, q_pos), k, v, mask)
-
-
-class DiTBlock(nn.Module):
-    """Self-attention, cross-attention, MLP; each with adaLN-Zero (shift, scale, gate)."""
-
-    def __init__(self, cfg: DrafterConfig):
-        super().__init__()
-        D = cfg.dim
-        self.norm1, self.norm2, self.norm3 = (
-            nn.RMSNorm(D, eps=cfg.norm_eps, elementwise_affine=False) for _ in range(3)
-        )
-        self.self_attn = Attention(cfg)
-        self.cross_attn = Attention(cfg)
-        self.mlp = nn.Sequential(
-            nn.Linear(D, cfg.mlp_hidden, bias=False),
-            nn.GELU(approximate="tanh"),
-            nn.Linear(cfg.mlp_hidden, D, bias=False),
-        )
-        self.adaln = nn.Linear(D, 9 * D)  # zero-initialised: gates start at 0, block = identity
-
-    def modulation(self, c: Tensor) -> Tensor:
-        """Conditioning c [B, D] -> the nine adaLN vectors, concatenated [B, 9D]."""
-        return self.adaln(F.silu(c))
-
-    def forward(
-        self,
-        h: Tensor,
-        mod: Tensor,
-        k: Tensor,
-        v: Tensor,
-        mask: Tensor,
-        q_pos: Tensor,
-        has_ctx: Tensor,
-    ) -> Tensor:
-        """h [B, K+1, D], mod [B, 9D] this block's `modulation`, k/v [B, h, T, d] this block's
-        context, has_ctx [B, 1, 1]: 0 for rows without context (their cross-attention is skipped)."""
-        sh1, sc1, g1, sh2, sc2, g2, sh3, sc3, g3 = mod.chunk(9, dim=-1)  # 9 x [B, D]
-        y = modulate(self.norm1(h), sh1, sc1)
-        h = h + g1[:, None] * self.self_attn(y, *self.self_attn.project_kv(y))
-        if k.shape[2] > 0:
-            y = modulate(self.norm2(h), sh2, sc2)
-            h = h + g2[:, None] * has_ctx * self.cross_attn(y, k, v, mask, q_pos)
-        y = modulate(self.norm3(h), sh3, sc3)
-        return h + g3[:, None] * self.mlp(y)
-
-
-class FrozenTarget(nn.Module):
-    """Base of the drafter networks (FlashMapDiT, eagle.EagleDrafter): the target's frozen
-    embedding / LM head [V, H] as non-persistent buffers, checked against self.cfg."""
-
-    def _init_target(self, embed: Tensor | None, lm_head: Tensor | None) -> None:
-        """Register the buffers (empty placeholders until the target is attached)."""
-        V, H = self.cfg.vocab_size, self.cfg.target_hidden_size
-        self.register_buffer(
-            "embed", torch.empty(V, H) if embed is None else embed, persistent=False
-        )
-        self.register_buffer(
-            "lm_head", torch.empty(V, H) if lm_head is None else lm_head, persistent=False
-        )
-        self._check_target_shapes()
-        if embed is not None:
-            self._target_attached()
-
-    def _target_attached(self) -> None:
-        """Hook for what a subclass derives from the frozen target tensors."""
-
-    def _check_target_shapes(self) -> None:
-        want = (self.cfg.vocab_size, self.cfg.target_hidden_size)
-        for name in ("embed", "lm_head"):
-            if tuple(getattr(self, name).shape) != want:
-                raise ValueError(
-                    f"{name} has shape {tuple(getattr(self, name).shape)}, config wants {want}"
-                )
-
-    def set_target(self, embed: Tensor, lm_head: Tensor) -> None:
-        """Attach the frozen target embedding / LM head [V, H] (cast to the model's dtype)."""
-        ref = next(self.parameters())
-        self.embed = embed.detach().to(ref.device, ref.dtype)
-        self.lm_head = lm_head.detach().to(ref.device, ref.dtype)
-        self._check_target_shapes()
-        self._target_attached()
+from drafter_service.frozen_target import FrozenTarget
+from drafter_service.layers import StackedKV, context_kv
 
 
 class FlashMapDiT(FrozenTarget):
@@ -458,9 +230,9 @@ class FlashMapDiT(FrozenTarget):
         dev = self.pos_embed.device
         fd = self.cfg.time_freq_dim
         if self.cfg.kind == "dflash":  # tau(0) = 0 and tau(1) = 1 under every time map
-            s, t = _per_row(0.0, n, dev), _per_row(1.0, n, dev)
+            s, t = per_row(0.0, n, dev), per_row(1.0, n, dev)
         else:
-            s, t = self._tau(_per_row(s, n, dev)), self._tau(_per_row(t, n, dev))
+            s, t = self._tau(per_row(s, n, dev)), self._tau(per_row(t, n, dev))
         e = torch.cat([timestep_embedding(s, fd), timestep_embedding(t, fd)], -1)
         return self.time_embed(e.to(self.pos_embed.dtype))  # [B, D]
 
@@ -485,7 +257,7 @@ class FlashMapDiT(FrozenTarget):
         c = self.time_cond(s, t, 1 if cacheable else n)  # [B, D]
         mods = [blk.modulation(c) for blk in self.blocks]  # n_blocks x [B, 9D]
         if self.cfg.kind == "flashmap" and self.cfg.state_gate_tau > 0:
-            tau_t = self._tau(_per_row(t, 1 if cacheable else n, c.device))
+            tau_t = self._tau(per_row(t, 1 if cacheable else n, c.device))
             mods.append((tau_t / self.cfg.state_gate_tau).clamp(max=1.0)[:, None].to(c.dtype))
         if not cacheable:
             return mods

@@ -10,7 +10,7 @@ per flow step:
     steps >= 3: N Euler steps of the teacher ODE (diagonal s = t) on a grid uniform in tau
     dflash:     one pass over the masked block, whatever the step count
 
-The flow runs on the embedded state y = x @ E [B, K, H] (flashmap_dit: the network sees x
+The flow runs on the embedded state y = x @ E [B, K, H] (flow_map: the network sees x
 only through it), so the noise is y_0 = z @ F (F^T F = E^T E), distributed as x_0 @ E.
 Randomness is per request, from generators seeded with the request's seed: z (one [r]
 draw shared by all K slots, or [K, r] with shared_noise=False; r = min(V, H); default: as
@@ -51,7 +51,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from drafter_service.flashmap_dit import CrossContext, FlashMapDiT, greedy_summary, jump
+from drafter_service.dit_blocks import CrossContext
+from drafter_service.flashmap_dit import FlashMapDiT
+from drafter_service.flow_map import greedy_summary, jump
 from drafter_service.slots import ContextTooLong, ProposerError, SlotCacheProposer, SlotsExhausted  # noqa: F401
 from flashmap.types import DRAFT_STEPS, ESTIMATES, Draft, ProposeRequest
 

@@ -52,7 +52,8 @@ from research.joint_world import (
 from training.denoiser_curve import denoiser_curve
 from training.flow import Batch
 from training.shuffle_test import acceptance, draft_variants, paired_bootstrap
-from training.train_drafter import TrainConfig, run_stage
+from training.train_drafter import run_stage
+from training.train_drafter_config import TrainConfig
 
 # ----------------------------------------------------------------------------- training
 

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from drafter_service.flashmap_dit import FlashMapDiT, jump
+from drafter_service.flashmap_dit import FlashMapDiT
+from drafter_service.flow_map import jump
 from training.flow import Batch, noisy_state
 
 TAUS = (0.0, 0.25, 0.5, 0.75)
@@ -101,7 +102,7 @@ def format_table(results: dict, fine: int, coarse: int) -> str:
 def flow_check_draw(data: str, n: int, block_size: int) -> list:
     """`n` held-out batches of 32 blocks, drawn as the flow check draws them."""
     from training.step_batches import flow_check_batches
-    from training.train_drafter import TrainConfig
+    from training.train_drafter_config import TrainConfig
 
     tcfg = TrainConfig.for_stage("flow", small=True)
     tcfg.check_batches = n

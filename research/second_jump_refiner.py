@@ -46,8 +46,9 @@ from torch import Tensor
 from drafter_service.flashmap_dit import FlashMapDiT
 from research.two_jump_probe import accepted, first_error
 from training.flow import Batch, carried_estimate, make_batch, slot_weights, weighted_ce
+from training.loss_plot import save_figure
+from training.sequence_stream import SequenceStream
 from training.shuffle_test import paired_bootstrap
-from training.trainer import SequenceStream, save_figure
 
 LOSSES = ("all", "upto")
 

@@ -8,15 +8,15 @@ length rolls the sequence back for free (positions past start_pos are masked unt
 overwritten). The result per row is the verification statistics of its last K+1
 positions (target_service.verification) and the feature-layer hidden states of all
 its positions, which the drafter conditions on. A row with next_seeds decodes that many
-more tokens in the same call (multi-step decoding), each step an ordinary one-token
-forward, so the call returns what as many separate calls would.
+more tokens in the same call (multi-step decoding, target_service.multi_step), each step an
+ordinary one-token forward, so the call returns what as many separate calls would.
 
-The engine keeps every cached position's features on its device (`feature_bytes_per_token`
-per position; on the host, pages committed as they are written): a row without features
-(VerifyRow.features False) sends none, and a later row of the sequence asks for them from
-an earlier position (VerifyRow.features_from), so a sequence that stops drafting stops
-shipping features and gets them back in one row when it drafts again. Only the features a
-row asks for leave the device.
+The engine keeps every cached position's features on its device (target_service.kept_features,
+`feature_bytes_per_token` per position; on the host, pages committed as they are written): a
+row without features (VerifyRow.features False) sends none, and a later row of the sequence
+asks for them from an earlier position (VerifyRow.features_from), so a sequence that stops
+drafting stops shipping features and gets them back in one row when it drafts again. Only the
+features a row asks for leave the device.
 
 On a GPU, `enable_graphs` (or `cuda_graphs=True`) runs every batch that fits a (batch,
 query length) bucket as one CUDA-graph replay of the same forward (target_service.cuda_graphs);
@@ -24,8 +24,6 @@ prefill and odd shapes run eagerly. Only the argmax, the features rows ask for a
 sampling rows, the O(K * S) statistics come back to the host.
 
 Not thread-safe: callers (the Triton model) serialise calls.
-
-One idea: every verify path (eager, graphs, several steps, trees) over one set of slots, caches and kept features.
 """
 
 from __future__ import annotations
@@ -39,9 +37,11 @@ import torch
 from flashmap.drafter_inputs import ContextProjection
 from flashmap.host_memory import keep_freed_memory
 from flashmap.types import VerifyResult, VerifyRow, feature_layers_for
+from target_service.kept_features import KeptFeatures, join_features
 from target_service.kernels import self_check
-from target_service.packing import GROUP_TOKENS, pack
-from target_service.qwen3 import Qwen3, cast_features, forward_step
+from target_service.multi_step import decode_more
+from target_service.packing import GROUP_TOKENS, pack, padded_inputs
+from target_service.qwen3 import Qwen3, forward_step
 from target_service.qwen3_config import Qwen3Config, generation_eos
 from target_service.row_checks import check_slot, check_tree, validate_rows
 from target_service.tree import verify_tree
@@ -141,41 +141,23 @@ class TargetEngine:
         model.setup_caches(n_slots, max_seq_len)
         self.model = model
         self._feature_layers = tuple(layers)
-        dev = model.lm_head.weight.device
-        # The drafter's first step applied here (flashmap.drafter_inputs): D values per position
-        # leave the engine instead of F.
-        self._projection = None
-        width = len(layers) * c.hidden_size
-        if context_projection is not None:
-            p = context_projection
-            if p.weight.shape[1] != width:
-                raise ValueError(
-                    f"the context projection takes {p.weight.shape[1]} features, the target "
-                    f"makes {width} ({len(layers)} layers of {c.hidden_size})"
-                )
-            w = model.lm_head.weight
-            self._projection = (
-                torch.as_tensor(p.weight, dtype=w.dtype, device=dev),
-                None if p.norm is None else torch.as_tensor(p.norm, dtype=w.dtype, device=dev),
-                p.eps,
-            )
-            width = p.width
-        # Every cached position's features (rows without features, features_from), [slots, positions, F].
-        shape = (n_slots, max_seq_len, width)
-        self._features_np = np.float16 if features_dtype == torch.float16 else np.float32  # host
-        # numpy's zeros leave untouched pages unmapped; torch's would write them all.
-        if dev.type == "cpu":
-            self._features = torch.from_numpy(np.zeros(shape, self._features_np))
-        else:
-            self._features = torch.zeros(shape, dtype=features_dtype, device=dev)
+        w = model.lm_head.weight
+        # Every cached position's features (rows without features, features_from), projected
+        # by the drafter's first step when there is one.
+        self.kept = KeptFeatures(
+            n_slots,
+            max_seq_len,
+            len(layers),
+            c.hidden_size,
+            w.dtype,
+            w.device,
+            features_dtype,
+            context_projection,
+        )
         self._eos = list(dict.fromkeys(eos))  # dedupe, keep order
         self._allocated = [False] * n_slots
         self._length = [0] * n_slots
-        w = model.lm_head.weight
         self._device, self._dtype = w.device, w.dtype
-        # Cast by torch where the features are made (on the device before a GPU's copy): numpy's
-        # float16 casts are several times slower than torch's.
-        self.features_dtype = features_dtype
         if w.device.type == "cpu":
             keep_freed_memory()  # the step's buffers stay mapped (flashmap.host_memory)
         self.graphs = None  # TargetGraphs after enable_graphs()
@@ -255,7 +237,11 @@ class TargetEngine:
     @property
     def feature_dim(self) -> int:
         """Width of the features handed back: the layers' hidden states, or their projection."""
-        return self._features.shape[-1]
+        return self.kept.width
+
+    @property
+    def features_dtype(self) -> torch.dtype:
+        return self.kept.features_dtype
 
     @property
     def max_seq_len(self) -> int:
@@ -283,7 +269,7 @@ class TargetEngine:
     @property
     def feature_bytes_per_token(self) -> int:
         """Memory the kept features take per cached position (on the engine's device)."""
-        return self._features.shape[-1] * self._features.element_size()
+        return self.kept.bytes_per_token
 
     @property
     def free_slots(self) -> int:
@@ -329,83 +315,22 @@ class TargetEngine:
         try:
             out = self._forward(rows)
             more = [i for i, r in enumerate(rows) if len(r.next_seeds)]
-            out = self._decode_more(rows, out, more) if more else out
+            out = decode_more(self._forward, self._length, rows, out, more) if more else out
         finally:
             self._device_features = False
         for i, r in enumerate(rows):
             if 0 <= r.features_from < r.start_pos:  # the kept features before the row
-                kept = self._features[r.slot, r.features_from : r.start_pos]
-                kept = kept if features_on_device else kept.cpu().numpy()
-                out[i] = dataclasses.replace(out[i], features=_cat([kept, out[i].features]))
+                kept = self.kept.before(r.slot, r.features_from, r.start_pos, features_on_device)
+                out[i] = dataclasses.replace(
+                    out[i], features=join_features([kept, out[i].features])
+                )
         return out
 
     def _keep_features(
         self, rows: list[VerifyRow], features: torch.Tensor, src: list[np.ndarray]
-    ) -> list[np.ndarray]:
-        """Project (context_projection) and keep each row's features, rows src[i] of `features`
-        ([T, F] on the device), at its positions (one scatter for all rows); returns each row's
-        features [len(src[i]), F or D] in features_dtype on the host (on the device during a
-        verify with features_on_device), or none ([0, F or D]) for a row that does not ask."""
-        features = cast_features(self._project(features), self.features_dtype)
-        dev = features.device
-        slot = np.concatenate([np.full(len(i), r.slot) for r, i in zip(rows, src)])
-        pos = np.concatenate([r.start_pos + np.arange(len(i)) for r, i in zip(rows, src)])
-        self._features[torch.as_tensor(slot, device=dev), torch.as_tensor(pos, device=dev)] = (
-            features[torch.as_tensor(np.concatenate(src), device=dev)]
-        )
-        asked = [i for r, i in zip(rows, src) if r.features]
-        if self._device_features:
-            ids = torch.as_tensor(np.concatenate(asked or [np.zeros(0, np.int64)]), device=dev)
-            parts = iter(features[ids].split([len(i) for i in asked] or [0]))
-            return [next(parts) if r.features else features[:0] for r in rows]
-        host = np.zeros((0, features.shape[1]), self._features_np)
-        if asked:  # one copy off the device for every row that asks
-            host = features[torch.as_tensor(np.concatenate(asked), device=dev)].cpu().numpy()
-        parts = iter(np.split(host, np.cumsum([len(i) for i in asked])[:-1]))
-        return [next(parts) if r.features else host[:0] for r in rows]
-
-    def _project(self, features: torch.Tensor) -> torch.Tensor:
-        """The context projection of features [T, F] -> [T, D] (as they are without one)."""
-        if self._projection is None:
-            return features
-        w, norm, eps = self._projection
-        c = torch.nn.functional.linear(features.to(w.dtype), w)
-        return c if norm is None else torch.nn.functional.rms_norm(c, (c.shape[-1],), norm, eps)
-
-    def _decode_more(
-        self, rows: list[VerifyRow], out: list[VerifyResult], more: list[int]
-    ) -> list[VerifyResult]:
-        """The further steps of the rows in `more` (next_seeds): each step one forward of those
-        rows, one token each, fed the token the step before produced (argmax at T = 0, the
-        residual sample otherwise); the results are joined per row (VerifyResult)."""
-        parts = {i: [out[i]] for i in more}
-        for j in range(max(len(rows[i].next_seeds) for i in more)):
-            live = [i for i in more if j < len(rows[i].next_seeds)]
-            step = []
-            for i in live:
-                r, last = rows[i], parts[i][-1]
-                token = last.decoded(r.params.greedy)[-1]
-                step.append(
-                    VerifyRow(
-                        r.slot,
-                        self._length[r.slot],
-                        np.array([token], np.int64),
-                        r.params,
-                        round_seed=int(r.next_seeds[j]),
-                        features=r.features,
-                    )
-                )
-            for i, res in zip(live, self._forward(step)):
-                parts[i].append(res)
-        for i, p in parts.items():
-            out[i] = VerifyResult(
-                np.concatenate([x.argmax for x in p]),
-                p[0].support_probs,
-                p[0].complement,
-                np.concatenate([x.residual for x in p]),
-                _cat([x.features for x in p]),
-            )
-        return out
+    ) -> list[np.ndarray | torch.Tensor]:
+        """KeptFeatures.keep, handing back on the device during a verify(features_on_device)."""
+        return self.kept.keep(rows, features, src, self._device_features)
 
     def _forward(self, rows: list[VerifyRow]) -> list[VerifyResult]:
         """One forward pass for validated rows (next_seeds aside)."""
@@ -479,7 +404,7 @@ class TargetEngine:
         """The same pass through a graph bucket: logits stay on the device (statistics of
         sampling rows are computed there), argmax and features come back."""
         b, q, _ = key
-        tokens, positions, slots, valid, _ = _pack(rows, max(len(r.tokens) for r in rows))
+        tokens, positions, slots, valid, _ = padded_inputs(rows, max(len(r.tokens) for r in rows))
         positions = np.where(valid, positions, -1)
         logits, argmax, feats = self.graphs.run(key, tokens, positions, slots)
         starts = [i * q + len(r.tokens) - r.num_draft - 1 for i, r in enumerate(rows)]
@@ -505,24 +430,3 @@ class TargetEngine:
 
     def _validate(self, rows: list[VerifyRow]) -> list[VerifyRow]:
         return validate_rows(rows, self._allocated, self._length, self.vocab_size, self.max_seq_len)
-
-
-def _cat(parts: list) -> np.ndarray | torch.Tensor:
-    """Row pieces of features, on the host (numpy) or on the device (tensors)."""
-    return torch.cat(parts) if isinstance(parts[0], torch.Tensor) else np.concatenate(parts)
-
-
-def _pack(rows: list[VerifyRow], L: int) -> tuple[np.ndarray, ...]:
-    """Right-padded model inputs: tokens, positions [B, L], slots [B], valid and
-    want-logits masks [B, L] (the last K+1 positions of each row)."""
-    B = len(rows)
-    tokens, positions = np.zeros((B, L), np.int64), np.zeros((B, L), np.int64)
-    valid, want_logits = np.zeros((B, L), bool), np.zeros((B, L), bool)
-    for b, r in enumerate(rows):
-        n = len(r.tokens)
-        tokens[b, :n] = r.tokens
-        positions[b, :n] = r.start_pos + np.arange(n)
-        valid[b, :n] = True
-        want_logits[b, n - r.num_draft - 1 : n] = True
-    slots = np.array([r.slot for r in rows], np.int64)
-    return tokens, positions, slots, valid, want_logits

@@ -10,6 +10,9 @@ padded query tokens plus `GROUP_TOKENS` for every group (one more attention call
 
 What a verify costs is then close to linear in T (the speculation controller's `packed`
 price); `python -m bench.verify_cost` measures it against one padded pass.
+
+A verify that runs in a CUDA-graph bucket takes its rows right-padded to one length instead
+(`padded_inputs`, [B, L]).
 """
 
 from __future__ import annotations
@@ -114,3 +117,19 @@ def pack(rows: list[VerifyRow], device: torch.device, group_tokens: float = GROU
         dev(logit_rows),
         lengths,
     )
+
+
+def padded_inputs(rows: list[VerifyRow], L: int) -> tuple[np.ndarray, ...]:
+    """Right-padded model inputs: tokens, positions [B, L], slots [B], valid and
+    want-logits masks [B, L] (the last K+1 positions of each row)."""
+    B = len(rows)
+    tokens, positions = np.zeros((B, L), np.int64), np.zeros((B, L), np.int64)
+    valid, want_logits = np.zeros((B, L), bool), np.zeros((B, L), bool)
+    for b, r in enumerate(rows):
+        n = len(r.tokens)
+        tokens[b, :n] = r.tokens
+        positions[b, :n] = r.start_pos + np.arange(n)
+        valid[b, :n] = True
+        want_logits[b, n - r.num_draft - 1 : n] = True
+    slots = np.array([r.slot for r in rows], np.int64)
+    return tokens, positions, slots, valid, want_logits

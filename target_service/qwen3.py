@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from flashmap.checkpoint import CheckpointError, load_tensors, read_config
-from target_service.kernels import TorchOps, rms_norm_ref
 from target_service.qwen3_config import Qwen3Config
+from target_service.torch_ops import TorchOps, rms_norm_ref
 
 # -- building blocks (parameter names follow Hugging Face) -------------------------
 

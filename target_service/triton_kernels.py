@@ -1,6 +1,7 @@
-"""Triton kernels of target_service.kernels (imported only when they are used: Triton reads
+"""Triton kernels of target_service.triton_ops (imported only when they are used: Triton reads
 TRITON_INTERPRET when a kernel is defined, and CPU-only installs have no Triton).
-See target_service/kernels.py for what each computes and the torch op it must match."""
+See target_service/triton_ops.py for what each computes and target_service/torch_ops.py for the
+torch op it must match."""
 
 import triton
 import triton.language as tl

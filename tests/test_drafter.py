@@ -13,7 +13,6 @@ import torch
 
 from drafter_service.checkpoint import init_drafter, load_drafter, save_drafter
 from drafter_service.config import DrafterConfig
-from drafter_service.flashmap_dit import greedy_summary, jump, noise_factor
 from drafter_service.flashmap_proposer import (
     ContextTooLong,
     FlashMapProposer,
@@ -21,6 +20,7 @@ from drafter_service.flashmap_proposer import (
     draw_noise,
     request_generator,
 )
+from drafter_service.flow_map import greedy_summary, jump, noise_factor
 from drafter_service.oracle import OracleProposer
 from flashmap.checkpoint import CheckpointError
 from flashmap.types import ProposeRequest

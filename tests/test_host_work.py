@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench.gpu_e2e import host_work
+from bench.gpu_e2e_measure import host_work
 from drafter_service.dflash import init_dflash, save_dflash
 from drafter_service.dflash_proposer import DFlashProposer
 from drafter_service.eagle3 import init_eagle3, save_eagle3

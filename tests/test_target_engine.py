@@ -24,8 +24,8 @@ from flashmap.types import (
     VerifyRow,
     feature_layers_for,
 )
-from target_service.engine import NoFreeSlot, TargetEngine, _pack
-from target_service.packing import GROUP_TOKENS, length_groups
+from target_service.engine import NoFreeSlot, TargetEngine
+from target_service.packing import GROUP_TOKENS, length_groups, padded_inputs
 from target_service.qwen3 import Qwen3
 from target_service.qwen3_config import Qwen3Config
 from target_service.random_checkpoint import make_random_qwen3
@@ -244,7 +244,9 @@ def test_packed_verify_equals_one_padded_pass(model, group_tokens):
             runs[mode] = eng.verify(rows)
             continue
         with torch.inference_mode():
-            batch = [torch.as_tensor(a) for a in _pack(rows, max(len(r.tokens) for r in rows))]
+            batch = [
+                torch.as_tensor(a) for a in padded_inputs(rows, max(len(r.tokens) for r in rows))
+            ]
             logits, features = eng.model(
                 *batch, eng._feature_layers, max(r.start_pos + len(r.tokens) for r in rows)
             )

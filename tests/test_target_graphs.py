@@ -422,7 +422,9 @@ import os, sys, json
 os.environ["TRITON_INTERPRET"] = "1"
 import numpy as np, torch
 torch.set_num_threads(1)
-from target_service.kernels import TritonOps, TorchOps, self_check
+from target_service.kernels import self_check
+from target_service.torch_ops import TorchOps
+from target_service.triton_ops import TritonOps
 from target_service.engine import TargetEngine
 from target_service.qwen3 import Qwen3
 from flashmap.types import SamplingParams, VerifyRow

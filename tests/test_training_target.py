@@ -18,6 +18,7 @@ import torch
 from demo.corpus_code import collect_defs
 from demo.corpus_math import format_math, math_problem
 from demo.target_data import WindowSampler
+from demo.target_model import lr_at, make_model, window_loss
 from demo.tokenizer import (
     CHAT_TEMPLATE,
     ENDOFTEXT,
@@ -27,7 +28,6 @@ from demo.tokenizer import (
     save_tokenizer,
     train_tokenizer,
 )
-from demo.train_target import lr_at, make_model, window_loss
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "checkpoints" / "demo-target"

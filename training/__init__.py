@@ -10,11 +10,12 @@ Data:
 
 Drafters:
 - ``flow``: blocks, noisy states, flow times and the losses of the flow, distillation and
-  DFlash-style stages; ``trainer``: the loop, data stream and options every drafter trainer
-  shares; ``step_batches``: a step's blocks across ranks and micro-batches; ``distributed``:
-  torchrun, DDP / FSDP2;
-- ``train_drafter`` (FlashMap flow stage and flow-map distillation, DFlash-style), with
-  ``warm_start`` (a flow stage started from a DFlash-style drafter); ``train_eagle``
+  DFlash-style stages; ``trainer``: the loop every drafter trainer shares, over
+  ``sequence_stream`` (the data stream), with ``train_options`` (the config's JSON form and the
+  shared command-line options) and ``loss_plot``; ``step_batches``: a step's blocks across ranks
+  and micro-batches; ``distributed``: torchrun, DDP / FSDP2;
+- ``train_drafter`` (FlashMap flow stage and flow-map distillation, DFlash-style; its settings
+  in ``train_drafter_config``), with ``warm_start`` (a flow stage started from a DFlash-style drafter); ``train_eagle``
   (EAGLE-style chain); ``train_published`` (DFlash and EAGLE-3 in their published layouts);
 - ``export_drafter``: a run as a small servable checkpoint.
 
@@ -27,7 +28,7 @@ Checks:
 - ``smoke_check``: the two ends of scripts/train-smoke.sh.
 
 ``evaluate`` is ``flashmap eval`` (acceptance length and speedup of drafters on held-out
-prompts), over ``eval_methods`` and ``eval_report``.
+prompts), over ``eval_prompts``, ``eval_methods``, ``eval_cells`` and ``eval_report``.
 
 The demo's own target, tokenizer, corpus and prompts are the package ``demo``; research
 probes and studies are ``research``, which nothing here imports.

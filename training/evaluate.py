@@ -39,7 +39,8 @@ baseline alike. Resumable: the cells of each finished (domain, temperature) are 
 a JSON cache (--cache) and skipped by the next run with the same settings; a (domain,
 temperature) with missing cells re-measures the target alone, so a speedup always compares
 runs of one process. Writes docs/results/eval.md (command, date, machine, every cell) and
-two PNG plots (training.eval_report); the methods are built in training.eval_methods.
+two PNG plots (training.eval_report); the methods are built in training.eval_methods, the
+prompts read in training.eval_prompts and the cells measured in training.eval_cells.
 
     python -m training.evaluate --target checkpoints/demo-target --flashmap runs/map \
         --teacher runs/flow --dflash runs/dflash --eagle runs/eagle --max-prompts 8 --max-new-tokens 128
@@ -53,216 +54,20 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import shlex
 import sys
 from pathlib import Path
 
 import torch
 
-from flashmap.checkpoint import read_config
-from flashmap.measure import machine, run_paired, run_prompts
-from flashmap.prompts import HELDOUT_PROMPTS, read_domain_prompts
-from training.eval_methods import (
-    Method,
-    build_methods,
-    describe,
-    feature_layers_of,
-    make_proposer,
-)
-from training.eval_report import (
-    REPO,
-    cell_key,
-    load_cache,
-    save_cache,
-    show_path,
-    write_plots,
-    write_report,
-)
+from flashmap.measure import machine
+from flashmap.prompts import HELDOUT_PROMPTS
+from training.eval_cells import cache_settings, check_dflash_shuffle, measure
+from training.eval_methods import Method, build_methods, describe, feature_layers_of
+from training.eval_prompts import fit_prompts, read_prompts
+from training.eval_report import REPO, load_cache, show_path, write_plots, write_report
 
 DEFAULT_OUT = REPO / "docs" / "results"
-DOMAIN_ORDER = ("code", "math", "chat")
-
-
-# ----------------------------------------------------------------------------- inputs
-
-
-def read_prompts(args) -> tuple[dict[str, list[dict]], list[str]]:
-    """The prompts of --prompts by domain (--domains, default every domain in DOMAIN_ORDER
-    first), the first --max-prompts of each; and the domains."""
-    prompts = read_domain_prompts(args.prompts, args.target)
-    present = list(dict.fromkeys(p["domain"] for p in prompts))
-    domains = (
-        [d for d in args.domains.split(",") if d]
-        if args.domains
-        else [d for d in DOMAIN_ORDER if d in present]
-        + [d for d in present if d not in DOMAIN_ORDER]
-    )
-    missing = [d for d in domains if d not in present]
-    if missing:
-        raise ValueError(f"{args.prompts}: no prompts of domain(s) {missing} (has {present})")
-    by_domain = {d: [p for p in prompts if p["domain"] == d] for d in domains}
-    if args.max_prompts:
-        by_domain = {d: ps[: args.max_prompts] for d, ps in by_domain.items()}
-    return by_domain, domains
-
-
-def fit_prompts(args, methods: list[Method], by_domain: dict) -> tuple[int, int, int]:
-    """The context the engine needs (the longest prompt, the new tokens, the largest draft
-    tree), within the target's positions; prompts that do not fit are cut to their last
-    tokens, in place. Returns (block size K, max_seq_len, prompts cut)."""
-    max_pos = int(read_config(args.target).get("max_position_embeddings", 4096))
-    K = max(
-        json.loads((Path(m.checkpoint) / "config.json").read_text()).get("block_size", 16)
-        for m in methods
-    )
-    longest = max(len(p["ids"]) for ps in by_domain.values() for p in ps)
-    max_seq_len = min(
-        max_pos, longest + args.max_new_tokens + K * max(m.tree_blocks for m in methods) + 2
-    )
-    keep = max_seq_len - args.max_new_tokens - 1
-    if keep < 1:
-        raise ValueError(
-            f"--max-new-tokens {args.max_new_tokens} does not fit the target's {max_pos} positions"
-        )
-    truncated = 0
-    for ps in by_domain.values():
-        for p in ps:
-            if len(p["ids"]) > keep:
-                p["ids"], truncated = p["ids"][-keep:], truncated + 1
-    return K, max_seq_len, truncated
-
-
-def cache_settings(args, methods: list[Method], by_domain: dict) -> dict:
-    """What a cached cell was measured with: a cache of other settings is refused (a run may add
-    methods: eval_report.load_cache)."""
-    return {
-        "target": str(Path(args.target).resolve()),
-        "prompts": str(Path(args.prompts).resolve()),
-        "max_prompts": args.max_prompts,
-        "max_new_tokens": args.max_new_tokens,
-        "seed": args.seed,
-        "repeats": args.repeats,
-        "timing": "paired: per prompt every method and the target alone back to back, "
-        "fastest of the repeats",
-        "drafter_compile": args.compile,
-        "min_confidence": args.min_confidence,
-        "device": args.device,
-        "checkpoints": {m.name: str(Path(m.checkpoint).resolve()) for m in methods},
-        "prompt_ids": {d: [p["id"] for p in ps] for d, ps in by_domain.items()},
-    }
-
-
-# ----------------------------------------------------------------------------- measuring
-
-
-def measure(args, engine_for, methods, by_domain, temps, data: dict, cache_path: Path, run: dict):
-    """Every (domain, temperature) with a missing cell: the target alone and each method
-    without its cell, timed in pairs (`run_paired`) on the engine computing the method's target
-    layers (engine_for(layers)), with the target alone on that engine; the cells go into
-    data["cells"] and the cache after each (domain, temperature), this run's date, machine and
-    command into data["runs"]. At T = 0 every method's output must equal the target's.
-    Returns the loaded drafter models by checkpoint."""
-    from tqdm import tqdm
-
-    cells = data["cells"]
-    run_id = datetime.datetime.now().isoformat(timespec="seconds")
-    wanted = lambda m, d, t: m.runs_at(t) and cell_key(m.name, d, t) not in cells  # noqa: E731
-    layers = {m.name: feature_layers_of(m, args.target) for m in methods}
-    todo = [(d, t) for t in temps for d in by_domain if any(wanted(m, d, t) for m in methods)]
-
-    def groups(d, t) -> dict[tuple, list[Method]]:
-        out: dict[tuple, list[Method]] = {}
-        for m in methods:
-            if wanted(m, d, t):
-                out.setdefault(layers[m.name], []).append(m)
-        return out
-
-    n_units = args.repeats * sum(
-        len(by_domain[d]) * sum(1 + len(g) for g in groups(d, t).values()) for d, t in todo
-    )
-    models: dict = {}
-    bar = tqdm(total=n_units, desc="eval", unit="prompt", disable=args.no_progress)
-    warmed: set = set()
-    n_warm = min(4, args.max_new_tokens)
-    try:
-        for d, t in todo:
-            ps = by_domain[d]
-            for key, todo_methods in groups(d, t).items():
-                engine = engine_for(key)
-                runners = {"target alone": (None, 1, 1)}
-                for m in todo_methods:
-                    runners[m.name] = (
-                        make_proposer(m, args.target, engine, args.device, models, args.compile),
-                        m.steps,
-                        m.tree_blocks,
-                    )
-                for name, (p, steps, tree) in runners.items():
-                    if (key, name) not in warmed:  # first-call costs stay out of the timings
-                        warmed.add((key, name))
-                        run_prompts(engine, ps[:1], t, n_warm, args.seed, p, steps, None, tree)
-                bar.set_description(f"{d} | T={t:g} | {len(runners)} runs per prompt")
-                runs = run_paired(
-                    engine, ps, t, args.max_new_tokens, args.seed, runners, args.repeats, bar
-                )
-                base = runs["target alone"]
-                for m in todo_methods:
-                    r = runs[m.name]
-                    if t == 0:
-                        bad = [
-                            p["id"] for p, a, b in zip(ps, r["outputs"], base["outputs"]) if a != b
-                        ]
-                        assert not bad, (
-                            f"{m.name}: greedy output differs from the target's on prompts {bad} ({d})"
-                        )
-                    cells[cell_key(m.name, d, t)] = make_cell(
-                        m.name, d, t, len(ps), r, base, run_id
-                    )
-                data.setdefault("runs", {})[run_id] = run
-                save_cache(cache_path, data)
-    finally:
-        bar.close()
-    return models
-
-
-def make_cell(method: str, domain: str, t: float, n_prompts: int, r, base, run_id: str) -> dict:
-    """One cell from the paired runs of a method (r) and of the target alone (base)."""
-    return {
-        "method": method,
-        "domain": domain,
-        "temperature": t,
-        "n_prompts": n_prompts,
-        "tokens": r["tokens"],
-        "rounds": r["rounds"],
-        "drafts": r["drafts"],
-        "accepted": r["accepted"],
-        "draft_tokens": r["draft_tokens"],
-        "gamma": r["gamma"],
-        "wall_s": r["wall_s"],
-        "tok_s": r["tok_s"],
-        "draft_s": r["draft_s"],
-        "verify_s": r["verify_s"],
-        "base_tok_s": base["tok_s"],
-        "base_wall_s": base["wall_s"],
-        "base_tokens": base["tokens"],
-        "speedup": r["tok_s"] / base["tok_s"],
-        "cond_den": r["cond_den"],
-        "cond_num": r["cond_num"],
-        "greedy_equal": True if t == 0 else None,
-        "run": run_id,
-    }
-
-
-def check_dflash_shuffle(cells: dict, domains: list[str], temps: list[float]) -> None:
-    """DFlash ignores the noise: its shuffle pair must be identical."""
-    for d in domains:
-        for t in temps:
-            a, b = cells.get(cell_key("dflash", d, t)), cells.get(cell_key("dflash-indep", d, t))
-            if a and b:
-                assert (a["accepted"], a["drafts"]) == (b["accepted"], b["drafts"]), (
-                    f"DFlash shuffle Delta is not 0 ({d}, T={t:g}): "
-                    "the baseline must ignore the noise"
-                )
 
 
 def describe_drafters(methods: list[Method], models: dict, target: str) -> dict[str, str]:

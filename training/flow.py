@@ -38,7 +38,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from drafter_service.config import DrafterConfig
-from drafter_service.flashmap_dit import CrossContext, FlashMapDiT, jump
+from drafter_service.dit_blocks import CrossContext
+from drafter_service.flashmap_dit import FlashMapDiT
+from drafter_service.flow_map import jump
 from drafter_service.flow_time import map_t_of_tau
 
 # ----------------------------------------------------------------------------- blocks

@@ -3,7 +3,7 @@ where the data stream stands (the position a checkpoint keeps), the draws of eac
 the parts' features (stored with the data, or computed online by the target).
 
 Step s takes the next G = ceil(batch_size / anchors_per_seq) sequences of the stream
-(training.trainer.SequenceStream) from the data position, split into P = ranks x
+(training.sequence_stream.SequenceStream) from the data position, split into P = ranks x
 accumulation parts of G / P sequences each: micro-batch m of rank r is part j = m * ranks + r.
 Part j's anchors and noise come from generators seeded by (seed, s, j), or (seed, s) when
 P = 1 as a single process always drew them, so a step's blocks depend on P only, not on how
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from training.flow import Batch, make_batch
-from training.trainer import SequenceStream
+from training.sequence_stream import SequenceStream
 
 
 def step_generator(seed: int, step: int, device, part: int | None = None) -> torch.Generator:

@@ -31,15 +31,9 @@ from torch import Tensor
 
 from drafter_service.eagle import EagleDrafter, init_eagle
 from training.drafter_data import read_meta
-from training.trainer import (
-    ConfigDict,
-    SequenceStream,
-    add_common_args,
-    check_data,
-    config_from_args,
-    run_cli,
-    run_training,
-)
+from training.sequence_stream import SequenceStream, check_data
+from training.train_options import ConfigDict, add_common_args, config_from_args, run_cli
+from training.trainer import run_training
 
 STAGE = "eagle"
 

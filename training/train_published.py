@@ -46,15 +46,10 @@ from flashmap.checkpoint import load_embeddings, read_config
 from flashmap.drafter_inputs import eagle3_default_layers
 from training.drafter_data import list_shards, read_meta, shard_index
 from training.flow import Batch, make_batch, slot_weights, weighted_ce
+from training.sequence_stream import SequenceStream
 from training.train_eagle import SeqBatch, make_seq_batch
-from training.trainer import (
-    ConfigDict,
-    SequenceStream,
-    add_common_args,
-    config_from_args,
-    run_cli,
-    run_training,
-)
+from training.train_options import ConfigDict, add_common_args, config_from_args, run_cli
+from training.trainer import run_training
 
 ARCHS = ("dflash", "eagle3")
 

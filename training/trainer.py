@@ -1,6 +1,6 @@
-"""What every drafter trainer shares (train_drafter's three stages, train_eagle): the data
-stream over the drafter data's shards, the optimiser and its schedule, the training loop
-with resume, logging and plots, and the command-line options.
+"""The training loop every drafter trainer shares (train_drafter's three stages, train_eagle,
+train_published): AdamW and its schedule, gradient accumulation, bf16 autocast, clipping,
+checkpoints with resume, several ranks, and the log (loss.csv, TensorBoard, loss.png).
 
 OUT (a run's output directory) holds the drafter checkpoint (config.json +
 model.safetensors, via save_drafter), train_state.pt (model, optimizer, scheduler, step and
@@ -9,45 +9,23 @@ the trainer's extra modules), loss.csv and loss.png.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import math
 import os
 import signal
-import sys
 import time
-from collections import OrderedDict
-from dataclasses import asdict, fields, replace
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import torch
 
 from drafter_service.checkpoint import save_drafter
-from training.drafter_data import Shard, list_shards, shard_index
+from training.loss_plot import plot_losses
+from training.sequence_stream import SequenceStream as SequenceStream  # re-exported
 
 STATE_FILE = "train_state.pt"
 CSV_FILE = "loss.csv"
 PNG_FILE = "loss.png"
-
-
-class ConfigDict:
-    """JSON dict form of a training-config dataclass (TrainConfig, train_eagle.EagleTrainConfig):
-    betas as a list; unknown keys (older / newer runs) are dropped on the way back."""
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["betas"] = list(self.betas)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict):
-        known = {f.name for f in fields(cls)}
-        d = {k: v for k, v in d.items() if k in known}
-        if "betas" in d:
-            d["betas"] = tuple(d["betas"])
-        return cls(**d)
 
 
 def lr_factor(step: int, cfg) -> float:
@@ -60,78 +38,6 @@ def lr_factor(step: int, cfg) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p))
 
 
-# ----------------------------------------------------------------------------- data
-
-
-class SequenceStream:
-    """A deterministic endless stream of sequences over the shards: epoch e visits the
-    shards in a seeded order and each shard's sequences in a seeded order. Position p of
-    the stream depends only on (seed, p), so a resumed run sees the same data.
-    Only sequences with an anchor inside the response (after cutting to max_len) are used."""
-
-    def __init__(
-        self, data_dir: str | Path, seed: int = 0, max_len: int | None = None, cache_shards: int = 2
-    ):
-        self.shards = list_shards(data_dir)
-        self.index = []  # per shard: the usable sequence numbers
-        for path in self.shards:
-            offsets, prompt_lens = shard_index(path)
-            lengths = np.diff(offsets)
-            if max_len is not None:
-                lengths = np.minimum(lengths, max_len)
-            self.index.append(np.nonzero(lengths - 2 >= prompt_lens)[0])
-        self.counts = [len(ix) for ix in self.index]
-        self.total = sum(self.counts)
-        if self.total == 0:
-            raise ValueError(
-                f"{data_dir}: no sequence has a response of >= 2 tokens within max_len {max_len}"
-            )
-        self.seed = seed
-        self._cache: OrderedDict[int, Shard] = OrderedDict()
-        self._cache_size = cache_shards
-
-    def _shard(self, i: int) -> Shard:
-        if i in self._cache:
-            self._cache.move_to_end(i)
-        else:
-            self._cache[i] = Shard(self.shards[i])
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
-        return self._cache[i]
-
-    def get(self, p: int):
-        epoch, r = divmod(p, self.total)
-        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.shards))
-        for i in order:
-            if r < self.counts[i]:
-                idx = self.index[i][
-                    np.random.default_rng([self.seed, epoch, int(i)]).permutation(self.counts[i])[r]
-                ]
-                return self._shard(int(i))[int(idx)]
-            r -= self.counts[i]
-        raise AssertionError("unreachable")
-
-    def take(self, start: int, n: int) -> list:
-        return [self.get(p) for p in range(start, start + n)]
-
-
-def check_data(meta: dict, model_cfg) -> None:
-    """Refuse drafter data (their meta.json) made for another target than the drafter's config."""
-    if meta["target_vocab_size"] != model_cfg.vocab_size:
-        raise ValueError(
-            f"data vocab {meta['target_vocab_size']} != drafter vocab {model_cfg.vocab_size}"
-        )
-    if list(meta["feature_layers"]) != list(model_cfg.feature_layers):
-        raise ValueError(
-            f"data feature layers {meta['feature_layers']} != drafter's {model_cfg.feature_layers}"
-        )
-    if meta.get("embed_hash") and meta["embed_hash"] != model_cfg.embed_hash:
-        raise ValueError("the data were made with another target (embedding hash differs)")
-
-
-# ----------------------------------------------------------------------------- loop
-
-
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     decay, no_decay = [], []
     for name, p in model.named_parameters():
@@ -141,42 +47,6 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-
-
-def plot_losses(csv_path: Path, png_path: Path, cols: list[str] | None = None) -> None:
-    """Plot of the loss columns of csv_path (default: every column but step, lr, elapsed_s)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    with open(csv_path) as f:
-        rows = list(csv.DictReader(f))
-    if not rows:
-        return
-    cols = cols or [c for c in rows[0] if c not in ("step", "lr", "elapsed_s")]
-    steps = [int(r["step"]) for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for c in cols:
-        ys = [float(r[c]) if r[c] not in ("", "nan") else float("nan") for r in rows]
-        ax.plot(steps, ys, label=c)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    if all(float(r["loss"]) > 0 for r in rows):
-        ax.set_yscale("log")
-    save_figure(fig, ax, csv_path.parent.name, png_path)
-
-
-def save_figure(fig, ax, title: str, png_path: Path) -> None:
-    """Title, legend and grid on ax, then fig written to png_path and closed."""
-    import matplotlib.pyplot as plt
-
-    ax.set_title(title)
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
 
 
 KILL_ENV = (
@@ -409,66 +279,6 @@ def run_training(
     return model.eval()
 
 
-# ----------------------------------------------------------------------------- CLI
-
-RUN_OPTIONS = (
-    "steps",
-    "lr",
-    "warmup_steps",
-    "batch_size",
-    "max_len",
-    "seed",
-    "save_every",
-    "log_every",
-)
-
-
-def add_common_args(ap: argparse.ArgumentParser, *, small_help: str, batch_help: str) -> None:
-    """The options of every drafter training CLI (train_drafter, train_eagle); each adds its own
-    (stage, architecture, ...). The RUN_OPTIONS ones override training-config fields."""
-    ap.add_argument(
-        "--target", required=True, help="target checkpoint directory (embedding / LM head, hashes)"
-    )
-    ap.add_argument("--data", required=True, help="directory written by training.drafter_data")
-    ap.add_argument(
-        "--out", required=True, help="output directory (drafter checkpoint + training state)"
-    )
-    ap.add_argument("--small", action="store_true", help=small_help)
-    ap.add_argument("--steps", type=int)
-    ap.add_argument("--lr", type=float, help="peak learning rate (cosine schedule with warmup)")
-    ap.add_argument("--warmup-steps", type=int)
-    ap.add_argument("--batch-size", type=int, help=batch_help)
-    ap.add_argument("--max-len", type=int)
-    ap.add_argument("--seed", type=int)
-    ap.add_argument("--save-every", type=int)
-    ap.add_argument("--log-every", type=int)
-    ap.add_argument(
-        "--resume", action="store_true", help="continue from OUT/train_state.pt if present"
-    )
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--no-progress", action="store_true")
-
-
-def run_cli(train, cfg, args: argparse.Namespace, done: str) -> int:
-    """A single-process training CLI's end: train(cfg, ...) with the common options, a clear
-    error (exit 2) for a bad path or config, `done` printed after."""
-    try:
-        train(
-            cfg,
-            target=args.target,
-            data=args.data,
-            out=args.out,
-            resume=args.resume,
-            device=args.device,
-            progress=not args.no_progress,
-        )
-    except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(done)
-    return 0
-
-
 def train_only(model: torch.nn.Module, prefixes) -> None:
     """Freeze every parameter of `model` whose name starts with none of `prefixes` (empty: all
     train). A prefix that names no trainable parameter is a mistake, not a frozen model."""
@@ -481,17 +291,3 @@ def train_only(model: torch.nn.Module, prefixes) -> None:
         raise ValueError(f"--train-only {' '.join(prefixes)}: no trainable parameter matches")
     for n, p in model.named_parameters():
         p.requires_grad_(n in kept)
-
-
-def config_from_args(
-    cfg,
-    args: argparse.Namespace,
-    run_options: tuple[str, ...] = (),
-    arch_options: tuple[str, ...] = (),
-):
-    """cfg with the options given on the command line: RUN_OPTIONS and run_options replace
-    its fields, arch_options its `arch` entries."""
-    given = lambda keys: {k: getattr(args, k) for k in keys if getattr(args, k) is not None}  # noqa: E731
-    return replace(
-        cfg, **given(RUN_OPTIONS + run_options), arch={**cfg.arch, **given(arch_options)}
-    )

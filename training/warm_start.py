@@ -10,7 +10,8 @@ from dataclasses import MISSING, replace
 import torch
 
 from drafter_service.config import DrafterConfig
-from drafter_service.flashmap_dit import FlashMapDiT, timestep_embedding
+from drafter_service.dit_blocks import timestep_embedding
+from drafter_service.flashmap_dit import FlashMapDiT
 
 ARCH_FIELDS = ("dim", "n_blocks", "n_heads", "block_size", "mlp_ratio", "time_freq_dim", "qk_norm")
 
