@@ -85,7 +85,8 @@ def answer(
     the asks it concerns with an error; it never raises."""
     out: list[DraftAnswer | None] = [None] * len(asks)
     for i, a in enumerate(asks):
-        err = check(a) or _rollback(proposer, a) or _blocks_error(proposer, a)
+        a.blocks = min(max(a.blocks, 1), proposer.max_blocks)  # a drafter with a tree of its own: 1
+        err = check(a) or _rollback(proposer, a)
         if err:
             out[i] = DraftAnswer(error=err)
     extend = [i for i, a in enumerate(asks) if out[i] is None and len(a.new_tokens)]
@@ -137,10 +138,4 @@ def _rollback(proposer, a: ProposeRequest) -> str:
             proposer.truncate(a.seq_id, a.context_start)
     except Exception as e:  # noqa: BLE001 - a proposer that cannot roll back
         return str(e)
-    return ""
-
-
-def _blocks_error(proposer, a: ProposeRequest) -> str:
-    if a.blocks > proposer.max_blocks:
-        return f"{a.blocks} blocks asked, this drafter draws at most {proposer.max_blocks}"
     return ""

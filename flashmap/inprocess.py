@@ -90,18 +90,14 @@ def decode(
     """Decode all requests to completion; results come back in request order. draft_steps:
     every request's unless it has its own (None: the proposer's step count).
 
-    tree_blocks > 1: each round drafts that many blocks from independent
+    tree_blocks > 1 (requests without their own tree_blocks): each round drafts that many blocks
+    (at most what the proposer draws) from independent
     noise and verifies them as a tree (TargetEngine.verify_tree); the sequence commits the
     branch the target accepts furthest. controller: a flashmap.speculation.SpeculationController
     choosing each round's draft lengths (None: the whole block every round). plain_tokens:
     tokens per request of a round without drafts, in one engine call (flashmap.rounds)."""
     for r in requests:
         r.validate(engine.vocab_size, engine.max_seq_len)
-    if tree_blocks > 1:
-        if proposer is None or proposer.max_blocks < tree_blocks:
-            raise ValueError(
-                f"tree verification of {tree_blocks} blocks needs a proposer that drafts several blocks"
-            )
     block = proposer.block_size if proposer is not None else BLOCK_SIZE
     target = LocalTarget(engine)
     drafter = LocalDrafter(proposer, draft_steps) if proposer is not None else None

@@ -26,7 +26,7 @@ class SeqPlan:
     """One sequence's part of a round."""
 
     draft: int = 0  # draft tokens to ask for (0: the row goes without a draft)
-    blocks: int = 1  # blocks from independent noise, verified as one tree (greedy rows)
+    blocks: int = 1  # blocks from independent noise, verified as one tree
     features: bool = False  # a row without a draft brings the drafter's features back
 
 
@@ -51,12 +51,13 @@ def plan_round(
     seqs: list[Sequence], drafter: bool, blocks: int = 1, plain_tokens: int = 1
 ) -> RoundPlan:
     """The plan without a controller: every sequence that can draft asks for its whole block
-    (`blocks` of them when greedy); drafter False: none drafts and no row brings features."""
+    (its request's tree_blocks blocks, else `blocks`); drafter False: none drafts and no row
+    brings features."""
     return RoundPlan(
         {
             s.seq_id: SeqPlan(
                 s.draft_cap() if drafter else 0,
-                blocks,
+                s.request.tree_blocks or blocks,
                 drafter and s.may_draft(),
             )
             for s in seqs

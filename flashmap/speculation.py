@@ -242,7 +242,7 @@ class SpeculationController:
         plans = {
             s.seq_id: SeqPlan(
                 choice[s.seq_id],
-                blocks,
+                s.request.tree_blocks or blocks,
                 s.may_draft()
                 and not (lazy and s.seq_id not in keep and (s.prefilled or not prompts_fetch)),
             )

@@ -107,12 +107,6 @@ class GenerateConfig(Config):
     compile: bool = option(
         False, "--in-process: torch.compile the drafter (the first call compiles)"
     )
-    tree_blocks: int = same_as(
-        OrchestratorConfig,
-        "tree_blocks",
-        env=None,
-        help="--in-process, temperature 0: verify this many drafted blocks as a tree per round",
-    )
     json: bool = option(False, "print one JSON object instead of text")
 
 
@@ -139,9 +133,9 @@ def _cmd_generate(args) -> int:
     if a.system is not None and not a.chat:
         raise UsageError("--system goes with --chat")
     if not a.in_process:
-        if a.tree_blocks != 1 or a.min_confidence or a.compile:
+        if a.min_confidence or a.compile:
             raise UsageError(
-                "--tree-blocks, --min-confidence and --compile are --in-process options "
+                "--min-confidence and --compile are --in-process options "
                 "(for the stack: the drafter service's --min-confidence and --compile)"
             )
         return _generate_remote(a, options)
@@ -190,7 +184,7 @@ def _generate_in_process(a: GenerateConfig, options: RequestOptions) -> int:
             compile=a.compile,
         )
     )
-    (res,) = decode(engine, [req], proposer, tree_blocks=1 if a.ar else a.tree_blocks)
+    (res,) = decode(engine, [req], proposer)
     s = res.stats
     out = {
         "token_ids": res.token_ids,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from flashmap.auth import API_KEY_ENV, DRAFTER_TOKEN_ENV, TARGET_KEY_ENV
 from flashmap.config import Config, at_least, in_range, option
-from flashmap.types import MAX_PLAIN_TOKENS, PLAIN_TOKENS
+from flashmap.types import MAX_PLAIN_TOKENS, PLAIN_TOKENS, check_tree_blocks
 from orchestrator.admission import BurstConfig
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -88,9 +88,10 @@ class OrchestratorConfig(Config):
     )
     tree_blocks: int = option(
         1,
-        "greedy requests: verify this many drafted blocks from independent noise as a tree",
+        "blocks drafted from independent noise per round and verified as one tree, for "
+        "requests without their own tree_blocks (a drafter with a tree of its own drafts one)",
         env="FLASHMAP_TREE_BLOCKS",
-        check=at_least(1),
+        check=check_tree_blocks,
     )
     top_m: int = option(
         4, "the drafter's support size per slot at temperature > 0", check=at_least(1)
