@@ -58,7 +58,7 @@ class LocalDrafter:
 
 
 class LocalTarget:
-    """A TargetEngine as the round loop's Target: plain rows in one forward, trees one by one."""
+    """A TargetEngine as the round loop's Target: plain rows in one forward, trees in another."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -72,9 +72,11 @@ class LocalTarget:
         done = self.engine.verify([rows[i] for i in flat], features_on_device=True) if flat else []
         for i, res in zip(flat, done):
             out[i] = (res, np.zeros(0, np.int64))
-        for i, r in enumerate(rows):
-            if r.is_tree:
-                out[i] = self.engine.verify_tree(r, features_on_device=True)
+        trees = [i for i, r in enumerate(rows) if r.is_tree]
+        if trees:
+            done = self.engine.verify_trees([rows[i] for i in trees], features_on_device=True)
+            for i, res in zip(trees, done):
+                out[i] = res
         return out
 
 

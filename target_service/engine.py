@@ -44,7 +44,7 @@ from target_service.packing import GROUP_TOKENS, pack, padded_inputs
 from target_service.qwen3 import Qwen3, forward_step
 from target_service.qwen3_config import Qwen3Config, generation_eos
 from target_service.row_checks import check_slot, check_tree, validate_rows
-from target_service.tree import verify_tree
+from target_service.tree import verify_trees
 from target_service.verification import verification_stats
 
 DEFAULT_MAX_SEQ_LEN = 4096
@@ -414,19 +414,27 @@ class TargetEngine:
         )
         return [VerifyResult(*s, features=f) for s, f in zip(stats, own)]
 
+    def verify_trees(
+        self, rows: list[VerifyRow], features_on_device: bool = False
+    ) -> list[tuple[VerifyResult, np.ndarray]]:
+        """Verification of rows whose drafts form trees (VerifyRow.parents), all in one pass
+        (target_service.tree), at any temperature: per row the accepted path's result and the
+        path, the cache exactly as after `verify` of that path alone. features_on_device: as
+        in `verify`."""
+        rows = self._validate(rows)
+        for row in rows:
+            check_tree(row)
+        self._device_features = features_on_device
+        try:
+            return verify_trees(self, rows)
+        finally:
+            self._device_features = False
+
     def verify_tree(
         self, row: VerifyRow, features_on_device: bool = False
     ) -> tuple[VerifyResult, np.ndarray]:
-        """Greedy (T = 0) verification of a row whose drafts form a tree (VerifyRow.parents),
-        in one pass (target_service.tree): the accepted path's result and the path, the cache
-        exactly as after `verify` of that path alone. features_on_device: as in `verify`."""
-        (row,) = self._validate([row])
-        check_tree(row)
-        self._device_features = features_on_device
-        try:
-            return verify_tree(self, row)
-        finally:
-            self._device_features = False
+        """One tree row (verify_trees)."""
+        return self.verify_trees([row], features_on_device)[0]
 
     def _validate(self, rows: list[VerifyRow]) -> list[VerifyRow]:
         return validate_rows(rows, self._allocated, self._length, self.vocab_size, self.max_seq_len)

@@ -65,18 +65,39 @@ def tree_layout(row: VerifyRow) -> TreeLayout:
     return TreeLayout(seq_pos, cache_pos, mask, want, anchor)
 
 
-def picks(logits: torch.Tensor, row: VerifyRow) -> np.ndarray:
-    """[1 + K] the target's own token at the anchor and at each draft: its argmax at T = 0,
-    else a sample of its adjusted distribution whose noise depends on the round seed and the
-    node's depth only (a path is drawn as a chain of its length would be)."""
-    if row.params.greedy:
-        return argmax_ids(logits)
-    p = row.params
-    n = len(logits)
-    probs = process_logits(logits, [p.temperature] * n, [p.top_k] * n, [p.top_p] * n)  # [1+K, V]
-    depth = np.concatenate([[0], depths(row.parents)])  # [1+K]
-    noise = exponential_noise(row.round_seed, (int(depth.max()) + 1, probs.shape[-1]), probs.device)
-    return (probs / noise[torch.as_tensor(depth, device=probs.device)]).argmax(-1).cpu().numpy()
+def picks(logits: torch.Tensor, rows: list[VerifyRow]) -> list[np.ndarray]:
+    """Per row, [1 + K] the target's own token at the anchor and at each draft (logits: the
+    rows' [1 + K, V] blocks back to back): its argmax at T = 0, else a sample of its adjusted
+    distribution whose noise depends on the round seed and the node's depth only (a path is
+    drawn as a chain of its length would be)."""
+    counts = [r.num_draft + 1 for r in rows]
+    top = np.split(argmax_ids(logits), np.cumsum(counts)[:-1])
+    sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if not sampled:
+        return top
+    at = np.cumsum([0] + counts)
+    index = torch.as_tensor(np.concatenate([np.arange(at[i], at[i + 1]) for i in sampled]))
+    per_position = lambda f: np.repeat(
+        [f(rows[i].params) for i in sampled], [counts[i] for i in sampled]
+    )  # noqa: E731
+    probs = process_logits(
+        logits[index.to(logits.device)],
+        per_position(lambda p: p.temperature),
+        per_position(lambda p: p.top_k),
+        per_position(lambda p: p.top_p),
+    )  # [M, V]
+    noise = []
+    for i in sampled:
+        depth = np.concatenate([[0], depths(rows[i].parents)])  # [1 + K]
+        shape = (int(depth.max()) + 1, probs.shape[-1])
+        noise.append(exponential_noise(rows[i].round_seed, shape, probs.device)[depth])
+    drawn = np.split(
+        (probs / torch.cat(noise)).argmax(-1).cpu().numpy(),
+        np.cumsum([counts[i] for i in sampled])[:-1],
+    )
+    for i, d in zip(sampled, drawn):
+        top[i] = d
+    return top
 
 
 def accepted_path(top: np.ndarray, row: VerifyRow) -> tuple[np.ndarray, np.ndarray]:
@@ -104,42 +125,66 @@ def move_kv(model, slot: int, src: torch.Tensor, dst: torch.Tensor) -> None:
         c.v[slot, :, dst] = c.v[slot, :, src]
 
 
-def verify_tree(engine, row: VerifyRow) -> tuple[VerifyResult, np.ndarray]:
-    """One validated tree row through the engine's model (TargetEngine.verify_tree): the
-    accepted path's VerifyResult and the path."""
-    K, n = row.num_draft, len(row.tokens)
-    t = tree_layout(row)
+def verify_trees(engine, rows: list[VerifyRow]) -> list[tuple[VerifyResult, np.ndarray]]:
+    """Validated tree rows through the engine's model in one padded pass (TargetEngine.
+    verify_trees): each row's accepted path's VerifyResult and the path."""
+    layouts = [tree_layout(r) for r in rows]
+    n = [len(r.tokens) for r in rows]
+    B, L = len(rows), max(n)
+    kv_len = max(r.start_pos + k for r, k in zip(rows, n))
+    tokens, seq_pos, cache_pos = (np.zeros((B, L), np.int64) for _ in range(3))
+    valid, want = np.zeros((B, L), bool), np.zeros((B, L), bool)
+    mask = np.zeros((B, 1, L, kv_len), bool)
+    mask[:, :, :, 0] = True  # padding queries see one key (their output is never read)
+    for b, (r, t, k) in enumerate(zip(rows, layouts, n)):
+        tokens[b, :k], seq_pos[b, :k], cache_pos[b, :k] = r.tokens, t.seq_pos, t.cache_pos
+        valid[b, :k], want[b, :k] = True, t.want
+        mask[b, 0, :k] = False
+        mask[b, 0, :k, : r.start_pos + k] = t.mask
     dev = engine._device
     try:
         with torch.inference_mode():
             logits, features = engine.model(
-                torch.as_tensor(row.tokens, device=dev)[None],
-                torch.as_tensor(t.seq_pos, device=dev)[None],
-                torch.tensor([row.slot], device=dev),
-                torch.ones(1, n, dtype=torch.bool, device=dev),
-                torch.as_tensor(t.want, device=dev)[None],
+                *(torch.as_tensor(x, device=dev) for x in (tokens, seq_pos)),
+                torch.tensor([r.slot for r in rows], device=dev),
+                *(torch.as_tensor(x, device=dev) for x in (valid, want)),
                 engine._feature_layers,
-                row.start_pos + n,
-                torch.as_tensor(t.cache_pos, device=dev)[None],
-                torch.as_tensor(t.mask, device=dev)[None, None],
+                kv_len,
+                torch.as_tensor(cache_pos, device=dev),
+                torch.as_tensor(mask, device=dev),
             )
     except BaseException:
-        engine._length[row.slot] = min(engine._length[row.slot], row.start_pos)
+        for r in rows:
+            engine._length[r.slot] = min(engine._length[r.slot], r.start_pos)
         raise
-    path, picked = accepted_path(picks(logits, row), row)
-    a = len(path)
+    logit_at = np.cumsum([0] + [r.num_draft + 1 for r in rows])  # [B + 1] into logits
+    feature_at = np.cumsum([0] + n)  # [B + 1] into features
+    top = argmax_ids(logits)
+    out = []
+    for b, (r, t, p) in enumerate(zip(rows, layouts, picks(logits, rows))):
+        path, picked = accepted_path(p, r)
+        argmax = top[logit_at[b] : logit_at[b + 1]][np.concatenate([[0], 1 + path])]
+        row_features = features[feature_at[b] : feature_at[b + 1]]  # [n, F]
+        out.append((_result(engine, r, t, path, picked, argmax, row_features), path))
+    return out
+
+
+def _result(engine, row: VerifyRow, t: TreeLayout, path, picked, argmax, features) -> VerifyResult:
+    """Move the path's K/V to its own positions and answer for the path: the argmax and (at
+    T > 0) the target's samples along it as `residual`, the features up to its end."""
+    K, n, a = row.num_draft, len(row.tokens), len(path)
+    dev = engine._device
     src = torch.as_tensor(t.anchor + 1 + path, device=dev)
     move_kv(engine.model, row.slot, src, torch.arange(t.anchor + 1, t.anchor + 1 + a, device=dev))
     engine._length[row.slot] = row.start_pos + n - K + a
     keep = np.concatenate([np.arange(n - K), n - K + path])
     chain = VerifyRow(row.slot, row.start_pos, row.tokens[keep], row.params, features=row.features)
-    (feats,) = engine._keep_features([chain], features.reshape(n, -1), [keep])
+    (feats,) = engine._keep_features([chain], features, [keep])
     sampled = not row.params.greedy
-    result = VerifyResult(
-        picked if not sampled else argmax_ids(logits)[np.concatenate([[0], 1 + path])],
+    return VerifyResult(
+        argmax,
         np.zeros((0, 1), np.float32),
         np.zeros(0, np.float32),
         picked if sampled else np.full(a + 1, -1, np.int64),
         feats,
     )
-    return result, path

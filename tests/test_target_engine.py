@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -521,12 +522,31 @@ def test_tree_verify_equals_verifying_the_accepted_path_alone(model):
     # A tree none of whose first tokens is the argmax accepts nothing; bad input is refused.
     res0, path0 = tree.verify_tree(tree_row(a, 30, anchor, [rnd[0]]))
     assert len(path0) == 0 and res0.argmax.tolist() == [cont[0]] and tree.length(a) == 31
-    with pytest.raises(InvalidRequest, match="greedy-only"):
-        tree.verify_tree(tree_row(a, 30, anchor, blocks, params=SamplingParams(temperature=1.0)))
     bad = tree_row(a, 30, anchor, blocks)
     bad.parents = np.r_[bad.parents[1:], 0]
     with pytest.raises(InvalidRequest, match="parents"):
         tree.verify_tree(bad)
+
+    # At T > 0 the target's samples pick the path; two tree rows in one pass are each what
+    # they are alone (two slots with the same prompt, the same seeds).
+    hot = SamplingParams(temperature=1.0)
+    trees = [
+        tree_row(0, 30, anchor, blocks, params=hot),
+        tree_row(1, 30, anchor, blocks[:2], params=hot),
+    ]
+    two = fresh_engine(model, n_slots=2)
+    for s_ in (two.allocate(), two.allocate()):
+        two.verify([row(s_, 0, prompt)])
+    both = two.verify_trees(trees)
+    for t_row, (res_t, path_t) in zip(trees, both):
+        assert len(res_t.residual) == len(path_t) + 1 and (res_t.residual >= 0).all()
+        one_engine = fresh_engine(model)
+        d = one_engine.allocate()
+        one_engine.verify([row(d, 0, prompt)])
+        one, one_path = one_engine.verify_tree(replace(t_row, slot=d))
+        assert one_path.tolist() == path_t.tolist()
+        assert one.residual.tolist() == res_t.residual.tolist()
+        assert rel_err(one.features, res_t.features) < 1e-5
 
 
 def test_incremental_decoding_equals_one_forward(engine, model, hf_models):

@@ -22,7 +22,7 @@ decoded by flashmap.target_wire on both sides):
        FEATURES FP32|FP16 [L, F] (with FEATURES_FROM p: [START_POS - p + L, F]; with NEXT_SEEDS:
        ARGMAX and RESIDUAL [steps], FEATURES [L + steps - 1, F]), PATH INT64 [a] (a tree's
        accepted drafts; its other outputs are that path's), INFO_JSON BYTES [1]
-A tree row is verified on its own (TargetEngine.verify_tree), the others in one forward.
+Tree rows are verified in one forward (TargetEngine.verify_trees), the others in another.
 A row whose TOKENS are [-1] (flashmap.types.FOLLOW_TOKEN, a continuation) is fed the last
 token its sequence's previous verify decoded: that verify had no drafts and ended where this
 row's START_POS is, else INVALID_ARGUMENT. Rows of one sequence in one execute() (a round and
@@ -371,13 +371,15 @@ class TritonPythonModel:
                 self.seqs.verified(corrid, row, result)
                 if end:
                     self.seqs.release(corrid)
-        for key, corrid, end, row in trees:
-            outcome[key] = self._verify_tree(row)
-            self.seqs.follow.pop(corrid, None)
+        if trees:
+            results = self._verify_trees([r for _, _, _, r in trees])
             self.metrics.inc("flashmap_target_verify_batches_total")
-            self.metrics.inc("flashmap_target_verify_rows_total")
-            if end:
-                self.seqs.release(corrid)
+            self.metrics.inc("flashmap_target_verify_rows_total", len(trees))
+            for (key, corrid, end, _), result in zip(trees, results):
+                outcome[key] = result
+                self.seqs.follow.pop(corrid, None)
+                if end:
+                    self.seqs.release(corrid)
 
     def _verify(self, rows):
         """One forward for all rows; if the engine rejects the batch, find the bad rows alone.
@@ -395,15 +397,20 @@ class TritonPythonModel:
         # Rare path (a bad request in a batch): verify one by one so the others still succeed.
         return [self._verify([row])[0] for row in rows]
 
-    def _verify_tree(self, row):
+    def _verify_trees(self, rows):
+        """One forward for all tree rows; if the engine rejects the batch, each row alone.
+        Per row ("ok", result, path) or (error code, message)."""
         try:
-            result, path = self.engine.verify_tree(row)
-            return ("ok", result, path)
+            return [("ok", r, path) for r, path in self.engine.verify_trees(rows)]
         except InvalidRequest as e:
-            return (target_wire.ROW_INVALID, str(e))
+            if len(rows) == 1:
+                return [(target_wire.ROW_INVALID, str(e))]
         except Exception as e:
-            self._log("error", "flashmap_target verify_tree: " + traceback.format_exc())
-            return (target_wire.ROW_INTERNAL, f"internal error: {type(e).__name__}: {e}")
+            self._log("error", "flashmap_target verify_trees: " + traceback.format_exc())
+            return [(target_wire.ROW_INTERNAL, f"internal error: {type(e).__name__}: {e}")] * len(
+                rows
+            )
+        return [self._verify_trees([row])[0] for row in rows]
 
     def _row_outputs(self, o):
         if o[0] == "ok":
