@@ -939,3 +939,52 @@ def test_tree_verification_through_the_stack_is_the_in_process_round(target_dir,
         )
         assert s.accepted_per_slot.tolist() == mine.stats.accepted_per_slot.tolist()
     assert sum(r.stats.accepted for r in tree) > sum(r.stats.accepted for r in local(1))
+
+
+@pytest.mark.timeout(240)
+def test_sampled_trees_through_the_stack_are_the_in_process_rounds(target_dir, ref, tmp_path):
+    """tree_blocks = 3 as a request option at T = 1 (and top-k / top-p): through Triton, the
+    drafter service and the orchestrator, seeded requests give the tokens the in-process decoder
+    gives with the same oracle and seeds (whose law tests/test_lossless.py checks), twice."""
+    from drafter_service.oracle import OracleProposer
+    from flashmap.inprocess import decode
+    from flashmap.types import GenerationRequest, SamplingParams
+
+    prompts, max_new = ORACLE_PROMPTS[:3], ORACLE_MAX_NEW
+    expected = ref(prompts, max_new)
+    refs = [p + out for p, out in zip(prompts, expected)]
+    refs_path = tmp_path / "refs.json"
+    refs_path.write_text(json.dumps(refs))
+    cfg = StackConfig.on_free_ports(
+        target_dir=str(target_dir),
+        drafter="oracle",
+        n_slots=4,
+        max_seq_len=1024,
+        speculation="full",
+        log_dir=str(tmp_path / "logs"),
+    )
+    params = [SamplingParams(1.0, seed=10 + i) for i in range(len(prompts))]
+    params[-1] = SamplingParams(0.8, top_k=20, top_p=0.9, seed=30)
+    sampling = lambda p: dict(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed)  # noqa: E731
+    with OracleStack(cfg, refs_path), Client(cfg.url, timeout=120) as c:
+        runs = [
+            [
+                _stream(
+                    c,
+                    prompt_ids=pr,
+                    max_new_tokens=max_new,
+                    ignore_eos=True,
+                    tree_blocks=3,
+                    **sampling(p),
+                )
+                for pr, p in zip(prompts, params)
+            ]
+            for _ in range(2)
+        ]
+    reqs = [GenerationRequest(pr, max_new, p, tree_blocks=3) for pr, p in zip(prompts, params)]
+    local = decode(ref.engine, reqs, OracleProposer(refs, BLOCK, VOCAB, error_rate=0.2, seed=1))
+    for run in runs:
+        assert [ids for ids, _ in run] == [r.token_ids for r in local]
+    for mine, (_, final) in zip(local, runs[0]):
+        assert final.stats.drafts == mine.stats.drafts > 0
+        assert final.stats.accepted == mine.stats.accepted
