@@ -47,9 +47,9 @@ def domain_prompts(target: str, domain: str, n: int, offset: int, vocab: int) ->
         rng = np.random.default_rng(0)
         ids = [rng.integers(3, vocab, int(rng.integers(8, 32))).tolist() for _ in range(offset + n)]
         return [{"id": f"random-{i}", "ids": p} for i, p in enumerate(ids)][offset:]
-    from flashmap.prompts import HELDOUT_PROMPTS, read_domain_prompts
+    from flashmap.prompts import TEST_PROMPTS, read_domain_prompts
 
-    prompts = [p for p in read_domain_prompts(HELDOUT_PROMPTS, target) if p["domain"] == domain]
+    prompts = [p for p in read_domain_prompts(TEST_PROMPTS, target) if p["domain"] == domain]
     return prompts[offset : offset + n]
 
 

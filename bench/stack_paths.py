@@ -29,7 +29,7 @@ from flashmap.cpus import on_cpus
 from flashmap.inprocess import decode
 from flashmap.metrics import scrape, totals
 from flashmap.pipeline import pipelined_round
-from flashmap.prompts import HELDOUT_PROMPTS, read_domain_prompts
+from flashmap.prompts import TEST_PROMPTS, read_domain_prompts
 from flashmap.sequence import Sequence
 from flashmap.types import GenerationRequest
 from flashmap_cli.stack import StackConfig
@@ -60,7 +60,7 @@ def prompt_sets(target: str, vocab: int, n: int) -> dict[str, list[list[int]]]:
     }
     try:
         by_domain: dict[str, list] = {}
-        for p in read_domain_prompts(HELDOUT_PROMPTS, target):
+        for p in read_domain_prompts(TEST_PROMPTS, target):
             by_domain.setdefault(p["domain"], []).append(p["ids"])
         text = [x for turn in zip_longest(*by_domain.values()) for x in turn if x is not None]
         sets["held-out text"] = [text[i % len(text)] for i in range(n)]

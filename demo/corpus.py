@@ -6,9 +6,11 @@ Nothing is downloaded. Three domains, all built from a seed: ``code``
 (``demo.corpus_chat``: dialogues rendered with the chat template). Each is split into
 training documents and held-out documents / prompts.
 
-Held-out prompts (``domain``, ``prompt``, plus ``id`` and the held-out ``reference``
-continuation) are written by ``write_heldout_prompts`` to
-``demo/data/heldout_prompts.jsonl``. Chat prompts end with the generation prompt
+Held-out prompts (``domain``, ``prompt``, plus ``id``, ``split`` and the held-out
+``reference`` continuation) are split once into dev and test and written by
+``write_prompt_splits`` to ``demo/data/dev_prompts.jsonl`` (what every choice reads: checks
+during training, curves, checkpoint and setting picks) and ``demo/data/test_prompts.jsonl``
+(what reports read; flashmap.prompts refuses it to selection paths). Chat prompts end with the generation prompt
 (``<|im_start|>assistant\\n``); math prompts end with ``Answer:``; code prompts are a
 function header plus its docstring. All prompts end on a pre-tokenizer boundary, so their
 tokens are a prefix of the tokens of prompt + reference.
@@ -27,7 +29,8 @@ from demo.corpus_code import build_code, stdlib_dir
 from demo.corpus_math import build_math
 
 DOMAINS = ("code", "math", "chat")
-HELDOUT_PROMPTS_PATH = Path(__file__).resolve().parent / "data" / "heldout_prompts.jsonl"
+DATA = Path(__file__).resolve().parent / "data"
+DEV_PROMPTS_PATH, TEST_PROMPTS_PATH = DATA / "dev_prompts.jsonl", DATA / "test_prompts.jsonl"
 
 
 @dataclass
@@ -36,6 +39,7 @@ class Domain:
     train: list[str] = field(default_factory=list)
     heldout: list[str] = field(default_factory=list)
     prompts: list[dict] = field(default_factory=list)  # {"domain", "id", "prompt", "reference"}
+    test_prompts: list[dict] = field(default_factory=list)  # the same, never used to choose
 
 
 @dataclass
@@ -91,17 +95,23 @@ def build_corpus(seed: int = 0, scale: float = 1.0) -> Corpus:
     return Corpus(seed=seed, stdlib=str(stdlib_dir()), domains=domains)
 
 
-def write_heldout_prompts(corpus: Corpus, path: str | Path = HELDOUT_PROMPTS_PATH) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as f:
-        for name in DOMAINS:
-            for p in corpus.domains[name].prompts:
-                f.write(json.dumps(p, ensure_ascii=False) + "\n")
-    return path
+def write_prompt_splits(
+    corpus: Corpus, dev: str | Path = DEV_PROMPTS_PATH, test: str | Path = TEST_PROMPTS_PATH
+) -> tuple[Path, Path]:
+    """The held-out prompts of every domain, dev and test, each record marked with its split."""
+    out = []
+    for path, split, part in ((dev, "dev", "prompts"), (test, "test", "test_prompts")):
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w", encoding="utf-8") as f:
+            for name in DOMAINS:
+                for p in getattr(corpus.domains[name], part):
+                    f.write(json.dumps({**p, "split": split}, ensure_ascii=False) + "\n")
+        out.append(path)
+    return out[0], out[1]
 
 
-def load_heldout_prompts(path: str | Path = HELDOUT_PROMPTS_PATH) -> list[dict]:
+def load_heldout_prompts(path: str | Path = DEV_PROMPTS_PATH) -> list[dict]:
     with Path(path).open(encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 
@@ -113,7 +123,8 @@ if __name__ == "__main__":  # pragma: no cover
         description="Build the local corpus and write the held-out prompts."
     )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--prompts", default=str(HELDOUT_PROMPTS_PATH))
+    ap.add_argument("--dev", default=str(DEV_PROMPTS_PATH))
+    ap.add_argument("--test", default=str(TEST_PROMPTS_PATH))
     ap.add_argument("--show", type=int, default=1, help="print this many examples per domain")
     args = ap.parse_args()
     c = build_corpus(args.seed)
@@ -124,4 +135,4 @@ if __name__ == "__main__":  # pragma: no cover
             print(f"----- {name}\n{doc[:800]}")
         for p in c.domains[name].prompts[: args.show]:
             print(f"----- {name} prompt\n{p['prompt']}\n----- reference\n{p['reference'][:400]}")
-    print("wrote", write_heldout_prompts(c, args.prompts))
+    print("wrote", *write_prompt_splits(c, args.dev, args.test))

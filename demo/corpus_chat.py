@@ -391,8 +391,9 @@ def build_chat(
     n_code: int = 4_000,
     n_small: int = 1_200,
     n_prompts: int = 48,
-) -> tuple[list[str], list[str], list[dict]]:
-    """(train documents, held-out documents, held-out prompts)."""
+) -> tuple[list[str], list[str], list[dict], list[dict]]:
+    """(train documents, held-out documents, dev prompts, test prompts): per kind of dialogue
+    the dev prompts come first, the test prompts (as many) next."""
     # Reserve one phrasing per coding task for held-out.
     reserved = {i: rng.randrange(len(_CODE_PATTERNS)) for i in range(len(_CODE_TASKS))}
     dialogues: list[list[dict]] = []
@@ -433,19 +434,25 @@ def build_chat(
     quota = {"docstring": 16, "arith": 8, "word": 10, "code_task": 10, "smalltalk": 4}
     scale = n_prompts / sum(quota.values())
     picked: list[tuple[str, list[dict]]] = []
-    prompts: list[dict] = []
+    later: list[tuple[str, list[dict]]] = []
     for kind, k in quota.items():
         items = [x for x in held if x[0] == kind]
-        picked += items[: max(1, round(k * scale))]
-    for j, (kind, m) in enumerate(picked):
-        prompt, ref = _chat_prompt(m)
-        prompts.append(
-            {
-                "domain": "chat",
-                "id": f"chat-{j:03d}",
-                "kind": kind,
-                "prompt": prompt,
-                "reference": ref,
-            }
+        n = max(1, round(k * scale))
+        picked += items[:n]
+        later += items[n : 2 * n]
+    splits = []
+    for tag, part in (("chat", picked), ("chat-test", later)):
+        splits.append(
+            [
+                {
+                    "domain": "chat",
+                    "id": f"{tag}-{j:03d}",
+                    "kind": kind,
+                    "prompt": p,
+                    "reference": r,
+                }
+                for j, (kind, m) in enumerate(part)
+                for p, r in [_chat_prompt(m)]
+            ]
         )
-    return train, heldout, prompts
+    return train, heldout, splits[0], splits[1]

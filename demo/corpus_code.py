@@ -158,8 +158,10 @@ def collect_defs(text: str, module: str) -> list[Definition]:
     return out
 
 
-def build_code(rng: random.Random, heldout_frac: float = 0.04, n_prompts: int = 48):
-    """Returns ((train, held-out, prompts), train_defs, heldout_defs)."""
+def build_code(
+    rng: random.Random, heldout_frac: float = 0.04, n_prompts: int = 48, n_test: int = 48
+):
+    """Returns ((train, held-out, dev prompts, test prompts), train_defs, heldout_defs)."""
     root = stdlib_dir()
     files = stdlib_files(root)
     docs: list[tuple[str, str]] = []
@@ -175,6 +177,7 @@ def build_code(rng: random.Random, heldout_frac: float = 0.04, n_prompts: int = 
     train: list[str] = []
     heldout: list[str] = []
     prompts: list[dict] = []
+    test: list[dict] = []
     train_defs: list[Definition] = []
     held_defs: list[Definition] = []
     for i, (rel, text) in enumerate(docs):
@@ -194,14 +197,16 @@ def build_code(rng: random.Random, heldout_frac: float = 0.04, n_prompts: int = 
         if d.header and d.kind != "class" and d.body.strip() and len(d.header) <= 900
     ]
     rng.shuffle(cands)
-    for j, d in enumerate(cands[:n_prompts]):
+    for j, d in enumerate(cands[: n_prompts + n_test]):
         prompt = textwrap.dedent(d.header)
         indent = len(d.header) - len(d.header.lstrip(" "))
         body = "\n".join(
             line[indent:] if line.startswith(" " * indent) else line.lstrip()
             for line in d.body.split("\n")
         )
-        prompts.append(
-            {"domain": "code", "id": f"code-{j:03d}", "prompt": prompt, "reference": body}
+        split, k = (prompts, j) if j < n_prompts else (test, j - n_prompts)
+        tag = "code" if split is prompts else "code-test"
+        split.append(
+            {"domain": "code", "id": f"{tag}-{k:03d}", "prompt": prompt, "reference": body}
         )
-    return (train, heldout, prompts), train_defs, held_defs
+    return (train, heldout, prompts, test), train_defs, held_defs

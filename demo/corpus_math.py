@@ -300,12 +300,18 @@ def format_math(q: str, a: str) -> str:
 
 
 def build_math(
-    rng: random.Random, n_train: int = 40_000, n_heldout: int = 1_500, n_prompts: int = 48
-) -> tuple[list[str], list[str], list[dict]]:
-    """(train documents, held-out documents, held-out prompts)."""
+    rng: random.Random,
+    n_train: int = 40_000,
+    n_heldout: int = 1_500,
+    n_prompts: int = 48,
+    n_test: int = 48,
+) -> tuple[list[str], list[str], list[dict], list[dict]]:
+    """(train documents, held-out documents, dev prompts, test prompts): the prompts are the
+    first held-out problems, dev before test."""
     train: list[str] = []
     heldout: list[str] = []
     prompts: list[dict] = []
+    test: list[dict] = []
     seen: set[str] = set()
     for _ in range(n_train):
         q, a = math_problem(rng)
@@ -318,13 +324,15 @@ def build_math(
             continue
         seen.add(q)
         heldout.append(format_math(q, a))
-        if len(prompts) < n_prompts:
-            prompts.append(
+        split = prompts if len(prompts) < n_prompts else test if len(test) < n_test else None
+        if split is not None:
+            tag = "math" if split is prompts else "math-test"
+            split.append(
                 {
                     "domain": "math",
-                    "id": f"math-{len(prompts):03d}",
+                    "id": f"{tag}-{len(split):03d}",
                     "prompt": f"Question: {q}\nAnswer:",
                     "reference": f" {a}",
                 }
             )
-    return train, heldout, prompts
+    return train, heldout, prompts, test

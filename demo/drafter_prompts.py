@@ -1,7 +1,7 @@
 """Training prompts for the drafters: prefixes of the corpus' TRAIN documents.
 
 The target answers them (training/drafter_data.py) and the drafters learn from those
-answers (self-distillation). Held-out prompts (demo/data/heldout_prompts.jsonl) come from
+answers (self-distillation). Held-out prompts (demo/data/dev_prompts.jsonl, test_prompts.jsonl) come from
 the held-out split, so evaluation never sees these. Code and math prompts are a document cut
 at a random line; chat prompts end at an assistant turn's start, so the target writes the
 answer.

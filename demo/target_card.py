@@ -205,7 +205,7 @@ def write_card(out: Path, s: dict, samples: list[dict], args) -> None:
         ]
     lines += [
         "",
-        "## Greedy samples (held-out prompts, `demo/data/heldout_prompts.jsonl`)",
+        "## Greedy samples (held-out prompts, `demo/data/dev_prompts.jsonl`)",
         "",
         "The prompt is followed by `<<<GEN>>>` and the model's greedy continuation.",
         "",

@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 
 from demo.corpus import (
+    DATA,
     DOMAINS,
-    HELDOUT_PROMPTS_PATH,
     Corpus,
     build_corpus,
-    write_heldout_prompts,
+    write_prompt_splits,
 )
 from demo.tokenizer import ENDOFTEXT, load_tokenizer, save_tokenizer, train_tokenizer
 
@@ -101,7 +101,10 @@ def prepare_data(args, out: Path, state_dir: Path, resume: bool, log) -> TargetD
     token streams (cached in `state_dir` by corpus and tokenizer)."""
     t0 = time.time()
     corpus = build_corpus(args.seed, scale=args.corpus_scale)
-    prompts_path = write_heldout_prompts(corpus, args.prompts_out or HELDOUT_PROMPTS_PATH)
+    folder = Path(args.prompts_out or DATA)
+    prompts_path, _ = write_prompt_splits(
+        corpus, folder / "dev_prompts.jsonl", folder / "test_prompts.jsonl"
+    )
     stats = corpus.stats()
     log(
         f"corpus {corpus.fingerprint()} from {corpus.stdlib} in {time.time() - t0:.1f}s: "

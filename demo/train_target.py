@@ -110,7 +110,8 @@ def parse_args(argv=None):
     ap.add_argument(
         "--prompts-out",
         default=None,
-        help="held-out prompts file (default demo/data/heldout_prompts.jsonl)",
+        help="folder for the held-out prompts, dev_prompts.jsonl and test_prompts.jsonl "
+        "(default demo/data)",
     )
     ap.add_argument(
         "--samples", type=int, default=3, help="greedy samples per domain in the model card"

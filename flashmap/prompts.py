@@ -1,7 +1,13 @@
 """Prompt files: JSONL, one prompt a line, as token ids or as text for the target's tokenizer.
 
 Each line has "prompt_ids" (token ids) or "prompt" (text, encoded with the target checkpoint's
-tokenizer, special tokens included as text), and optionally "domain" and "id".
+tokenizer, special tokens included as text), and optionally "domain", "id" and "split".
+
+Held-out prompts are split once into dev and test (demo.corpus). The rule: everything that
+chooses (checks during training, curves, early stopping, checkpoint, variant and setting picks)
+reads dev; reports read test. A prompt file's split travels into the data made from it
+(training.drafter_data / generate_data meta.json), and every path that chooses passes that
+split through `for_choosing`, which refuses the test prompts.
 """
 
 from __future__ import annotations
@@ -10,8 +16,33 @@ import json
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-# The held-out prompts of the demo target (code, math, chat): evaluation and benchmarks.
-HELDOUT_PROMPTS = REPO / "demo" / "data" / "heldout_prompts.jsonl"
+# The held-out prompts of the demo target (code, math, chat), split once: dev for choosing,
+# test for reporting.
+DEV_PROMPTS = REPO / "demo" / "data" / "dev_prompts.jsonl"
+TEST_PROMPTS = REPO / "demo" / "data" / "test_prompts.jsonl"
+
+
+def prompt_split(path: str | Path) -> str:
+    """The split of a prompt file's lines ("dev", "test", "train"...): one name when every
+    line carries the same, "mixed:a+b" when they differ, "" when none says."""
+    names = set()
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            names.add(str(json.loads(line).get("split", "")))
+    names.discard("")
+    return (
+        "" if not names else names.pop() if len(names) == 1 else "mixed:" + "+".join(sorted(names))
+    )
+
+
+def for_choosing(split: str, what: str) -> None:
+    """The rule of the held-out split: a path that chooses (`what`) never reads test prompts.
+    split: of a prompt file (prompt_split) or of data made from one (its meta.json)."""
+    if "test" in str(split).replace("mixed:", "").split("+"):
+        raise ValueError(
+            f"{what} chooses, and its data come from the test prompts (split {split!r}): "
+            f"choices read the dev prompts ({DEV_PROMPTS.relative_to(REPO)}), reports read test"
+        )
 
 
 def read_prompt_lines(

@@ -374,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--target", required=True)
     ap.add_argument("--data", required=True, help="held-out answers (training.drafter_data)")
-    ap.add_argument("--prompts", default="demo/data/heldout_prompts.jsonl")
+    ap.add_argument("--prompts", default="demo/data/test_prompts.jsonl")
     ap.add_argument("--row", type=parse_row, action="append", required=True)
     ap.add_argument("--baseline", help="row name every row is compared with (paired)")
     ap.add_argument("--pair", action="append", default=[], help="A:B: gamma(A) - gamma(B), paired")

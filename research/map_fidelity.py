@@ -99,10 +99,17 @@ def format_table(results: dict, fine: int, coarse: int) -> str:
     return "\n".join(lines)
 
 
-def flow_check_draw(data: str, n: int, block_size: int) -> list:
-    """`n` held-out batches of 32 blocks, drawn as the flow check draws them."""
+def flow_check_draw(data: str, n: int, block_size: int, choosing: bool = False) -> list:
+    """`n` held-out batches of 32 blocks, drawn as the flow check draws them. choosing: the
+    caller picks something by them (a curve that sets steps or a learning rate), so they must
+    not come from the test prompts (flashmap.prompts.for_choosing)."""
+    from flashmap.prompts import for_choosing
+    from training.drafter_data import read_meta
     from training.step_batches import flow_check_batches
     from training.train_drafter_config import TrainConfig
+
+    if choosing:
+        for_choosing(read_meta(data, tokens_ok=True).get("split", ""), "a curve that chooses")
 
     tcfg = TrainConfig.for_stage("flow", small=True)
     tcfg.check_batches = n

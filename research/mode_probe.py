@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--data", required=True, help="held-out answers at T = 0 (training.drafter_data)"
     )
-    ap.add_argument("--prompts", default="demo/data/heldout_prompts.jsonl")
+    ap.add_argument("--prompts", default="demo/data/test_prompts.jsonl")
     ap.add_argument("--variant", type=_variant, action="append", default=[])
     ap.add_argument(
         "--tau0", action="append", default=[], help="NAME=DIR: the denoiser at pure noise"

@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     second = second_network(first)
     opt = torch.optim.AdamW(second.parameters(), lr=args.lr, weight_decay=0.0)
     evals = {  # the held-out blocks, and blocks of the sequences it trains on
-        "heldout": flow_check_draw(args.heldout, args.batches, first.cfg.block_size),
+        "heldout": flow_check_draw(args.heldout, args.batches, first.cfg.block_size, choosing=True),
         "seen": flow_check_draw(args.data, args.batches, first.cfg.block_size),
     }
     state_path, step, curve = out / "state.pt", 0, []

@@ -10,7 +10,7 @@ import pytest
 
 from bench import common, stack
 from bench.stack_paths import chunks_of, prompt_sets
-from flashmap.prompts import HELDOUT_PROMPTS, read_domain_prompts
+from flashmap.prompts import TEST_PROMPTS, read_domain_prompts
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = (REPO / "checkpoints" / "demo-flashmap" / "model.safetensors").is_file()
@@ -84,7 +84,7 @@ def test_chunks_are_whole_batches_covering_every_prompt_once():
 def test_held_out_text_takes_the_domains_in_turn():
     """The held-out file lists one domain after another: the first n prompts alone would be code."""
     target = REPO / "checkpoints" / "demo-target"
-    domain = {tuple(p["ids"]): p["domain"] for p in read_domain_prompts(HELDOUT_PROMPTS, target)}
+    domain = {tuple(p["ids"]): p["domain"] for p in read_domain_prompts(TEST_PROMPTS, target)}
     text = prompt_sets(str(target), 100, 9)["held-out text"]
     assert [domain[tuple(ids)] for ids in text] == ["code", "math", "chat"] * 3
 

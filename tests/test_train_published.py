@@ -247,9 +247,9 @@ def test_the_committed_checkpoints_are_exact_on_the_demo_target(name):
         pytest.skip(f"{drafter} is not there")
     layers, _ = target_inputs(drafter, target, project=False)
     engine = TargetEngine(target, n_slots=2, max_seq_len=256, feature_layers=layers)
-    from flashmap.prompts import HELDOUT_PROMPTS, read_domain_prompts
+    from flashmap.prompts import DEV_PROMPTS, read_domain_prompts
 
-    held = read_domain_prompts(HELDOUT_PROMPTS, target)
+    held = read_domain_prompts(DEV_PROMPTS, target)
     prompts = [next(p["ids"] for p in held if p["domain"] == d) for d in ("code", "math")]
     reqs = lambda: [GenerationRequest(p, 24) for p in prompts]  # noqa: E731
     alone = [r.token_ids for r in decode(engine, reqs())]

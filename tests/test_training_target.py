@@ -186,7 +186,7 @@ def test_committed_demo_checkpoint_loads():
     # It learned its domains: low loss on held-out math answers.
     prompts = [
         json.loads(line)
-        for line in (REPO / "demo" / "data" / "heldout_prompts.jsonl").read_text().splitlines()
+        for line in (REPO / "demo" / "data" / "dev_prompts.jsonl").read_text().splitlines()
     ]
     assert {p["domain"] for p in prompts} == {"code", "math", "chat"}
     p = next(p for p in prompts if p["domain"] == "math")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from flashmap.prompts import for_choosing
 from training.drafter_data import TOKEN_FORMAT, Shard, list_shards, read_meta
 from training.heldout import HeldoutSequence
 from training.offline_acceptance import offline_acceptance
@@ -25,8 +26,11 @@ CSV = "acceptance.csv"
 
 def heldout_from(data_dir: str | Path, online, limit: int, block_size: int) -> list:
     """The first `limit` sequences of a data directory with a full block after an anchor, with
-    features (computed by `online`, an OnlineTarget, for token data)."""
-    token_data = read_meta(data_dir, tokens_ok=True)["format"] == TOKEN_FORMAT
+    features (computed by `online`, an OnlineTarget, for token data). The check picks what a
+    run keeps: never on data of the test prompts."""
+    meta = read_meta(data_dir, tokens_ok=True)
+    for_choosing(meta.get("split", ""), "the acceptance check")
+    token_data = meta["format"] == TOKEN_FORMAT
     seqs = []
     for path in list_shards(data_dir):
         shard = Shard(path)

@@ -25,7 +25,7 @@ without `features`: the trainer computes them online with the target
 (`training.online_features`). `read_meta(..., tokens_ok=True)` accepts both kinds.
 
     python -m training.drafter_data --target checkpoints/demo-target \
-        --prompts demo/data/heldout_prompts.jsonl --out data/drafter --max-new-tokens 256
+        --prompts demo/data/dev_prompts.jsonl --out data/drafter --max-new-tokens 256
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from flashmap.prompts import read_prompt_lines
+from flashmap.prompts import prompt_split, read_prompt_lines
 from flashmap.types import SamplingParams, VerifyRow
 
 META_FILE = "meta.json"
@@ -296,8 +296,11 @@ def build(
     target_dir: str | Path | None = None,
     progress: bool = True,
     samples_per_prompt: int = 1,
+    split: str = "",
 ) -> list[Path]:
     """Generate responses and features for all prompts into out_dir; returns the shard paths.
+    split: of the prompts (flashmap.prompts.prompt_split), kept in meta.json so that a path
+    that chooses refuses data of the test prompts.
     Chunks whose shard exists are skipped. samples_per_prompt > 1 (with temperature > 0):
     each prompt answered that many times (consecutive sequences, each seeded by its own
     index), so the data hold several continuations of one context: multimodal blocks."""
@@ -339,6 +342,7 @@ def build(
         feature_dtype=feature_dtype,
         prompts_hash=_prompts_hash(prompts),
         samples_per_prompt=samples_per_prompt,
+        split=split,
     )
     check_or_write_meta(out_dir, meta, _RESUME_KEYS)
 
@@ -422,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
             feature_dtype=args.feature_dtype,
             target_dir=args.target,
             samples_per_prompt=args.samples_per_prompt,
+            split=prompt_split(args.prompts),
         )
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

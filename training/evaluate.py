@@ -61,7 +61,7 @@ from pathlib import Path
 import torch
 
 from flashmap.measure import machine
-from flashmap.prompts import HELDOUT_PROMPTS
+from flashmap.prompts import TEST_PROMPTS
 from training.eval_cells import cache_settings, check_dflash_shuffle, measure
 from training.eval_methods import Method, build_methods, describe, feature_layers_of
 from training.eval_prompts import fit_prompts, read_prompts
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m training.evaluate
         "at T = 0 (0 or 1: no tree row)",
     )
     ap.add_argument(
-        "--prompts", default=str(HELDOUT_PROMPTS), help="JSONL: domain + prompt (or prompt_ids)"
+        "--prompts", default=str(TEST_PROMPTS), help="JSONL: domain + prompt (or prompt_ids)"
     )
     ap.add_argument(
         "--domains", default="", help="comma-separated (default: every domain in the prompts)"

@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--target", required=True)
     ap.add_argument("--data", help="training.drafter_data output for --prompts (held-out answers)")
-    ap.add_argument("--prompts", default="demo/data/heldout_prompts.jsonl")
+    ap.add_argument("--prompts", default="demo/data/test_prompts.jsonl")
     ap.add_argument(
         "--drafter",
         type=_spec,

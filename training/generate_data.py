@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from flashmap.prompts import prompt_split
 from training.drafter_data import (
     SHARD_FMT,
     TOKEN_FORMAT,
@@ -211,9 +212,11 @@ def generate(
     source: str = "engine",
     progress: bool = True,
     say=print,
+    split: str = "",
 ) -> list[Path]:
     """Write this worker's shards of token data into out_dir; returns the paths it wrote or
-    found. respond(prompts, first_index) -> responses (stop token kept)."""
+    found. respond(prompts, first_index) -> responses (stop token kept). split: of the
+    prompts, kept in meta.json (training.drafter_data.build)."""
     from tqdm import tqdm
 
     from drafter_service.checkpoint import tensor_hash
@@ -240,6 +243,7 @@ def generate(
         prompts_hash=_prompts_hash(seqs),
         samples_per_prompt=samples_per_prompt,
         source=source,
+        split=split,
     )
     check_or_write_meta(out_dir, meta, RESUME_KEYS)
     n_chunks = -(-len(seqs) // chunk_size)
@@ -361,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
             workers=workers,
             source=source,
             progress=not a.no_progress,
+            split=prompt_split(a.prompts) if a.prompts else "",
         )
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -39,6 +39,7 @@ from torch import Tensor
 
 from drafter_service.checkpoint import init_drafter, load_drafter
 from drafter_service.flashmap_dit import FlashMapDiT
+from flashmap.prompts import for_choosing
 from flashmap.types import ESTIMATES
 from training import distributed
 from training.acceptance_check import AcceptanceCheck, heldout_from
@@ -236,6 +237,7 @@ def train(
     if tcfg.stage == "flow" and tcfg.check_batches > 0 and not sharded:
         if tcfg.check_data:
             cmeta = read_meta(tcfg.check_data, tokens_ok=True)
+            for_choosing(cmeta.get("split", ""), "the flow check (--check-data)")
             check_fits(model.cfg, target, max_len=tcfg.max_len, meta=cmeta)
             if cmeta["format"] != TOKEN_FORMAT:
                 check_data(cmeta, model.cfg)
