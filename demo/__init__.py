@@ -10,8 +10,9 @@ corpus, and the prompts its drafters are trained and evaluated on. Nothing is do
   (``target_checkpoint``) with what ``target_card`` makes beside the weights (samples, loss
   curves, model card);
 - ``drafter_prompts``: the drafters' training prompts, prefixes of the corpus' training split;
-- ``data/``: the held-out prompts, split into ``dev_prompts.jsonl`` (what choices read) and ``test_prompts.jsonl`` (what ``flashmap eval`` and the
-  benchmarks read by default) and the drafters' training prompts (``drafter_prompts.jsonl``).
+- ``data/``: the held-out prompts, split into ``dev_prompts.jsonl`` (what choices read) and
+  ``test_prompts.jsonl`` (what ``flashmap eval`` and the benchmarks read by default), and the
+  drafters' training prompts (``drafter_prompts.jsonl``).
 
 ``run_demo_pipeline.sh`` runs the demo chain: target, prompts, data (``training.drafter_data``),
 the drafters (``training``), ``flashmap eval``.
