@@ -128,10 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     engine = TargetEngine(target, n_slots=1, max_seq_len=longest + a.max_new_tokens + 18)
     alone = run_prompts(engine, prompts, 0.0, a.max_new_tokens, 0)  # warm-up, and the oracle's text
     references = [p["ids"] + list(o) for p, o in zip(prompts, alone["outputs"])]
-    runners: dict = {"target alone": (None, 1, 1)}
+    runners: dict = {"target alone": (None, 1, 1, "pick")}
     for name, source, steps, min_conf in methods:
         prop = proposer_for(source, target, engine, steps, min_conf, a.compile, references)
-        runners[name] = (prop, steps, 1)
+        runners[name] = (prop, steps, 1, "pick")
         run_prompts(engine, prompts[:1], 0.0, a.max_new_tokens, 0, prop, steps)  # warm-up
     runs = run_paired(engine, prompts, 0.0, a.max_new_tokens, 0, runners, a.repeats)
     for m, r in runs.items():

@@ -48,22 +48,27 @@ def make_proposer(
     max_context: int = 4096,
     steps: int = DRAFT_STEPS,
     min_confidence: float = 0.0,
-    shared_noise: bool | None = None,
     compile: bool = False,
-    greedy_estimate: str | None = None,
-    greedy_noise_scale: float | None = None,
+    **departures,
 ) -> Proposer:
     """A proposer around a loaded drafter network (several proposers may share one model).
-    min_confidence / shared_noise: FlashMapProposer's draft cut and shuffle-test switch (the
-    EAGLE-style chain has neither; shared_noise None: the noise the drafter was trained on);
-    greedy_estimate / greedy_noise_scale: its mode-seeking drafting of T = 0 rows;
-    compile: the proposer's enable_compile for `steps`."""
+    min_confidence: FlashMapProposer's draft cut (the EAGLE-style chain has none);
+    departures: FlashMapProposer's departures from the paper's inference (shared_noise,
+    greedy_estimate, greedy_noise_scale, second_jump_net; default: none); compile: the
+    proposer's enable_compile for `steps`."""
+    departures = {k: v for k, v in departures.items() if v is not None}  # None: the default
     if str(device).startswith("cpu"):
         keep_freed_memory()  # the cache gathers stay mapped (flashmap.host_memory)
     if isinstance(model, DFlashDrafter):
         proposer = DFlashProposer(model, n_slots=n_slots, max_context=max_context, device=device)
     elif isinstance(model, Eagle3Drafter):
-        proposer = Eagle3Proposer(model, n_slots=n_slots, max_context=max_context, device=device)
+        proposer = Eagle3Proposer(
+            model,
+            n_slots=n_slots,
+            max_context=max_context,
+            device=device,
+            sampled_tree=departures.get("sampled_tree", True),
+        )
     elif isinstance(model, eagle.EagleDrafter):
         proposer = eagle.EagleProposer(
             model, n_slots=n_slots, max_context=max_context, device=device
@@ -75,10 +80,8 @@ def make_proposer(
             max_context=max_context,
             device=device,
             steps=steps,
-            shared_noise=shared_noise,
             min_confidence=min_confidence,
-            greedy_estimate=greedy_estimate,
-            greedy_noise_scale=greedy_noise_scale,
+            **{k: v for k, v in departures.items() if k != "sampled_tree"},
         )
     if compile:
         proposer.enable_compile(steps=(steps,))
@@ -94,8 +97,7 @@ def load_proposer(
     steps: int = DRAFT_STEPS,
     min_confidence: float = 0.0,
     compile: bool = False,
-    greedy_estimate: str | None = None,
-    greedy_noise_scale: float | None = None,
+    **departures,
 ) -> Proposer:
     """`make_proposer` over `load_model`: a proposer from a checkpoint directory or "init"."""
     return make_proposer(
@@ -106,6 +108,5 @@ def load_proposer(
         steps=steps,
         min_confidence=min_confidence,
         compile=compile,
-        greedy_estimate=greedy_estimate,
-        greedy_noise_scale=greedy_noise_scale,
+        **departures,
     )

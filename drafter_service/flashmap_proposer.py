@@ -13,8 +13,8 @@ per flow step:
 The flow runs on the embedded state y = x @ E [B, K, H] (flow_map: the network sees x
 only through it), so the noise is y_0 = z @ F (F^T F = E^T E), distributed as x_0 @ E.
 Randomness is per request, from generators seeded with the request's seed: z (one [r]
-draw shared by all K slots, or [K, r] with shared_noise=False; r = min(V, H); default: as
-the drafter was trained, its config's shared_noise) comes from a
+draw shared by all K slots, the paper's, or [K, r] with shared_noise=False; r = min(V, H))
+comes from a
 generator on the drafter's device (on CUDA a Philox generator per request: no host draw
 and no host-to-device copy per request, so a batch of 16 costs what one does), the
 proposal samples from a CPU generator. Drafts are reproducible for a seed and
@@ -25,19 +25,18 @@ generator, as before. At temperature T > 0 slot k proposes x_k ~ q_k = softmax(l
 restricted to its top-m tokens and renormalised; the support sent to the target is those
 m ids with their q (docs/ARCHITECTURE.md, exact speculative sampling).
 
-Greedy rows (temperature 0) may draft mode-seeking instead of sampling the flow
-(`greedy_estimate`, `greedy_noise_scale`): at T = 0 the target accepts a slot only when it
-is the target's argmax, and a flow that samples its joint is right in slot k with about the
-probability it gives the right token, while a per-slot argmax is right whenever that token
-is the mode. greedy_estimate = "argmax" moves the state between steps towards the one-hot
-argmax of the denoiser instead of its softmax (every intermediate state is then a noised
-one-hot block, as in training); greedy_noise_scale < 1 starts from scaled-down noise (by
-default 0 for a map distilled with zero-state jumps, DrafterConfig.null_jump_fraction, where
-that start is trained against the data; else 1). greedy_estimate defaults to the estimate the
-map's two-jump path was trained with (DrafterConfig.two_jump_estimate), else "soft".
-A checkpoint with a second-jump network (DrafterConfig.second_jump_net) drafts the second of
-two jumps of such rows with it when they start from the zero state with that estimate, the
-path it was trained on (research.second_jump_refiner); those batches run eagerly beside
+By default every row drafts as the paper does: the flow from its noise, 1 or 2 jumps of the
+map. Departures, each named (FlashMapProposer's options, `departures_as_trained`): greedy rows
+(temperature 0) may draft mode-seeking instead of sampling the flow (`greedy_estimate`,
+`greedy_noise_scale`): at T = 0 the target accepts a slot only when it is the target's argmax,
+and a flow that samples its joint is right in slot k with about the probability it gives the
+right token, while a per-slot argmax is right whenever that token is the mode. greedy_estimate
+= "argmax" moves the state between steps towards the one-hot argmax of the denoiser instead of
+its softmax; greedy_noise_scale < 1 starts from scaled-down noise (0: the zero state, which a
+map distilled with zero-state jumps, DrafterConfig.null_jump_fraction, was trained from).
+With second_jump_net, a checkpoint's second-jump network (DrafterConfig.second_jump_net)
+drafts the second of two jumps of such rows, on the path it was trained on (the zero state and
+its estimate; research.second_jump_refiner); those batches run eagerly beside
 CUDA graphs. None of this touches rows with T > 0: their proposal q is what the flow samples.
 Not thread-safe: the gRPC server serialises calls.
 """
@@ -95,6 +94,20 @@ class _Row:
     noise_gen: torch.Generator | None = None  # on the drafter's device when it is not the CPU
 
 
+def departures_as_trained(cfg) -> dict:
+    """FlashMapProposer's options that draft as a checkpoint was trained, where its training
+    departed from the paper (DrafterConfig): its noise (shared_noise), T = 0 rows from the zero
+    state if it learned that jump (null_jump_fraction), the estimate its two-jump path carried,
+    and its second-jump network."""
+    zero = cfg.null_jump_fraction > 0
+    return dict(
+        shared_noise=cfg.shared_noise,
+        greedy_noise_scale=0.0 if zero else 1.0,
+        greedy_estimate=cfg.two_jump_estimate if zero and cfg.null_two_jump_share > 0 else "soft",
+        second_jump_net=cfg.second_jump_net and zero,
+    )
+
+
 class FlashMapProposer(SlotCacheProposer):
     """Sequences (slots, release, truncate, set_steps): SlotCacheProposer. Truncating leaves the
     cache rows past the new length in place: masked now, overwritten by the next extend."""
@@ -117,11 +130,19 @@ class FlashMapProposer(SlotCacheProposer):
         max_context: int = 4096,
         device: str = "cpu",
         steps: int = DRAFT_STEPS,
-        shared_noise: bool | None = None,
+        shared_noise: bool = True,
         min_confidence: float = 0.0,
-        greedy_estimate: Literal["soft", "argmax"] | None = None,
-        greedy_noise_scale: float | None = None,
+        greedy_estimate: Literal["soft", "argmax"] = "soft",
+        greedy_noise_scale: float = 1.0,
+        second_jump_net: bool = False,
     ):
+        """The defaults are the paper's inference: one noise draw shared by the block's K slots
+        at every temperature, T = 0 rows drafted by the flow from its own noise, carrying the
+        soft estimate between jumps, the map's own jumps. Each other value is a departure
+        (`departures_as_trained` names those a checkpoint was trained for): shared_noise False
+        (a draw per slot), greedy_noise_scale < 1 (T = 0 rows from scaled-down noise; 0: the zero
+        state, a DFlash-like mode predictor), greedy_estimate "argmax", second_jump_net (the
+        checkpoint's separate network for the second of two jumps of zero-state T = 0 rows)."""
         c = model.cfg
         super().__init__(
             model,
@@ -132,14 +153,10 @@ class FlashMapProposer(SlotCacheProposer):
             c.block_size,
             c.dim,
         )
-        if greedy_estimate is None:  # the estimate the map's two-jump path was trained with
-            greedy_estimate = c.two_jump_estimate if c.null_two_jump_share > 0 else "soft"
         if greedy_estimate not in self.GREEDY_ESTIMATES:
             raise ValueError(
                 f"greedy_estimate must be one of {self.GREEDY_ESTIMATES}, got {greedy_estimate!r}"
             )
-        if greedy_noise_scale is None:  # a map trained from the zero state drafts T = 0 from it
-            greedy_noise_scale = 0.0 if c.null_jump_fraction > 0 else 1.0
         if not 0.0 <= greedy_noise_scale <= 1.0:
             raise ValueError(f"greedy_noise_scale must be in [0, 1], got {greedy_noise_scale}")
         # Temperature-0 rows only (module docstring): the clean-block estimate between flow
@@ -148,17 +165,18 @@ class FlashMapProposer(SlotCacheProposer):
         self.greedy_estimate = greedy_estimate
         self.greedy_noise_scale = float(greedy_noise_scale)
         # The checkpoint's second-jump network (DrafterConfig.second_jump_net) drafts the second
-        # of two jumps of T = 0 rows when they take the path it was trained on: the zero state
-        # and the map's own estimate between the jumps.
-        self.second_jump = (
-            model.second_jump
-            if model.second_jump is not None
-            and self.greedy_noise_scale == 0.0
-            and greedy_estimate == c.two_jump_estimate
-            else None
-        )
-        if shared_noise is None:  # draft with the noise the drafter was trained on
-            shared_noise = model.cfg.shared_noise
+        # of two jumps of T = 0 rows, on the path it was trained on only: the zero state and the
+        # map's own estimate between the jumps.
+        self.second_jump = None
+        if second_jump_net:
+            if model.second_jump is None:
+                raise ValueError("second_jump_net: this checkpoint has no second-jump network")
+            if self.greedy_noise_scale != 0.0 or greedy_estimate != c.two_jump_estimate:
+                raise ValueError(
+                    "second_jump_net drafts the path it was trained on: greedy_noise_scale 0 "
+                    f"and greedy_estimate {c.two_jump_estimate!r}"
+                )
+            self.second_jump = model.second_jump
         if not 0.0 <= min_confidence < 1.0:
             raise ValueError(f"min_confidence must be in [0, 1), got {min_confidence}")
         self.shared_noise = shared_noise

@@ -358,8 +358,10 @@ def main(argv: list[str] | None = None) -> None:
         max_context=c.max_context,
         steps=c.steps,
         min_confidence=c.min_confidence,
+        shared_noise=not c.per_slot_noise,
         greedy_estimate=c.greedy_estimate,
         greedy_noise_scale=c.greedy_noise_scale,
+        second_jump_net=c.second_jump_net,
     )
     steps = tuple(sorted({1, 2, c.steps}))
     if device.startswith("cuda") and c.cuda_graphs:

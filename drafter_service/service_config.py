@@ -44,19 +44,32 @@ class DrafterServiceConfig(Config):
         env="FLASHMAP_DRAFT_MIN_CONFIDENCE",
         check=_below_one,
     )
-    greedy_estimate: str | None = option(
-        None,
-        "T = 0 requests: clean-block estimate between flow steps (argmax: mode-seeking drafting; "
-        "default: what the map's two-jump path was trained with, else soft)",
+    # FlashMap checkpoints draft as the paper does unless one of these departures is named
+    # (FlashMapProposer; docs/drafters.md: what each costs).
+    per_slot_noise: bool = option(
+        False,
+        "departure: one noise draw per slot instead of one per block (the paper's)",
+        env="FLASHMAP_PER_SLOT_NOISE",
+    )
+    greedy_estimate: str = option(
+        "soft",
+        "T = 0 requests: clean-block estimate between flow-map jumps (soft: the paper's; "
+        "argmax: a departure, mode-seeking drafting)",
         env="FLASHMAP_GREEDY_ESTIMATE",
         choices=ESTIMATES,
     )
-    greedy_noise_scale: float | None = option(
-        None,
-        "T = 0 requests: scale of the initial flow noise (1: the flow's own; default: 0 for a "
-        "map trained from the zero state, null_jump_fraction > 0, else 1)",
+    greedy_noise_scale: float = option(
+        1.0,
+        "T = 0 requests: scale of the initial flow noise (1: the paper's; 0: a departure, "
+        "drafting from the zero state, for maps distilled with zero-state jumps)",
         env="FLASHMAP_GREEDY_NOISE_SCALE",
         check=in_range(0.0, 1.0),
+    )
+    second_jump_net: bool = option(
+        False,
+        "departure: the checkpoint's second-jump network takes the second of two jumps of "
+        "T = 0 requests (needs --greedy-noise-scale 0 and the estimate it was trained with)",
+        env="FLASHMAP_SECOND_JUMP_NET",
     )
     n_slots: int = option(64, "sequences whose context the drafter holds", check=at_least(1))
     max_context: int = option(4096, "positions of context per sequence", check=at_least(1))

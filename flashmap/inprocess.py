@@ -88,6 +88,7 @@ def decode(
     tree_blocks: int = 1,
     controller=None,
     plain_tokens: int = 1,
+    tree_sampling: str = "pick",
 ) -> list[GenerationResult]:
     """Decode all requests to completion; results come back in request order. draft_steps:
     every request's unless it has its own (None: the proposer's step count).
@@ -112,7 +113,10 @@ def decode(
             i, req = waiting.popleft()
             active[i] = Sequence(str(i), req, block, handle=engine.allocate())
         seqs = list(active.values())
-        run_local(speculative_round(seqs, target, drafter, controller, tree_blocks, plain_tokens))
+        round_ = speculative_round(
+            seqs, target, drafter, controller, tree_blocks, plain_tokens, None, tree_sampling
+        )
+        run_local(round_)
         for i, s in list(active.items()):
             if s.finished:
                 engine.release(s.handle)

@@ -85,26 +85,36 @@ def make_requests(prompts: list[dict], temperature: float, max_new: int, seed: i
 
 
 def run_prompts(
-    engine, prompts, temperature, max_new, seed, proposer=None, steps=1, bar=None, tree_blocks=1
+    engine,
+    prompts,
+    temperature,
+    max_new,
+    seed,
+    proposer=None,
+    steps=1,
+    bar=None,
+    tree_blocks=1,
+    tree_sampling="pick",
 ) -> dict:
     """Decode every prompt alone (concurrency 1) once with one method; see `run_paired`."""
-    return run_paired(
-        engine, prompts, temperature, max_new, seed, {"run": (proposer, steps, tree_blocks)}, 1, bar
-    )["run"]
+    runner = {"run": (proposer, steps, tree_blocks, tree_sampling)}
+    return run_paired(engine, prompts, temperature, max_new, seed, runner, 1, bar)["run"]
 
 
 def run_paired(
     engine, prompts, temperature, max_new, seed, runners: dict, repeats: int, bar=None
 ) -> dict:
     """Decode every prompt alone (concurrency 1) with every runner, name -> (proposer or None,
-    steps, tree_blocks), back to back, `repeats` times with the runners' order rotated.
+    steps, tree_blocks, tree_sampling), back to back, `repeats` times with the runners' order
+    rotated.
 
     Per runner and prompt the fastest run counts (its wall, draft and verify seconds): on a
     shared machine the least disturbed run is the best estimate of the cost, and since a
     prompt's runs by all runners lie within seconds of each other, a slow stretch of the
     machine hits the baseline and the methods alike instead of one table cell. Counts and
     outputs are the first repeat's (decoding is seeded: every repeat is the same).
-    Returns name -> totals, outputs, per-slot counts (cond_den: rounds that reached slot k,
+    Returns name -> totals, per prompt (outputs, walls, drafted rounds, accepted tokens: what
+    intervals over sequences resample), per-slot counts (cond_den: rounds that reached slot k,
     cond_num: of those, rounds that accepted it)."""
     from flashmap.inprocess import decode
 
@@ -117,9 +127,11 @@ def run_paired(
     for rep in range(max(1, repeats)):
         for i, req in enumerate(requests):
             for m in names[rep % len(names) :] + names[: rep % len(names)]:
-                proposer, steps, tree_blocks = runners[m]
+                proposer, steps, tree_blocks, tree_sampling = runners[m]
                 t0 = time.perf_counter()
-                (res,) = decode(engine, [req], proposer, steps, tree_blocks)
+                (res,) = decode(
+                    engine, [req], proposer, steps, tree_blocks, tree_sampling=tree_sampling
+                )
                 wall = time.perf_counter() - t0
                 if best[m][i] is None or wall < best[m][i][0]:
                     best[m][i] = (wall, res.stats.draft_s, res.stats.verify_s)
@@ -138,6 +150,9 @@ def run_paired(
             "tokens": tokens,
             "wall_s": wall,
             "prompt_walls": walls,
+            "prompt_tokens": [len(r.token_ids) for r in outs],
+            "prompt_drafts": [r.stats.drafts for r in outs],
+            "prompt_accepted": [r.stats.accepted for r in outs],
             "tok_s": tokens / max(wall, 1e-12),
             "drafts": drafts,
             "accepted": accepted,
@@ -150,3 +165,40 @@ def run_paired(
             "cond_num": np.sum([r.stats.accepted_per_slot for r in outs], 0).tolist(),
         }
     return out
+
+
+def bootstrap_ci(
+    stat, n: int, reps: int = 2000, seed: int = 0, level: float = 0.95
+) -> tuple[float, float]:
+    """A percentile bootstrap interval of stat(index) over n sequences (prompts) resampled with
+    replacement: the unit of the intervals of every report (docs/ARCHITECTURE.md, "Judging a
+    drafter"). stat takes an index array [n] and returns a number (NaN draws are left out)."""
+    rng = np.random.default_rng(seed)
+    draws = np.array([stat(rng.integers(0, n, n)) for _ in range(reps)], np.float64)
+    draws = draws[np.isfinite(draws)]
+    if not len(draws):
+        return float("nan"), float("nan")
+    lo, hi = np.quantile(draws, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
+
+
+def gamma_and_speedup_ci(r: dict, base: dict, seed: int = 0) -> dict:
+    """95% intervals over prompts of a method's gamma (1 + accepted / drafted rounds) and of its
+    speedup over the target alone (tokens/s over tokens/s, the prompts resampled in pairs), from
+    run_paired's per-prompt lists."""
+    acc, drafts = np.asarray(r["prompt_accepted"], float), np.asarray(r["prompt_drafts"], float)
+    tok, wall = np.asarray(r["prompt_tokens"], float), np.asarray(r["prompt_walls"], float)
+    btok, bwall = np.asarray(base["prompt_tokens"], float), np.asarray(base["prompt_walls"], float)
+
+    def gamma(i):
+        d = drafts[i].sum()
+        return 1.0 + acc[i].sum() / d if d else float("nan")
+
+    def speedup(i):
+        return (tok[i].sum() / wall[i].sum()) / (btok[i].sum() / bwall[i].sum())
+
+    n = len(acc)
+    return {
+        "gamma_ci": bootstrap_ci(gamma, n, seed=seed),
+        "speedup_ci": bootstrap_ci(speedup, n, seed=seed),
+    }

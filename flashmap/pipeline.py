@@ -82,13 +82,16 @@ async def pipelined_round(
     plain_tokens: int = 1,
     ahead: Ahead | None = None,
     send: bool = False,
+    tree_sampling: str = "pick",
 ) -> RoundResult:
     """The next round: the one sent ahead when there is one (then on its own sequences), else a
     new round of `seqs`; send: the round after it goes out before its answer when it can."""
     sender = ahead_sender(target, drafter, controller, plain_tokens) if send else None
     if ahead is not None:
         return await finish_ahead(ahead, target, drafter, controller, sender)
-    return await speculative_round(seqs, target, drafter, controller, blocks, plain_tokens, sender)
+    return await speculative_round(
+        seqs, target, drafter, controller, blocks, plain_tokens, sender, tree_sampling
+    )
 
 
 def _send_ahead(

@@ -75,21 +75,23 @@ async def speculative_round(
     blocks: int = 1,
     plain_tokens: int = 1,
     send_ahead: Callable[[list[Sequence], list[VerifyRow], RoundPlan], Ahead | None] | None = None,
+    tree_sampling: str = "pick",
 ) -> RoundResult:
     """plan -> draft -> verify -> commit for every sequence in `seqs` (none finished).
     controller: chooses each sequence's draft length from measured costs (None: the whole
     block). blocks: blocks from independent noise per greedy sequence (one tree). plain_tokens:
     tokens per row of a round without drafts. send_ahead(seqs, rows, plan): called once the
-    verify is on its way, when the round drafts nothing (flashmap.pipeline.ahead_sender)."""
+    verify is on its way, when the round drafts nothing (flashmap.pipeline.ahead_sender).
+    tree_sampling: how several blocks of a row at T > 0 are verified (`merged_draft`)."""
     t_round = time.perf_counter()
     if controller is not None and drafter is not None:
         plan = controller.plan(seqs, blocks)
     else:
         plan = plan_round(seqs, drafter is not None, blocks, plain_tokens)
     batch = await draft_blocks(seqs, plan, drafter)
-    drafts = [merged_draft(s, batch, target) for s in seqs]
+    drafts = [merged_draft(s, batch, target, tree_sampling) for s in seqs]
     rows = verify_rows(seqs, plan, drafts)
-    expected = controller.expected(seqs, rows) if controller is not None else {}
+    expected = controller.expected(seqs, rows, plan) if controller is not None else {}
     call = target.verify(rows, [s.ends_with(r) for s, r in zip(seqs, rows)])
     ahead = None
     if send_ahead is not None and not any(r.num_draft for r in rows):
@@ -123,13 +125,24 @@ async def draft_blocks(
     return batch
 
 
-def merged_draft(s: Sequence, batch: DraftBatch, target: Target) -> Draft | None:
-    """The sequence's draft this round: its block, or its blocks merged into one tree (shared
-    prefixes once) when that fits the context (else the first block alone)."""
+TREE_SAMPLING = ("pick", "rejection")
+
+
+def merged_draft(
+    s: Sequence, batch: DraftBatch, target: Target, tree_sampling: str = "pick"
+) -> Draft | None:
+    """The sequence's draft this round: its block, or its blocks as one tree when that fits the
+    context (else the first block alone). "pick": the blocks merged (shared prefixes once), the
+    target picks its own token at each node and follows it (target_service.tree); "rejection"
+    (T > 0): each block a chain of its own with its proposal law, multi-draft rejection
+    sampling."""
     blocks = batch.blocks.get(s.seq_id, [])
     if len(blocks) <= 1:
         return blocks[0] if blocks else None
-    tree = Draft.merged([b.tokens for b in blocks], blocks[0].draft_steps)
+    if tree_sampling == "rejection" and not s.params.greedy:
+        tree = Draft.forest(blocks, blocks[0].draft_steps)
+    else:
+        tree = Draft.merged([b.tokens for b in blocks], blocks[0].draft_steps)
     return tree if len(s.tokens) + len(tree.tokens) <= target.max_seq_len else blocks[0]
 
 

@@ -108,6 +108,8 @@ class Sequence:
             )
             if draft.parents is not None:
                 row.parents = draft.parents
+                if draft.proposal_law and not self.params.greedy:
+                    row.support_q = draft.support_probs
             return row
         features = features and self.may_draft()
         if not self.prefilled:

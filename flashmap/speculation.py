@@ -88,9 +88,10 @@ class SpeculationController:
 
     def __post_init__(self):
         K = self.block_size
-        # Global per-slot counts (verified, accepted), greedy and sampling separately.
+        # Global per-slot counts (verified, accepted), greedy and sampling separately, per tree
+        # width (blocks verified as one tree; 1: a chain).
         c = self.cfg
-        self.global_counts = {g: (np.zeros(K), np.zeros(K)) for g in (True, False)}
+        self.global_counts: dict[tuple[bool, int], tuple[np.ndarray, np.ndarray]] = {}
         # The round's seconds outside the draft call: c0 + c_row * rows + c_tok * (query tokens - rows).
         self.verify_cost = OnlineLinear((1e-2, 1e-4, 1e-4), c.forget, prior_weight=1e-3)
         self.draft_cost = OnlineLinear((1e-2, 1e-4), c.forget, prior_weight=1e-3)
@@ -110,7 +111,7 @@ class SpeculationController:
         )
 
     # -- estimates ---------------------------------------------------------------
-    def acceptance(self, seqs: list[Sequence]) -> np.ndarray:
+    def acceptance(self, seqs: list[Sequence], width: int = 1) -> np.ndarray:
         """[n, K] conditional acceptance of each slot for these requests: the global per-slot
         rates with each request's rejection rate scaled by its own hazard ratio,
         1 - a_ij = (1 - g_j) * R_i. R_i is the Gamma-Poisson posterior mean of the request's
@@ -119,7 +120,7 @@ class SpeculationController:
         it verified, so a single rejection moves it a little and a request that keeps failing
         early soon stops drafting (a per-slot estimate has about one observation per slot)."""
         K, w = self.block_size, self.cfg.prior_strength
-        rates = {g: self._global_rates(g) for g in {s.params.greedy for s in seqs}}
+        rates = {g: self._global_rates(g, width) for g in {s.params.greedy for s in seqs}}
         # Later slots never count as more likely. This makes the expected gain fall short of
         # what drafted rounds realise, as it should: without the cap the controller drafted in
         # most rounds and served fewer tokens/s than with speculation off (costs the model
@@ -133,31 +134,55 @@ class SpeculationController:
         ratio = (rejected + w) / (expected + w)  # [n]
         return np.clip(1.0 - (1.0 - g) * ratio[:, None], 0.0, 1.0)
 
-    def _global_rates(self, greedy: bool) -> np.ndarray:
+    def _counts(self, greedy: bool, width: int) -> tuple[np.ndarray, np.ndarray]:
+        key = (greedy, width)
+        if key not in self.global_counts:
+            self.global_counts[key] = (np.zeros(self.block_size), np.zeros(self.block_size))
+        return self.global_counts[key]
+
+    def _global_rates(self, greedy: bool, width: int = 1) -> np.ndarray:
         """[K] the global per-slot acceptance: each slot's counts shrunk towards the rate of all
         slots together, and that towards `prior_acceptance` (`prior_rounds` pseudo-verifications
         each). A slot that drafts seldom reach (the last ones, when plans stop short) is priced
         like the slots before it: shrunk to a fixed prior it would look worse the less it is
         tried, and the plans would never try it."""
-        ver, acc = self.global_counts[greedy]
+        ver, acc = self._counts(greedy, width)
         w, p0 = self.cfg.prior_rounds, self.cfg.prior_acceptance
+        if (
+            width > 1
+        ):  # before its own rounds: as if each of the blocks had its own try (optimistic,
+            # so a tree is tried and measured), after them its counts
+            p0 = 1.0 - (1.0 - self._global_rates(greedy, 1).mean()) ** width
         pooled = (acc.sum() + w * p0) / (ver.sum() + w)
         return (acc + w * pooled) / (ver + w)
 
-    def expected_accepted(self, seqs: list[Sequence], lengths: list[int]) -> np.ndarray:
+    def expected_accepted(
+        self, seqs: list[Sequence], lengths: list[int], widths: list[int] | None = None
+    ) -> np.ndarray:
         """[n] the draft tokens the controller expects seqs[i] to have accepted when it verifies
         lengths[i] of them: what its plans weigh (set beside what the verify accepts, the
         calibration of the acceptance model)."""
-        gain = self.expected_gain(self.acceptance(seqs))  # [n, K + 1]
-        return gain[np.arange(len(seqs)), np.asarray(lengths, np.int64)]
+        widths = widths or [1] * len(seqs)
+        out = np.zeros(len(seqs))
+        for w in set(widths):
+            i = [j for j, x in enumerate(widths) if x == w]
+            gain = self.expected_gain(self.acceptance([seqs[j] for j in i], w))  # [n_w, K + 1]
+            out[i] = gain[np.arange(len(i)), np.asarray(lengths, np.int64)[i]]
+        return out
 
-    def expected(self, seqs: list[Sequence], rows: list[VerifyRow]) -> dict[SeqId, float]:
+    def expected(
+        self, seqs: list[Sequence], rows: list[VerifyRow], plan: RoundPlan
+    ) -> dict[SeqId, float]:
         """expected_accepted of the drafted rows of a round, by sequence (before the commits
-        update the estimates)."""
-        drafted = [(s, r.num_draft) for s, r in zip(seqs, rows) if r.num_draft]
+        update the estimates): a row of n drafts as planned, a tree's depth as planned."""
+        drafted = [(s, r) for s, r in zip(seqs, rows) if r.num_draft]
         if not drafted:
             return {}
-        got = self.expected_accepted([s for s, _ in drafted], [n for _, n in drafted])
+        got = self.expected_accepted(
+            [s for s, _ in drafted],
+            [min(r.num_draft, plan.of(s).draft) for s, r in drafted],
+            [plan.of(s).blocks if r.is_tree else 1 for s, r in drafted],
+        )
         return {s.seq_id: float(e) for (s, _), e in zip(drafted, got)}
 
     @staticmethod
@@ -169,9 +194,10 @@ class SpeculationController:
 
     # -- the choice --------------------------------------------------------------
     def plan(self, seqs: list[Sequence], blocks: int = 1) -> RoundPlan:
-        """This round's plan: each sequence's draft length (blocks from independent noise
-        when greedy), whether its row brings features, the probes."""
-        probing, shadow = False, {}
+        """This round's plan: each sequence's draft length, whether it drafts a tree (up to
+        `blocks` blocks from independent noise, or its request's tree_blocks) where the larger
+        verify pays (`_search`), whether its row brings features, the probes."""
+        probing, shadow, width = False, {}, 1
         caps = {s.seq_id: (s.draft_cap(context=False) if not s.context.lost else 0) for s in seqs}
         gaps = {s.seq_id for s in seqs if s.context_gap() is not None}
         catch_up: set[SeqId] = set()  # chosen to draft, their context has a gap: rows fetch it
@@ -190,7 +216,7 @@ class SpeculationController:
             if key == seen and age + 1 < self.cfg.recheck_every:
                 choice, self._nothing = {i: 0 for i in caps}, (key, age + 1)
             else:
-                choice = self._search(seqs, caps)
+                choice, width = self._search(seqs, caps, blocks)
                 self._nothing = (key, 0) if not any(choice.values()) else (None, 0)
         # Probes: while speculation is off, every `probe_every` tokens the request that has gone
         # longest without a draft drafts its whole block, so the per-slot acceptance (and the draft
@@ -239,10 +265,12 @@ class SpeculationController:
         if any(caps.values()):
             self.drafted_last = drafting
         keep = catch_up | pinned | shadow.keys()
+        # A seeded sampling request keeps its own tree width too (its text depends on it).
+        tree = lambda s: s.request.tree_blocks or blocks  # noqa: E731
         plans = {
             s.seq_id: SeqPlan(
                 choice[s.seq_id],
-                s.request.tree_blocks or blocks,
+                tree(s) if width > 1 or s.seq_id in pinned else 1,
                 s.may_draft()
                 and not (lazy and s.seq_id not in keep and (s.prefilled or not prompts_fetch)),
             )
@@ -285,35 +313,49 @@ class SpeculationController:
         self.probe_credit -= cost
         return True
 
-    def _search(self, seqs: list[Sequence], caps: dict[int, int]) -> dict[int, int]:
+    def _search(
+        self, seqs: list[Sequence], caps: dict[SeqId, int], blocks: int = 1
+    ) -> tuple[dict[SeqId, int], int]:
+        """The best plan's draft lengths and tree width: chains (width 1), or trees of `blocks`
+        blocks, each drafted token verified `width` times over and the draft call drawing as
+        many blocks; the width whose plan promises the higher rate."""
         dec = [s for s in seqs if s.prefilled]
-        prompts = [
-            len(s.tokens) for s in seqs if not s.prefilled
-        ]  # prefill rows: their whole prompt
+        prompts = [len(s.tokens) for s in seqs if not s.prefilled]  # prefill rows: the prompt
         if not dec:
-            return {s.seq_id: 0 for s in seqs}
-        gain = self.expected_gain(self.acceptance(dec))  # [nd, K + 1]
+            return {s.seq_id: 0 for s in seqs}, 1
         cap = np.array([caps[s.seq_id] for s in dec], np.int64)
         search = self._search_packed if self.cfg.packed else self._search_shared
         most = max(1, self.cfg.explore_factor * self.most_drafting)
-        lengths = search(len(seqs), prompts, gain, cap, most)
-        chosen = {s.seq_id: int(m) for s, m in zip(dec, lengths)}
-        return {s.seq_id: chosen.get(s.seq_id, 0) for s in seqs}
+        best = None
+        for width in sorted({1, blocks}):
+            gain = self.expected_gain(self.acceptance(dec, width))  # [nd, K + 1]
+            lengths, rate = search(len(seqs), prompts, gain, cap, most, width)
+            if best is None or (lengths.any() and rate > best[1]):
+                best = (lengths, rate, width)
+        chosen = {s.seq_id: int(m) for s, m in zip(dec, best[0])}
+        return {s.seq_id: chosen.get(s.seq_id, 0) for s in seqs}, best[2]
 
     def _search_packed(
-        self, n: int, prompts: list[int], gain: np.ndarray, cap: np.ndarray, most: int
-    ) -> np.ndarray:
+        self,
+        n: int,
+        prompts: list[int],
+        gain: np.ndarray,
+        cap: np.ndarray,
+        most: int,
+        width: int = 1,
+    ) -> tuple[np.ndarray, float]:
         """[nd] lengths maximising committed tokens per second when each drafted token costs
         its own verify time (packed), at most `most` requests drafting. For a rate lam, each
         request maximises gain(L) - lam * (c_tok * L + d1 * [L > 0]) and the `most` best of
         those that gain keep theirs; Dinkelbach's iteration (lam = the plan's rate, repeat)
         reaches the best ratio in a few steps. The draft call's fixed d0 is paid once if
-        anyone drafts, so the plan is kept only if it beats no speculation."""
+        anyone drafts, so the plan is kept only if it beats no speculation. Returns the plan
+        and its rate (tokens per second)."""
         c0, c_row, c_tok = self.verify_cost.coef
         d0, d1 = self.draft_cost.coef
         nd, K = gain.shape[0], self.block_size
         L = np.arange(K + 1)
-        price = c_tok * L + d1 * (L > 0)  # [K + 1] marginal seconds of drafting L tokens
+        price = width * (c_tok * L + d1 * (L > 0))  # [K + 1] seconds of drafting L tokens
         allowed = L[None, :] <= cap[:, None]  # [nd, K + 1]
         base = self._verify_s(n, sum(prompts) + nd)  # one verify without drafts
         lam = (1 + self.cfg.margin) * self._plain_rate(n, base, prompts)  # the rate to beat
@@ -330,15 +372,22 @@ class SpeculationController:
             if rate <= lam * (1 + 1e-9):
                 break
             lam, plan = rate, choice
-        return plan
+        return plan, lam
 
     def _search_shared(
-        self, n: int, prompts: list[int], gain: np.ndarray, cap: np.ndarray, most: int
-    ) -> np.ndarray:
+        self,
+        n: int,
+        prompts: list[int],
+        gain: np.ndarray,
+        cap: np.ndarray,
+        most: int,
+        width: int = 1,
+    ) -> tuple[np.ndarray, float]:
         """[nd] lengths of the best plan "the b requests that gain most draft min(cap, M)" over
         M and b <= most, for a padded target: every row pays for the longest, so the requests
         that draft share one length M, and one that drafts less saves only its part of the
-        draft call. Each plan is priced by `_plan_tokens`; all K x nd plans at once."""
+        draft call. Each plan is priced by `_plan_tokens`; all K x nd plans at once. Returns
+        the plan and its rate."""
         d0, d1 = self.draft_cost.coef
         nd, K = gain.shape[0], self.block_size
         m = np.arange(1, K + 1)
@@ -350,7 +399,9 @@ class SpeculationController:
         committed = n + np.cumsum(g_sorted, axis=1)  # [K, nd] the top-b requests draft
         b = np.arange(1, nd + 1)
         cost = (
-            self._verify_s(n, self._plan_tokens(prompts, nd, m, b)) + d0 + d1 * b[None, :]
+            self._verify_s(n, self._plan_tokens(prompts, nd, m * width, b))
+            + d0
+            + d1 * width * b[None, :]
         )  # [K, nd]
         thr = np.where(
             (g_sorted > 0) & (b[None, :] <= most), committed / np.maximum(cost, 1e-12), -np.inf
@@ -359,12 +410,12 @@ class SpeculationController:
         mi, bi = divmod(k, nd)
         base = self._plan_tokens(prompts, nd, m[:1], np.zeros(1, np.int64))[0, 0]  # nobody drafts
         lengths = np.zeros(nd, np.int64)
-        if thr[mi, bi] > (1 + self.cfg.margin) * self._plain_rate(
-            n, self._verify_s(n, base), prompts
-        ):
+        plain = self._plain_rate(n, self._verify_s(n, base), prompts)
+        if thr[mi, bi] > (1 + self.cfg.margin) * plain:
             top = order[mi, : bi + 1]
             lengths[top] = np.minimum(cap[top], mi + 1)
-        return lengths
+            return lengths, float(thr[mi, bi])
+        return lengths, plain
 
     def _plan_tokens(self, prompts: list[int], nd: int, m: np.ndarray, b: np.ndarray) -> np.ndarray:
         """[len(m), len(b)] query tokens of a verify with these prefill rows and nd decode rows,
@@ -427,7 +478,9 @@ class SpeculationController:
         self.observe_draft(out.drafting, out.draft_s)
         self.drafted_rounds += bool(drafted)
         for r in drafted:
-            self._count(r.seq.params.greedy, min(r.drafted, r.accepted + 1), r.accepted)
+            p = out.plan.of(r.seq)  # a tree verifies more nodes than its depth, the plan's length
+            reach = min(r.drafted, p.draft or r.drafted, r.accepted + 1)
+            self._count(r.seq.params.greedy, reach, r.accepted, p.blocks)
 
     def observe_draft(self, drafting: int, draft_s: float) -> None:
         """A draft call's seconds for `drafting` requests (a round's, or a shadow probe's)."""
@@ -435,10 +488,10 @@ class SpeculationController:
             self.draft_cost.add(drafting, draft_s)
             self.most_drafting = max(self.most_drafting, drafting)
 
-    def _count(self, greedy: bool, verified: int, accepted: int) -> None:
-        """One block's outcome in the global per-slot counts: its first `verified` slots were
-        reached, the first `accepted` accepted."""
-        ver, acc = self.global_counts[greedy]
+    def _count(self, greedy: bool, verified: int, accepted: int, width: int = 1) -> None:
+        """One block's (or tree's of `width` blocks) outcome in the global per-slot counts: its
+        first `verified` slots were reached, the first `accepted` accepted."""
+        ver, acc = self._counts(greedy, width)
         ver *= 0.999  # slow forgetting: the prior follows the workload
         acc *= 0.999
         ver[:verified] += 1

@@ -46,6 +46,8 @@ def verify_inputs(row: VerifyRow) -> dict[str, np.ndarray]:
             out["FEATURES_FROM"] = np.array([[row.features_from]], np.int64)
         if row.is_tree:
             out["PARENTS"] = np.asarray(row.parents, np.int64).reshape(1, -1)
+            if row.support_q.size:
+                out["SUPPORT_Q"] = np.asarray(row.support_q, np.float32)[None]
     except (OverflowError, ValueError, TypeError) as e:
         raise InvalidRequest(f"verify row does not fit the target's tensor types: {e}") from None
     return out
@@ -115,6 +117,9 @@ def parse_verify_inputs(get: Callable[[str], np.ndarray | None]) -> VerifyRow | 
     parents = _unbatch(get, "PARENTS", 1, np.int64)
     if parents is not None:
         row.parents = parents
+    q = _unbatch(get, "SUPPORT_Q", 2, np.float32)
+    if q is not None:
+        row.support_q = q
     return row
 
 
@@ -286,6 +291,7 @@ ROW_INPUTS = frozenset(
         "NO_FEATURES",
         "FEATURES_FROM",
         "PARENTS",
+        "SUPPORT_Q",
     }
 )
 ROW_OUTPUTS = frozenset(VERIFY_OUTPUTS) | {"ERROR", "CODE"}

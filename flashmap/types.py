@@ -256,11 +256,13 @@ class VerifyRow:
     ([start_pos - features_from + L + steps - 1, F]), so a sequence whose rows went without
     features catches its drafter's context up in one row.
 
-    parents (greedy rows only, non-empty): the K drafted tokens are a tree, draft i a child of
-    draft parents[i] (< i; -1: the anchor), verified in one pass with tree attention. The
-    target answers for the path of drafts it accepts, as if that path alone had been the row's
-    draft: argmax [a + 1] along it and features of the positions up to its end (its cache as
-    after such a row), with the path's indices (`Target.verify`).
+    parents (non-empty): the K drafted tokens are a tree, draft i a child of draft parents[i]
+    (< i; -1: the anchor), verified in one pass with tree attention (target_service.tree). The
+    target walks it and answers for the path of drafts it accepts, as if that path alone had
+    been the row's draft: its argmax [a + 1] along it, at T > 0 its own tokens along it as
+    `residual` [a + 1] (the last one: the token committed after the path), and features of the
+    positions up to its end (its cache as after such a row), with the path's indices
+    (`Target.verify`).
     """
 
     slot: int
@@ -277,6 +279,10 @@ class VerifyRow:
     features: bool = True
     features_from: int = -1  # -1: features of this row's own positions only
     parents: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [K] for a tree
+    # Tree rows at T > 0 only: the drafts' proposal law q over support_ids [K, S] (each draft
+    # drawn from its own q given the drafter's randomness). Present: the target verifies the
+    # tree by multi-draft rejection sampling with q; empty: it follows its own picks.
+    support_q: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))
 
     @property
     def num_draft(self) -> int:
@@ -347,6 +353,9 @@ class Draft:
     support_probs: np.ndarray  # [K, S] float32, q_k(s); sum over S is 1 per slot
     draft_steps: int = 0  # the step count that drafted it (0: not reported)
     parents: np.ndarray | None = None  # [K] int64 for a tree; None: a chain
+    # A tree whose support_probs are each draft's proposal law (Draft.forest): verified by
+    # multi-draft rejection sampling at T > 0. False: a tree of fixed drafts.
+    proposal_law: bool = False
 
     @staticmethod
     def greedy(tokens: np.ndarray, draft_steps: int = 0) -> Draft:
@@ -378,6 +387,27 @@ class Draft:
                 parent = node[key]
         return Draft.tree(np.array(tokens, np.int64), np.array(parents, np.int64), draft_steps)
 
+    @staticmethod
+    def forest(blocks: list[Draft], draft_steps: int = 0) -> Draft:
+        """Blocks drafted after one anchor as one tree in which each block is a chain of its
+        own (no shared prefix is merged), with each draft's proposal law: what multi-draft
+        rejection sampling needs (every draft drawn from its own q, given its block's
+        randomness; target_service.tree)."""
+        S = max(b.support_ids.shape[1] for b in blocks)
+        pad = lambda a, v: np.pad(a, ((0, 0), (0, S - a.shape[1])), constant_values=v)  # noqa: E731
+        parents, at = [], 0
+        for b in blocks:
+            parents += [-1, *range(at, at + len(b.tokens) - 1)]
+            at += len(b.tokens)
+        return Draft(
+            np.concatenate([b.tokens for b in blocks]).astype(np.int64),
+            np.concatenate([pad(b.support_ids, -1) for b in blocks]),
+            np.concatenate([pad(b.support_probs, 0.0) for b in blocks]).astype(np.float32),
+            draft_steps,
+            np.array(parents, np.int64),
+            proposal_law=True,
+        )
+
     @property
     def depth(self) -> int:
         """The longest path a round can accept: K for a chain, the tree's depth for a tree."""
@@ -396,6 +426,7 @@ class Draft:
             self.support_probs[:k],
             self.draft_steps,
             None if self.parents is None else self.parents[:k],
+            self.proposal_law,
         )
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from flashmap.auth import API_KEY_ENV, DRAFTER_TOKEN_ENV, TARGET_KEY_ENV
 from flashmap.config import Config, at_least, in_range, option
+from flashmap.rounds import TREE_SAMPLING
 from flashmap.types import MAX_PLAIN_TOKENS, PLAIN_TOKENS, check_tree_blocks
 from orchestrator.admission import BurstConfig
 
@@ -92,6 +93,14 @@ class OrchestratorConfig(Config):
         "requests without their own tree_blocks (a drafter with a tree of its own drafts one)",
         env="FLASHMAP_TREE_BLOCKS",
         check=check_tree_blocks,
+    )
+    tree_sampling: str = option(
+        "pick",
+        "how several blocks of a request at temperature > 0 are verified: pick (the target "
+        "picks its own token at each node of the merged tree and follows it) or rejection "
+        "(each block a chain with its proposal law, multi-draft rejection sampling)",
+        env="FLASHMAP_TREE_SAMPLING",
+        choices=TREE_SAMPLING,
     )
     top_m: int = option(
         4, "the drafter's support size per slot at temperature > 0", check=at_least(1)

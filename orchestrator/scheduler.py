@@ -331,6 +331,7 @@ class Orchestrator:
                 self.cfg.plain_tokens,
                 ahead,
                 send,
+                self.cfg.tree_sampling,
             )
         ]
         if (

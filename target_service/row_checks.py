@@ -142,3 +142,11 @@ def check_tree(row: VerifyRow) -> None:
             f"parents must give each of the {K} drafts an earlier draft or -1 (the anchor), "
             f"got {p.tolist()}"
         )
+    q = np.asarray(row.support_q)
+    if q.size:
+        if row.params.greedy:
+            raise InvalidRequest("support_q (a proposal law) goes with rows at temperature > 0")
+        if q.shape != row.support_ids.shape or not np.isfinite(q).all() or (q < 0).any():
+            raise InvalidRequest(
+                f"support_q must be probabilities shaped like support_ids {row.support_ids.shape}"
+            )

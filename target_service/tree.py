@@ -11,10 +11,12 @@ child that carries it; where no child does, the picked token is the one the roun
 after the path. Every committed token is the target's own choice, so the output law is the
 target's whatever the drafts are, as long as they do not depend on the target's noise (drafts
 fixed given the drafter's own randomness: blocks from independent noise, argmax blocks,
-EAGLE's top-k tree). The path's K/V entries move to its own positions (anchor + 1, ...), so the
-cache is as after a plain verify of that path, and the result is that path's: the picked
-tokens along it (argmax, and at T > 0 the samples as `residual`) and the features of the
-positions up to its end.
+EAGLE's top-k tree). A row that carries its drafts' proposal law (VerifyRow.support_q: blocks
+as chains of their own, each draft drawn from its own q; Draft.forest) is walked by multi-draft
+rejection sampling instead (`_rejection_walk`). The path's K/V entries move to its own
+positions (anchor + 1, ...), so the cache is as after a plain verify of that path, and the
+result is that path's: the target's tokens along it (argmax, and at T > 0 its tokens as
+`residual`) and the features of the positions up to its end.
 """
 
 from __future__ import annotations
@@ -65,44 +67,88 @@ def tree_layout(row: VerifyRow) -> TreeLayout:
     return TreeLayout(seq_pos, cache_pos, mask, want, anchor)
 
 
-def picks(logits: torch.Tensor, rows: list[VerifyRow]) -> list[np.ndarray]:
-    """Per row, [1 + K] the target's own token at the anchor and at each draft (logits: the
-    rows' [1 + K, V] blocks back to back): its argmax at T = 0, else a sample of its adjusted
-    distribution whose noise depends on the round seed and the node's depth only (a path is
-    drawn as a chain of its length would be)."""
+def walk(logits: torch.Tensor, rows: list[VerifyRow]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per row, its accepted path (draft indices) and the target's tokens along it [a + 1]
+    (the last: the one committed after the path). logits: the rows' [1 + K, V] blocks back to
+    back. T = 0: the argmax at each node, followed. T > 0 with fixed drafts: a sample of the
+    target's adjusted distribution at each node (noise from the round seed and the node's
+    depth only), followed. T > 0 with the drafts' proposal law (VerifyRow.support_q): multi-draft
+    rejection sampling."""
     counts = [r.num_draft + 1 for r in rows]
-    top = np.split(argmax_ids(logits), np.cumsum(counts)[:-1])
-    sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
-    if not sampled:
-        return top
     at = np.cumsum([0] + counts)
-    index = torch.as_tensor(np.concatenate([np.arange(at[i], at[i + 1]) for i in sampled]))
-    per_position = lambda f: np.repeat(
-        [f(rows[i].params) for i in sampled], [counts[i] for i in sampled]
-    )  # noqa: E731
-    probs = process_logits(
-        logits[index.to(logits.device)],
-        per_position(lambda p: p.temperature),
-        per_position(lambda p: p.top_k),
-        per_position(lambda p: p.top_p),
-    )  # [M, V]
-    noise = []
-    for i in sampled:
-        depth = np.concatenate([[0], depths(rows[i].parents)])  # [1 + K]
-        shape = (int(depth.max()) + 1, probs.shape[-1])
-        noise.append(exponential_noise(rows[i].round_seed, shape, probs.device)[depth])
-    drawn = np.split(
-        (probs / torch.cat(noise)).argmax(-1).cpu().numpy(),
-        np.cumsum([counts[i] for i in sampled])[:-1],
-    )
-    for i, d in zip(sampled, drawn):
-        top[i] = d
-    return top
+    top = argmax_ids(logits)
+    picked = [top[at[i] : at[i + 1]] for i in range(len(rows))]
+    sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if sampled:
+        index = torch.as_tensor(np.concatenate([np.arange(at[i], at[i + 1]) for i in sampled]))
+        n = [counts[i] for i in sampled]
+        per_position = lambda f: np.repeat([f(rows[i].params) for i in sampled], n)  # noqa: E731
+        probs = process_logits(
+            logits[index.to(logits.device)],
+            per_position(lambda p: p.temperature),
+            per_position(lambda p: p.top_k),
+            per_position(lambda p: p.top_p),
+        ).split(n)  # [1 + K, V] per sampled row
+        for i, p in zip(sampled, probs):
+            depth = np.concatenate([[0], depths(rows[i].parents)])  # [1 + K]
+            noise = exponential_noise(
+                rows[i].round_seed, (int(depth.max()) + 1, p.shape[-1]), p.device
+            )
+            if rows[i].support_q.size:
+                picked[i] = _rejection_walk(rows[i], p, noise)
+                continue
+            picked[i] = (
+                (p / noise[torch.as_tensor(depth, device=p.device)]).argmax(-1).cpu().numpy()
+            )
+    out = []
+    for r, top_r in zip(rows, picked):
+        out.append(top_r if isinstance(top_r, tuple) else accepted_path(top_r, r))
+    return out
+
+
+def _rejection_walk(row: VerifyRow, probs: torch.Tensor, noise: torch.Tensor):
+    """Multi-draft rejection sampling down the tree (SpecInfer's, each draft with its own q):
+    at a node the residual r starts as the target's distribution; each child in turn is
+    accepted with probability min(1, r(x) / q(x)), else r <- norm(max(0, r - q)); the first
+    accepted child is the next node, and where none is, the committed token is a sample of r.
+    Exact when every draft is drawn from its q independently of the others given its block's
+    randomness (Draft.forest). Uniforms from the round seed, apart from the Gumbel noise."""
+    K, V = row.num_draft, probs.shape[-1]
+    drafts = row.tokens[len(row.tokens) - K :]
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(row.parents.tolist()):
+        children.setdefault(p, []).append(i)
+    D = int(depths(row.parents).max()) + 1
+    seed = int(np.random.SeedSequence([int(row.round_seed) & (2**63 - 1), 1]).generate_state(1)[0])
+    u = torch.rand((D, K), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    probs, noise = probs.double().cpu(), noise.cpu()
+    path, node, d = [], -1, 0
+    while True:
+        r = probs[node + 1].clone()
+        nxt = None
+        for j, c in enumerate(children.get(node, [])):
+            q = torch.zeros(V, dtype=torch.float64)
+            ids = row.support_ids[c]
+            q[torch.as_tensor(ids[ids >= 0])] = torch.as_tensor(
+                row.support_q[c][ids >= 0], dtype=torch.float64
+            )
+            t = int(drafts[c])
+            if u[d, j] * q[t] < r[t]:
+                nxt = c
+                break
+            left = (r - q).clamp(min=0.0)
+            if left.sum() > 0:  # (r = q leaves nothing, but then the child was accepted)
+                r = left / left.sum()
+        if nxt is None:
+            final = int((r.float() / noise[d]).argmax())
+            return np.array(path, np.int64), np.array([*drafts[path].tolist(), final], np.int64)
+        path.append(nxt)
+        node, d = nxt, d + 1
 
 
 def accepted_path(top: np.ndarray, row: VerifyRow) -> tuple[np.ndarray, np.ndarray]:
-    """From the target's pick at the anchor and each draft, top [1 + K]: the accepted path
-    (draft indices) and the picks along it [len(path) + 1]."""
+    """From the target's pick at the anchor and each draft, top [1 + K]: the path that follows
+    the picks (draft indices) and the picks along it [len(path) + 1]."""
     K = row.num_draft
     drafts = row.tokens[len(row.tokens) - K :]
     path, node = [], -1
@@ -161,8 +207,7 @@ def verify_trees(engine, rows: list[VerifyRow]) -> list[tuple[VerifyResult, np.n
     feature_at = np.cumsum([0] + n)  # [B + 1] into features
     top = argmax_ids(logits)
     out = []
-    for b, (r, t, p) in enumerate(zip(rows, layouts, picks(logits, rows))):
-        path, picked = accepted_path(p, r)
+    for b, (r, t, (path, picked)) in enumerate(zip(rows, layouts, walk(logits, rows))):
         argmax = top[logit_at[b] : logit_at[b + 1]][np.concatenate([[0], 1 + path])]
         row_features = features[feature_at[b] : feature_at[b + 1]]  # [n, F]
         out.append((_result(engine, r, t, path, picked, argmax, row_features), path))

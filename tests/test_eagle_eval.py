@@ -362,14 +362,20 @@ def test_paired_timing_runs_every_prompt_with_every_method(world, monkeypatch):
     )
     order, real = [], inprocess.decode
 
-    def spy(engine_, reqs, proposer_, *a):
+    def spy(engine_, reqs, proposer_, *a, **kw):
         order.append(("alone" if proposer_ is None else "fm", reqs[0].request_id))
-        return real(engine_, reqs, proposer_, *a)
+        return real(engine_, reqs, proposer_, *a, **kw)
 
     monkeypatch.setattr(inprocess, "decode", spy)
     prompts = [{"id": f"p{i}", "ids": [3 + i, 7, 11, 2 * i]} for i in range(2)]
     runs = run_paired(
-        engine, prompts, 0.0, 8, 0, {"alone": (None, 1, 1), "fm": (proposer, 1, 1)}, repeats=2
+        engine,
+        prompts,
+        0.0,
+        8,
+        0,
+        {"alone": (None, 1, 1, "pick"), "fm": (proposer, 1, 1, "pick")},
+        repeats=2,
     )
     assert order == [
         ("alone", "p0"),

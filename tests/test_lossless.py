@@ -348,16 +348,28 @@ def test_trees_at_t_above_zero_follow_the_target(tmp_path, shape, params):
     _assert_follows(counts, _exact_first3(path, prompt, params))
 
 
-def test_flashmap_blocks_from_independent_noise_follow_the_target(tmp_path):
-    """tree_blocks = 4 at T = 1: four blocks of the (untrained) FlashMap drafter merged into one
-    tree, verified in one pass."""
+@pytest.mark.parametrize("tree_sampling", ["pick", "rejection"])
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(1.0), SamplingParams(0.7, top_k=5, top_p=0.9)],
+    ids=["T1", "T0.7-k5-p0.9"],
+)
+def test_flashmap_blocks_from_independent_noise_follow_the_target(tmp_path, tree_sampling, params):
+    """tree_blocks = 4 at T > 0: four blocks of the (untrained) FlashMap drafter, merged into one
+    tree the target follows ("pick"), or as four chains with their proposal law verified by
+    multi-draft rejection sampling ("rejection"), in one pass."""
     path = _tiny_vocab_target(tmp_path)
-    params = SamplingParams(1.0)
     engine = TargetEngine(path, n_slots=BATCH)
     torch.manual_seed(0)
     proposer = load_proposer("init", str(path), n_slots=BATCH, max_context=64)
     counts, accepted = _first3_counts(
-        engine, [1, 5, 2], params, 5 * 10**6, proposer=proposer, tree_blocks=4
+        engine,
+        [1, 5, 2],
+        params,
+        5 * 10**6,
+        proposer=proposer,
+        tree_blocks=4,
+        tree_sampling=tree_sampling,
     )
     assert accepted > 0
     _assert_follows(counts, _exact_first3(path, [1, 5, 2], params))

@@ -424,7 +424,7 @@ def test_a_search_that_found_nothing_is_rerun_only_when_something_changed():
     c = _controller(verify=(0.001, 0.004), draft=(0.003, 0.001))
     calls = []
     search = c._search
-    c._search = lambda seqs, caps: calls.append(len(seqs)) or search(seqs, caps)
+    c._search = lambda seqs, caps, blocks: calls.append(len(seqs)) or search(seqs, caps, blocks)
     seqs = _seqs(4, acceptance=0.3)
     for _ in range(16):
         assert not any(c.plan(seqs).chosen.values())

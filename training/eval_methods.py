@@ -4,7 +4,7 @@ proposer for each."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from flashmap.checkpoint import read_config
 
@@ -23,15 +23,25 @@ class Method:
     checkpoint: str
     kind: str  # flashmap | dflash | eagle | dflash-published | eagle3
     steps: int = 1
-    # None: the noise the drafter was trained on (its config); False: a draw per slot
-    shared_noise: bool | None = None
-    # > 1: that many blocks from independent noise verified as a tree (T = 0 only)
+    # The proposer's departures from the paper's inference (FlashMapProposer: shared_noise,
+    # greedy_noise_scale, greedy_estimate, second_jump_net; Eagle3Proposer: sampled_tree);
+    # empty: none.
+    departures: dict = field(default_factory=dict)
+    # > 1: that many blocks from independent noise verified as one tree (flashmap.rounds)
     tree_blocks: int = 1
+    tree_sampling: str = "pick"  # how a tree at T > 0 is verified (flashmap.rounds.merged_draft)
     # > 0: greedy drafts cut before the first less sure slot (T = 0 only)
     min_confidence: float = 0.0
+    only_t: float | None = None  # the one temperature this row runs at (None: every one)
 
     def runs_at(self, temperature: float) -> bool:
-        return (self.tree_blocks == 1 and self.min_confidence == 0) or temperature == 0
+        if self.only_t is not None and temperature != self.only_t:
+            return False
+        return self.min_confidence == 0 or temperature == 0
+
+    @property
+    def shared_noise(self) -> bool:
+        return self.departures.get("shared_noise", True)
 
 
 def build_methods(args) -> tuple[list[Method], list[str]]:
@@ -48,20 +58,24 @@ def build_methods(args) -> tuple[list[Method], list[str]]:
     if args.flashmap:
         kind_of(args.flashmap, "flashmap", "--flashmap")
         methods += [
-            Method("flashmap-1", "FlashMap, 1 step", args.flashmap, "flashmap", 1),
-            Method("flashmap-2", "FlashMap, 2 steps", args.flashmap, "flashmap", 2),
+            Method("flashmap-1", "FlashMap, 1 jump", args.flashmap, "flashmap", 1),
+            Method("flashmap-2", "FlashMap, 2 jumps", args.flashmap, "flashmap", 2),
         ]
-        if args.tree_blocks > 1:
-            methods.append(
-                Method(
-                    "flashmap-1-tree",
-                    f"FlashMap, 1 step, tree of {args.tree_blocks} blocks (T = 0)",
-                    args.flashmap,
-                    "flashmap",
-                    1,
-                    tree_blocks=args.tree_blocks,
+        trained = departures_of(args.flashmap)
+        if trained:
+            what = ", ".join(f"{k}={v}" for k, v in trained.items())
+            for n in (1, 2):
+                methods.append(
+                    Method(
+                        f"flashmap-trained-{n}",
+                        f"FlashMap, {n} jump{'s' * (n > 1)}, as trained (departures: {what})",
+                        args.flashmap,
+                        "flashmap",
+                        n,
+                        departures=trained,
+                    )
                 )
-            )
+        methods += tree_methods("flashmap", "FlashMap, 1 jump", args.flashmap, args.tree_blocks)
     if args.teacher or args.flashmap:
         src = args.teacher or args.flashmap
         kind_of(src, "flashmap", "--teacher" if args.teacher else "--flashmap")
@@ -83,6 +97,7 @@ def build_methods(args) -> tuple[list[Method], list[str]]:
     if args.dflash:
         kind_of(args.dflash, "dflash", "--dflash")
         methods.append(Method("dflash", "DFlash-style", args.dflash, "dflash", 1))
+        methods += tree_methods("dflash", "DFlash-style", args.dflash, args.tree_blocks)
     else:
         notes.append("no --dflash checkpoint: DFlash rows skipped")
     # The draft cut of FlashMapProposer(min_confidence=...), greedy rows only.
@@ -120,15 +135,6 @@ def build_methods(args) -> tuple[list[Method], list[str]]:
         for indep, base in SHUFFLE.items():
             if base in by_name:
                 b = by_name[base]
-                if b.kind == "flashmap" and not _trained_shared(b.checkpoint):
-                    # Its own draws are per slot already: the pair would be the same run twice.
-                    notes.append(
-                        f"{b.label}: no per-slot shuffle row, its noise is a draw per slot already "
-                        "(config shared_noise = false); its joint structure is the permutation-shuffle "
-                        "Delta of `python -m training.flow_diagnostics` (K shared-noise runs, slot k "
-                        "from run k)"
-                    )
-                    continue
                 methods.append(
                     Method(
                         indep,
@@ -136,7 +142,7 @@ def build_methods(args) -> tuple[list[Method], list[str]]:
                         b.checkpoint,
                         b.kind,
                         b.steps,
-                        shared_noise=False,
+                        departures={"shared_noise": False},
                     )
                 )
     if not methods:
@@ -146,9 +152,64 @@ def build_methods(args) -> tuple[list[Method], list[str]]:
     return methods, notes
 
 
+def tree_methods(kind: str, label: str, checkpoint: str, sizes: list[int]) -> list[Method]:
+    """Rows of `sizes` blocks from independent noise verified as one tree: at T = 0 the merged
+    tree the target follows; at T > 0 that ("pick") and each block a chain with its proposal
+    law ("rejection", multi-draft rejection sampling)."""
+    out = []
+    for n in sizes:
+        if n < 2:
+            continue
+        out.append(
+            Method(
+                f"{kind}-tree{n}",
+                f"{label}, tree of {n} blocks",
+                checkpoint,
+                kind,
+                1,
+                tree_blocks=n,
+            )
+        )
+        out.append(
+            Method(
+                f"{kind}-tree{n}-rejection",
+                f"{label}, {n} blocks, multi-draft rejection sampling (T > 0)",
+                checkpoint,
+                kind,
+                1,
+                tree_blocks=n,
+                tree_sampling="rejection",
+                only_t=1.0,
+            )
+        )
+    return out
+
+
+def departures_of(checkpoint: str) -> dict:
+    """The proposer options that draft as a FlashMap checkpoint was trained, where they depart
+    from the paper's inference (drafter_service.flashmap_proposer.departures_as_trained)."""
+    from drafter_service.config import DrafterConfig
+    from drafter_service.flashmap_proposer import departures_as_trained
+
+    cfg = DrafterConfig(
+        **{
+            k: v
+            for k, v in read_config(checkpoint).items()
+            if k in DrafterConfig.__dataclass_fields__
+        }
+    )
+    paper = {
+        "shared_noise": True,
+        "greedy_noise_scale": 1.0,
+        "greedy_estimate": "soft",
+        "second_jump_net": False,
+    }
+    return {k: v for k, v in departures_as_trained(cfg).items() if v != paper[k]}
+
+
 def published_methods(args) -> list[Method]:
-    """The published layouts' rows: DFlash (z-lab) and EAGLE-3 (a tree of 16 at T = 0, a chain
-    of 16 when sampling: drafter_service.eagle3_proposer)."""
+    """The published layouts' rows: DFlash (z-lab) and EAGLE-3 (its dynamic tree of 16 at every
+    temperature, and at T > 0 its chain of 16 beside it: drafter_service.eagle3_proposer)."""
     from drafter_service.dflash import is_dflash
     from drafter_service.eagle3 import is_eagle3
 
@@ -164,9 +225,7 @@ def published_methods(args) -> list[Method]:
             getattr(args, "eagle3", None),
             is_eagle3,
             "--eagle3",
-            Method(
-                "eagle3-tree16", "EAGLE-3, tree of 16 (T = 0; chain of 16 at T > 0)", "", "eagle3"
-            ),
+            Method("eagle3-tree16", "EAGLE-3, tree of 16", "", "eagle3"),
         ),
     ):
         if path:
@@ -174,6 +233,17 @@ def published_methods(args) -> list[Method]:
                 raise ValueError(f"{flag} {path}: not a checkpoint in that published layout")
             method.checkpoint = path
             out.append(method)
+            if method.kind == "eagle3":
+                out.append(
+                    Method(
+                        "eagle3-chain16",
+                        "EAGLE-3, chain of 16 (T > 0)",
+                        path,
+                        "eagle3",
+                        departures={"sampled_tree": False},
+                        only_t=1.0,
+                    )
+                )
     return out
 
 
@@ -183,11 +253,6 @@ def feature_layers_of(m: Method, target: str) -> tuple[int, ...]:
 
     n = int(read_config(target)["num_hidden_layers"])
     return tuple(drafter_inputs(m.checkpoint, n).feature_layers)
-
-
-def _trained_shared(checkpoint: str) -> bool:
-    """Whether a FlashMap checkpoint was trained (and drafts) with one noise draw shared by its K slots."""
-    return bool(read_config(checkpoint).get("shared_noise", False))
 
 
 def make_proposer(m: Method, target: str, engine, device: str, cache: dict, compile: bool = False):
@@ -204,8 +269,8 @@ def make_proposer(m: Method, target: str, engine, device: str, cache: dict, comp
         max_context=engine.max_seq_len,
         steps=m.steps,
         min_confidence=m.min_confidence,
-        shared_noise=m.shared_noise,
         compile=compile,
+        **m.departures,
     )
 
 

@@ -114,7 +114,9 @@ def write_report(
         "At T = 0 every method's output was checked to equal the target's own greedy output, token for "
         "token (the script asserts it). Speedup = tokens/s of the method / tokens/s of the target alone, "
         "measured in the same process on the same prompts; at T = 0 this is the wall-time ratio. "
-        "Mean acceptance length gamma = 1 + accepted / drafted rounds (tokens committed per round).",
+        "Mean acceptance length gamma = 1 + accepted / drafted rounds (tokens committed per round). "
+        "In brackets: 95% intervals over prompts (bootstrap, the prompts resampled; a speedup's "
+        "prompts in pairs with the target alone's).",
         "",
     ]
 
@@ -123,6 +125,7 @@ def write_report(
         ("Mean acceptance length (gamma)", "gamma", ".2f", ""),
         ("Speedup over the target alone", "speedup", ".2f", "x"),
     ):
+        ci = f"{field}_ci"
         lines += [f"## {title}", ""]
         head = "| method | " + " | ".join(f"{d} T={t:g}" for t in temps for d in domains) + " |"
         lines += [head, "|---|" + "---:|" * (len(temps) * len(domains))]
@@ -131,7 +134,10 @@ def write_report(
             for t in temps:
                 for d in domains:
                     c = get(m.name, d, t)
-                    vals.append(_fmt(c[field] if c else None, spec) + (suffix if c else ""))
+                    cell = _fmt(c[field] if c else None, spec) + (suffix if c else "")
+                    if c and c.get(ci) and np.isfinite(c[ci][0]):
+                        cell += f" [{c[ci][0]:{spec}}, {c[ci][1]:{spec}}]"
+                    vals.append(cell)
             lines.append(f"| {m.label} | " + " | ".join(vals) + " |")
         if field == "speedup":
             vals = []
@@ -213,14 +219,10 @@ def write_report(
         "Plots: `eval_acceptance.png` (gamma per method and domain), `eval_conditional.png` "
         "(conditional acceptance per slot).",
         "",
-        "Not measured: "
-        + (
-            ""
-            if any(m.kind == "eagle3" for m in methods)
-            else "EAGLE-3's draft tree of 16 (the EAGLE row is a single chain of K tokens); "
-        )
-        + "the FlashMap tree row is greedy-only (T = 0): exact multi-draft sampling at T > 0 is "
-        "not implemented.",
+        "Trees: N blocks from independent noise (each with its own seed) in one verify pass; "
+        '"tree of N" rows are verified by the target picking its own token at each node '
+        '(target_service.tree), "multi-draft rejection sampling" rows by rejection sampling '
+        "with each block's proposal law (each block a chain of its own).",
         "",
     ]
     path = out_dir / "eval.md"

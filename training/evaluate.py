@@ -168,10 +168,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m training.evaluate
     )
     ap.add_argument(
         "--tree-blocks",
-        type=int,
-        default=4,
-        help="FlashMap 1 step with this many blocks from independent noise verified as a tree, "
-        "at T = 0 (0 or 1: no tree row)",
+        default="4",
+        help="comma-separated N: FlashMap (and DFlash-style) 1 jump with N blocks from "
+        "independent noise verified as one tree, every temperature (empty: no tree rows)",
     )
     ap.add_argument(
         "--prompts", default=str(TEST_PROMPTS), help="JSONL: domain + prompt (or prompt_ids)"
@@ -232,6 +231,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m training.evaluate
         help="flow diagnostics: anchors per held-out sequence",
     )
     args = ap.parse_args(argv)
+    try:
+        args.tree_blocks = [int(x) for x in args.tree_blocks.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--tree-blocks takes comma-separated integers, got {args.tree_blocks!r}")
     if args.teacher_steps < 3:
         ap.error("--teacher-steps must be >= 3 (1 and 2 are the flow-map rows)")
     if args.max_new_tokens < 1 or args.max_prompts < 0 or args.repeats < 1:
