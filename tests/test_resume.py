@@ -13,6 +13,7 @@ import pytest
 
 from drafter_service.factory import load_proposer
 from flashmap.inprocess import LocalDrafter, LocalTarget, decode
+from flashmap.round_metadata import RoundPlan, SeqPlan
 from flashmap.rounds import run_local, speculative_round
 from flashmap.sequence import Sequence
 from flashmap.types import GenerationRequest, SamplingParams, TargetLost
@@ -41,7 +42,9 @@ class DyingTarget:
         return [TargetLost("the target died")] * len(rows)
 
 
-def _decode_dying(engine, requests, proposer, die_at: set[int]) -> list[list[int]]:
+def _decode_dying(
+    engine, requests, proposer, die_at: set[int], controller=None, plain_tokens: int = 1
+) -> list[list[int]]:
     """decode(), but the target dies in the rounds numbered in die_at; then every sequence's
     cache is rebuilt (one call) and the rounds go on."""
     target, drafter = LocalTarget(engine), LocalDrafter(proposer)
@@ -52,9 +55,8 @@ def _decode_dying(engine, requests, proposer, die_at: set[int]) -> list[list[int
     n = 0
     while active := [s for s in seqs if not s.finished]:
         dying = n in die_at
-        run_local(
-            speculative_round(active, DyingTarget(target, active) if dying else target, drafter)
-        )
+        t = DyingTarget(target, active) if dying else target
+        run_local(speculative_round(active, t, drafter, controller, 1, plain_tokens))
         if dying:
             assert not any(s.finished for s in active), "a lost round ended a request"
             rows = [r for s in active if (r := s.rebuild_row()) is not None]
@@ -95,6 +97,43 @@ def test_lost_rounds_resume_to_the_uninterrupted_text(world, die_at):
     want = [r.token_ids for r in decode(engine, requests, proposer)]
     got = _decode_dying(engine, requests, proposer, die_at)
     assert got == want
+
+
+class Phases:
+    """A speculation policy of the sequences' own state, so two runs plan alike: by the tokens
+    generated, a sequence decodes without drafts and without features (its drafter context gets
+    a gap), then without drafts fetching what it lacks (VerifyRow.features_from), then drafts."""
+
+    def plan(self, seqs, blocks=1):
+        phase = {s.seq_id: len(s.generated) // 5 % 3 for s in seqs}
+        plans = {
+            s.seq_id: SeqPlan(s.draft_cap() if phase[s.seq_id] == 2 else 0, 1, phase[s.seq_id] > 0)
+            for s in seqs
+        }
+        return RoundPlan(plans, plain_tokens=3)
+
+    def expected(self, seqs, rows):
+        return {}
+
+    def observe(self, out):
+        pass
+
+
+def test_lost_rounds_with_gaps_in_the_drafter_context_resume_exactly(world, monkeypatch):
+    """Rows without features (a gap in the drafter's context), rows fetching them and drafted
+    rows, with the target dying in each kind: greedy and seeded text as without the deaths."""
+    engine, proposer, prompts = world
+    rows, verify = [], engine.verify
+    monkeypatch.setattr(engine, "verify", lambda b, **kw: rows.extend(b) or verify(b, **kw))
+    params = [SamplingParams(), SamplingParams(1.0, seed=21), SamplingParams()] * 2
+    requests = [GenerationRequest(p, MAX_NEW, sp) for p, sp in zip(prompts, params)]
+    want = [r.token_ids for r in decode(engine, requests, proposer, controller=Phases())]
+    rows.clear()
+    got = _decode_dying(engine, requests, proposer, {1, 3, 4, 6, 8, 11}, Phases(), 3)
+    assert got == want
+    assert any(not r.features for r in rows if r.start_pos > 0), "no row went without features"
+    assert any(r.features_from >= 0 for r in rows), "no row fetched the features it lacked"
+    assert any(r.num_draft for r in rows), "nothing was drafted"
 
 
 def test_rewind_undoes_the_draws_of_the_rounds_lost():
