@@ -48,6 +48,8 @@ from flashmap.triton_stream import (
 from flashmap.types import InvalidRequest, TargetLost, VerifyResult, VerifyRow
 
 DEFAULT_MODEL = "flashmap_target"
+# After a verify timed out: how long a probe may take to tell a dead target from a stalled one.
+DOWN_PROBE_S = 2.0
 # Info requests use throw-away correlation ids far above any seq_id the orchestrator hands out.
 _INFO_CORRID_BASE = 1 << 62
 
@@ -386,6 +388,8 @@ class TritonTarget:
             TargetUnavailable,
             TargetError,
         ) as e:  # the request failed: every row did
+            if isinstance(e, TargetTimeout):
+                e = await self._down_or(e)
             if isinstance(e, TargetLost):  # a target back from a restart holds none of them
                 self.started.difference_update(r.slot for r in rows)
             return [e] * len(rows)
@@ -395,6 +399,18 @@ class TritonTarget:
             r.slot for r, end, o in zip(rows, last, out) if end and not isinstance(o, BaseException)
         )
         return out
+
+    async def _down_or(self, timeout: TargetTimeout) -> Exception:
+        """A verify that timed out: TargetDown when a probe finds the target down (a model whose
+        Python stub died never answers the requests it held), else the timeout itself (a stalled
+        target is not waited for)."""
+        try:
+            await self.client.info(refresh=True, timeout_s=DOWN_PROBE_S)
+        except TargetDown as e:
+            return TargetDown(f"{timeout}; the target is down: {e}")
+        except (TargetUnavailable, TargetError, InvalidRequest):
+            pass
+        return timeout
 
     def _verified(self, call: asyncio.Future, corrids: list[int]) -> None:
         for corrid in corrids:
