@@ -187,6 +187,12 @@ def orchestrator_metrics(block_size: int = BLOCK_SIZE) -> tuple[Metric, ...]:
             "Rounds decoded autoregressively because the drafter was down or late",
             ("model", "reason"),
         ),
+        M(
+            "flashmap_resumed_requests",
+            "counter",
+            "Requests continued on a restarted target after it lost them (one per restart)",
+            ("model",),
+        ),
         M("flashmap_generated_tokens", "counter", "Tokens streamed to clients", ("model",)),
         M("flashmap_prompt_tokens", "counter", "Prompt tokens prefilled", ("model",)),
         M(

@@ -35,7 +35,7 @@ from flashmap.round_metadata import (
 )
 from flashmap.sequence import Sequence
 from flashmap.shadow_probes import start_shadow_probes
-from flashmap.types import Draft, VerifyRow
+from flashmap.types import Draft, TargetLost, VerifyRow
 
 if TYPE_CHECKING:
     from flashmap.pipeline import Ahead
@@ -167,7 +167,9 @@ def commit_round(
     expected: dict,
     skip: frozenset = frozenset(),
 ) -> RoundResult:
-    """Rejection sampling for every row verified (skip: sequences that ended before it)."""
+    """Rejection sampling for every row verified (skip: sequences that ended before it). A row
+    that failed ends its request, unless the target was lost (TargetLost): then the sequence
+    commits nothing and rewinds (Sequence.rewind)."""
     out = RoundResult(plan, row_lengths=[len(r.tokens) for r in rows], draft_s=batch.seconds)
     out.drafting = len(batch.asked)
     out.plain_tokens = max(r.steps for r in rows)
@@ -181,7 +183,10 @@ def commit_round(
             fallback = "context_lost" if s.context.lost else (batch.failure or "context_lost")
             s.stats.fallback_rounds += 1
         if isinstance(res, BaseException):
-            s.fail(res)
+            if isinstance(res, TargetLost):  # nothing verified: the request may resume
+                s.rewind()
+            else:
+                s.fail(res)
             out.sequences.append(SequenceRound(s, [], prefill, fallback=fallback, error=res))
             continue
         result, path = res

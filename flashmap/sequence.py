@@ -7,6 +7,13 @@ context is `context` (flashmap.drafter_context). With no draft a round is one
 autoregressive step (the bonus token is the next token), so the autoregressive baseline and
 the drafter-down fallback run through the same code.
 
+A target that dies mid-request loses the sequence's cache, not its committed tokens, which
+are final. `rewind` drops the rounds in flight and puts the random generator back where it
+was before their first draw (a snapshot per round, keyed by the committed length the round
+starts from); `rebuild_row` writes prompt + committed tokens but the anchor into a new cache
+without drawing. The round retried after that draws the seeds the lost one drew, so the text
+is the one the request would have had (orchestrator.resume).
+
 Numpy only.
 """
 
@@ -50,6 +57,9 @@ class Sequence:
         self.error: BaseException | None = None  # a part failed this request (finish "error")
         # Entropy when no seed: a request with a seed is reproducible, one without is not.
         self.rng = np.random.default_rng(request.params.seed)
+        # The generator's state before the first draw of the round that starts from each
+        # committed length (rounds sent ahead start from lengths not committed yet): `rewind`.
+        self._rng_at: dict[int, dict] = {}
         self.stats = SpecStats(block_size)
         self.context = DrafterContext()
         self._stop = set(request.stop_token_ids)
@@ -91,7 +101,14 @@ class Sequence:
         return self.context.gap if self.may_draft() else None
 
     def draft_seed(self) -> int:
+        self._mark(len(self.tokens))
         return int(self.rng.integers(2**62))
+
+    def _mark(self, committed: int) -> None:
+        """Before a draw of the round that starts from `committed` tokens: the generator's state
+        if this is that round's first draw."""
+        if committed not in self._rng_at:
+            self._rng_at[committed] = self.rng.bit_generator.state
 
     # -- one round -------------------------------------------------------------
     def verify_row(self, draft: Draft | None, steps: int = 1, features: bool = True) -> VerifyRow:
@@ -101,6 +118,7 @@ class Sequence:
         features: a row without a draft brings the drafter's features back (the plan's
         SeqPlan.features), unless the sequence can no longer draft."""
         if draft is not None and len(draft.tokens):
+            self._mark(len(self.tokens))
             round_seed = int(self.rng.integers(2**62))
             toks = np.concatenate([[self.anchor], draft.tokens]).astype(np.int64)
             row = VerifyRow(
@@ -152,6 +170,7 @@ class Sequence:
     ) -> VerifyRow:
         """A row without drafts decoding up to `steps` tokens within max_new_tokens, `ahead`
         tokens being committed before it."""
+        self._mark(len(self.tokens) + ahead)
         round_seed = int(self.rng.integers(2**62))
         steps = max(1, min(steps, self.request.max_new_tokens - len(self.generated) - ahead))
         next_seeds = self.rng.integers(2**62, size=steps - 1).astype(np.int64)
@@ -221,6 +240,7 @@ class Sequence:
         prompt = not self.prefilled
         self.prefilled = True
         kept = self._append(new)
+        self._rng_at = {n: st for n, st in self._rng_at.items() if n >= len(self.tokens)}
         # A multi-step row: one round per step whose token was kept (not those past a stop).
         for _ in range(1 if k or tree is not None else len(kept) - prompt):
             if tree is None:
@@ -230,6 +250,26 @@ class Sequence:
         if (k or tree is not None) and draft is not None and draft.draft_steps:
             self.stats.draft_steps = draft.draft_steps
         return kept, n_acc
+
+    def rewind(self) -> None:
+        """The target lost this sequence (it died or restarted) before answering the rounds in
+        flight: they commit nothing, and the random draws they made are undone, so the round
+        retried draws what the lost one drew. Its cache is to be rebuilt (`rebuild_row`)."""
+        state = self._rng_at.get(len(self.tokens))
+        if state is not None:
+            self.rng.bit_generator.state = state
+        self._rng_at.clear()
+
+    def rebuild_row(self) -> VerifyRow | None:
+        """After `rewind`: the row that writes every committed position but the anchor into a
+        new cache (the next round's row writes the anchor, as it would have); its output is
+        not used and it draws nothing. None before the prompt was prefilled: the prompt's own
+        row does it."""
+        if not self.prefilled:
+            return None
+        return VerifyRow(
+            self.handle, 0, np.asarray(self.tokens[:-1], np.int64), self.params, features=False
+        )
 
     def _append(self, new: list[int]) -> list[int]:
         """Append tokens, stopping at a stop id (kept) or max_new_tokens."""

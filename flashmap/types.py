@@ -40,6 +40,12 @@ class InvalidRequest(ValueError):
     """Bad user input; servers map it to INVALID_ARGUMENT, the CLI to a one-line error."""
 
 
+class TargetLost(ConnectionError):
+    """A verify that never reached a live target (its process died or restarted, or cannot be
+    reached): the target holds nothing of the rows' sequences any more, and they commit nothing
+    (Sequence.rewind); they may resume once it is back (orchestrator.resume)."""
+
+
 def check_draft_steps(n: int) -> int:
     """n as a step count of the flow-map drafter (1 or 2 jumps, or N Euler steps of the teacher),
     or InvalidRequest: the one check of draft_steps, wherever it comes in."""

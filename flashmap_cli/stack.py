@@ -85,6 +85,7 @@ class StackConfig(Config):
     pipeline: bool = same_as(OrchestratorConfig, "pipeline")
     burst_window_s: float = same_as(OrchestratorConfig, "burst_window_s")
     target_timeout_s: float = same_as(OrchestratorConfig, "target_timeout_s")
+    resume_timeout_s: float = same_as(OrchestratorConfig, "resume_timeout_s")
     # Secrets between the parts (flashmap.auth): fresh random ones unless given.
     target_key: str = field(default_factory=new_secret)
     drafter_token: str = field(default_factory=new_secret)

@@ -114,6 +114,13 @@ class OrchestratorConfig(Config):
     target_timeout_s: float = option(
         30.0, "deadline of every call to Triton", env="FLASHMAP_TARGET_TIMEOUT_S", check=at_least(0)
     )
+    resume_timeout_s: float = option(
+        120.0,
+        "a request whose target died waits this long (at most its deadline) for it to come "
+        "back and continues on it; then it ends UNAVAILABLE",
+        env="FLASHMAP_RESUME_TIMEOUT_S",
+        check=at_least(0),
+    )
     health_interval_s: float = option(
         2.0, "idle: probe the target this often (busy: the verify calls tell)", check=at_least(0.01)
     )

@@ -42,6 +42,7 @@ class OrchestratorMetrics:
         self.generated_tokens = m["flashmap_generated_tokens"]
         self.prompt_tokens = m["flashmap_prompt_tokens"]
         self.verify_batch_size = m["flashmap_verify_batch_size"]
+        self.resumed_requests = m["flashmap_resumed_requests"]
 
     def start_at_zero(self, model: str, draft_labels: list[dict] = ()) -> None:
         """Export the series that alerts divide by, at 0, from the start: a series that first
@@ -62,8 +63,28 @@ class OrchestratorMetrics:
             self.shadow_probes,
             self.burst_wait,
             self.plain_tokens,
+            self.resumed_requests,
         ):
             metric.labels(model=model)
+
+    def record_result(self, res, model: str) -> None:
+        """A finished round's counts (flashmap.round_metadata.RoundResult) but the drafter's."""
+        decoding = [r for r in res.sequences if not r.prefill and r.error is None]
+        for r in decoding:
+            self.draft_length.labels(model=model).observe(r.drafted)
+        if res.plan.chosen is not None and decoding and not any(res.plan.chosen.values()):
+            self.speculation_off_rounds.labels(model=model).inc()
+        if decoding and not any(r.drafted for r in decoding):
+            self.plain_tokens.labels(model=model).observe(res.plain_tokens)
+        if res.ahead is not None:
+            self.rounds_ahead.labels(model=model).inc()
+        if res.shadows:
+            self.shadow_probes.labels(model=model).inc(res.shadows)
+        if res.expected_accepted:
+            self.controller_accepted.labels(model=model, kind="expected").inc(res.expected_accepted)
+            self.controller_accepted.labels(model=model, kind="accepted").inc(res.accepted)
+        self.verify_latency.labels(model=model).observe(res.verify_s)
+        self.verify_batch_size.labels(model=model).observe(len(res.sequences))
 
     def _start_drafts_at_zero(self, labels: dict) -> None:
         key = tuple(sorted(labels.items()))

@@ -8,6 +8,8 @@ beyond the target's KV slots wait in a queue; past `max_queue` they are refused 
 RESOURCE_EXHAUSTED; requests sent together start in one round (orchestrator.admission). A
 drafter that is down or late costs speed, not correctness: the round runs without drafts
 (autoregressive) and is counted; health says what the target's calls say (orchestrator.health).
+Requests whose target died wait, parked, for the restarted one and continue on it
+(orchestrator.resume).
 
 The front ends (orchestrator.grpc_api, orchestrator.openai_api) build a request with
 `make_request` (orchestrator.requests) and run it with `stream`.
@@ -32,7 +34,7 @@ from flashmap.rounds import speculative_round
 from flashmap.sequence import Sequence
 from flashmap.speculation import ControllerConfig, SpeculationController
 from flashmap.tokenizer import IncrementalDecoder
-from flashmap.types import BLOCK_SIZE, GenerationRequest, InvalidRequest, SeqId
+from flashmap.types import BLOCK_SIZE, GenerationRequest, InvalidRequest, SeqId, TargetLost
 from flashmap.v1 import serving_pb2
 from orchestrator.admission import BurstConfig, BurstGate
 from orchestrator.config import OrchestratorConfig
@@ -40,6 +42,7 @@ from orchestrator.drafter_client import DrafterClient, ServiceDrafter
 from orchestrator.health import TargetHealth
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.requests import Outcome, Piece, TextPieces, build_request
+from orchestrator.resume import Parking
 from orchestrator.target_client import TargetClient, TritonTarget
 
 log = logging.getLogger("flashmap.orchestrator")
@@ -54,9 +57,7 @@ class _Active:
     t_arrival: float
     t_first: float | None = None
     t_last: float | None = None
-    deadline: float | None = (
-        None  # time.monotonic() after which the request ends (DEADLINE_EXCEEDED)
-    )
+    deadline: float | None = None  # time.monotonic() past which it ends (DEADLINE_EXCEEDED)
 
 
 class Orchestrator:
@@ -73,6 +74,7 @@ class Orchestrator:
         )
         # After start(): they need the target's context length and the drafter's block size.
         self.target_port: TritonTarget | None = None
+        self.parked: Parking | None = None  # requests waiting for a restarted target
         self.controller: SpeculationController | None = None
         self.tokenizer = None
         if cfg.tokenizer_dir:
@@ -107,6 +109,7 @@ class Orchestrator:
             await asyncio.sleep(0.5)
         self.info = await self.target.info()
         self.target_port = TritonTarget(self.target, self.info.max_seq_len)
+        self.parked = Parking(self.target_port, self.cfg.resume_timeout_s)
         if self.drafter is not None:
             await self.drafter.ensure_connected()
         self.metrics = OrchestratorMetrics(block_size=self._block_size())
@@ -207,9 +210,8 @@ class Orchestrator:
         while True:
             try:
                 if await self._admit_and_reap():
-                    await asyncio.sleep(
-                        0
-                    )  # the releases just created start (TritonTarget.verify waits for them)
+                    # The releases just created start (TritonTarget.verify waits for them).
+                    await asyncio.sleep(0)
                 if ahead is not None and all(s.finished for s in ahead.seqs):
                     ahead = None  # nothing left to commit (releases wait for its call)
                 if not self.active:
@@ -221,6 +223,13 @@ class Orchestrator:
                             await self._gather_burst()
                         self.burst.started(min(len(self.waiting), self.max_concurrent))
                     continue
+                if self.parked.since:
+                    ahead = self.parked.drop_ahead(ahead)
+                    await self._resume()
+                    if all(sid in self.parked for sid in self.active):
+                        self._flush()
+                        await self.parked.idle(self._wake)
+                        continue
                 # The last round's tokens reach their streams once this round's first call
                 # (draft or verify) is on the wire: the task's first step runs before the
                 # flush, and the flush queues the stream handlers behind the call's send, so
@@ -261,8 +270,11 @@ class Orchestrator:
         released = False
         now = time.monotonic()
         for a in [*self.waiting, *self.active.values()]:
-            if a.deadline is not None and now > a.deadline:
-                a.seq.fail(TimeoutError("the request's deadline passed"))
+            why = self.parked.overdue(a.seq.seq_id, now, a.deadline)
+            if why is None and a.deadline is not None and now > a.deadline:
+                why = TimeoutError("the request's deadline passed")
+            if why is not None:
+                a.seq.fail(why)
         # Aborted or cancelled requests leave before their next round.
         for a in list(self.waiting):
             if a.seq.finished:
@@ -283,6 +295,7 @@ class Orchestrator:
         """Free the request's slots on both sides, in the background: a stalled part must not
         hold up the other requests' rounds (its slot is freed by its idle timeout at worst)."""
         del self.active[sid]
+        self.parked.forget(sid)
         task = asyncio.create_task(self._release_parts(sid, a))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
@@ -301,15 +314,25 @@ class Orchestrator:
         self.by_request.pop(a.request_id, None)
         self._outbox.append((a, None))
 
+    async def _resume(self) -> None:
+        """Continue the parked requests when the target is back (orchestrator.resume)."""
+        parked = [self.active[sid].seq for sid in self.parked.since if sid in self.active]
+        back = await self.parked.resume([s for s in parked if not s.finished])
+        if back:
+            self.metrics.resumed_requests.labels(model=self.info.model_name).inc(len(back))
+            await self.health.set(True)
+            log.info("%d request(s) continue on the restarted target", len(back))
+
     async def _round(self, ahead: Ahead | None) -> Ahead | None:
         """One round: of every active request, or the round sent ahead (its requests; one that
         ended since commits nothing) and, beside it, the prompts of the requests admitted since
         it was sent, so they wait for no more than the round in flight. Returns the next round
         if this one sent it ahead: only when no request waits or is new."""
         t_round = time.perf_counter()
-        seqs = ahead.seqs if ahead is not None else [a.seq for a in self.active.values()]
+        ready = [a.seq for sid, a in self.active.items() if sid not in self.parked]
+        seqs = ahead.seqs if ahead is not None else ready
         ids = {s.seq_id for s in seqs}
-        fresh = [a.seq for sid, a in self.active.items() if sid not in ids]
+        fresh = [s for s in ready if s.seq_id not in ids]
         # A new prompt with slots free: requests arrive in bursts. A round sent ahead now would
         # run this prompt's sequence alone while the ones arriving meanwhile prefill in a call
         # of their own (a forward more), and it would end a round before them. A lone request
@@ -321,22 +344,19 @@ class Orchestrator:
             and (len(self.active) > 1 or self.burst.in_burst)
         )
         send = self.cfg.pipeline and not self.waiting and not fresh and not burst
+        how = (self.controller, self.cfg.tree_blocks, self.cfg.plain_tokens)
         rounds = [
             pipelined_round(
                 seqs,
                 self.target_port,
                 self.drafter_port,
-                self.controller,
-                self.cfg.tree_blocks,
-                self.cfg.plain_tokens,
+                *how,
                 ahead,
                 send,
                 self.cfg.tree_sampling,
             )
         ]
-        if (
-            fresh
-        ):  # prompts only: nothing to draft or plan, their call queues behind the one in flight
+        if fresh:  # prompts only: nothing to draft or plan; their call queues behind the other
             rounds.append(speculative_round(fresh, self.target_port))
         results = await asyncio.gather(*rounds)
         for res in results:
@@ -346,30 +366,13 @@ class Orchestrator:
     async def _account(self, res, t_round: float) -> None:
         """A finished round's metrics, the target's health, and its tokens to their streams."""
         name = self.info.model_name
-        decoding = [r for r in res.sequences if not r.prefill and r.error is None]
-        for r in decoding:
-            self.metrics.draft_length.labels(model=name).observe(r.drafted)
-        if res.plan.chosen is not None and decoding and not any(res.plan.chosen.values()):
-            self.metrics.speculation_off_rounds.labels(model=name).inc()
-        if decoding and not any(r.drafted for r in decoding):
-            self.metrics.plain_tokens.labels(model=name).observe(res.plain_tokens)
-        if res.ahead is not None:
-            self.metrics.rounds_ahead.labels(model=name).inc()
-        if res.shadows:
-            self.metrics.shadow_probes.labels(model=name).inc(res.shadows)
-        if res.expected_accepted:
-            self.metrics.controller_accepted.labels(model=name, kind="expected").inc(
-                res.expected_accepted
-            )
-            self.metrics.controller_accepted.labels(model=name, kind="accepted").inc(res.accepted)
+        self.metrics.record_result(res, name)
         if self.drafter is not None:
             self.metrics.drafter_steps.labels(drafter=self.drafter_name()).set(self.drafter.steps)
             if res.draft_s:  # one observation per drafter call (a call drafts the whole batch)
                 self.metrics.draft_latency.labels(
                     **self._labels(res.draft_steps or self.drafter.steps)
                 ).observe(res.draft_s)
-        self.metrics.verify_latency.labels(model=name).observe(res.verify_s)
-        self.metrics.verify_batch_size.labels(model=name).observe(len(res.sequences))
         target_failure = next(
             (
                 r.error
@@ -385,6 +388,8 @@ class Orchestrator:
         now = time.perf_counter()
         for r in res.sequences:
             a = self.active.get(r.seq.seq_id)
+            if isinstance(r.error, TargetLost) and a is not None and not r.seq.finished:
+                self.parked.park(r.seq)  # committed nothing: it resumes on the restarted target
             if r.fallback:
                 self.metrics.fallback_rounds.labels(model=name, reason=r.fallback).inc()
             if r.error is not None or a is None:

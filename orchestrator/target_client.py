@@ -19,7 +19,9 @@ top of the client; it sends packed rounds.
 
 Errors: InvalidRequest (bad input; Triton INVALID_ARGUMENT, with the model's message),
 TargetUnavailable (cannot connect, not ready, no free KV slot, deadline), TargetError
-(anything else the server reports).
+(anything else the server reports). TargetDown, the TargetUnavailable of a request that never
+reached a live model (the stream broke, the server or its model is down or loading), is a
+flashmap.types.TargetLost: the round loop rewinds its sequences rather than failing them.
 """
 
 from __future__ import annotations
@@ -43,15 +45,22 @@ from flashmap.triton_stream import (
     TritonStream,
     infer_request,
 )
-from flashmap.types import InvalidRequest, VerifyResult, VerifyRow
+from flashmap.types import InvalidRequest, TargetLost, VerifyResult, VerifyRow
 
 DEFAULT_MODEL = "flashmap_target"
+# After a verify timed out: how long a probe may take to tell a dead target from a stalled one.
+DOWN_PROBE_S = 2.0
 # Info requests use throw-away correlation ids far above any seq_id the orchestrator hands out.
 _INFO_CORRID_BASE = 1 << 62
 
 
 class TargetUnavailable(ConnectionError):
     """The target cannot serve now: unreachable, not ready, or out of KV slots."""
+
+
+class TargetDown(TargetUnavailable, TargetLost):
+    """The request never reached a live model: the server is gone or restarting, or its model
+    is not loaded (it lost every sequence it held)."""
 
 
 class TargetTimeout(TargetUnavailable, TimeoutError):
@@ -320,13 +329,13 @@ def _map_error(e: StreamError | StreamBroken, url: str) -> Exception:
         if e.status == grpc.StatusCode.DEADLINE_EXCEEDED:
             return TargetTimeout(f"target at {url}: no answer within the deadline ({message})")
         if e.status in (None, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-            return TargetUnavailable(message)
+            return TargetDown(message)
         if e.status == grpc.StatusCode.INVALID_ARGUMENT:
             return InvalidRequest(message)
         return TargetError(message)
     if e.code is None:  # Triton's own: a request it refused, or a model it cannot run now
         if any(w in message.lower() for w in _UNAVAILABLE_WORDS):
-            return TargetUnavailable(f"target at {url}: {message}")
+            return TargetDown(f"target at {url}: {message}")
         return InvalidRequest(message)
     return _ROW_ERRORS.get(e.code, TargetError)(message)
 
@@ -379,6 +388,10 @@ class TritonTarget:
             TargetUnavailable,
             TargetError,
         ) as e:  # the request failed: every row did
+            if isinstance(e, TargetTimeout):
+                e = await self._down_or(e)
+            if isinstance(e, TargetLost):  # a target back from a restart holds none of them
+                self.started.difference_update(r.slot for r in rows)
             return [e] * len(rows)
         # A row sent with END that succeeded freed its slot on the server: the sequence's
         # release() has nothing left to send. A failed one may still hold it: release() frees it.
@@ -386,6 +399,18 @@ class TritonTarget:
             r.slot for r, end, o in zip(rows, last, out) if end and not isinstance(o, BaseException)
         )
         return out
+
+    async def _down_or(self, timeout: TargetTimeout) -> Exception:
+        """A verify that timed out: TargetDown when a probe finds the target down (a model whose
+        Python stub died never answers the requests it held), else the timeout itself (a stalled
+        target is not waited for)."""
+        try:
+            await self.client.info(refresh=True, timeout_s=DOWN_PROBE_S)
+        except TargetDown as e:
+            return TargetDown(f"{timeout}; the target is down: {e}")
+        except (TargetUnavailable, TargetError, InvalidRequest):
+            pass
+        return timeout
 
     def _verified(self, call: asyncio.Future, corrids: list[int]) -> None:
         for corrid in corrids:

@@ -8,7 +8,9 @@
 # Debian root image, the shared Python base and the service images; bring up triton, drafter,
 # orchestrator and prometheus; send a Generate through the published port; check Prometheus scrapes
 # every target; kill the orchestrator's main process and check the restart policy brings it back
-# and it serves again; bring everything down (also on failure). Nothing is cached between runs:
+# and it serves again; kill -9 tritonserver under 12 streams and check each one ends with the
+# tokens of a run without the kill; kill Triton's Python stub and check Triton is restarted;
+# bring everything down (also on failure). Nothing is cached between runs:
 # images from an earlier run are removed first, and again at the end (KEEP_IMAGES=1 keeps them).
 # Any failed check exits non-zero with the services' logs.
 set -euo pipefail
@@ -25,6 +27,9 @@ export BUILDAH_FORMAT=docker
 PODMAN_COMPOSE_VERSION=1.6.0   # 1.0.3 (Debian 12) has no !reset, which deploy/docker-compose.cpu.yml uses
 SERVICES=(triton drafter orchestrator prometheus)
 RESTART_SERVICE=orchestrator
+# Streams cut by the kill of tritonserver (triton_kill_check), and the tokens of each.
+KILL_STREAMS=${KILL_STREAMS:-12}
+KILL_TOKENS=${KILL_TOKENS:-192}
 # The client and the wheel download run on the host: the project's venv (CI's test suite made it).
 PY=${PYTHON:-$ROOT/.venv/bin/python}
 
@@ -210,6 +215,64 @@ stub_kill_check() {  # kill -9 Triton's Python stub: the launcher's watchdog exi
   generate "after the Triton restart"
 }
 
+triton_kill_check() {  # kill -9 tritonserver under concurrent streams: each ends as it would have
+  local c before after t pid out
+  c=$(ctr triton)
+  before=$(podman inspect -f '{{.RestartCount}}' "$c")
+  pid=$(podman top "$c" hpid args | awk '$2 ~ /(^|\/)tritonserver$/ {print $1; exit}')
+  [ -n "$pid" ] || die "no tritonserver in the triton container"
+  log "kill -9 tritonserver (host pid $pid) under $KILL_STREAMS streams"
+  t=$SECONDS
+  # The streams run twice: without a kill (the reference), then with tritonserver killed once
+  # every stream has tokens. The orchestrator keeps what each committed, waits for the
+  # restarted Triton and continues them (orchestrator.resume): the same tokens, no error.
+  out=$(PYTHONPATH=$ROOT "$PY" - "127.0.0.1:$ORCHESTRATOR_PORT" "$pid" \
+        "http://127.0.0.1:$ORCHESTRATOR_METRICS_PORT/metrics" "$KILL_STREAMS" "$KILL_TOKENS" 2>&1 <<'EOF'
+import asyncio, os, signal, sys, time
+from flashmap.client import AsyncClient
+from flashmap.metrics import scrape, totals
+url, pid, metrics, n, max_new = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+prompts = [f"def f{i}(x):\n    return" for i in range(n)]
+
+async def run(kill: bool):
+    got, cut, t_kill = [[] for _ in prompts], 0, 0.0
+    async with AsyncClient(url, timeout=600) as c:
+        async def one(i):
+            async for ch in c.generate_stream(prompt=prompts[i], max_new_tokens=max_new, ignore_eos=True):
+                if ch.finished:
+                    return ch.finish_reason
+                got[i].extend(ch.token_ids)
+        tasks = [asyncio.create_task(one(i)) for i in range(n)]
+        if kill:
+            while not all(len(g) >= 8 for g in got):
+                await asyncio.sleep(0.01)
+            os.kill(pid, signal.SIGKILL)
+            t_kill, cut = time.perf_counter(), sum(len(g) < max_new for g in got)
+        finish = await asyncio.gather(*tasks, return_exceptions=True)
+    bad = [f for f in finish if f != "length"]
+    if bad:
+        sys.exit(f"{len(bad)} of {n} streams did not end with finish=length: {bad[:3]}")
+    return got, cut, time.perf_counter() - t_kill
+
+want, _, _ = asyncio.run(run(False))
+resumed0 = totals(scrape(metrics)).get("flashmap_resumed_requests_total", 0)
+got, cut, after = asyncio.run(run(True))
+resumed = totals(scrape(metrics)).get("flashmap_resumed_requests_total", 0) - resumed0
+same = sum(g == w for g, w in zip(got, want))
+print(f"{n} streams of {max_new} tokens, {cut} cut by the kill and {resumed:.0f} resumed; all ended "
+      f"{after:.1f} s after the kill, {same} of {n} with the tokens of the run without it")
+if same < n or cut == 0 or resumed < cut:
+    sys.exit("a stream differs from the run without the kill" if same < n else "no stream resumed")
+EOF
+  ) || die "tritonserver kill -9 under $KILL_STREAMS streams: $out"
+  log "tritonserver kill -9: $out"
+  after=$(await_restart triton "$before" "$t" 120)
+  TIMES+=("triton: kill -9 of tritonserver under $KILL_STREAMS streams to every stream ended|$((SECONDS - t))")
+  wait_healthy triton 300
+  wait_healthy orchestrator 120
+  CHECKS+=("tritonserver kill -9 under $KILL_STREAMS streams|restart count $before -> $after; $out")
+}
+
 prometheus_targets_up() {  # every scrape target healthy, through Prometheus' HTTP API
   local t=$SECONDS summary
   until summary=$("$PY" - "http://127.0.0.1:$PROMETHEUS_PORT" <<'EOF'
@@ -311,6 +374,7 @@ generate "first"
 openai_request
 prometheus_targets_up
 restart_check
+triton_kill_check
 stub_kill_check
 
 timed "down (podman-compose down -v)" remove_stack

@@ -8,8 +8,9 @@ public API key, message, prompt, request-id and field limits, and fuzzed request
 with INVALID_ARGUMENT (never UNKNOWN or INTERNAL, no traceback logged) while a stream beside
 them goes on; many concurrent cancels and deadlines, after which every slot is free on all
 three parts and a full batch is exact; a paused Triton ending requests within the bound with
-Health answering; a killed Triton Python stub seen by health and repaired by the supervisor,
-exact output again. Every request ends with one status: none is lost.
+Health answering; a killed Triton Python stub seen by health and repaired by the supervisor, the
+stream it cut continuing exactly on the restarted Triton, exact output again. Every request
+ends with one status: none is lost.
 
 Over 500 lines in one file because every test shares one stack, which takes seconds to start.
 """
@@ -484,8 +485,9 @@ def test_paused_triton_ends_requests_within_the_bound(stack):
 
 
 def test_killed_triton_stub_is_seen_and_repaired(stack, ref):
-    """kill -9 the Triton Python stub: health NOT_SERVING within seconds, the supervisor
-    restarts Triton, health SERVING, exact output again."""
+    """kill -9 the Triton Python stub under a stream: health NOT_SERVING within seconds, the
+    supervisor restarts Triton, health SERVING; the stream waited for the restarted target and
+    ends exact (orchestrator.resume), and requests after it are exact too."""
     from flashmap_cli.stack import Supervisor
 
     stubs = stub_pids(stack)
@@ -494,14 +496,23 @@ def test_killed_triton_stub_is_seen_and_repaired(stack, ref):
     sup = Supervisor(stack, probe_interval_s=1.0, log=lambda m: None)
     th = threading.Thread(target=sup.run, args=(stop, 0.5), daemon=True)
     th.start()
+    (first,) = prompts_for(ref.vocab_size, 1, seed=8)
+    got: list[int] = []
+
+    def stream() -> str:
+        with client(stack, timeout=300) as c:
+            for chunk in c.generate_stream(prompt_ids=first, max_new_tokens=400, ignore_eos=True):
+                if chunk.finished:
+                    return chunk.finish_reason
+                got.extend(chunk.token_ids)
+        return "no final chunk"
+
     try:
-        for p in stubs:
-            os.kill(p, signal.SIGKILL)
-        with client(stack) as c:
-            try:  # requests now fail, and health must say so
-                c.generate(prompt_ids=[3, 4, 5], max_new_tokens=4)
-            except FlashMapError:
-                pass
+        with ThreadPoolExecutor(1) as pool, client(stack) as c:
+            fut = pool.submit(stream)
+            wait_until("the stream to start", lambda: len(got) >= 4, 60, 0.01)
+            for p in stubs:
+                os.kill(p, signal.SIGKILL)
             wait_until(
                 "health NOT_SERVING",
                 lambda: (
@@ -509,19 +520,22 @@ def test_killed_triton_stub_is_seen_and_repaired(stack, ref):
                 ),
                 30,
             )
+            assert len(got) < 400, "the stream ended before the stub was killed"
             wait_until(
                 "Triton restarted and health SERVING",
                 lambda: health_status(stack.cfg.url) == "SERVING",
                 180,
                 0.5,
             )
+            assert fut.result(timeout=300) == "length"
+        assert got == ref([first], 400)[0], "the stream did not continue exactly"
         prompts = prompts_for(ref.vocab_size, 3, seed=9)
         with client(stack) as c:
-            got = [
+            got_after = [
                 c.generate(prompt_ids=p, max_new_tokens=24, ignore_eos=True).token_ids
                 for p in prompts
             ]
-        assert got == ref(prompts, 24), "output after the restart was not exact"
+        assert got_after == ref(prompts, 24), "output after the restart was not exact"
     finally:
         stop.set()
         th.join(60)
