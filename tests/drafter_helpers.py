@@ -90,3 +90,35 @@ class TreeProposer:
             n = len(self.parents) if r.max_draft_tokens is None else r.max_draft_tokens
             out.append([Draft.tree(tokens, self.parents).truncate(n)])
         return out
+
+
+class BlockProposer(TreeProposer):
+    """A drafter of `max_blocks` chains of `length` tokens whose slot k is drawn from a proposal
+    law q_k of its own (`support` random ids, Dirichlet probabilities), all from the request's
+    seed and the block's index: blocks with a known proposal law, as multi-draft rejection
+    sampling needs them (flashmap.types.Draft.forest)."""
+
+    def __init__(self, vocab_size: int, length: int = 4, support: int = 3, max_blocks: int = 3):
+        super().__init__([-1, *range(length - 1)], vocab_size)
+        self.block, self.support, self.max_blocks = length, support, max_blocks
+
+    def draft(self, requests, n_blocks: int = 1):
+        from flashmap.types import Draft
+
+        out = []
+        for r in requests:
+            blocks = []
+            for b in range(n_blocks):
+                rng = np.random.default_rng([int(r.seed) & (2**63 - 1), 11, b])
+                ids = np.stack(
+                    [
+                        rng.choice(self.vocab_size, self.support, replace=False)
+                        for _ in range(self.block)
+                    ]
+                )
+                q = rng.dirichlet(np.ones(self.support), size=self.block).astype(np.float32)
+                tok = np.array([rng.choice(ids[k], p=q[k] / q[k].sum()) for k in range(self.block)])
+                n = self.block if r.max_draft_tokens is None else r.max_draft_tokens
+                blocks.append(Draft(tok.astype(np.int64), ids.astype(np.int64), q).truncate(n))
+            out.append(blocks)
+        return out
