@@ -149,7 +149,7 @@ def build_methods(args) -> tuple[list[Method], list[str]]:
 def published_methods(args) -> list[Method]:
     """The published layouts' rows: DFlash (z-lab) and EAGLE-3 (a tree of 16 at T = 0, a chain
     of 16 when sampling: drafter_service.eagle3_proposer)."""
-    from drafter_service.dflash import is_dflash
+    from drafter_service.dflash_config import is_dflash
     from drafter_service.eagle3 import is_eagle3
 
     out = []
