@@ -13,7 +13,8 @@ transformers 4.x wrote `rope_theta` at the top level and a scaled RoPE under `ro
 - the scaled kinds that need the pretraining length (llama3, yarn, longrope) take
   `original_max_position_embeddings` from the top level when it is there, else from the
   object, else the config's `max_position_embeddings` (whose default depends on the model
-  class, so the caller gives it).
+  class, so the caller gives it). (A config object transformers has just built may still
+  show the object's value; its rotary embedding standardizes again and reads the top level.)
 
 What no consumer here implements is refused by name: a null or non-numeric `rope_theta`,
 `partial_rotary_factor` other than 1, parameters nested per layer type. Which RoPE kinds a
