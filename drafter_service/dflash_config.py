@@ -113,6 +113,8 @@ class DFlashConfig:
             )
         except KeyError as e:
             raise CheckpointError(f"{where}: missing field {e}") from None
+        except CheckpointError:
+            raise
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"{where}: bad field ({e})") from None
 

@@ -96,6 +96,8 @@ class Eagle3Config:
             )
         except KeyError as e:
             raise CheckpointError(f"{where}: missing field {e}") from None
+        except CheckpointError:
+            raise
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"{where}: bad field ({e})") from None
 

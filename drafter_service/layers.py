@@ -60,7 +60,9 @@ class Rotary:
             inv_freq, scale = ROPE_INIT_FUNCTIONS[params.rope_type](cfg, torch.device("cpu"))
         except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
             msg = str(e).strip("'\"").replace("\n", " ")
-            raise CheckpointError(f"{where}: rope {params.rope_type} parameters: {msg}") from None
+            raise CheckpointError(
+                f"{where}: rope_parameters of rope_type {params.rope_type!r}: {msg}"
+            ) from None
         self.inv_freq, self.scale = inv_freq.float(), float(scale)
 
     def frequencies(self, device: torch.device) -> Tensor:

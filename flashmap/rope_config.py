@@ -23,6 +23,7 @@ consumer runs is its own choice (the target runs "default" only). No torch impor
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from flashmap.checkpoint import CheckpointError
@@ -66,7 +67,7 @@ def read_rope_parameters(
     params = dict(params)
     theta = params.pop("rope_theta", cfg.get("rope_theta", DEFAULT_ROPE_THETA))
     if isinstance(theta, bool) or not isinstance(theta, (int, float)):
-        raise CheckpointError(f"{where}: rope_theta {theta!r} is not a number")
+        raise CheckpointError(f"{where}: rope_theta {json.dumps(theta)} is not a number")
     kind = params.pop("rope_type", params.pop("type", "default"))
     params.pop("type", None)
     if not isinstance(kind, str):

@@ -358,7 +358,7 @@ REFUSED = {
         "rope_type 'longrope'",
     ),
     "no_factor": ("both", lambda c: c.update(rope_parameters={"rope_type": "linear"}), "factor"),
-    "null_theta": ("both", lambda c: c.update(rope_theta=None), "rope_theta None"),
+    "null_theta": ("both", lambda c: c.update(rope_theta=None), "rope_theta null"),
     "partial": ("both", lambda c: c.update(partial_rotary_factor=0.5), "partial_rotary_factor 0.5"),
     "nested": (
         "both",
