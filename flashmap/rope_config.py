@@ -34,8 +34,8 @@ _NEEDS_PRETRAINING_LENGTH = ("llama3", "yarn", "longrope")
 
 @dataclass(frozen=True)
 class RopeParameters:
-    """Standardized RoPE parameters: the base, the kind, and the kind's own fields (the whole
-    standardized object as sorted (key, value) pairs, hashable)."""
+    """Standardized RoPE parameters: the base, the kind, and the kind's other fields (factor,
+    original_max_position_embeddings, ...) as sorted (key, value) pairs."""
 
     theta: float = DEFAULT_ROPE_THETA
     rope_type: str = "default"
