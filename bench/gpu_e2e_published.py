@@ -38,7 +38,9 @@ def _randomize(model: torch.nn.Module, dev, seed: int) -> None:
 def build_dflash(target, feature_layers, n_layers: int, dev, dtype, seed: int = 0):
     """A DFlash drafter of the published layout over the target model's embedding / LM head
     (shared, not copied)."""
-    from drafter_service.dflash import DFlashConfig, DFlashDrafter
+    from drafter_service.dflash import DFlashDrafter
+    from drafter_service.dflash_config import DFlashConfig
+    from flashmap.rope_config import RopeParameters
 
     c = target.config
     cfg = DFlashConfig(
@@ -53,7 +55,7 @@ def build_dflash(target, feature_layers, n_layers: int, dev, dtype, seed: int = 
         mask_token_id=c.vocab_size - 1,
         block_size=16,
         rms_norm_eps=c.rms_norm_eps,
-        rope_theta=c.rope_theta,
+        rope=RopeParameters.default(c.rope_theta),
     )
     embed, lm_head = target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach()
     with torch.device(dev):
@@ -66,6 +68,7 @@ def build_eagle3(target, aux_layers, draft_vocab: int, dev, dtype, seed: int = 0
     """An EAGLE-3 drafter of the published layout over the target model's embedding; its draft
     vocabulary: the first `draft_vocab` ids."""
     from drafter_service.eagle3 import Eagle3Config, Eagle3Drafter, draft_vocabulary
+    from flashmap.rope_config import RopeParameters
 
     c = target.config
     cfg = Eagle3Config(
@@ -79,7 +82,7 @@ def build_eagle3(target, aux_layers, draft_vocab: int, dev, dtype, seed: int = 0
         target_hidden_size=c.hidden_size,
         aux_layer_ids=tuple(aux_layers),
         rms_norm_eps=c.rms_norm_eps,
-        rope_theta=c.rope_theta,
+        rope=RopeParameters.default(c.rope_theta),
     )
     with torch.device(dev):
         model = Eagle3Drafter(cfg)

@@ -11,8 +11,9 @@ the layers `target_layer_ids` of every committed position, concatenated and fuse
 
 are projected by each layer's own k_proj / v_proj (k_norm, RoPE at position p) and
 prepended to that layer's keys and values, so every block position attends to the whole
-context and to the whole block (no causal mask). Only committed positions enter the
-context; the block's own keys are never kept.
+context and to the whole block (no causal mask), except in the sliding-window and causal
+layers a config may ask for (drafter_service.dflash_config; the masks: `block_mask`). Only
+committed positions enter the context; the block's own keys are never kept.
 
 Checkpoint directory (the published layout): config.json, a Qwen3 config with
 `architectures: ["DFlashDraftModel"]`, `block_size` and `dflash_config: {target_layer_ids,
@@ -20,7 +21,7 @@ mask_token_id}` (read at the top level too, as the reference does), and model.sa
 with `layers.{i}.self_attn.{q,k,v,o}_proj.weight`, `layers.{i}.self_attn.{q,k}_norm.weight`,
 `layers.{i}.mlp.{gate,up,down}_proj.weight`, `layers.{i}.{input,post_attention}_layernorm
 .weight`, `fc.weight`, `hidden_norm.weight`, `norm.weight`. The embedding and LM head are
-the target's.
+the target's. How config.json is read: drafter_service.dflash_config.
 
 The injected keys / values of all layers are one matmul over stacked k/v weights
 (`context_kv`, drafter_service.layers), so a round's new positions of every sequence are
@@ -30,7 +31,6 @@ written in one pass.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,82 +38,37 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from drafter_service.dflash_config import (
+    ARCHITECTURE,
+    QWEN3_MAX_POSITIONS,
+    WEIGHTS_FILE,
+    DFlashConfig,
+    published_config,
+)
 from drafter_service.frozen_target import FrozenTarget
-from drafter_service.layers import StackedKV, context_kv, rope
+from drafter_service.layers import Rotary, StackedKV, context_kv, rope
 from flashmap.checkpoint import CheckpointError, load_embeddings, load_tensors, read_config
-
-ARCHITECTURE = "DFlashDraftModel"
-WEIGHTS_FILE = "model.safetensors"
+from flashmap.rope_config import read_rope_parameters
 
 
-@dataclass(frozen=True)
-class DFlashConfig:
-    """The fields of a published DFlash config.json that the model reads."""
-
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    target_layer_ids: tuple[int, ...]
-    mask_token_id: int
-    block_size: int = 16  # positions of the block: the anchor and block_size - 1 drafts
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
-    attention_bias: bool = False
-    output_multiplier: float = 1.0
-    final_logit_softcapping: float | None = None
-
-    @property
-    def target_hidden_size(self) -> int:  # FrozenTarget: the embedding / LM head width
-        return self.hidden_size
-
-    @property
-    def feature_dim(self) -> int:
-        return len(self.target_layer_ids) * self.hidden_size
-
-    @staticmethod
-    def from_json(d: dict, where: str = "config.json") -> DFlashConfig:
-        """From a published config dict: `dflash_config` first, then the top level."""
-        sub = d.get("dflash_config") or {}
-        get = lambda k, default=None: sub.get(k, d.get(k, default))  # noqa: E731
-        rope = d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta")
-        try:
-            heads = int(d["num_attention_heads"])
-            ids = get("target_layer_ids")
-            if not ids:
-                raise KeyError("dflash_config.target_layer_ids")
-            if get("mask_token_id") is None:
-                raise KeyError("dflash_config.mask_token_id")
-            softcap = get("final_logit_softcapping")
-            return DFlashConfig(
-                hidden_size=int(d["hidden_size"]),
-                intermediate_size=int(d["intermediate_size"]),
-                num_hidden_layers=int(d["num_hidden_layers"]),
-                num_attention_heads=heads,
-                num_key_value_heads=int(d.get("num_key_value_heads", heads)),
-                head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
-                vocab_size=int(d["vocab_size"]),
-                target_layer_ids=tuple(int(i) for i in ids),
-                mask_token_id=int(get("mask_token_id")),
-                block_size=int(get("block_size", 16)),
-                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(rope or 1_000_000.0),
-                attention_bias=bool(d.get("attention_bias", False)),
-                output_multiplier=float(get("output_multiplier", 1.0)),
-                final_logit_softcapping=None if softcap is None else float(softcap),
-            )
-        except KeyError as e:
-            raise CheckpointError(f"{where}: missing field {e}") from None
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"{where}: bad field ({e})") from None
-
-
-def is_dflash(config: dict) -> bool:
-    """Whether a config.json dict is a published DFlash drafter."""
-    return ARCHITECTURE in (config.get("architectures") or [])
+def block_mask(seen: Tensor, start: Tensor, size: int, causal: bool, window: int | None) -> Tensor:
+    """Which keys the block's positions see, [B, 1, size, W + size] ([B, 1, 1, W + size] when
+    every position sees the same): the context keys seen [B, W] (context key j at position j),
+    then the block's (positions start [B] onwards); causal: only the block's positions up to
+    the query's; window: only keys at positions > the query's - window."""
+    B, W = seen.shape
+    if not causal and window is None:
+        return torch.cat([seen, seen.new_ones(B, size)], 1)[:, None, None]
+    q = torch.arange(size, device=seen.device)
+    ctx = seen[:, None].expand(B, size, W)
+    blk = torch.ones(size, size, dtype=torch.bool, device=seen.device)  # [query, key]
+    if causal:
+        blk = blk & (q[None] <= q[:, None])
+    if window is not None:
+        at = start[:, None] + q  # [B, size] the block's positions
+        ctx = ctx & (torch.arange(W, device=seen.device) > (at - window)[..., None])
+        blk = blk & (q[None] > q[:, None] - window)
+    return torch.cat([ctx, blk.expand(B, size, size)], -1)[:, None]
 
 
 # ----------------------------------------------------------------------------- model
@@ -159,6 +114,7 @@ class DFlashDrafter(FrozenTarget):
     ):
         super().__init__()
         self.cfg = cfg
+        self.rotary = Rotary(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, ARCHITECTURE)
         self._init_target(embed, lm_head)
         self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_hidden_layers))
         self.fc = nn.Linear(cfg.feature_dim, cfg.hidden_size, bias=False)
@@ -185,7 +141,7 @@ class DFlashDrafter(FrozenTarget):
             self._stacked_kv = StackedKV([(a.k_proj, a.v_proj, a.k_norm) for a in attn])
         c_ = self.cfg
         return context_kv(
-            c, positions, self._stacked_kv, c_.num_key_value_heads, c_.rms_norm_eps, c_.rope_theta
+            c, positions, self._stacked_kv, c_.num_key_value_heads, c_.rms_norm_eps, self.rotary
         )
 
     def block_logits(
@@ -207,12 +163,16 @@ class DFlashDrafter(FrozenTarget):
         x = F.embedding(ids, self.embed)  # [B, S, H]
         pos = start[:, None] + torch.arange(S, device=anchor.device)  # [B, S]
         seen = torch.arange(W, device=anchor.device)[None] < lengths[:, None]  # [B, W]
-        mask = torch.cat([seen, seen.new_ones(B, S)], 1)[:, None, None]  # [B, 1, 1, W + S]
-        for layer, k_ctx, v_ctx in zip(self.layers, ctx_k, ctx_v):
+        masks: dict[tuple[bool, int | None], Tensor] = {}  # [B, 1, S | 1, W + S] per kind
+        for i, (layer, k_ctx, v_ctx) in enumerate(zip(self.layers, ctx_k, ctx_v)):
+            kind = c.attention(i)
+            if kind not in masks:
+                masks[kind] = block_mask(seen, start, S, *kind)
+            mask = masks[kind]
             a = layer.self_attn
             h = layer.input_layernorm(x)
-            q = rope(a.q_norm(a.q_proj(h).view(B, S, -1, c.head_dim)), pos, c.rope_theta)
-            k = rope(a.k_norm(a.k_proj(h).view(B, S, -1, c.head_dim)), pos, c.rope_theta)
+            q = rope(a.q_norm(a.q_proj(h).view(B, S, -1, c.head_dim)), pos, self.rotary)
+            k = rope(a.k_norm(a.k_proj(h).view(B, S, -1, c.head_dim)), pos, self.rotary)
             v = a.v_proj(h).view(B, S, -1, c.head_dim)
             k = torch.cat([k_ctx, k.transpose(1, 2)], 2)  # [B, kv, W + S, d]
             v = torch.cat([v_ctx, v.transpose(1, 2)], 2)
@@ -289,33 +249,6 @@ def load_dflash(
     return model.to(device, dtype).eval()
 
 
-def published_config(cfg: DFlashConfig) -> dict:
-    """config.json of a DFlash checkpoint in the published layout."""
-    return {
-        "architectures": [ARCHITECTURE],
-        "model_type": "qwen3",
-        "block_size": cfg.block_size,
-        "dflash_config": {
-            "target_layer_ids": list(cfg.target_layer_ids),
-            "mask_token_id": cfg.mask_token_id,
-        },
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_hidden_layers,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "vocab_size": cfg.vocab_size,
-        "num_target_layers": None,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "attention_bias": cfg.attention_bias,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "dtype": "bfloat16",
-    }
-
-
 def save_dflash(model: DFlashDrafter, directory: str | Path, num_target_layers: int) -> Path:
     """Write model in the published layout (bf16 weights, as released)."""
     from safetensors.torch import save_file
@@ -345,6 +278,8 @@ def init_dflash(
     from flashmap.types import feature_layers_for
 
     t = read_config(target_dir)
+    where = str(Path(target_dir) / "config.json")
+    positions = int(t.get("max_position_embeddings") or QWEN3_MAX_POSITIONS)
     n = int(t["num_hidden_layers"])
     heads = int(t["num_attention_heads"])
     cfg = DFlashConfig(
@@ -359,11 +294,10 @@ def init_dflash(
         mask_token_id=int(t["vocab_size"]) - 1 if mask_token_id is None else mask_token_id,
         block_size=block_size,
         rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(
-            t.get("rope_theta") or (t.get("rope_parameters") or {}).get("rope_theta", 1e6)
-        ),
+        rope=read_rope_parameters(t, where, positions),
+        max_position_embeddings=positions,
     )
-    check_fits(cfg, t, str(Path(target_dir) / "config.json"))
+    check_fits(cfg, t, where)
     g = torch.Generator().manual_seed(seed)
     model = DFlashDrafter(cfg)
     with torch.no_grad():

@@ -13,7 +13,9 @@ Drafting past the context feeds the layer's own output o_p in place of g (fc is 
 it already has width H), as EAGLE does.
 
 Checkpoint directory: config.json (`architectures: ["LlamaForCausalLMEagle3"]`, Llama
-fields, `draft_vocab_size`, optional `target_hidden_size` and
+fields read as transformers' LlamaConfig reads them (RoPE: flashmap.rope_config; the scaled
+kinds linear, llama3 and yarn honoured, other kinds and sliding-window layers refused),
+`draft_vocab_size`, optional `target_hidden_size` and
 `eagle_config.eagle_aux_hidden_state_layer_ids`; without them the layers are SGLang's
 default, the outputs of layers 1, N/2 - 1 and N - 4 of an N-layer target) and safetensors
 with `fc.weight`, `midlayer.{hidden_norm,input_layernorm,post_attention_layernorm}.weight`,
@@ -34,12 +36,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from drafter_service.dflash import MLP
-from drafter_service.layers import rope
+from drafter_service.layers import Rotary, rope
 from flashmap.checkpoint import CheckpointError, load_embeddings, load_tensors, read_config
 from flashmap.drafter_inputs import eagle3_default_layers
+from flashmap.rope_config import RopeParameters, read_rope_parameters, rope_config_fields
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS_FILE = "model.safetensors"
+LLAMA_MAX_POSITIONS = 2048  # transformers' LlamaConfig.max_position_embeddings default
+QWEN3_MAX_POSITIONS = 32768  # ... and Qwen3Config's (a target's config without the field)
 
 
 @dataclass(frozen=True)
@@ -54,7 +59,8 @@ class Eagle3Config:
     target_hidden_size: int
     aux_layer_ids: tuple[int, ...] | None  # None: default_layers of the target
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
+    rope: RopeParameters = RopeParameters()
+    max_position_embeddings: int = LLAMA_MAX_POSITIONS
 
     @property
     def feature_dim(self) -> int:
@@ -69,27 +75,51 @@ class Eagle3Config:
                 raise ValueError(f"num_hidden_layers {d['num_hidden_layers']} (EAGLE-3 has 1)")
             if ids is not None and len(ids) != 3:
                 raise ValueError(f"eagle_aux_hidden_state_layer_ids {ids} (EAGLE-3 fuses 3)")
+            refuse_sliding_window(d, where)
+            positions = int(d.get("max_position_embeddings") or LLAMA_MAX_POSITIONS)
+            head_dim = int(d.get("head_dim") or int(d["hidden_size"]) // heads)
+            rope_params = read_rope_parameters(d, where, positions)
+            Rotary(rope_params, head_dim, positions, where)  # refuses what it cannot run
             return Eagle3Config(
                 hidden_size=int(d["hidden_size"]),
                 intermediate_size=int(d["intermediate_size"]),
                 num_attention_heads=heads,
                 num_key_value_heads=int(d.get("num_key_value_heads", heads)),
-                head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
+                head_dim=head_dim,
                 vocab_size=int(d["vocab_size"]),
                 draft_vocab_size=int(d.get("draft_vocab_size") or d["vocab_size"]),
                 target_hidden_size=int(d.get("target_hidden_size") or d["hidden_size"]),
                 aux_layer_ids=None if ids is None else tuple(int(i) for i in ids),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(d.get("rope_theta") or 10000.0),
+                rope=rope_params,
+                max_position_embeddings=positions,
             )
         except KeyError as e:
             raise CheckpointError(f"{where}: missing field {e}") from None
+        except CheckpointError:
+            raise
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"{where}: bad field ({e})") from None
 
 
 def is_eagle3(config: dict) -> bool:
     return ARCHITECTURE in (config.get("architectures") or [])
+
+
+def refuse_sliding_window(d: dict, where: str) -> None:
+    """EAGLE-3's layer is a Llama layer: full causal attention. A config asking for a sliding
+    window (which the reference loaders would ignore) is refused, naming the field."""
+    types = d.get("layer_types") or []
+    if "sliding_attention" in types:
+        raise CheckpointError(
+            f"{where}: layer_types {types} asks for sliding-window attention, which EAGLE-3's "
+            "Llama layer does not have"
+        )
+    if d.get("use_sliding_window") and d.get("sliding_window") is not None:
+        raise CheckpointError(
+            f"{where}: use_sliding_window true (sliding_window {d['sliding_window']}) asks for "
+            "sliding-window attention, which EAGLE-3's Llama layer does not have"
+        )
 
 
 class Attention(nn.Module):
@@ -119,6 +149,7 @@ class Eagle3Drafter(nn.Module):
     def __init__(self, cfg: Eagle3Config):
         super().__init__()
         self.cfg = cfg
+        self.rotary = Rotary(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, ARCHITECTURE)
         H = cfg.hidden_size
         self.fc = nn.Linear(cfg.feature_dim, H, bias=False)
         self.midlayer = MidLayer(cfg)
@@ -149,8 +180,8 @@ class Eagle3Drafter(nn.Module):
         x = torch.cat([m.input_layernorm(F.embedding(tokens, self.embed)), m.hidden_norm(g)], -1)
         shape = (*x.shape[:-1], -1, c.head_dim)
         a = m.self_attn
-        q = rope(a.q_proj(x).view(shape), pos, c.rope_theta)
-        k = rope(a.k_proj(x).view(shape), pos, c.rope_theta)
+        q = rope(a.q_proj(x).view(shape), pos, self.rotary)
+        k = rope(a.k_proj(x).view(shape), pos, self.rotary)
         return q, k, a.v_proj(x).view(shape)
 
     def finish(self, g: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
@@ -264,7 +295,8 @@ def published_config(cfg: Eagle3Config, num_target_layers: int) -> dict:
             "use_aux_hidden_state": True,
         },
         "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
+        **rope_config_fields(cfg.rope),
+        "max_position_embeddings": cfg.max_position_embeddings,
         "hidden_act": "silu",
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
@@ -312,6 +344,8 @@ def init_eagle3(
     """A freshly initialised EAGLE-3 for the target (its width, heads and vocabulary; the
     draft vocabulary from token_counts, else the first draft_vocab_size ids)."""
     t = read_config(target_dir)
+    where = str(Path(target_dir) / "config.json")
+    positions = int(t.get("max_position_embeddings") or QWEN3_MAX_POSITIONS)
     heads = int(t["num_attention_heads"])
     V = int(t["vocab_size"])
     Vd = draft_vocab_size or V
@@ -326,11 +360,10 @@ def init_eagle3(
         target_hidden_size=int(t["hidden_size"]),
         aux_layer_ids=aux_layer_ids,
         rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(
-            t.get("rope_theta") or (t.get("rope_parameters") or {}).get("rope_theta", 1e4)
-        ),
+        rope=read_rope_parameters(t, where, positions),
+        max_position_embeddings=positions,
     )
-    layers = check_fits(cfg, t, str(Path(target_dir) / "config.json"))
+    layers = check_fits(cfg, t, where)
     g = torch.Generator().manual_seed(seed)
     model = Eagle3Drafter(cfg)
     model.layer_ids = layers

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from drafter_service import eagle
 from drafter_service.checkpoint import checkpoint_kind, init_drafter, load_drafter
-from drafter_service.dflash import DFlashDrafter, is_dflash, load_dflash
+from drafter_service.dflash import DFlashDrafter, load_dflash
+from drafter_service.dflash_config import is_dflash
 from drafter_service.dflash_proposer import DFlashProposer
 from drafter_service.eagle3 import Eagle3Drafter, is_eagle3, load_eagle3
 from drafter_service.eagle3_proposer import Eagle3Proposer

@@ -1,5 +1,5 @@
-"""Pieces the drafter networks share: rotary embedding, and the injected context of every layer
-in one pass.
+"""Pieces the drafter networks share: rotary embedding (a base theta, or a published config's
+scaled RoPE), and the injected context of every layer in one pass.
 
 A drafter attends to the committed context through keys and values each layer projects from
 the same context vectors c_p (FlashMap's cross-attention, DFlash's KV injection). `StackedKV`
@@ -16,14 +16,78 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from flashmap.checkpoint import CheckpointError
+from flashmap.rope_config import RopeParameters
 
-def rope(x: Tensor, pos: Tensor, theta: float) -> Tensor:
+# Kinds whose frequencies are fixed (not a function of the sequence length) and whose
+# cos / sin are the default's times one factor: transformers' init functions give both.
+SCALED_ROPE_TYPES = ("linear", "llama3", "yarn")
+
+
+class Rotary:
+    """The RoPE of a published config: the default kind's frequencies from theta, or a scaled
+    kind's inverse frequencies [d/2] and cos / sin factor from transformers' own init functions
+    (`ROPE_INIT_FUNCTIONS`, as its Llama / Qwen3 rotary embeddings compute them). The
+    frequencies stay float32 whatever the model's dtype, one copy per device (made on first
+    use, which the proposers' warm-up runs before any CUDA graph capture)."""
+
+    def __init__(
+        self, params: RopeParameters, head_dim: int, max_position_embeddings: int, where: str
+    ):
+        self.params = params
+        self.inv_freq: Tensor | None = None
+        self.scale = 1.0
+        self._on: dict[torch.device, Tensor] = {}
+        if params.rope_type == "default":
+            return
+        if params.rope_type not in SCALED_ROPE_TYPES:
+            raise CheckpointError(
+                f"{where}: rope_type {params.rope_type!r} (rope_parameters / rope_scaling) is "
+                f"not supported; supported: default, {', '.join(SCALED_ROPE_TYPES)}"
+            )
+        from transformers import Qwen3Config
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        try:  # the config class validates the kind's fields as transformers loads them
+            cfg = Qwen3Config(
+                hidden_size=head_dim,
+                head_dim=head_dim,
+                num_attention_heads=1,
+                num_key_value_heads=1,
+                max_position_embeddings=max_position_embeddings,
+                rope_parameters=params.as_dict(),
+            )
+            inv_freq, scale = ROPE_INIT_FUNCTIONS[params.rope_type](cfg, torch.device("cpu"))
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+            msg = str(e).strip("'\"").replace("\n", " ")
+            raise CheckpointError(
+                f"{where}: rope_parameters of rope_type {params.rope_type!r}: {msg}"
+            ) from None
+        self.inv_freq, self.scale = inv_freq.float(), float(scale)
+
+    def frequencies(self, device: torch.device) -> Tensor:
+        """The scaled kind's inverse frequencies [d/2] float32 on device."""
+        f = self._on.get(device)
+        if f is None:
+            f = self._on[device] = self.inv_freq.to(device)
+        return f
+
+
+def rope(x: Tensor, pos: Tensor, theta: float | Rotary) -> Tensor:
     """Rotary embedding ("rotate half" layout, as Qwen3 / Llama) of x [..., L, heads, d] at
-    integer positions pos [..., L]; angles and products in float32, the result in x's dtype."""
+    integer positions pos [..., L], with base theta or a published config's Rotary; angles and
+    products in float32, the result in x's dtype."""
     d = x.shape[-1]
-    inv_freq = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+    if isinstance(theta, Rotary) and theta.inv_freq is not None:
+        inv_freq, scale = theta.frequencies(x.device), theta.scale
+    else:
+        base = theta.params.theta if isinstance(theta, Rotary) else theta
+        inv_freq = base ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+        scale = 1.0
     ang = pos.float()[..., None, None] * inv_freq  # [..., L, 1, d/2]
     cos, sin = ang.cos(), ang.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
@@ -66,7 +130,7 @@ class StackedKV:
 
 
 def context_kv(
-    c: Tensor, positions: Tensor, stacked: StackedKV, heads: int, eps: float, theta: float
+    c: Tensor, positions: Tensor, stacked: StackedKV, heads: int, eps: float, theta: float | Rotary
 ) -> tuple[Tensor, Tensor]:
     """Keys and values of context vectors c [N, width] at positions [N], for every layer of
     `stacked`: k, v [layers, N, heads, d]; keys RMS-normalised (when the layers have key norms)

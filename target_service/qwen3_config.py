@@ -9,8 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flashmap.checkpoint import CheckpointError
-
-_SUPPORTED_ROPE_TYPES = (None, "default")
+from flashmap.rope_config import read_rope_parameters
 
 
 @dataclass(frozen=True)
@@ -67,21 +66,15 @@ class Qwen3Config:
 
 
 def _rope_theta(cfg: dict) -> float:
-    """rope_theta from a 4.x config (top level + rope_scaling) or 5.x (rope_parameters)."""
-    theta = cfg.get("rope_theta")
-    for key in ("rope_parameters", "rope_scaling"):
-        params = cfg.get(key)
-        if not params:
-            continue
-        if not isinstance(params, dict):
-            raise CheckpointError(f"config.json: {key} must be an object, got {params!r}")
-        kind = params.get("rope_type", params.get("type"))
-        if kind not in _SUPPORTED_ROPE_TYPES:
-            raise CheckpointError(
-                f"config.json: unsupported RoPE scaling type {kind!r} in {key} (only 'default')"
-            )
-        theta = params.get("rope_theta", theta)
-    return float(10000.0 if theta is None else theta)
+    """rope_theta as transformers reads it (flashmap.rope_config); the engine's RoPE tables
+    are the default kind's, so a scaled kind is refused."""
+    rope = read_rope_parameters(cfg, "config.json")
+    if rope.rope_type != "default":
+        raise CheckpointError(
+            f"config.json: rope_type {rope.rope_type!r} (rope_scaling / rope_parameters) is not "
+            "supported by the target engine (only 'default')"
+        )
+    return rope.theta
 
 
 def generation_eos(model_dir: Path) -> list[int]:

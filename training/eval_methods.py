@@ -210,7 +210,7 @@ def departures_of(checkpoint: str) -> dict:
 def published_methods(args) -> list[Method]:
     """The published layouts' rows: DFlash (z-lab) and EAGLE-3 (its dynamic tree of 16 at every
     temperature, and at T > 0 its chain of 16 beside it: drafter_service.eagle3_proposer)."""
-    from drafter_service.dflash import is_dflash
+    from drafter_service.dflash_config import is_dflash
     from drafter_service.eagle3 import is_eagle3
 
     out = []
