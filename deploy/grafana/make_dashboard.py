@@ -14,6 +14,8 @@ tests/test_observability_live.py evaluates each one on a live Prometheus scrapin
 Every panel, query, variable and annotation is an SDK builder. Transformations are the SDK's
 DataTransformerConfig, whose options the SDK leaves untyped (they depend on the transformer), so
 the bar chart's are plain dicts. The SDK places panels left to right in rows of 24 columns.
+
+One idea: the dashboard's panels, one after the other.
 """
 
 from __future__ import annotations
