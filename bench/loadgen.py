@@ -11,8 +11,8 @@ run (throughput, TTFT, inter-token latency, request latency) and, read from the 
 mean acceptance length. Each run's AIPerf command is in the report, to be run without this tool.
 
 AIPerf lives in a venv of its own, .venv/aiperf (scripts/setup.sh): its pins are not the
-stack's. It reads the tokenizer from a local directory (`--tokenizer`, an absolute path, which it
-loads without the Hugging Face Hub); HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE are removed from its
+stack's. It reads the tokenizer from a local directory (`--tokenizer`), which it loads without
+the Hugging Face Hub; HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE are removed from its
 environment because AIPerf 0.13 in offline mode looks every tokenizer name up in the Hub's cache,
 local directories too, and fails.
 
@@ -214,6 +214,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     aiperf = find_aiperf(args.aiperf)
     model = args.model or served_model(args.url, api_key)
     artifacts = args.artifacts or Path(tempfile.mkdtemp(prefix="flashmap-aiperf-"))
+    load = os.getloadavg()[0]  # a shared machine: what else was running shows here
     cells, commands = [], []
     for endpoint in args.endpoints.split(","):
         for conc in (int(c) for c in args.concurrency.split(",")):
@@ -248,10 +249,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "requests first. Inter-token latency is AIPerf's: (latency - TTFT) / (new tokens - 1); "
         "the stack streams several tokens per chunk. Drafts and mean acceptance length: the "
         "orchestrator's counters over the run, warmup included (`flashmap_num_drafts_total`, "
-        "`1 + accepted / drafts`; '-': no draft)."
+        "`1 + accepted / drafts`; '-': no draft). The machine's 1-minute load average when the "
+        f"run started: {load:.1f}."
     )
     more = [
-        "AIPerf commands (one per run; the tokenizer is the target's directory):",
+        "AIPerf commands (one per run; the tokenizer is the target's directory; what the flags "
+        "do: [benchmarking.md](../benchmarking.md)):",
         "",
         *commands,
     ]
