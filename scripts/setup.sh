@@ -9,3 +9,8 @@ PY="${PYTHON:-python3}"
 # unpinned torch would pull a multi-GB CUDA build.
 .venv/bin/python -m pip install -q "torch==2.13.0" || .venv/bin/python -m pip install -q "torch>=2.5,<=2.14.1"
 .venv/bin/python -m pip install -q -e ".[dev,triton]"
+# AIPerf, the load generator of docs/benchmarking.md (bench.loadgen, tests/test_loadgen.py), in
+# a venv of its own inside .venv: its pins (numpy, pillow, transformers, prometheus-client) are
+# not the stack's, and it needs no torch.
+[ -x .venv/aiperf/bin/python ] || "$PY" -m venv .venv/aiperf
+.venv/aiperf/bin/python -m pip install -q "aiperf==0.13.0"
