@@ -288,8 +288,8 @@ def test_eval_end_to_end_and_resume(world, tmp_path):
     for needle in (
         "Command: `python -m training.evaluate",
         "Machine:",
-        "FlashMap, 1 step",
-        "FlashMap, 2 steps",
+        "FlashMap, 1 jump",
+        "FlashMap, 2 jumps",
         "teacher flow, 3 Euler steps",
         "DFlash-style",
         "FlashMap's warm start",
@@ -304,11 +304,15 @@ def test_eval_end_to_end_and_resume(world, tmp_path):
         out / "eval_conditional.png"
     ).stat().st_size > 0
     cells = json.loads((out / "eval_cells.json").read_text())["cells"]
-    # 6 methods + 3 shuffle rows, 2 domains, 2 temperatures; the tree and the two cut rows at T = 0 only
-    assert len(cells) == 9 * 2 * 2 + 3 * 2
-    for row in ("flashmap-1-tree", "flashmap-1-cut", "dflash-cut"):
+    # The cut rows at T = 0 only, the rejection-sampled trees at T = 1 only, the others at both.
+    for row in ("flashmap-1-cut", "dflash-cut"):
         assert f"{row}|code|T=0" in cells and f"{row}|code|T=1" not in cells
+    for row in ("flashmap-tree4-rejection", "dflash-tree4-rejection"):
+        assert f"{row}|code|T=1" in cells and f"{row}|code|T=0" not in cells
+    for row in ("flashmap-1", "flashmap-tree4", "dflash-tree4", "flashmap-1-indep", "eagle"):
+        assert f"{row}|code|T=0" in cells and f"{row}|math|T=1" in cells
     assert "tree of 4 blocks" in report and "drafts cut below 0.3" in report
+    assert all(len(c["gamma_ci"]) == 2 and len(c["speedup_ci"]) == 2 for c in cells.values())
     for c in cells.values():
         assert c["gamma"] >= 1 and c["speedup"] > 0 and c["n_prompts"] == 1
         assert c["cond_num"][0] <= c["cond_den"][0] == c["drafts"]

@@ -201,7 +201,10 @@ def test_training_predicts_what_the_serving_proposers_draft(world, trained):
     L, anchor = 14, 7
     for kind in ("dflash", "eagle3"):
         model = load_model(trained[kind], target)
-        proposer = load_proposer(trained[kind], target, n_slots=2, max_context=64)
+        # EAGLE-3's chain (its sampling rows' draft with sampled_tree off), the rollout's shape.
+        proposer = load_proposer(
+            trained[kind], target, n_slots=2, max_context=64, sampled_tree=kind != "eagle3"
+        )
         F_ = model.cfg.feature_dim
         ctx = rng.integers(0, 512, L)
         feats = rng.standard_normal((L, F_)).astype(np.float32)
