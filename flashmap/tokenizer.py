@@ -140,9 +140,8 @@ class ChatTemplate:
         """Render [{"role", "content"}, ...] (flashmap.chat.template_messages: an assistant's
         tool_calls and reasoning_content, a tool's tool_call_id too) with the tools and the
         template's own arguments (`template_kwargs`, e.g. enable_thinking), as transformers
-        passes them;
-        InvalidRequest for a malformed conversation or one the template refuses (its
-        raise_exception)."""
+        passes them; InvalidRequest for a malformed conversation or one the template refuses
+        (its raise_exception)."""
         messages = template_messages(messages)
         try:
             return self._template.render(

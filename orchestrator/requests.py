@@ -138,7 +138,8 @@ class TextPieces:
     def push(self, new: list[int], logprobs: list[TokenLogprob] | None = None) -> Piece | None:
         """The piece these tokens free, if any; `stopped` says when a stop string was reached."""
         if logprobs is not None:
-            self.logprobs = (self.logprobs or []) + list(logprobs)
+            self.logprobs = [] if self.logprobs is None else self.logprobs
+            self.logprobs.extend(logprobs)
         d = self.decoder
         if d is None:
             self.sent_ids += len(new)
