@@ -10,7 +10,15 @@
 
 generate and generate_stream take one prompt (prompt=, prompt_ids= or messages=), request_id=,
 and the request's options: the fields of flashmap.request_options.RequestOptions by name, or a
-RequestOptions as options= (fields by name then change it).
+RequestOptions as options= (fields by name then change it). A conversation's answer comes apart
+as the server splits it: `text` (the answer), `reasoning_content` (a template that thinks),
+`tool_calls`, and `thinking` (the mode that ran); `logprobs=True` brings each token's
+log-probability (flashmap.types.TokenLogprob).
+
+    out = c.generate(messages=[{"role": "user", "content": "Weather in Paris?"}],
+                     tools=[{"type": "function", "function": {"name": "get_weather"}}],
+                     chat_template_kwargs={"enable_thinking": False}, max_new_tokens=256)
+    print(out.thinking, out.reasoning_content, out.tool_calls, out.text)
 
 gRPC errors become FlashMapError subclasses (InvalidArgument, ResourceExhausted,
 Unavailable, ...), each with the server's message. DrafterAdmin switches the drafter's
@@ -34,9 +42,10 @@ from flashmap.auth import (
     bearer,
     read_secret,
 )
+from flashmap.chat import ToolCall
 from flashmap.request_options import Prompt, RequestOptions
 from flashmap.request_proto import options_to_proto, prompt_to_proto
-from flashmap.types import SpecStats
+from flashmap.types import SpecStats, TokenLogprob
 from flashmap.v1 import drafter_pb2, drafter_pb2_grpc, serving_pb2, serving_pb2_grpc
 from flashmap.wire import stats_from_proto
 
@@ -98,6 +107,9 @@ class Chunk:
     request_id: str
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
+    reasoning_content: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # when asked: one per token id
     finished: bool = False
     finish_reason: str = ""
     prompt_tokens: int = 0
@@ -105,10 +117,13 @@ class Chunk:
     stats: SpecStats | None = None
     time_to_first_token_s: float = 0.0
     total_s: float = 0.0
+    thinking: str = ""  # a conversation's thinking mode: "on", "off" or "unsupported"
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
         d["stats"] = self.stats.as_dict() if self.stats else None
+        d["tool_calls"] = [c.__dict__ for c in self.tool_calls]
+        d["logprobs"] = [x.__dict__ for x in self.logprobs]
         return d
 
     def summary(self) -> str:
@@ -130,6 +145,10 @@ class Completion:
     prompt_tokens: int
     time_to_first_token_s: float
     total_s: float
+    reasoning_content: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    thinking: str = ""
 
 
 def _request(
@@ -151,7 +170,18 @@ def _request(
 
 def _chunk(resp: serving_pb2.GenerateResponse) -> Chunk:
     if resp.WhichOneof("kind") == "chunk":
-        return Chunk(resp.request_id, list(resp.chunk.token_ids), resp.chunk.text)
+        c = resp.chunk
+        return Chunk(
+            resp.request_id,
+            list(c.token_ids),
+            c.text,
+            c.reasoning_content,
+            [ToolCall(t.id, t.name, t.arguments) for t in c.tool_calls],
+            [
+                TokenLogprob(x.token_id, x.logprob, list(x.top_ids), list(x.top_logprobs))
+                for x in c.logprobs
+            ],
+        )
     f = resp.final
     return Chunk(
         resp.request_id,
@@ -162,11 +192,12 @@ def _chunk(resp: serving_pb2.GenerateResponse) -> Chunk:
         stats=stats_from_proto(f.stats),
         time_to_first_token_s=f.time_to_first_token_s,
         total_s=f.total_s,
+        thinking=f.thinking,
     )
 
 
 def _collect(chunks) -> Completion:
-    ids, text = [], []
+    ids, text, reasoning, calls, logprobs = [], [], [], [], []
     for c in chunks:
         if c.finished:
             return Completion(
@@ -178,9 +209,16 @@ def _collect(chunks) -> Completion:
                 c.prompt_tokens,
                 c.time_to_first_token_s,
                 c.total_s,
+                "".join(reasoning),
+                calls,
+                logprobs,
+                c.thinking,
             )
         ids.extend(c.token_ids)
         text.append(c.text)
+        reasoning.append(c.reasoning_content)
+        calls.extend(c.tool_calls)
+        logprobs.extend(c.logprobs)
     raise FlashMapError("stream ended without a final message")
 
 

@@ -22,7 +22,14 @@ from flashmap.draft_call import answer, ask, take
 from flashmap.round_metadata import DraftBatch, SeqPlan
 from flashmap.rounds import run_local, speculative_round
 from flashmap.sequence import Sequence
-from flashmap.types import BLOCK_SIZE, TOP_M, GenerationRequest, SpecStats, VerifyRow
+from flashmap.types import (
+    BLOCK_SIZE,
+    TOP_M,
+    GenerationRequest,
+    SpecStats,
+    TokenLogprob,
+    VerifyRow,
+)
 
 
 @dataclass
@@ -33,6 +40,7 @@ class GenerationResult:
     finish_reason: str
     stats: SpecStats
     wall_s: float = 0.0  # the whole decode call (shared by the requests it ran together)
+    logprobs: list[TokenLogprob] | None = None  # per token, when the request asks (logprobs)
 
 
 class LocalDrafter:
@@ -129,6 +137,7 @@ def decode(
                     s.generated,
                     s.finish_reason,
                     s.stats,
+                    logprobs=s.logprobs if s.top_logprobs >= 0 else None,
                 )
     wall = time.perf_counter() - t_start
     for r in results:

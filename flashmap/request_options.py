@@ -25,9 +25,11 @@ import typing
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
 
+from flashmap.chat import check_chat_template_kwargs, check_tool_choice, check_tools
 from flashmap.config import Option
 from flashmap.types import (
     GenerationRequest,
+    InvalidRequest,
     SamplingParams,
     check_draft_steps,
     check_max_draft_tokens,
@@ -35,6 +37,7 @@ from flashmap.types import (
     check_seed,
     check_temperature,
     check_top_k,
+    check_top_logprobs,
     check_top_p,
     check_tree_blocks,
 )
@@ -129,6 +132,32 @@ class RequestOptions:
         "default: the server's)",
         check=check_tree_blocks,
     )
+    # A conversation's: rendered by the target's chat template (flashmap.chat).
+    chat_template_kwargs: dict = request_option(
+        help='arguments of the chat template, a JSON object (e.g. {"enable_thinking": false})',
+        check=check_chat_template_kwargs,
+        default_factory=dict,
+    )
+    tools: list[dict] = request_option(
+        help='a tool the model may call, a JSON object as OpenAI\'s {"type": "function", '
+        '"function": {"name", "description", "parameters"}} (repeatable); the chat template '
+        "renders them and the calls are parsed from the output",
+        check=check_tools,
+        default_factory=list,
+    )
+    tool_choice: str | None = request_option(
+        None,
+        'with tools: "auto" (default: calls are parsed) or "none" (the text stays text)',
+        check=check_tool_choice,
+    )
+    logprobs: bool = request_option(
+        False,
+        "the target's log-probability of each generated token (its raw distribution, before "
+        "temperature, top-k and top-p; exact under speculation)",
+    )
+    top_logprobs: int = request_option(
+        0, "with logprobs: also the n most likely tokens at each position", check=check_top_logprobs
+    )
 
     def validate(self) -> RequestOptions:
         """Every field's check (InvalidRequest with a one-line message); None is never checked."""
@@ -137,7 +166,14 @@ class RequestOptions:
             value = getattr(self, f.name)
             if check is not None and value is not None:
                 check(value)
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs")
         return self
+
+    @property
+    def chat_options(self) -> bool:
+        """Options that only a conversation takes (its chat template's)."""
+        return bool(self.chat_template_kwargs or self.tools or self.tool_choice is not None)
 
     def to_sampling_params(self) -> SamplingParams:
         return SamplingParams(
@@ -172,6 +208,7 @@ class RequestOptions:
             request_id,
             self.max_draft_tokens,
             self.tree_blocks,
+            self.top_logprobs if self.logprobs else None,
         )
         gen.validate(vocab_size, max_seq_len)
         return gen
@@ -180,7 +217,8 @@ class RequestOptions:
 @dataclass(frozen=True)
 class Prompt:
     """What a request continues: one of a text, token ids, or a conversation (`messages`,
-    [{"role", "content"}]) that the server renders with the target's chat template."""
+    [{"role", "content"}], and an assistant's "tool_calls" and "reasoning_content", a tool
+    message's "tool_call_id") that the server renders with the target's chat template."""
 
     text: str | None = None
     token_ids: list[int] | None = None

@@ -67,6 +67,9 @@ def options_to_proto(options: RequestOptions, msg):
     return msg
 
 
+_MESSAGE_TEXTS = ("reasoning_content", "tool_call_id", "name")  # ChatMessage's optional texts
+
+
 def prompt_from_proto(msg) -> Prompt:
     kind = msg.WhichOneof("prompt")
     if kind == "text":
@@ -75,9 +78,30 @@ def prompt_from_proto(msg) -> Prompt:
         return Prompt(token_ids=list(msg.token_ids.ids))
     if kind == "messages":
         return Prompt(
-            messages=[{"role": m.role, "content": m.content} for m in msg.messages.messages]
+            messages=[_message_from_proto(m, i) for i, m in enumerate(msg.messages.messages)]
         )
     return Prompt()
+
+
+def _message_from_proto(m, i: int) -> dict:
+    """A ChatMessage as a message dict: its optional fields only when set."""
+    out = {"role": m.role, "content": m.content}
+    out.update({k: getattr(m, k) for k in _MESSAGE_TEXTS if getattr(m, k)})
+    if m.tool_calls:
+        try:
+            out["tool_calls"] = json.loads(m.tool_calls)
+        except json.JSONDecodeError as e:
+            raise InvalidRequest(f"messages[{i}].tool_calls must be JSON text: {e}") from None
+    return out
+
+
+def _message_to_proto(m: dict, out) -> None:
+    out.role, out.content = m["role"], m.get("content") or ""
+    for k in _MESSAGE_TEXTS:
+        if m.get(k):
+            setattr(out, k, m[k])
+    if m.get("tool_calls"):
+        out.tool_calls = json.dumps(m["tool_calls"], ensure_ascii=False)
 
 
 def prompt_to_proto(prompt: Prompt, msg):
@@ -88,7 +112,7 @@ def prompt_to_proto(prompt: Prompt, msg):
     elif prompt.messages is not None:
         msg.messages.SetInParent()  # an empty conversation is still a conversation
         for m in prompt.messages:
-            msg.messages.messages.add(role=m["role"], content=m["content"])
+            _message_to_proto(m, msg.messages.messages.add())
     elif prompt.text is not None:
         msg.text = prompt.text
     return msg

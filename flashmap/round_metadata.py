@@ -92,6 +92,7 @@ class SequenceRound:
         ""  # why a sequence planned to draft had none: unavailable | timeout | context_lost
     )
     error: BaseException | None = None
+    logprobs: list | None = None  # [len(new_tokens)] TokenLogprob, when the request asks
 
 
 @dataclass

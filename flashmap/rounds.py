@@ -191,7 +191,10 @@ def commit_round(
             continue
         result, path = res
         new, accepted = s.commit(row, draft, result, path)
-        out.sequences.append(SequenceRound(s, new, prefill, row.num_draft, accepted, fallback))
+        logprobs = s.logprobs[len(s.logprobs) - len(new) :] if s.top_logprobs >= 0 else None
+        out.sequences.append(
+            SequenceRound(s, new, prefill, row.num_draft, accepted, fallback, logprobs=logprobs)
+        )
         if s.seq_id in expected:
             out.expected_accepted += float(expected[s.seq_id])
             out.accepted += accepted

@@ -32,6 +32,7 @@ from flashmap.types import (
     GenerationRequest,
     SeqId,
     SpecStats,
+    TokenLogprob,
     VerifyResult,
     VerifyRow,
 )
@@ -63,6 +64,10 @@ class Sequence:
         self.stats = SpecStats(block_size)
         self.context = DrafterContext()
         self._stop = set(request.stop_token_ids)
+        # What each row asks the target for (VerifyRow.logprobs), and per generated token its
+        # log-probability and top tokens, from the verify pass that committed it.
+        self.top_logprobs = -1 if request.logprobs is None else int(request.logprobs)
+        self.logprobs: list[TokenLogprob] = []
 
     # -- state -----------------------------------------------------------------
     @property
@@ -124,6 +129,7 @@ class Sequence:
             row = VerifyRow(
                 self.handle, len(self.tokens) - 1, toks, self.params, draft.support_ids, round_seed
             )
+            row.logprobs = self.top_logprobs
             if draft.parents is not None:
                 row.parents = draft.parents
                 if draft.proposal_law and not self.params.greedy:
@@ -184,6 +190,7 @@ class Sequence:
             next_seeds,
             features,
             features_from,
+            logprobs=self.top_logprobs,
         )
 
     def ends_with(self, row: VerifyRow, ahead: int = 0) -> bool:
@@ -240,6 +247,11 @@ class Sequence:
         prompt = not self.prefilled
         self.prefilled = True
         kept = self._append(new)
+        if self.top_logprobs >= 0:  # token j was committed at the row's verified position j
+            self.logprobs += [
+                result.token_logprob(j, t, row.support_ids[j] if j < k else (), self.params.greedy)
+                for j, t in enumerate(kept)
+            ]
         self._rng_at = {n: st for n, st in self._rng_at.items() if n >= len(self.tokens)}
         # A multi-step row: one round per step whose token was kept (not those past a stop).
         for _ in range(1 if k or tree is not None else len(kept) - prompt):

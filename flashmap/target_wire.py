@@ -17,7 +17,23 @@ import numpy as np
 
 from flashmap.types import InvalidRequest, SamplingParams, VerifyResult, VerifyRow
 
-VERIFY_OUTPUTS = ("ARGMAX", "SUPPORT_PROBS", "COMPLEMENT", "RESIDUAL", "FEATURES", "PATH")
+VERIFY_OUTPUTS = (
+    "ARGMAX",
+    "SUPPORT_PROBS",
+    "COMPLEMENT",
+    "RESIDUAL",
+    "FEATURES",
+    "PATH",
+    "TOKEN_LOGPROBS",
+    "TOP_IDS",
+    "TOP_LOGPROBS",
+)
+# VerifyResult's log-probabilities, by output: empty [0, 0] for a row that does not ask.
+LOGPROB_OUTPUTS = {
+    "TOKEN_LOGPROBS": ("logprobs", np.float32),
+    "TOP_IDS": ("top_ids", np.int64),
+    "TOP_LOGPROBS": ("top_logprobs", np.float32),
+}
 
 
 def verify_inputs(row: VerifyRow) -> dict[str, np.ndarray]:
@@ -48,6 +64,8 @@ def verify_inputs(row: VerifyRow) -> dict[str, np.ndarray]:
             out["PARENTS"] = np.asarray(row.parents, np.int64).reshape(1, -1)
             if row.support_q.size:
                 out["SUPPORT_Q"] = np.asarray(row.support_q, np.float32)[None]
+        if row.logprobs >= 0:
+            out["LOGPROBS"] = np.array([[row.logprobs]], np.int32)
     except (OverflowError, ValueError, TypeError) as e:
         raise InvalidRequest(f"verify row does not fit the target's tensor types: {e}") from None
     return out
@@ -110,6 +128,7 @@ def parse_verify_inputs(get: Callable[[str], np.ndarray | None]) -> VerifyRow | 
         round_seed=int(scalar(get, "ROUND_SEED", 0)),
         features=not bool(scalar(get, "NO_FEATURES", False)),
         features_from=int(scalar(get, "FEATURES_FROM", -1)),
+        logprobs=int(scalar(get, "LOGPROBS", -1)),
     )
     seeds = _unbatch(get, "NEXT_SEEDS", 1, np.int64)
     if seeds is not None:
@@ -142,6 +161,8 @@ def verify_outputs(
         "FEATURES": np.asarray(result.features).astype(features_dtype, copy=False),
         "PATH": np.zeros(0, np.int64) if path is None else np.asarray(path, np.int64),
     }
+    for name, (field, dtype) in LOGPROB_OUTPUTS.items():
+        out[name] = np.asarray(getattr(result, field), dtype)  # [K+1, S+1] / [K+1, n]
     return {k: np.ascontiguousarray(v[None]) for k, v in out.items()}
 
 
@@ -154,6 +175,7 @@ def empty_outputs(feature_dim: int, features_dtype=np.float32) -> dict[str, np.n
         "RESIDUAL": np.zeros((1, 0), np.int64),
         "FEATURES": np.zeros((1, 0, feature_dim), features_dtype),
         "PATH": np.zeros((1, 0), np.int64),
+        **{name: np.zeros((1, 0, 0), dtype) for name, (_, dtype) in LOGPROB_OUTPUTS.items()},
     }
 
 
@@ -161,8 +183,13 @@ def parse_verify_outputs(
     get: Callable[[str], np.ndarray | None],
 ) -> tuple[VerifyResult, np.ndarray]:
     """(VerifyResult, a tree row's accepted path: empty for a chain) from the model's output
-    tensors."""
+    tensors (the log-probabilities, absent: none)."""
     path = get("PATH")
+    logprobs = {}
+    for name, (field, dtype) in LOGPROB_OUTPUTS.items():
+        a = get(name)
+        if a is not None:
+            logprobs[field] = a[0].astype(dtype, copy=False)
     return VerifyResult(
         argmax=get("ARGMAX")[0].astype(np.int64, copy=False),
         support_probs=get("SUPPORT_PROBS")[0].astype(np.float32, copy=False),
@@ -171,6 +198,7 @@ def parse_verify_outputs(
         features=get("FEATURES")[
             0
         ],  # float32 or float16, as the model is configured: passed on as it is
+        **logprobs,
     ), np.zeros(0, np.int64) if path is None else path.reshape(-1).astype(np.int64)
 
 
@@ -292,6 +320,7 @@ ROW_INPUTS = frozenset(
         "FEATURES_FROM",
         "PARENTS",
         "SUPPORT_Q",
+        "LOGPROBS",
     }
 )
 ROW_OUTPUTS = frozenset(VERIFY_OUTPUTS) | {"ERROR", "CODE"}
@@ -353,8 +382,9 @@ def parse_packed_round(
 
 def packed_outputs(rows: list[dict[str, np.ndarray] | tuple[int, str]]) -> bytes:
     """ROWS_OUT: per row its output tensors (verify_outputs / empty_outputs) or (error code,
-    message). A greedy row's empty sampling outputs and a chain's empty PATH are left out
-    (parse_packed_outputs restores them)."""
+    message). A greedy row's empty sampling outputs, a chain's empty PATH and the empty
+    log-probabilities of a row that did not ask are left out (parse_packed_outputs restores
+    them)."""
     out = []
     for r in rows:
         if not isinstance(r, dict):
@@ -374,6 +404,9 @@ def packed_outputs(rows: list[dict[str, np.ndarray] | tuple[int, str]]) -> bytes
             del r["SUPPORT_PROBS"], r["COMPLEMENT"], r["RESIDUAL"]
         if r["PATH"].size == 0:
             del r["PATH"]
+        if r.get("TOKEN_LOGPROBS") is not None and r["TOKEN_LOGPROBS"].size == 0:
+            for name in LOGPROB_OUTPUTS:
+                r.pop(name, None)
         out.append(r)
     return pack_arrays(out)
 

@@ -109,6 +109,15 @@ def check_seed(seed: int) -> int:
     return seed
 
 
+MAX_TOP_LOGPROBS = 20  # alternatives per generated token (OpenAI's limit)
+
+
+def check_top_logprobs(n: int) -> int:
+    if not (isinstance(n, (int, np.integer)) and 0 <= n <= MAX_TOP_LOGPROBS):
+        raise InvalidRequest(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {n}")
+    return n
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
@@ -139,6 +148,12 @@ class GenerationRequest:
     request_id: str = ""
     max_draft_tokens: int | None = None  # None: the drafter's block size; 0: speculation off
     tree_blocks: int | None = None  # None: the server's (flashmap.round_metadata)
+    # The target's log-probability of each generated token and of the n most likely tokens at
+    # its position (n = logprobs; None: none). Rows of this request ask the verify pass for them.
+    logprobs: int | None = None
+    # A conversation's output format (flashmap.chat.ChatFormat: thinking, tool calls); None:
+    # the text is read as it is.
+    chat: object = None
 
     def validate(self, vocab_size: int, max_seq_len: int) -> None:
         """Raise InvalidRequest with a one-line message for anything a server must refuse."""
@@ -165,6 +180,8 @@ class GenerationRequest:
             check_max_draft_tokens(self.max_draft_tokens)
         if self.tree_blocks is not None:
             check_tree_blocks(self.tree_blocks)
+        if self.logprobs is not None:
+            check_top_logprobs(self.logprobs)
         self.params.validate()
 
 
@@ -262,6 +279,10 @@ class VerifyRow:
     ([start_pos - features_from + L + steps - 1, F]), so a sequence whose rows went without
     features catches its drafter's context up in one row.
 
+    logprobs >= 0: the result carries the raw log-probabilities (log-softmax of the logits,
+    before temperature, top-k and top-p) of the tokens each position may commit, and the
+    `logprobs` most likely tokens there (VerifyResult.logprobs); -1: none (no cost).
+
     parents (non-empty): the K drafted tokens are a tree, draft i a child of draft parents[i]
     (< i; -1: the anchor), verified in one pass with tree attention (target_service.tree). The
     target walks it and answers for the path of drafts it accepts, as if that path alone had
@@ -289,6 +310,7 @@ class VerifyRow:
     # drawn from its own q given the drafter's randomness). Present: the target verifies the
     # tree by multi-draft rejection sampling with q; empty: it follows its own picks.
     support_q: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))
+    logprobs: int = -1  # -1: no log-probabilities; n >= 0: with the top n per position
 
     @property
     def num_draft(self) -> int:
@@ -308,18 +330,59 @@ class VerifyRow:
 class VerifyResult:
     """Per-position verification statistics (docs/ARCHITECTURE.md, exact sampling protocol). A row of
     `steps` > 1 (no drafts) gets argmax and residual [steps], one per decoded token, and
-    features [L + steps - 1, F] (its tokens, then every decoded token but the last)."""
+    features [L + steps - 1, F] (its tokens, then every decoded token but the last).
+
+    A row that asks for log-probabilities (VerifyRow.logprobs = n >= 0) gets, per position,
+    the raw log-probabilities of every token the position may commit: the support ids S_k
+    (columns :S, -inf on padding and at the bonus position) and the target's own token there
+    (the last column: `decoded`), so whatever rejection sampling commits, its log-probability
+    is here; and the n most likely tokens with theirs. O(K * (S + n)) numbers; empty [0, 0]
+    for a row that does not ask."""
 
     argmax: np.ndarray  # [K+1] int64, target argmax after the anchor and each draft token
     support_probs: np.ndarray  # [K, S] float32, p_k(s) for s in S_k (0 for padding); empty at T=0
     complement: np.ndarray  # [K] float32, c_k = 1 - sum_s p_k(s); empty at T=0
     residual: np.ndarray  # [K+1] int64, y_k ~ p_k outside S_k (row K: bonus ~ p_{K+1}); -1 if none
     features: np.ndarray  # [L, F] float32, feature-layer hidden states of every input position
+    logprobs: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # [K+1, S+1]
+    top_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))  # [K+1, n]
+    top_logprobs: np.ndarray = field(
+        default_factory=lambda: np.zeros((0, 0), np.float32)
+    )  # [K+1, n]
 
     def decoded(self, greedy: bool) -> np.ndarray:
         """The target's own next token after each bonus position: its argmax at T = 0, its
         sample otherwise (what a row without drafts commits, one per step)."""
         return self.argmax if greedy else self.residual
+
+    def token_logprob(self, j: int, token: int, support: np.ndarray, greedy: bool) -> TokenLogprob:
+        """The committed `token` at verified position j (support: S_j, the row's support ids
+        there, or empty) with its log-probability and position j's top tokens."""
+        lp = self.logprobs[j]
+        if token == int(self.decoded(greedy)[j]):
+            value = lp[-1]
+        else:
+            hits = np.nonzero(np.asarray(support).reshape(-1) == token)[0]
+            if not len(hits):
+                raise ValueError(f"token {token} at position {j}: not a token the row could commit")
+            value = lp[hits[0]]
+        return TokenLogprob(
+            int(token),
+            float(value),
+            self.top_ids[j].tolist(),
+            self.top_logprobs[j].tolist(),
+        )
+
+
+@dataclass
+class TokenLogprob:
+    """A generated token with the target's raw log-probability of it at its position and the
+    most likely tokens there (ids and log-probabilities, most likely first)."""
+
+    token: int
+    logprob: float
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
 
 
 # A sequence's id between the parts: the drafter's key for its context. Triton's correlation id

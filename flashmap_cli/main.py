@@ -3,7 +3,13 @@
   flashmap generate --in-process --target DIR --drafter DIR|init --prompt TEXT ...
   flashmap generate "prompt" [--url HOST:PORT]        (against a running stack)
   flashmap generate --chat "What can you do?"         (the prompt as a user turn of the chat template)
+  flashmap generate --chat "Weather in Paris?" --tools '{"type": "function", ...}' \
+      --chat-template-kwargs '{"enable_thinking": false}' --logprobs --top-logprobs 3 --json
   flashmap up                                          (target + drafter + orchestrator)
+
+A conversation's answer goes to stdout, its reasoning (a template that thinks) to stderr, its
+tool calls to stdout as `tool call: NAME ARGUMENTS`; --json has them all, with each token's
+log-probability when asked.
 
 Bad input is a one-line `error: ...` on stderr and exit status 2, never a traceback.
 """
@@ -132,6 +138,8 @@ def _cmd_generate(args) -> int:
         raise UsageError("--chat takes a text prompt, not --prompt-ids")
     if a.system is not None and not a.chat:
         raise UsageError("--system goes with --chat")
+    if options.chat_options and not a.chat:
+        raise UsageError("--chat-template-kwargs, --tools and --tool-choice go with --chat")
     if not a.in_process:
         if a.min_confidence or a.compile:
             raise UsageError(
@@ -157,14 +165,19 @@ def _generate_in_process(a: GenerateConfig, options: RequestOptions) -> int:
     drafter_dir = None if a.ar else checkpoint_dir(a.drafter)
     layers, _ = target_inputs(drafter_dir, a.target, project=False)  # the drafter's layers
     engine = TargetEngine(a.target, n_slots=1, feature_layers=layers)
-    tokenizer = None
+    tokenizer, chat = None, None
     if a.prompt_ids is not None:
         prompt_ids = _parse_ids(a.prompt_ids)
     else:
         from flashmap.tokenizer import TextTokenizer
 
         tokenizer = TextTokenizer(a.target)
-        prompt_ids = tokenizer.encode(tokenizer.render_chat(_messages(a)) if a.chat else a.prompt)
+        text = a.prompt
+        if a.chat:
+            text, chat = tokenizer.render_conversation(
+                _messages(a), options.tools, options.tool_choice, options.chat_template_kwargs
+            )
+        prompt_ids = tokenizer.encode(text)
     req = options.to_request(  # the edge: trusted from here on
         prompt_ids,
         vocab_size=engine.vocab_size,
@@ -204,10 +217,25 @@ def _generate_in_process(a: GenerateConfig, options: RequestOptions) -> int:
         tokenizer = TextTokenizer(a.target)
     if tokenizer is not None:
         out["text"] = tokenizer.decode(res.token_ids)
+    if chat is not None:  # the answer, its reasoning and tool calls, as the server splits them
+        from flashmap.chat import ChatReader
+
+        reader = ChatReader(chat)
+        whole, rest = reader.push(out["text"]), reader.finish()
+        out["text"] = whole.content + rest.content
+        out["reasoning_content"] = whole.reasoning + rest.reasoning
+        out["tool_calls"] = [c.__dict__ for c in whole.tool_calls + rest.tool_calls]
+        out["thinking"] = chat.thinking
+    if res.logprobs is not None:
+        out["logprobs"] = [x.__dict__ for x in res.logprobs]
     if a.json:
         print(json.dumps(out))
     else:
+        if out.get("reasoning_content"):
+            print(out["reasoning_content"], file=sys.stderr)
         print(out.get("text", ",".join(map(str, res.token_ids))))
+        for c in out.get("tool_calls", ()):
+            print(f"tool call: {c['name']} {c['arguments']}")
         print(
             stats_report(out["mode"], len(res.token_ids), res.finish_reason, s, res.wall_s),
             file=sys.stderr,
@@ -228,18 +256,27 @@ def _generate_remote(a: GenerateConfig, options: RequestOptions) -> int:
             kwargs["messages"] = _messages(a)
         else:
             kwargs["prompt"] = a.prompt
-        final, ids, text = None, [], []
+        final, chunks = None, []
         for chunk in client.generate_stream(**kwargs):
             if chunk.finished:
                 final = chunk
                 continue
-            ids.extend(chunk.token_ids)
-            text.append(chunk.text)
+            chunks.append(chunk)
             if not a.json:
+                sys.stderr.write(chunk.reasoning_content)
                 sys.stdout.write(chunk.text)
+                for c in chunk.tool_calls:
+                    sys.stdout.write(f"\ntool call: {c.name} {c.arguments}\n")
                 sys.stdout.flush()
         if a.json:
-            out = {**final.as_dict(), "token_ids": ids, "text": "".join(text)}
+            out = final.as_dict()
+            for name in ("token_ids", "text", "reasoning_content", "tool_calls", "logprobs"):
+                parts = [getattr(c, name) for c in chunks]
+                out[name] = (
+                    "".join(parts) if name in ("text", "reasoning_content") else sum(parts, [])
+                )
+            out["tool_calls"] = [c.__dict__ for c in out["tool_calls"]]
+            out["logprobs"] = [x.__dict__ for x in out["logprobs"]]
             del out["finished"]
             print(json.dumps(out))
         else:

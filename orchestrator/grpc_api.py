@@ -17,7 +17,7 @@ from flashmap.request_proto import options_from_proto, prompt_from_proto
 from flashmap.types import GenerationRequest, InvalidRequest
 from flashmap.v1 import serving_pb2, serving_pb2_grpc
 from flashmap.wire import stats_to_proto
-from orchestrator.requests import Piece
+from orchestrator.requests import Piece, chat_support
 from orchestrator.scheduler import SERVICE_NAME, Orchestrator
 
 
@@ -28,6 +28,24 @@ def request_of(
     is refused)."""
     options = options_from_proto(req)
     return orch.make_request(prompt_from_proto(req), options, req.request_id), options
+
+
+def chunk_of(piece: Piece) -> serving_pb2.TokenChunk:
+    return serving_pb2.TokenChunk(
+        token_ids=piece.token_ids,
+        text=piece.text,
+        reasoning_content=piece.reasoning,
+        tool_calls=[
+            serving_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
+            for c in piece.tool_calls
+        ],
+        logprobs=[
+            serving_pb2.TokenLogprob(
+                token_id=x.token, logprob=x.logprob, top_ids=x.top_ids, top_logprobs=x.top_logprobs
+            )
+            for x in piece.logprobs or ()
+        ],
+    )
 
 
 class FlashMapServicer(serving_pb2_grpc.FlashMapServicer):
@@ -58,10 +76,7 @@ class FlashMapServicer(serving_pb2_grpc.FlashMapServicer):
         try:
             async for item in stream:
                 if isinstance(item, Piece):
-                    yield serving_pb2.GenerateResponse(
-                        request_id=rid,
-                        chunk=serving_pb2.TokenChunk(token_ids=item.token_ids, text=item.text),
-                    )
+                    yield serving_pb2.GenerateResponse(request_id=rid, chunk=chunk_of(item))
                     continue
                 if item.error is not None:
                     await context.abort(*item.error)
@@ -76,6 +91,7 @@ class FlashMapServicer(serving_pb2_grpc.FlashMapServicer):
                         stats=stats_to_proto(item.stats),
                         time_to_first_token_s=item.ttft_s,
                         total_s=item.total_s,
+                        thinking=gen.chat.thinking if gen.chat is not None else "",
                     ),
                 )
         finally:
@@ -88,6 +104,7 @@ class FlashMapServicer(serving_pb2_grpc.FlashMapServicer):
 
     async def ModelInfo(self, request, context):
         o = self.orch
+        chat = chat_support(o.tokenizer)
         return serving_pb2.ModelInfoResponse(
             model=o.info.model_name,
             drafter=o.drafter_name(),
@@ -98,6 +115,9 @@ class FlashMapServicer(serving_pb2_grpc.FlashMapServicer):
             eos_token_ids=list(o.info.eos_token_ids),
             max_concurrent=o.max_concurrent,
             max_queue=o.cfg.max_queue,
+            chat_template=chat["template"],
+            chat_thinking=chat["thinking"],
+            chat_tools=chat["tools"],
         )
 
     async def Health(self, request, context):

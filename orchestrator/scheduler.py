@@ -52,7 +52,7 @@ SERVICE_NAME = serving_pb2.DESCRIPTOR.services_by_name["FlashMap"].full_name
 @dataclass
 class _Active:
     seq: Sequence
-    queue: asyncio.Queue  # token lists, then None when finished
+    queue: asyncio.Queue  # (tokens, their log-probabilities or None), then None when finished
     request_id: str
     t_arrival: float
     t_first: float | None = None
@@ -94,7 +94,7 @@ class Orchestrator:
         self._loop_task: asyncio.Task | None = None
         self._health_task: asyncio.Task | None = None
         self._releases: set[asyncio.Task] = set()  # slots being freed on the target and the drafter
-        self._outbox: list[tuple[_Active, list[int] | None]] = []  # not yet on their streams
+        self._outbox: list[tuple[_Active, tuple | None]] = []  # not yet on their streams
         self.health = TargetHealth(SERVICE_NAME, cfg.health_interval_s)
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="orchestrator-tokenize")
 
@@ -398,7 +398,7 @@ class Orchestrator:
                 self.metrics.prompt_tokens.labels(model=name).inc(a.seq.n_prompt)
             elif r.drafted:
                 self.metrics.record_round(self._labels(self._steps_of(a)), r.drafted, r.accepted)
-            self._emit(a, r.new_tokens, now)
+            self._emit(a, r.new_tokens, now, r.logprobs)
         self.metrics.round_latency.labels(
             **self._labels(self.drafter.steps if self.drafter else 0)
         ).observe(time.perf_counter() - t_round)
@@ -430,11 +430,11 @@ class Orchestrator:
                 grpc.StatusCode.INVALID_ARGUMENT, "stop strings need the target's tokenizer"
             )
             return
-        text = TextPieces(self.tokenizer and IncrementalDecoder(self.tokenizer), stops)
+        text = TextPieces(self.tokenizer and IncrementalDecoder(self.tokenizer), stops, gen.chat)
         status = "abort"  # what the requests metric records if the client goes away first
         try:
             while (new := await a.queue.get()) is not None:
-                piece = text.push(new)
+                piece = text.push(*new)
                 if text.stopped:
                     a.seq.finish("stop")
                     self._wake.set()
@@ -488,7 +488,7 @@ class Orchestrator:
             or (self.drafter.steps if self.drafter else 0)
         )
 
-    def _emit(self, a: _Active, new: list[int], now: float) -> None:
+    def _emit(self, a: _Active, new: list[int], now: float, logprobs: list | None = None) -> None:
         if not new:
             return
         name = self.info.model_name
@@ -501,4 +501,4 @@ class Orchestrator:
                 self.metrics.itl.labels(model=name).observe(per_token)
         a.t_last = now
         self.metrics.generated_tokens.labels(model=name).inc(len(new))
-        self._outbox.append((a, new))
+        self._outbox.append((a, (new, logprobs)))

@@ -45,7 +45,7 @@ from target_service.qwen3 import Qwen3, forward_step
 from target_service.qwen3_config import Qwen3Config, generation_eos
 from target_service.row_checks import check_slot, check_tree, validate_rows
 from target_service.tree import verify_trees
-from target_service.verification import verification_stats
+from target_service.verification import logprob_stats, verification_stats
 
 DEFAULT_MAX_SEQ_LEN = 4096
 
@@ -392,13 +392,14 @@ class TargetEngine:
             self._feature_layers,
         )
         stats = verification_stats(logits, rows)
+        logprobs = logprob_stats(logits, rows, stats)
         starts = np.concatenate([[0], np.cumsum(p.lengths)[:-1]])
         feats = self._keep_features(
             rows,
             features,
             [s + np.arange(n) for s, n in zip(starts, p.lengths)],
         )
-        return [VerifyResult(*s, features=f) for s, f in zip(stats, feats)]
+        return [VerifyResult(*s, f, *lp) for s, f, lp in zip(stats, feats, logprobs)]
 
     def _verify_graph(self, rows: list[VerifyRow], key) -> list[VerifyResult]:
         """The same pass through a graph bucket: logits stay on the device (statistics of
@@ -409,10 +410,11 @@ class TargetEngine:
         logits, argmax, feats = self.graphs.run(key, tokens, positions, slots)
         starts = [i * q + len(r.tokens) - r.num_draft - 1 for i, r in enumerate(rows)]
         stats = verification_stats(logits, rows, argmax=argmax, starts=starts)
+        logprobs = logprob_stats(logits, rows, stats, starts)
         own = self._keep_features(
             rows, feats, [i * q + np.arange(len(r.tokens)) for i, r in enumerate(rows)]
         )
-        return [VerifyResult(*s, features=f) for s, f in zip(stats, own)]
+        return [VerifyResult(*s, f, *lp) for s, f, lp in zip(stats, own, logprobs)]
 
     def verify_trees(
         self, rows: list[VerifyRow], features_on_device: bool = False

@@ -13,6 +13,8 @@ import numpy as np
 from flashmap.types import VerifyResult, VerifyRow
 from target_service.kept_features import join_features
 
+_LOGPROBS = ("logprobs", "top_ids", "top_logprobs")  # VerifyResult's, one row per step
+
 
 def decode_more(
     forward: Callable[[list[VerifyRow]], list[VerifyResult]],
@@ -39,6 +41,7 @@ def decode_more(
                     r.params,
                     round_seed=int(r.next_seeds[j]),
                     features=r.features,
+                    logprobs=r.logprobs,
                 )
             )
         for i, res in zip(live, forward(step)):
@@ -50,5 +53,6 @@ def decode_more(
             p[0].complement,
             np.concatenate([x.residual for x in p]),
             join_features([x.features for x in p]),
+            *(np.concatenate([getattr(x, k) for x in p]) for k in _LOGPROBS),
         )
     return out

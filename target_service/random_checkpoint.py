@@ -3,7 +3,11 @@
 `make_random_qwen3(path)` writes a Hugging Face checkpoint directory (config.json,
 model.safetensors, and optionally a byte-level BPE tokenizer with a chat template)
 that both transformers and target_service load. Nothing is downloaded: the weights
-come from a seeded generator and the tokenizer is trained on the text below.
+come from a seeded generator and the tokenizer is trained on the text below. The chat
+template is ChatML, or Qwen3's own (chat_template="qwen3": thinking and tools, with Qwen3's
+think and tool-call tokens as added tokens). A `script` of (token, next token) pairs makes the
+model a bigram model whose greedy continuation follows it (`script_next_tokens`), so a test
+can have a tiny model think, answer and call a tool.
 
 Initialisation: transformers' default std of 0.02 makes the logits of a 64-wide
 model nearly uniform (top-1 probability close to 1/V), so the top-2 gap at
@@ -23,6 +27,16 @@ from pathlib import Path
 import torch
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Qwen3's added tokens that are not special (decoded text keeps them).
+QWEN3_TOKENS = [
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+]
+QWEN3_CHAT_TEMPLATE = Path(__file__).with_name("qwen3_chat_template.jinja")
 EOS_TOKEN = "<|im_end|>"  # chat turns end here; <|endoftext|> also stops (config eos list)
 
 CHAT_TEMPLATE = (
@@ -85,18 +99,28 @@ def make_random_qwen3(
     seed: int = 0,
     init_std: float | None = None,
     with_tokenizer: bool = True,
+    chat_template: str = "chatml",
+    added_tokens: list[str] = (),
+    script: list[tuple[str, str]] = (),
 ) -> Path:
     """Write a random-weight Qwen3ForCausalLM checkpoint to `path`; return the path.
 
     init_std None means default_init_std(hidden_size) (see the module docstring).
     The global torch RNG is left untouched. With a tokenizer, eos ids are
     [<|im_end|>, <|endoftext|>]; without one, eos is the last vocabulary id.
+    chat_template: "chatml" or "qwen3" (Qwen3's template and its think / tool-call tokens).
+    added_tokens: more texts that are one token each. script: (text, next text) pairs, each
+    text one token: after the first the model's argmax is the second (script_next_tokens).
     """
     from transformers import Qwen3Config, Qwen3ForCausalLM  # slow import: only when used
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = _make_tokenizer(vocab_size) if with_tokenizer else None
+    if chat_template not in ("chatml", "qwen3"):
+        raise ValueError(f"chat_template must be chatml or qwen3, got {chat_template!r}")
+    tokenizer = (
+        _make_tokenizer(vocab_size, chat_template, list(added_tokens)) if with_tokenizer else None
+    )
     if tokenizer is not None:
         eos = [
             tokenizer.convert_tokens_to_ids(EOS_TOKEN),
@@ -128,15 +152,43 @@ def make_random_qwen3(
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
                     p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            if script:
+                script_next_tokens(
+                    model, [(_one_token(tokenizer, a), _one_token(tokenizer, b)) for a, b in script]
+                )
     model.save_pretrained(path)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
     return path
 
 
-def _make_tokenizer(vocab_size: int):
-    """A byte-level BPE tokenizer with at most vocab_size entries, as a transformers tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def script_next_tokens(model, pairs: list[tuple[int, int]], boost: float = 25.0) -> None:
+    """Make `model` a bigram model whose argmax after token a is b, for each (a, b) of pairs:
+    every layer's attention and MLP outputs are zeroed, so the last hidden state is the final
+    norm of the current token's embedding, and the LM head gains the least-squares change
+    that adds `boost` to b's logit at a's state and nothing at the other pairs' states (the
+    random logits' spread is far below boost). Other tokens keep random continuations."""
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+    a = torch.tensor([p[0] for p in pairs])
+    states = model.model.norm(model.model.embed_tokens.weight[a])  # [n, H]
+    target = torch.zeros(len(pairs), model.lm_head.weight.shape[0])  # [n, V]
+    target[torch.arange(len(pairs)), torch.tensor([p[1] for p in pairs])] = boost
+    model.lm_head.weight += (torch.linalg.pinv(states) @ target).T  # [V, H]
+
+
+def _one_token(tokenizer, text: str) -> int:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) != 1:
+        raise ValueError(f"script: {text!r} is {len(ids)} tokens, not one (add it to added_tokens)")
+    return ids[0]
+
+
+def _make_tokenizer(vocab_size: int, chat_template: str = "chatml", added: list[str] = ()):
+    """A byte-level BPE tokenizer with at most vocab_size entries, as a transformers tokenizer,
+    with the chat template and the added tokens asked for."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     n_base = 256 + len(SPECIAL_TOKENS)  # every byte plus the special tokens
@@ -155,10 +207,14 @@ def _make_tokenizer(vocab_size: int):
         show_progress=False,
     )
     tok.train_from_iterator([TOKENIZER_TEXT], trainer=trainer)
+    qwen3 = chat_template == "qwen3"
+    extra = (QWEN3_TOKENS if qwen3 else []) + list(added)
+    if extra:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in extra])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=EOS_TOKEN,
         pad_token="<|endoftext|>",
         additional_special_tokens=SPECIAL_TOKENS[1:2],
-        chat_template=CHAT_TEMPLATE,
+        chat_template=QWEN3_CHAT_TEMPLATE.read_text() if qwen3 else CHAT_TEMPLATE,
     )

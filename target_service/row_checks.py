@@ -1,6 +1,6 @@
 """The checks a verify batch passes before the target engine touches any cache: every row
 names an allocated slot once, its tokens, start position, sampling parameters, draft support,
-further decoded tokens and kept features fit the engine. A bad row raises InvalidRequest with
+further decoded tokens, kept features and log-probabilities fit the engine. A bad row raises InvalidRequest with
 one line that names it."""
 
 from __future__ import annotations
@@ -9,7 +9,13 @@ import dataclasses
 
 import numpy as np
 
-from flashmap.types import MAX_PLAIN_TOKENS, InvalidRequest, SamplingParams, VerifyRow
+from flashmap.types import (
+    MAX_PLAIN_TOKENS,
+    MAX_TOP_LOGPROBS,
+    InvalidRequest,
+    SamplingParams,
+    VerifyRow,
+)
 
 
 def check_slot(slot: int, allocated: list[bool], where: str = "") -> None:
@@ -95,6 +101,10 @@ def validate_rows(
             raise InvalidRequest(
                 f"{where}features_from {ff!r}: -1, or a position in [0, start_pos {start}] "
                 "of a row with features"
+            )
+        if not (isinstance(r.logprobs, (int, np.integer)) and -1 <= r.logprobs <= MAX_TOP_LOGPROBS):
+            raise InvalidRequest(
+                f"{where}logprobs {r.logprobs!r}: -1 (none) or the top tokens, 0..{MAX_TOP_LOGPROBS}"
             )
         out.append(
             dataclasses.replace(

@@ -27,7 +27,12 @@ import numpy as np
 import torch
 
 from flashmap.types import VerifyResult, VerifyRow
-from target_service.verification import argmax_ids, exponential_noise, process_logits
+from target_service.verification import (
+    argmax_ids,
+    exponential_noise,
+    path_logprobs,
+    process_logits,
+)
 
 
 @dataclass
@@ -210,11 +215,14 @@ def verify_trees(engine, rows: list[VerifyRow]) -> list[tuple[VerifyResult, np.n
     for b, (r, t, (path, picked)) in enumerate(zip(rows, layouts, walk(logits, rows))):
         argmax = top[logit_at[b] : logit_at[b + 1]][np.concatenate([[0], 1 + path])]
         row_features = features[feature_at[b] : feature_at[b + 1]]  # [n, F]
-        out.append((_result(engine, r, t, path, picked, argmax, row_features), path))
+        logprobs = path_logprobs(logits[logit_at[b] : logit_at[b + 1]], r, path, picked)
+        out.append((_result(engine, r, t, path, picked, argmax, row_features, logprobs), path))
     return out
 
 
-def _result(engine, row: VerifyRow, t: TreeLayout, path, picked, argmax, features) -> VerifyResult:
+def _result(
+    engine, row: VerifyRow, t: TreeLayout, path, picked, argmax, features, logprobs
+) -> VerifyResult:
     """Move the path's K/V to its own positions and answer for the path: the argmax and (at
     T > 0) the target's samples along it as `residual`, the features up to its end."""
     K, n, a = row.num_draft, len(row.tokens), len(path)
@@ -232,4 +240,5 @@ def _result(engine, row: VerifyRow, t: TreeLayout, path, picked, argmax, feature
         np.zeros(0, np.float32),
         picked if sampled else np.full(a + 1, -1, np.int64),
         feats,
+        *logprobs,
     )

@@ -16,6 +16,13 @@ with the batch it was verified in.
 When c_k <= COMPLEMENT_EPS there is nothing left to sample: y_k = -1 and c_k is
 reported as 0, so the orchestrator never takes a branch without a token (the mass
 dropped is below fp32 rounding of the support probabilities).
+
+Log-probabilities (rows with VerifyRow.logprobs >= 0, `logprob_stats`): of the raw
+distribution, log-softmax of the logits before temperature, top-k and top-p (vLLM's default,
+"raw_logprobs"), at the same K+1 positions: of each support id, of the target's own token
+(argmax at T = 0, y_k otherwise) and of the n most likely tokens. Every token a round can
+commit is one of these, so the log-probability of what is committed comes from the verify
+pass itself, whatever the drafter proposed.
 """
 
 from __future__ import annotations
@@ -38,6 +45,19 @@ class RowStats(NamedTuple):
     support_probs: np.ndarray  # [K, S] float32; [0, S] at T=0
     complement: np.ndarray  # [K] float32; [0] at T=0
     residual: np.ndarray  # [K+1] int64; all -1 at T=0
+
+
+class RowLogprobs(NamedTuple):
+    """VerifyResult's log-probabilities (empty [0, 0] for a row that does not ask)."""
+
+    logprobs: np.ndarray  # [K+1, S+1] float32: of the support ids, then of the own token
+    top_ids: np.ndarray  # [K+1, n] int64
+    top_logprobs: np.ndarray  # [K+1, n] float32
+
+
+NO_LOGPROBS = RowLogprobs(
+    np.zeros((0, 0), np.float32), np.zeros((0, 0), np.int64), np.zeros((0, 0), np.float32)
+)
 
 
 def process_logits(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
@@ -92,8 +112,7 @@ def verification_stats(
     (the CUDA-graph path computes it on the device with the logits). Only rows with T > 0
     touch the logits again, on their device; what comes back to the host is O(K * S)."""
     counts = [r.num_draft + 1 for r in rows]
-    if starts is None:
-        starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64).tolist()
+    starts = _packed_starts(counts) if starts is None else starts
     top = argmax_ids(logits) if argmax is None else argmax
     argmaxes = [np.asarray(top[s : s + c], np.int64) for s, c in zip(starts, counts)]
     sampled = _sample_rows(logits, rows, counts, starts)
@@ -108,6 +127,82 @@ def verification_stats(
                 RowStats(argmaxes[i], np.zeros((0, S), np.float32), np.zeros(0, np.float32), none)
             )
     return out
+
+
+def _packed_starts(counts: list[int]) -> list[int]:
+    return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64).tolist()
+
+
+def logprob_stats(
+    logits: Tensor, rows: list[VerifyRow], stats: list[RowStats], starts: list[int] | None = None
+) -> list[RowLogprobs]:
+    """Per row (positions as in verification_stats) its RowLogprobs: the support ids' and the
+    own token's (from `stats`) raw log-probabilities and the top VerifyRow.logprobs tokens;
+    NO_LOGPROBS for rows that do not ask, which cost nothing."""
+    picked = [i for i, r in enumerate(rows) if r.logprobs >= 0]
+    out = [NO_LOGPROBS] * len(rows)
+    if not picked:
+        return out
+    counts = [r.num_draft + 1 for r in rows]
+    starts = _packed_starts(counts) if starts is None else starts
+    V = logits.shape[-1]
+    index = np.concatenate([np.arange(starts[i], starts[i] + counts[i]) for i in picked])
+    S = max(rows[i].support_ids.shape[1] for i in picked)
+    candidates = np.full((len(index), S + 1), V, np.int64)  # V: no token (-inf)
+    at = 0
+    for i in picked:
+        r, n = rows[i], counts[i]
+        sup = r.support_ids
+        candidates[at : at + sup.shape[0], : sup.shape[1]] = np.where(sup >= 0, sup, V)
+        own = stats[i].argmax if r.params.greedy else stats[i].residual
+        candidates[at : at + n, S] = np.where(own >= 0, own, V)
+        at += n
+    lp, top_ids, top_lp = candidate_logprobs(
+        logits[torch.as_tensor(index, device=logits.device)],
+        candidates,
+        max(rows[i].logprobs for i in picked),
+    )
+    at = 0
+    for i in picked:
+        r, n, s = rows[i], counts[i], rows[i].support_ids.shape[1]
+        cols = np.r_[np.arange(s), S]
+        top = slice(0, r.logprobs)
+        out[i] = RowLogprobs(
+            lp[at : at + n][:, cols], top_ids[at : at + n, top], top_lp[at : at + n, top]
+        )
+        at += n
+    return out
+
+
+def path_logprobs(
+    logits: Tensor, row: VerifyRow, path: np.ndarray, picked: np.ndarray
+) -> RowLogprobs:
+    """A tree row's RowLogprobs for its accepted path, as a chain of that path would get them:
+    logits [1 + K, V] of the row's anchor and drafts; picked [len(path) + 1] the target's
+    tokens along the path (the path's drafts, then the token after it)."""
+    if row.logprobs < 0:
+        return NO_LOGPROBS
+    V = logits.shape[-1]
+    nodes = torch.as_tensor(np.concatenate([[0], 1 + path]), device=logits.device)
+    drafts = row.tokens[len(row.tokens) - row.num_draft :][path]
+    candidates = np.stack([np.r_[drafts, V], picked]).T.astype(np.int64)  # [a + 1, 2]
+    return RowLogprobs(*candidate_logprobs(logits[nodes], candidates, row.logprobs))
+
+
+def candidate_logprobs(
+    logits: Tensor, candidates: np.ndarray, n: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """logits [M, V]; candidates [M, C] token ids (V: none). The raw log-probabilities of the
+    candidates [M, C] (-inf for none), and the n most likely tokens [M, n] with theirs."""
+    lsm = logits.float().log_softmax(-1)  # [M, V]
+    padded = torch.cat([lsm, lsm.new_full((lsm.shape[0], 1), float("-inf"))], dim=1)
+    picked = padded.gather(1, torch.as_tensor(candidates, device=lsm.device))  # [M, C]
+    top_lp, top_ids = lsm.topk(n, dim=-1) if n else (lsm[:, :0], lsm[:, :0].long())
+    return (
+        picked.cpu().numpy().astype(np.float32),
+        top_ids.cpu().numpy().astype(np.int64),
+        top_lp.cpu().numpy().astype(np.float32),
+    )
 
 
 def _sample_rows(

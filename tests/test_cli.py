@@ -205,9 +205,21 @@ def test_chat_prompt_goes_through_the_chat_template(ckpts, capsys):
         and json.loads(out)["token_ids"] == chat["token_ids"]
         and len(chat["token_ids"]) == 6
     )
+    # ChatML neither thinks nor renders tools; log-probabilities come with the ids.
+    assert chat["thinking"] == "unsupported" and chat["tool_calls"] == []
+    code, out, _ = _run(
+        capsys, *base, "--chat", "--prompt", "hi", "--logprobs", "--top-logprobs", "2"
+    )
+    got = json.loads(out)
+    assert code == 0 and [x["token"] for x in got["logprobs"]] == got["token_ids"]
+    assert all(len(x["top_ids"]) == 2 and x["logprob"] <= 0 for x in got["logprobs"])
+    tool = '{"type": "function", "function": {"name": "f"}}'
     for args, message in (
         (["--chat", "--prompt-ids", "1,2"], "--chat takes a text prompt"),
         (["--system", "x", "--prompt", "hi"], "--system goes with --chat"),
+        (["--prompt", "hi", "--tools", tool], "--tools and --tool-choice go with --chat"),
+        (["--chat", "--prompt", "hi", "--tools", tool], "does not render tools"),
+        (["--chat", "--prompt", "hi", "--top-logprobs", "2"], "top_logprobs needs logprobs"),
     ):
         code, _, err = _run(capsys, "--target", ckpts["target"], *args)
         assert code == 2 and message in err and err.count("\n") == 1

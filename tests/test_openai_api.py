@@ -214,6 +214,36 @@ def test_chat_renders_the_checkpoint_template(oai, model, ref, target_dir):
 
 
 @pytest.mark.timeout(120)
+def test_a_template_without_thinking_or_tools_says_so(oai, model):
+    """The target's ChatML template neither thinks nor renders tools: the model card says so,
+    a chat response says thinking is unsupported (whatever chat_template_kwargs ask), and tools
+    are refused rather than left out of the prompt."""
+    card = oai.models.retrieve(model)
+    assert card.model_extra["chat_template"] == {
+        "template": True,
+        "thinking": False,
+        "tools": False,
+    }
+    r = oai.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        extra_body={"chat_template_kwargs": {"enable_thinking": True}},
+    )
+    assert r.model_extra["thinking"] == "unsupported"
+    assert "reasoning_content" not in r.choices[0].message.model_extra
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError, match="does not render tools"):
+            oai.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": "hi"}],
+                tools=tools,
+                stream=stream,
+            )
+
+
+@pytest.mark.timeout(120)
 def test_grpc_chat_messages_equal_the_http_chat(stack, oai, model):
     """Both front ends build a chat prompt the same way (Orchestrator.make_request): gRPC
     Generate with messages gives the tokens the OpenAI chat endpoint gives."""
@@ -338,7 +368,8 @@ def test_bad_requests_are_openai_errors(stack, oai, model):
         (dict(max_tokens=5000), openai.BadRequestError, "context", None),
         (dict(prompt=["a", "b"]), openai.BadRequestError, "one prompt", "prompt"),
         (dict(seed=-3), openai.BadRequestError, "seed", None),
-        (dict(logprobs=2), openai.BadRequestError, "logprobs", "logprobs"),
+        (dict(echo=True), openai.BadRequestError, "echo", "echo"),
+        (dict(logprobs=21), openai.BadRequestError, "top_logprobs must be in 0..20", None),
         (
             dict(presence_penalty=0.5),
             openai.BadRequestError,
@@ -512,6 +543,7 @@ class _StubOrchestrator:
 
         self.info = SimpleNamespace(model_name="stub", max_seq_len=64)
         self.cfg = OrchestratorConfig()
+        self.tokenizer = None
         self.health = SimpleNamespace(ok=True)
         self.failure = failure
         self.active, self.waiting, self.drafter = {}, [], None

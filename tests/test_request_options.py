@@ -3,13 +3,14 @@ front carries every one of them: `flashmap generate`'s flags, the SDK's keyword 
 GenerateRequest (both ways), and the OpenAI API's body. Each option gets a value other than its
 default and must come out of each front as that value, so an option a front forgets fails here.
 
-An extension of RequestOptions with a dict, a list of dicts and an optional number (the shape of
-chat_template_kwargs, tools, logprobs) crosses the same generic functions: a new option needs
+The dict and list-of-dicts options (chat_template_kwargs, tools) cross as JSON; an extension of
+RequestOptions with more of that shape crosses the same generic functions: a new option needs
 its field (and a GenerateRequest field) and nothing in the fronts."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import typing
 from dataclasses import dataclass, fields, replace
 
@@ -42,10 +43,13 @@ from orchestrator.openai_api.protocol import (
 )
 
 SAMPLE = {int: 3, float: 0.5, bool: True, str: "s"}  # valid for every option, none a default
+SAMPLE_OF = {"tool_choice": "none"}  # options whose checks take few values
 
 
 def sample(cls: type, f) -> object:
     """A value of option f other than its default."""
+    if f.name in SAMPLE_OF:
+        return SAMPLE_OF[f.name]
     kind, t = value_kind(cls, f.name)
     if kind == "scalar":
         return SAMPLE[t]
@@ -114,11 +118,65 @@ def test_prompts_cross_grpc():
         Prompt(token_ids=[]),
         Prompt(messages=[{"role": "user", "content": "hi"}]),
         Prompt(messages=[]),
+        Prompt(  # a tool round trip: the call, its answer
+            messages=[
+                {"role": "user", "content": "Weather in Paris?"},
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "reasoning_content": "They ask about Paris.",
+                    "tool_calls": [
+                        {
+                            "id": "call_1",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                        }
+                    ],
+                },
+                {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+            ]
+        ),
     ):
         msg = prompt_to_proto(prompt, serving_pb2.GenerateRequest())
         assert prompt_from_proto(
             serving_pb2.GenerateRequest.FromString(msg.SerializeToString())
         ) == (prompt)
+
+
+def test_logprobs_tools_and_tool_choice_mean_what_openai_means():
+    """top_logprobs needs logprobs; logprobs asks the target for the top n (None: nothing);
+    completions' logprobs=n is the top n; a named or "required" tool choice needs constrained
+    decoding and is refused with a message that says so."""
+    from orchestrator.openai_api.protocol import ApiError
+
+    ok = dict(vocab_size=100, max_seq_len=128)
+    with pytest.raises(InvalidRequest, match="top_logprobs needs logprobs"):
+        RequestOptions(top_logprobs=2).to_request([1], **ok)
+    assert RequestOptions().to_request([1], **ok).logprobs is None
+    assert RequestOptions(logprobs=True).to_request([1], **ok).logprobs == 0
+    assert RequestOptions(logprobs=True, top_logprobs=5).to_request([1], **ok).logprobs == 5
+    with pytest.raises(InvalidRequest, match="top_logprobs must be in 0..20"):
+        RequestOptions(logprobs=True, top_logprobs=21).validate()
+    c = CompletionRequest(prompt="x", logprobs=3).to_options()
+    assert (c.logprobs, c.top_logprobs) == (True, 3)
+    messages = [{"role": "user", "content": "hi"}]
+    chat = ChatRequest(messages=messages, logprobs=True, top_logprobs=2).to_options()
+    assert (chat.logprobs, chat.top_logprobs) == (True, 2)
+    named = {"type": "function", "function": {"name": "f"}}
+    with pytest.raises(ApiError, match="named function needs constrained decoding"):
+        ChatRequest(messages=messages, tool_choice=named).to_options()
+    with pytest.raises(InvalidRequest, match='"required" needs constrained decoding'):
+        RequestOptions(tool_choice="required").validate()
+    with pytest.raises(InvalidRequest, match="tools must be a list of JSON objects"):
+        RequestOptions(tools=["f"]).validate()
+    with pytest.raises(InvalidRequest, match="'messages' is set by the server"):
+        RequestOptions(chat_template_kwargs={"messages": []}).validate()
+    # Over gRPC the JSON options are JSON text.
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    msg = _request(messages=messages, tools=tools, chat_template_kwargs={"enable_thinking": False})
+    assert (
+        json.loads(msg.tools) == tools and msg.chat_template_kwargs == '{"enable_thinking": false}'
+    )
 
 
 def test_a_missing_max_new_tokens_on_grpc_is_refused_as_before():
@@ -153,11 +211,9 @@ def test_options_are_checked_with_the_one_message_of_each_limit():
 
 @dataclass(frozen=True, kw_only=True)
 class Extended(RequestOptions):
-    chat_template_kwargs: dict = request_option(
-        help="arguments of the chat template", default_factory=dict
-    )
-    tools: list[dict] = request_option(help="tools the model may call", default_factory=list)
-    logprobs: int | None = request_option(None, "log-probabilities of the top n tokens")
+    response_format: dict = request_option(help="a JSON schema", default_factory=dict)
+    documents: list[dict] = request_option(help="documents to cite", default_factory=list)
+    min_tokens: int | None = request_option(None, "tokens to generate at least")
 
 
 def _extended_request_class():
@@ -174,11 +230,11 @@ def _extended_request_class():
     serving_pb2.GenerateRequest.DESCRIPTOR.CopyToProto(msg)
     msg.name = "ExtendedRequest"
     string, optional = descriptor_pb2.FieldDescriptorProto.TYPE_STRING, 1
-    msg.field.add(name="chat_template_kwargs", number=100, type=string, label=optional)
-    msg.field.add(name="tools", number=101, type=string, label=optional)
-    msg.oneof_decl.add(name="_logprobs")
+    msg.field.add(name="response_format", number=100, type=string, label=optional)
+    msg.field.add(name="documents", number=101, type=string, label=optional)
+    msg.oneof_decl.add(name="_min_tokens")
     msg.field.add(
-        name="logprobs",
+        name="min_tokens",
         number=102,
         type=descriptor_pb2.FieldDescriptorProto.TYPE_UINT32,
         label=optional,
@@ -191,7 +247,7 @@ def _extended_request_class():
 
 def test_dict_and_list_valued_options_need_no_front_of_their_own():
     values = samples(Extended)
-    assert values["chat_template_kwargs"] == {"k": [1, "x"]} and values["tools"][0] == {
+    assert values["response_format"] == {"k": [1, "x"]} and values["documents"][0] == {
         "k": [1, "x"]
     }
     want = Extended(**values)
@@ -204,11 +260,11 @@ def test_dict_and_list_valued_options_need_no_front_of_their_own():
     cls = _extended_request_class()
     msg = options_to_proto(want, cls())
     assert options_from_proto(cls.FromString(msg.SerializeToString()), Extended) == want
-    assert options_from_proto(cls(), Extended).chat_template_kwargs == {}  # unset: the default
-    with pytest.raises(InvalidRequest, match="tools must be JSON"):
-        options_from_proto(cls(tools="[{"), Extended)
+    assert options_from_proto(cls(), Extended).response_format == {}  # unset: the default
+    with pytest.raises(InvalidRequest, match="documents must be JSON"):
+        options_from_proto(cls(documents="[{"), Extended)
 
     model = options_model(Extended)
     body = {body_name(f, c): values[f.name] for f, c in request_fields(Extended)}
     assert options_of(model(**body), Extended) == want
-    assert options_of(model(), Extended).logprobs is None
+    assert options_of(model(), Extended).min_tokens is None

@@ -83,14 +83,14 @@ def toks(n, seed):
     return np.random.default_rng(seed).integers(0, V, n)
 
 
-def row(slot, start, tokens, k=0, params=GREEDY, seed=0, width=1):
+def row(slot, start, tokens, k=0, params=GREEDY, seed=0, width=1, logprobs=-1):
     tokens = np.asarray(tokens, np.int64)
     support = (
         (tokens[len(tokens) - k :, None] + np.arange(width)) % V
         if k
         else np.zeros((0, width), np.int64)
     )
-    return VerifyRow(slot, start, tokens, params, support, seed)
+    return VerifyRow(slot, start, tokens, params, support, seed, logprobs=logprobs)
 
 
 def script(eng: TargetEngine) -> list:
@@ -100,12 +100,13 @@ def script(eng: TargetEngine) -> list:
         eng.allocate()
     # Prefill of two prompts (longer than the largest query bucket: eager in both engines).
     out += eng.verify([row(0, 0, toks(30, 1)), row(1, 0, toks(19, 2))])
-    # Mixed: a 6-token verify, a 1-token decode, a 3-token prefill of a fresh slot, a sampling row.
+    # Mixed: a 6-token verify, a 1-token decode, a 3-token prefill of a fresh slot, a sampling row
+    # (two of them with log-probabilities).
     out += eng.verify(
         [
-            row(0, 30, toks(6, 3), k=5),
-            row(1, 19, toks(1, 4)),
-            row(2, 0, toks(3, 5), k=2, params=SAMPLED, seed=11, width=3),
+            row(0, 30, toks(6, 3), k=5, logprobs=3),
+            row(1, 19, toks(1, 4), logprobs=0),
+            row(2, 0, toks(3, 5), k=2, params=SAMPLED, seed=11, width=3, logprobs=2),
         ]
     )
     # Roll slot 0 back by 4 (its stale entries lie inside the attended window) and verify
@@ -137,6 +138,9 @@ def assert_same(got, want, bitwise=False):
             g.support_probs.shape == w.support_probs.shape
             and g.complement.shape == w.complement.shape
         )
+        assert g.logprobs.shape == w.logprobs.shape and g.top_ids.shape == w.top_ids.shape
+        np.testing.assert_array_equal(g.top_ids, w.top_ids, err_msg=f"result {i}")
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5, err_msg=f"result {i}")
         if bitwise:
             np.testing.assert_array_equal(g.features, w.features, err_msg=f"result {i}")
             np.testing.assert_array_equal(g.support_probs, w.support_probs, err_msg=f"result {i}")

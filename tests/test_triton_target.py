@@ -337,7 +337,7 @@ def _script(engine, rng):
     Computed before touching the server so the Triton calls run back to back (the idle
     timeout is short). Round 2 rolls back (start_pos before the end of the cache), round 3
     samples at T > 0 with a support of 2 and top-k / top-p. Sequence 2's last rounds ask for
-    no features.
+    no features; sequence 1's rows ask for log-probabilities (the top 3 from round 2 on).
     """
     sampled = SamplingParams(temperature=0.8, top_k=40, top_p=0.95)
     slots = {1: engine.allocate(), 2: engine.allocate()}
@@ -371,6 +371,7 @@ def _script(engine, rng):
                 support_ids=support,
                 round_seed=seed,
                 features=not (s == 2 and r >= 2),
+                logprobs=(0 if r == 0 else 3) if s == 1 else -1,
             )  # NO_FEATURES: a sequence that never drafts
             length[s] = start + len(tokens)
         rows = nxt
@@ -421,12 +422,21 @@ def _assert_same_results(expected, got, features_dtype=np.float32):
             np.testing.assert_allclose(
                 g.features.astype(np.float32), exp.features, rtol=tol, atol=tol, err_msg=where
             )
+            assert g.logprobs.shape == exp.logprobs.shape, where
+            assert g.top_ids.shape == exp.top_ids.shape, where
+            np.testing.assert_allclose(g.logprobs, exp.logprobs, atol=1e-4, err_msg=where)
+            np.testing.assert_array_equal(g.top_ids, exp.top_ids, err_msg=where)
+            np.testing.assert_allclose(g.top_logprobs, exp.top_logprobs, atol=1e-4, err_msg=where)
 
 
 def _assert_sampled(got):
-    """_script's sampled round really sampled something (not the T=0 placeholders)."""
+    """_script's sampled round really sampled something (not the T=0 placeholders); sequence 1
+    got its log-probabilities, sequence 2 none."""
     last = got[-1][1]
     assert last.support_probs.shape == (3, 2) and (last.residual >= 0).any()
+    assert last.logprobs.shape == (4, 3) and last.top_ids.shape == (4, 3)
+    assert got[1][1].logprobs.shape == (4, 2) and got[1][1].top_ids.shape == (4, 0)
+    assert got[-1][2].logprobs.shape == (0, 0)
 
 
 def test_packed_rounds_equal_inprocess_engine_one_forward_each(server, engine):
@@ -469,7 +479,9 @@ def test_multi_step_rows_equal_the_engine_and_continue_where_they_end(server, en
     sampled = SamplingParams(temperature=0.9, top_k=30)
     prompts = {21: rng.integers(3, 500, 9), 22: rng.integers(3, 500, 5)}
     first = {
-        21: VerifyRow(-1, 0, prompts[21], GREEDY, round_seed=4, next_seeds=np.array([5, 6, 7])),
+        21: VerifyRow(
+            -1, 0, prompts[21], GREEDY, round_seed=4, next_seeds=np.array([5, 6, 7]), logprobs=2
+        ),
         22: VerifyRow(-1, 0, prompts[22], sampled, round_seed=8),
     }
     before = at_rest(server, "flashmap_target_verify_rows_total")
@@ -501,6 +513,7 @@ def test_multi_step_rows_equal_the_engine_and_continue_where_they_end(server, en
         ],
     )
     assert len(got1[0][0].argmax) == 4 and len(got2[1][0].residual) == 3
+    assert got1[0][0].top_ids.shape == (4, 2)  # one row of log-probabilities per step
     settled_active(server, 0)
     settled(
         server, "flashmap_target_verify_rows_total", before + 4

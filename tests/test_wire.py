@@ -35,11 +35,13 @@ def _round():
         SamplingParams(temperature=0.7, top_k=20, top_p=0.9),
         support_ids=rng.integers(0, 500, (4, 3)),
         round_seed=123456789,
+        logprobs=5,
     )
     prompt = VerifyRow(
         -1, 0, rng.integers(0, 500, 30), SamplingParams(), support_ids=np.zeros((0, 1), np.int64)
     )
     drafted.parents = np.r_[-1, np.arange(len(drafted.tokens) - 2)]  # a tree (here a chain)
+    greedy.logprobs = 0
     return [
         (11, False, False, greedy),
         (12, False, False, drafted),
@@ -70,6 +72,7 @@ def test_a_packed_round_parses_back_to_its_rows():
             (row.params.top_k, row.params.top_p)
         )
         assert got.parents.tolist() == row.parents.tolist()
+        assert got.logprobs == row.logprobs
     # A greedy decode row carries only what differs from the defaults.
     assert len(blob) < sum(len(target_wire.packed_round([i])[0]) for i in items) + 8
 
@@ -113,22 +116,35 @@ def test_packed_outputs_parse_back_to_their_results():
         np.array([9, 4]),
         features=feats(2),
     )
-    rows = [
-        target_wire.verify_outputs(greedy),
-        target_wire.verify_outputs(sampled),
-        target_wire.verify_outputs(greedy, np.array([0, 3])),
-        target_wire.empty_outputs(8),
-        (target_wire.ROW_INVALID, "bad row"),
-    ]
+    # Rows that asked for log-probabilities: with the top 3, and with none but their own.
+    with_top = VerifyResult(
+        *[getattr(sampled, f) for f in ("argmax", "support_probs", "complement", "residual")],
+        features=feats(2),
+        logprobs=-rng.random((2, 4)).astype(np.float32),
+        top_ids=rng.integers(0, 500, (2, 3)),
+        top_logprobs=-rng.random((2, 3)).astype(np.float32),
+    )
+    own_only = VerifyResult(
+        np.array([5]),
+        np.zeros((0, 1), np.float32),
+        np.zeros(0, np.float32),
+        np.full(1, -1),
+        features=feats(1),
+        logprobs=np.array([[-np.inf, -0.5]], np.float32),
+        top_ids=np.zeros((1, 0), np.int64),
+        top_logprobs=np.zeros((1, 0), np.float32),
+    )
+    results = [(greedy, []), (sampled, []), (greedy, [0, 3]), (with_top, []), (own_only, [])]
+    rows = [target_wire.verify_outputs(r, np.array(p, np.int64)) for r, p in results]
+    rows += [target_wire.empty_outputs(8), (target_wire.ROW_INVALID, "bad row")]
     out = target_wire.parse_packed_outputs(target_wire.packed_outputs(rows))
-    for (got, path), (want, want_path) in zip(
-        out[:3], [(greedy, []), (sampled, []), (greedy, [0, 3])]
-    ):
+    fields = ("argmax", "support_probs", "complement", "residual", "features")
+    for (got, path), (want, want_path) in zip(out, results):
         assert path.tolist() == want_path
-        for name in ("argmax", "support_probs", "complement", "residual", "features"):
+        for name in (*fields, "logprobs", "top_ids", "top_logprobs"):
             a, b = getattr(got, name), np.asarray(getattr(want, name))
             assert a.shape == b.shape and np.array_equal(a, b), name
-    assert out[3] is None and out[4] == (target_wire.ROW_INVALID, "bad row")
+    assert out[5] is None and out[6] == (target_wire.ROW_INVALID, "bad row")
     with pytest.raises(InvalidRequest):
         target_wire.parse_packed_outputs(
             target_wire.pack_arrays([{"PATH": np.zeros((1, 1), np.int64)}])

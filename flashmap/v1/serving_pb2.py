@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66lashmap/v1/serving.proto\x12\x0b\x66lashmap.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.flashmap.v1.ChatMessage\"\xd2\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.flashmap.v1.TokenIdsH\x00\x12-\n\x08messages\x18\x0e \x01(\x0b\x32\x19.flashmap.v1.ChatMessagesH\x00\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\r\n\x05top_k\x18\x06 \x01(\r\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x03\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x18\n\x0b\x64raft_steps\x18\x0c \x01(\rH\x03\x88\x01\x01\x12\x1d\n\x10max_draft_tokens\x18\r \x01(\rH\x04\x88\x01\x01\x12\x18\n\x0btree_blocks\x18\x0f \x01(\rH\x05\x88\x01\x01\x42\x08\n\x06promptB\x08\n\x06_top_pB\x07\n\x05_seedB\x0e\n\x0c_draft_stepsB\x13\n\x11_max_draft_tokensB\x0e\n\x0c_tree_blocks\"-\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\x9b\x02\n\tSpecStats\x12\x0e\n\x06rounds\x18\x01 \x01(\r\x12\x0e\n\x06\x64rafts\x18\x02 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\r\x12\x1e\n\x16mean_acceptance_length\x18\x05 \x01(\x01\x12\x19\n\x11\x61\x63\x63\x65pted_per_slot\x18\x06 \x03(\r\x12\x17\n\x0f\x66\x61llback_rounds\x18\x07 \x01(\r\x12\x13\n\x0b\x64raft_steps\x18\x08 \x01(\r\x12\x18\n\x10\x64rafted_per_slot\x18\t \x03(\r\x12\x19\n\x11verified_per_slot\x18\n \x03(\r\x12\x0f\n\x07\x64raft_s\x18\x0b \x01(\x01\x12\x10\n\x08verify_s\x18\x0c \x01(\x01\"\x9e\x01\n\x0b\x46inalResult\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12!\n\x05usage\x18\x02 \x01(\x0b\x32\x12.flashmap.v1.Usage\x12%\n\x05stats\x18\x03 \x01(\x0b\x32\x16.flashmap.v1.SpecStats\x12\x1d\n\x15time_to_first_token_s\x18\x04 \x01(\x01\x12\x0f\n\x07total_s\x18\x05 \x01(\x01\"\x83\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.flashmap.v1.TokenChunkH\x00\x12)\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x18.flashmap.v1.FinalResultH\x00\x42\x06\n\x04kind\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x12\n\x10ModelInfoRequest\"\xc7\x01\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x13\n\x0bmax_seq_len\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x13\n\x0b\x64raft_steps\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\x03\x12\x16\n\x0emax_concurrent\x18\x08 \x01(\r\x12\x11\n\tmax_queue\x18\t \x01(\r\"\x0f\n\rHealthRequest\"~\n\x0eHealthResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x14\n\x0ctarget_ready\x18\x02 \x01(\x08\x12\x15\n\rdrafter_ready\x18\x03 \x01(\x08\x12\x17\n\x0f\x61\x63tive_requests\x18\x04 \x01(\r\x12\x17\n\x0fqueued_requests\x18\x05 \x01(\r2\xa4\x02\n\x08\x46lashMap\x12I\n\x08Generate\x12\x1c.flashmap.v1.GenerateRequest\x1a\x1d.flashmap.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.flashmap.v1.AbortRequest\x1a\x1a.flashmap.v1.AbortResponse\x12J\n\tModelInfo\x12\x1d.flashmap.v1.ModelInfoRequest\x1a\x1e.flashmap.v1.ModelInfoResponse\x12\x41\n\x06Health\x12\x1a.flashmap.v1.HealthRequest\x1a\x1b.flashmap.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66lashmap/v1/serving.proto\x12\x0b\x66lashmap.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\x7f\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x19\n\x11reasoning_content\x18\x03 \x01(\t\x12\x12\n\ntool_calls\x18\x04 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\x12\x0c\n\x04name\x18\x06 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.flashmap.v1.ChatMessage\"\xd1\x04\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.flashmap.v1.TokenIdsH\x00\x12-\n\x08messages\x18\x0e \x01(\x0b\x32\x19.flashmap.v1.ChatMessagesH\x00\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\r\n\x05top_k\x18\x06 \x01(\r\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x03\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x18\n\x0b\x64raft_steps\x18\x0c \x01(\rH\x03\x88\x01\x01\x12\x1d\n\x10max_draft_tokens\x18\r \x01(\rH\x04\x88\x01\x01\x12\x18\n\x0btree_blocks\x18\x0f \x01(\rH\x05\x88\x01\x01\x12\x1c\n\x14\x63hat_template_kwargs\x18\x10 \x01(\t\x12\r\n\x05tools\x18\x11 \x01(\t\x12\x18\n\x0btool_choice\x18\x12 \x01(\tH\x06\x88\x01\x01\x12\x10\n\x08logprobs\x18\x13 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x14 \x01(\rB\x08\n\x06promptB\x08\n\x06_top_pB\x07\n\x05_seedB\x0e\n\x0c_draft_stepsB\x13\n\x11_max_draft_tokensB\x0e\n\x0c_tree_blocksB\x0e\n\x0c_tool_choice\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xa0\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x19\n\x11reasoning_content\x18\x03 \x01(\t\x12)\n\ntool_calls\x18\x04 \x03(\x0b\x32\x15.flashmap.v1.ToolCall\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.flashmap.v1.TokenLogprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\x9b\x02\n\tSpecStats\x12\x0e\n\x06rounds\x18\x01 \x01(\r\x12\x0e\n\x06\x64rafts\x18\x02 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\r\x12\x1e\n\x16mean_acceptance_length\x18\x05 \x01(\x01\x12\x19\n\x11\x61\x63\x63\x65pted_per_slot\x18\x06 \x03(\r\x12\x17\n\x0f\x66\x61llback_rounds\x18\x07 \x01(\r\x12\x13\n\x0b\x64raft_steps\x18\x08 \x01(\r\x12\x18\n\x10\x64rafted_per_slot\x18\t \x03(\r\x12\x19\n\x11verified_per_slot\x18\n \x03(\r\x12\x0f\n\x07\x64raft_s\x18\x0b \x01(\x01\x12\x10\n\x08verify_s\x18\x0c \x01(\x01\"\xb0\x01\n\x0b\x46inalResult\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12!\n\x05usage\x18\x02 \x01(\x0b\x32\x12.flashmap.v1.Usage\x12%\n\x05stats\x18\x03 \x01(\x0b\x32\x16.flashmap.v1.SpecStats\x12\x1d\n\x15time_to_first_token_s\x18\x04 \x01(\x01\x12\x0f\n\x07total_s\x18\x05 \x01(\x01\x12\x10\n\x08thinking\x18\x06 \x01(\t\"\x83\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.flashmap.v1.TokenChunkH\x00\x12)\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x18.flashmap.v1.FinalResultH\x00\x42\x06\n\x04kind\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x12\n\x10ModelInfoRequest\"\x89\x02\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x13\n\x0bmax_seq_len\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x13\n\x0b\x64raft_steps\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\x03\x12\x16\n\x0emax_concurrent\x18\x08 \x01(\r\x12\x11\n\tmax_queue\x18\t \x01(\r\x12\x15\n\rchat_template\x18\n \x01(\x08\x12\x15\n\rchat_thinking\x18\x0b \x01(\x08\x12\x12\n\nchat_tools\x18\x0c \x01(\x08\"\x0f\n\rHealthRequest\"~\n\x0eHealthResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x14\n\x0ctarget_ready\x18\x02 \x01(\x08\x12\x15\n\rdrafter_ready\x18\x03 \x01(\x08\x12\x17\n\x0f\x61\x63tive_requests\x18\x04 \x01(\r\x12\x17\n\x0fqueued_requests\x18\x05 \x01(\r2\xa4\x02\n\x08\x46lashMap\x12I\n\x08Generate\x12\x1c.flashmap.v1.GenerateRequest\x1a\x1d.flashmap.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.flashmap.v1.AbortRequest\x1a\x1a.flashmap.v1.AbortResponse\x12J\n\tModelInfo\x12\x1d.flashmap.v1.ModelInfoRequest\x1a\x1e.flashmap.v1.ModelInfoResponse\x12\x41\n\x06Health\x12\x1a.flashmap.v1.HealthRequest\x1a\x1b.flashmap.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,33 +34,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=42
   _globals['_TOKENIDS']._serialized_end=65
   _globals['_CHATMESSAGE']._serialized_start=67
-  _globals['_CHATMESSAGE']._serialized_end=111
-  _globals['_CHATMESSAGES']._serialized_start=113
-  _globals['_CHATMESSAGES']._serialized_end=171
-  _globals['_GENERATEREQUEST']._serialized_start=174
-  _globals['_GENERATEREQUEST']._serialized_end=640
-  _globals['_TOKENCHUNK']._serialized_start=642
-  _globals['_TOKENCHUNK']._serialized_end=687
-  _globals['_USAGE']._serialized_start=689
-  _globals['_USAGE']._serialized_end=746
-  _globals['_SPECSTATS']._serialized_start=749
-  _globals['_SPECSTATS']._serialized_end=1032
-  _globals['_FINALRESULT']._serialized_start=1035
-  _globals['_FINALRESULT']._serialized_end=1193
-  _globals['_GENERATERESPONSE']._serialized_start=1196
-  _globals['_GENERATERESPONSE']._serialized_end=1327
-  _globals['_ABORTREQUEST']._serialized_start=1329
-  _globals['_ABORTREQUEST']._serialized_end=1363
-  _globals['_ABORTRESPONSE']._serialized_start=1365
-  _globals['_ABORTRESPONSE']._serialized_end=1395
-  _globals['_MODELINFOREQUEST']._serialized_start=1397
-  _globals['_MODELINFOREQUEST']._serialized_end=1415
-  _globals['_MODELINFORESPONSE']._serialized_start=1418
-  _globals['_MODELINFORESPONSE']._serialized_end=1617
-  _globals['_HEALTHREQUEST']._serialized_start=1619
-  _globals['_HEALTHREQUEST']._serialized_end=1634
-  _globals['_HEALTHRESPONSE']._serialized_start=1636
-  _globals['_HEALTHRESPONSE']._serialized_end=1762
-  _globals['_FLASHMAP']._serialized_start=1765
-  _globals['_FLASHMAP']._serialized_end=2057
+  _globals['_CHATMESSAGE']._serialized_end=194
+  _globals['_CHATMESSAGES']._serialized_start=196
+  _globals['_CHATMESSAGES']._serialized_end=254
+  _globals['_GENERATEREQUEST']._serialized_start=257
+  _globals['_GENERATEREQUEST']._serialized_end=850
+  _globals['_TOOLCALL']._serialized_start=852
+  _globals['_TOOLCALL']._serialized_end=907
+  _globals['_TOKENLOGPROB']._serialized_start=909
+  _globals['_TOKENLOGPROB']._serialized_end=997
+  _globals['_TOKENCHUNK']._serialized_start=1000
+  _globals['_TOKENCHUNK']._serialized_end=1160
+  _globals['_USAGE']._serialized_start=1162
+  _globals['_USAGE']._serialized_end=1219
+  _globals['_SPECSTATS']._serialized_start=1222
+  _globals['_SPECSTATS']._serialized_end=1505
+  _globals['_FINALRESULT']._serialized_start=1508
+  _globals['_FINALRESULT']._serialized_end=1684
+  _globals['_GENERATERESPONSE']._serialized_start=1687
+  _globals['_GENERATERESPONSE']._serialized_end=1818
+  _globals['_ABORTREQUEST']._serialized_start=1820
+  _globals['_ABORTREQUEST']._serialized_end=1854
+  _globals['_ABORTRESPONSE']._serialized_start=1856
+  _globals['_ABORTRESPONSE']._serialized_end=1886
+  _globals['_MODELINFOREQUEST']._serialized_start=1888
+  _globals['_MODELINFOREQUEST']._serialized_end=1906
+  _globals['_MODELINFORESPONSE']._serialized_start=1909
+  _globals['_MODELINFORESPONSE']._serialized_end=2174
+  _globals['_HEALTHREQUEST']._serialized_start=2176
+  _globals['_HEALTHREQUEST']._serialized_end=2191
+  _globals['_HEALTHRESPONSE']._serialized_start=2193
+  _globals['_HEALTHRESPONSE']._serialized_end=2319
+  _globals['_FLASHMAP']._serialized_start=2322
+  _globals['_FLASHMAP']._serialized_end=2614
 # @@protoc_insertion_point(module_scope)

@@ -1,5 +1,5 @@
 """The OpenAI API's protocol: the request bodies and their mapping onto a Prompt and
-RequestOptions, the error shape, and the response and chunk shapes.
+RequestOptions, and the error shape (the answers' shapes: orchestrator.openai_api.responses).
 
 The generation fields of a body come from flashmap.request_options.RequestOptions, one body
 field per option under OpenAI's name where it has one (`max_tokens`) and the option's own
@@ -9,13 +9,20 @@ leaves out (or sends as null) takes OpenAI's default where it differs (temperatu
 16 for completions, the rest of the context for chat), else the option's. A list option takes
 one value too (`"stop": "\\n"`). The rest are OpenAI's own: model, n, stream, stream_options,
 return_token_ids (token ids in each choice and chunk, as vLLM names it) and the fields accepted
-at their neutral value only.
+at their neutral value only. Chat takes OpenAI's tools, tool_choice ("auto", "none"; "required"
+and a named function need constrained decoding and are refused), logprobs and top_logprobs, and
+vLLM's chat_template_kwargs; completions take OpenAI's `logprobs: n` (the top n).
+
+In the answers, a chat message carries `reasoning_content` (vLLM's name) when the chat template
+thinks, `tool_calls` when the model called tools (finish_reason "tool_calls"), and a chat
+response says which thinking mode ran (`thinking`: "on", "off", or "unsupported"; streamed: in
+the first chunk). Log-probabilities are the target's raw distribution's (before temperature,
+top-k and top-p), from the verify pass: exact under speculation.
 """
 
 from __future__ import annotations
 
 import json
-import time
 import typing
 from dataclasses import replace
 from typing import Any
@@ -98,6 +105,7 @@ class _OpenAIFields(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    parallel_tool_calls: bool | None = None
     return_token_ids: bool = False
 
 
@@ -153,7 +161,7 @@ class CompletionRequest(_Sampling):
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: int | None = None  # OpenAI's completions: the top n (and each token's own)
 
     def to_prompt(self) -> Prompt:
         p = self.prompt
@@ -164,7 +172,14 @@ class CompletionRequest(_Sampling):
         return Prompt(text=p) if isinstance(p, str) else Prompt(token_ids=p)
 
     def to_options(self) -> RequestOptions:
-        return options_of(self, max_new_tokens=16)  # OpenAI's default for completions
+        options = options_of(self, max_new_tokens=16)  # OpenAI's default for completions
+        if self.logprobs is not None:
+            if self.top_logprobs not in (None, self.logprobs):
+                raise ApiError(
+                    400, "completions take logprobs=n (the top n), not top_logprobs", "top_logprobs"
+                )
+            options = replace(options, logprobs=True, top_logprobs=int(self.logprobs))
+        return options
 
 
 class _ContentPart(BaseModel):
@@ -174,28 +189,39 @@ class _ContentPart(BaseModel):
 
 
 class _Message(BaseModel):
-    model_config = ConfigDict(
-        extra="allow"
-    )  # name, tool_calls: null, refusal: null ... from clients
+    model_config = ConfigDict(extra="allow")  # refusal: null, audio: null ... from clients
     role: str
     content: str | list[_ContentPart] | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 class ChatRequest(_Sampling):
     messages: list[_Message]
     max_completion_tokens: int | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    tool_choice: str | dict | None = None  # OpenAI's named function too: refused, clearly
 
     def to_prompt(self) -> Prompt:
-        return Prompt(
-            messages=[
-                {"role": m.role, "content": _message_text(m, i)}
-                for i, m in enumerate(self.messages)
-            ]
-        )
+        messages = []
+        for i, m in enumerate(self.messages):
+            msg = {"role": m.role, "content": _message_text(m, i)}
+            for key in ("reasoning_content", "tool_calls", "tool_call_id", "name"):
+                if getattr(m, key):
+                    msg[key] = getattr(m, key)
+            messages.append(msg)
+        return Prompt(messages=messages)
 
     def to_options(self) -> RequestOptions:
+        choice = self.tool_choice
+        if isinstance(choice, dict):
+            raise ApiError(
+                400,
+                "tool_choice: a named function needs constrained decoding, which this server "
+                'does not do (it decodes the target\'s own distribution): use "auto" or "none"',
+                param="tool_choice",
+            )
         options = options_of(self, max_new_tokens=None)  # None: the rest of the context
         if self.max_completion_tokens is not None:  # OpenAI's newer name wins
             options = replace(options, max_new_tokens=self.max_completion_tokens)
@@ -211,8 +237,7 @@ _NEUTRAL = {
     "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
+    "parallel_tool_calls": (None, True),  # the model makes the calls it makes
 }
 
 
@@ -258,67 +283,3 @@ def dumps(obj: Any) -> str:
         separators=(",", ":"),
         default=lambda o: o.item() if hasattr(o, "item") else str(o),
     )
-
-
-class Shape:
-    """OpenAI's JSON for one endpoint: whole responses and streamed chunks, completions or chat.
-    Responses carry the request's speculative statistics under "flashmap" (streamed: in the
-    chunk that has the finish_reason)."""
-
-    def __init__(self, chat: bool, model: str, gen, return_token_ids: bool):
-        self.chat, self.model, self.gen, self.ids = chat, model, gen, return_token_ids
-        self.id = gen.request_id
-        self.created = int(time.time())
-
-    def head(self, chunk: bool) -> dict:
-        obj = (
-            ("chat.completion.chunk" if chunk else "chat.completion")
-            if self.chat
-            else "text_completion"
-        )
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-    def _choice(
-        self, text: str, ids: list[int], finish: str | None, chunk: bool, first: bool = False
-    ) -> dict:
-        c: dict[str, Any] = {"index": 0}
-        if not self.chat:
-            c["text"] = text
-        elif chunk:
-            c["delta"] = ({"role": "assistant"} if first else {}) | (
-                {"content": text} if text or first else {}
-            )
-        else:
-            c["message"] = {"role": "assistant", "content": text}
-        c["logprobs"] = None
-        c["finish_reason"] = finish
-        if self.ids:
-            c["token_ids"] = ids
-            if not chunk or first:
-                c["prompt_token_ids"] = list(self.gen.prompt_ids)
-        return c
-
-    @staticmethod
-    def usage(o) -> dict:
-        return {
-            "prompt_tokens": o.prompt_tokens,
-            "completion_tokens": o.completion_tokens,
-            "total_tokens": o.prompt_tokens + o.completion_tokens,
-        }
-
-    @staticmethod
-    def stats(o) -> dict:
-        return {**o.stats.as_dict(), "time_to_first_token_s": o.ttft_s, "total_s": o.total_s}
-
-    def response(self, text: str, ids: list[int], o) -> dict:
-        return {
-            **self.head(False),
-            "choices": [self._choice(text, ids, o.finish_reason, False)],
-            "usage": self.usage(o),
-            "flashmap": self.stats(o),
-        }
-
-    def chunk(
-        self, text: str, ids: list[int], finish: str | None = None, first: bool = False
-    ) -> dict:
-        return {**self.head(True), "choices": [self._choice(text, ids, finish, True, first)]}

@@ -22,6 +22,7 @@ from flashmap.auth import bearer
 from flashmap.types import InvalidRequest
 from orchestrator.openai_api.protocol import ApiError, ChatRequest, CompletionRequest
 from orchestrator.openai_api.serving import OpenAIServing, error_response, json_response
+from orchestrator.requests import chat_support
 
 log = logging.getLogger("flashmap.openai")
 
@@ -82,6 +83,8 @@ def create_app(orch) -> FastAPI:
             "created": started,
             "owned_by": "flashmap",
             "max_model_len": orch.info.max_seq_len,
+            # What the chat endpoint can do with this target's chat template.
+            "chat_template": chat_support(getattr(orch, "tokenizer", None)),
         }
 
     @app.middleware("http")

@@ -23,11 +23,11 @@ from orchestrator.openai_api.protocol import (
     ApiError,
     ChatRequest,
     CompletionRequest,
-    Shape,
     check_supported,
     dumps,
 )
-from orchestrator.requests import Outcome
+from orchestrator.openai_api.responses import Shape, joined
+from orchestrator.requests import Outcome, Piece
 
 
 def json_response(obj: Any, status: int = 200) -> Response:
@@ -70,16 +70,17 @@ class OpenAIServing:
         options = body.to_options()
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         gen = await orch.request_async(orch.make_request, prompt, options, request_id)
-        shape = Shape(chat, orch.info.model_name, gen, body.return_token_ids)
+        token_text = orch.tokenizer.token_text if orch.tokenizer is not None else None
+        shape = Shape(chat, orch.info.model_name, gen, body.return_token_ids, token_text)
         items = orch.stream(gen, options.stop)
         if not body.stream:
             ok, result = await unless_disconnected(request.receive, _collect(items))
             if not ok:
                 return Response(status_code=499)  # nobody is there to read it
-            text, ids, outcome = result
+            piece, outcome = result
             if outcome.error is not None:
                 return error_response(ApiError.from_status(*outcome.error))
-            return json_response(shape.response(text, ids, outcome))
+            return json_response(shape.response(piece, outcome))
         # Wait for the first item before answering, so that a request refused at admission
         # (queue full, a bad request) gets its HTTP status rather than a 200 and an error event.
         ok, first = await unless_disconnected(request.receive, items.__anext__())
@@ -92,15 +93,14 @@ class OpenAIServing:
         return _EventStream(_events(first, items, shape, include_usage))
 
 
-async def _collect(items: AsyncIterator) -> tuple[str, list[int], Any]:
-    text, ids = [], []
+async def _collect(items: AsyncIterator) -> tuple[Piece, Any]:
+    pieces = []
     async with contextlib.aclosing(items):
         async for item in items:
             if not isinstance(item, Outcome):
-                text.append(item.text)
-                ids.extend(item.token_ids)
+                pieces.append(item)
             else:
-                return "".join(text), ids, item
+                return joined(pieces), item
     raise RuntimeError("the request stream ended without an outcome")
 
 
@@ -116,21 +116,17 @@ async def _events(
     with_usage = (lambda d: {**d, "usage": None}) if include_usage else (lambda d: d)
     async with contextlib.aclosing(items):
         if shape.chat:  # OpenAI opens a chat stream with the assistant role
-            yield _sse(with_usage(shape.chunk("", [], first=True)))
+            yield _sse(with_usage(shape.chunk(Piece([], ""), first=True)))
         item = first
         while True:
             if not isinstance(item, Outcome):
-                if item.text or shape.ids:
-                    yield _sse(with_usage(shape.chunk(item.text, item.token_ids)))
+                if shape.wants(item):
+                    yield _sse(with_usage(shape.chunk(item)))
             elif item.error is not None:
                 yield _sse(ApiError.from_status(*item.error).body())
                 break
             else:
-                yield _sse(
-                    with_usage(
-                        {**shape.chunk("", [], item.finish_reason), "flashmap": shape.stats(item)}
-                    )
-                )
+                yield _sse(with_usage(shape.finish_chunk(item)))
                 if include_usage:
                     yield _sse({**shape.head(True), "choices": [], "usage": shape.usage(item)})
                 break

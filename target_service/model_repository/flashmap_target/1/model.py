@@ -17,11 +17,15 @@ decoded by flashmap.target_wire on both sides):
        PARENTS INT64 [K] (T = 0: the drafts form a tree, draft i a child of draft PARENTS[i], -1 the anchor),
        NEXT_SEEDS INT64 [steps - 1] (K = 0: decode that many more tokens in this call),
        NO_FEATURES BOOL [1] (true: FEATURES [0, F]; a sequence that does not draft needs none),
-       FEATURES_FROM INT64 [1] (FEATURES start at this earlier position: the engine keeps them)
+       FEATURES_FROM INT64 [1] (FEATURES start at this earlier position: the engine keeps them),
+       LOGPROBS INT32 [1] (n: the log-probabilities below, with the top n tokens; absent: none)
   out: ARGMAX INT64 [K+1], SUPPORT_PROBS FP32 [K, S], COMPLEMENT FP32 [K], RESIDUAL INT64 [K+1],
        FEATURES FP32|FP16 [L, F] (with FEATURES_FROM p: [START_POS - p + L, F]; with NEXT_SEEDS:
        ARGMAX and RESIDUAL [steps], FEATURES [L + steps - 1, F]), PATH INT64 [a] (a tree's
-       accepted drafts; its other outputs are that path's), INFO_JSON BYTES [1]
+       accepted drafts; its other outputs are that path's), INFO_JSON BYTES [1],
+       TOKEN_LOGPROBS FP32 [K+1, S+1] (raw log-probabilities of the support ids, then of the own
+       token: ARGMAX at T = 0, RESIDUAL otherwise), TOP_IDS INT64 [K+1, n], TOP_LOGPROBS FP32
+       [K+1, n] (all [0, 0] without LOGPROBS; rows of NEXT_SEEDS: [steps, ...])
 Tree rows are verified in one forward (TargetEngine.verify_trees), the others in another.
 A row whose TOKENS are [-1] (flashmap.types.FOLLOW_TOKEN, a continuation) is fed the last
 token its sequence's previous verify decoded: that verify had no drafts and ended where this
