@@ -48,7 +48,7 @@ def build_drafter(
 
 def drafter_section(dev, smoke: bool, guard: Guard) -> dict:
     from drafter_service.flashmap_proposer import FlashMapProposer, draw_noise, request_generator
-    from flashmap.types import ProposeRequest
+    from flashmap.drafts import ProposeRequest
 
     big = not smoke
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32

@@ -19,7 +19,7 @@ from drafter_service.dflash import DFlashDrafter
 from drafter_service.flashmap_proposer import request_generator
 from drafter_service.proposals import block_drafts
 from drafter_service.slots import SlotCacheProposer
-from flashmap.types import Draft, ProposeRequest
+from flashmap.drafts import Draft, ProposeRequest
 
 
 class DFlashProposer(SlotCacheProposer):

@@ -59,7 +59,8 @@ from drafter_service.dit_blocks import Attention
 from drafter_service.flashmap_proposer import request_generator
 from drafter_service.frozen_target import FrozenTarget
 from drafter_service.slots import SlotCacheProposer
-from flashmap.types import BLOCK_SIZE, Draft, ProposeRequest
+from flashmap.drafts import Draft, ProposeRequest
+from flashmap.types import BLOCK_SIZE
 
 KIND = "eagle"
 

@@ -29,7 +29,7 @@ from drafter_service.cuda_graphs import BucketGraphs
 from drafter_service.eagle3 import Eagle3Drafter
 from drafter_service.flashmap_proposer import request_generator
 from drafter_service.slots import SlotCacheProposer
-from flashmap.types import Draft, ProposeRequest
+from flashmap.drafts import Draft, ProposeRequest
 
 
 class Eagle3Proposer(SlotCacheProposer):

@@ -54,7 +54,8 @@ from drafter_service.dit_blocks import CrossContext
 from drafter_service.flashmap_dit import FlashMapDiT
 from drafter_service.flow_map import greedy_summary, jump
 from drafter_service.slots import ContextTooLong, ProposerError, SlotCacheProposer, SlotsExhausted  # noqa: F401
-from flashmap.types import DRAFT_STEPS, ESTIMATES, Draft, ProposeRequest
+from flashmap.drafts import Draft, ProposeRequest
+from flashmap.types import DRAFT_STEPS, ESTIMATES
 
 
 def request_generator(

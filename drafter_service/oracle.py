@@ -16,7 +16,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from drafter_service.proposer import Proposer
-from flashmap.types import BLOCK_SIZE, Draft, ProposeRequest
+from flashmap.drafts import Draft, ProposeRequest
+from flashmap.types import BLOCK_SIZE
 
 
 class OracleProposer(Proposer):

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from flashmap.types import Draft
+from flashmap.drafts import Draft
 
 
 def block_drafts(

@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from flashmap.types import DRAFT_STEPS, Draft, ProposeRequest
+from flashmap.drafts import Draft, ProposeRequest
+from flashmap.types import DRAFT_STEPS
 
 # Features of new context positions: a numpy array, a torch tensor on any device, or a list of
 # row pieces of either (the in-process runtime hands the engine's device tensors over as they are).

@@ -33,9 +33,10 @@ from flashmap.auth import DRAFTER_TOKEN_ENV, DRAFTER_TOKEN_HEADER
 from flashmap.config import parse
 from flashmap.cpus import parse_cpu_list, pin_worker
 from flashmap.draft_call import DraftAnswer, answer
+from flashmap.drafts import ProposeRequest
 from flashmap.grpc_serving import TokenAuth, add_service, run, serve_grpc
 from flashmap.logs import fields, setup_logging
-from flashmap.types import InvalidRequest, ProposeRequest, check_draft_steps
+from flashmap.types import InvalidRequest, check_draft_steps
 from flashmap.v1 import drafter_pb2, drafter_pb2_grpc
 from flashmap.wire import answer_to_proto, ask_from_proto, ask_to_proto
 

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from drafter_service.proposer import Features, Proposer
-from flashmap.types import ProposeRequest
+from flashmap.drafts import ProposeRequest
 
 
 class ProposerError(RuntimeError):

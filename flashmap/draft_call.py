@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from flashmap.drafts import TOP_M, Draft, ProposeRequest
 from flashmap.round_metadata import DraftBatch, SeqPlan
 from flashmap.sequence import Sequence
-from flashmap.types import TOP_M, Draft, ProposeRequest
 
 log = logging.getLogger("flashmap.draft")
 

@@ -19,17 +19,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from flashmap.draft_call import answer, ask, take
+from flashmap.drafts import TOP_M
 from flashmap.round_metadata import DraftBatch, SeqPlan
 from flashmap.rounds import run_local, speculative_round
 from flashmap.sequence import Sequence
-from flashmap.types import (
-    BLOCK_SIZE,
-    TOP_M,
-    GenerationRequest,
-    SpecStats,
-    TokenLogprob,
-    VerifyRow,
-)
+from flashmap.types import BLOCK_SIZE, GenerationRequest, SpecStats, TokenLogprob, VerifyRow
 
 
 @dataclass

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashmap.types import Draft, VerifyResult
+from flashmap.drafts import Draft
+from flashmap.types import VerifyResult
 
 
 def greedy_verify(draft_tokens: np.ndarray, target_argmax: np.ndarray) -> tuple[list[int], int]:

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from flashmap.drafts import Draft, SeqId
 from flashmap.sequence import Sequence
-from flashmap.types import Draft, SeqId
 
 if TYPE_CHECKING:
     from flashmap.pipeline import Ahead

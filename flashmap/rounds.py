@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
+from flashmap.drafts import Draft
 from flashmap.round_metadata import (
     DraftBatch,
     RoundPlan,
@@ -35,7 +36,7 @@ from flashmap.round_metadata import (
 )
 from flashmap.sequence import Sequence
 from flashmap.shadow_probes import start_shadow_probes
-from flashmap.types import Draft, TargetLost, VerifyRow
+from flashmap.types import TargetLost, VerifyRow
 
 if TYPE_CHECKING:
     from flashmap.pipeline import Ahead

@@ -24,13 +24,12 @@ from dataclasses import replace
 import numpy as np
 
 from flashmap.drafter_context import DrafterContext
+from flashmap.drafts import Draft, SeqId
 from flashmap.rejection_sampler import greedy_verify, sample_verify
 from flashmap.types import (
     BLOCK_SIZE,
     FOLLOW_TOKEN,
-    Draft,
     GenerationRequest,
-    SeqId,
     SpecStats,
     TokenLogprob,
     VerifyResult,

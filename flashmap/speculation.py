@@ -16,8 +16,8 @@ a draft) that maximises the batch's expected committed tokens per second:
   the rounds measured.
 
 On a packed target every request gets its own length (Dinkelbach's iteration over the rate,
-`_search_packed`); on a padded target the drafting requests share one length M
-(`_search_shared`, every M and number of requests at once). A plan is kept only when it beats
+`plan_search.search_packed`); on a padded target the drafting requests share one length M
+(`plan_search.search_shared`, every M and number of requests at once). A plan is kept only when it beats
 no speculation. Exactness never depends on the choice: any prefix of a draft is a valid
 proposal.
 
@@ -38,11 +38,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from flashmap.drafts import SeqId
 from flashmap.online_fit import OnlineLinear
+from flashmap.plan_search import search_packed, search_shared
 from flashmap.round_metadata import RoundPlan, RoundResult, SeqPlan
 from flashmap.sequence import Sequence
 from flashmap.shadow_probes import ShadowBlocks
-from flashmap.types import BLOCK_SIZE, SeqId, VerifyRow
+from flashmap.types import BLOCK_SIZE, VerifyRow
 
 
 @dataclass
@@ -324,98 +326,16 @@ class SpeculationController:
         if not dec:
             return {s.seq_id: 0 for s in seqs}, 1
         cap = np.array([caps[s.seq_id] for s in dec], np.int64)
-        search = self._search_packed if self.cfg.packed else self._search_shared
+        search = search_packed if self.cfg.packed else search_shared
         most = max(1, self.cfg.explore_factor * self.most_drafting)
         best = None
         for width in sorted({1, blocks}):
             gain = self.expected_gain(self.acceptance(dec, width))  # [nd, K + 1]
-            lengths, rate = search(len(seqs), prompts, gain, cap, most, width)
+            lengths, rate = search(self, len(seqs), prompts, gain, cap, most, width)
             if best is None or (lengths.any() and rate > best[1]):
                 best = (lengths, rate, width)
         chosen = {s.seq_id: int(m) for s, m in zip(dec, best[0])}
         return {s.seq_id: chosen.get(s.seq_id, 0) for s in seqs}, best[2]
-
-    def _search_packed(
-        self,
-        n: int,
-        prompts: list[int],
-        gain: np.ndarray,
-        cap: np.ndarray,
-        most: int,
-        width: int = 1,
-    ) -> tuple[np.ndarray, float]:
-        """[nd] lengths maximising committed tokens per second when each drafted token costs
-        its own verify time (packed), at most `most` requests drafting. For a rate lam, each
-        request maximises gain(L) - lam * (c_tok * L + d1 * [L > 0]) and the `most` best of
-        those that gain keep theirs; Dinkelbach's iteration (lam = the plan's rate, repeat)
-        reaches the best ratio in a few steps. The draft call's fixed d0 is paid once if
-        anyone drafts, so the plan is kept only if it beats no speculation. Returns the plan
-        and its rate (tokens per second)."""
-        c0, c_row, c_tok = self.verify_cost.coef
-        d0, d1 = self.draft_cost.coef
-        nd, K = gain.shape[0], self.block_size
-        L = np.arange(K + 1)
-        price = width * (c_tok * L + d1 * (L > 0))  # [K + 1] seconds of drafting L tokens
-        allowed = L[None, :] <= cap[:, None]  # [nd, K + 1]
-        base = self._verify_s(n, sum(prompts) + nd)  # one verify without drafts
-        lam = (1 + self.cfg.margin) * self._plain_rate(n, base, prompts)  # the rate to beat
-        plan = np.zeros(nd, np.int64)
-        for _ in range(32):
-            value = np.where(allowed, gain - lam * price, -np.inf)  # [nd, K + 1]
-            choice = value.argmax(1)  # [nd], the shortest on ties
-            if not choice.any():
-                break
-            if np.count_nonzero(choice) > most:  # keep the `most` that gain most at this rate
-                net = value[np.arange(nd), choice]  # over not drafting, which is worth 0
-                choice[np.argsort(-net, kind="stable")[most:]] = 0
-            rate = (n + gain[np.arange(nd), choice].sum()) / (base + d0 + price[choice].sum())
-            if rate <= lam * (1 + 1e-9):
-                break
-            lam, plan = rate, choice
-        return plan, lam
-
-    def _search_shared(
-        self,
-        n: int,
-        prompts: list[int],
-        gain: np.ndarray,
-        cap: np.ndarray,
-        most: int,
-        width: int = 1,
-    ) -> tuple[np.ndarray, float]:
-        """[nd] lengths of the best plan "the b requests that gain most draft min(cap, M)" over
-        M and b <= most, for a padded target: every row pays for the longest, so the requests
-        that draft share one length M, and one that drafts less saves only its part of the
-        draft call. Each plan is priced by `_plan_tokens`; all K x nd plans at once. Returns
-        the plan and its rate."""
-        d0, d1 = self.draft_cost.coef
-        nd, K = gain.shape[0], self.block_size
-        m = np.arange(1, K + 1)
-        g = np.take_along_axis(
-            gain, np.minimum(cap[:, None], m[None, :]), axis=1
-        ).T  # [K, nd] gain at length m
-        order = np.argsort(-g, axis=1, kind="stable")  # [K, nd] best requests first
-        g_sorted = np.take_along_axis(g, order, axis=1)
-        committed = n + np.cumsum(g_sorted, axis=1)  # [K, nd] the top-b requests draft
-        b = np.arange(1, nd + 1)
-        cost = (
-            self._verify_s(n, self._plan_tokens(prompts, nd, m * width, b))
-            + d0
-            + d1 * width * b[None, :]
-        )  # [K, nd]
-        thr = np.where(
-            (g_sorted > 0) & (b[None, :] <= most), committed / np.maximum(cost, 1e-12), -np.inf
-        )
-        k = int(np.argmax(thr))  # the first best: the shortest M, the fewest requests
-        mi, bi = divmod(k, nd)
-        base = self._plan_tokens(prompts, nd, m[:1], np.zeros(1, np.int64))[0, 0]  # nobody drafts
-        lengths = np.zeros(nd, np.int64)
-        plain = self._plain_rate(n, self._verify_s(n, base), prompts)
-        if thr[mi, bi] > (1 + self.cfg.margin) * plain:
-            top = order[mi, : bi + 1]
-            lengths[top] = np.minimum(cap[top], mi + 1)
-            return lengths, float(thr[mi, bi])
-        return lengths, plain
 
     def _plan_tokens(self, prompts: list[int], nd: int, m: np.ndarray, b: np.ndarray) -> np.ndarray:
         """[len(m), len(b)] query tokens of a verify with these prefill rows and nd decode rows,

@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from flashmap.draft_call import DraftAnswer
-from flashmap.types import TOP_M, Draft, ProposeRequest, SpecStats
+from flashmap.drafts import TOP_M, Draft, ProposeRequest
+from flashmap.types import SpecStats
 from flashmap.v1 import drafter_pb2, serving_pb2
 
 # ----------------------------------------------------------------------------- drafter stream

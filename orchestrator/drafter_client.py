@@ -28,9 +28,10 @@ import grpc
 
 from flashmap.auth import DRAFTER_TOKEN_HEADER
 from flashmap.draft_call import ask, take
+from flashmap.drafts import TOP_M, SeqId
 from flashmap.round_metadata import DraftBatch, SeqPlan
 from flashmap.sequence import Sequence
-from flashmap.types import BLOCK_SIZE, DRAFT_STEPS, TOP_M, SeqId
+from flashmap.types import BLOCK_SIZE, DRAFT_STEPS
 from flashmap.v1 import drafter_pb2, drafter_pb2_grpc
 from flashmap.wire import answer_from_proto, ask_to_proto
 

@@ -21,9 +21,10 @@ from __future__ import annotations
 import asyncio
 import time
 
+from flashmap.drafts import SeqId
 from flashmap.pipeline import Ahead
 from flashmap.sequence import Sequence
-from flashmap.types import SeqId, TargetLost
+from flashmap.types import TargetLost
 from orchestrator.target_client import TargetUnavailable, TritonTarget
 
 RETRY_S = 0.5  # between tries to rebuild the parked sequences on the target

@@ -26,22 +26,20 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import grpc
-
-from flashmap.logs import fields
+from flashmap.drafts import SeqId
 from flashmap.pipeline import Ahead, pipelined_round
 from flashmap.rounds import speculative_round
 from flashmap.sequence import Sequence
 from flashmap.speculation import ControllerConfig, SpeculationController
-from flashmap.tokenizer import IncrementalDecoder
-from flashmap.types import BLOCK_SIZE, GenerationRequest, InvalidRequest, SeqId, TargetLost
+from flashmap.types import BLOCK_SIZE, GenerationRequest, InvalidRequest, TargetLost
 from flashmap.v1 import serving_pb2
 from orchestrator.admission import BurstConfig, BurstGate
 from orchestrator.config import OrchestratorConfig
 from orchestrator.drafter_client import DrafterClient, ServiceDrafter
 from orchestrator.health import TargetHealth
 from orchestrator.metrics import OrchestratorMetrics
-from orchestrator.requests import Outcome, Piece, TextPieces, build_request
+from orchestrator.request_stream import request_stream
+from orchestrator.requests import Outcome, Piece, build_request
 from orchestrator.resume import Parking
 from orchestrator.target_client import TargetClient, TritonTarget
 
@@ -195,6 +193,10 @@ class Orchestrator:
         self.burst.arrived(a.t_arrival)
         self._wake.set()
         return a
+
+    def wake(self) -> None:
+        """A request changed outside a round (it ended): the loop looks again."""
+        self._wake.set()
 
     def abort(self, request_id: str) -> bool:
         a = self.by_request.get(request_id)
@@ -397,91 +399,21 @@ class Orchestrator:
             if r.prefill:
                 self.metrics.prompt_tokens.labels(model=name).inc(a.seq.n_prompt)
             elif r.drafted:
-                self.metrics.record_round(self._labels(self._steps_of(a)), r.drafted, r.accepted)
+                self.metrics.record_round(self._labels(self.steps_of(a)), r.drafted, r.accepted)
             self._emit(a, r.new_tokens, now, r.logprobs)
         self.metrics.round_latency.labels(
             **self._labels(self.drafter.steps if self.drafter else 0)
         ).observe(time.perf_counter() - t_round)
 
-    async def stream(
+    def stream(
         self, gen: GenerationRequest, stops: list[str] = (), deadline: float | None = None
     ) -> AsyncIterator[Piece | Outcome]:
         """Run one request: its pieces as they commit, then one Outcome (every front end, gRPC
-        and HTTP, serves this). Stop strings end the request at the first token whose text
-        reaches one (TextPieces); the ids, the text and the usage all stop there. deadline
-        (time.monotonic()): past it the request ends with DEADLINE_EXCEEDED."""
-        if not self.health.ok:
-            yield Outcome.failed(
-                grpc.StatusCode.UNAVAILABLE, "the target is unavailable (see Health)"
-            )
-            return
-        try:
-            a = self.submit(gen, deadline)
-        except InvalidRequest as e:
-            yield Outcome.failed(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            return
-        except OverflowError as e:
-            yield Outcome.failed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-            return
-        stops = [x for x in stops if x]
-        if stops and self.tokenizer is None:
-            self.abort(gen.request_id)
-            yield Outcome.failed(
-                grpc.StatusCode.INVALID_ARGUMENT, "stop strings need the target's tokenizer"
-            )
-            return
-        text = TextPieces(self.tokenizer and IncrementalDecoder(self.tokenizer), stops, gen.chat)
-        status = "abort"  # what the requests metric records if the client goes away first
-        try:
-            while (new := await a.queue.get()) is not None:
-                piece = text.push(*new)
-                if text.stopped:
-                    a.seq.finish("stop")
-                    self._wake.set()
-                if piece is not None:
-                    yield piece
-                if text.stopped:
-                    while await a.queue.get() is not None:
-                        pass
-                    break
-            if (piece := text.tail()) is not None:
-                yield piece
-            if a.seq.error is not None:
-                status = "error"
-                yield Outcome.part_failed(a.seq.error)
-                return
-            s = a.seq.stats
-            s.draft_steps = self._steps_of(a)
-            total = time.perf_counter() - a.t_arrival
-            status = "stop" if text.stopped else (a.seq.finish_reason or "abort")
-            outcome = Outcome(
-                status,
-                a.seq.n_prompt,
-                text.sent_ids,
-                s,
-                (a.t_first - a.t_arrival) if a.t_first else 0.0,
-                total,
-            )
-            log.info(
-                "request finished",
-                extra=fields(
-                    request_id=gen.request_id,
-                    finish_reason=status,
-                    prompt_tokens=outcome.prompt_tokens,
-                    completion_tokens=text.sent_ids,
-                    mean_acceptance_length=round(s.mean_acceptance_length, 3),
-                    fallback_rounds=s.fallback_rounds,
-                    total_s=round(total, 4),
-                ),
-            )
-            yield outcome
-        except (asyncio.CancelledError, GeneratorExit):
-            self.abort(gen.request_id)  # client went away: free the slot on target and drafter
-            raise
-        finally:
-            self.metrics.requests.labels(model=self.info.model_name, status=status).inc()
+        and HTTP, serves this; orchestrator.request_stream)."""
+        return request_stream(self, gen, stops, deadline)
 
-    def _steps_of(self, a: _Active) -> int:
+    def steps_of(self, a: _Active) -> int:
+        """The flow-map jumps of the request's latest draft (else its own, else the drafter's)."""
         return (
             a.seq.stats.draft_steps
             or a.seq.request.draft_steps

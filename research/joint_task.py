@@ -35,7 +35,7 @@ import torch
 
 from drafter_service.flashmap_dit import FlashMapDiT
 from drafter_service.flashmap_proposer import FlashMapProposer
-from flashmap.types import ProposeRequest
+from flashmap.drafts import ProposeRequest
 from research.joint_task_report import write_report
 from research.joint_world import (
     ABLATIONS,
@@ -281,7 +281,7 @@ def truth_rows(task: JointTask) -> dict[str, np.ndarray]:
     deterministic proposal (q = 1: what a perfect flow drafts from one noise draw at T = 0),
     and of the true joint's most likely block (a perfect mode-seeking drafter). A sample
     scored with its own law (q = p) is accepted whole: K + 1."""
-    from flashmap.types import Draft
+    from flashmap.drafts import Draft
 
     C, M, K = task.modes.shape
     sample, mode = np.zeros(C), np.zeros(C)

@@ -94,7 +94,7 @@ class Drafted:
 
 def _averaged(blocks, V: int):
     """A greedy Draft: per slot the argmax of the mean over blocks of their full-support q."""
-    from flashmap.types import Draft
+    from flashmap.drafts import Draft
 
     K = len(blocks[0].tokens)
     q = np.zeros((K, V))

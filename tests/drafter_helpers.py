@@ -81,7 +81,7 @@ class TreeProposer:
         self.length.pop(seq_id, None)
 
     def draft(self, requests, n_blocks: int = 1):
-        from flashmap.types import Draft
+        from flashmap.drafts import Draft
 
         out = []
         for r in requests:
@@ -96,14 +96,14 @@ class BlockProposer(TreeProposer):
     """A drafter of `max_blocks` chains of `length` tokens whose slot k is drawn from a proposal
     law q_k of its own (`support` random ids, Dirichlet probabilities), all from the request's
     seed and the block's index: blocks with a known proposal law, as multi-draft rejection
-    sampling needs them (flashmap.types.Draft.forest)."""
+    sampling needs them (flashmap.drafts.Draft.forest)."""
 
     def __init__(self, vocab_size: int, length: int = 4, support: int = 3, max_blocks: int = 3):
         super().__init__([-1, *range(length - 1)], vocab_size)
         self.block, self.support, self.max_blocks = length, support, max_blocks
 
     def draft(self, requests, n_blocks: int = 1):
-        from flashmap.types import Draft
+        from flashmap.drafts import Draft
 
         out = []
         for r in requests:

@@ -11,7 +11,7 @@ import torch
 from drafter_service.checkpoint import init_drafter
 from drafter_service.eagle import EagleProposer, init_eagle
 from drafter_service.flashmap_proposer import FlashMapProposer
-from flashmap.types import ProposeRequest
+from flashmap.drafts import ProposeRequest
 from research import bound
 from tests.drafter_helpers import distilled_world, one_thread  # noqa: F401 - autouse fixture
 from training import heldout

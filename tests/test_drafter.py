@@ -23,7 +23,7 @@ from drafter_service.flashmap_proposer import (
 from drafter_service.flow_map import greedy_summary, jump, noise_factor
 from drafter_service.oracle import OracleProposer
 from flashmap.checkpoint import CheckpointError
-from flashmap.types import ProposeRequest
+from flashmap.drafts import ProposeRequest
 from tests.drafter_helpers import randomize
 
 SMALL = dict(dim=64, n_blocks=2, n_heads=4, block_size=16, time_freq_dim=32)

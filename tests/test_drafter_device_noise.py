@@ -15,7 +15,7 @@ import torch
 from drafter_service.config import DrafterConfig
 from drafter_service.flashmap_dit import FlashMapDiT
 from drafter_service.flashmap_proposer import FlashMapProposer, draw_noise, request_generator
-from flashmap.types import ProposeRequest
+from flashmap.drafts import ProposeRequest
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

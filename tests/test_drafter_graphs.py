@@ -12,7 +12,7 @@ import torch
 from drafter_service import compiled
 from drafter_service.checkpoint import init_drafter
 from drafter_service.flashmap_proposer import FlashMapProposer
-from flashmap.types import ProposeRequest
+from flashmap.drafts import ProposeRequest
 from target_service.random_checkpoint import make_random_qwen3
 
 

@@ -13,8 +13,8 @@ import pytest
 from drafter_service.checkpoint import init_drafter, save_drafter
 from drafter_service.eagle import init_eagle, save_eagle
 from drafter_service.factory import load_proposer
+from flashmap.drafts import ProposeRequest
 from flashmap.grpc_serving import free_port, wait_grpc_health
-from flashmap.types import ProposeRequest
 from flashmap.v1 import drafter_pb2, drafter_pb2_grpc
 from flashmap.wire import answer_from_proto, features_to_tensor
 from target_service.random_checkpoint import make_random_qwen3

@@ -16,8 +16,9 @@ from drafter_service.checkpoint import checkpoint_kind, init_drafter, save_draft
 from drafter_service.eagle import EagleProposer, init_eagle, load_eagle, rollout_mask, save_eagle
 from drafter_service.flashmap_proposer import FlashMapProposer
 from flashmap.checkpoint import CheckpointError
+from flashmap.drafts import ProposeRequest
 from flashmap.inprocess import decode
-from flashmap.types import GenerationRequest, ProposeRequest, SamplingParams
+from flashmap.types import GenerationRequest, SamplingParams
 from tests.drafter_helpers import one_thread  # noqa: F401 - autouse fixture
 
 TINY = dict(n_heads=4, n_layers=1, block_size=16, train_depth=3)

@@ -11,7 +11,8 @@ import torch
 
 from drafter_service.checkpoint import init_drafter
 from drafter_service.flashmap_proposer import FlashMapProposer
-from flashmap.types import Draft, SamplingParams, VerifyRow
+from flashmap.drafts import Draft
+from flashmap.types import SamplingParams, VerifyRow
 from tests.drafter_helpers import distilled_world, randomize
 from training import denoiser_curve as dc
 from training import flow, heldout, trainer

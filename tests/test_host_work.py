@@ -20,9 +20,10 @@ from drafter_service.eagle3_proposer import Eagle3Proposer
 from drafter_service.factory import load_model, load_proposer
 from drafter_service.flashmap_proposer import FlashMapProposer
 from flashmap.drafter_inputs import ContextProjection, read_context_projection
+from flashmap.drafts import ProposeRequest
 from flashmap.inprocess import LocalTarget
 from flashmap.target_wire import packed_outputs, verify_outputs
-from flashmap.types import GenerationRequest, ProposeRequest, SamplingParams, VerifyRow
+from flashmap.types import GenerationRequest, SamplingParams, VerifyRow
 from flashmap.wire import features_to_tensor
 from target_service.engine import TargetEngine
 from target_service.random_checkpoint import make_random_qwen3

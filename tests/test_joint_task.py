@@ -38,7 +38,7 @@ def test_task_is_hard_for_per_slot_marginals():
     c = 0
     mode0 = task.modes[c, 0].numpy()
     first = int(np.argmax(task.modes[c, 0] != task.modes[c, 1]))
-    from flashmap.types import Draft
+    from flashmap.drafts import Draft
 
     g = acceptance(jw.true_alpha(task, c, Draft.greedy(mode0)))
     p0 = float(task.probs[c, 0])

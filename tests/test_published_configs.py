@@ -27,9 +27,10 @@ from drafter_service.factory import load_model, load_proposer
 from drafter_service.layers import Rotary, rope
 from flashmap.checkpoint import CheckpointError
 from flashmap.drafter_inputs import target_inputs
+from flashmap.drafts import ProposeRequest
 from flashmap.inprocess import decode
 from flashmap.rope_config import DEFAULT_ROPE_THETA, RopeParameters, read_rope_parameters
-from flashmap.types import GenerationRequest, ProposeRequest
+from flashmap.types import GenerationRequest
 from target_service.engine import TargetEngine
 from target_service.random_checkpoint import make_random_qwen3
 

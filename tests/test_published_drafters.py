@@ -221,7 +221,7 @@ def test_the_graph_path_drafts_what_the_eager_path_drafts(world, kind):
         ids, feats = rng.integers(0, 500, m), rng.standard_normal((m, F)).astype(np.float32)
         for p in (eager, graphed):
             p.extend(f"s{i}", ids, feats)
-    from flashmap.types import ProposeRequest
+    from flashmap.drafts import ProposeRequest
 
     for seqs in (["s0"], ["s0", "s1", "new"], ["s2", "s1"]):  # windows 16, 16, 64
         reqs = [ProposeRequest(s, anchor=11 + j, seed=j) for j, s in enumerate(seqs)]

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
+from flashmap.drafts import Draft
 from flashmap.rejection_sampler import greedy_verify, sample_verify
-from flashmap.types import Draft, VerifyResult
+from flashmap.types import VerifyResult
 
 V = 12
 N = 20_000

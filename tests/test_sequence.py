@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from flashmap.drafts import Draft
 from flashmap.sequence import Sequence
-from flashmap.types import Draft, GenerationRequest, SamplingParams, VerifyResult
+from flashmap.types import GenerationRequest, SamplingParams, VerifyResult
 
 
 def _prefilled(max_new: int) -> Sequence:

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from flashmap.checkpoint import CheckpointError
+from flashmap.drafts import Draft
 from flashmap.types import (
     MAX_PLAIN_TOKENS,
-    Draft,
     InvalidRequest,
     SamplingParams,
     VerifyRow,

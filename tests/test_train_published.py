@@ -193,7 +193,7 @@ def test_eagle3_windowed_rollout_is_the_whole_sequences_rollout(world, trained):
 def test_training_predicts_what_the_serving_proposers_draft(world, trained):
     """The training forward passes are the served drafters': DFlash's block logits for an anchor
     and EAGLE-3's rollout along a drafted chain give the proposers' greedy drafts."""
-    from flashmap.types import ProposeRequest
+    from flashmap.drafts import ProposeRequest
     from training.flow import Batch
 
     _, target = world

@@ -18,7 +18,7 @@ from drafter_service.checkpoint import init_drafter, load_drafter
 from drafter_service.config import DrafterConfig
 from drafter_service.flashmap_proposer import FlashMapProposer
 from drafter_service.flow_map import jump
-from flashmap.types import ProposeRequest
+from flashmap.drafts import ProposeRequest
 from tests.drafter_helpers import distilled_world, randomize
 from training import drafter_data as dd
 from training import flow, trainer

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from flashmap.drafts import ProposeRequest
 from flashmap.prompts import read_prompt_lines
-from flashmap.types import ProposeRequest
 from training.drafter_data import Sequence, list_shards, read_shard
 from training.flow import Batch, make_batch
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from flashmap.types import Draft, SamplingParams, VerifyRow
+from flashmap.drafts import Draft
+from flashmap.types import SamplingParams, VerifyRow
 from training.heldout import HeldoutSequence, anchor_rounds, spread_anchors
 from training.shuffle_test import (
     DraftVariants,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flashmap.types import Draft
+from flashmap.drafts import Draft
 
 
 @dataclass
