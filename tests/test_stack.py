@@ -885,6 +885,25 @@ class TestSmallStack:
 # ============================================================================= tree verification
 
 
+def _oracle_world(target_dir, ref, tmp_path, prompts, **options):
+    """The target alone's answers, the oracle's references (and their file) and a stack config
+    that serves the oracle drafting the whole block every round."""
+    expected = ref(prompts, ORACLE_MAX_NEW)
+    refs = [p + out for p, out in zip(prompts, expected)]
+    refs_path = tmp_path / "refs.json"
+    refs_path.write_text(json.dumps(refs))
+    cfg = StackConfig.on_free_ports(
+        target_dir=str(target_dir),
+        drafter="oracle",
+        n_slots=4,
+        max_seq_len=1024,
+        speculation="full",
+        log_dir=str(tmp_path / "logs"),
+        **options,
+    )
+    return expected, refs, refs_path, cfg
+
+
 @pytest.mark.timeout(240)
 def test_tree_verification_through_the_stack_is_the_in_process_round(target_dir, ref, tmp_path):
     """tree_blocks = 3 through Triton, the drafter service and the orchestrator: T = 0 output equal
@@ -896,18 +915,8 @@ def test_tree_verification_through_the_stack_is_the_in_process_round(target_dir,
     from flashmap.types import GenerationRequest, SamplingParams
 
     prompts, max_new = ORACLE_PROMPTS[:3], ORACLE_MAX_NEW
-    expected = ref(prompts, max_new)
-    refs = [p + out for p, out in zip(prompts, expected)]
-    refs_path = tmp_path / "refs.json"
-    refs_path.write_text(json.dumps(refs))
-    cfg = StackConfig.on_free_ports(
-        target_dir=str(target_dir),
-        drafter="oracle",
-        n_slots=4,
-        max_seq_len=1024,
-        tree_blocks=3,
-        speculation="full",
-        log_dir=str(tmp_path / "logs"),
+    expected, refs, refs_path, cfg = _oracle_world(
+        target_dir, ref, tmp_path, prompts, tree_blocks=3
     )
     with OracleStack(cfg, refs_path), Client(cfg.url, timeout=120) as c:
         outs = [
@@ -951,18 +960,7 @@ def test_sampled_trees_through_the_stack_are_the_in_process_rounds(target_dir, r
     from flashmap.types import GenerationRequest, SamplingParams
 
     prompts, max_new = ORACLE_PROMPTS[:3], ORACLE_MAX_NEW
-    expected = ref(prompts, max_new)
-    refs = [p + out for p, out in zip(prompts, expected)]
-    refs_path = tmp_path / "refs.json"
-    refs_path.write_text(json.dumps(refs))
-    cfg = StackConfig.on_free_ports(
-        target_dir=str(target_dir),
-        drafter="oracle",
-        n_slots=4,
-        max_seq_len=1024,
-        speculation="full",
-        log_dir=str(tmp_path / "logs"),
-    )
+    expected, refs, refs_path, cfg = _oracle_world(target_dir, ref, tmp_path, prompts)
     params = [SamplingParams(1.0, seed=10 + i) for i in range(len(prompts))]
     params[-1] = SamplingParams(0.8, top_k=20, top_p=0.9, seed=30)
     sampling = lambda p: dict(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed)  # noqa: E731
