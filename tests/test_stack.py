@@ -965,6 +965,7 @@ def test_sampled_trees_through_the_stack_are_the_in_process_rounds(target_dir, r
     params[-1] = SamplingParams(0.8, top_k=20, top_p=0.9, seed=30)
     sampling = lambda p: dict(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed)  # noqa: E731
     with OracleStack(cfg, refs_path), Client(cfg.url, timeout=120) as c:
+        m0 = _samples(cfg.metrics_port)
         runs = [
             [
                 _stream(
@@ -979,6 +980,13 @@ def test_sampled_trees_through_the_stack_are_the_in_process_rounds(target_dir, r
             ]
             for _ in range(2)
         ]
+        m1 = _samples(cfg.metrics_port)
+    # Tree rounds count as chains do: a draft per round, its nodes drafted, its path accepted.
+    stats = [f.stats for run in runs for _, f in run]
+    d = lambda name: _total(m1, name) - _total(m0, name)  # noqa: E731
+    assert d("flashmap_num_drafts_total") == sum(s.drafts for s in stats)
+    assert d("flashmap_num_draft_tokens_total") == sum(s.draft_tokens for s in stats)
+    assert d("flashmap_num_accepted_tokens_total") == sum(s.accepted for s in stats)
     reqs = [GenerationRequest(pr, max_new, p, tree_blocks=3) for pr, p in zip(prompts, params)]
     local = decode(ref.engine, reqs, OracleProposer(refs, BLOCK, VOCAB, error_rate=0.2, seed=1))
     for run in runs:
