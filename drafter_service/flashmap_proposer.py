@@ -133,8 +133,8 @@ class FlashMapProposer(SlotCacheProposer):
         steps: int = DRAFT_STEPS,
         shared_noise: bool = True,
         min_confidence: float = 0.0,
-        greedy_estimate: Literal["soft", "argmax"] = "soft",
-        greedy_noise_scale: float = 1.0,
+        greedy_estimate: Literal["soft", "argmax"] | None = "soft",
+        greedy_noise_scale: float | None = 1.0,
         second_jump_net: bool = False,
     ):
         """The defaults are the paper's inference: one noise draw shared by the block's K slots
@@ -143,7 +143,8 @@ class FlashMapProposer(SlotCacheProposer):
         (`departures_as_trained` names those a checkpoint was trained for): shared_noise False
         (a draw per slot), greedy_noise_scale < 1 (T = 0 rows from scaled-down noise; 0: the zero
         state, a DFlash-like mode predictor), greedy_estimate "argmax", second_jump_net (the
-        checkpoint's separate network for the second of two jumps of zero-state T = 0 rows)."""
+        checkpoint's separate network for the second of two jumps of zero-state T = 0 rows).
+        None: the paper's value."""
         c = model.cfg
         super().__init__(
             model,
@@ -154,6 +155,8 @@ class FlashMapProposer(SlotCacheProposer):
             c.block_size,
             c.dim,
         )
+        greedy_estimate = "soft" if greedy_estimate is None else greedy_estimate
+        greedy_noise_scale = 1.0 if greedy_noise_scale is None else greedy_noise_scale
         if greedy_estimate not in self.GREEDY_ESTIMATES:
             raise ValueError(
                 f"greedy_estimate must be one of {self.GREEDY_ESTIMATES}, got {greedy_estimate!r}"

@@ -17,7 +17,7 @@ prod_{j<=k} q_j(y_j | y_<j) (the chain teacher-forced along the reference y; per
 marginals for DFlash). The draws must agree with it: that is the check that the sampling,
 the verify and the anchors fit together.
 
-    python -m research.bound --target checkpoints/demo-target --data runs/heldout-greedy \\
+    python -m research.bound --target checkpoints/demo-target --data runs/test-greedy \\
         --row dflash=checkpoints/demo-dflash-eq --row chain=checkpoints/demo-eagle \\
         --row chain-sampled=checkpoints/demo-eagle:1,sample,draws=8 \\
         --pair chain-sampled:dflash --temperature 0 --max-anchors 12 --threads 1 --out runs/bound/t0.json

@@ -9,7 +9,7 @@ far below the coarse teacher's agreement has not learnt its teacher; a teacher w
 and fine endpoints disagree has an ODE that is hard to follow in few steps (stiff, or its
 endpoint jumps with small changes of the path), which no map distilled from it can match.
 
-    python -m research.map_fidelity --target checkpoints/demo-target --data runs/heldout-greedy \
+    python -m research.map_fidelity --target checkpoints/demo-target --data runs/test-greedy \
         --pair eq=checkpoints/demo-flashmap-eq-teacher,checkpoints/demo-flashmap-eq \
         --out runs/diag/map_fidelity.json
 """

@@ -21,10 +21,10 @@ the two ways of drafting on the same anchors:
   accuracy of one noise draw, of the logits averaged over 16 draws, of the mean probability
   of the right token, and at a zero state; beside the DFlash-style prior (`--dflash`).
 
-    python -m research.mode_probe --target checkpoints/demo-target --data runs/heldout-greedy \
+    python -m research.mode_probe --target checkpoints/demo-target --data runs/dev-greedy \
         --dflash runs/dflash-eq --variant dflash=runs/dflash-eq:1 --variant dflash-sampled=runs/dflash-eq:1,sample \
         --variant teacher=runs/flow-recipe:16 --variant teacher-argmax=runs/flow-recipe:16,estimate=argmax \
-        --tau0 teacher=runs/flow-recipe --selection --max-anchors 8 --threads 1 --out runs/diag/probe_sel.json
+        --tau0 teacher=runs/flow-recipe --max-anchors 8 --threads 1 --out runs/diag/probe_dev.json
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ import torch
 
 from training.flow import noisy_state
 from training.heldout import (
-    SELECTION,
     anchor_rounds,
     heldout_batches,
     heldout_sequences,
@@ -222,7 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--data", required=True, help="held-out answers at T = 0 (training.drafter_data)"
     )
-    ap.add_argument("--prompts", default="demo/data/test_prompts.jsonl")
+    ap.add_argument(
+        "--prompts",
+        default="demo/data/test_prompts.jsonl",
+        help="the prompts the data were made from",
+    )
     ap.add_argument("--variant", type=_variant, action="append", default=[])
     ap.add_argument(
         "--tau0", action="append", default=[], help="NAME=DIR: the denoiser at pure noise"
@@ -237,7 +240,6 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="A:B: also the paired difference gamma(A) - gamma(B)",
     )
-    ap.add_argument("--selection", action="store_true")
     ap.add_argument("--max-anchors", type=int)
     ap.add_argument(
         "--verify", action="store_true", help="score against the target's argmax (slower)"
@@ -249,17 +251,13 @@ def main(argv: list[str] | None = None) -> int:
     from drafter_service.checkpoint import load_drafter
     from drafter_service.flashmap_proposer import FlashMapProposer
 
-    seqs = (
-        heldout_sequences(args.data, args.prompts, args.target, exclude=(), only=SELECTION)
-        if args.selection
-        else heldout_sequences(args.data, args.prompts, args.target)
-    )
+    seqs = heldout_sequences(args.data, args.prompts, args.target)
     engine = None
     if args.verify:
         from target_service.engine import TargetEngine
 
         engine = TargetEngine(args.target, n_slots=16)
-    res: dict = dict(n_sequences=len(seqs), selection=args.selection, tau0={}, variants={})
+    res: dict = dict(n_sequences=len(seqs), tau0={}, variants={})
     models: dict = {}
     load = lambda p: models.setdefault(p, load_drafter(p, args.target))  # noqa: E731
     if args.tau0:

@@ -25,7 +25,7 @@ batches (OUT/final.json); --export DIR writes the map with the network as its se
 
     python -m research.second_jump_refiner --target checkpoints/demo-target \\
         --map checkpoints/demo-flashmap-eq --data runs/published/data \\
-        --heldout runs/heldout-greedy --steps 1500 --lr 5e-5 --loss upto --out runs/refiner/upto
+        --heldout runs/dev-greedy --steps 1500 --lr 5e-5 --loss upto --out runs/refiner/upto
 """
 
 from __future__ import annotations

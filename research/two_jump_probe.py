@@ -22,7 +22,7 @@ right given the draft's slots before k, so it accepts 1 + min(A_chain, A_first +
 accepted draft tokens; `refine_bound`).
 
     python -m research.two_jump_probe --target checkpoints/demo-target \
-        --data runs/heldout-greedy --map eq=checkpoints/demo-flashmap-eq --out runs/probe.json
+        --data runs/test-greedy --map eq=checkpoints/demo-flashmap-eq --out runs/probe.json
     python -m research.two_jump_probe --refine-bound docs/results/flashmap_vs_dflash/t0.json \
         --first dflash --chain chain
 """

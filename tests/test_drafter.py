@@ -413,19 +413,19 @@ def test_noise_factor_small_vocabulary_and_low_rank(V, H, rank):
     torch.testing.assert_close(F.T @ F, E.T @ E, rtol=1e-4, atol=1e-3)
 
 
-def test_proposer_drafts_with_the_noise_the_drafter_was_trained_on(flashmap):
-    assert (
-        FlashMapProposer(flashmap, n_slots=1, max_context=8).shared_noise
-        == flashmap.cfg.shared_noise
-    )
-    flashmap.cfg.shared_noise = not flashmap.cfg.shared_noise
-    try:
-        assert (
-            FlashMapProposer(flashmap, n_slots=1, max_context=8).shared_noise
-            == flashmap.cfg.shared_noise
-        )
-    finally:
-        flashmap.cfg.shared_noise = not flashmap.cfg.shared_noise
+def test_proposer_drafts_the_papers_inference_unless_a_departure_is_named(flashmap):
+    """One noise draw per block at every temperature, T = 0 rows from the flow's own noise with
+    the soft estimate, whatever the checkpoint was trained with; departures_as_trained names
+    what its training departed in (here: a draw per slot)."""
+    from drafter_service.flashmap_proposer import departures_as_trained
+
+    for trained in (False, True):
+        flashmap.cfg.shared_noise = trained
+        p = FlashMapProposer(flashmap, n_slots=1, max_context=8)
+        assert p.shared_noise and p.greedy_noise_scale == 1.0 and p.greedy_estimate == "soft"
+        assert p.second_jump is None
+        assert departures_as_trained(flashmap.cfg)["shared_noise"] == trained
+    flashmap.cfg.shared_noise = False
 
 
 def test_shared_noise_switch_changes_drafts(flashmap):

@@ -416,7 +416,7 @@ def test_second_jump_network_is_lossless(target):
     """A drafter with a second-jump network (DrafterConfig.second_jump_net) drafting T = 0 rows
     from the zero state in two jumps: the output is the target's own."""
     from drafter_service.checkpoint import init_drafter
-    from drafter_service.flashmap_proposer import FlashMapProposer
+    from drafter_service.flashmap_proposer import FlashMapProposer, departures_as_trained
     from tests.drafter_helpers import randomize
 
     path, engine, prompts, reference = target.path, target.engine, target.prompts, target.reference
@@ -432,7 +432,13 @@ def test_second_jump_network_is_lossless(target):
         )
     )
     randomize(model.second_jump, seed=1)
-    proposer = FlashMapProposer(model, n_slots=N_PROMPTS, max_context=engine.max_seq_len, steps=2)
+    proposer = FlashMapProposer(
+        model,
+        n_slots=N_PROMPTS,
+        max_context=engine.max_seq_len,
+        steps=2,
+        **departures_as_trained(model.cfg),  # the zero state, the second-jump network
+    )
     assert proposer.second_jump is not None
     out = decode(engine, _requests(prompts), proposer, draft_steps=2)
     assert [r.token_ids for r in out] == reference

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from drafter_service.checkpoint import init_drafter, load_drafter
 from drafter_service.config import DrafterConfig
-from drafter_service.flashmap_proposer import FlashMapProposer
+from drafter_service.flashmap_proposer import FlashMapProposer, departures_as_trained
 from drafter_service.flow_map import jump
 from flashmap.drafts import ProposeRequest
 from tests.drafter_helpers import distilled_world, randomize
@@ -286,9 +286,11 @@ def test_null_jumps_are_dflash_cross_entropy_from_the_zero_state_and_drafted_at_
     assert loss.item() == pytest.approx(ce.item(), rel=1e-5)
     assert math.isnan(stats["zero"]) and math.isnan(stats["semigroup"])
 
-    assert FlashMapProposer(model, n_slots=1, max_context=8).greedy_noise_scale == 0.0
-    model.cfg = replace(null, null_jump_fraction=0.0)
+    # Drafting T = 0 rows from the zero state is a departure the map was trained for, named.
     assert FlashMapProposer(model, n_slots=1, max_context=8).greedy_noise_scale == 1.0
+    assert departures_as_trained(model.cfg)["greedy_noise_scale"] == 0.0
+    model.cfg = replace(null, null_jump_fraction=0.0)
+    assert departures_as_trained(model.cfg)["greedy_noise_scale"] == 1.0
     with pytest.raises(ValueError, match="null_jump_fraction"):
         replace(null, null_jump_fraction=1.5).validate()
 
@@ -325,13 +327,15 @@ def test_two_jump_zero_state_rows_train_the_path_the_proposer_serves(world):
         replace(model.cfg, null_two_jump_share=-0.1).validate()
 
     # two_jump_estimate = "argmax": the first jump's one-hot argmax is carried to t_1, as the
-    # proposer's greedy_estimate = "argmax" drafts (its default for such a map).
+    # proposer's greedy_estimate = "argmax" drafts (as the map was trained: departures_as_trained).
     model.eval().cfg = replace(model.cfg, two_jump_estimate="argmax")
     with torch.no_grad():
         _, stats = flow.distill_loss(model, model, model, b, torch.Generator().manual_seed(0))
         hard = F.one_hot(first.argmax(-1), V).float()
         second = model(t_1 * hard, t_1, 1.0, b.anchor, ctx)
-        proposer = FlashMapProposer(model, n_slots=1, max_context=8)
+        proposer = FlashMapProposer(
+            model, n_slots=1, max_context=8, **departures_as_trained(model.cfg)
+        )
         served = proposer._integrate(
             torch.zeros(n, 16, model.embed.shape[1]), b.anchor, ctx, 2, hard=torch.ones(n).bool()
         )
@@ -846,15 +850,16 @@ def test_second_jump_network_is_served_as_trained(world, tmp_path):
     b = a_batch(data)
     n, H = len(b.anchor), pair.embed.shape[1]
     one, want = sjr.two_jumps(first, second, b)
-    prop = FlashMapProposer(pair, n_slots=1, max_context=8)
+    prop = FlashMapProposer(pair, n_slots=1, max_context=8, **departures_as_trained(pair.cfg))
     assert prop.second_jump is pair.second_jump
+    assert FlashMapProposer(pair, n_slots=1, max_context=8).second_jump is None  # the paper's
     rows = torch.arange(n) % 2 == 0
     with torch.no_grad():
         ctx = b.context(pair)
         served = prop._integrate(torch.zeros(n, 16, H), b.anchor, ctx, 2, second=rows)
-        alone = FlashMapProposer(first, n_slots=1, max_context=8)._integrate(
-            torch.zeros(n, 16, H), b.anchor, ctx, 2
-        )
+        alone = FlashMapProposer(
+            first, n_slots=1, max_context=8, **departures_as_trained(first.cfg)
+        )._integrate(torch.zeros(n, 16, H), b.anchor, ctx, 2)
         every = prop._integrate(
             torch.zeros(n, 16, H), b.anchor, ctx, 2, second=torch.ones_like(rows), every=True
         )
@@ -865,7 +870,10 @@ def test_second_jump_network_is_served_as_trained(world, tmp_path):
 
     # Through propose: sampled rows and one-jump drafts are the map's; only the path the
     # network was trained on takes it (zero state, the map's estimate).
-    props = [FlashMapProposer(m, n_slots=2, max_context=64) for m in (pair, first)]
+    props = [
+        FlashMapProposer(m, n_slots=2, max_context=64, **departures_as_trained(m.cfg))
+        for m in (pair, first)
+    ]
     seq = trainer.SequenceStream(data, seed=0).take(0, 1)[0]
     for p in props:
         p.extend("s", seq.tokens[:10].numpy(), seq.features[:10].float().numpy())
@@ -881,4 +889,7 @@ def test_second_jump_network_is_served_as_trained(world, tmp_path):
         if steps == 1:  # the greedy row's one jump is the map's
             assert np.array_equal(a[1].tokens, c[1].tokens)
     for kw in (dict(greedy_noise_scale=1.0), dict(greedy_estimate="argmax")):
-        assert FlashMapProposer(pair, n_slots=1, max_context=8, **kw).second_jump is None
+        with pytest.raises(ValueError, match="second_jump_net"):  # only the path it learned
+            FlashMapProposer(
+                pair, n_slots=1, max_context=8, **{**departures_as_trained(pair.cfg), **kw}
+            )

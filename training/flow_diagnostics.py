@@ -8,7 +8,7 @@ with paired bootstrap intervals; `report_markdown` makes its tables. `flashmap e
 --flow-data` runs it on the evaluated FlashMap checkpoints.
 
     python -m training.flow_diagnostics --target checkpoints/demo-target \
-        --data runs/heldout-greedy --drafter flow=runs/flow --dflash checkpoints/demo-dflash-eq --out runs/diag.json
+        --data runs/test-greedy --drafter flow=runs/flow --dflash checkpoints/demo-dflash-eq --out runs/diag.json
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from training.denoiser_curve import denoiser_curve, format_curve, time_map_table
-from training.heldout import SELECTION, heldout_batches, heldout_sequences
+from training.heldout import heldout_batches, heldout_sequences
 from training.offline_acceptance import agreement, offline_acceptance
 from training.shuffle_test import paired_bootstrap
 
@@ -52,31 +52,25 @@ def diagnose(
     device: str = "cpu",
     progress: bool = False,
     seed: int = 0,
-    selection: bool = False,
     averaged: bool = False,
 ) -> dict:
     """Everything this module measures, on the held-out anchors of `data` (training.drafter_data
-    run on `prompts` with the target; the selection prompts are left out): per FlashMap
+    run on `prompts` with the target: dev prompts to choose, test to report): per FlashMap
     drafter its denoiser curve (with the DFlash-style drafter as the prior), and per drafter,
     step count and temperature the offline acceptance (shared noise, permutation and per-slot
     shuffles, by domain), the share of slots a second draw changes, agreement with the
-    DFlash-style drafter and paired bootstrap differences against it. selection: measure on
-    the selection prompts (11-26 of each domain) instead, to choose settings. averaged: Delta
+    DFlash-style drafter and paired bootstrap differences against it. averaged: Delta
     also from all K runs and their K cyclic shuffles (offline_acceptance)."""
     from drafter_service.checkpoint import load_drafter
     from drafter_service.flashmap_proposer import FlashMapProposer
     from target_service.engine import TargetEngine
 
-    seqs = (
-        heldout_sequences(data, prompts, target, exclude=(), only=SELECTION, domains=domains)
-        if selection
-        else heldout_sequences(data, prompts, target, domains=domains)
-    )
+    seqs = heldout_sequences(data, prompts, target, domains=domains)
     engine = TargetEngine(target, n_slots=16, device=device)
     K = None
     base = load_drafter(dflash, target, device=device) if dflash else None
     models = {d.name: load_drafter(d.path, target, device=device) for d in drafters}
-    res: dict = dict(n_sequences=len(seqs), selection=selection, curves={}, acceptance=[])
+    res: dict = dict(n_sequences=len(seqs), curves={}, acceptance=[])
     runs: dict = {}
     for name, m in [("dflash", base)] * (base is not None) + list(models.items()):
         K = m.cfg.block_size
@@ -241,11 +235,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--domain", action="append", help="only these domains (repeatable)")
     ap.add_argument("--no-curve", action="store_true")
     ap.add_argument(
-        "--selection",
-        action="store_true",
-        help="the selection prompts (11-26 of each domain) instead of the held-out rest",
-    )
-    ap.add_argument(
         "--time-maps",
         action="store_true",
         help="only print where the vocabulary map puts tau and what the embedded state tells there",
@@ -288,7 +277,6 @@ def main(argv: list[str] | None = None) -> int:
             curve=not args.no_curve,
             device=args.device,
             progress=True,
-            selection=args.selection,
             averaged=args.averaged,
         )
     except (OSError, ValueError) as e:

@@ -15,9 +15,6 @@ from flashmap.prompts import read_prompt_lines
 from training.drafter_data import Sequence, list_shards, read_shard
 from training.flow import Batch, make_batch
 
-# Per-domain prompt indices for choosing settings (the timed eval uses 0..9).
-SELECTION = range(10, 26)
-
 
 @dataclass
 class HeldoutSequence:
@@ -40,14 +37,13 @@ def heldout_sequences(
     data_dir: str | Path,
     prompts: str | Path,
     target_dir: str | Path | None = None,
-    exclude=SELECTION,
+    exclude=(),
     domains: tuple[str, ...] | None = None,
     only=None,
 ) -> list[HeldoutSequence]:
     """The sequences of a drafter data directory made from `prompts` (training.drafter_data on
-    a held-out prompt file), without those whose per-domain index is in `exclude` (default:
-    the selection prompts 11-26 of each domain); with `only`, just those per-domain indices
-    (only=SELECTION, exclude=(): the selection prompts)."""
+    a held-out prompt file: dev to choose, test to report; flashmap.prompts), without those
+    whose per-domain index is in `exclude`; with `only`, just those per-domain indices."""
     lines = read_prompt_lines(prompts, target_dir)
     seqs = [s for path in list_shards(data_dir) for s in read_shard(path)]
     if len(seqs) != len(lines):
