@@ -35,6 +35,7 @@ def _run(capsys, *args):
     return code, out, err
 
 
+@pytest.mark.slow
 def test_generate_json_ar_and_speculative_agree(ckpts, capsys):
     base = [
         "--target",

@@ -142,6 +142,7 @@ def settled_active(server, want: int) -> None:
 # --------------------------------------------------------------------------- no server
 
 
+@pytest.mark.unit
 def test_write_model_repository_sets_serving_values(tmp_path):
     repo = launcher.write_model_repository(
         tmp_path / "repo",
@@ -171,6 +172,7 @@ def test_write_model_repository_sets_serving_values(tmp_path):
     )  # graphs wherever the device is CUDA
 
 
+@pytest.mark.unit
 def test_side_channel_sends_what_is_due_and_keeps_what_a_failed_call_did_not_send():
     """Metric updates and log lines are IPC calls to the server, recorded anywhere and sent by
     the worker: the first record wakes it, nothing goes out before it is due (`wait_s` says
@@ -227,6 +229,7 @@ def test_side_channel_sends_what_is_due_and_keeps_what_a_failed_call_did_not_sen
     assert side.wait_s() is None and len(wakes) == 2
 
 
+@pytest.mark.unit
 def test_sequence_slots_admit_only_what_continues_a_sequence(engine):
     """The model's bookkeeping without a server: START takes a slot, a row must start inside
     what its sequence's last row left, a continuation row is fed the token the last row
@@ -946,6 +949,7 @@ def test_bad_requests_get_clear_errors_and_server_keeps_serving(server):
     settled_active(server, 0)
 
 
+@pytest.mark.unit
 def test_unreachable_server_is_target_unavailable():
     from orchestrator.target_client import TargetClient, TargetUnavailable
 
