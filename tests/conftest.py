@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["pytester"]  # tests/test_markers.py runs these rules on a made-up suite
+
 KINDS = ("unit", "stack", "slow")
 
 # Test files whose tests start services, but for those marked unit or slow; the other files

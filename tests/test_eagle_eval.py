@@ -237,6 +237,7 @@ def test_save_load_round_trip_and_target_check(world, tmp_path):
         load_eagle(tmp_path / "f", target)
 
 
+@pytest.mark.slow
 def test_eval_end_to_end_and_resume(world, tmp_path):
     from training import evaluate as ev
 
