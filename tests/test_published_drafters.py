@@ -192,7 +192,6 @@ def test_served_by_the_stack_exactly(world, kind):
 
 
 @pytest.mark.parametrize("kind", ["dflash", "eagle3"])
-@pytest.mark.slow
 def test_flashmap_generate_in_process_serves_the_directory(world, kind, capsys):
     """`flashmap generate --in-process --drafter DIR`: the same text as --ar, with drafts."""
     from flashmap_cli.main import main

@@ -470,7 +470,6 @@ def test_probes_beside_multi_step_rounds_let_the_others_decode_on():
     assert c.drafted_rounds == 1  # its acceptance counts
 
 
-@pytest.mark.slow
 def test_mixed_probe_rounds_are_exact(tiny):
     """The real controller with 8 tokens per call, probing often: probe rounds verify one
     request's draft beside the others' 8-token rows in one call, and every T = 0 output equals
@@ -700,7 +699,6 @@ def test_a_shadow_block_counts_what_the_committed_text_accepts():
     )
 
 
-@pytest.mark.slow
 def test_shadow_probes_beside_the_rounds_are_exact_and_line_up_with_the_text(tiny):
     """The round loop under an event loop (as in the orchestrator), speculation kept off (a
     margin no plan beats), shadow probes on: every T = 0 output equals the target alone's, the

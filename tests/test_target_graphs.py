@@ -341,7 +341,6 @@ def test_batch_invariant_mode_is_bitwise_and_eager_is_not(ckpt):
     assert 0.0 < diffs[False] < 1e-3  # the check above can fail: shapes do change rounding
 
 
-@pytest.mark.slow
 def test_batch_invariant_speculative_equals_autoregressive_in_bf16(ckpt):
     """In bf16 a (K+1)-row verify and a one-row step round differently in the eager engine
     (on this CPU some sequences diverge); in batch-invariant mode every sequence is identical."""
