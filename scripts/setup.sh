@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # Install FlashMap Serve into ./.venv (idempotent). Used by scripts/run.sh, scripts/test.sh and .ci/run.
+# A second run with the same pyproject.toml and this script returns at once (the install is
+# editable: source changes need no reinstall).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
+STAMP=.venv/.installed-from
+WANT="$(cat pyproject.toml scripts/setup.sh | sha256sum)"
+if [ -x .venv/bin/python ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$WANT" ]; then exit 0; fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 # torch first, pinned: on the project's CPU machines this is a wheel on local disk; an
@@ -14,3 +19,4 @@ PY="${PYTHON:-python3}"
 # not the stack's, and it needs no torch.
 [ -x .venv/aiperf/bin/python ] || "$PY" -m venv .venv/aiperf
 .venv/aiperf/bin/python -m pip install -q "aiperf==0.13.0"
+echo "$WANT" >"$STAMP"

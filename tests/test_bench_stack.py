@@ -96,6 +96,7 @@ def test_modes_must_include_the_baseline(tmp_path):
 
 
 @pytest.mark.skipif(not DEMO, reason="demo checkpoints not present")
+@pytest.mark.stack
 def test_a_tiny_run_reports_and_resumes(tmp_path, capsys):
     out = tmp_path / "bench.md"
     argv = [

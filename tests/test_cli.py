@@ -35,6 +35,7 @@ def _run(capsys, *args):
     return code, out, err
 
 
+@pytest.mark.slow
 def test_generate_json_ar_and_speculative_agree(ckpts, capsys):
     base = [
         "--target",
@@ -160,6 +161,7 @@ def test_missing_and_corrupt_checkpoints(ckpts, capsys, tmp_path):
     assert code == 2 and "config.json" in err and err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_process_exit_status_and_no_traceback(ckpts):
     """The real console entry point: non-zero exit, one line, no traceback."""
     p = subprocess.run(

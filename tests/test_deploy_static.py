@@ -680,6 +680,7 @@ sys.exit(1 if failed else 0)
 """
 
 
+@pytest.mark.slow
 def test_image_packages_import_with_only_what_cpu_lock_installs():
     """Every module of the packages the service images copy imports with only the lock's
     distributions: a dependency missing from the images (as scipy was, which the drafter imports

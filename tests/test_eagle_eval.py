@@ -130,6 +130,7 @@ def test_eagle_is_lossless_in_decode(world):
     shutil.which("c++") is None and shutil.which("g++") is None,
     reason="torch.compile (inductor) needs a C++ compiler",
 )
+@pytest.mark.slow
 def test_compiled_chain_is_lossless_in_decode(world):
     """enable_compile: the chain step through torch.compile, batched decode (2 slots) as above."""
     engine, model, _, reqs = _greedy_world(world, seed=2, n=3, max_new=20)
@@ -237,6 +238,7 @@ def test_save_load_round_trip_and_target_check(world, tmp_path):
         load_eagle(tmp_path / "f", target)
 
 
+@pytest.mark.slow
 def test_eval_end_to_end_and_resume(world, tmp_path):
     from training import evaluate as ev
 

@@ -191,6 +191,7 @@ def test_cyclic_shuffles_take_every_slot_from_another_run():
     assert sorted(int(s.tokens[0]) for s in shuffles) == list(range(K))
 
 
+@pytest.mark.slow
 def test_eval_writes_the_flow_diagnostics(world, tmp_path):
     """`flashmap eval --flow-data`: the timed eval, then the flow diagnostics of its FlashMap
     checkpoints beside eval.md (linked from it); a drafter whose noise is per slot already

@@ -31,6 +31,7 @@ def smoke(tmp_path_factory):
     return json.loads((out / "gpu_e2e.json").read_text()), out, p.stdout
 
 
+@pytest.mark.slow
 def test_every_row_is_measured(smoke):
     report, _, _ = smoke
     assert report["errors"] == {}
@@ -61,6 +62,7 @@ def test_every_row_is_measured(smoke):
             assert r["drafts"] > 0 and r["draft_call_ms_per_round"] > 0
 
 
+@pytest.mark.slow
 def test_oracle_is_accepted_in_full_and_outputs_equal_the_target_alone(smoke):
     report, _, _ = smoke
     new = report["config"]["max_new_tokens"]
@@ -80,6 +82,7 @@ def test_oracle_is_accepted_in_full_and_outputs_equal_the_target_alone(smoke):
                 assert r["mean_acceptance_length"] == K + 1
 
 
+@pytest.mark.slow
 def test_report_files_and_table(smoke):
     report, out, stdout = smoke
     md = (out / "gpu_e2e.md").read_text()

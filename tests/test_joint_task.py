@@ -45,6 +45,7 @@ def test_task_is_hard_for_per_slot_marginals():
     assert g == pytest.approx(1 + first + p0 * (K - first))
 
 
+@pytest.mark.slow
 def test_flow_stage_makes_the_denoiser_read_its_state(trained):
     task, models = trained
     curve = denoiser_curve(models["teacher"], jt.check_batches(task))
@@ -52,6 +53,7 @@ def test_flow_stage_makes_the_denoiser_read_its_state(trained):
     assert accuracy_at(curve, 0.9) > accuracy_at(curve, 0.0) + 0.05
 
 
+@pytest.mark.slow
 def test_flow_drafts_coherent_blocks_and_dflash_marginals_do_not(trained):
     task, models = trained
     teacher = jt.evaluate_drafter(task, models["teacher"], 16)
@@ -72,6 +74,7 @@ def test_flow_drafts_coherent_blocks_and_dflash_marginals_do_not(trained):
     assert teacher["noise_changes"] > 0.02 and two["noise_changes"] > 0.02
 
 
+@pytest.mark.slow
 def test_scores_with_the_real_q_and_the_bootstrap_check(trained):
     task, models = trained
     # A drafter that ignores its noise has the product of its marginals as its law: scoring its

@@ -183,6 +183,7 @@ def test_oracle_full_accept_and_rejection_at_every_slot(target):
                 ] <= 1 or (r.stats.accepted_per_slot[0] == r.stats.accepted_per_slot[slot - 2] > 0)
 
 
+@pytest.mark.slow
 def test_tree_verification_is_lossless_and_takes_the_accepted_path(target):
     path, engine, prompts, reference = target.path, target.engine, target.prompts, target.reference
     refs = [p + r for p, r in zip(prompts, reference)]
@@ -300,6 +301,7 @@ def _assert_follows(counts: np.ndarray, exact: np.ndarray, min_p: float = 1e-3) 
     [SamplingParams(1.0), SamplingParams(0.7, top_k=5, top_p=0.9)],
     ids=["T1", "T0.7-k5-p0.9"],
 )
+@pytest.mark.slow
 def test_first_three_tokens_follow_the_target(tmp_path, params):
     path = _tiny_vocab_target(tmp_path)
     prompt = [1, 5, 2]
@@ -312,6 +314,7 @@ def test_first_three_tokens_follow_the_target(tmp_path, params):
     _assert_follows(counts, exact)
 
 
+@pytest.mark.slow
 def test_multi_step_samples_follow_the_target(tmp_path):
     """The target alone decoding tokens 2 and 3 in one call (plain_tokens) samples the target's law."""
     path = _tiny_vocab_target(tmp_path)

@@ -577,6 +577,7 @@ class _StubOrchestrator:
         (RuntimeError("a bug"), 500, "internal"),
     ],
 )
+@pytest.mark.unit
 def test_failures_map_to_http_status(failure, status, code):
     import grpc
     from fastapi.testclient import TestClient
@@ -595,6 +596,7 @@ def test_failures_map_to_http_status(failure, status, code):
                 assert err["message"] == failure[1]
 
 
+@pytest.mark.unit
 def test_error_after_the_stream_started_is_an_error_event():
     """Headers (200) are gone once a piece streamed: a later failure is an `error` event, which
     the openai client raises as APIError."""
@@ -631,6 +633,7 @@ def test_error_after_the_stream_started_is_an_error_event():
         list(client.completions.create(model="stub", prompt="hi", stream=True))
 
 
+@pytest.mark.unit
 def test_body_must_be_json():
     """curl -d without a JSON content type, or a body that is not an object: a 400 that says so."""
     import grpc

@@ -61,6 +61,7 @@ def test_grafana_to_promql():
     )
 
 
+@pytest.mark.stack
 def test_dashboard_acceptance_queries_match_the_recorded_rounds(prometheus_bin):
     from drafter_service.metrics import DrafterMetrics
     from orchestrator.metrics import OrchestratorMetrics

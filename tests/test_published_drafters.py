@@ -90,6 +90,7 @@ def test_greedy_output_is_the_targets(world, kind):
 
 
 @pytest.mark.parametrize("kind", ["dflash", "eagle3"])
+@pytest.mark.slow
 def test_first_three_tokens_follow_the_target(tmp_path, kind):
     path = _tiny_vocab_target(tmp_path, layers=4)  # EAGLE-3 reads three distinct layers
     if kind == "dflash":
@@ -146,6 +147,7 @@ def test_a_checkpoint_that_does_not_fit_the_target_is_refused_by_name(world, tmp
 
 
 @pytest.mark.parametrize("kind", ["dflash", "eagle3"])
+@pytest.mark.stack
 def test_served_by_the_stack_exactly(world, kind):
     """`flashmap up --drafter DIR`: the target computes the drafter's layers and its context
     projection; the text equals the target alone's, and acceptance is in the metrics."""

@@ -76,6 +76,7 @@ def _run(cmd: str, env: dict, timeout: float = 240) -> subprocess.CompletedProce
     )
 
 
+@pytest.mark.unit
 def test_readme_opens_with_exactly_two_setup_commands():
     first = _blocks("bash")[0]
     assert README.startswith(f"# FlashMap Serve\n\n```bash\n{first}```")
@@ -231,6 +232,7 @@ def test_python_examples_work_as_written(stack):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_in_process_example():
     (cmd,) = [c for b in _blocks("bash") for c in _commands(b) if "--in-process" in c]
     p = _run(_flashmap(cmd), _env())

@@ -542,6 +542,7 @@ def test_killed_triton_stub_is_seen_and_repaired(stack, ref):
     assert sup.restarts["triton"] >= 1
 
 
+@pytest.mark.unit
 def test_message_limits_refuse_before_parsing():
     """Over max_message_bytes but within the transport limit: refused by add_service without
     parsing (RESOURCE_EXHAUSTED naming the limit); over the transport limit: gRPC's own

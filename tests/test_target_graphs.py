@@ -371,6 +371,7 @@ def test_batch_invariant_speculative_equals_autoregressive_in_bf16(ckpt):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.gpu
 def test_cuda_graphs_equal_eager_on_cuda(ckpt, dtype):
     def make(graphs):
         e = TargetEngine.from_model(
@@ -393,6 +394,7 @@ def test_cuda_graphs_equal_eager_on_cuda(ckpt, dtype):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("batch_invariant", [False, True])
+@pytest.mark.gpu
 def test_lossless_on_cuda_with_graphs(ckpt, batch_invariant):
     """Speculative (untrained FlashMap drafter, its CUDA graphs) == autoregressive at T = 0 with
     the target's CUDA graphs in fp32; in batch-invariant mode also in bf16."""
@@ -483,6 +485,7 @@ def test_triton_kernels_match_torch_in_the_interpreter(ckpt_small):
 # ------------------------------------------------------------------ bench/gpu.py
 
 
+@pytest.mark.slow
 def test_gpu_check_smoke_runs_every_section(tmp_path):
     """The device script end to end at tiny sizes on the CPU (static graphs, torch ops): every
     section runs without error, the JSON is written and the summary table comes last."""

@@ -218,6 +218,7 @@ def test_a_config_that_does_not_fit_the_target_is_refused_before_any_step(world,
 # ----------------------------------------------------------------------------- two ranks
 
 
+@pytest.mark.slow
 def test_two_ranks_stay_equal_and_a_killed_run_resumes_bit_for_bit(world, tmp_path):
     """torchrun, 2 ranks (gloo): the flow stage (DDP, held-out acceptance check), then
     distillation with 2 micro-batches per rank: the replicas' parameters are equal after every
@@ -276,6 +277,7 @@ def test_two_ranks_stay_equal_and_a_killed_run_resumes_bit_for_bit(world, tmp_pa
 # ----------------------------------------------------------------------------- sizing
 
 
+@pytest.mark.slow
 def test_the_gpu_training_step_mode_runs_at_tiny_sizes(tmp_path):
     """`python -m bench.gpu --only training` (the sizing of docs/training.md) at tiny sizes on
     the CPU: one step measured, the estimate written."""
@@ -305,6 +307,7 @@ def test_the_gpu_training_step_mode_runs_at_tiny_sizes(tmp_path):
     assert "training step" in p.stdout
 
 
+@pytest.mark.stack
 def test_token_data_through_a_running_stack_are_the_engines(tmp_path):
     """`generate_data --server`: greedy answers from the stack's Generate (speculative, exact)
     are the in-process engine's, shard for shard."""

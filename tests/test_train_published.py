@@ -56,6 +56,7 @@ def _losses(run) -> list[float]:
 
 
 @pytest.mark.parametrize("kind", ["dflash", "eagle3"])
+@pytest.mark.slow
 def test_training_lowers_the_loss_and_writes_the_published_layout(world, trained, kind):
     _, target = world
     losses = _losses(trained[kind])
@@ -77,6 +78,7 @@ def test_training_lowers_the_loss_and_writes_the_published_layout(world, trained
 
 
 @pytest.mark.parametrize("kind", ["dflash", "eagle3"])
+@pytest.mark.slow
 def test_the_trained_checkpoint_decodes_exactly_like_the_target(world, trained, kind):
     _, target = world
     layers, _ = target_inputs(trained[kind], target, project=False)
@@ -115,6 +117,7 @@ def test_a_killed_run_resumes_to_the_same_result(world, tmp_path, monkeypatch):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_eval_adds_the_published_rows_to_a_cell_cache(world, trained, tmp_path):
     from training import evaluate as ev
 
@@ -156,6 +159,7 @@ def _random_batch(model_feature_dim: int, rng, lens, prompt_lens, vocab: int = 5
     return SeqBatch(tokens, feats, torch.tensor(lens), torch.tensor(prompt_lens))
 
 
+@pytest.mark.slow
 def test_eagle3_windowed_rollout_is_the_whole_sequences_rollout(world, trained):
     """Steps >= 1 run on each sequence's window only; on every row that counts they give what
     the plain training-time test over whole sequences (every position, every step) gives."""
@@ -190,6 +194,7 @@ def test_eagle3_windowed_rollout_is_the_whole_sequences_rollout(world, trained):
     assert checked > 30
 
 
+@pytest.mark.slow
 def test_training_predicts_what_the_serving_proposers_draft(world, trained):
     """The training forward passes are the served drafters': DFlash's block logits for an anchor
     and EAGLE-3's rollout along a drafted chain give the proposers' greedy drafts."""

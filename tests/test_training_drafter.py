@@ -455,6 +455,7 @@ def _drafts(model):
     return prop.propose([ProposeRequest("a", anchor=3, seed=1)], 1)[0]
 
 
+@pytest.mark.slow
 def test_cli_stages_resume_and_checkpoint(world, tmp_path):
     target, data, _, _ = world
     common = [

@@ -143,6 +143,7 @@ def settled_active(server, want: int) -> None:
 # --------------------------------------------------------------------------- no server
 
 
+@pytest.mark.unit
 def test_write_model_repository_sets_serving_values(tmp_path):
     from target_service.target_config import TargetModelConfig
     from target_service.triton_repository import write_model_repository
@@ -224,6 +225,7 @@ def test_the_model_reads_settings_the_json_leaves_out_from_the_environment():
         TargetModelConfig(context_projection="true")
 
 
+@pytest.mark.unit
 def test_side_channel_sends_what_is_due_and_keeps_what_a_failed_call_did_not_send():
     """Metric updates and log lines are IPC calls to the server, recorded anywhere and sent by
     the worker: the first record wakes it, nothing goes out before it is due (`wait_s` says
@@ -280,6 +282,7 @@ def test_side_channel_sends_what_is_due_and_keeps_what_a_failed_call_did_not_sen
     assert side.wait_s() is None and len(wakes) == 2
 
 
+@pytest.mark.unit
 def test_sequence_slots_admit_only_what_continues_a_sequence(engine):
     """The model's bookkeeping without a server: START takes a slot, a row must start inside
     what its sequence's last row left, a continuation row is fed the token the last row
@@ -1013,6 +1016,7 @@ def test_bad_requests_get_clear_errors_and_server_keeps_serving(server):
     settled_active(server, 0)
 
 
+@pytest.mark.unit
 def test_unreachable_server_is_target_unavailable():
     from orchestrator.target_client import TargetClient, TargetUnavailable
 
