@@ -31,8 +31,10 @@ KINDS = ("unit", "stack", "slow")
 STACK_MODULES = frozenset(
     {
         "test_drafter_service.py",
+        "test_loadgen.py",
         "test_observability_live.py",
         "test_openai_api.py",
+        "test_openai_chat.py",
         "test_readme.py",
         "test_security.py",
         "test_stack.py",

@@ -22,8 +22,8 @@ def model(tmp_path_factory):
     return init_drafter(target, dim=64, n_blocks=2, n_heads=4, seed=0)
 
 
-def _proposer(model, graphs: bool, estimate: str = "soft"):
-    p = FlashMapProposer(model, n_slots=8, max_context=32, greedy_estimate=estimate)
+def _proposer(model, graphs: bool, estimate: str = "soft", **departures):
+    p = FlashMapProposer(model, n_slots=8, max_context=32, greedy_estimate=estimate, **departures)
     rng = np.random.default_rng(0)
     for i, n in enumerate([3, 10, 20, 7, 1]):
         p.extend(
@@ -173,8 +173,9 @@ def test_second_jump_network_rows_run_eagerly_beside_graphs(tmp_path, steps):
         ProposeRequest(f"s{i}", anchor=7 + i, temperature=float(i % 2), seed=11 + i)
         for i in range(3)
     ]
-    ref = _proposer(m, graphs=False).propose(reqs, steps)
-    p = _proposer(m, graphs=True)
+    net = dict(greedy_noise_scale=0.0, second_jump_net=True)  # the departure, named
+    ref = _proposer(m, graphs=False, **net).propose(reqs, steps)
+    p = _proposer(m, graphs=True, **net)
     assert p.second_jump is not None
     calls = []
     run = p.graphs.run

@@ -17,13 +17,13 @@ from drafter_service.dflash import init_dflash, save_dflash
 from drafter_service.dflash_proposer import DFlashProposer
 from drafter_service.eagle3 import init_eagle3, save_eagle3
 from drafter_service.eagle3_proposer import Eagle3Proposer
-from drafter_service.factory import load_model, load_proposer
-from drafter_service.flashmap_proposer import FlashMapProposer
+from drafter_service.factory import load_model, load_proposer, make_proposer
+from drafter_service.flashmap_proposer import FlashMapProposer, departures_as_trained
 from flashmap.drafter_inputs import ContextProjection, read_context_projection
 from flashmap.drafts import ProposeRequest
 from flashmap.inprocess import LocalTarget
 from flashmap.target_wire import packed_outputs, verify_outputs
-from flashmap.types import GenerationRequest, SamplingParams, VerifyRow
+from flashmap.types import GenerationRequest, SamplingParams, VerifyResult, VerifyRow
 from flashmap.wire import features_to_tensor
 from target_service.engine import TargetEngine
 from target_service.random_checkpoint import make_random_qwen3
@@ -53,13 +53,9 @@ def test_ops_per_round_do_not_grow_with_the_batch():
 def _wire_bytes(features: np.ndarray) -> tuple[int, int]:
     """Bytes one committed token's features take from Triton to the orchestrator (the packed
     verify answer) and from the orchestrator to the drafter (the Draft stream's tensor)."""
-    argmax = np.zeros(1, np.int64)
-    res = type("R", (), {})()
-    res.argmax, res.support_probs, res.complement, res.residual = argmax, np.zeros((0, 1)), [], [-1]
-    res.features = features
-    base = len(packed_outputs([verify_outputs(res, 0, np.float16)]))
-    res.features = features[:0]
-    empty = len(packed_outputs([verify_outputs(res, 0, np.float16)]))
+    greedy = lambda f: VerifyResult(np.zeros(1, np.int64), np.zeros((0, 1)), [], [-1], f)  # noqa: E731
+    base = len(packed_outputs([verify_outputs(greedy(features), 0, np.float16)]))
+    empty = len(packed_outputs([verify_outputs(greedy(features[:0]), 0, np.float16)]))
     return base - empty, features_to_tensor(features.astype(np.float16)).ByteSize()
 
 
@@ -207,8 +203,9 @@ def test_a_second_jump_network_adds_no_ops_per_round():
     ops = {}
     for name in ("demo-flashmap-eq", "demo-flashmap-eq-2j"):
         for b in (1, 8):
-            proposer = load_proposer(
-                ROOT / "checkpoints" / name, DEMO_TARGET, n_slots=8, max_context=256, steps=2
+            model = load_model(ROOT / "checkpoints" / name, DEMO_TARGET)
+            proposer = make_proposer(  # as trained: the zero state, the network for 2j
+                model, n_slots=8, max_context=256, steps=2, **departures_as_trained(model.cfg)
             )
             assert (proposer.second_jump is not None) == name.endswith("2j")
             reqs = [

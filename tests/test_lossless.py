@@ -333,6 +333,7 @@ TREES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", sorted(TREES))
 @pytest.mark.parametrize(
     "params",
@@ -351,6 +352,7 @@ def test_trees_at_t_above_zero_follow_the_target(tmp_path, shape, params):
     _assert_follows(counts, _exact_first3(path, prompt, params), min_p=0.01)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tree_sampling", ["pick", "rejection"])
 @pytest.mark.parametrize(
     "params",
@@ -400,6 +402,7 @@ def test_flashmap_blocks_from_independent_noise_follow_the_target(tmp_path):
     _assert_follows(counts, _exact_first3(path, [1, 5, 2], params), min_p=0.01)
 
 
+@pytest.mark.slow
 def test_seeded_tree_requests_repeat_and_greedy_trees_stay_exact(target):
     """A seeded T = 1 request verified as trees gives the same text twice; at T = 0 the same
     trees give the target alone's text."""

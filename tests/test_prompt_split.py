@@ -32,6 +32,7 @@ def test_the_split_is_fixed_disjoint_and_marked():
     assert prompt_split(DEV_PROMPTS) == "dev" and prompt_split(TEST_PROMPTS) == "test"
 
 
+@pytest.mark.slow
 def test_the_corpus_writes_the_committed_split(tmp_path):
     from demo.corpus import build_corpus, write_prompt_splits
 
@@ -71,6 +72,7 @@ def test_data(tmp_path_factory):
     return target, out
 
 
+@pytest.mark.slow
 def test_paths_that_choose_refuse_test_data(test_data, capsys):
     """The flow stage's check and the acceptance check of training, and the research curves
     that pick settings, stop with the rule's message on data of the test prompts."""
