@@ -1,0 +1,175 @@
+"""Trees at T > 0 from `flashmap eval`'s cells: each tree row beside the single draft of the same
+drafter, paired prompt by prompt (docs/results/trees.md).
+
+    python -m training.tree_report docs/results/eval_test/eval_cells.json \
+        --dev runs/eval-dev-trees/eval_cells.json --out docs/results/trees.md
+
+Per domain and tree row: gamma and speedup with 95% intervals over prompts, the paired
+difference of gamma against the drafter's own single draft (the prompts resampled together),
+and what a GPU verify would keep: on an H200 a verify of up to a few hundred tokens costs about
+one decode step (docs/results/gpu_h200.md: a verify of 17 tokens 1.03x a step), so a round costs
+about a step and a draft whatever the tree's size, and the speedup there is gamma x step /
+(step + draft) at batch 1, a projection from those kernel times, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+from flashmap.measure import bootstrap_ci
+
+# The H200 kernel times of docs/results/gpu_h200.md (Qwen3-8B shape, bf16, batch 1): a target
+# step, and one jump of the paper-size drafter.
+H200_STEP_MS, H200_DRAFT_MS = 5.62, 2.33
+
+# (family, its single draft's row, its tree rows' pattern)
+FAMILIES = (
+    ("FlashMap (1 jump)", "flashmap-1", r"flashmap-tree(\d+)(-rejection)?$"),
+    ("DFlash-style", "dflash", r"dflash-tree(\d+)(-rejection)?$"),
+    ("EAGLE-3", "eagle3-chain16", r"eagle3-tree16$"),
+)
+
+
+def paired_gamma_diff(a: dict, b: dict, seed: int = 0) -> tuple[float, float, float]:
+    """gamma(a) - gamma(b) over the same prompts, with a 95% interval (prompts resampled in
+    pairs)."""
+    acc_a, dr_a = np.asarray(a["prompt_accepted"], float), np.asarray(a["prompt_drafts"], float)
+    acc_b, dr_b = np.asarray(b["prompt_accepted"], float), np.asarray(b["prompt_drafts"], float)
+
+    def diff(i):
+        if not dr_a[i].sum() or not dr_b[i].sum():
+            return float("nan")
+        return acc_a[i].sum() / dr_a[i].sum() - acc_b[i].sum() / dr_b[i].sum()
+
+    lo, hi = bootstrap_ci(diff, len(acc_a), seed=seed)
+    return diff(np.arange(len(acc_a))), lo, hi
+
+
+def gpu_projection(gamma: float) -> float:
+    return gamma * H200_STEP_MS / (1.03 * H200_STEP_MS + H200_DRAFT_MS)
+
+
+def rows(cells: dict, temperature: float) -> list[dict]:
+    """One entry per (domain, family, tree row) with its single draft."""
+    out = []
+    for key, c in cells.items():
+        method, domain, t = key.split("|")
+        if float(t[2:]) != temperature:
+            continue
+        for family, single, pattern in FAMILIES:
+            m = re.match(pattern, method)
+            base = cells.get(f"{single}|{domain}|{t}")
+            if m is None or base is None:
+                continue
+            n = int(m.group(1)) if m.groups() and m.group(1) else 16
+            rule = "rejection" if m.groups() and len(m.groups()) > 1 and m.group(2) else "pick"
+            out.append(dict(domain=domain, family=family, n=n, rule=rule, cell=c, base=base))
+    return sorted(out, key=lambda r: (r["domain"], r["family"], r["n"], r["rule"]))
+
+
+def best_tree_against_best_single(cells: dict, temperature: float, domain: str):
+    """The tree row and the single draft with the highest gamma in a domain, and their paired
+    difference."""
+    t = f"T={temperature:g}"
+    mine = {k.split("|")[0]: c for k, c in cells.items() if k.endswith(f"|{domain}|{t}")}
+    singles = {m: c for m, c in mine.items() if m in {f[1] for f in FAMILIES} or m == "eagle"}
+    trees = {m: c for m, c in mine.items() if "tree" in m}
+    if not singles or not trees:
+        return None
+    s = max(singles, key=lambda m: singles[m]["gamma"])
+    b = max(trees, key=lambda m: trees[m]["gamma"])
+    return b, s, paired_gamma_diff(trees[b], singles[s])
+
+
+def write(cells: dict, out: Path, command: str, dev: dict | None, temperature: float = 1.0) -> Path:
+    ci = lambda c, f: f"{c[f]:.2f} [{c[f + '_ci'][0]:.2f}, {c[f + '_ci'][1]:.2f}]"  # noqa: E731
+    lines = [
+        "# Trees at T > 0",
+        "",
+        "| domain | drafter | blocks | verified by | gamma | against its single draft "
+        "| speedup (this CPU) | speedup on an H200 (projected) |",
+        "|---|---|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in rows(cells, temperature):
+        d, lo, hi = paired_gamma_diff(r["cell"], r["base"])
+        lines.append(
+            f"| {r['domain']} | {r['family']} | {r['n']} | {r['rule']} | {ci(r['cell'], 'gamma')} | "
+            f"{d:+.2f} [{lo:+.2f}, {hi:+.2f}] | {ci(r['cell'], 'speedup')}x | "
+            f"{gpu_projection(r['cell']['gamma']):.2f}x |"
+        )
+    lines += ["", f"Command: `{command}`", ""]
+    lines += [
+        "Test prompts (`demo/data/test_prompts.jsonl`), T = 1, 64 new tokens, one request at a "
+        "time; the cells are `flashmap eval`'s (its report beside them has the machine, the date "
+        "and every other row). In brackets: 95% intervals over prompts; a difference's are "
+        'paired (the prompts resampled together). "pick": the blocks merged into one tree, the '
+        'target picks its own token at each node and follows it; "rejection": each block a '
+        "chain with its proposal law, multi-draft rejection sampling (both exact: "
+        "tests/test_lossless.py). The EAGLE-3 row is its dynamic tree of 16 against its chain "
+        "of 16.",
+        "",
+        f"The H200 column is gamma x {H200_STEP_MS} / (1.03 x {H200_STEP_MS} + {H200_DRAFT_MS}) ms: "
+        "the Qwen3-8B-shape step and the paper-size drafter's jump of docs/results/gpu_h200.md, "
+        "a verify of up to a few hundred tokens taken as a step (1.03x for 17 tokens there) and "
+        "a batch of N blocks drafted as one (batch 1 is memory-bound). A projection from kernel "
+        "times, not a measurement: the GPU proof (scripts/gpu-proof.sh) measures whole loops.",
+        "",
+        "## Best tree against the best single draft, by domain",
+        "",
+        "| domain | best tree | best single draft | gamma difference |",
+        "|---|---|---|---:|",
+    ]
+    domains = sorted({k.split("|")[1] for k in cells})
+    for dom in domains:
+        got = best_tree_against_best_single(cells, temperature, dom)
+        if got:
+            b, s, (d, lo, hi) = got
+            lines.append(f"| {dom} | {b} | {s} | {d:+.2f} [{lo:+.2f}, {hi:+.2f}] |")
+    if dev is not None:
+        lines += [
+            "",
+            "## The choice, on dev prompts",
+            "",
+            "The tree size and rule were chosen on dev prompts (`demo/data/dev_prompts.jsonl`, 16 "
+            "a domain) by gamma pooled over the domains:",
+            "",
+            "| drafter | blocks | verified by | gamma, dev (pooled) |",
+            "|---|---:|---|---:|",
+        ]
+        for fam, n, rule, g in dev_choice(dev, temperature):
+            lines.append(f"| {fam} | {n} | {rule} | {g:.2f} |")
+    out.write_text("\n".join(lines) + "\n")
+    return out
+
+
+def dev_choice(dev: dict, temperature: float) -> list[tuple[str, int, str, float]]:
+    """Per family and tree row, gamma pooled over the domains of the dev cells."""
+    pooled: dict[tuple, list[float]] = {}
+    for r in rows(dev, temperature):
+        c = r["cell"]
+        acc, dr = pooled.setdefault((r["family"], r["n"], r["rule"]), [0.0, 0.0])
+        pooled[(r["family"], r["n"], r["rule"])] = [acc + c["accepted"], dr + c["drafts"]]
+    return [(f, n, rule, 1 + a / d) for (f, n, rule), (a, d) in sorted(pooled.items()) if d]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m training.tree_report", description=__doc__)
+    ap.add_argument("cells", help="eval_cells.json of `flashmap eval` on the test prompts")
+    ap.add_argument("--dev", help="eval_cells.json of the run on the dev prompts (the choice)")
+    ap.add_argument("--out", default="docs/results/trees.md")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    a = ap.parse_args(argv)
+    cells = json.loads(Path(a.cells).read_text())["cells"]
+    dev = json.loads(Path(a.dev).read_text())["cells"] if a.dev else None
+    command = "python -m training.tree_report " + " ".join(argv or [])
+    print(write(cells, Path(a.out), command, dev, a.temperature))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
