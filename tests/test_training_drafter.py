@@ -670,8 +670,9 @@ def test_distillation_loss_is_not_zero_for_a_student_that_ignores_its_inputs(wor
 
 def test_map_fidelity_scores_a_map_by_its_teachers_ode(world):
     """research.map_fidelity: a map that is its teacher's one Euler step agrees with the
-    teacher's 1-step ODE everywhere; the teacher's coarse ODE agrees with itself when coarse =
-    fine; a map that reads nothing of the teacher does not agree."""
+    teacher's 1-step ODE everywhere, and its two jumps (soft estimate through the midpoint in
+    tau) with the teacher's 2-step ODE; the teacher's coarse ODE agrees with itself when coarse
+    = fine; a map that reads nothing of the teacher does not agree."""
     from research import map_fidelity
 
     target, data, _, _ = world
@@ -691,8 +692,15 @@ def test_map_fidelity_scores_a_map_by_its_teachers_ode(world):
     for r in rows:
         assert r["coarse_agrees"] == 1.0 and r["map_agrees"] == 1.0
         assert r["map_acc"] == r["fine_acc"] and r["slots"] == int(b[0].mask.sum())
-    (r,) = map_fidelity.fidelity(teacher, other, b, taus=(0.0,), fine=2, coarse=1)
-    assert r["map_agrees"] < 0.5
+        lo, hi = r["map_acc_ci"]
+        assert lo <= r["map_acc"] <= hi
+    for r in map_fidelity.fidelity(teacher, OneEuler(), b, taus=(0.0, 0.5), fine=2, coarse=2):
+        assert r["map2_agrees"] == 1.0 and r["map2_acc"] == r["fine_acc"]
+    for shared in (True, False):
+        (r,) = map_fidelity.fidelity(
+            teacher, other, b, taus=(0.0,), fine=2, coarse=1, shared=shared
+        )
+        assert r["map_agrees"] < 0.5 and r["map2_agrees"] < 0.5
     assert "| t | 0.00 |" in map_fidelity.format_table({"t": rows}, 1, 1)
 
 
