@@ -51,10 +51,10 @@ class RowSpec:
     sample: bool = False  # draft at T = 1 (else greedy: the drafter's T = 0 proposal)
     top: int = 0  # sampling support: the top M tokens (0: the whole vocabulary)
     draws: int = 1  # independent draws per anchor, averaged
-    # FlashMapProposer greedy_noise_scale (0: drafting from a zero state; None: its default,
-    # 0 for a map trained from the zero state, else 1)
+    # FlashMapProposer greedy_noise_scale (0: drafting from a zero state, a departure; None: the
+    # paper's 1)
     scale: float | None = None
-    estimate: str | None = None  # FlashMapProposer greedy_estimate (None: its default)
+    estimate: str | None = None  # FlashMapProposer greedy_estimate (None: the paper's soft)
     # T > 0: verify a sampled block as a deterministic proposal (q = 1), as a flow map that
     # drafts that block from its noise with a one-hot readout is verified given its noise
     q1: bool = False

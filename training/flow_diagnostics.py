@@ -33,9 +33,9 @@ class DrafterSpec:
     name: str
     path: str
     steps: tuple[int, ...] = (1,)
-    # FlashMapProposer's drafting of T = 0 rows ("argmax": mode-seeking; None: its default)
+    # FlashMapProposer's drafting of T = 0 rows ("argmax": mode-seeking, a departure; None: soft)
     greedy_estimate: str | None = None
-    greedy_noise_scale: float | None = None  # None: the proposer's default for the checkpoint
+    greedy_noise_scale: float | None = None  # None: the paper's 1 (0: the zero state)
 
 
 def diagnose(
