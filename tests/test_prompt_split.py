@@ -113,6 +113,7 @@ def test_only_report_tools_name_the_test_prompts():
         "demo/train_target.py",
         "training/evaluate.py",
         "training/flow_diagnostics.py",
+        "training/tree_report.py",
         "bench/drafters.py",
         "bench/stack_paths.py",
         "research/bound.py",
