@@ -23,7 +23,7 @@ accepted draft tokens; `refine_bound`).
 
     python -m research.two_jump_probe --target checkpoints/demo-target \
         --data runs/test-greedy --map eq=checkpoints/demo-flashmap-eq --out runs/probe.json
-    python -m research.two_jump_probe --refine-bound docs/results/flashmap_vs_dflash/t0.json \
+    python -m research.two_jump_probe --refine-bound docs/experiments/2026-12-06-flashmap-vs-dflash-dev/t0.json \
         --first dflash --chain chain
 """
 
