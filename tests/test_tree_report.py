@@ -1,0 +1,37 @@
+"""training.tree_report: the tree and the single draft are chosen on dev cells, judged on test."""
+
+import pytest
+
+from training.tree_report import dev_best, write
+
+pytestmark = pytest.mark.unit
+
+
+def cell(accepted: list[int], drafts: list[int]) -> dict:
+    a, d = sum(accepted), sum(drafts)
+    g = 1 + a / d
+    return dict(
+        accepted=a, drafts=d, gamma=g, gamma_ci=[g, g], speedup=1.0, speedup_ci=[1.0, 1.0],
+        prompt_accepted=accepted, prompt_drafts=drafts,
+    )  # fmt: skip
+
+
+def test_the_choice_reads_dev_and_the_report_judges_it_on_test(tmp_path):
+    # On dev the 4-block tree and DFlash-style lead; on test the 8-block tree would: the report
+    # must still set the dev choice against its single draft.
+    dev = {
+        "flashmap-tree4|code|T=1": cell([9, 9], [10, 10]),
+        "flashmap-tree8|code|T=1": cell([5, 5], [10, 10]),
+        "flashmap-1|code|T=1": cell([2, 2], [10, 10]),
+        "dflash|code|T=1": cell([4, 4], [10, 10]),
+    }
+    test = {
+        "flashmap-tree4|code|T=1": cell([6, 6, 6], [10, 10, 10]),
+        "flashmap-tree8|code|T=1": cell([9, 9, 9], [10, 10, 10]),
+        "flashmap-1|code|T=1": cell([3, 3, 3], [10, 10, 10]),
+        "dflash|code|T=1": cell([2, 2, 2], [10, 10, 10]),
+    }
+    assert dev_best(dev, 1.0) == ("flashmap-tree4", "dflash")
+    text = write(test, tmp_path / "trees.md", "cmd", dev).read_text()
+    assert "the tree `flashmap-tree4` and the single draft `dflash`" in text
+    assert "| code | 1.60 | 1.20 | +0.40 [+0.40, +0.40] |" in text
