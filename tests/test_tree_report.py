@@ -35,3 +35,20 @@ def test_the_choice_reads_dev_and_the_report_judges_it_on_test(tmp_path):
     text = write(test, tmp_path / "trees.md", "cmd", dev).read_text()
     assert "the tree `flashmap-tree4` and the single draft `dflash`" in text
     assert "| code | 1.60 | 1.20 | +0.40 [+0.40, +0.40] |" in text
+
+
+def test_eval_pairs_pools_the_domains_and_pairs_the_prompts(tmp_path):
+    from training.eval_pairs import paired, table
+
+    a = {
+        "x|code|T=0": cell([4, 4], [2, 2]),  # gamma 3
+        "x|math|T=0": cell([2, 2], [2, 2]),  # gamma 2
+        "y|code|T=0": cell([2, 2], [2, 2]),
+        "y|math|T=0": cell([2, 2], [2, 2]),
+    }
+    r = paired([a["x|code|T=0"], a["x|math|T=0"]], [a["y|code|T=0"], a["y|math|T=0"]])
+    assert (r["a"], r["b"], r["diff"]) == (2.5, 2.0, 0.5)
+    lines = table(a, ["x:y"], [0.0])
+    assert lines[-1].startswith("| x | y | 0 | +1.00 [+1.00, +1.00] | +0.00")
+    with pytest.raises(ValueError, match="different prompts"):
+        paired([a["x|code|T=0"]], [cell([1], [1])])
