@@ -589,3 +589,23 @@ def test_oracle_error_rate_is_seeded_and_wraps():
     assert o.propose([ProposeRequest("w", 0)])[0].tokens.tolist() == [0]  # (39 + 1) % 40
     with pytest.raises(ValueError):
         OracleProposer(refs, block_size=4, vocab_size=40, error_slots=(5,))
+
+
+def test_the_eval_names_each_departure_of_a_checkpoint_alone_and_together():
+    """`flashmap eval` of a FlashMap checkpoint trained with departures: rows as the paper draws
+    it, as trained (every departure), and each departure that stands alone."""
+    from types import SimpleNamespace
+
+    from training.eval_methods import build_methods
+
+    ckpt = str(Path(__file__).resolve().parents[1] / "checkpoints" / "demo-flashmap-eq")
+    args = SimpleNamespace(
+        flashmap=ckpt, teacher=None, teacher_steps=8, dflash=None, dflash_start=None, eagle=None,
+        dflash_published=None, eagle3=None, tree_blocks=[], min_confidence=0.0, no_shuffle=True,
+    )  # fmt: skip
+    methods, _ = build_methods(args)
+    by_name = {m.name: m.departures for m in methods}
+    assert by_name["flashmap-1"] == {}
+    assert by_name["flashmap-trained-1"] == {"shared_noise": False, "greedy_noise_scale": 0.0}
+    assert by_name["flashmap-shared-noise-1"] == {"shared_noise": False}
+    assert by_name["flashmap-greedy-noise-scale-1"] == {"greedy_noise_scale": 0.0}

@@ -75,6 +75,20 @@ def build_methods(args) -> tuple[list[Method], list[str]]:
                         departures=trained,
                     )
                 )
+            # Each departure alone, where it stands alone (the estimate and the second-jump
+            # network act only on zero-state rows).
+            alone = [k for k in trained if k in ("shared_noise", "greedy_noise_scale")]
+            for k in alone if len(trained) > 1 else []:
+                methods.append(
+                    Method(
+                        f"flashmap-{k.replace('_', '-')}-1",
+                        f"FlashMap, 1 jump, one departure: {k}={trained[k]}",
+                        args.flashmap,
+                        "flashmap",
+                        1,
+                        departures={k: trained[k]},
+                    )
+                )
         methods += tree_methods("flashmap", "FlashMap, 1 jump", args.flashmap, args.tree_blocks)
     if args.teacher or args.flashmap:
         src = args.teacher or args.flashmap
