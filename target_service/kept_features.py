@@ -95,9 +95,11 @@ class KeptFeatures:
     def before(
         self, slot: int, start: int, stop: int, on_device: bool
     ) -> np.ndarray | torch.Tensor:
-        """The kept features of positions start .. stop-1 of a slot [stop - start, F or D]."""
+        """The kept features of positions start .. stop-1 of a slot [stop - start, F or D]: a
+        copy, since the in-process drafter holds them until its next draft call, and a later
+        verify may rewrite the slot (a rebuilt cache, a slot handed to another sequence)."""
         kept = self._features[slot, start:stop]
-        return kept if on_device else kept.cpu().numpy()
+        return kept.clone() if on_device else np.array(kept.cpu())
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
         """The context projection of features [T, F] -> [T, D] (as they are without one)."""

@@ -803,3 +803,16 @@ def test_random_checkpoint_is_seeded_and_leaves_global_rng(tmp_path, checkpoints
     )
     assert text.endswith("<|im_start|>assistant\n")
     assert tok.decode(tok("The sky is blue.")["input_ids"]) == "The sky is blue."
+
+
+@pytest.mark.unit
+def test_kept_features_handed_back_are_copies():
+    """The in-process drafter holds fetched features until its next call: a later write to the
+    slot (a rebuilt cache, the slot handed to another sequence) must not change them."""
+    from target_service.kept_features import KeptFeatures
+
+    kept = KeptFeatures(2, 8, 1, 4, torch.float32, torch.device("cpu"))
+    kept._features[0, :3] = 1.0
+    on_device, on_host = kept.before(0, 0, 3, True), kept.before(0, 0, 3, False)
+    kept._features[0, :3] = 2.0
+    assert float(on_device.sum()) == 12.0 and float(on_host.sum()) == 12.0
