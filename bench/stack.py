@@ -1,6 +1,6 @@
 """The served stack against the target alone in one process, on this machine's CPUs.
 
-For each prompt set (random token ids; held-out text of the demo domains) and each
+For each prompt set (random token ids; test-prompt text of the demo domains) and each
 concurrency, every mode of `--modes` (bench.stack_paths: the target alone and fixed-K
 speculation in process, the target alone through Triton, the stack with speculation off, the
 full block and the goodput controller) runs `--repeats` times. The VM's speed drifts within

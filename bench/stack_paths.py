@@ -49,7 +49,7 @@ CALIBRATION = "flashmap_controller_accepted_tokens_total"
 
 
 def prompt_sets(target: str, vocab: int, n: int) -> dict[str, list[list[int]]]:
-    """n random-id prompts, and n held-out text prompts of the demo domains taken from each
+    """n random-id prompts, and n prompts of the demo domains from the test split taken from each
     domain in turn (the file lists one domain after another; repeated as needed; absent for a
     target without a tokenizer)."""
     rng = np.random.default_rng(0)
@@ -63,7 +63,7 @@ def prompt_sets(target: str, vocab: int, n: int) -> dict[str, list[list[int]]]:
         for p in read_domain_prompts(TEST_PROMPTS, target):
             by_domain.setdefault(p["domain"], []).append(p["ids"])
         text = [x for turn in zip_longest(*by_domain.values()) for x in turn if x is not None]
-        sets["held-out text"] = [text[i % len(text)] for i in range(n)]
+        sets["test-prompt text"] = [text[i % len(text)] for i in range(n)]
     except (OSError, ValueError):  # a target without a tokenizer
         pass
     return sets

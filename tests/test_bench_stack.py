@@ -85,7 +85,7 @@ def test_held_out_text_takes_the_domains_in_turn():
     """The held-out file lists one domain after another: the first n prompts alone would be code."""
     target = REPO / "checkpoints" / "demo-target"
     domain = {tuple(p["ids"]): p["domain"] for p in read_domain_prompts(TEST_PROMPTS, target)}
-    text = prompt_sets(str(target), 100, 9)["held-out text"]
+    text = prompt_sets(str(target), 100, 9)["test-prompt text"]
     assert [domain[tuple(ids)] for ids in text] == ["code", "math", "chat"] * 3
 
 
@@ -108,14 +108,14 @@ def test_a_tiny_run_reports_and_resumes(tmp_path, capsys):
     text = out.read_text()
     head = text.split("\n\n")[1]  # the first table, right under the title
     assert head.startswith("| prompts | concurrency | target alone (in process) |")
-    for name in ("random ids", "held-out text"):
+    for name in ("random ids", "test-prompt text"):
         assert f"| {name} | 1 |" in head and f"| {name} | 2 |" in head
     ratios = text.split("Paired ratios")[1].split("\n\n")[1]
     assert "| auto / target | " in ratios.splitlines()[0] and "auto / max(off, full)" in ratios
     row = next(x for x in text.splitlines() if x.startswith("| random ids | 2 | ") and "/" in x)
     idle = [float(v) for v in row.strip(" |").split("|")[-1].split("/")]  # Triton, off, auto
     assert len(idle) == 3 and all(v >= 0 for v in idle)
-    assert "| held-out text | full | " in text  # the per-round split
+    assert "| test-prompt text | full | " in text  # the per-round split
     assert out.with_suffix(".png").stat().st_size > 0 and out.with_suffix(".json").is_file()
     assert "Command: `python -m bench.stack --concurrency 1,2 " in text
     capsys.readouterr()
