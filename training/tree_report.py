@@ -150,8 +150,8 @@ def write(cells: dict, out: Path, command: str, dev: dict | None, temperature: f
             "",
             "## The choice, on dev prompts",
             "",
-            "Every tree row and single draft on the dev prompts (`demo/data/dev_prompts.jsonl`, 16 "
-            "a domain), gamma pooled over the domains:",
+            "Every tree row and single draft on the dev prompts (`demo/data/dev_prompts.jsonl`; "
+            "the `--dev` cells of the command above), gamma pooled over the domains:",
             "",
             "| drafter | blocks | verified by | gamma, dev (pooled) |",
             "|---|---:|---|---:|",
