@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from drafter_service.layers import Rotary
-from flashmap.checkpoint import CheckpointError
+from flashmap.checkpoint import CheckpointError, config_fields
 from flashmap.rope_config import RopeParameters, read_rope_parameters, rope_config_fields
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -76,7 +76,7 @@ class DFlashConfig:
         """From a published config dict: `dflash_config` first, then the top level."""
         sub = d.get("dflash_config") or {}
         get = lambda k, default=None: sub.get(k, d.get(k, default))  # noqa: E731
-        try:
+        with config_fields(where):
             heads = int(d["num_attention_heads"])
             head_dim = int(d.get("head_dim") or int(d["hidden_size"]) // heads)
             positions = int(d.get("max_position_embeddings") or QWEN3_MAX_POSITIONS)
@@ -111,12 +111,6 @@ class DFlashConfig:
                 output_multiplier=float(get("output_multiplier", 1.0)),
                 final_logit_softcapping=None if softcap is None else float(softcap),
             )
-        except KeyError as e:
-            raise CheckpointError(f"{where}: missing field {e}") from None
-        except CheckpointError:
-            raise
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"{where}: bad field ({e})") from None
 
 
 def is_dflash(config: dict) -> bool:

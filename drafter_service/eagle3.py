@@ -37,7 +37,13 @@ from torch import Tensor
 
 from drafter_service.dflash import MLP
 from drafter_service.layers import Rotary, rope
-from flashmap.checkpoint import CheckpointError, load_embeddings, load_tensors, read_config
+from flashmap.checkpoint import (
+    CheckpointError,
+    config_fields,
+    load_embeddings,
+    load_tensors,
+    read_config,
+)
 from flashmap.drafter_inputs import eagle3_default_layers
 from flashmap.rope_config import RopeParameters, read_rope_parameters, rope_config_fields
 
@@ -68,7 +74,7 @@ class Eagle3Config:
 
     @staticmethod
     def from_json(d: dict, where: str = "config.json") -> Eagle3Config:
-        try:
+        with config_fields(where):
             heads = int(d["num_attention_heads"])
             ids = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
             if int(d.get("num_hidden_layers", 1)) != 1:
@@ -94,12 +100,6 @@ class Eagle3Config:
                 rope=rope_params,
                 max_position_embeddings=positions,
             )
-        except KeyError as e:
-            raise CheckpointError(f"{where}: missing field {e}") from None
-        except CheckpointError:
-            raise
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"{where}: bad field ({e})") from None
 
 
 def is_eagle3(config: dict) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,20 @@ from safetensors import safe_open
 
 class CheckpointError(ValueError):
     """A checkpoint directory is missing, incomplete or corrupt (message says which file)."""
+
+
+@contextmanager
+def config_fields(where: str):
+    """Reading a config's fields: a missing one or one of the wrong type becomes a
+    CheckpointError naming `where`."""
+    try:
+        yield
+    except KeyError as e:
+        raise CheckpointError(f"{where}: missing field {e}") from None
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{where}: bad field ({e})") from None
 
 
 def read_config(model_dir: str | Path) -> dict:
