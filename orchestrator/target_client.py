@@ -388,7 +388,7 @@ class TritonTarget:
             TargetUnavailable,
             TargetError,
         ) as e:  # the request failed: every row did
-            if isinstance(e, TargetTimeout):
+            if isinstance(e, (TargetTimeout, TargetError)):
                 e = await self._down_or(e)
             if isinstance(e, TargetLost):  # a target back from a restart holds none of them
                 self.started.difference_update(r.slot for r in rows)
@@ -400,17 +400,18 @@ class TritonTarget:
         )
         return out
 
-    async def _down_or(self, timeout: TargetTimeout) -> Exception:
-        """A verify that timed out: TargetDown when a probe finds the target down (a model whose
-        Python stub died never answers the requests it held), else the timeout itself (a stalled
-        target is not waited for)."""
+    async def _down_or(self, failure: TargetTimeout | TargetError) -> Exception:
+        """A verify that timed out or failed inside the server: TargetDown when a probe finds
+        the target down (a model whose Python stub died never answers the requests it held; a
+        tritonserver killed mid-call may answer INTERNAL first), else the failure itself (a
+        stalled target is not waited for, a failing one not retried)."""
         try:
             await self.client.info(refresh=True, timeout_s=DOWN_PROBE_S)
         except TargetDown as e:
-            return TargetDown(f"{timeout}; the target is down: {e}")
+            return TargetDown(f"{failure}; the target is down: {e}")
         except (TargetUnavailable, TargetError, InvalidRequest):
             pass
-        return timeout
+        return failure
 
     def _verified(self, call: asyncio.Future, corrids: list[int]) -> None:
         for corrid in corrids:
