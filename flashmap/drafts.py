@@ -103,6 +103,37 @@ class Draft:
             proposal_law=True,
         )
 
+    def with_siblings(self) -> Draft:
+        """This draft (a chain or a forest with its proposal law) with, beside each drafted
+        token, the rest of its slot's support as leaves after every drafted token, each with the
+        law that puts all its mass on it: multi-draft rejection sampling then tries the drafted
+        token with its q first and, where the target rejects it, the other support tokens, so
+        a node accepts with the target's whole mass on its support (not sum min(p, q)). Exact:
+        each leaf is a function of the children before it (target_service.tree)."""
+        K = len(self.tokens)
+        parents = np.array([-1, *range(K - 1)], np.int64) if self.parents is None else self.parents
+        tokens, par, ids, probs = [self.tokens], [parents], [self.support_ids], [self.support_probs]
+        for i in range(K):
+            extra = [int(t) for t in self.support_ids[i] if t >= 0 and t != self.tokens[i]]
+            if not extra:
+                continue
+            tokens.append(np.array(extra, np.int64))
+            par.append(np.full(len(extra), parents[i], np.int64))
+            one = np.full((len(extra), self.support_ids.shape[1]), -1, np.int64)
+            one[:, 0] = extra
+            p = np.zeros(one.shape, np.float32)
+            p[:, 0] = 1.0
+            ids.append(one)
+            probs.append(p)
+        return Draft(
+            np.concatenate(tokens),
+            np.concatenate(ids),
+            np.concatenate(probs),
+            self.draft_steps,
+            np.concatenate(par),
+            proposal_law=True,
+        )
+
     @property
     def depth(self) -> int:
         """The longest path a round can accept: K for a chain, the tree's depth for a tree."""

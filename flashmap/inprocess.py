@@ -43,13 +43,13 @@ class LocalDrafter:
     over as they are. draft_steps: every request's unless it has its own (None: the
     proposer's step count)."""
 
-    def __init__(self, proposer, draft_steps: int | None = None):
+    def __init__(self, proposer, draft_steps: int | None = None, top_m: int = TOP_M):
         self.proposer = proposer
-        self.draft_steps = draft_steps
+        self.draft_steps, self.top_m = draft_steps, top_m
         self.block_size = proposer.block_size
 
     async def draft(self, seqs: list[Sequence], plans: list[SeqPlan]) -> DraftBatch:
-        asks = [ask(s, p, TOP_M, self.draft_steps) for s, p in zip(seqs, plans)]
+        asks = [ask(s, p, self.top_m, self.draft_steps) for s, p in zip(seqs, plans)]
         out = DraftBatch()
         take(seqs, asks, answer(self.proposer, asks), out)
         return out
@@ -91,6 +91,7 @@ def decode(
     controller=None,
     plain_tokens: int = 1,
     tree_sampling: str = "pick",
+    top_m: int = TOP_M,
 ) -> list[GenerationResult]:
     """Decode all requests to completion; results come back in request order. draft_steps:
     every request's unless it has its own (None: the proposer's step count).
@@ -100,12 +101,13 @@ def decode(
     noise and verifies them as a tree (TargetEngine.verify_tree); the sequence commits the
     branch the target accepts furthest. controller: a flashmap.speculation.SpeculationController
     choosing each round's draft lengths (None: the whole block every round). plain_tokens:
-    tokens per request of a round without drafts, in one engine call (flashmap.rounds)."""
+    tokens per request of a round without drafts, in one engine call (flashmap.rounds).
+    top_m: the drafter's support size per slot at T > 0 (the orchestrator's --top-m)."""
     for r in requests:
         r.validate(engine.vocab_size, engine.max_seq_len)
     block = proposer.block_size if proposer is not None else BLOCK_SIZE
     target = LocalTarget(engine)
-    drafter = LocalDrafter(proposer, draft_steps) if proposer is not None else None
+    drafter = LocalDrafter(proposer, draft_steps, top_m) if proposer is not None else None
     waiting = deque(enumerate(requests))
     active: dict[int, Sequence] = {}  # request index -> sequence (handle: its engine slot)
     results: list[GenerationResult | None] = [None] * len(requests)

@@ -11,8 +11,11 @@ import platform
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
+
+from flashmap.drafts import TOP_M
 
 
 def machine() -> str:
@@ -84,6 +87,16 @@ def make_requests(prompts: list[dict], temperature: float, max_new: int, seed: i
     ]
 
 
+class Runner(NamedTuple):
+    """How `run_paired` decodes with one method (flashmap.inprocess.decode's options)."""
+
+    proposer: object = None  # None: the target alone
+    steps: int = 1
+    tree_blocks: int = 1
+    tree_sampling: str = "pick"
+    top_m: int = TOP_M
+
+
 def run_prompts(
     engine,
     prompts,
@@ -95,18 +108,18 @@ def run_prompts(
     bar=None,
     tree_blocks=1,
     tree_sampling="pick",
+    top_m=TOP_M,
 ) -> dict:
     """Decode every prompt alone (concurrency 1) once with one method; see `run_paired`."""
-    runner = {"run": (proposer, steps, tree_blocks, tree_sampling)}
+    runner = {"run": Runner(proposer, steps, tree_blocks, tree_sampling, top_m)}
     return run_paired(engine, prompts, temperature, max_new, seed, runner, 1, bar)["run"]
 
 
 def run_paired(
     engine, prompts, temperature, max_new, seed, runners: dict, repeats: int, bar=None
 ) -> dict:
-    """Decode every prompt alone (concurrency 1) with every runner, name -> (proposer or None,
-    steps, tree_blocks, tree_sampling), back to back, `repeats` times with the runners' order
-    rotated.
+    """Decode every prompt alone (concurrency 1) with every runner, name -> Runner (or the
+    tuple of its first fields), back to back, `repeats` times with the runners' order rotated.
 
     Per runner and prompt the fastest run counts (its wall, draft and verify seconds): on a
     shared machine the least disturbed run is the best estimate of the cost, and since a
@@ -127,10 +140,16 @@ def run_paired(
     for rep in range(max(1, repeats)):
         for i, req in enumerate(requests):
             for m in names[rep % len(names) :] + names[: rep % len(names)]:
-                proposer, steps, tree_blocks, tree_sampling = runners[m]
+                r = Runner(*runners[m])
                 t0 = time.perf_counter()
                 (res,) = decode(
-                    engine, [req], proposer, steps, tree_blocks, tree_sampling=tree_sampling
+                    engine,
+                    [req],
+                    r.proposer,
+                    r.steps,
+                    r.tree_blocks,
+                    tree_sampling=r.tree_sampling,
+                    top_m=r.top_m,
                 )
                 wall = time.perf_counter() - t0
                 if best[m][i] is None or wall < best[m][i][0]:

@@ -126,7 +126,7 @@ async def draft_blocks(
     return batch
 
 
-TREE_SAMPLING = ("pick", "rejection")
+TREE_SAMPLING = ("pick", "rejection", "siblings")
 
 
 def merged_draft(
@@ -136,11 +136,16 @@ def merged_draft(
     context (else the first block alone). "pick": the blocks merged (shared prefixes once), the
     target picks its own token at each node and follows it (target_service.tree); "rejection"
     (T > 0): each block a chain of its own with its proposal law, multi-draft rejection
-    sampling."""
+    sampling; "siblings" (T > 0): that, with each drafted token's other support tokens beside
+    it as leaves (Draft.with_siblings), also for one block."""
     blocks = batch.blocks.get(s.seq_id, [])
-    if len(blocks) <= 1:
+    siblings = tree_sampling == "siblings" and not s.params.greedy
+    if len(blocks) <= 1 and not (siblings and blocks and blocks[0].parents is None):
         return blocks[0] if blocks else None
-    if tree_sampling == "rejection" and not s.params.greedy:
+    if siblings:
+        tree = Draft.forest(blocks, blocks[0].draft_steps) if len(blocks) > 1 else blocks[0]
+        tree = tree.with_siblings()
+    elif tree_sampling == "rejection" and not s.params.greedy:
         tree = Draft.forest(blocks, blocks[0].draft_steps)
     else:
         tree = Draft.merged([b.tokens for b in blocks], blocks[0].draft_steps)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from flashmap.auth import API_KEY_ENV, DRAFTER_TOKEN_ENV, TARGET_KEY_ENV
 from flashmap.config import Config, at_least, in_range, option
+from flashmap.drafts import TOP_M
 from flashmap.rounds import TREE_SAMPLING
 from flashmap.types import MAX_PLAIN_TOKENS, PLAIN_TOKENS, check_tree_blocks
 from orchestrator.admission import BurstConfig
@@ -96,14 +97,20 @@ class OrchestratorConfig(Config):
     )
     tree_sampling: str = option(
         "pick",
-        "how several blocks of a request at temperature > 0 are verified: pick (the target "
-        "picks its own token at each node of the merged tree and follows it) or rejection "
-        "(each block a chain with its proposal law, multi-draft rejection sampling)",
+        "how a request's blocks at temperature > 0 are verified: pick (the target "
+        "picks its own token at each node of the merged tree and follows it), rejection "
+        "(each block a chain with its proposal law, multi-draft rejection sampling) or "
+        "siblings (rejection with each drafted token's other top-m tokens beside it as leaves; "
+        "also for one block)",
         env="FLASHMAP_TREE_SAMPLING",
         choices=TREE_SAMPLING,
     )
     top_m: int = option(
-        4, "the drafter's support size per slot at temperature > 0", check=at_least(1)
+        TOP_M,
+        "the drafter's support size per slot at temperature > 0 (with --tree-sampling siblings: "
+        "the tokens beside each drafted one, plus one)",
+        env="FLASHMAP_TOP_M",
+        check=at_least(1),
     )
     draft_timeout_s: float = option(
         2.0,

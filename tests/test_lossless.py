@@ -353,16 +353,21 @@ def test_trees_at_t_above_zero_follow_the_target(tmp_path, shape, params):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tree_sampling", ["pick", "rejection"])
+@pytest.mark.parametrize(
+    "tree_sampling,blocks",
+    [("pick", 3), ("rejection", 3), ("siblings", 3), ("siblings", 1)],
+    ids=["pick", "rejection", "siblings", "siblings-1"],
+)
 @pytest.mark.parametrize(
     "params",
     [SamplingParams(1.0), SamplingParams(0.7, top_k=5, top_p=0.9)],
     ids=["T1", "T0.7-k5-p0.9"],
 )
-def test_blocks_with_a_proposal_law_follow_the_target(tmp_path, tree_sampling, params):
+def test_blocks_with_a_proposal_law_follow_the_target(tmp_path, tree_sampling, blocks, params):
     """tree_blocks = 3 at T > 0, each block drawn from a proposal law of its own: merged into one
-    tree the target follows ("pick"), or as three chains verified by multi-draft rejection
-    sampling with their q ("rejection"), in one pass."""
+    tree the target follows ("pick"), as three chains verified by multi-draft rejection
+    sampling with their q ("rejection"), or that with each drafted token's other support
+    tokens as leaves beside it ("siblings", also for one block), in one pass."""
     from tests.drafter_helpers import BlockProposer
 
     path = _tiny_vocab_target(tmp_path)
@@ -373,7 +378,7 @@ def test_blocks_with_a_proposal_law_follow_the_target(tmp_path, tree_sampling, p
         params,
         5 * 10**6,
         proposer=BlockProposer(V_TINY),
-        tree_blocks=3,
+        tree_blocks=blocks,
         tree_sampling=tree_sampling,
     )
     assert accepted > 0

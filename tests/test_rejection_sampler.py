@@ -118,3 +118,57 @@ def test_greedy_verify_longest_prefix():
     assert greedy_verify(np.array([5, 6, 7]), np.array([5, 9, 7, 8])) == ([5, 9], 1)
     assert greedy_verify(np.array([5, 6, 7]), np.array([1, 6, 7, 8])) == ([1], 0)
     assert greedy_verify(np.array([], np.int64), np.array([4])) == ([4], 0)
+
+
+# ============================================================ a drafted token's support beside it
+
+
+def test_siblings_sit_beside_each_drafted_token_with_the_law_on_themselves():
+    d = Draft(
+        np.array([4, 7, 1]),
+        np.array([[4, 2, 9], [3, 7, -1], [1, 5, 6]]),
+        np.array([[0.5, 0.3, 0.2], [0.4, 0.6, 0.0], [0.7, 0.2, 0.1]], np.float32),
+    )
+    t = d.with_siblings()
+    assert t.tokens.tolist() == [4, 7, 1, 2, 9, 3, 5, 6]
+    assert t.parents.tolist() == [-1, 0, 1, -1, -1, 0, 1, 1]
+    assert t.proposal_law and t.depth == 3
+    # the drafted tokens keep their q; a leaf's law is all on itself
+    assert np.array_equal(t.support_probs[:3], d.support_probs)
+    assert t.support_ids[3:, 0].tolist() == [2, 9, 3, 5, 6]
+    assert (t.support_ids[3:, 1:] == -1).all() and (t.support_probs[3:, 0] == 1).all()
+
+
+def test_siblings_accept_the_targets_mass_on_the_support_and_keep_its_law():
+    """One drafted token x ~ q (top-4 support) with its three siblings, walked by the target's
+    multi-draft rejection sampling (target_service.tree): the committed token follows p, and a
+    round accepts a draft with probability p(support), where x alone accepts with
+    sum min(p, q)."""
+    import torch
+
+    from flashmap.types import SamplingParams, VerifyRow
+    from target_service.tree import _rejection_walk
+    from target_service.verification import exponential_noise
+
+    rng = np.random.default_rng(3)
+    p = _random_p(rng)
+    top = np.argsort(-p)[:4]  # a drafter that knows the target's top 4 but not their order:
+    q = np.full(4, 0.25)  # q < p at the target's mode, where one draft alone loses mass
+    probs = torch.as_tensor(np.stack([p] * 5), dtype=torch.float32)  # [1 + K, V]
+    n, counts, accepted = 12_000, np.zeros(V), 0
+    for i in range(n):
+        x = top[rng.choice(4, p=q)]
+        t = Draft(np.array([x]), top[None].copy(), q[None].astype(np.float32)).with_siblings()
+        row = VerifyRow(
+            0, 0, np.concatenate([[0], t.tokens]), SamplingParams(1.0), t.support_ids, i,
+            parents=t.parents, support_q=t.support_probs,
+        )  # fmt: skip
+        path, picked = _rejection_walk(row, probs, exponential_noise(i, (2, V), "cpu"))
+        counts[picked[0]] += 1
+        accepted += len(path) > 0
+    assert chisquare(counts[p > 0], p[p > 0] * n).pvalue > 0.01
+    rate, mass = accepted / n, p[top].sum()
+    half = 4 * np.sqrt(mass * (1 - mass) / n)
+    assert abs(rate - mass) < half, (rate, mass)
+    single = np.minimum(p[top], q).sum()
+    assert mass - single > 2 * half  # the test would see siblings that add nothing

@@ -951,16 +951,23 @@ def test_tree_verification_through_the_stack_is_the_in_process_round(target_dir,
 
 
 @pytest.mark.timeout(240)
-def test_sampled_trees_through_the_stack_are_the_in_process_rounds(target_dir, ref, tmp_path):
+@pytest.mark.parametrize("tree_sampling", ["pick", "siblings"])
+def test_sampled_trees_through_the_stack_are_the_in_process_rounds(
+    target_dir, ref, tmp_path, tree_sampling
+):
     """tree_blocks = 3 as a request option at T = 1 (and top-k / top-p): through Triton, the
     drafter service and the orchestrator, seeded requests give the tokens the in-process decoder
-    gives with the same oracle and seeds (whose law tests/test_lossless.py checks), twice."""
+    gives with the same oracle and seeds (whose law tests/test_lossless.py checks), twice; the
+    trees followed by the target's picks, or walked by multi-draft rejection sampling with the
+    drafts' proposal law on the wire ("siblings")."""
     from drafter_service.oracle import OracleProposer
     from flashmap.inprocess import decode
     from flashmap.types import GenerationRequest, SamplingParams
 
     prompts, max_new = ORACLE_PROMPTS[:3], ORACLE_MAX_NEW
-    expected, refs, refs_path, cfg = _oracle_world(target_dir, ref, tmp_path, prompts)
+    expected, refs, refs_path, cfg = _oracle_world(
+        target_dir, ref, tmp_path, prompts, tree_sampling=tree_sampling
+    )
     params = [SamplingParams(1.0, seed=10 + i) for i in range(len(prompts))]
     params[-1] = SamplingParams(0.8, top_k=20, top_p=0.9, seed=30)
     sampling = lambda p: dict(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed)  # noqa: E731
@@ -988,7 +995,12 @@ def test_sampled_trees_through_the_stack_are_the_in_process_rounds(target_dir, r
     assert d("flashmap_num_draft_tokens_total") == sum(s.draft_tokens for s in stats)
     assert d("flashmap_num_accepted_tokens_total") == sum(s.accepted for s in stats)
     reqs = [GenerationRequest(pr, max_new, p, tree_blocks=3) for pr, p in zip(prompts, params)]
-    local = decode(ref.engine, reqs, OracleProposer(refs, BLOCK, VOCAB, error_rate=0.2, seed=1))
+    local = decode(
+        ref.engine,
+        reqs,
+        OracleProposer(refs, BLOCK, VOCAB, error_rate=0.2, seed=1),
+        tree_sampling=tree_sampling,
+    )
     for run in runs:
         assert [ids for ids, _ in run] == [r.token_ids for r in local]
     for mine, (_, final) in zip(local, runs[0]):

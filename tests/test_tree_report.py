@@ -2,7 +2,7 @@
 
 import pytest
 
-from training.tree_report import dev_best, write
+from training.tree_report import dev_best, tree_row, write
 
 pytestmark = pytest.mark.unit
 
@@ -52,3 +52,26 @@ def test_eval_pairs_pools_the_domains_and_pairs_the_prompts(tmp_path):
     assert lines[-1].startswith("| x | y | 0 | +1.00 [+1.00, +1.00] | +0.00")
     with pytest.raises(ValueError, match="different prompts"):
         paired([a["x|code|T=0"]], [cell([1], [1])])
+
+
+def test_rows_with_siblings_and_another_support_meet_their_own_single_draft(tmp_path):
+    assert tree_row("flashmap-1") is None and tree_row("eagle3-chain16-m16") is None
+    assert tree_row("dflash-tree4-rejection") == ("DFlash-style", "dflash", 4, "rejection")
+    assert tree_row("eagle3-tree16") == ("EAGLE-3", "eagle3-chain16", 16, "pick")
+    assert tree_row("eagle3-siblings-m16") == (
+        "EAGLE-3",
+        "eagle3-chain16-m16",
+        1,
+        "rejection + siblings (top 16)",
+    )
+    # a single draft with a wider support is a single draft the choice may pick
+    dev = {
+        "eagle3-siblings-m16|code|T=1": cell([9, 9], [10, 10]),
+        "eagle3-chain16-m16|code|T=1": cell([5, 5], [10, 10]),
+        "eagle3-chain16|code|T=1": cell([4, 4], [10, 10]),
+    }
+    assert dev_best(dev, 1.0) == ("eagle3-siblings-m16", "eagle3-chain16-m16")
+    text = write(dev, tmp_path / "trees.md", "cmd", dev).read_text()
+    assert (
+        "| code | EAGLE-3 | 1 | rejection + siblings (top 16) | 1.90 [1.90, 1.90] | +0.40" in text
+    )

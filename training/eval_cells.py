@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 from pathlib import Path
 
-from flashmap.measure import gamma_and_speedup_ci, run_paired, run_prompts
+from flashmap.measure import Runner, gamma_and_speedup_ci, run_paired, run_prompts
 from training.eval_methods import Method, feature_layers_of, make_proposer
 from training.eval_report import cell_key, save_cache
 
@@ -69,19 +69,20 @@ def measure(args, engine_for, methods, by_domain, temps, data: dict, cache_path:
             ps = by_domain[d]
             for key, todo_methods in groups(d, t).items():
                 engine = engine_for(key)
-                runners = {"target alone": (None, 1, 1, "pick")}
+                runners = {"target alone": Runner()}
                 for m in todo_methods:
-                    runners[m.name] = (
+                    runners[m.name] = Runner(
                         make_proposer(m, args.target, engine, args.device, models, args.compile),
                         m.steps,
                         m.tree_blocks,
                         m.tree_sampling,
+                        m.top_m,
                     )
-                for name, (p, steps, tree, rule) in runners.items():
+                for name, (p, steps, tree, rule, top_m) in runners.items():
                     if (key, name) not in warmed:  # first-call costs stay out of the timings
                         warmed.add((key, name))
                         run_prompts(
-                            engine, ps[:1], t, n_warm, args.seed, p, steps, None, tree, rule
+                            engine, ps[:1], t, n_warm, args.seed, p, steps, None, tree, rule, top_m
                         )
                 bar.set_description(f"{d} | T={t:g} | {len(runners)} runs per prompt")
                 runs = run_paired(

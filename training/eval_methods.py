@@ -4,9 +4,10 @@ proposer for each."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from flashmap.checkpoint import read_config
+from flashmap.drafts import TOP_M
 
 # (method, base method of the shuffle pair)
 SHUFFLE = {
@@ -33,9 +34,18 @@ class Method:
     # > 0: greedy drafts cut before the first less sure slot (T = 0 only)
     min_confidence: float = 0.0
     only_t: float | None = None  # the one temperature this row runs at (None: every one)
+    top_m: int = TOP_M  # the drafter's support per slot at T > 0 (other than TOP_M: T > 0 only)
+
+    @property
+    def tree_width(self) -> int:
+        """The most drafted tokens per block the method verifies: the block, or with siblings the
+        block's whole top-m support."""
+        return self.tree_blocks * (self.top_m if self.tree_sampling == "siblings" else 1)
 
     def runs_at(self, temperature: float) -> bool:
         if self.only_t is not None and temperature != self.only_t:
+            return False
+        if self.top_m != TOP_M and temperature == 0:
             return False
         return self.min_confidence == 0 or temperature == 0
 
@@ -163,14 +173,27 @@ def build_methods(args) -> tuple[list[Method], list[str]]:
         raise ValueError(
             "give at least one drafter checkpoint (--flashmap, --teacher, --dflash, --eagle)"
         )
+    for m in [x for x in getattr(args, "top_m", []) if x != TOP_M]:
+        methods += [
+            replace(b, name=f"{b.name}-m{m}", label=f"{b.label}, top-{m} support", top_m=m)
+            for b in methods
+            if b.name in SUPPORT_ROWS
+        ]
     return methods, notes
+
+
+# The rows `--top-m` repeats with another support size (T > 0): each drafter's single draft and
+# its block with siblings.
+SUPPORT_ROWS = ("flashmap-1", "dflash", "eagle3-chain16")
+SUPPORT_ROWS += ("flashmap-siblings", "dflash-siblings", "eagle3-siblings")
 
 
 def tree_methods(kind: str, label: str, checkpoint: str, sizes: list[int]) -> list[Method]:
     """Rows of `sizes` blocks from independent noise verified as one tree: at T = 0 the merged
     tree the target follows; at T > 0 that ("pick") and each block a chain with its proposal
-    law ("rejection", multi-draft rejection sampling)."""
-    out = []
+    law ("rejection", multi-draft rejection sampling). With any size, at T > 0 the one block
+    with each drafted token's other support tokens beside it ("siblings")."""
+    out = [siblings_method(kind, label, checkpoint)] if sizes else []
     for n in sizes:
         if n < 2:
             continue
@@ -199,6 +222,21 @@ def tree_methods(kind: str, label: str, checkpoint: str, sizes: list[int]) -> li
     return out
 
 
+def siblings_method(kind: str, label: str, checkpoint: str, **departures) -> Method:
+    """The drafter's one block at T > 0 with each drafted token's other top-m tokens beside it
+    as leaves, verified by multi-draft rejection sampling (flashmap.drafts.Draft.with_siblings)."""
+    return Method(
+        f"{kind}-siblings",
+        f"{label}, one block with its top-m siblings (T > 0)",
+        checkpoint,
+        kind,
+        1,
+        departures=departures,
+        tree_sampling="siblings",
+        only_t=1.0,
+    )
+
+
 def departures_of(checkpoint: str) -> dict:
     """The proposer options that draft as a FlashMap checkpoint was trained, where they depart
     from the paper's inference (drafter_service.flashmap_proposer.departures_as_trained)."""
@@ -223,7 +261,8 @@ def departures_of(checkpoint: str) -> dict:
 
 def published_methods(args) -> list[Method]:
     """The published layouts' rows: DFlash (z-lab) and EAGLE-3 (its dynamic tree of 16 at every
-    temperature, and at T > 0 its chain of 16 beside it: drafter_service.eagle3_proposer)."""
+    temperature, and at T > 0 its chain of 16 beside it, alone and with its top-m siblings:
+    drafter_service.eagle3_proposer)."""
     from drafter_service.dflash_config import is_dflash
     from drafter_service.eagle3 import is_eagle3
 
@@ -257,6 +296,9 @@ def published_methods(args) -> list[Method]:
                         departures={"sampled_tree": False},
                         only_t=1.0,
                     )
+                )
+                out.append(
+                    siblings_method("eagle3", "EAGLE-3, chain of 16", path, sampled_tree=False)
                 )
     return out
 

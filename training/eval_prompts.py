@@ -46,7 +46,7 @@ def fit_prompts(args, methods: list[Method], by_domain: dict) -> tuple[int, int,
     )
     longest = max(len(p["ids"]) for ps in by_domain.values() for p in ps)
     max_seq_len = min(
-        max_pos, longest + args.max_new_tokens + K * max(m.tree_blocks for m in methods) + 2
+        max_pos, longest + args.max_new_tokens + K * max(m.tree_width for m in methods) + 2
     )
     keep = max_seq_len - args.max_new_tokens - 1
     if keep < 1:

@@ -92,7 +92,7 @@ def write_report(
         + ("drafters compiled (torch.compile), the target eager, " if info.get("compile") else "")
         + "concurrency 1 "
         f"(one request at a time), max {info['max_new_tokens']} new tokens, stop at the target's EOS ids, "
-        f"block K = {K}, proposal support top-{info['top_m']} at T > 0, seed {info['seed']}, "
+        f"block K = {K}, proposal support top-{info['top_m']} at T > 0 (a row named -mN: top-N), seed {info['seed']}, "
         f"timings paired: every prompt decoded by the target alone and by every method back to back, "
         f"{info['repeats']} time(s) in rotating order, per prompt the fastest run of each.",
         f"Prompts: `{info['prompts']}`, "

@@ -16,8 +16,14 @@ runs on an engine computing those, with its own target-alone runs in the same ro
     dflash-published  DFlash as published (z-lab's architecture and layout, --dflash-published)
     eagle3-tree16   EAGLE-3 as published (--eagle3): a tree of 16 tokens at T = 0 (EAGLE-2's
                     dynamic tree, depth 6, top 4), a chain of 16 when sampling
-    flashmap-1-tree FlashMap 1 step, --tree-blocks blocks from independent noise verified
-                    as a tree (T = 0)
+    eagle3-chain16  EAGLE-3's chain of 16 (T > 0)
+    *-treeN         FlashMap 1 step / DFlash-style, N blocks (--tree-blocks) from independent
+                    noise verified as one tree; *-treeN-rejection: each block a chain with its
+                    proposal law, multi-draft rejection sampling (T > 0)
+    *-siblings      one block (EAGLE-3: its chain) with each drafted token's other top-m tokens
+                    beside it as leaves, multi-draft rejection sampling (T > 0; with any
+                    --tree-blocks)
+    *-mN            a single draft or *-siblings row with support top-N (--top-m; T > 0)
     *-cut           FlashMap 1 step / DFlash-style with greedy drafts cut before the first
                     slot below --min-confidence (T = 0)
     *-indep         shuffle test: the same drafter with an independent noise draw per
@@ -60,6 +66,7 @@ from pathlib import Path
 
 import torch
 
+from flashmap.drafts import TOP_M
 from flashmap.measure import machine
 from flashmap.prompts import TEST_PROMPTS
 from training.eval_cells import cache_settings, check_dflash_shuffle, measure
@@ -126,7 +133,7 @@ def evaluate(args, command: str) -> Path:
         "block_size": K,
         "repeats": args.repeats,
         "compile": args.compile,
-        "top_m": 4,
+        "top_m": TOP_M,
         "prompts": show_path(args.prompts),
         "counts": {d: len(ps) for d, ps in by_domain.items()},
         "truncated": truncated,
@@ -171,6 +178,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m training.evaluate
         default="4",
         help="comma-separated N: FlashMap (and DFlash-style) 1 jump with N blocks from "
         "independent noise verified as one tree, every temperature (empty: no tree rows)",
+    )
+    ap.add_argument(
+        "--top-m",
+        default="4",
+        help="comma-separated support sizes per slot at T > 0: rows other than 4 repeat each "
+        "drafter's single draft and its block with siblings with that support (T > 0 only)",
     )
     ap.add_argument(
         "--prompts", default=str(TEST_PROMPTS), help="JSONL: domain + prompt (or prompt_ids)"
@@ -235,6 +248,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m training.evaluate
         args.tree_blocks = [int(x) for x in args.tree_blocks.split(",") if x.strip()]
     except ValueError:
         ap.error(f"--tree-blocks takes comma-separated integers, got {args.tree_blocks!r}")
+    try:
+        args.top_m = [int(x) for x in args.top_m.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--top-m takes comma-separated integers, got {args.top_m!r}")
+    if any(m < 1 for m in args.top_m):
+        ap.error(f"--top-m sizes must be >= 1, got {args.top_m}")
     if args.teacher_steps < 3:
         ap.error("--teacher-steps must be >= 3 (1 and 2 are the flow-map rows)")
     if args.max_new_tokens < 1 or args.max_prompts < 0 or args.repeats < 1:

@@ -28,12 +28,33 @@ from flashmap.measure import bootstrap_ci
 # step, and one jump of the paper-size drafter.
 H200_STEP_MS, H200_DRAFT_MS = 5.62, 2.33
 
-# (family, its single draft's row, its tree rows' pattern)
+# (family, its single draft's row, its rows' kind)
 FAMILIES = (
-    ("FlashMap (1 jump)", "flashmap-1", r"flashmap-tree(\d+)(-rejection)?$"),
-    ("DFlash-style", "dflash", r"dflash-tree(\d+)(-rejection)?$"),
-    ("EAGLE-3", "eagle3-chain16", r"eagle3-tree16$"),
+    ("FlashMap (1 jump)", "flashmap-1", "flashmap"),
+    ("DFlash-style", "dflash", "dflash"),
+    ("EAGLE-3", "eagle3-chain16", "eagle3"),
 )
+RULES = {None: "pick", "rejection": "rejection", "siblings": "rejection + siblings"}
+
+
+def tree_row(method: str) -> tuple[str, str, int, str] | None:
+    """(family, its single draft's row, blocks, verified by) of a tree row of `flashmap eval`
+    (training.eval_methods: `<kind>-tree<n>[-rejection]`, `<kind>-siblings[-m<N>]`, EAGLE-3's
+    `eagle3-tree16`); None for any other row. A row with support top-N (-mN) is set against
+    the single draft with that support."""
+    base, m_suffix = support_of(method)
+    for family, single, kind in FAMILIES:
+        m = re.fullmatch(rf"{kind}-(?:tree(\d+))?-?(rejection|siblings)?", base)
+        if m and (m.group(1) or m.group(2)):
+            rule = RULES[m.group(2)] + (f" (top {m_suffix[2:]})" if m_suffix else "")
+            return family, single + m_suffix, int(m.group(1) or 1), rule
+    return None
+
+
+def support_of(method: str) -> tuple[str, str]:
+    """A row's name without its support suffix, and the suffix ('-m16'; '' for top-4)."""
+    m = re.fullmatch(r"(.+?)(-m\d+)?", method)
+    return m.group(1), m.group(2) or ""
 
 
 def paired_gamma_diff(a: dict, b: dict, seed: int = 0) -> tuple[float, float, float]:
@@ -62,13 +83,10 @@ def rows(cells: dict, temperature: float) -> list[dict]:
         method, domain, t = key.split("|")
         if float(t[2:]) != temperature:
             continue
-        for family, single, pattern in FAMILIES:
-            m = re.match(pattern, method)
-            base = cells.get(f"{single}|{domain}|{t}")
-            if m is None or base is None:
-                continue
-            n = int(m.group(1)) if m.groups() and m.group(1) else 16
-            rule = "rejection" if m.groups() and len(m.groups()) > 1 and m.group(2) else "pick"
+        tree = tree_row(method)
+        base = tree and cells.get(f"{tree[1]}|{domain}|{t}")
+        if base:
+            family, _, n, rule = tree
             out.append(dict(domain=domain, family=family, n=n, rule=rule, cell=c, base=base))
     return sorted(out, key=lambda r: (r["domain"], r["family"], r["n"], r["rule"]))
 
@@ -84,12 +102,13 @@ def dev_best(dev: dict, temperature: float) -> tuple[str, str]:
     pooled: dict[str, list[float]] = {}
     for key, c in dev.items():
         method, _, kt = key.split("|")
-        if kt == t and ("tree" in method or method in SINGLES):
+        if kt == t and (tree_row(method) or support_of(method)[0] in SINGLES):
             acc, dr = pooled.get(method, [0.0, 0.0])
             pooled[method] = [acc + c["accepted"], dr + c["drafts"]]
     gamma = {m: 1 + a / d for m, (a, d) in pooled.items() if d}
     best = lambda ms: max(ms, key=gamma.get)  # noqa: E731
-    return best([m for m in gamma if "tree" in m]), best([m for m in gamma if "tree" not in m])
+    trees = [m for m in gamma if tree_row(m)]
+    return best(trees), best([m for m in gamma if m not in trees])
 
 
 def write(cells: dict, out: Path, command: str, dev: dict | None, temperature: float = 1.0) -> Path:
@@ -115,9 +134,11 @@ def write(cells: dict, out: Path, command: str, dev: dict | None, temperature: f
         "and every other row). In brackets: 95% intervals over prompts; a difference's are "
         'paired (the prompts resampled together). "pick": the blocks merged into one tree, the '
         'target picks its own token at each node and follows it; "rejection": each block a '
-        "chain with its proposal law, multi-draft rejection sampling (both exact: "
-        "tests/test_lossless.py). The EAGLE-3 row is its dynamic tree of 16 against its chain "
-        "of 16.",
+        'chain with its proposal law, multi-draft rejection sampling; "rejection + siblings": '
+        "that, with each drafted token's other top-4 tokens beside it as leaves, so a node "
+        "accepts with the target's whole mass on the drafter's top 4 (all exact: "
+        "tests/test_lossless.py). The EAGLE-3 rows are its dynamic tree of 16 (16 blocks: its "
+        "nodes) and its chain of 16 with siblings, against its chain of 16.",
         "",
         f"The H200 column is gamma x {H200_STEP_MS} / (1.03 x {H200_STEP_MS} + {H200_DRAFT_MS}) ms: "
         "the Qwen3-8B-shape step and the paper-size drafter's jump of docs/results/gpu_h200.md, "
@@ -177,7 +198,8 @@ def dev_choice(dev: dict, temperature: float) -> list[tuple[str, int, str, float
 def dev_singles(dev: dict, temperature: float) -> list[tuple[str, float]]:
     t = f"T={temperature:g}"
     out = []
-    for m in SINGLES:
+    names = sorted({k.split("|")[0] for k in dev}, key=lambda m: (support_of(m)[1], m))
+    for m in [m for m in names if support_of(m)[0] in SINGLES and not tree_row(m)]:
         cs = [c for k, c in dev.items() if k.startswith(f"{m}|") and k.endswith(f"|{t}")]
         if cs:
             out.append((m, 1 + sum(c["accepted"] for c in cs) / sum(c["drafts"] for c in cs)))
