@@ -6,7 +6,9 @@ so at temperature 0 every draft is accepted, except where it injects errors: at 
 1-based slot in error_slots, and at each slot with probability error_rate (seeded by
 the oracle seed, the request seed and the position, so it does not depend on batching),
 the token is replaced by (tok + 1) % V and rejection happens exactly there. With no
-matching reference (or past its end) it proposes token 0. Drafts are greedy (q = 1).
+matching reference (or past its end) it proposes token 0. Drafts are greedy (q = 1); with
+`support` > 1, at T > 0 each slot's support also holds the next support - 1 ids after its token
+(q still all on the token): the ids a siblings tree sets beside it (flashmap.drafts).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class OracleProposer(Proposer):
         error_rate: float = 0.0,
         seed: int = 0,
         feature_dim: int = 0,
+        support: int = 1,
     ):
         if vocab_size is None or vocab_size < 1:
             raise ValueError(f"vocab_size is required (>= 1), got {vocab_size}")
@@ -44,6 +47,7 @@ class OracleProposer(Proposer):
         self.block_size, self.vocab_size = block_size, vocab_size
         self.error_slots = sorted(set(error_slots))
         self.error_rate, self.seed = error_rate, seed
+        self.support = max(1, min(support, vocab_size))
         self.feature_dim = feature_dim  # features are accepted and ignored
         self.committed: dict[str, list[int]] = {}
         self._match: dict[str, int] = {}  # seq_id -> index of the last matching reference
@@ -108,4 +112,9 @@ class OracleProposer(Proposer):
             )
             wrong |= rng.random(K) < self.error_rate
         tokens[wrong] = (tokens[wrong] + 1) % self.vocab_size
-        return Draft.greedy(tokens)
+        d = Draft.greedy(tokens)
+        if r.temperature > 0 and self.support > 1:
+            d.support_ids = (tokens[:, None] + np.arange(self.support)) % self.vocab_size
+            d.support_probs = np.zeros(d.support_ids.shape, np.float32)
+            d.support_probs[:, 0] = 1.0
+        return d

@@ -363,6 +363,7 @@ def main(argv: list[str] | None = None) -> None:
         greedy_estimate=c.greedy_estimate,
         greedy_noise_scale=c.greedy_noise_scale,
         second_jump_net=c.second_jump_net,
+        sampled_tree=not c.eagle3_chains,
     )
     steps = tuple(sorted({1, 2, c.steps}))
     if device.startswith("cuda") and c.cuda_graphs:

@@ -71,6 +71,13 @@ class DrafterServiceConfig(Config):
         "T = 0 requests (needs --greedy-noise-scale 0 and the estimate it was trained with)",
         env="FLASHMAP_SECOND_JUMP_NET",
     )
+    eagle3_chains: bool = option(
+        False,
+        "EAGLE-3 checkpoints, temperature > 0: a chain of 16 sampled from the drafter's top-m "
+        "(verified by rejection sampling; with the orchestrator's --tree-sampling siblings, "
+        "each token's other top-m tokens beside it) instead of the dynamic tree",
+        env="FLASHMAP_EAGLE3_CHAINS",
+    )
     n_slots: int = option(64, "sequences whose context the drafter holds", check=at_least(1))
     max_context: int = option(4096, "positions of context per sequence", check=at_least(1))
     idle_timeout_s: float = option(

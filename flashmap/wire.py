@@ -82,7 +82,8 @@ def ask_from_proto(m: drafter_pb2.SequenceDraft) -> ProposeRequest:
 
 
 def answer_to_proto(seq_id: str, ans: DraftAnswer) -> drafter_pb2.Block:
-    """An answer as a Block: the first draft in full, the others as branches (tokens)."""
+    """An answer as a Block: the first draft in full, the others as branches (their tokens and
+    proposal law)."""
     if ans.error:
         return drafter_pb2.Block(seq_id=seq_id, error=ans.error)
     d = ans.drafts[0]
@@ -93,7 +94,15 @@ def answer_to_proto(seq_id: str, ans: DraftAnswer) -> drafter_pb2.Block:
         support_probs=d.support_probs.reshape(-1).tolist(),
         support_size=d.support_ids.shape[1],
         draft_steps=d.draft_steps,
-        branches=[drafter_pb2.Branch(tokens=b.tokens.tolist()) for b in ans.drafts[1:]],
+        branches=[
+            drafter_pb2.Branch(
+                tokens=b.tokens.tolist(),
+                support_ids=b.support_ids.reshape(-1).tolist(),
+                support_probs=b.support_probs.reshape(-1).tolist(),
+                support_size=b.support_ids.shape[1],
+            )
+            for b in ans.drafts[1:]
+        ],
         parents=[] if d.parents is None else d.parents.tolist(),
     )
 
@@ -110,7 +119,15 @@ def answer_from_proto(block: drafter_pb2.Block) -> DraftAnswer:
         np.asarray(block.parents, np.int64) if len(block.parents) else None,
     )
     branches = [
-        Draft.greedy(np.asarray(b.tokens, np.int64), int(block.draft_steps)) for b in block.branches
+        Draft(
+            np.asarray(b.tokens, np.int64),
+            np.asarray(b.support_ids, np.int64).reshape(len(b.tokens), max(b.support_size, 1)),
+            np.asarray(b.support_probs, np.float32).reshape(len(b.tokens), max(b.support_size, 1)),
+            int(block.draft_steps),
+        )
+        if b.support_size
+        else Draft.greedy(np.asarray(b.tokens, np.int64), int(block.draft_steps))
+        for b in block.branches
     ]
     return DraftAnswer([main, *branches])
 

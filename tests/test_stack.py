@@ -58,11 +58,17 @@ def _oracle_drafter_main(argv: list[str]) -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--metrics-port", type=int, required=True)
     ap.add_argument("--error-rate", type=float, default=0.2)
+    ap.add_argument("--support", type=int, default=1)
     a = ap.parse_args(argv)
     setup_logging("INFO")
     refs = json.loads(Path(a.refs).read_text())
     proposer = OracleProposer(
-        refs, block_size=BLOCK, vocab_size=a.vocab, error_rate=a.error_rate, seed=1
+        refs,
+        block_size=BLOCK,
+        vocab_size=a.vocab,
+        error_rate=a.error_rate,
+        seed=1,
+        support=a.support,
     )
     from flashmap.auth import DRAFTER_TOKEN_ENV, read_secret
 
@@ -726,9 +732,9 @@ def test_shadow_probes_through_the_stack_are_exact_and_released(target_dir, ref,
 class OracleStack(Stack):
     """A Stack whose drafter process is the drafter service around the oracle proposer."""
 
-    def __init__(self, cfg: StackConfig, refs_path: Path):
+    def __init__(self, cfg: StackConfig, refs_path: Path, support: int = 1):
         super().__init__(cfg)
-        self.refs_path = refs_path
+        self.refs_path, self.support = refs_path, support
 
     def start_drafter(self, wait: bool = True) -> None:
         c = self.cfg
@@ -750,6 +756,8 @@ class OracleStack(Stack):
                     str(c.drafter_port),
                     "--metrics-port",
                     str(c.drafter_metrics_port),
+                    "--support",
+                    str(self.support),
                 ],
                 stdout=f,
                 stderr=subprocess.STDOUT,
@@ -959,19 +967,20 @@ def test_sampled_trees_through_the_stack_are_the_in_process_rounds(
     drafter service and the orchestrator, seeded requests give the tokens the in-process decoder
     gives with the same oracle and seeds (whose law tests/test_lossless.py checks), twice; the
     trees followed by the target's picks, or walked by multi-draft rejection sampling with the
-    drafts' proposal law on the wire ("siblings")."""
+    drafts' proposal law on the wire ("siblings": each drafted token with 2 leaves beside it)."""
     from drafter_service.oracle import OracleProposer
     from flashmap.inprocess import decode
     from flashmap.types import GenerationRequest, SamplingParams
 
     prompts, max_new = ORACLE_PROMPTS[:3], ORACLE_MAX_NEW
+    support = 3 if tree_sampling == "siblings" else 1
     expected, refs, refs_path, cfg = _oracle_world(
-        target_dir, ref, tmp_path, prompts, tree_sampling=tree_sampling
+        target_dir, ref, tmp_path, prompts, tree_sampling=tree_sampling, top_m=support
     )
     params = [SamplingParams(1.0, seed=10 + i) for i in range(len(prompts))]
     params[-1] = SamplingParams(0.8, top_k=20, top_p=0.9, seed=30)
     sampling = lambda p: dict(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed)  # noqa: E731
-    with OracleStack(cfg, refs_path), Client(cfg.url, timeout=120) as c:
+    with OracleStack(cfg, refs_path, support), Client(cfg.url, timeout=120) as c:
         m0 = _samples(cfg.metrics_port)
         runs = [
             [
@@ -998,11 +1007,15 @@ def test_sampled_trees_through_the_stack_are_the_in_process_rounds(
     local = decode(
         ref.engine,
         reqs,
-        OracleProposer(refs, BLOCK, VOCAB, error_rate=0.2, seed=1),
+        OracleProposer(refs, BLOCK, VOCAB, error_rate=0.2, seed=1, support=support),
         tree_sampling=tree_sampling,
+        top_m=support,
     )
     for run in runs:
         assert [ids for ids, _ in run] == [r.token_ids for r in local]
     for mine, (_, final) in zip(local, runs[0]):
         assert final.stats.drafts == mine.stats.drafts > 0
         assert final.stats.accepted == mine.stats.accepted
+        assert final.stats.draft_tokens == mine.stats.draft_tokens
+        # three chains of at most BLOCK tokens, and with siblings 2 leaves beside each token
+        assert (mine.stats.draft_tokens > 3 * BLOCK * mine.stats.drafts) == (support > 1)

@@ -163,3 +163,24 @@ def test_error_messages_carry_their_row_code():
         None,
         "must specify the START flag",
     )
+
+
+def test_every_block_of_a_drafter_answer_keeps_its_proposal_law_on_the_wire():
+    """The drafter's answer (flashmap.wire): the first block and its branches come back with
+    their tokens and proposal law, which multi-draft rejection sampling needs of every block."""
+    from flashmap.draft_call import DraftAnswer
+    from flashmap.drafts import Draft
+    from flashmap.wire import answer_from_proto, answer_to_proto
+
+    rng = np.random.default_rng(1)
+
+    def block(k: int, s: int) -> Draft:
+        q = rng.dirichlet(np.ones(s), size=k).astype(np.float32)
+        return Draft(rng.integers(0, 500, k), rng.integers(0, 500, (k, s)), q, 1)
+
+    sent = [block(5, 4), block(5, 4), Draft.greedy(np.arange(5), 1)]
+    got = answer_from_proto(answer_to_proto("s", DraftAnswer(sent))).drafts
+    for a, b in zip(sent, got, strict=True):
+        assert np.array_equal(a.tokens, b.tokens)
+        assert np.array_equal(a.support_ids, b.support_ids)
+        assert np.array_equal(a.support_probs, b.support_probs)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66lashmap/v1/drafter.proto\x12\x0b\x66lashmap.v1\"4\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xac\x02\n\rSequenceDraft\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x15\n\rcontext_start\x18\x02 \x01(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x03\x12)\n\x0cnew_features\x18\x04 \x01(\x0b\x32\x13.flashmap.v1.Tensor\x12\x0e\n\x06\x61nchor\x18\x05 \x01(\x03\x12\x18\n\x0b\x64raft_steps\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x13\n\x0btemperature\x18\x08 \x01(\x02\x12\r\n\x05top_m\x18\t \x01(\r\x12\x0c\n\x04seed\x18\n \x01(\x04\x12\x1d\n\x10max_draft_tokens\x18\x0b \x01(\rH\x01\x88\x01\x01\x42\x0e\n\x0c_draft_stepsB\x13\n\x11_max_draft_tokens\"N\n\x0c\x44raftRequest\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12-\n\tsequences\x18\x02 \x03(\x0b\x32\x1a.flashmap.v1.SequenceDraft\"\xc5\x01\n\x05\x42lock\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x03\x12\x13\n\x0bsupport_ids\x18\x03 \x03(\x03\x12\x15\n\rsupport_probs\x18\x04 \x03(\x02\x12\x14\n\x0csupport_size\x18\x05 \x01(\r\x12\x13\n\x0b\x64raft_steps\x18\x06 \x01(\r\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12%\n\x08\x62ranches\x18\x08 \x03(\x0b\x32\x13.flashmap.v1.Branch\x12\x0f\n\x07parents\x18\t \x03(\x03\"\x18\n\x06\x42ranch\x12\x0e\n\x06tokens\x18\x01 \x03(\x03\"E\n\x0b\x44raftTiming\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tforward_s\x18\x02 \x01(\x01\x12\x12\n\nbatch_size\x18\x03 \x01(\r\"n\n\rDraftResponse\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\"\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x12.flashmap.v1.Block\x12(\n\x06timing\x18\x03 \x01(\x0b\x32\x18.flashmap.v1.DraftTiming\"\x11\n\x0fGetStepsRequest\" \n\x0fSetStepsRequest\x12\r\n\x05steps\x18\x01 \x01(\r\"1\n\rStepsResponse\x12\r\n\x05steps\x18\x01 \x01(\r\x12\x11\n\tavailable\x18\x02 \x03(\r\"!\n\x0eReleaseRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\x9f\x01\n\rStatsResponse\x12\x18\n\x10\x61\x63tive_sequences\x18\x01 \x01(\r\x12\x16\n\x0e\x63ontext_tokens\x18\x02 \x01(\x04\x12\x13\n\x0bstate_bytes\x18\x03 \x01(\x04\x12\r\n\x05steps\x18\x04 \x01(\r\x12\x0f\n\x07\x64rafter\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x13\n\x0b\x66\x65\x61ture_dim\x18\x07 \x01(\r2\xdf\x02\n\x07\x44rafter\x12\x42\n\x05\x44raft\x12\x19.flashmap.v1.DraftRequest\x1a\x1a.flashmap.v1.DraftResponse(\x01\x30\x01\x12\x44\n\x08GetSteps\x12\x1c.flashmap.v1.GetStepsRequest\x1a\x1a.flashmap.v1.StepsResponse\x12\x44\n\x08SetSteps\x12\x1c.flashmap.v1.SetStepsRequest\x1a\x1a.flashmap.v1.StepsResponse\x12\x44\n\x07Release\x12\x1b.flashmap.v1.ReleaseRequest\x1a\x1c.flashmap.v1.ReleaseResponse\x12>\n\x05Stats\x12\x19.flashmap.v1.StatsRequest\x1a\x1a.flashmap.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66lashmap/v1/drafter.proto\x12\x0b\x66lashmap.v1\"4\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xac\x02\n\rSequenceDraft\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x15\n\rcontext_start\x18\x02 \x01(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x03\x12)\n\x0cnew_features\x18\x04 \x01(\x0b\x32\x13.flashmap.v1.Tensor\x12\x0e\n\x06\x61nchor\x18\x05 \x01(\x03\x12\x18\n\x0b\x64raft_steps\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x13\n\x0btemperature\x18\x08 \x01(\x02\x12\r\n\x05top_m\x18\t \x01(\r\x12\x0c\n\x04seed\x18\n \x01(\x04\x12\x1d\n\x10max_draft_tokens\x18\x0b \x01(\rH\x01\x88\x01\x01\x42\x0e\n\x0c_draft_stepsB\x13\n\x11_max_draft_tokens\"N\n\x0c\x44raftRequest\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12-\n\tsequences\x18\x02 \x03(\x0b\x32\x1a.flashmap.v1.SequenceDraft\"\xc5\x01\n\x05\x42lock\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x03\x12\x13\n\x0bsupport_ids\x18\x03 \x03(\x03\x12\x15\n\rsupport_probs\x18\x04 \x03(\x02\x12\x14\n\x0csupport_size\x18\x05 \x01(\r\x12\x13\n\x0b\x64raft_steps\x18\x06 \x01(\r\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12%\n\x08\x62ranches\x18\x08 \x03(\x0b\x32\x13.flashmap.v1.Branch\x12\x0f\n\x07parents\x18\t \x03(\x03\"Z\n\x06\x42ranch\x12\x0e\n\x06tokens\x18\x01 \x03(\x03\x12\x13\n\x0bsupport_ids\x18\x02 \x03(\x03\x12\x15\n\rsupport_probs\x18\x03 \x03(\x02\x12\x14\n\x0csupport_size\x18\x04 \x01(\r\"E\n\x0b\x44raftTiming\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tforward_s\x18\x02 \x01(\x01\x12\x12\n\nbatch_size\x18\x03 \x01(\r\"n\n\rDraftResponse\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\"\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x12.flashmap.v1.Block\x12(\n\x06timing\x18\x03 \x01(\x0b\x32\x18.flashmap.v1.DraftTiming\"\x11\n\x0fGetStepsRequest\" \n\x0fSetStepsRequest\x12\r\n\x05steps\x18\x01 \x01(\r\"1\n\rStepsResponse\x12\r\n\x05steps\x18\x01 \x01(\r\x12\x11\n\tavailable\x18\x02 \x03(\r\"!\n\x0eReleaseRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\x9f\x01\n\rStatsResponse\x12\x18\n\x10\x61\x63tive_sequences\x18\x01 \x01(\r\x12\x16\n\x0e\x63ontext_tokens\x18\x02 \x01(\x04\x12\x13\n\x0bstate_bytes\x18\x03 \x01(\x04\x12\r\n\x05steps\x18\x04 \x01(\r\x12\x0f\n\x07\x64rafter\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x13\n\x0b\x66\x65\x61ture_dim\x18\x07 \x01(\r2\xdf\x02\n\x07\x44rafter\x12\x42\n\x05\x44raft\x12\x19.flashmap.v1.DraftRequest\x1a\x1a.flashmap.v1.DraftResponse(\x01\x30\x01\x12\x44\n\x08GetSteps\x12\x1c.flashmap.v1.GetStepsRequest\x1a\x1a.flashmap.v1.StepsResponse\x12\x44\n\x08SetSteps\x12\x1c.flashmap.v1.SetStepsRequest\x1a\x1a.flashmap.v1.StepsResponse\x12\x44\n\x07Release\x12\x1b.flashmap.v1.ReleaseRequest\x1a\x1c.flashmap.v1.ReleaseResponse\x12>\n\x05Stats\x12\x19.flashmap.v1.StatsRequest\x1a\x1a.flashmap.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,25 +40,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BLOCK']._serialized_start=480
   _globals['_BLOCK']._serialized_end=677
   _globals['_BRANCH']._serialized_start=679
-  _globals['_BRANCH']._serialized_end=703
-  _globals['_DRAFTTIMING']._serialized_start=705
-  _globals['_DRAFTTIMING']._serialized_end=774
-  _globals['_DRAFTRESPONSE']._serialized_start=776
-  _globals['_DRAFTRESPONSE']._serialized_end=886
-  _globals['_GETSTEPSREQUEST']._serialized_start=888
-  _globals['_GETSTEPSREQUEST']._serialized_end=905
-  _globals['_SETSTEPSREQUEST']._serialized_start=907
-  _globals['_SETSTEPSREQUEST']._serialized_end=939
-  _globals['_STEPSRESPONSE']._serialized_start=941
-  _globals['_STEPSRESPONSE']._serialized_end=990
-  _globals['_RELEASEREQUEST']._serialized_start=992
-  _globals['_RELEASEREQUEST']._serialized_end=1025
-  _globals['_RELEASERESPONSE']._serialized_start=1027
-  _globals['_RELEASERESPONSE']._serialized_end=1062
-  _globals['_STATSREQUEST']._serialized_start=1064
-  _globals['_STATSREQUEST']._serialized_end=1078
-  _globals['_STATSRESPONSE']._serialized_start=1081
-  _globals['_STATSRESPONSE']._serialized_end=1240
-  _globals['_DRAFTER']._serialized_start=1243
-  _globals['_DRAFTER']._serialized_end=1594
+  _globals['_BRANCH']._serialized_end=769
+  _globals['_DRAFTTIMING']._serialized_start=771
+  _globals['_DRAFTTIMING']._serialized_end=840
+  _globals['_DRAFTRESPONSE']._serialized_start=842
+  _globals['_DRAFTRESPONSE']._serialized_end=952
+  _globals['_GETSTEPSREQUEST']._serialized_start=954
+  _globals['_GETSTEPSREQUEST']._serialized_end=971
+  _globals['_SETSTEPSREQUEST']._serialized_start=973
+  _globals['_SETSTEPSREQUEST']._serialized_end=1005
+  _globals['_STEPSRESPONSE']._serialized_start=1007
+  _globals['_STEPSRESPONSE']._serialized_end=1056
+  _globals['_RELEASEREQUEST']._serialized_start=1058
+  _globals['_RELEASEREQUEST']._serialized_end=1091
+  _globals['_RELEASERESPONSE']._serialized_start=1093
+  _globals['_RELEASERESPONSE']._serialized_end=1128
+  _globals['_STATSREQUEST']._serialized_start=1130
+  _globals['_STATSREQUEST']._serialized_end=1144
+  _globals['_STATSRESPONSE']._serialized_start=1147
+  _globals['_STATSRESPONSE']._serialized_end=1306
+  _globals['_DRAFTER']._serialized_start=1309
+  _globals['_DRAFTER']._serialized_end=1660
 # @@protoc_insertion_point(module_scope)

@@ -73,10 +73,16 @@ class Block(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., support_ids: _Optional[_Iterable[int]] = ..., support_probs: _Optional[_Iterable[float]] = ..., support_size: _Optional[int] = ..., draft_steps: _Optional[int] = ..., error: _Optional[str] = ..., branches: _Optional[_Iterable[_Union[Branch, _Mapping]]] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Branch(_message.Message):
-    __slots__ = ("tokens",)
+    __slots__ = ("tokens", "support_ids", "support_probs", "support_size")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SUPPORT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SUPPORT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    SUPPORT_SIZE_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    support_ids: _containers.RepeatedScalarFieldContainer[int]
+    support_probs: _containers.RepeatedScalarFieldContainer[float]
+    support_size: int
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., support_ids: _Optional[_Iterable[int]] = ..., support_probs: _Optional[_Iterable[float]] = ..., support_size: _Optional[int] = ...) -> None: ...
 
 class DraftTiming(_message.Message):
     __slots__ = ("queue_s", "forward_s", "batch_size")
