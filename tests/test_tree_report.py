@@ -11,7 +11,8 @@ def cell(accepted: list[int], drafts: list[int]) -> dict:
     a, d = sum(accepted), sum(drafts)
     g = 1 + a / d
     return dict(
-        accepted=a, drafts=d, gamma=g, gamma_ci=[g, g], speedup=1.0, speedup_ci=[1.0, 1.0],
+        accepted=a, drafts=d, draft_tokens=16 * d, gamma=g, gamma_ci=[g, g], speedup=1.0,
+        speedup_ci=[1.0, 1.0],
         prompt_accepted=accepted, prompt_drafts=drafts,
     )  # fmt: skip
 
@@ -75,3 +76,12 @@ def test_rows_with_siblings_and_another_support_meet_their_own_single_draft(tmp_
     assert (
         "| code | EAGLE-3 | 1 | rejection + siblings (top 16) | 1.90 [1.90, 1.90] | +0.40" in text
     )
+
+
+def test_the_h200_projection_prices_a_wide_verify_off_the_measured_line():
+    from training.tree_report import H200_DRAFT_MS, H200_STEP_MS, gpu_projection
+
+    step, draft = H200_STEP_MS, H200_DRAFT_MS
+    assert gpu_projection(2.0, 17) == pytest.approx(2 * step / (1.03 * step + draft))
+    assert gpu_projection(2.0, 272) == pytest.approx(2 * step / (1.81 * step + draft))
+    assert gpu_projection(2.0, 8) == gpu_projection(2.0, 17)  # no cheaper than a verify of 17

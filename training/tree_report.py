@@ -6,10 +6,10 @@ drafter, paired prompt by prompt (docs/results/trees.md).
 
 Per domain and tree row: gamma and speedup with 95% intervals over prompts, the paired
 difference of gamma against the drafter's own single draft (the prompts resampled together),
-and what a GPU verify would keep: on an H200 a verify of up to a few hundred tokens costs about
-one decode step (docs/results/gpu_h200.md: a verify of 17 tokens 1.03x a step), so a round costs
-about a step and a draft whatever the tree's size, and the speedup there is gamma x step /
-(step + draft) at batch 1, a projection from those kernel times, not a measurement.
+and what a GPU verify would keep: on an H200 a verify of 17 tokens costs 1.03 target steps and
+one of 272 tokens 1.81 (docs/results/gpu_h200.md, Qwen3-8B shape, bf16), so a round of a tree
+of n tokens costs about a step x (1.03 + (n - 17) x 0.78 / 255) plus a draft, and the speedup
+there is gamma x step / that, a projection from those kernel times, not a measurement.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ import numpy as np
 from flashmap.measure import bootstrap_ci
 
 # The H200 kernel times of docs/results/gpu_h200.md (Qwen3-8B shape, bf16, batch 1): a target
-# step, and one jump of the paper-size drafter.
+# step, and one jump of the paper-size drafter; a verify of 17 and of 272 tokens in batch-1 steps.
 H200_STEP_MS, H200_DRAFT_MS = 5.62, 2.33
+H200_VERIFY_STEPS = {17: 1.03, 272: 1.81}
 
 # (family, its single draft's row, its rows' kind)
 FAMILIES = (
@@ -72,8 +73,17 @@ def paired_gamma_diff(a: dict, b: dict, seed: int = 0) -> tuple[float, float, fl
     return diff(np.arange(len(acc_a))), lo, hi
 
 
-def gpu_projection(gamma: float) -> float:
-    return gamma * H200_STEP_MS / (1.03 * H200_STEP_MS + H200_DRAFT_MS)
+def gpu_projection(gamma: float, verify_tokens: float) -> float:
+    """Speedup at batch 1 on an H200 of rounds that commit gamma tokens and verify
+    `verify_tokens`: a verify's cost in steps read off the line through the two measured ones."""
+    (n0, c0), (n1, c1) = sorted(H200_VERIFY_STEPS.items())
+    steps = c0 + max(0.0, verify_tokens - n0) * (c1 - c0) / (n1 - n0)
+    return gamma * H200_STEP_MS / (steps * H200_STEP_MS + H200_DRAFT_MS)
+
+
+def verify_tokens(cell: dict) -> float:
+    """Tokens a drafted round verifies, on average: its drafts and the bonus position."""
+    return 1 + cell["draft_tokens"] / max(cell["drafts"], 1)
 
 
 def rows(cells: dict, temperature: float) -> list[dict]:
@@ -117,15 +127,15 @@ def write(cells: dict, out: Path, command: str, dev: dict | None, temperature: f
         "# Trees at T > 0",
         "",
         "| domain | drafter | blocks | verified by | gamma | against its single draft "
-        "| speedup (this CPU) | speedup on an H200 (projected) |",
-        "|---|---|---:|---|---:|---:|---:|---:|",
+        "| speedup (this CPU) | tokens verified a round | speedup on an H200 (projected) |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows(cells, temperature):
         d, lo, hi = paired_gamma_diff(r["cell"], r["base"])
         lines.append(
             f"| {r['domain']} | {r['family']} | {r['n']} | {r['rule']} | {ci(r['cell'], 'gamma')} | "
             f"{d:+.2f} [{lo:+.2f}, {hi:+.2f}] | {ci(r['cell'], 'speedup')}x | "
-            f"{gpu_projection(r['cell']['gamma']):.2f}x |"
+            f"{verify_tokens(r['cell']):.0f} | {gpu_projection(r['cell']['gamma'], verify_tokens(r['cell'])):.2f}x |"
         )
     lines += ["", f"Command: `{command}`", ""]
     lines += [
@@ -140,11 +150,13 @@ def write(cells: dict, out: Path, command: str, dev: dict | None, temperature: f
         "tests/test_lossless.py). The EAGLE-3 rows are its dynamic tree of 16 (16 blocks: its "
         "nodes) and its chain of 16 with siblings, against its chain of 16.",
         "",
-        f"The H200 column is gamma x {H200_STEP_MS} / (1.03 x {H200_STEP_MS} + {H200_DRAFT_MS}) ms: "
-        "the Qwen3-8B-shape step and the paper-size drafter's jump of docs/results/gpu_h200.md, "
-        "a verify of up to a few hundred tokens taken as a step (1.03x for 17 tokens there) and "
-        "a batch of N blocks drafted as one (batch 1 is memory-bound). A projection from kernel "
-        "times, not a measurement: the GPU proof (scripts/gpu-proof.sh) measures whole loops.",
+        f"The H200 column is gamma x {H200_STEP_MS} / (c(n) x {H200_STEP_MS} + {H200_DRAFT_MS}) ms, "
+        "n the tokens verified a round and c(n) = 1.03 + (n - 17) x 0.78 / 255 (at least 1.03): "
+        "the Qwen3-8B-shape step at batch 1, a verify of 17 tokens (1.03 steps) and of 272 "
+        "(10.20 ms, 1.81 steps, compute-bound) and the paper-size drafter's jump of "
+        "docs/results/gpu_h200.md, a batch of "
+        "N blocks drafted as one (batch 1 is memory-bound). A projection from kernel times, not a "
+        "measurement: the GPU proof (scripts/gpu-proof.sh) measures whole loops.",
         "",
     ]
     if dev is not None:
