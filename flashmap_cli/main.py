@@ -27,6 +27,7 @@ from pathlib import Path
 
 from drafter_service.service_config import DrafterServiceConfig
 from flashmap.config import Config, add_arguments, from_args, option, same_as
+from flashmap.drafts import TOP_M
 from flashmap.request_options import RequestOptions
 from flashmap.types import DRAFT_STEPS, InvalidRequest, SpecStats, check_draft_steps
 from orchestrator.config import OrchestratorConfig
@@ -113,6 +114,27 @@ class GenerateConfig(Config):
     compile: bool = option(
         False, "--in-process: torch.compile the drafter (the first call compiles)"
     )
+    tree_sampling: str = same_as(
+        OrchestratorConfig,
+        "tree_sampling",
+        env=None,
+        help="--in-process: how a tree at temperature > 0 is verified (pick, rejection, "
+        "siblings; the stack: flashmap up --tree-sampling)",
+    )
+    top_m: int = same_as(
+        OrchestratorConfig,
+        "top_m",
+        env=None,
+        help="--in-process: the drafter's support per slot at temperature > 0 (the stack: "
+        "flashmap up --top-m)",
+    )
+    eagle3_chains: bool = same_as(
+        DrafterServiceConfig,
+        "eagle3_chains",
+        env=None,
+        help="--in-process: an EAGLE-3 drafter drafts chains at temperature > 0 (the stack: "
+        "the drafter service's --eagle3-chains)",
+    )
     json: bool = option(False, "print one JSON object instead of text")
 
 
@@ -141,10 +163,15 @@ def _cmd_generate(args) -> int:
     if options.chat_options and not a.chat:
         raise UsageError("--chat-template-kwargs, --tools and --tool-choice go with --chat")
     if not a.in_process:
-        if a.min_confidence or a.compile:
+        if a.min_confidence or a.compile or a.eagle3_chains:
             raise UsageError(
-                "--min-confidence and --compile are --in-process options "
-                "(for the stack: the drafter service's --min-confidence and --compile)"
+                "--min-confidence, --compile and --eagle3-chains are --in-process options "
+                "(for the stack: the drafter service's options of those names)"
+            )
+        if a.tree_sampling != "pick" or a.top_m != TOP_M:
+            raise UsageError(
+                "--tree-sampling and --top-m are --in-process options "
+                "(for the stack: flashmap up --tree-sampling / --top-m)"
             )
         return _generate_remote(a, options)
     if not a.target:
@@ -195,9 +222,10 @@ def _generate_in_process(a: GenerateConfig, options: RequestOptions) -> int:
             steps=options.draft_steps or DRAFT_STEPS,  # what --compile compiles
             min_confidence=a.min_confidence,
             compile=a.compile,
+            sampled_tree=not a.eagle3_chains,
         )
     )
-    (res,) = decode(engine, [req], proposer)
+    (res,) = decode(engine, [req], proposer, tree_sampling=a.tree_sampling, top_m=a.top_m)
     s = res.stats
     out = {
         "token_ids": res.token_ids,
@@ -205,6 +233,7 @@ def _generate_in_process(a: GenerateConfig, options: RequestOptions) -> int:
         "mode": "autoregressive" if a.ar else "speculative",
         "rounds": s.rounds,
         "drafts": s.drafts,
+        "draft_tokens": s.draft_tokens,
         "accepted": s.accepted,
         "mean_acceptance_length": round(s.mean_acceptance_length, 4),
         "accepted_per_slot": s.accepted_per_slot.tolist(),

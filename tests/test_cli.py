@@ -63,6 +63,11 @@ def test_generate_json_ar_and_speculative_agree(ckpts, capsys):
     outs = [_run(capsys, *sampled, "--tree-blocks", "3") for _ in range(2)]
     assert all(code == 0 for code, _, _ in outs)
     assert json.loads(outs[0][1])["token_ids"] == json.loads(outs[1][1])["token_ids"]  # seeded
+    siblings = [*sampled, "--tree-sampling", "siblings", "--top-m", "3"]
+    outs = [json.loads(_run(capsys, *siblings)[1]) for _ in range(2)]
+    assert outs[0]["token_ids"] == outs[1]["token_ids"]
+    # a block of at most 16 drafted tokens, each with its 2 other support tokens beside it
+    assert outs[0]["draft_tokens"] > 16 * outs[0]["drafts"]
     code, out, _ = _run(capsys, *base, "--drafter", ckpts["drafter"], "--min-confidence", "0.5")
     assert code == 0 and json.loads(out)["token_ids"] == ar["token_ids"]
     code, out, _ = _run(capsys, *base, "--drafter", ckpts["drafter"], "--compile")
@@ -70,7 +75,7 @@ def test_generate_json_ar_and_speculative_agree(ckpts, capsys):
 
 
 def test_in_process_options_need_in_process(capsys):
-    for opt in (["--compile"], ["--min-confidence", "0.2"]):
+    for opt in (["--compile"], ["--min-confidence", "0.2"], ["--tree-sampling", "siblings"]):
         assert main(["generate", "--prompt-ids", "1,2", *opt]) == 2
         assert "--in-process options" in capsys.readouterr().err
 
