@@ -103,17 +103,23 @@ class Draft:
             proposal_law=True,
         )
 
-    def with_siblings(self) -> Draft:
+    def with_siblings(self, max_depth: int = 0) -> Draft:
         """This draft (a chain or a forest with its proposal law) with, beside each drafted
         token, the rest of its slot's support as leaves after every drafted token, each with the
         law that puts all its mass on it: multi-draft rejection sampling then tries the drafted
         token with its q first and, where the target rejects it, the other support tokens, so
         a node accepts with the target's whole mass on its support (not sum min(p, q)). Exact:
-        each leaf is a function of the children before it (target_service.tree)."""
+        each leaf is a function of the children before it (target_service.tree).
+        max_depth > 0: leaves only beside the drafted tokens of the first max_depth depths."""
         K = len(self.tokens)
         parents = np.array([-1, *range(K - 1)], np.int64) if self.parents is None else self.parents
+        depth = np.zeros(K, np.int64)
+        for i, p in enumerate(parents):
+            depth[i] = 1 if p < 0 else depth[p] + 1
         tokens, par, ids, probs = [self.tokens], [parents], [self.support_ids], [self.support_probs]
         for i in range(K):
+            if max_depth and depth[i] > max_depth:
+                continue
             extra = [int(t) for t in self.support_ids[i] if t >= 0 and t != self.tokens[i]]
             if not extra:
                 continue

@@ -92,6 +92,7 @@ def decode(
     plain_tokens: int = 1,
     tree_sampling: str = "pick",
     top_m: int = TOP_M,
+    sibling_depth: int = 0,
 ) -> list[GenerationResult]:
     """Decode all requests to completion; results come back in request order. draft_steps:
     every request's unless it has its own (None: the proposer's step count).
@@ -102,7 +103,8 @@ def decode(
     branch the target accepts furthest. controller: a flashmap.speculation.SpeculationController
     choosing each round's draft lengths (None: the whole block every round). plain_tokens:
     tokens per request of a round without drafts, in one engine call (flashmap.rounds).
-    top_m: the drafter's support size per slot at T > 0 (the orchestrator's --top-m)."""
+    top_m: the drafter's support size per slot at T > 0 (the orchestrator's --top-m);
+    tree_sampling, sibling_depth: how a tree at T > 0 is verified (flashmap.rounds)."""
     for r in requests:
         r.validate(engine.vocab_size, engine.max_seq_len)
     block = proposer.block_size if proposer is not None else BLOCK_SIZE
@@ -118,7 +120,15 @@ def decode(
             active[i] = Sequence(str(i), req, block, handle=engine.allocate())
         seqs = list(active.values())
         round_ = speculative_round(
-            seqs, target, drafter, controller, tree_blocks, plain_tokens, None, tree_sampling
+            seqs,
+            target,
+            drafter,
+            controller,
+            tree_blocks,
+            plain_tokens,
+            None,
+            tree_sampling,
+            sibling_depth,
         )
         run_local(round_)
         for i, s in list(active.items()):

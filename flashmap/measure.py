@@ -95,6 +95,7 @@ class Runner(NamedTuple):
     tree_blocks: int = 1
     tree_sampling: str = "pick"
     top_m: int = TOP_M
+    sibling_depth: int = 0
 
 
 def run_prompts(
@@ -150,6 +151,7 @@ def run_paired(
                     r.tree_blocks,
                     tree_sampling=r.tree_sampling,
                     top_m=r.top_m,
+                    sibling_depth=r.sibling_depth,
                 )
                 wall = time.perf_counter() - t0
                 if best[m][i] is None or wall < best[m][i][0]:

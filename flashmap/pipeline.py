@@ -83,6 +83,7 @@ async def pipelined_round(
     ahead: Ahead | None = None,
     send: bool = False,
     tree_sampling: str = "pick",
+    sibling_depth: int = 0,
 ) -> RoundResult:
     """The next round: the one sent ahead when there is one (then on its own sequences), else a
     new round of `seqs`; send: the round after it goes out before its answer when it can."""
@@ -90,7 +91,15 @@ async def pipelined_round(
     if ahead is not None:
         return await finish_ahead(ahead, target, drafter, controller, sender)
     return await speculative_round(
-        seqs, target, drafter, controller, blocks, plain_tokens, sender, tree_sampling
+        seqs,
+        target,
+        drafter,
+        controller,
+        blocks,
+        plain_tokens,
+        sender,
+        tree_sampling,
+        sibling_depth,
     )
 
 

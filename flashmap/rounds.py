@@ -77,20 +77,21 @@ async def speculative_round(
     plain_tokens: int = 1,
     send_ahead: Callable[[list[Sequence], list[VerifyRow], RoundPlan], Ahead | None] | None = None,
     tree_sampling: str = "pick",
+    sibling_depth: int = 0,
 ) -> RoundResult:
     """plan -> draft -> verify -> commit for every sequence in `seqs` (none finished).
     controller: chooses each sequence's draft length from measured costs (None: the whole
     block). blocks: blocks from independent noise per greedy sequence (one tree). plain_tokens:
     tokens per row of a round without drafts. send_ahead(seqs, rows, plan): called once the
     verify is on its way, when the round drafts nothing (flashmap.pipeline.ahead_sender).
-    tree_sampling: how several blocks of a row at T > 0 are verified (`merged_draft`)."""
+    tree_sampling, sibling_depth: how a row's blocks at T > 0 are verified (`merged_draft`)."""
     t_round = time.perf_counter()
     if controller is not None and drafter is not None:
         plan = controller.plan(seqs, blocks)
     else:
         plan = plan_round(seqs, drafter is not None, blocks, plain_tokens)
     batch = await draft_blocks(seqs, plan, drafter)
-    drafts = [merged_draft(s, batch, target, tree_sampling) for s in seqs]
+    drafts = [merged_draft(s, batch, target, tree_sampling, sibling_depth) for s in seqs]
     rows = verify_rows(seqs, plan, drafts)
     expected = controller.expected(seqs, rows, plan) if controller is not None else {}
     call = target.verify(rows, [s.ends_with(r) for s, r in zip(seqs, rows)])
@@ -130,21 +131,26 @@ TREE_SAMPLING = ("pick", "rejection", "siblings")
 
 
 def merged_draft(
-    s: Sequence, batch: DraftBatch, target: Target, tree_sampling: str = "pick"
+    s: Sequence,
+    batch: DraftBatch,
+    target: Target,
+    tree_sampling: str = "pick",
+    sibling_depth: int = 0,
 ) -> Draft | None:
     """The sequence's draft this round: its block, or its blocks as one tree when that fits the
     context (else the first block alone). "pick": the blocks merged (shared prefixes once), the
     target picks its own token at each node and follows it (target_service.tree); "rejection"
     (T > 0): each block a chain of its own with its proposal law, multi-draft rejection
     sampling; "siblings" (T > 0): that, with each drafted token's other support tokens beside
-    it as leaves (Draft.with_siblings), also for one block."""
+    it as leaves (Draft.with_siblings; sibling_depth > 0: beside the first that many depths
+    only), also for one block."""
     blocks = batch.blocks.get(s.seq_id, [])
     siblings = tree_sampling == "siblings" and not s.params.greedy
     if len(blocks) <= 1 and not (siblings and blocks and blocks[0].parents is None):
         return blocks[0] if blocks else None
     if siblings:
         tree = Draft.forest(blocks, blocks[0].draft_steps) if len(blocks) > 1 else blocks[0]
-        tree = tree.with_siblings()
+        tree = tree.with_siblings(sibling_depth)
     elif tree_sampling == "rejection" and not s.params.greedy:
         tree = Draft.forest(blocks, blocks[0].draft_steps)
     else:

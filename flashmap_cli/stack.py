@@ -80,6 +80,7 @@ class StackConfig(Config):
     drafter_idle_timeout_s: float = same_as(DrafterServiceConfig, "idle_timeout_s")
     tree_blocks: int = same_as(OrchestratorConfig, "tree_blocks")
     tree_sampling: str = same_as(OrchestratorConfig, "tree_sampling")
+    sibling_depth: int = same_as(OrchestratorConfig, "sibling_depth")
     top_m: int = same_as(OrchestratorConfig, "top_m")
     speculation: str = same_as(OrchestratorConfig, "speculation")
     plain_tokens: int = same_as(OrchestratorConfig, "plain_tokens")

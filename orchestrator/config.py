@@ -105,6 +105,14 @@ class OrchestratorConfig(Config):
         env="FLASHMAP_TREE_SAMPLING",
         choices=TREE_SAMPLING,
     )
+    sibling_depth: int = option(
+        0,
+        "--tree-sampling siblings: leaves beside the drafted tokens of the first N depths only "
+        "(0: every depth; 1: a verify of K + m - 1 tokens for most of the gain where drafts "
+        "break early)",
+        env="FLASHMAP_SIBLING_DEPTH",
+        check=at_least(0),
+    )
     top_m: int = option(
         TOP_M,
         "the drafter's support size per slot at temperature > 0 (with --tree-sampling siblings: "

@@ -356,6 +356,7 @@ class Orchestrator:
                 ahead,
                 send,
                 self.cfg.tree_sampling,
+                self.cfg.sibling_depth,
             )
         ]
         if fresh:  # prompts only: nothing to draft or plan; their call queues behind the other

@@ -354,20 +354,29 @@ def test_trees_at_t_above_zero_follow_the_target(tmp_path, shape, params):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "tree_sampling,blocks",
-    [("pick", 3), ("rejection", 3), ("siblings", 3), ("siblings", 1)],
-    ids=["pick", "rejection", "siblings", "siblings-1"],
+    "tree_sampling,blocks,depth",
+    [
+        ("pick", 3, 0),
+        ("rejection", 3, 0),
+        ("siblings", 3, 0),
+        ("siblings", 1, 0),
+        ("siblings", 1, 2),
+    ],
+    ids=["pick", "rejection", "siblings", "siblings-1", "siblings-1-d2"],
 )
 @pytest.mark.parametrize(
     "params",
     [SamplingParams(1.0), SamplingParams(0.7, top_k=5, top_p=0.9)],
     ids=["T1", "T0.7-k5-p0.9"],
 )
-def test_blocks_with_a_proposal_law_follow_the_target(tmp_path, tree_sampling, blocks, params):
+def test_blocks_with_a_proposal_law_follow_the_target(
+    tmp_path, tree_sampling, blocks, depth, params
+):
     """tree_blocks = 3 at T > 0, each block drawn from a proposal law of its own: merged into one
     tree the target follows ("pick"), as three chains verified by multi-draft rejection
     sampling with their q ("rejection"), or that with each drafted token's other support
-    tokens as leaves beside it ("siblings", also for one block), in one pass."""
+    tokens as leaves beside it ("siblings", also for one block; beside the first 2 depths only),
+    in one pass."""
     from tests.drafter_helpers import BlockProposer
 
     path = _tiny_vocab_target(tmp_path)
@@ -380,6 +389,7 @@ def test_blocks_with_a_proposal_law_follow_the_target(tmp_path, tree_sampling, b
         proposer=BlockProposer(V_TINY),
         tree_blocks=blocks,
         tree_sampling=tree_sampling,
+        sibling_depth=depth,
     )
     assert accepted > 0
     _assert_follows(counts, _exact_first3(path, [1, 5, 2], params), min_p=0.01)

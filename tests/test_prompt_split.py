@@ -118,5 +118,6 @@ def test_only_report_tools_name_the_test_prompts():
         "bench/stack_paths.py",
         "research/bound.py",
         "research/mode_probe.py",
+        "research/siblings_check.py",
     }
     assert named <= allowed, sorted(named - allowed)

@@ -137,6 +137,8 @@ def test_siblings_sit_beside_each_drafted_token_with_the_law_on_themselves():
     assert np.array_equal(t.support_probs[:3], d.support_probs)
     assert t.support_ids[3:, 0].tolist() == [2, 9, 3, 5, 6]
     assert (t.support_ids[3:, 1:] == -1).all() and (t.support_probs[3:, 0] == 1).all()
+    first = d.with_siblings(max_depth=1)  # leaves beside the first drafted token only
+    assert first.tokens.tolist() == [4, 7, 1, 2, 9] and first.parents.tolist() == [-1, 0, 1, -1, -1]
 
 
 def test_siblings_accept_the_targets_mass_on_the_support_and_keep_its_law():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 from pathlib import Path
 
-from flashmap.measure import Runner, gamma_and_speedup_ci, run_paired, run_prompts
+from flashmap.measure import Runner, gamma_and_speedup_ci, run_paired
 from training.eval_methods import Method, feature_layers_of, make_proposer
 from training.eval_report import cell_key, save_cache
 
@@ -77,13 +77,12 @@ def measure(args, engine_for, methods, by_domain, temps, data: dict, cache_path:
                         m.tree_blocks,
                         m.tree_sampling,
                         m.top_m,
+                        m.sibling_depth,
                     )
-                for name, (p, steps, tree, rule, top_m) in runners.items():
+                for name, r in runners.items():
                     if (key, name) not in warmed:  # first-call costs stay out of the timings
                         warmed.add((key, name))
-                        run_prompts(
-                            engine, ps[:1], t, n_warm, args.seed, p, steps, None, tree, rule, top_m
-                        )
+                        run_paired(engine, ps[:1], t, n_warm, args.seed, {name: r}, 1)
                 bar.set_description(f"{d} | T={t:g} | {len(runners)} runs per prompt")
                 runs = run_paired(
                     engine, ps, t, args.max_new_tokens, args.seed, runners, args.repeats, bar

@@ -35,6 +35,7 @@ class Method:
     min_confidence: float = 0.0
     only_t: float | None = None  # the one temperature this row runs at (None: every one)
     top_m: int = TOP_M  # the drafter's support per slot at T > 0 (other than TOP_M: T > 0 only)
+    sibling_depth: int = 0  # siblings beside the first N depths only (0: every depth)
 
     @property
     def tree_width(self) -> int:
@@ -173,19 +174,24 @@ def build_methods(args) -> tuple[list[Method], list[str]]:
         raise ValueError(
             "give at least one drafter checkpoint (--flashmap, --teacher, --dflash, --eagle)"
         )
+    for d in [x for x in getattr(args, "sibling_depth", []) if x > 0]:
+        methods += [
+            replace(b, name=f"{b.name}-d{d}", label=f"{b.label} at depths <= {d}", sibling_depth=d)
+            for b in methods
+            if b.tree_sampling == "siblings" and b.sibling_depth == 0
+        ]
     for m in [x for x in getattr(args, "top_m", []) if x != TOP_M]:
         methods += [
             replace(b, name=f"{b.name}-m{m}", label=f"{b.label}, top-{m} support", top_m=m)
             for b in methods
-            if b.name in SUPPORT_ROWS
+            if b.name in SUPPORT_ROWS or b.tree_sampling == "siblings"
         ]
     return methods, notes
 
 
-# The rows `--top-m` repeats with another support size (T > 0): each drafter's single draft and
-# its block with siblings.
+# The rows `--top-m` repeats with another support size (T > 0): each drafter's single draft, and
+# (by their rule) its blocks with siblings.
 SUPPORT_ROWS = ("flashmap-1", "dflash", "eagle3-chain16")
-SUPPORT_ROWS += ("flashmap-siblings", "dflash-siblings", "eagle3-siblings")
 
 
 def tree_methods(kind: str, label: str, checkpoint: str, sizes: list[int]) -> list[Method]:

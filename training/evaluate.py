@@ -23,6 +23,7 @@ runs on an engine computing those, with its own target-alone runs in the same ro
     *-siblings      one block (EAGLE-3: its chain) with each drafted token's other top-m tokens
                     beside it as leaves, multi-draft rejection sampling (T > 0; with any
                     --tree-blocks)
+    *-siblings-dN   the same with leaves beside the first N depths only (--sibling-depth)
     *-mN            a single draft or *-siblings row with support top-N (--top-m; T > 0)
     *-cut           FlashMap 1 step / DFlash-style with greedy drafts cut before the first
                     slot below --min-confidence (T = 0)
@@ -186,6 +187,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m training.evaluate
         "drafter's single draft and its block with siblings with that support (T > 0 only)",
     )
     ap.add_argument(
+        "--sibling-depth",
+        default="0",
+        help="comma-separated N: rows other than 0 repeat each *-siblings row with its leaves "
+        "beside the drafted tokens of the first N depths only (T > 0)",
+    )
+    ap.add_argument(
         "--prompts", default=str(TEST_PROMPTS), help="JSONL: domain + prompt (or prompt_ids)"
     )
     ap.add_argument(
@@ -254,6 +261,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m training.evaluate
         ap.error(f"--top-m takes comma-separated integers, got {args.top_m!r}")
     if any(m < 1 for m in args.top_m):
         ap.error(f"--top-m sizes must be >= 1, got {args.top_m}")
+    try:
+        args.sibling_depth = [int(x) for x in args.sibling_depth.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--sibling-depth takes comma-separated integers, got {args.sibling_depth!r}")
     if args.teacher_steps < 3:
         ap.error("--teacher-steps must be >= 3 (1 and 2 are the flow-map rows)")
     if args.max_new_tokens < 1 or args.max_prompts < 0 or args.repeats < 1:

@@ -40,14 +40,17 @@ RULES = {None: "pick", "rejection": "rejection", "siblings": "rejection + siblin
 
 def tree_row(method: str) -> tuple[str, str, int, str] | None:
     """(family, its single draft's row, blocks, verified by) of a tree row of `flashmap eval`
-    (training.eval_methods: `<kind>-tree<n>[-rejection]`, `<kind>-siblings[-m<N>]`, EAGLE-3's
+    (training.eval_methods: `<kind>-tree<n>[-rejection]`, `<kind>-siblings[-d<D>][-m<N>]`, EAGLE-3's
     `eagle3-tree16`); None for any other row. A row with support top-N (-mN) is set against
     the single draft with that support."""
     base, m_suffix = support_of(method)
     for family, single, kind in FAMILIES:
-        m = re.fullmatch(rf"{kind}-(?:tree(\d+))?-?(rejection|siblings)?", base)
+        m = re.fullmatch(rf"{kind}-(?:tree(\d+))?-?(rejection|siblings)?(?:-d(\d+))?", base)
         if m and (m.group(1) or m.group(2)):
-            rule = RULES[m.group(2)] + (f" (top {m_suffix[2:]})" if m_suffix else "")
+            rule = RULES[m.group(2)]
+            if m.group(3):
+                rule += f" at depths <= {m.group(3)}"
+            rule += f" (top {m_suffix[2:]})" if m_suffix else ""
             return family, single + m_suffix, int(m.group(1) or 1), rule
     return None
 
