@@ -121,6 +121,13 @@ class GenerateConfig(Config):
         help="--in-process: how a tree at temperature > 0 is verified (pick, rejection, "
         "siblings; the stack: flashmap up --tree-sampling)",
     )
+    sibling_depth: int = same_as(
+        OrchestratorConfig,
+        "sibling_depth",
+        env=None,
+        help="--in-process: with --tree-sampling siblings, leaves beside the first N depths only "
+        "(0: every depth; the stack: flashmap up --sibling-depth)",
+    )
     top_m: int = same_as(
         OrchestratorConfig,
         "top_m",
@@ -168,10 +175,10 @@ def _cmd_generate(args) -> int:
                 "--min-confidence, --compile and --eagle3-chains are --in-process options "
                 "(for the stack: the drafter service's options of those names)"
             )
-        if a.tree_sampling != "pick" or a.top_m != TOP_M:
+        if a.tree_sampling != "pick" or a.top_m != TOP_M or a.sibling_depth:
             raise UsageError(
-                "--tree-sampling and --top-m are --in-process options "
-                "(for the stack: flashmap up --tree-sampling / --top-m)"
+                "--tree-sampling, --sibling-depth and --top-m are --in-process options "
+                "(for the stack: flashmap up's options of those names)"
             )
         return _generate_remote(a, options)
     if not a.target:
@@ -225,7 +232,14 @@ def _generate_in_process(a: GenerateConfig, options: RequestOptions) -> int:
             sampled_tree=not a.eagle3_chains,
         )
     )
-    (res,) = decode(engine, [req], proposer, tree_sampling=a.tree_sampling, top_m=a.top_m)
+    (res,) = decode(
+        engine,
+        [req],
+        proposer,
+        tree_sampling=a.tree_sampling,
+        top_m=a.top_m,
+        sibling_depth=a.sibling_depth,
+    )
     s = res.stats
     out = {
         "token_ids": res.token_ids,

@@ -68,6 +68,10 @@ def test_generate_json_ar_and_speculative_agree(ckpts, capsys):
     assert outs[0]["token_ids"] == outs[1]["token_ids"]
     # a block of at most 16 drafted tokens, each with its 2 other support tokens beside it
     assert outs[0]["draft_tokens"] > 16 * outs[0]["drafts"]
+    first = json.loads(_run(capsys, *siblings, "--sibling-depth", "1")[1])
+    # the same blocks with 2 leaves beside their first token only
+    per_draft = first["draft_tokens"] / first["drafts"]
+    assert per_draft <= 18 and per_draft < outs[0]["draft_tokens"] / outs[0]["drafts"]
     code, out, _ = _run(capsys, *base, "--drafter", ckpts["drafter"], "--min-confidence", "0.5")
     assert code == 0 and json.loads(out)["token_ids"] == ar["token_ids"]
     code, out, _ = _run(capsys, *base, "--drafter", ckpts["drafter"], "--compile")
