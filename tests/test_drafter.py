@@ -609,3 +609,25 @@ def test_the_eval_names_each_departure_of_a_checkpoint_alone_and_together():
     assert by_name["flashmap-trained-1"] == {"shared_noise": False, "greedy_noise_scale": 0.0}
     assert by_name["flashmap-shared-noise-1"] == {"shared_noise": False}
     assert by_name["flashmap-greedy-noise-scale-1"] == {"greedy_noise_scale": 0.0}
+
+
+def test_the_eval_repeats_single_drafts_and_siblings_rows_per_support_and_depth():
+    from types import SimpleNamespace
+
+    from training.eval_methods import build_methods
+
+    ckpt = str(Path(__file__).resolve().parents[1] / "checkpoints" / "demo-flashmap-eq")
+    args = SimpleNamespace(
+        flashmap=ckpt, teacher=None, teacher_steps=8, dflash=None, dflash_start=None, eagle=None,
+        dflash_published=None, eagle3=None, tree_blocks=[2], min_confidence=0.0, no_shuffle=True,
+        top_m=[4, 8, 16], sibling_depth=[1],
+    )  # fmt: skip
+    by_name = {m.name: m for m in build_methods(args)[0]}
+    wide = sorted(n for n in by_name if "-m" in n)
+    assert wide == [
+        "flashmap-1-m16", "flashmap-1-m8", "flashmap-siblings-d1-m16", "flashmap-siblings-d1-m8",
+        "flashmap-siblings-m16", "flashmap-siblings-m8",
+    ]  # fmt: skip
+    m = by_name["flashmap-siblings-d1-m16"]
+    assert (m.top_m, m.sibling_depth, m.tree_sampling) == (16, 1, "siblings")
+    assert m.runs_at(1.0) and not m.runs_at(0.0) and not by_name["flashmap-1-m8"].runs_at(0.0)

@@ -85,3 +85,28 @@ def test_the_h200_projection_prices_a_wide_verify_off_the_measured_line():
     assert gpu_projection(2.0, 17) == pytest.approx(2 * step / (1.03 * step + draft))
     assert gpu_projection(2.0, 272) == pytest.approx(2 * step / (1.81 * step + draft))
     assert gpu_projection(2.0, 8) == gpu_projection(2.0, 17)  # no cheaper than a verify of 17
+
+
+def test_the_siblings_check_table(tmp_path):
+    v = [0.25, 0.2, 0.3]
+    check = {
+        "command": "python -m research.siblings_check --top-m 16",
+        "eagle3": {
+            "code": dict(
+                prompts=2,
+                rounds=50,
+                observed=v,
+                p_support=v,
+                single=[0.15, 0.1, 0.2],
+                observed_minus_p_support=[0.0, -0.02, 0.02],
+                gain=[0.1, 0.08, 0.12],
+            )  # fmt: skip
+        },
+    }
+    dev = {"eagle3-chain16|code|T=1": cell([4, 4], [10, 10])}
+    text = write(dev, tmp_path / "trees.md", "cmd", None, 1.0, check).read_text()
+    assert (
+        "| eagle3 | code | 50 | 0.250 [0.200, 0.300] | 0.250 [0.200, 0.300] | +0.000 [-0.020, "
+        "+0.020] | 0.150 [0.100, 0.200] | +0.100 [+0.080, +0.120] |" in text
+    )
+    assert "`python -m research.siblings_check --top-m 16`" in text

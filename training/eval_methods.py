@@ -184,7 +184,7 @@ def build_methods(args) -> tuple[list[Method], list[str]]:
         methods += [
             replace(b, name=f"{b.name}-m{m}", label=f"{b.label}, top-{m} support", top_m=m)
             for b in methods
-            if b.name in SUPPORT_ROWS or b.tree_sampling == "siblings"
+            if b.top_m == TOP_M and (b.name in SUPPORT_ROWS or b.tree_sampling == "siblings")
         ]
     return methods, notes
 

@@ -124,7 +124,14 @@ def dev_best(dev: dict, temperature: float) -> tuple[str, str]:
     return best(trees), best([m for m in gamma if m not in trees])
 
 
-def write(cells: dict, out: Path, command: str, dev: dict | None, temperature: float = 1.0) -> Path:
+def write(
+    cells: dict,
+    out: Path,
+    command: str,
+    dev: dict | None,
+    temperature: float = 1.0,
+    check: dict | None = None,
+) -> Path:
     ci = lambda c, f: f"{c[f]:.2f} [{c[f + '_ci'][0]:.2f}, {c[f + '_ci'][1]:.2f}]"  # noqa: E731
     lines = [
         "# Trees at T > 0",
@@ -196,8 +203,45 @@ def write(cells: dict, out: Path, command: str, dev: dict | None, temperature: f
             lines.append(f"| {fam} | {n} | {rule} | {g:.2f} |")
         for m, g in dev_singles(dev, temperature):
             lines.append(f"| {m} | 1 | single draft | {g:.2f} |")
+    if check is not None:
+        lines += check_section(check)
     out.write_text("\n".join(lines) + "\n")
     return out
+
+
+def check_section(check: dict) -> list[str]:
+    """research.siblings_check's table: at each round's first node, the acceptance observed
+    against the rule's p(S), and p(S) against what the drafted token alone would accept."""
+    ci = lambda v: f"{v[0]:.3f} [{v[1]:.3f}, {v[2]:.3f}]"  # noqa: E731
+    dci = lambda v: f"{v[0]:+.3f} [{v[1]:+.3f}, {v[2]:+.3f}]"  # noqa: E731
+    lines = [
+        "## The siblings rule on the drafters' own contexts",
+        "",
+        "| drafter | domain | rounds | accepted at the first node | p(S) predicted | observed - "
+        "predicted | sum min(p, q): the drafted token alone | p(S) - sum min(p, q) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for drafter, by_domain in check.items():
+        if drafter == "command":
+            continue
+        for d, s in by_domain.items():
+            lines.append(
+                f"| {drafter} | {d} | {s['rounds']} | {ci(s['observed'])} | {ci(s['p_support'])} "
+                f"| {dci(s['observed_minus_p_support'])} | {ci(s['single'])} | {dci(s['gain'])} |"
+            )
+    lines += [
+        "",
+        f"Command: `{check['command']}`",
+        "",
+        "Every test prompt decoded at T = 1 with siblings; at each round's first node the "
+        "target's p and the drafter's q are read off the verify pass. p(S) is the target's mass "
+        "on the drafter's top m, what the rule accepts in expectation; a walk that lost mass or "
+        "leaves the target never reaches would show observed below predicted. sum min(p, q) is "
+        "what the drafted token alone accepts on the same contexts. 95% intervals over prompts "
+        "(a prompt's rounds resampled together).",
+        "",
+    ]
+    return lines
 
 
 def dev_choice(dev: dict, temperature: float) -> list[tuple[str, int, str, float]]:
@@ -227,12 +271,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dev", help="eval_cells.json of the run on the dev prompts (the choice)")
     ap.add_argument("--out", default="docs/results/trees.md")
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument(
+        "--check", help="research.siblings_check's JSON: the siblings rule on real contexts"
+    )
     argv = sys.argv[1:] if argv is None else argv
     a = ap.parse_args(argv)
     cells = json.loads(Path(a.cells).read_text())["cells"]
     dev = json.loads(Path(a.dev).read_text())["cells"] if a.dev else None
     command = "python -m training.tree_report " + " ".join(argv)
-    print(write(cells, Path(a.out), command, dev, a.temperature))
+    check = json.loads(Path(a.check).read_text()) if a.check else None
+    print(write(cells, Path(a.out), command, dev, a.temperature, check))
     return 0
 
 
