@@ -155,10 +155,12 @@ def write(
         'paired (the prompts resampled together). "pick": the blocks merged into one tree, the '
         'target picks its own token at each node and follows it; "rejection": each block a '
         'chain with its proposal law, multi-draft rejection sampling; "rejection + siblings": '
-        "that, with each drafted token's other top-4 tokens beside it as leaves, so a node "
-        "accepts with the target's whole mass on the drafter's top 4 (all exact: "
-        "tests/test_lossless.py). The EAGLE-3 rows are its dynamic tree of 16 (16 blocks: its "
-        "nodes) and its chain of 16 with siblings, against its chain of 16.",
+        "that, with each drafted token's other top-m tokens beside it as leaves (m = 4 unless "
+        "the row says; \"at depths <= 1\": beside the first drafted token only), so a node "
+        "accepts with the target's whole mass on the drafter's top m (all exact: "
+        "tests/test_lossless.py). A row with a top-m support is set against the single draft "
+        "with that support. The EAGLE-3 rows are its dynamic tree of 16 (16 blocks: its nodes) "
+        "and its chain of 16 with siblings, against its chain of 16.",
         "",
         f"The H200 column is gamma x {H200_STEP_MS} / (c(n) x {H200_STEP_MS} + {H200_DRAFT_MS}) ms, "
         "n the tokens verified a round and c(n) = 1.03 + (n - 17) x 0.78 / 255 (at least 1.03): "
