@@ -110,3 +110,17 @@ def test_the_siblings_check_table(tmp_path):
         "+0.020] | 0.150 [0.100, 0.200] | +0.100 [+0.080, +0.120] |" in text
     )
     assert "`python -m research.siblings_check --top-m 16`" in text
+
+
+def test_the_gpu_choice_weighs_tokens_a_round_against_the_verify_they_cost():
+    from training.tree_report import dev_best_gpu
+
+    wide = cell([9, 9], [10, 10])
+    wide["draft_tokens"] = 250 * 20  # a verify of 251 tokens: about 1.8 steps
+    dev = {
+        "eagle3-siblings-m16|code|T=1": wide,  # 1.90 tokens a round
+        "eagle3-siblings-d1-m8|code|T=1": cell([6, 6], [10, 10]),  # 1.60, a verify of 17
+        "eagle3-chain16|code|T=1": cell([4, 4], [10, 10]),
+    }
+    assert dev_best(dev, 1.0)[0] == "eagle3-siblings-m16"
+    assert dev_best_gpu(dev, 1.0) == ("eagle3-siblings-d1-m8", "eagle3-chain16")

@@ -156,7 +156,7 @@ def write(
         'target picks its own token at each node and follows it; "rejection": each block a '
         'chain with its proposal law, multi-draft rejection sampling; "rejection + siblings": '
         "that, with each drafted token's other top-m tokens beside it as leaves (m = 4 unless "
-        "the row says; \"at depths <= 1\": beside the first drafted token only), so a node "
+        'the row says; "at depths <= 1": beside the first drafted token only), so a node '
         "accepts with the target's whole mass on the drafter's top m (all exact: "
         "tests/test_lossless.py). A row with a top-m support is set against the single draft "
         "with that support. The EAGLE-3 rows are its dynamic tree of 16 (16 blocks: its nodes) "
@@ -190,6 +190,8 @@ def write(
                 lines.append(
                     f"| {dom} | {a['gamma']:.2f} | {b['gamma']:.2f} | {d:+.2f} [{lo:+.2f}, {hi:+.2f}] |"
                 )
+    if dev is not None:
+        lines += gpu_choice_section(cells, dev, temperature)
     if dev is not None:
         lines += [
             "",
@@ -243,6 +245,56 @@ def check_section(check: dict) -> list[str]:
         "(a prompt's rounds resampled together).",
         "",
     ]
+    return lines
+
+
+def pooled_projection(cells: dict, method: str, t: str) -> float | None:
+    """The projected H200 speedup of a row from its gamma and tokens verified, pooled over the
+    domains (None: a domain missing)."""
+    cs = [c for k, c in cells.items() if k.startswith(f"{method}|") and k.endswith(f"|{t}")]
+    if not cs:
+        return None
+    drafts = sum(c["drafts"] for c in cs)
+    gamma = 1 + sum(c["accepted"] for c in cs) / drafts
+    tokens = 1 + sum(c["draft_tokens"] for c in cs) / drafts
+    return gpu_projection(gamma, tokens)
+
+
+def dev_best_gpu(dev: dict, temperature: float) -> tuple[str, str]:
+    """The tree row and the single draft with the highest projected H200 speedup on the dev
+    prompts, pooled over the domains: the pair for a GPU, where a wider verify costs little."""
+    t = f"T={temperature:g}"
+    names = {k.split("|")[0] for k in dev if k.endswith(f"|{t}")}
+    score = {m: pooled_projection(dev, m, t) for m in names}
+    trees = [m for m in names if tree_row(m)]
+    singles = [m for m in names if not tree_row(m) and support_of(m)[0] in SINGLES]
+    return max(trees, key=score.get), max(singles, key=score.get)
+
+
+def gpu_choice_section(cells: dict, dev: dict, temperature: float) -> list[str]:
+    tree, single = dev_best_gpu(dev, temperature)
+    t = f"T={temperature:g}"
+    lines = [
+        "",
+        "## For a GPU: the dev choice by projected H200 speedup",
+        "",
+        f"Chosen on the dev prompts (the projection pooled over the domains): the tree `{tree}` "
+        f"({pooled_projection(dev, tree, t):.3f}x on dev) and the single draft `{single}` "
+        f"({pooled_projection(dev, single, t):.3f}x); on the test prompts:",
+        "",
+        "| domain | tree: gamma / H200 (projected) | single draft: gamma / H200 (projected) "
+        "| gamma difference |",
+        "|---|---:|---:|---:|",
+    ]
+    for dom in sorted({k.split("|")[1] for k in cells}):
+        a, b = cells.get(f"{tree}|{dom}|{t}"), cells.get(f"{single}|{dom}|{t}")
+        if a and b:
+            d, lo, hi = paired_gamma_diff(a, b)
+            pa, pb = (gpu_projection(c["gamma"], verify_tokens(c)) for c in (a, b))
+            lines.append(
+                f"| {dom} | {a['gamma']:.2f} / {pa:.2f}x | {b['gamma']:.2f} / {pb:.2f}x | "
+                f"{d:+.2f} [{lo:+.2f}, {hi:+.2f}] |"
+            )
     return lines
 
 
