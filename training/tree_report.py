@@ -295,6 +295,8 @@ def gpu_choice_section(cells: dict, dev: dict, temperature: float) -> list[str]:
                 f"| {dom} | {a['gamma']:.2f} / {pa:.2f}x | {b['gamma']:.2f} / {pb:.2f}x | "
                 f"{d:+.2f} [{lo:+.2f}, {hi:+.2f}] |"
             )
+    if lines[-1].startswith("|---"):  # no domain holds both rows
+        lines[-2:] = ["These cells do not hold both rows."]
     return lines
 
 
