@@ -105,17 +105,15 @@ class Draft:
 
     def with_siblings(self, max_depth: int = 0) -> Draft:
         """This draft (a chain or a forest with its proposal law) with, beside each drafted
-        token, the rest of its slot's support as leaves after every drafted token, each with the
-        law that puts all its mass on it: multi-draft rejection sampling then tries the drafted
-        token with its q first and, where the target rejects it, the other support tokens, so
-        a node accepts with the target's whole mass on its support (not sum min(p, q)). Exact:
-        each leaf is a function of the children before it (target_service.tree).
-        max_depth > 0: leaves only beside the drafted tokens of the first max_depth depths."""
+        token, the rest of its slot's support as leaves (after every drafted token), each with
+        the law that puts all its mass on it: multi-draft rejection sampling then tries the
+        drafted token with its q first and, where the target rejects it, the other support
+        tokens, so a node accepts with the target's whole mass on its support (not
+        sum min(p, q)). Exact: each leaf is a function of the children before it
+        (target_service.tree). max_depth > 0: leaves beside the first max_depth depths only."""
         K = len(self.tokens)
         parents = np.array([-1, *range(K - 1)], np.int64) if self.parents is None else self.parents
-        depth = np.zeros(K, np.int64)
-        for i, p in enumerate(parents):
-            depth[i] = 1 if p < 0 else depth[p] + 1
+        depth = node_depths(parents)
         tokens, par, ids, probs = [self.tokens], [parents], [self.support_ids], [self.support_probs]
         for i in range(K):
             if max_depth and depth[i] > max_depth:
@@ -145,10 +143,7 @@ class Draft:
         """The longest path a round can accept: K for a chain, the tree's depth for a tree."""
         if self.parents is None:
             return len(self.tokens)
-        depth = np.zeros(len(self.tokens), np.int64)
-        for i, p in enumerate(self.parents):
-            depth[i] = 1 if p < 0 else depth[p] + 1
-        return int(depth.max(initial=0))
+        return int(node_depths(self.parents).max(initial=0))
 
     def truncate(self, k: int) -> Draft:
         """The first k tokens (of a tree: still a tree, since parents come first)."""
@@ -160,3 +155,12 @@ class Draft:
             None if self.parents is None else self.parents[:k],
             self.proposal_law,
         )
+
+
+def node_depths(parents: np.ndarray) -> np.ndarray:
+    """Each node's depth [K] in a tree whose parents come first (-1: the anchor; its children
+    are at depth 1)."""
+    depth = np.zeros(len(parents), np.int64)
+    for i, p in enumerate(parents):
+        depth[i] = 1 if p < 0 else depth[p] + 1
+    return depth

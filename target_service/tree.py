@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from flashmap.drafts import node_depths
 from flashmap.types import VerifyResult, VerifyRow
 from target_service.verification import (
     argmax_ids,
@@ -44,20 +45,12 @@ class TreeLayout:
     anchor: int  # the anchor's cache index
 
 
-def depths(parents: np.ndarray) -> np.ndarray:
-    """Depth of each node (1: a child of the anchor); parents come before their children."""
-    d = np.zeros(len(parents), np.int64)
-    for i, p in enumerate(parents):
-        d[i] = 1 if p < 0 else d[p] + 1
-    return d
-
-
 def tree_layout(row: VerifyRow) -> TreeLayout:
     K, n = row.num_draft, len(row.tokens)
     anchor = row.start_pos + n - K - 1
     cache_pos = row.start_pos + np.arange(n)
     seq_pos = cache_pos.copy()
-    seq_pos[n - K :] = anchor + depths(row.parents)
+    seq_pos[n - K :] = anchor + node_depths(row.parents)
     # Ancestors (and self) of each draft, as cache indices.
     seen = np.eye(K, dtype=bool)
     for i, p in enumerate(row.parents):
@@ -95,7 +88,7 @@ def walk(logits: torch.Tensor, rows: list[VerifyRow]) -> list[tuple[np.ndarray, 
             per_position(lambda p: p.top_p),
         ).split(n)  # [1 + K, V] per sampled row
         for i, p in zip(sampled, probs):
-            depth = np.concatenate([[0], depths(rows[i].parents)])  # [1 + K]
+            depth = np.concatenate([[0], node_depths(rows[i].parents)])  # [1 + K]
             noise = exponential_noise(
                 rows[i].round_seed, (int(depth.max()) + 1, p.shape[-1]), p.device
             )
@@ -123,7 +116,7 @@ def _rejection_walk(row: VerifyRow, probs: torch.Tensor, noise: torch.Tensor):
     children: dict[int, list[int]] = {}
     for i, p in enumerate(row.parents.tolist()):
         children.setdefault(p, []).append(i)
-    D = int(depths(row.parents).max()) + 1
+    D = int(node_depths(row.parents).max()) + 1
     seed = int(np.random.SeedSequence([int(row.round_seed) & (2**63 - 1), 1]).generate_state(1)[0])
     u = torch.rand((D, K), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     probs, noise = probs.double().cpu(), noise.cpu()
