@@ -124,3 +124,49 @@ def test_the_gpu_choice_weighs_tokens_a_round_against_the_verify_they_cost():
     }
     assert dev_best(dev, 1.0)[0] == "eagle3-siblings-m16"
     assert dev_best_gpu(dev, 1.0) == ("eagle3-siblings-d1-m8", "eagle3-chain16")
+
+
+def run_of(seed: int, cells: dict) -> dict:
+    return {"settings": {"seed": seed, "prompt_ids": ["a", "b"]}, "cells": cells}
+
+
+def pooled_cell(accepted: list[int], drafts: list[int]) -> dict:
+    c = cell(accepted, drafts)
+    return c | dict(rounds=c["drafts"], tokens=64, wall_s=2.0, base_tokens=64, base_wall_s=1.0,
+                    draft_s=1.0, verify_s=1.0)  # fmt: skip
+
+
+def test_seeds_pool_prompt_by_prompt_and_a_seed_twice_is_refused():
+    from training.tree_report import pool_seeds
+
+    key = "eagle3-siblings-m16|math|T=1"
+    a = run_of(0, {key: pooled_cell([30, 2], [5, 30]), "only-here|math|T=1": pooled_cell([1], [1])})
+    b = run_of(1, {key: pooled_cell([2, 40], [30, 5])})
+    (pooled,) = pool_seeds([a, b]).values()  # rows not in every run are left out
+    assert pooled["prompt_accepted"] == [32, 42] and pooled["prompt_drafts"] == [35, 35]
+    assert pooled["gamma"] == pytest.approx(1 + 74 / 70) and pooled["samples"] == 2
+    lo, hi = pooled["gamma_ci"]
+    assert lo < pooled["gamma"] < hi  # the two prompts differ: resampling them moves gamma
+    assert pooled["speedup"] == pytest.approx(0.5) and "speedup_ci" not in pooled
+    with pytest.raises(ValueError, match="same seed"):
+        pool_seeds([a, run_of(0, b["cells"])])
+    other = run_of(2, b["cells"])
+    other["settings"]["prompt_ids"] = ["a", "c"]
+    with pytest.raises(ValueError, match="prompt_ids"):
+        pool_seeds([a, other])
+
+
+def test_a_report_of_pooled_seeds_says_so(tmp_path):
+    from training.tree_report import pool_seeds
+
+    runs = [
+        run_of(s, {"flashmap-tree4|code|T=1": pooled_cell([6, 6], [10, 10]),
+                   "flashmap-1|code|T=1": pooled_cell([3, 3], [10, 10])})
+        for s in (0, 1, 2)
+    ]  # fmt: skip
+    text = write(pool_seeds(runs), tmp_path / "trees.md", "cmd", None).read_text()
+    assert "3 samples a prompt" in text
+    assert (
+        "| code | FlashMap (1 jump) | 4 | pick | 1.60 [1.60, 1.60] | +0.30 [+0.30, +0.30] | 0.50x |"
+        in text
+    )

@@ -4,6 +4,9 @@ drafter, paired prompt by prompt (docs/results/trees.md).
     python -m training.tree_report docs/results/eval_test/eval_cells.json \
         --dev runs/eval-dev-trees/eval_cells.json --out docs/results/trees.md
 
+Several cell files of runs that differ only in `--seed` are pooled prompt by prompt: a prompt's
+samples add up to one unit, so the intervals still resample prompts (docs/results/trees/seeds).
+
 Per domain and tree row: gamma and speedup with 95% intervals over prompts, the paired
 difference of gamma against the drafter's own single draft (the prompts resampled together),
 and what a GPU verify would keep: on an H200 a verify of 17 tokens costs 1.03 target steps and
@@ -76,6 +79,44 @@ def paired_gamma_diff(a: dict, b: dict, seed: int = 0) -> tuple[float, float, fl
     return diff(np.arange(len(acc_a))), lo, hi
 
 
+POOLED = ("accepted", "drafts", "draft_tokens", "rounds", "tokens", "wall_s", "base_tokens")
+POOLED += ("base_wall_s", "draft_s", "verify_s")
+
+
+def pool_seeds(runs: list[dict]) -> dict:
+    """The cells of `flashmap eval` runs that differ only in their seed, pooled: per prompt its
+    samples' drafted rounds and accepted tokens summed (the prompt stays the unit the intervals
+    resample), totals summed, gamma and its interval computed again, the speedup as the pooled
+    ratio of tokens/s (no interval: the cells keep no per-prompt times). Only rows every run
+    holds are kept. A seed given twice, or runs on other settings, are refused: the same
+    samples twice would narrow the intervals without new evidence."""
+    if len(runs) == 1:
+        return runs[0]["cells"]
+    seeds = [r["settings"]["seed"] for r in runs]
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"runs with the same seed cannot be pooled: seeds {seeds}")
+    rest = [{k: v for k, v in r["settings"].items() if k != "seed"} for r in runs]
+    for other in rest[1:]:
+        diff = sorted(k for k in set(other) | set(rest[0]) if other.get(k) != rest[0].get(k))
+        if diff:
+            raise ValueError(f"runs measured on other settings cannot be pooled: {diff}")
+    out = {}
+    for key in set.intersection(*(set(r["cells"]) for r in runs)):
+        cs = [r["cells"][key] for r in runs]
+        c = {k: sum(x[k] for x in cs) for k in POOLED}
+        c |= {
+            k: np.sum([x[k] for x in cs], 0).tolist() for k in ("prompt_accepted", "prompt_drafts")
+        }
+        c |= {k: cs[0][k] for k in ("domain", "method", "temperature", "n_prompts") if k in cs[0]}
+        c["gamma"] = 1 + c["accepted"] / c["drafts"] if c["drafts"] else float("nan")
+        acc, dr = np.asarray(c["prompt_accepted"], float), np.asarray(c["prompt_drafts"], float)
+        c["gamma_ci"] = list(bootstrap_ci(lambda i: 1 + acc[i].sum() / dr[i].sum(), len(acc)))
+        c["speedup"] = (c["tokens"] / c["wall_s"]) / (c["base_tokens"] / c["base_wall_s"])
+        c["samples"] = len(runs)
+        out[key] = c
+    return out
+
+
 def gpu_projection(gamma: float, verify_tokens: float) -> float:
     """Speedup at batch 1 on an H200 of rounds that commit gamma tokens and verify
     `verify_tokens`: a verify's cost in steps read off the line through the two measured ones."""
@@ -132,7 +173,12 @@ def write(
     temperature: float = 1.0,
     check: dict | None = None,
 ) -> Path:
-    ci = lambda c, f: f"{c[f]:.2f} [{c[f + '_ci'][0]:.2f}, {c[f + '_ci'][1]:.2f}]"  # noqa: E731
+    def ci(c: dict, f: str) -> str:
+        if f + "_ci" not in c:  # pooled seeds: no per-prompt times to resample
+            return f"{c[f]:.2f}"
+        return f"{c[f]:.2f} [{c[f + '_ci'][0]:.2f}, {c[f + '_ci'][1]:.2f}]"
+
+    samples = max((c.get("samples", 1) for c in cells.values()), default=1)
     lines = [
         "# Trees at T > 0",
         "",
@@ -150,7 +196,14 @@ def write(
     lines += ["", f"Command: `{command}`", ""]
     lines += [
         "Test prompts (`demo/data/test_prompts.jsonl`), T = 1, 64 new tokens, one request at a "
-        "time; the cells are `flashmap eval`'s (its report beside them has the machine, the date "
+        + (
+            f"time, {samples} samples a prompt (runs with other seeds, pooled prompt by prompt: "
+            "a prompt's samples are one unit of the intervals; the speedup is the pooled ratio, "
+            "without an interval); the cells"
+            if samples > 1
+            else "time; the cells"
+        )
+        + " are `flashmap eval`'s (its report beside them has the machine, the date "
         "and every other row). In brackets: 95% intervals over prompts; a difference's are "
         'paired (the prompts resampled together). "pick": the blocks merged into one tree, the '
         'target picks its own token at each node and follows it; "rejection": each block a '
@@ -323,7 +376,12 @@ def dev_singles(dev: dict, temperature: float) -> list[tuple[str, float]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m training.tree_report", description=__doc__)
-    ap.add_argument("cells", help="eval_cells.json of `flashmap eval` on the test prompts")
+    ap.add_argument(
+        "cells",
+        nargs="+",
+        help="eval_cells.json of `flashmap eval` on the test prompts; several: runs that differ "
+        "only in --seed, pooled prompt by prompt",
+    )
     ap.add_argument("--dev", help="eval_cells.json of the run on the dev prompts (the choice)")
     ap.add_argument("--out", default="docs/results/trees.md")
     ap.add_argument("--temperature", type=float, default=1.0)
@@ -332,7 +390,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     argv = sys.argv[1:] if argv is None else argv
     a = ap.parse_args(argv)
-    cells = json.loads(Path(a.cells).read_text())["cells"]
+    try:
+        cells = pool_seeds([json.loads(Path(c).read_text()) for c in a.cells])
+    except ValueError as e:
+        ap.error(str(e))
     dev = json.loads(Path(a.dev).read_text())["cells"] if a.dev else None
     command = "python -m training.tree_report " + " ".join(argv)
     check = json.loads(Path(a.check).read_text()) if a.check else None
