@@ -21,7 +21,7 @@ import numpy as np
 from flashmap.draft_call import answer, ask, take
 from flashmap.drafts import TOP_M
 from flashmap.round_metadata import DraftBatch, SeqPlan
-from flashmap.rounds import run_local, speculative_round
+from flashmap.rounds import DEFAULT_TREE_SAMPLING, run_local, speculative_round
 from flashmap.sequence import Sequence
 from flashmap.types import BLOCK_SIZE, GenerationRequest, SpecStats, TokenLogprob, VerifyRow
 
@@ -90,7 +90,7 @@ def decode(
     tree_blocks: int = 1,
     controller=None,
     plain_tokens: int = 1,
-    tree_sampling: str = "pick",
+    tree_sampling: str = DEFAULT_TREE_SAMPLING,
     top_m: int = TOP_M,
     sibling_depth: int = 0,
 ) -> list[GenerationResult]:

@@ -18,7 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from flashmap.round_metadata import DraftBatch, RoundPlan, RoundResult, plan_round
-from flashmap.rounds import Drafter, Target, commit_round, learn, speculative_round
+from flashmap.rounds import (
+    DEFAULT_TREE_SAMPLING,
+    Drafter,
+    Target,
+    commit_round,
+    learn,
+    speculative_round,
+)
 from flashmap.sequence import Sequence
 from flashmap.speculation import SpeculationController
 from flashmap.types import FOLLOW_REFUSED, InvalidRequest, VerifyRow
@@ -82,7 +89,7 @@ async def pipelined_round(
     plain_tokens: int = 1,
     ahead: Ahead | None = None,
     send: bool = False,
-    tree_sampling: str = "pick",
+    tree_sampling: str = DEFAULT_TREE_SAMPLING,
     sibling_depth: int = 0,
 ) -> RoundResult:
     """The next round: the one sent ahead when there is one (then on its own sequences), else a

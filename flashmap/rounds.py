@@ -38,6 +38,11 @@ from flashmap.sequence import Sequence
 from flashmap.shadow_probes import start_shadow_probes
 from flashmap.types import TargetLost, VerifyRow
 
+TREE_SAMPLING = ("pick", "rejection", "siblings")
+# More accepted than "pick" for the same blocks (docs/results/trees.md, dev prompts).
+DEFAULT_TREE_SAMPLING = "rejection"
+
+
 if TYPE_CHECKING:
     from flashmap.pipeline import Ahead
     from flashmap.speculation import SpeculationController
@@ -76,7 +81,7 @@ async def speculative_round(
     blocks: int = 1,
     plain_tokens: int = 1,
     send_ahead: Callable[[list[Sequence], list[VerifyRow], RoundPlan], Ahead | None] | None = None,
-    tree_sampling: str = "pick",
+    tree_sampling: str = DEFAULT_TREE_SAMPLING,
     sibling_depth: int = 0,
 ) -> RoundResult:
     """plan -> draft -> verify -> commit for every sequence in `seqs` (none finished).
@@ -127,14 +132,11 @@ async def draft_blocks(
     return batch
 
 
-TREE_SAMPLING = ("pick", "rejection", "siblings")
-
-
 def merged_draft(
     s: Sequence,
     batch: DraftBatch,
     target: Target,
-    tree_sampling: str = "pick",
+    tree_sampling: str = DEFAULT_TREE_SAMPLING,
     sibling_depth: int = 0,
 ) -> Draft | None:
     """The sequence's draft this round: its block, or its blocks as one tree when that fits the

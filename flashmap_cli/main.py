@@ -175,7 +175,7 @@ def _cmd_generate(args) -> int:
                 "--min-confidence, --compile and --eagle3-chains are --in-process options "
                 "(for the stack: the drafter service's options of those names)"
             )
-        if a.tree_sampling != "pick" or a.top_m != TOP_M or a.sibling_depth:
+        if a.tree_sampling != GenerateConfig.tree_sampling or a.top_m != TOP_M or a.sibling_depth:
             raise UsageError(
                 "--tree-sampling, --sibling-depth and --top-m are --in-process options "
                 "(for the stack: flashmap up's options of those names)"

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from flashmap.auth import API_KEY_ENV, DRAFTER_TOKEN_ENV, TARGET_KEY_ENV
 from flashmap.config import Config, at_least, in_range, option
 from flashmap.drafts import TOP_M
-from flashmap.rounds import TREE_SAMPLING
+from flashmap.rounds import DEFAULT_TREE_SAMPLING, TREE_SAMPLING
 from flashmap.types import MAX_PLAIN_TOKENS, PLAIN_TOKENS, check_tree_blocks
 from orchestrator.admission import BurstConfig
 
@@ -96,12 +96,12 @@ class OrchestratorConfig(Config):
         check=check_tree_blocks,
     )
     tree_sampling: str = option(
-        "pick",
-        "how a request's blocks at temperature > 0 are verified: pick (the target "
-        "picks its own token at each node of the merged tree and follows it), rejection "
-        "(each block a chain with its proposal law, multi-draft rejection sampling) or "
-        "siblings (rejection with each drafted token's other top-m tokens beside it as leaves; "
-        "also for one block)",
+        DEFAULT_TREE_SAMPLING,
+        "how a request's blocks at temperature > 0 are verified: rejection (each block a "
+        "chain with its proposal law, multi-draft rejection sampling; on the dev prompts it "
+        "accepts more than pick for 5 of 6 trees of 2-8 blocks), pick (the target picks its "
+        "own token at each node of the merged tree and follows it) or siblings (rejection with "
+        "each drafted token's other top-m tokens beside it as leaves; also for one block)",
         env="FLASHMAP_TREE_SAMPLING",
         choices=TREE_SAMPLING,
     )
