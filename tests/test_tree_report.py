@@ -36,6 +36,8 @@ def test_the_choice_reads_dev_and_the_report_judges_it_on_test(tmp_path):
     text = write(test, tmp_path / "trees.md", "cmd", dev).read_text()
     assert "the tree `flashmap-tree4` and the single draft `dflash`" in text
     assert "| code | 1.60 | 1.20 | +0.40 [+0.40, +0.40] |" in text
+    assert "![gamma difference by domain](trees_choice.png)" in text
+    assert (tmp_path / "trees_choice.png").stat().st_size > 1000
 
 
 def test_eval_pairs_pools_the_domains_and_pairs_the_prompts(tmp_path):

@@ -236,13 +236,18 @@ def write(
             "|---|---:|---:|---:|",
         ]
         t = f"T={temperature:g}"
+        judged = []
         for dom in sorted({k.split("|")[1] for k in cells}):
             a, b = cells.get(f"{tree}|{dom}|{t}"), cells.get(f"{single}|{dom}|{t}")
             if a and b:
                 d, lo, hi = paired_gamma_diff(a, b)
+                judged.append((dom, d, lo, hi))
                 lines.append(
                     f"| {dom} | {a['gamma']:.2f} | {b['gamma']:.2f} | {d:+.2f} [{lo:+.2f}, {hi:+.2f}] |"
                 )
+        if judged:
+            png = plot_choice(judged, out.with_name(out.stem + "_choice.png"), tree, single)
+            lines += ["", f"![gamma difference by domain]({png.name})"]
     if dev is not None:
         lines += gpu_choice_section(cells, dev, temperature)
     if dev is not None:
@@ -299,6 +304,26 @@ def check_section(check: dict) -> list[str]:
         "",
     ]
     return lines
+
+
+def plot_choice(judged: list[tuple[str, float, float, float]], png: Path, tree: str, single: str):
+    """The dev choice's gamma difference per domain with its interval, against 0."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 1.0 + 0.5 * len(judged)))
+    for y, (_, d, lo, hi) in enumerate(judged):
+        ax.errorbar(d, y, xerr=[[d - lo], [hi - d]], fmt="o", color="C0", capsize=4)
+    ax.axvline(0, color="grey", lw=1, ls="--")
+    ax.set_yticks(range(len(judged)), [j[0] for j in judged])
+    ax.set_title(f"{tree} - {single}", fontsize=9)
+    ax.set_xlabel("gamma difference (95% interval over prompts)")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
 
 
 def pooled_projection(cells: dict, method: str, t: str) -> float | None:
