@@ -172,3 +172,18 @@ def test_a_report_of_pooled_seeds_says_so(tmp_path):
         "| code | FlashMap (1 jump) | 4 | pick | 1.60 [1.60, 1.60] | +0.30 [+0.30, +0.30] | 0.50x |"
         in text
     )
+
+
+def test_pooled_seeds_show_each_seed_alone_beside_the_pooled_choice(tmp_path):
+    from training.tree_report import pool_seeds
+
+    dev = {"flashmap-tree4|code|T=1": cell([9], [10]), "flashmap-1|code|T=1": cell([2], [10])}
+    runs = [
+        run_of(s, {"flashmap-tree4|code|T=1": pooled_cell([6 + s, 6], [10, 10]),
+                   "flashmap-1|code|T=1": pooled_cell([3, 3], [10, 10])})
+        for s in (0, 1)
+    ]  # fmt: skip
+    by_seed = {r["settings"]["seed"]: r["cells"] for r in runs}
+    text = write(pool_seeds(runs), tmp_path / "t.md", "cmd", dev, runs=by_seed).read_text()
+    assert "| code | 1.62 | 1.30 | +0.33 [+0.30, +0.35] |" in text  # pooled: 25 / 40 - 12 / 40
+    assert "| 0 | +0.30 [+0.30, +0.30] |" in text and "| 1 | +0.35 [+0.30, +0.40] |" in text

@@ -172,7 +172,11 @@ def write(
     dev: dict | None,
     temperature: float = 1.0,
     check: dict | None = None,
+    runs: dict[int, dict] | None = None,
 ) -> Path:
+    """The report; runs: seed -> that run's cells, when `cells` pools several (each run's
+    own dev-choice differences then follow the pooled ones)."""
+
     def ci(c: dict, f: str) -> str:
         if f + "_ci" not in c:  # pooled seeds: no per-prompt times to resample
             return f"{c[f]:.2f}"
@@ -248,6 +252,8 @@ def write(
         if judged:
             png = plot_choice(judged, out.with_name(out.stem + "_choice.png"), tree, single)
             lines += ["", f"![gamma difference by domain]({png.name})"]
+    if dev is not None and runs:
+        lines += samples_section(runs, *dev_best(dev, temperature), temperature)
     if dev is not None:
         lines += gpu_choice_section(cells, dev, temperature)
     if dev is not None:
@@ -303,6 +309,31 @@ def check_section(check: dict) -> list[str]:
         "(a prompt's rounds resampled together).",
         "",
     ]
+    return lines
+
+
+def samples_section(samples: dict[int, dict], tree: str, single: str, temperature: float):
+    """The dev choice's difference in each pooled run alone: one seed's trajectories should
+    not carry the pooled result."""
+    t = f"T={temperature:g}"
+    doms = sorted({k.split("|")[1] for c in samples.values() for k in c})
+    lines = [
+        "",
+        "Each sample alone (a run with its own seed; the same prompts):",
+        "",
+        "| seed | " + " | ".join(doms) + " |",
+        "|---:|" + "---:|" * len(doms),
+    ]
+    for seed, cells in sorted(samples.items()):
+        row = []
+        for dom in doms:
+            a, b = cells.get(f"{tree}|{dom}|{t}"), cells.get(f"{single}|{dom}|{t}")
+            if a and b:
+                d, lo, hi = paired_gamma_diff(a, b)
+                row.append(f"{d:+.2f} [{lo:+.2f}, {hi:+.2f}]")
+            else:
+                row.append("-")
+        lines.append(f"| {seed} | " + " | ".join(row) + " |")
     return lines
 
 
@@ -415,14 +446,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     argv = sys.argv[1:] if argv is None else argv
     a = ap.parse_args(argv)
+    runs = [json.loads(Path(c).read_text()) for c in a.cells]
     try:
-        cells = pool_seeds([json.loads(Path(c).read_text()) for c in a.cells])
+        cells = pool_seeds(runs)
     except ValueError as e:
         ap.error(str(e))
+    by_seed = {r["settings"]["seed"]: r["cells"] for r in runs} if len(runs) > 1 else None
     dev = json.loads(Path(a.dev).read_text())["cells"] if a.dev else None
     command = "python -m training.tree_report " + " ".join(argv)
     check = json.loads(Path(a.check).read_text()) if a.check else None
-    print(write(cells, Path(a.out), command, dev, a.temperature, check))
+    print(write(cells, Path(a.out), command, dev, a.temperature, check, by_seed))
     return 0
 
 
