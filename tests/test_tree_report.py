@@ -187,3 +187,26 @@ def test_pooled_seeds_show_each_seed_alone_beside_the_pooled_choice(tmp_path):
     text = write(pool_seeds(runs), tmp_path / "t.md", "cmd", dev, runs=by_seed).read_text()
     assert "| code | 1.62 | 1.30 | +0.33 [+0.30, +0.35] |" in text  # pooled: 25 / 40 - 12 / 40
     assert "| 0 | +0.30 [+0.30, +0.30] |" in text and "| 1 | +0.35 [+0.30, +0.40] |" in text
+
+
+def test_runs_with_one_seed_and_other_rows_join_before_the_seeds_pool():
+    from training.tree_report import cells_by_seed, pool_seeds
+
+    tree, chain = "eagle3-siblings-m16|math|T=1", "eagle|math|T=1"
+    runs = [
+        run_of(0, {tree: pooled_cell([6, 6], [10, 10])}),
+        run_of(0, {chain: pooled_cell([3, 3], [10, 10])}),  # another drafter, same draws
+        run_of(1, {tree: pooled_cell([8, 8], [10, 10]), chain: pooled_cell([1, 1], [10, 10])}),
+    ]
+    assert {s: sorted(c) for s, c in cells_by_seed(runs).items()} == {
+        0: [tree, chain],
+        1: [tree, chain],
+    }
+    pooled = pool_seeds(runs)
+    assert pooled[tree]["gamma"] == pytest.approx(1.7) and pooled[chain]["gamma"] == pytest.approx(
+        1.2
+    )
+    runs[0]["settings"]["checkpoints"] = {"eagle3-siblings-m16": "a"}
+    runs[2]["settings"]["checkpoints"] = {"eagle3-siblings-m16": "b"}
+    with pytest.raises(ValueError, match="two checkpoints"):
+        pool_seeds(runs)

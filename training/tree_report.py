@@ -5,7 +5,8 @@ drafter, paired prompt by prompt (docs/results/trees.md).
         --dev runs/eval-dev-trees/eval_cells.json --out docs/results/trees.md
 
 Several cell files of runs that differ only in `--seed` are pooled prompt by prompt: a prompt's
-samples add up to one unit, so the intervals still resample prompts (docs/results/trees/seeds).
+samples add up to one unit, so the intervals still resample prompts (docs/results/trees/seeds);
+runs with the same seed and other rows (another drafter's) join first.
 
 Per domain and tree row: gamma and speedup with 95% intervals over prompts, the paired
 difference of gamma against the drafter's own single draft (the prompts resampled together),
@@ -83,26 +84,45 @@ POOLED = ("accepted", "drafts", "draft_tokens", "rounds", "tokens", "wall_s", "b
 POOLED += ("base_wall_s", "draft_s", "verify_s")
 
 
-def pool_seeds(runs: list[dict]) -> dict:
-    """The cells of `flashmap eval` runs that differ only in their seed, pooled: per prompt its
-    samples' drafted rounds and accepted tokens summed (the prompt stays the unit the intervals
-    resample), totals summed, gamma and its interval computed again, the speedup as the pooled
-    ratio of tokens/s (no interval: the cells keep no per-prompt times). Only rows every run
-    holds are kept. A seed given twice, or runs on other settings, are refused: the same
-    samples twice would narrow the intervals without new evidence."""
-    if len(runs) == 1:
-        return runs[0]["cells"]
-    seeds = [r["settings"]["seed"] for r in runs]
-    if len(set(seeds)) != len(seeds):
-        raise ValueError(f"runs with the same seed cannot be pooled: seeds {seeds}")
-    rest = [{k: v for k, v in r["settings"].items() if k != "seed"} for r in runs]
-    for other in rest[1:]:
-        diff = sorted(k for k in set(other) | set(rest[0]) if other.get(k) != rest[0].get(k))
+def cells_by_seed(runs: list[dict]) -> dict[int, dict]:
+    """seed -> the cells of the `flashmap eval` runs with that seed (runs with one seed and
+    other rows, e.g. another drafter's, join: the same seed decodes a prompt with the same
+    draws). Runs on other settings (prompts, target, tokens, ...) or a row's other checkpoint
+    are refused, and so is a row twice on one seed: the same samples twice would narrow the
+    intervals without new evidence."""
+    by_seed: dict[int, dict] = {}
+    checkpoint: dict[str, str] = {}
+    first = None
+    for r in runs:
+        st = r["settings"]
+        rest = {k: v for k, v in st.items() if k not in ("seed", "checkpoints")}
+        first = rest if first is None else first
+        diff = sorted(k for k in set(rest) | set(first) if rest.get(k) != first.get(k))
         if diff:
             raise ValueError(f"runs measured on other settings cannot be pooled: {diff}")
+        for row, path in st.get("checkpoints", {}).items():
+            if checkpoint.setdefault(row, path) != path:
+                raise ValueError(f"row {row} from two checkpoints: {checkpoint[row]}, {path}")
+        cells = by_seed.setdefault(st["seed"], {})
+        twice = sorted(set(cells) & set(r["cells"]))
+        if twice:
+            raise ValueError(f"runs with the same seed cannot be pooled: {twice[0]} twice")
+        cells.update(r["cells"])
+    return by_seed
+
+
+def pool_seeds(runs: list[dict]) -> dict:
+    """The cells of `flashmap eval` runs that differ only in their seed (cells_by_seed),
+    pooled: per prompt its samples' drafted rounds and accepted tokens summed (the prompt
+    stays the unit the intervals resample), totals summed, gamma and its interval computed
+    again, the speedup as the pooled ratio of tokens/s (no interval: the cells keep no
+    per-prompt times). Only rows every seed holds are kept."""
+    by_seed = cells_by_seed(runs)
+    if len(by_seed) == 1:
+        return next(iter(by_seed.values()))
     out = {}
-    for key in set.intersection(*(set(r["cells"]) for r in runs)):
-        cs = [r["cells"][key] for r in runs]
+    for key in set.intersection(*(set(c) for c in by_seed.values())):
+        cs = [cells[key] for cells in by_seed.values()]
         c = {k: sum(x[k] for x in cs) for k in POOLED}
         c |= {
             k: np.sum([x[k] for x in cs], 0).tolist() for k in ("prompt_accepted", "prompt_drafts")
@@ -112,7 +132,7 @@ def pool_seeds(runs: list[dict]) -> dict:
         acc, dr = np.asarray(c["prompt_accepted"], float), np.asarray(c["prompt_drafts"], float)
         c["gamma_ci"] = list(bootstrap_ci(lambda i: 1 + acc[i].sum() / dr[i].sum(), len(acc)))
         c["speedup"] = (c["tokens"] / c["wall_s"]) / (c["base_tokens"] / c["base_wall_s"])
-        c["samples"] = len(runs)
+        c["samples"] = len(by_seed)
         out[key] = c
     return out
 
@@ -146,7 +166,8 @@ def rows(cells: dict, temperature: float) -> list[dict]:
 
 
 SINGLES = ("flashmap-1", "flashmap-2", "flashmap-trained-1", "flashmap-trained-2", "dflash")
-SINGLES += ("eagle3-chain16",)  # the drafters' single drafts (the teacher's many steps are not one)
+SINGLES += ("eagle3-chain16", "eagle", "dflash-published")  # the drafters' single drafts (the
+# teacher's many steps are not one)
 
 
 def dev_best(dev: dict, temperature: float) -> tuple[str, str]:
@@ -438,7 +459,12 @@ def main(argv: list[str] | None = None) -> int:
         help="eval_cells.json of `flashmap eval` on the test prompts; several: runs that differ "
         "only in --seed, pooled prompt by prompt",
     )
-    ap.add_argument("--dev", help="eval_cells.json of the run on the dev prompts (the choice)")
+    ap.add_argument(
+        "--dev",
+        action="append",
+        help="eval_cells.json of the run on the dev prompts (the choice); again for another "
+        "run's rows (other drafters), joined",
+    )
     ap.add_argument("--out", default="docs/results/trees.md")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument(
@@ -451,8 +477,12 @@ def main(argv: list[str] | None = None) -> int:
         cells = pool_seeds(runs)
     except ValueError as e:
         ap.error(str(e))
-    by_seed = {r["settings"]["seed"]: r["cells"] for r in runs} if len(runs) > 1 else None
-    dev = json.loads(Path(a.dev).read_text())["cells"] if a.dev else None
+    by_seed = cells_by_seed(runs)
+    by_seed = by_seed if len(by_seed) > 1 else None
+    try:
+        dev = pool_seeds([json.loads(Path(d).read_text()) for d in a.dev]) if a.dev else None
+    except ValueError as e:
+        ap.error(str(e))
     command = "python -m training.tree_report " + " ".join(argv)
     check = json.loads(Path(a.check).read_text()) if a.check else None
     print(write(cells, Path(a.out), command, dev, a.temperature, check, by_seed))
