@@ -631,3 +631,27 @@ def test_the_eval_repeats_single_drafts_and_siblings_rows_per_support_and_depth(
     m = by_name["flashmap-siblings-d1-m16"]
     assert (m.top_m, m.sibling_depth, m.tree_sampling) == (16, 1, "siblings")
     assert m.runs_at(1.0) and not m.runs_at(0.0) and not by_name["flashmap-1-m8"].runs_at(0.0)
+
+
+def test_the_eval_names_the_sampling_trained_dflash_rows_apart():
+    """--dflash-sampling beside --dflash: the same kind of drafter, its own rows (dflash-t1...),
+    so the two checkpoints' cells never meet under one name."""
+    from types import SimpleNamespace
+
+    from training.eval_methods import build_methods
+
+    root = Path(__file__).resolve().parents[1] / "checkpoints"
+    args = SimpleNamespace(
+        flashmap=None, teacher=None, teacher_steps=8, dflash=str(root / "demo-dflash-eq"),
+        dflash_sampling=str(root / "demo-dflash-t1"), dflash_start=None, eagle=None,
+        dflash_published=None, eagle3=None, tree_blocks=[2], min_confidence=0.0, no_shuffle=True,
+        top_m=[4, 16], sibling_depth=[],
+    )  # fmt: skip
+    by_name = {m.name: m for m in build_methods(args)[0]}
+    t1 = sorted(n for n in by_name if n.startswith("dflash-t1"))
+    assert t1 == [
+        "dflash-t1", "dflash-t1-m16", "dflash-t1-siblings", "dflash-t1-siblings-m16",
+        "dflash-t1-tree2", "dflash-t1-tree2-rejection",
+    ]  # fmt: skip
+    assert {by_name[n].checkpoint for n in t1} == {args.dflash_sampling}
+    assert by_name["dflash-siblings"].checkpoint == args.dflash

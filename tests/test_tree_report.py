@@ -210,3 +210,15 @@ def test_runs_with_one_seed_and_other_rows_join_before_the_seeds_pool():
     runs[2]["settings"]["checkpoints"] = {"eagle3-siblings-m16": "b"}
     with pytest.raises(ValueError, match="two checkpoints"):
         pool_seeds(runs)
+
+
+def test_the_sampling_trained_dflash_is_a_family_of_its_own():
+    fam = "DFlash-style, trained on sampled answers"
+    assert tree_row("dflash-t1-siblings-m16") == (
+        fam,
+        "dflash-t1-m16",
+        1,
+        "rejection + siblings (top 16)",
+    )
+    assert tree_row("dflash-t1-tree4-rejection") == (fam, "dflash-t1", 4, "rejection")
+    assert tree_row("dflash-siblings")[0] == "DFlash-style" and tree_row("dflash-t1") is None

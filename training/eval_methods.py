@@ -138,6 +138,13 @@ def build_methods(args) -> tuple[list[Method], list[str]]:
                     min_confidence=args.min_confidence,
                 )
             )
+    if getattr(args, "dflash_sampling", None):
+        kind_of(args.dflash_sampling, "dflash", "--dflash-sampling")
+        label = "DFlash-style, trained on sampled answers"
+        methods.append(Method("dflash-t1", label, args.dflash_sampling, "dflash", 1))
+        methods += tree_methods(
+            "dflash", label, args.dflash_sampling, args.tree_blocks, name="dflash-t1"
+        )
     if args.dflash_start:
         kind_of(args.dflash_start, "dflash", "--dflash-start")
         methods.append(
@@ -191,21 +198,24 @@ def build_methods(args) -> tuple[list[Method], list[str]]:
 
 # The rows `--top-m` repeats with another support size (T > 0): each drafter's single draft, and
 # (by their rule) its blocks with siblings.
-SUPPORT_ROWS = ("flashmap-1", "dflash", "eagle3-chain16")
+SUPPORT_ROWS = ("flashmap-1", "dflash", "dflash-t1", "eagle3-chain16")
 
 
-def tree_methods(kind: str, label: str, checkpoint: str, sizes: list[int]) -> list[Method]:
+def tree_methods(
+    kind: str, label: str, checkpoint: str, sizes: list[int], name: str = ""
+) -> list[Method]:
     """Rows of `sizes` blocks from independent noise verified as one tree: at T = 0 the merged
     tree the target follows; at T > 0 that ("pick") and each block a chain with its proposal
     law ("rejection", multi-draft rejection sampling). With any size, at T > 0 the one block
     with each drafted token's other support tokens beside it ("siblings")."""
-    out = [siblings_method(kind, label, checkpoint)] if sizes else []
+    name = name or kind  # the rows' prefix
+    out = [siblings_method(kind, label, checkpoint, name=name)] if sizes else []
     for n in sizes:
         if n < 2:
             continue
         out.append(
             Method(
-                f"{kind}-tree{n}",
+                f"{name}-tree{n}",
                 f"{label}, tree of {n} blocks",
                 checkpoint,
                 kind,
@@ -215,7 +225,7 @@ def tree_methods(kind: str, label: str, checkpoint: str, sizes: list[int]) -> li
         )
         out.append(
             Method(
-                f"{kind}-tree{n}-rejection",
+                f"{name}-tree{n}-rejection",
                 f"{label}, {n} blocks, multi-draft rejection sampling (T > 0)",
                 checkpoint,
                 kind,
@@ -228,11 +238,11 @@ def tree_methods(kind: str, label: str, checkpoint: str, sizes: list[int]) -> li
     return out
 
 
-def siblings_method(kind: str, label: str, checkpoint: str, **departures) -> Method:
+def siblings_method(kind: str, label: str, checkpoint: str, name: str = "", **departures) -> Method:
     """The drafter's one block at T > 0 with each drafted token's other top-m tokens beside it
     as leaves, verified by multi-draft rejection sampling (flashmap.drafts.Draft.with_siblings)."""
     return Method(
-        f"{kind}-siblings",
+        f"{name or kind}-siblings",
         f"{label}, one block with its top-m siblings (T > 0)",
         checkpoint,
         kind,

@@ -158,6 +158,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m training.evaluate
     )
     ap.add_argument("--dflash", help="DFlash-style drafter checkpoint")
     ap.add_argument(
+        "--dflash-sampling",
+        help="a DFlash-style drafter trained on the target's sampled answers (rows dflash-t1...)",
+    )
+    ap.add_argument(
         "--dflash-start",
         help="the DFlash-style checkpoint FlashMap was warm-started from (one more row)",
     )

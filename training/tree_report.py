@@ -37,6 +37,7 @@ H200_VERIFY_STEPS = {17: 1.03, 272: 1.81}
 FAMILIES = (
     ("FlashMap (1 jump)", "flashmap-1", "flashmap"),
     ("DFlash-style", "dflash", "dflash"),
+    ("DFlash-style, trained on sampled answers", "dflash-t1", "dflash-t1"),
     ("EAGLE-3", "eagle3-chain16", "eagle3"),
 )
 RULES = {None: "pick", "rejection": "rejection", "siblings": "rejection + siblings"}
@@ -166,6 +167,7 @@ def rows(cells: dict, temperature: float) -> list[dict]:
 
 
 SINGLES = ("flashmap-1", "flashmap-2", "flashmap-trained-1", "flashmap-trained-2", "dflash")
+SINGLES += ("dflash-t1",)
 SINGLES += ("eagle3-chain16", "eagle", "dflash-published")  # the drafters' single drafts (the
 # teacher's many steps are not one)
 
