@@ -655,3 +655,24 @@ def test_the_eval_names_the_sampling_trained_dflash_rows_apart():
     ]  # fmt: skip
     assert {by_name[n].checkpoint for n in t1} == {args.dflash_sampling}
     assert by_name["dflash-siblings"].checkpoint == args.dflash
+
+
+def test_the_eval_gives_the_eagle_style_chain_siblings_rows():
+    """The EAGLE-style chain samples from its top-m law at T > 0, so its block takes siblings as
+    the other drafters' do, and repeats per support size."""
+    from types import SimpleNamespace
+
+    from training.eval_methods import build_methods
+
+    root = Path(__file__).resolve().parents[1] / "checkpoints"
+    args = SimpleNamespace(
+        flashmap=None, teacher=None, teacher_steps=8, dflash=None, dflash_start=None,
+        eagle=str(root / "demo-eagle"), dflash_published=None, eagle3=None, tree_blocks=[],
+        min_confidence=0.0, no_shuffle=True, top_m=[4, 16], sibling_depth=[1],
+    )  # fmt: skip
+    by_name = {m.name: m for m in build_methods(args)[0]}
+    assert sorted(by_name) == [
+        "eagle", "eagle-m16", "eagle-siblings", "eagle-siblings-d1", "eagle-siblings-d1-m16",
+        "eagle-siblings-m16",
+    ]  # fmt: skip
+    assert by_name["eagle-siblings-m16"].tree_sampling == "siblings"

@@ -159,6 +159,7 @@ def build_methods(args) -> tuple[list[Method], list[str]]:
     if args.eagle:
         kind_of(args.eagle, "eagle", "--eagle")
         methods.append(Method("eagle", "EAGLE-style chain", args.eagle, "eagle", 1))
+        methods.append(siblings_method("eagle", "EAGLE-style chain", args.eagle))
     else:
         notes.append("no --eagle checkpoint: EAGLE rows skipped")
     methods += published_methods(args)
@@ -198,7 +199,7 @@ def build_methods(args) -> tuple[list[Method], list[str]]:
 
 # The rows `--top-m` repeats with another support size (T > 0): each drafter's single draft, and
 # (by their rule) its blocks with siblings.
-SUPPORT_ROWS = ("flashmap-1", "dflash", "dflash-t1", "eagle3-chain16")
+SUPPORT_ROWS = ("flashmap-1", "dflash", "dflash-t1", "eagle", "eagle3-chain16")
 
 
 def tree_methods(

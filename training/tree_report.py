@@ -38,6 +38,7 @@ FAMILIES = (
     ("FlashMap (1 jump)", "flashmap-1", "flashmap"),
     ("DFlash-style", "dflash", "dflash"),
     ("DFlash-style, trained on sampled answers", "dflash-t1", "dflash-t1"),
+    ("EAGLE-style chain", "eagle", "eagle"),
     ("EAGLE-3", "eagle3-chain16", "eagle3"),
 )
 RULES = {None: "pick", "rejection": "rejection", "siblings": "rejection + siblings"}
