@@ -276,6 +276,8 @@ def write(
         if judged:
             png = plot_choice(judged, out.with_name(out.stem + "_choice.png"), tree, single)
             lines += ["", f"![gamma difference by domain]({png.name})"]
+        else:
+            lines[-2:] = ["These cells do not hold both rows."]
     if dev is not None and runs:
         lines += samples_section(runs, *dev_best(dev, temperature), temperature)
     if dev is not None:
