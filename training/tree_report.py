@@ -113,13 +113,13 @@ def cells_by_seed(runs: list[dict]) -> dict[int, dict]:
     return by_seed
 
 
-def pool_seeds(runs: list[dict]) -> dict:
+def pool_seeds(runs: list[dict] | dict[int, dict]) -> dict:
     """The cells of `flashmap eval` runs that differ only in their seed (cells_by_seed),
     pooled: per prompt its samples' drafted rounds and accepted tokens summed (the prompt
     stays the unit the intervals resample), totals summed, gamma and its interval computed
     again, the speedup as the pooled ratio of tokens/s (no interval: the cells keep no
-    per-prompt times). Only rows every seed holds are kept."""
-    by_seed = cells_by_seed(runs)
+    per-prompt times). Only rows every seed holds are kept. runs: or cells_by_seed's answer."""
+    by_seed = runs if isinstance(runs, dict) else cells_by_seed(runs)
     if len(by_seed) == 1:
         return next(iter(by_seed.values()))
     out = {}
@@ -137,6 +137,13 @@ def pool_seeds(runs: list[dict]) -> dict:
         c["samples"] = len(by_seed)
         out[key] = c
     return out
+
+
+def pair(cells: dict, tree: str, single: str, dom: str, t: str) -> tuple | None:
+    """A domain's tree and single-draft rows and the paired gamma difference with its interval
+    (None: a row missing)."""
+    a, b = cells.get(f"{tree}|{dom}|{t}"), cells.get(f"{single}|{dom}|{t}")
+    return (a, b, *paired_gamma_diff(a, b)) if a and b else None
 
 
 def gpu_projection(gamma: float, verify_tokens: float) -> float:
@@ -266,9 +273,8 @@ def write(
         t = f"T={temperature:g}"
         judged = []
         for dom in sorted({k.split("|")[1] for k in cells}):
-            a, b = cells.get(f"{tree}|{dom}|{t}"), cells.get(f"{single}|{dom}|{t}")
-            if a and b:
-                d, lo, hi = paired_gamma_diff(a, b)
+            if p := pair(cells, tree, single, dom, t):
+                a, b, d, lo, hi = p
                 judged.append((dom, d, lo, hi))
                 lines.append(
                     f"| {dom} | {a['gamma']:.2f} | {b['gamma']:.2f} | {d:+.2f} [{lo:+.2f}, {hi:+.2f}] |"
@@ -353,10 +359,8 @@ def samples_section(samples: dict[int, dict], tree: str, single: str, temperatur
     for seed, cells in sorted(samples.items()):
         row = []
         for dom in doms:
-            a, b = cells.get(f"{tree}|{dom}|{t}"), cells.get(f"{single}|{dom}|{t}")
-            if a and b:
-                d, lo, hi = paired_gamma_diff(a, b)
-                row.append(f"{d:+.2f} [{lo:+.2f}, {hi:+.2f}]")
+            if p := pair(cells, tree, single, dom, t):
+                row.append(f"{p[2]:+.2f} [{p[3]:+.2f}, {p[4]:+.2f}]")
             else:
                 row.append("-")
         lines.append(f"| {seed} | " + " | ".join(row) + " |")
@@ -422,9 +426,8 @@ def gpu_choice_section(cells: dict, dev: dict, temperature: float) -> list[str]:
         "|---|---:|---:|---:|",
     ]
     for dom in sorted({k.split("|")[1] for k in cells}):
-        a, b = cells.get(f"{tree}|{dom}|{t}"), cells.get(f"{single}|{dom}|{t}")
-        if a and b:
-            d, lo, hi = paired_gamma_diff(a, b)
+        if p := pair(cells, tree, single, dom, t):
+            a, b, d, lo, hi = p
             pa, pb = (gpu_projection(c["gamma"], verify_tokens(c)) for c in (a, b))
             lines.append(
                 f"| {dom} | {a['gamma']:.2f} / {pa:.2f}x | {b['gamma']:.2f} / {pb:.2f}x | "
@@ -477,20 +480,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     argv = sys.argv[1:] if argv is None else argv
     a = ap.parse_args(argv)
-    runs = [json.loads(Path(c).read_text()) for c in a.cells]
     try:
-        cells = pool_seeds(runs)
-    except ValueError as e:
-        ap.error(str(e))
-    by_seed = cells_by_seed(runs)
-    by_seed = by_seed if len(by_seed) > 1 else None
-    try:
+        by_seed = cells_by_seed([json.loads(Path(c).read_text()) for c in a.cells])
         dev = pool_seeds([json.loads(Path(d).read_text()) for d in a.dev]) if a.dev else None
     except ValueError as e:
         ap.error(str(e))
+    cells = pool_seeds(by_seed)
     command = "python -m training.tree_report " + " ".join(argv)
     check = json.loads(Path(a.check).read_text()) if a.check else None
-    print(write(cells, Path(a.out), command, dev, a.temperature, check, by_seed))
+    runs = by_seed if len(by_seed) > 1 else None  # each seed alone beside the pooled rows
+    print(write(cells, Path(a.out), command, dev, a.temperature, check, runs))
     return 0
 
 
